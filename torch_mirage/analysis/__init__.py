@@ -1,0 +1,1 @@
+"""Analysis: tensor properties, device model and roofline cost model."""

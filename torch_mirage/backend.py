@@ -1,0 +1,104 @@
+"""The Dynamo backend: ``torch.compile(model, backend="mirage")``.
+
+Registered through the ``torch_dynamo_backends`` entry point as
+:func:`mirage_backend`. Each Dynamo graph goes through AOTAutograd with
+Inductor's decompositions to functional ATen; every resulting graph
+(inference, or forward and backward when training) is compiled by
+:func:`torch_mirage.pipeline.compile_graph`.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Sequence
+
+import torch
+from functorch.compile import min_cut_rematerialization_partition
+from torch._dynamo.backends.common import aot_autograd
+
+from . import config as config_mod
+from .cache import DiskCache
+from .partition.region import Claimer
+from .pipeline import CompileContext, compile_graph
+from .report import Report
+
+log = logging.getLogger("torch_mirage")
+
+
+def _configure_logging(level: str) -> None:
+    log.setLevel(level)
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(name)s %(levelname)s] %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+
+
+def _static_input_indices() -> Sequence[int]:
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    return tuple(getattr(meta, "static_input_indices", None) or ())
+
+
+class MirageBackend:
+    """A configured backend instance. ``torch.compile(m, backend=MirageBackend(options={...}))``
+    is the same as ``backend="mirage", options={...}``; ``report`` collects what was done."""
+
+    def __init__(self, options: dict | None = None, report: Report | None = None,
+                 claimers: Sequence[Claimer] | None = None):
+        self.options = dict(options or {})
+        self.report = report if report is not None else Report()
+        self.claimers = claimers
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        options = dict(self.options)
+        options.update(kwargs.get("options") or {})
+        if kwargs.get("mode") not in (None, "default"):
+            raise ValueError(f"torch_mirage: mode={kwargs['mode']!r} is not supported; use options={{...}} "
+                             f"(known keys: {[f for f in config_mod.Config.__dataclass_fields__]})")
+        cfg = config_mod.load(options)
+        _configure_logging(cfg.log_level)
+        cache = DiskCache(cfg.cache_dir) if cfg.cache else None
+
+        def inner(kind: str, graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
+            ctx = CompileContext(cfg, self.report.new_graph(kind), cache, _static_input_indices())
+            return compile_graph(graph, inputs, ctx, self.claimers)
+
+        from torch._inductor.decomposition import select_decomp_table
+
+        compiler = aot_autograd(
+            fw_compiler=functools.partial(inner, "forward"),
+            bw_compiler=functools.partial(inner, "backward"),
+            inference_compiler=functools.partial(inner, "inference"),
+            partition_fn=min_cut_rematerialization_partition,
+            decompositions=select_decomp_table(),
+            keep_inference_input_mutations=False,
+        )
+        try:
+            return compiler(gm, example_inputs)
+        except Exception as e:
+            if cfg.strict:
+                raise
+            # AOTAutograd itself failed (our inner compilers never raise outside strict mode)
+            log.warning("torch_mirage: capturing a graph of %d ops failed (%s: %s); the graph runs through "
+                        "Inductor's own torch.compile path. Set MIRAGE_STRICT=1 to raise instead.",
+                        sum(n.op == "call_function" for n in gm.graph.nodes), type(e).__name__, e)
+            if cfg.fallback == "inductor":
+                from torch._inductor.compile_fx import compile_fx
+                return compile_fx(gm, example_inputs)
+            return gm.forward
+
+    def reset(self) -> None:
+        self.report.graphs.clear()
+
+
+def mirage_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """The ``backend="mirage"`` entry point."""
+    return MirageBackend()(gm, example_inputs, **kwargs)
+
+
+def _reset() -> None:
+    pass
+
+
+mirage_backend.reset = _reset

@@ -1,0 +1,108 @@
+"""On-disk cache for what later stages produce (search results, generated kernels, timings).
+
+Keys are content hashes of everything that changes the entry: graph structure,
+shapes, dtypes, device, torch / triton / project versions and the config fields
+that affect output (:func:`cache_key`). Entries are written atomically (temp
+file + ``os.replace``) with a SHA-256 of the payload in their header, so a
+corrupted or truncated entry is detected, ignored and rewritten, and two
+processes writing the same key at once each leave a whole entry.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from typing import Any
+
+log = logging.getLogger("torch_mirage")
+
+_MAGIC = b"MIRAGE1\n"
+
+
+def versions() -> dict[str, str]:
+    import torch
+
+    from . import __version__
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return {"torch": torch.__version__, "triton": triton_version, "torch_mirage": __version__}
+
+
+def cache_key(**parts: Any) -> str:
+    """A stable hex key from JSON-able parts (plus the library versions)."""
+    blob = json.dumps({"versions": versions(), **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class DiskCache:
+    def __init__(self, root: str, namespace: str = "default"):
+        self.root = os.path.join(root, namespace)
+
+    def path(self, key: str, suffix: str = ".bin") -> str:
+        return os.path.join(self.root, key[:2], key + suffix)
+
+    def get(self, key: str) -> bytes | None:
+        p = self.path(key)
+        try:
+            with open(p, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("torch_mirage: cache entry %s unreadable (%s); ignoring it", p, e)
+            return None
+        payload = self._check(blob)
+        if payload is None:
+            log.warning("torch_mirage: cache entry %s is corrupt or truncated; ignoring it (it will be rewritten)", p)
+        return payload
+
+    @staticmethod
+    def _check(blob: bytes) -> bytes | None:
+        head = len(_MAGIC) + 64 + 1
+        if len(blob) < head or not blob.startswith(_MAGIC):
+            return None
+        digest, payload = blob[len(_MAGIC):head - 1], blob[head:]
+        return payload if hashlib.sha256(payload).hexdigest().encode() == digest else None
+
+    def put(self, key: str, payload: bytes) -> str:
+        p = self.path(key)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        blob = _MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+        write_atomic(p, blob)
+        return p
+
+    def get_json(self, key: str) -> Any:
+        payload = self.get(key)
+        if payload is None:
+            return None
+        try:
+            return json.loads(payload)
+        except ValueError:
+            return None
+
+    def put_json(self, key: str, obj: Any) -> str:
+        return self.put(key, json.dumps(obj, sort_keys=True).encode())
+
+
+def write_atomic(path: str, data: bytes | str) -> None:
+    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

@@ -1,0 +1,205 @@
+"""The tensor-program IR every stage after capture works on.
+
+A :class:`Graph` is a list of :class:`Node` in topological order. Each node
+applies one :class:`~torch_mirage.capture.ops.OpDef` (or an opaque ATen op) and
+produces :class:`Value` s; every tensor value carries its :class:`TensorMeta`
+(shape, dtype, stride, device). Node arguments keep the structure of the ATen
+call (``args`` / ``kwargs`` with values in place of FX nodes), so a graph
+converts back to FX losslessly (:mod:`torch_mirage.capture.lower`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .ops import OpDef, OpKind
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple      # ints, or torch.SymInt for dynamic dims
+    dtype: torch.dtype
+    stride: tuple
+    device: torch.device
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorMeta":
+        return cls(tuple(t.shape), t.dtype, tuple(t.stride()), t.device)
+
+    @property
+    def is_static(self) -> bool:
+        return all(isinstance(s, int) for s in self.shape + self.stride)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected, stride = 1, []
+        for s in reversed(self.shape):
+            stride.append(expected)
+            expected *= s
+        return all(a == b or s == 1 for a, b, s in zip(self.stride, reversed(stride), self.shape))
+
+    def __str__(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        dims = ",".join(str(s) for s in self.shape)
+        return f"{dt}[{dims}]" + ("" if self.is_contiguous else f"s({','.join(map(str, self.stride))})")
+
+
+@dataclass(eq=False)
+class Value:
+    """One SSA value: a tensor (``meta`` set) or a non-tensor (SymInt, scalar, None)."""
+    name: str
+    meta: TensorMeta | None
+    producer: "Node | None" = None      # None for graph inputs
+    users: list["Node"] = field(default_factory=list)
+    example: Any = None                 # the FakeTensor / SymInt the value was traced with
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.meta is not None
+
+    def __repr__(self) -> str:
+        return f"%{self.name}"
+
+
+@dataclass(eq=False)
+class Node:
+    name: str
+    op: OpDef
+    target: Any                 # the ATen overload (kept for opaque ops and for round trips)
+    args: tuple                 # ATen call structure, Values in place of inputs
+    kwargs: dict
+    outputs: list[Value] = field(default_factory=list)
+    out_structure: Any = None   # pytree spec of the ATen result (a Value, or a tuple of them)
+
+    @property
+    def inputs(self) -> list[Value]:
+        return [a for a in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(a, Value)]
+
+    @property
+    def kind(self) -> OpKind:
+        return self.op.kind
+
+    @property
+    def target_name(self) -> str:
+        return str(self.target)
+
+    def describe(self) -> str:
+        """``aten.add.Tensor(f16[8,4096], f16[4096])``: for reports and error messages."""
+        ins = ", ".join(str(v.meta) if v.meta else repr(v.example) for v in self.inputs)
+        return f"{self.target_name}({ins})"
+
+    def __repr__(self) -> str:
+        return f"Node({self.name}: {self.op.name})"
+
+
+class Graph:
+    """Inputs, nodes in topological order, outputs."""
+
+    def __init__(self) -> None:
+        self.inputs: list[Value] = []
+        self.nodes: list[Node] = []
+        self.outputs: list[Any] = []   # Values or constants, in FX output order
+        self._names: set[str] = set()
+
+    def _fresh(self, base: str) -> str:
+        name, i = base, 0
+        while name in self._names:
+            i += 1
+            name = f"{base}_{i}"
+        self._names.add(name)
+        return name
+
+    def add_input(self, name: str, example: Any) -> Value:
+        meta = TensorMeta.of(example) if isinstance(example, torch.Tensor) else None
+        v = Value(self._fresh(name), meta, example=example)
+        self.inputs.append(v)
+        return v
+
+    def add_node(self, name: str, op: OpDef, target: Any, args: tuple, kwargs: dict, example_out: Any) -> Node:
+        node = Node(self._fresh(name), op, target, args, kwargs)
+        leaves, spec = pytree.tree_flatten(example_out)
+        for i, ex in enumerate(leaves):
+            meta = TensorMeta.of(ex) if isinstance(ex, torch.Tensor) else None
+            vname = node.name if len(leaves) == 1 else f"{node.name}.{i}"
+            node.outputs.append(Value(vname, meta, producer=node, example=ex))
+        node.out_structure = spec
+        for v in node.inputs:
+            v.users.append(node)
+        self.nodes.append(node)
+        return node
+
+    def result(self, node: Node) -> Any:
+        """The node's ATen result structure, Values at the leaves."""
+        return pytree.tree_unflatten(node.outputs, node.out_structure)
+
+    def values(self) -> Iterator[Value]:
+        yield from self.inputs
+        for n in self.nodes:
+            yield from n.outputs
+
+    @property
+    def output_values(self) -> list[Value]:
+        return [v for v in pytree.tree_leaves(self.outputs) if isinstance(v, Value)]
+
+    def validate(self) -> None:
+        """Invariants: topological order, users consistent, every value defined once."""
+        defined = {id(v) for v in self.inputs}
+        for n in self.nodes:
+            for v in n.inputs:
+                if id(v) not in defined:
+                    raise AssertionError(f"IR: {n.name} uses {v!r} before it is defined")
+                if n not in v.users:
+                    raise AssertionError(f"IR: {v!r} does not list its user {n.name}")
+            for v in n.outputs:
+                if id(v) in defined:
+                    raise AssertionError(f"IR: {v!r} defined twice")
+                if v.producer is not n:
+                    raise AssertionError(f"IR: {v!r} has the wrong producer")
+                defined.add(id(v))
+        for v in self.output_values:
+            if id(v) not in defined:
+                raise AssertionError(f"IR: output {v!r} is not defined")
+
+    def __str__(self) -> str:
+        def fmt(a: Any) -> str:
+            if isinstance(a, Value):
+                return repr(a)
+            if isinstance(a, (list, tuple)):
+                inner = ", ".join(fmt(x) for x in a)
+                return f"[{inner}]"
+            if isinstance(a, torch.dtype):
+                return str(a).replace("torch.", "")
+            return repr(a)
+
+        lines = ["graph(" + ", ".join(f"%{v.name}: {v.meta or type(v.example).__name__}" for v in self.inputs) + "):"]
+        for n in self.nodes:
+            outs = ", ".join(f"%{v.name}: {v.meta}" if v.meta else f"%{v.name}" for v in n.outputs)
+            argstr = ", ".join([fmt(a) for a in n.args] + [f"{k}={fmt(v)}" for k, v in n.kwargs.items()])
+            tag = n.op.name if n.op.kind is not OpKind.OPAQUE else f"opaque<{n.target_name}>"
+            lines.append(f"  {outs} = {tag}({argstr})")
+        lines.append(f"  return {fmt(list(self.outputs))}")
+        return "\n".join(lines)
+
+
+def map_values(tree: Any, fn) -> Any:
+    return pytree.tree_map(lambda a: fn(a) if isinstance(a, Value) else a, tree)
+
+
+def topo_sorted(nodes: Sequence[Node], graph: Graph) -> list[Node]:
+    """``nodes`` in the graph's order."""
+    keep = set(map(id, nodes))
+    return [n for n in graph.nodes if id(n) in keep]

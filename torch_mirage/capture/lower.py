@@ -1,0 +1,76 @@
+"""FX (functional ATen) ⇄ project IR.
+
+:func:`lower` reads an ATen ``GraphModule`` whose nodes carry ``meta["val"]``
+(FakeTensors, as AOTAutograd produces them) into a :class:`Graph`;
+:func:`to_fx` writes a :class:`Graph` back as an FX graph of the same ATen calls.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .ir import Graph, Value, map_values
+from .ops import op_for_target
+
+
+class LoweringError(RuntimeError):
+    pass
+
+
+def lower(gm: fx.GraphModule, example_inputs: list | None = None) -> Graph:
+    graph = Graph()
+    env: dict[fx.Node, Any] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        example = node.meta.get("val")
+        if example is None and example_inputs is not None:
+            example = example_inputs[i]
+        env[node] = graph.add_input(node.name, example)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            graph.outputs = list(pytree.tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, node.args[0]))
+            continue
+        if node.op == "get_attr":
+            raise LoweringError(f"get_attr {node.target!r}: constants inside ATen graphs are not lowered")
+        if node.op != "call_function":
+            raise LoweringError(f"{node.op} {node.target!r} is not a functional ATen call")
+        if "val" not in node.meta:
+            raise LoweringError(f"{node.target} has no traced value (meta['val'])")
+        if node.target is __import__("operator").getitem:
+            # select an element of a multi-output node's result
+            src, idx = node.args
+            env[node] = env[src][idx]
+            continue
+        args, kwargs = pytree.tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+        ir_node = graph.add_node(node.name, op_for_target(node.target), node.target, tuple(args), dict(kwargs), node.meta["val"])
+        env[node] = graph.result(ir_node)
+    graph.validate()
+    return graph
+
+
+def to_fx(graph: Graph) -> fx.GraphModule:
+    """The graph as an FX ``GraphModule`` of ATen calls (``meta['val']`` kept)."""
+    g = fx.Graph()
+    env: dict[int, fx.Node] = {}
+    for v in graph.inputs:
+        p = g.placeholder(v.name)
+        p.meta["val"] = v.example
+        env[id(v)] = p
+    for node in graph.nodes:
+        args, kwargs = map_values((node.args, node.kwargs), lambda v: env[id(v)])
+        call = g.call_function(node.target, tuple(args), dict(kwargs))
+        call.meta["val"] = pytree.tree_unflatten([v.example for v in node.outputs], node.out_structure)
+        if len(node.outputs) == 1 and isinstance(graph.result(node), Value):
+            env[id(node.outputs[0])] = call
+        else:
+            for i, v in enumerate(node.outputs):
+                item = g.call_function(__import__("operator").getitem, (call, i))
+                item.meta["val"] = v.example
+                env[id(v)] = item
+    g.output(tuple(map_values(list(graph.outputs), lambda v: env[id(v)])))
+    return fx.GraphModule(torch.nn.Module(), g)

@@ -1,0 +1,1 @@
+"""Codegen: Triton source for stitch regions and μGraphs, loaded from the cache."""

@@ -1,0 +1,197 @@
+"""The pipeline, top to bottom, for one functional ATen graph.
+
+capture (AOTAutograd, in :mod:`torch_mirage.backend`) → lower → analyse →
+partition (claimers) → assemble (kernels + Inductor for the rest) → CUDA graph.
+Each stage's time lands in the graph's report. Any error inside mirage's own
+stages falls the whole graph back (or raises under ``strict``).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from functorch.compile import make_boxed_func
+
+from .cache import DiskCache
+from .capture.ir import Graph, Node
+from .capture.lower import lower
+from .capture.ops import OpKind
+from .config import Config
+from .partition.region import Claimer, Reason, Region, is_convex
+from .report import GraphReport, RegionReport
+from .runtime.assemble import assemble
+from .runtime.cudagraph import CudaGraphRunner, cuda_graph_blocker
+
+log = logging.getLogger("torch_mirage")
+
+
+class MirageError(RuntimeError):
+    """An error inside mirage's compilation, naming the node it concerns."""
+
+    def __init__(self, message: str, node: Node | None = None):
+        where = f" at {node.describe()}" if node is not None else ""
+        super().__init__(f"{message}{where}")
+        self.node = node
+
+
+@dataclass
+class CompileContext:
+    config: Config
+    report: GraphReport
+    cache: DiskCache | None
+    static_input_indices: Sequence[int] = ()
+    facts: dict[str, Any] = field(default_factory=dict)   # analysis results, by analysis name
+
+
+def default_claimers(config: Config) -> list[Claimer]:
+    """Claiming passes in priority order (earlier passes see the graph first)."""
+    claimers: list[Claimer] = []
+    try:
+        from .partition.stitch import StitchClaimer
+    except ImportError:
+        StitchClaimer = None
+    if config.stitch and StitchClaimer is not None:
+        claimers.append(StitchClaimer())
+    return claimers
+
+
+def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext) -> list[Region]:
+    free = list(graph.nodes)
+    regions: list[Region] = []
+    for claimer in claimers:
+        for region in claimer.claim(graph, free, ctx):
+            taken = {id(n) for n in region.nodes}
+            if any(id(n) not in {id(f) for f in free} for n in region.nodes):
+                raise MirageError(f"claimer {claimer.name} claimed a node twice")
+            if not is_convex(graph, region.nodes):
+                raise MirageError(f"claimer {claimer.name} claimed a non-convex region {region.ops}")
+            region.claimer = region.claimer or claimer.name
+            regions.append(region)
+            free = [n for n in free if id(n) not in taken]
+    regions.extend(_unclaimed_regions(graph, free, ctx.config))
+    return regions
+
+
+def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config) -> list[Region]:
+    """Connected groups of unclaimed nodes, each a fallback region with its reason."""
+    parent = {id(n): id(n) for n in free}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for n in free:
+        for v in n.inputs:
+            if v.producer is not None and id(v.producer) in parent:
+                parent[find(id(n))] = find(id(v.producer))
+    groups: dict[int, list[Node]] = {}
+    for n in free:
+        groups.setdefault(find(id(n)), []).append(n)
+    out = []
+    for nodes in groups.values():
+        kinds = {n.kind for n in nodes}
+        if OpKind.OPAQUE in kinds:
+            reason, detail = Reason.OPAQUE_OP, ", ".join(sorted({n.target_name for n in nodes if n.kind is OpKind.OPAQUE}))
+        elif any(not (v.meta and v.meta.is_static) for n in nodes for v in n.outputs if v.meta):
+            reason, detail = Reason.DYNAMIC_SHAPE, ""
+        elif OpKind.MATMUL in kinds:
+            reason, detail = Reason.COMPUTE_BOUND, ""
+        else:
+            reason, detail = Reason.NOT_CLAIMED, ""
+        out.append(Region(nodes, config.fallback, reason, detail))
+    return out
+
+
+def _report_regions(report: GraphReport, regions: Sequence[Region]) -> None:
+    report.regions = [RegionReport(r.ops, r.compiled_by, r.reason.value, r.detail, r.claimer, dict(r.info))
+                      for r in regions]
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
+                  claimers: Sequence[Claimer] | None = None) -> Any:
+    """Compile one ATen graph; returns a boxed callable."""
+    report, config = ctx.report, ctx.config
+    report.num_nodes = sum(n.op == "call_function" for n in gm.graph.nodes)
+    claimers = default_claimers(config) if claimers is None else claimers
+    try:
+        with report.stage("lower"):
+            graph = lower(gm, list(example_inputs))
+        with report.stage("partition"):
+            regions = claim_regions(graph, claimers, ctx)
+        _report_regions(report, regions)
+        with report.stage("assemble"):
+            fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode)
+    except Exception as e:
+        if config.strict:
+            raise
+        summary = _graph_summary(gm)
+        log.warning("torch_mirage: compiling %s graph %d failed (%s: %s); graph of %s falls back to %s. "
+                    "Set MIRAGE_STRICT=1 to raise instead.", report.kind, report.index, type(e).__name__, e,
+                    summary, config.fallback)
+        report.fallback_error = f"{type(e).__name__}: {e}"
+        fn = _fallback(gm, example_inputs, ctx)
+    return _maybe_cuda_graph(fn, gm, example_inputs, ctx)
+
+
+def _fallback(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Any:
+    """The whole graph through the fallback target; eager when Inductor itself fails."""
+    config, report = ctx.config, ctx.report
+    graph_nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    ops = [str(n.target) for n in graph_nodes]
+    if config.fallback == "inductor":
+        try:
+            with report.stage("inductor"):
+                graph = lower(gm, list(example_inputs))
+                region = Region(list(graph.nodes), "inductor", Reason.COMPILE_ERROR, report.fallback_error or "")
+                fn = assemble(gm, graph, [region], "inductor", config.inductor_mode)
+            report.regions = [RegionReport(ops, "inductor", Reason.COMPILE_ERROR.value, report.fallback_error or "")]
+            return fn
+        except Exception as e:
+            if config.strict:
+                raise
+            log.warning("torch_mirage: Inductor could not compile the fallback graph either (%s: %s); running eager.",
+                        type(e).__name__, e)
+    report.regions = [RegionReport(ops, "eager", Reason.COMPILE_ERROR.value, report.fallback_error or "")]
+    return make_boxed_func(gm)
+
+
+def _maybe_cuda_graph(fn: Any, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Any:
+    report = ctx.report
+    if not ctx.config.cuda_graphs:
+        report.cuda_graph_reason = "disabled (MIRAGE_CUDA_GRAPHS=0)"
+    else:
+        blocker = cuda_graph_blocker(gm, example_inputs, report.kind)
+        if blocker is None:
+            report.cuda_graph = True
+            def on_disable(why: str) -> None:
+                report.cuda_graph, report.cuda_graph_reason = False, why
+
+            runner = CudaGraphRunner(fn, ctx.static_input_indices, on_disable=on_disable)
+            return _boxed(runner)
+        report.cuda_graph_reason = blocker
+    log.debug("torch_mirage: %s graph %d runs without a CUDA graph: %s", report.kind, report.index,
+              report.cuda_graph_reason)
+    return fn
+
+
+def _boxed(fn: Any) -> Any:
+    def run(args):
+        return fn(args)
+    run._boxed_call = True
+    return run
+
+
+def _graph_summary(gm: fx.GraphModule, limit: int = 6) -> str:
+    parts = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and len(parts) < limit:
+            val = n.meta.get("val")
+            meta = f"{str(val.dtype).replace('torch.', '')}{list(val.shape)}" if isinstance(val, torch.Tensor) else ""
+            parts.append(f"{n.target}{meta}")
+    more = sum(n.op == "call_function" for n in gm.graph.nodes) - len(parts)
+    return "[" + ", ".join(parts) + (f", +{more} more" if more > 0 else "") + "]"

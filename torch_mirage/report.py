@@ -1,0 +1,94 @@
+"""What the backend did, for people: :class:`Report` and :func:`explain`.
+
+Every graph the backend compiles appends a :class:`GraphReport`: its regions
+(ops, who compiled them, why), whether it runs in a CUDA graph and why not,
+and the time each pipeline stage took.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+
+@dataclass
+class RegionReport:
+    ops: list[str]
+    compiled_by: str
+    reason: str
+    detail: str = ""
+    claimer: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def row(self) -> str:
+        ops = ", ".join(o.replace("aten.", "").replace(".default", "") for o in self.ops)
+        if len(ops) > 70:
+            ops = ops[:67] + "..."
+        extra = "; ".join(f"{k}={v}" for k, v in self.info.items())
+        why = self.reason + (f" ({self.detail})" if self.detail else "")
+        return f"    {self.compiled_by:<9} {len(self.ops):>4} ops  {why}\n              [{ops}]" + (f"\n              {extra}" if extra else "")
+
+
+@dataclass
+class GraphReport:
+    index: int
+    kind: str                       # "inference" | "forward" | "backward"
+    num_nodes: int = 0
+    regions: list[RegionReport] = field(default_factory=list)
+    cuda_graph: bool = False
+    cuda_graph_reason: str = ""
+    fallback_error: str | None = None
+    stage_times_ms: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stage_times_ms[name] = self.stage_times_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
+    def __str__(self) -> str:
+        cg = "yes" if self.cuda_graph else f"no ({self.cuda_graph_reason})"
+        stages = ", ".join(f"{k} {v:.0f} ms" for k, v in self.stage_times_ms.items())
+        lines = [f"graph {self.index} [{self.kind}]: {self.num_nodes} ATen nodes, {len(self.regions)} regions, "
+                 f"CUDA graph: {cg}", f"  stages: {stages}"]
+        if self.fallback_error:
+            lines.append(f"  fell back: {self.fallback_error}")
+        lines += [r.row() for r in self.regions]
+        return "\n".join(lines)
+
+
+@dataclass
+class Report:
+    graphs: list[GraphReport] = field(default_factory=list)
+
+    def new_graph(self, kind: str) -> GraphReport:
+        g = GraphReport(index=len(self.graphs), kind=kind)
+        self.graphs.append(g)
+        return g
+
+    @property
+    def regions(self) -> list[RegionReport]:
+        return [r for g in self.graphs for r in g.regions]
+
+    def __str__(self) -> str:
+        mirage = sum(r.compiled_by == "mirage" for r in self.regions)
+        head = f"torch_mirage report: {len(self.graphs)} graphs, {len(self.regions)} regions ({mirage} compiled by mirage)"
+        return "\n".join([head] + [str(g) for g in self.graphs])
+
+
+def explain(fn: Callable, *inputs: Any, options: dict | None = None, **kwinputs: Any) -> Report:
+    """Compile ``fn`` with ``backend="mirage"``, run it once on ``inputs`` and report what was done.
+
+    ``fn`` may be a module or a function. ``options`` are torch_mirage config keys.
+    """
+    import torch
+
+    from .backend import MirageBackend
+
+    report = Report()
+    compiled = torch.compile(fn, backend=MirageBackend(options=options, report=report))
+    compiled(*inputs, **kwinputs)
+    return report

@@ -1,0 +1,1 @@
+"""Runtime: assembling claimed kernels with the Inductor fallback, and CUDA-graph wrapping."""

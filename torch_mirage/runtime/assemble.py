@@ -1,0 +1,146 @@
+"""Assembly: one ATen graph + its regions → one boxed callable.
+
+Mirage regions become single ``call_function`` nodes that run the region's
+kernel; the remaining nodes are annotated for ``regional_inductor`` (fallback
+``"inductor"``) or left as ATen calls (fallback ``"eager"``). Regions are
+placed by a topological order of the condensed graph (each region one node),
+which exists because every region is convex.
+"""
+from __future__ import annotations
+
+import heapq
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from functorch.compile import make_boxed_func
+
+from ..capture.ir import Graph, Value
+from ..partition.region import Region
+
+_INDUCTOR_MODE_CONFIGS = {
+    "default": {},
+    "max-autotune-no-cudagraphs": {"max_autotune": True},
+}
+
+
+def _fx_of_values(gm: fx.GraphModule, graph: Graph) -> dict[int, fx.Node]:
+    """IR value id → the FX node that holds it (getitem nodes for multi-output ops)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    out: dict[int, fx.Node] = {}
+    for v in graph.inputs:
+        out[id(v)] = by_name[v.name]
+    for node in graph.nodes:
+        fxn = by_name[node.name]
+        if len(node.outputs) == 1 and isinstance(graph.result(node), Value):
+            out[id(node.outputs[0])] = fxn
+        else:
+            for user in fxn.users:
+                if user.target is operator.getitem:
+                    out[id(node.outputs[user.args[1]])] = user
+    return out
+
+
+def _region_of_fx(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region]) -> dict[fx.Node, int]:
+    by_name = {n.name: n for n in gm.graph.nodes}
+    owner: dict[fx.Node, int] = {}
+    for ri, region in enumerate(regions):
+        for node in region.nodes:
+            fxn = by_name[node.name]
+            owner[fxn] = ri
+            for user in fxn.users:
+                if user.target is operator.getitem:
+                    owner[user] = ri
+    return owner
+
+
+def _condensed_order(gm: fx.GraphModule, owner: dict[fx.Node, int]) -> list[Any]:
+    """Topological order of FX nodes with each region contracted to one item ('region', i)."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    pos = {n: i for i, n in enumerate(nodes)}
+    item = lambda n: ("region", owner[n]) if n in owner else n
+    preds: dict[Any, set] = {}
+    first_pos: dict[Any, int] = {}
+    for n in nodes:
+        it = item(n)
+        first_pos[it] = min(first_pos.get(it, pos[n]), pos[n])
+        preds.setdefault(it, set())
+        for a in n.all_input_nodes:
+            if a in pos and item(a) != it:
+                preds[it].add(item(a))
+    succs: dict[Any, list] = {it: [] for it in preds}
+    for it, ps in preds.items():
+        for p in ps:
+            succs[p].append(it)
+    indeg = {it: len(ps) for it, ps in preds.items()}
+    ready = [(first_pos[it], i, it) for i, it in enumerate(preds) if indeg[it] == 0]
+    heapq.heapify(ready)
+    order, counter = [], len(preds)
+    while ready:
+        _, _, it = heapq.heappop(ready)
+        order.append(it)
+        for s in succs[it]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                counter += 1
+                heapq.heappush(ready, (first_pos[s], counter, s))
+    if len(order) != len(preds):
+        raise RuntimeError("torch_mirage: claimed regions form a cycle (a region is not convex)")
+    return order
+
+
+def _region_runner(kernel, n_out: int):
+    def run_region(*args):
+        outs = kernel(*args)
+        if len(outs) != n_out:
+            raise RuntimeError(f"torch_mirage: region kernel returned {len(outs)} outputs, expected {n_out}")
+        return tuple(outs)
+    run_region.__name__ = getattr(kernel, "__name__", "mirage_region")
+    return run_region
+
+
+def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallback: str,
+             inductor_mode: str = "default") -> Any:
+    """A boxed callable running ``gm`` with mirage regions replaced by their kernels."""
+    mirage = [r for r in regions if r.compiled_by == "mirage"]
+    fallback_regions = [r for r in regions if r.compiled_by != "mirage"]
+    values = _fx_of_values(gm, graph)
+    owner = _region_of_fx(gm, graph, mirage)
+    fb_owner = _region_of_fx(gm, graph, fallback_regions)
+    order = _condensed_order(gm, owner)
+
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = new.node_copy(n, lambda a: env[a])
+    for it in order:
+        if isinstance(it, fx.Node):
+            copied = new.node_copy(it, lambda a: env[a])
+            if fallback == "inductor" and it in fb_owner:
+                copied.meta.setdefault("custom", {})
+                copied.meta["custom"] = dict(copied.meta["custom"], compile_with_inductor={
+                    "inductor_configs": dict(_INDUCTOR_MODE_CONFIGS[inductor_mode]),
+                    "inductor_region": fb_owner[it]})
+            env[it] = copied
+            continue
+        region = mirage[it[1]]
+        outs = region.outputs(graph)
+        call = new.call_function(_region_runner(region.kernel, len(outs)),
+                                 tuple(env[values[id(v)]] for v in region.inputs))
+        call.meta["val"] = tuple(v.example for v in outs)
+        for i, v in enumerate(outs):
+            item = new.call_function(operator.getitem, (call, i))
+            item.meta["val"] = v.example
+            env[values[id(v)]] = item
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    new.output(fx.node.map_arg(out_node.args[0], lambda a: env[a]))
+    new_gm = fx.GraphModule(gm, new)
+    if fallback == "inductor" and fb_owner:
+        from torch.fx.passes.regional_inductor import regional_inductor
+
+        example = [n.meta.get("val") for n in new_gm.graph.nodes if n.op == "placeholder"]
+        compiled = regional_inductor(new_gm, *example)
+        return compiled  # regional_inductor returns a boxed-calling GraphModule
+    return make_boxed_func(new_gm)

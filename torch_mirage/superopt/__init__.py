@@ -1,0 +1,1 @@
+"""Superoptimizer: μGraphs, equivalence verifier, search."""

@@ -1,0 +1,1 @@
+"""Reference models and helpers for tests, the demo and benchmarks."""
