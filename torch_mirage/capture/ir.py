@@ -113,6 +113,7 @@ class Graph:
         self.inputs: list[Value] = []
         self.nodes: list[Node] = []
         self.outputs: list[Any] = []   # Values or constants, in FX output order
+        self.single_output = False     # the FX graph returns one value, not a tuple
         self._names: set[str] = set()
 
     def _fresh(self, base: str) -> str:

@@ -33,7 +33,9 @@ def lower(gm: fx.GraphModule, example_inputs: list | None = None) -> Graph:
         if node.op == "placeholder":
             continue
         if node.op == "output":
-            graph.outputs = list(pytree.tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, node.args[0]))
+            result = pytree.tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, node.args[0])
+            graph.single_output = not isinstance(result, (list, tuple))
+            graph.outputs = [result] if graph.single_output else list(result)
             continue
         if node.op == "get_attr":
             raise LoweringError(f"get_attr {node.target!r}: constants inside ATen graphs are not lowered")
@@ -72,5 +74,6 @@ def to_fx(graph: Graph) -> fx.GraphModule:
                 item = g.call_function(__import__("operator").getitem, (call, i))
                 item.meta["val"] = v.example
                 env[id(v)] = item
-    g.output(tuple(map_values(list(graph.outputs), lambda v: env[id(v)])))
+    outs = map_values(list(graph.outputs), lambda v: env[id(v)])
+    g.output(outs[0] if graph.single_output else tuple(outs))
     return fx.GraphModule(torch.nn.Module(), g)
