@@ -1,4 +1,4 @@
-"""Functional ATen graphs of plain PyTorch functions, as the backend sees them (for tests and the verifier)."""
+"""Functional ATen graphs of plain PyTorch functions, exactly as the backend sees them (for tests and the verifier)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -8,14 +8,27 @@ import torch.fx as fx
 
 
 def trace_aten(fn: Callable, *inputs: Any) -> fx.GraphModule:
-    """Trace ``fn`` to a functional ATen graph with Inductor's decompositions; nodes carry ``meta['val']``."""
+    """The single inference ATen graph AOTAutograd hands the backend for ``fn(*inputs)`` (Inductor decompositions,
+    functionalized, ``meta['val']`` on every node). Raises if Dynamo splits ``fn`` into several graphs."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
 
+    graphs: list[fx.GraphModule] = []
+
+    def keep(gm: fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(fw_compiler=keep, inference_compiler=keep, decompositions=select_decomp_table(),
+                           keep_inference_input_mutations=False)
+    torch._dynamo.reset()
     with torch.no_grad():
-        gm = make_fx(torch.func.functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
-                     tracing_mode="fake")(*inputs)
-    return gm
+        torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*inputs)
+    torch._dynamo.reset()
+    if len(graphs) != 1:
+        raise RuntimeError(f"trace_aten: expected one graph, Dynamo produced {len(graphs)}")
+    return graphs[0]
 
 
 def trace_ir(fn: Callable, *inputs: Any):
