@@ -27,11 +27,11 @@ log = logging.getLogger("torch_mirage")
 
 def _configure_logging(level: str) -> None:
     log.setLevel(level)
-    if not log.handlers:
+    if not log.handlers and not logging.getLogger().handlers:
+        # nobody configured logging: print ours to stderr (an application's own handlers take precedence)
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[%(name)s %(levelname)s] %(message)s"))
         log.addHandler(handler)
-        log.propagate = False
 
 
 def _static_input_indices() -> Sequence[int]:
@@ -88,17 +88,8 @@ class MirageBackend:
                 return compile_fx(gm, example_inputs)
             return gm.forward
 
-    def reset(self) -> None:
-        self.report.graphs.clear()
-
 
 def mirage_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """The ``backend="mirage"`` entry point."""
     return MirageBackend()(gm, example_inputs, **kwargs)
 
-
-def _reset() -> None:
-    pass
-
-
-mirage_backend.reset = _reset

@@ -1,0 +1,43 @@
+import os
+
+import pytest
+import torch
+
+# Backend tests run without CUDA graphs unless a test asks; cache in a per-session temp dir.
+os.environ.setdefault("MIRAGE_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"mirage-test-cache-{os.getpid()}"))
+
+REL_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(out).any() or torch.isnan(ref).any(), "NaN in output"
+    denom = ref.norm().item() or 1.0
+    return (out - ref).norm().item() / denom
+
+
+def assert_close(out, ref, dtype=None) -> None:
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    refs = ref if isinstance(ref, (tuple, list)) else (ref,)
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        tol = REL_TOL[dtype or o.dtype]
+        err = rel_error(o, r)
+        assert err <= tol, f"relative error {err:.3e} > {tol:g} ({o.dtype}, shape {tuple(o.shape)})"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

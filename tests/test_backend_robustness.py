@@ -1,0 +1,167 @@
+"""Failure policy and the awkward cases: every one gives eager's results."""
+import logging
+
+import pytest
+import torch
+
+import torch_mirage
+from torch_mirage.partition.region import Reason, Region
+from helpers import assert_close
+
+
+def _mirage(fn, **options):
+    report = torch_mirage.Report()
+    return torch.compile(fn, backend=torch_mirage.MirageBackend(options=options, report=report)), report
+
+
+def test_dynamic_shapes_sizes_4_5_6_4():
+    def fn(x, w):
+        return torch.softmax(x @ w, dim=-1) * 2 + x.sum()
+    compiled, report = _mirage(fn)
+    w = torch.randn(8, 8)
+    for n in (4, 5, 6, 4):
+        x = torch.randn(n, 8)
+        assert_close(compiled(x, w), fn(x, w))
+
+
+@pytest.mark.parametrize("how", ["dynamic_true", "mark_dynamic"])
+def test_dynamic_true_and_mark_dynamic(how):
+    def fn(x):
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],)) * x.shape[0]
+    report = torch_mirage.Report()
+    backend = torch_mirage.MirageBackend(report=report)
+    compiled = torch.compile(fn, backend=backend, dynamic=(how == "dynamic_true"))
+    for n in (3, 7, 5):
+        x = torch.randn(n, 16)
+        if how == "mark_dynamic":
+            torch._dynamo.mark_dynamic(x, 0)
+        assert_close(compiled(x), fn(x))
+    assert any(r.reason == Reason.DYNAMIC_SHAPE.value or r.compiled_by == "inductor" for r in report.regions)
+
+
+def test_graph_break():
+    def fn(x):
+        y = torch.relu(x) * 3
+        print("graph break here", end="\r")
+        return torch.sigmoid(y).sum(-1)
+    compiled, report = _mirage(fn)
+    x = torch.randn(4, 9)
+    assert_close(compiled(x), fn(x))
+    assert len(report.graphs) == 2
+
+
+def test_input_mutation():
+    def fn(x, buf):
+        buf.add_(x)
+        return buf * 2
+    compiled, _ = _mirage(fn)
+    x, buf = torch.randn(6), torch.randn(6)
+    buf_ref = buf.clone()
+    out = compiled(x, buf)
+    ref = fn(x, buf_ref)
+    assert_close(out, ref)
+    assert_close(buf, buf_ref)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0)])
+def test_zero_size(shape):
+    fn = lambda x: torch.softmax(x * 2, dim=-1) + 1
+    compiled, _ = _mirage(fn)
+    x = torch.randn(shape)
+    out = compiled(x)
+    assert out.shape == fn(x).shape
+
+
+def test_non_contiguous_inputs():
+    fn = lambda x, y: torch.exp(x) + y.sum(-1, keepdim=True)
+    compiled, _ = _mirage(fn)
+    x = torch.randn(7, 12).t()           # transposed
+    y = torch.randn(12, 14)[:, ::2]       # strided slice
+    assert_close(compiled(x, y), fn(x, y))
+
+
+def test_unsupported_ops_run_correctly():
+    fn = lambda x: torch.sort(torch.cumsum(x, 0), dim=-1).values + torch.topk(x, 2).values.sum()
+    compiled, report = _mirage(fn)
+    x = torch.randn(5, 6)
+    assert_close(compiled(x), fn(x))
+    assert any(r.reason == Reason.OPAQUE_OP.value for r in report.regions)
+
+
+class _ExplodingClaimer:
+    name = "exploding"
+
+    def claim(self, graph, free, ctx):
+        raise RuntimeError("boom in a claiming pass")
+
+
+def test_internal_error_falls_back_and_logs_once(caplog):
+    report = torch_mirage.Report()
+    backend = torch_mirage.MirageBackend(report=report, claimers=[_ExplodingClaimer()])
+    fn = lambda x: torch.tanh(x) * x
+    compiled = torch.compile(fn, backend=backend)
+    x = torch.randn(4, 4)
+    with caplog.at_level(logging.WARNING, logger="torch_mirage"):
+        assert_close(compiled(x), fn(x))
+        assert_close(compiled(x), fn(x))
+    warnings = [r for r in caplog.records if "boom in a claiming pass" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "aten.tanh" in warnings[0].getMessage() and "float32[4, 4]" in warnings[0].getMessage()
+    assert report.graphs[0].fallback_error and report.regions[0].compiled_by == "inductor"
+
+
+def test_strict_mode_raises():
+    backend = torch_mirage.MirageBackend(options={"strict": True}, claimers=[_ExplodingClaimer()])
+    compiled = torch.compile(lambda x: torch.tanh(x) * x, backend=backend)
+    with pytest.raises(Exception, match="boom in a claiming pass"):
+        compiled(torch.randn(4, 4))
+
+
+def test_inductor_failure_falls_back_to_eager(monkeypatch):
+    import torch.fx.passes.regional_inductor as ri
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor broke")
+    monkeypatch.setattr(ri, "regional_inductor", broken)
+    compiled, report = _mirage(lambda x: torch.cos(x) + 1)
+    x = torch.randn(3)
+    assert_close(compiled(x), torch.cos(x) + 1)
+    assert report.regions[0].compiled_by == "eager"
+
+
+class _EagerClaimer:
+    """Claims every elementwise node and runs it through the node's own ATen op: exercises assembly."""
+    name = "test-eager"
+
+    def claim(self, graph, free, ctx):
+        from torch_mirage.capture.ir import map_values
+        from torch_mirage.capture.ops import OpKind
+        regions = []
+        for node in free:
+            if node.kind is not OpKind.ELEMENTWISE or len(node.outputs) != 1:
+                continue
+            region = Region([node], "mirage", Reason.CLAIMED, "test claimer")
+            inputs = region.inputs
+
+            def kernel(*tensors, node=node, inputs=inputs):
+                env = {id(v): t for v, t in zip(inputs, tensors)}
+                args, kwargs = map_values((node.args, node.kwargs), lambda v: env[id(v)])
+                return (node.target(*args, **kwargs),)
+            region.kernel = kernel
+            regions.append(region)
+        return regions
+
+
+def test_claimed_regions_are_assembled_between_inductor_regions():
+    def fn(x, w):
+        h = x @ w
+        a = torch.exp(h) * 0.5          # claimed
+        b, c = torch.var_mean(a, -1, keepdim=True)   # inductor
+        return (a - c) / (b + 1).sqrt(), c
+    report = torch_mirage.Report()
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(report=report, claimers=[_EagerClaimer()]))
+    x, w = torch.randn(5, 8), torch.randn(8, 6)
+    assert_close(compiled(x, w), fn(x, w))
+    by = {r.compiled_by for r in report.regions}
+    assert by == {"mirage", "inductor"}
+    assert all(r.claimer == "test-eager" for r in report.regions if r.compiled_by == "mirage")

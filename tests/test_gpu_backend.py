@@ -1,0 +1,97 @@
+"""On a CUDA GPU: models match eager, static graphs run in CUDA graphs, outputs are never overwritten."""
+import copy
+
+import pytest
+import torch
+
+import torch_mirage
+from torch_mirage.testing.models import BertLayer, LlamaBlock, LlamaConfig, MLP, bert_inputs, llama_inputs
+from helpers import assert_close
+
+pytestmark = pytest.mark.gpu
+
+
+def _models():
+    cfg = LlamaConfig(dim=256, heads=4, kv_heads=2, hidden=688)
+    return {
+        "mlp": (MLP(256, 1024), [torch.randn(32, 256)]),
+        "bert": (BertLayer(256, 4, 1024), list(bert_inputs(256, 4, 128))),
+        "llama": (LlamaBlock(cfg), list(llama_inputs(cfg, 4, 128))),
+    }
+
+
+@pytest.mark.parametrize("name", ["mlp", "bert", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_models_match_eager_and_use_cuda_graphs(name, dtype):
+    model, inputs = _models()[name]
+    ref = copy.deepcopy(model).double().eval()(*[x.double() for x in inputs])
+    model = model.to("cuda", dtype).eval()
+    inputs = [x.to("cuda", dtype) for x in inputs]
+    with torch.no_grad():
+        report = torch_mirage.explain(model, *inputs)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="mirage")
+        out1 = compiled(*inputs)
+        out2 = compiled(*inputs)   # a replay
+    assert_close(out1, ref.to(out1), dtype)
+    assert_close(out2, ref.to(out2), dtype)
+    assert all(g.cuda_graph for g in report.graphs), [g.cuda_graph_reason for g in report.graphs]
+
+
+def test_outputs_of_earlier_calls_are_not_overwritten():
+    fn = lambda x: torch.softmax(x * 3, dim=-1) + 1
+    report = torch_mirage.Report()
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(report=report))
+    x1 = torch.randn(64, 128, device="cuda")
+    x2 = torch.randn(64, 128, device="cuda")
+    out1 = compiled(x1)
+    keep = out1.clone()
+    out2 = compiled(x2)
+    out3 = compiled(x1)
+    torch.cuda.synchronize()
+    assert report.graphs[0].cuda_graph
+    torch.testing.assert_close(out1, keep)
+    torch.testing.assert_close(out2, fn(x2))
+    torch.testing.assert_close(out3, keep)
+
+
+def test_parameter_update_is_seen_by_the_graph():
+    model = MLP(64, 128).cuda().eval()
+    compiled = torch.compile(model, backend="mirage")
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        compiled(x)
+        model.fc1.weight.mul_(2)   # in place: same storage
+        assert_close(compiled(x), model(x))
+
+
+def test_cuda_graphs_off_and_training_say_why():
+    report = torch_mirage.Report()
+    compiled = torch.compile(lambda x: x.sin() * 2, backend=torch_mirage.MirageBackend(options={"cuda_graphs": False}, report=report))
+    compiled(torch.randn(8, device="cuda"))
+    assert not report.graphs[0].cuda_graph and "disabled" in report.graphs[0].cuda_graph_reason
+    model = MLP(32, 64).cuda()
+    report = torch_mirage.Report()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=torch_mirage.MirageBackend(report=report))
+    compiled(torch.randn(4, 32, device="cuda")).sum().backward()
+    assert all(not g.cuda_graph for g in report.graphs)
+
+
+def test_mixed_devices():
+    fn = lambda x, y: (x.sin() + 1, y.cos() * 2)
+    report = torch_mirage.Report()
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(report=report))
+    x, y = torch.randn(16, device="cuda"), torch.randn(16)
+    a, b = compiled(x, y)
+    assert_close(a, x.sin() + 1)
+    assert_close(b, y.cos() * 2)
+    assert not report.graphs[0].cuda_graph
+
+
+def test_dynamic_shapes_on_gpu():
+    fn = lambda x: torch.nn.functional.layer_norm(x, (x.shape[-1],)) * 2
+    compiled = torch.compile(fn, backend="mirage")
+    for n in (4, 5, 6, 4):
+        x = torch.randn(n, 96, device="cuda", dtype=torch.float16)
+        assert_close(compiled(x), fn(x.double()).to(x.dtype), torch.float16)
