@@ -1,0 +1,348 @@
+"""The measurement method (METHOD.md, DESIGN.md's timing rule) for one callable.
+
+* :func:`measure_ceilings`: the device's copy bandwidth and fp16 matmul rate, measured now.
+* :data:`COMPILERS`: the modes side by side — eager, Inductor, Inductor max-autotune, mirage
+  (its own CUDA-graph wrapping off, since the harness captures).
+* :func:`check`: relative error against a higher-precision reference (float64 on the CPU,
+  float32 on a GPU), on fresh random inputs, with poisoned memory, NaN never passing.
+* :func:`time_in_cuda_graph`: one CUDA graph that calls the function once per rotated input
+  set (together more than 3× L2), replayed until ~``target_ms``; median over repeats, per call.
+* :func:`run_case`: one workload × batch × dtype through every mode: correctness first, a failed
+  mode is reported failed and never timed; compile time (first call) recorded apart.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import workloads as W
+
+log = logging.getLogger("torch_mirage")
+
+MODES = ("eager", "inductor", "inductor-max-autotune", "mirage")
+INDUCTOR_MODES = ("inductor", "inductor-max-autotune")
+
+# relative-error tolerance of a mode's output against the higher-precision reference, by dtype;
+# a mode may also be up to ERR_SLACK times as far off as eager itself
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+ERR_SLACK = 3.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Modes
+
+
+def _mirage(fn: Callable, info: dict) -> Callable:
+    from ..backend import MirageBackend
+    from ..report import Report
+
+    report = Report()
+    info["report"] = report
+    # the same backend as backend="mirage"; an instance so that its report can be read back
+    return torch.compile(fn, backend=MirageBackend(options={"cuda_graphs": False}, report=report), dynamic=False)
+
+
+COMPILERS: dict[str, Callable[[Callable, dict], Callable]] = {
+    "eager": lambda fn, info: fn,
+    "inductor": lambda fn, info: torch.compile(fn, dynamic=False),
+    "inductor-max-autotune": lambda fn, info: torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False),
+    "mirage": _mirage,
+}
+
+
+def mirage_summary(info: dict) -> dict | None:
+    report = info.get("report")
+    if report is None:
+        return None
+    regions = report.regions
+    return {"graphs": len(report.graphs), "regions": len(regions),
+            "mirage_regions": sum(r.compiled_by == "mirage" for r in regions),
+            "fallback_errors": [g.fallback_error for g in report.graphs if g.fallback_error]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Device ceilings
+
+
+@dataclass
+class Ceilings:
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+    copy_mib: int
+    matmul_n: int
+    l2_bytes: int
+
+
+def _event_time_ms(fn: Callable[[], Any], inner: int, repeats: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    return statistics.median(times)
+
+
+def measure_ceilings(copy_mib: int = 1024, matmul_n: int = 8192) -> Ceilings:
+    """A large device-to-device copy (bytes read + written) and an fp16 matmul on random data."""
+    src = torch.randn(copy_mib * 2 ** 19, device="cuda", dtype=torch.float16)
+    dst = torch.empty_like(src)
+    copy_ms = _event_time_ms(lambda: dst.copy_(src), inner=10, repeats=9)
+    del src, dst
+    a = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.float16)
+    b = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.float16)
+    c = torch.empty_like(a)
+    mm_ms = _event_time_ms(lambda: torch.mm(a, b, out=c), inner=10, repeats=9)
+    del a, b, c
+    torch.cuda.empty_cache()
+    return Ceilings(copy_bytes_per_s=2 * copy_mib * 2 ** 20 / (copy_ms * 1e-3),
+                    matmul_flops_per_s=2 * matmul_n ** 3 / (mm_ms * 1e-3),
+                    copy_mib=copy_mib, matmul_n=matmul_n,
+                    l2_bytes=int(torch.cuda.get_device_properties(0).L2_cache_size))
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness
+
+
+def _flatten(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _flatten(o)]
+    raise TypeError(f"benchmark outputs must be tensors or tuples of tensors, got {type(out).__name__}")
+
+
+def run_outputs(fn: Callable, inputs: Sequence[torch.Tensor], mutates: Sequence[int] = ()) -> list[torch.Tensor]:
+    """The function's outputs followed by the inputs it updates in place."""
+    return _flatten(fn(*inputs)) + [inputs[i] for i in mutates]
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if out.shape != ref.shape:
+        raise ValueError(f"shape {tuple(out.shape)} where the reference has {tuple(ref.shape)}")
+    diff = out.to(ref.dtype) - ref
+    if not torch.isfinite(out).all():
+        return math.nan
+    return float(diff.norm() / ref.norm().clamp_min(1e-30))
+
+
+def _poison(device: torch.device, nbytes: int) -> None:
+    """Leave NaN in the allocator's free blocks so that an output element nobody writes shows up."""
+    if device.type == "cuda" and nbytes > 0:
+        torch.full((nbytes // 2 + 1,), float("nan"), dtype=torch.float16, device=device)
+
+
+def check(outs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor], tol: float) -> tuple[bool, float, str]:
+    """(ok, worst relative error, why not)."""
+    if len(outs) != len(refs):
+        return False, math.nan, f"{len(outs)} outputs where the reference has {len(refs)}"
+    worst = 0.0
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        try:
+            err = rel_error(o, r)
+        except ValueError as e:
+            return False, math.nan, f"output {i}: {e}"
+        if math.isnan(err):
+            return False, err, f"output {i} has NaN or inf (unwritten or overflowed elements)"
+        worst = max(worst, err)
+        if err > tol:
+            return False, worst, f"output {i}: relative error {err:.3g} > tolerance {tol:.3g}"
+    return True, worst, ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def rotation_count(set_bytes: int, l2_bytes: int, limit: int = 2048) -> int:
+    """How many input sets make one pass read more than 3× L2."""
+    return max(1, min(limit, math.ceil(3 * l2_bytes / max(set_bytes, 1))))
+
+
+def time_in_cuda_graph(call: Callable, input_sets: Sequence[Sequence[Any]], target_ms: float = 10.0,
+                       repeats: int = 7) -> dict:
+    """µs per call: one CUDA graph calling ``call`` once per input set, replayed ~``target_ms`` a repeat."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in input_sets:            # kernels compiled and autotuned before capture
+            call(*s)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for s in input_sets:
+            call(*s)
+    try:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        replays = max(1, math.ceil(target_ms / max(start.elapsed_time(end), 1e-3)))
+        per_call = []
+        for _ in range(repeats):
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            per_call.append(start.elapsed_time(end) * 1e3 / (replays * len(input_sets)))
+    finally:
+        del graph
+    return {"us": statistics.median(per_call), "us_min": min(per_call), "us_max": max(per_call),
+            "replays": replays, "repeats": repeats, "sets": len(input_sets)}
+
+
+# ---------------------------------------------------------------------------------------------
+# One case: workload × batch × dtype × modes
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    status: str = "skipped"            # ok | failed | skipped
+    us: float | None = None            # median µs per call, inside the harness's CUDA graph
+    us_min: float | None = None
+    us_max: float | None = None
+    compile_s: float | None = None     # wall time of the first call (compile, autotune, run)
+    rel_err: float | None = None       # worst relative error against the reference
+    tolerance: float | None = None
+    error: str | None = None
+    mirage: dict | None = None         # what the mirage backend did (regions, fallbacks)
+
+
+@dataclass
+class CaseSpec:
+    """Everything :func:`run_case` needs about one function, whether a table workload or not."""
+    name: str
+    fn: Callable
+    make_inputs: Callable[[int], list]     # seed -> fresh inputs
+    mutates: tuple[int, ...] = ()
+    set_bytes: int = 0
+    info: dict = field(default_factory=dict)
+
+
+def _short(e: BaseException, limit: int = 600) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _free() -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _reference(spec: CaseSpec, seed: int, ref_dtype: torch.dtype) -> list[torch.Tensor]:
+    inputs = [x.to(ref_dtype) if x.is_floating_point() else x for x in spec.make_inputs(seed)]
+    with torch.no_grad():
+        return [t.detach() for t in run_outputs(spec.fn, inputs, spec.mutates)]
+
+
+def run_mode(spec: CaseSpec, mode: str, compiler: Callable, refs: dict[int, list], tol: float,
+             timing: dict | None, device: torch.device) -> ModeResult:
+    """Compile, check on every reference seed (fresh inputs each), then time — or say why not."""
+    res = ModeResult(mode, tolerance=tol)
+    info: dict = {}
+    try:
+        _free()
+        fn = compiler(spec.fn, info)
+        worst = 0.0
+        for i, (seed, ref) in enumerate(refs.items()):
+            inputs = spec.make_inputs(seed)
+            _poison(device, 2 * spec.set_bytes)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                outs = run_outputs(fn, inputs, spec.mutates)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i == 0 and mode != "eager":
+                res.compile_s = time.perf_counter() - t0
+            ok, err, why = check(outs, ref, tol)
+            worst = max(worst, err) if not math.isnan(err) else err
+            del inputs, outs
+            if not ok:
+                res.status, res.rel_err, res.error = "failed", worst, f"wrong result (seed {seed}): {why}"
+                return res
+        res.rel_err = worst
+        if timing is not None:
+            sets = [spec.make_inputs(s) for s in range(timing["sets"])]
+            with torch.no_grad():
+                t = time_in_cuda_graph(fn, sets, timing["target_ms"], timing["repeats"])
+            del sets
+            res.us, res.us_min, res.us_max = t["us"], t["us_min"], t["us_max"]
+        res.status = "ok"
+    except Exception as e:   # a mode that cannot compile or run is a result, not a crash
+        log.debug("bench: %s %s failed", spec.name, mode, exc_info=True)
+        res.status, res.error = "failed", _short(e)
+    finally:
+        res.mirage = mirage_summary(info)
+        info.clear()
+        _free()
+    return res
+
+
+def run_case(spec: CaseSpec, modes: Sequence[str], dtype: torch.dtype, device: torch.device,
+             timing: dict | None, compilers: dict[str, Callable] | None = None,
+             echo: Callable[[str], None] = lambda s: None) -> dict[str, ModeResult]:
+    """Every mode of one case, eager's error first (it sets how far off the others may be)."""
+    compilers = {**COMPILERS, **(compilers or {})}
+    ref_dtype = torch.float64 if device.type == "cpu" else torch.float32
+    refs = {seed: _reference(spec, seed, ref_dtype) for seed in (1001, 1002)}
+    base_tol = TOLERANCE[dtype]
+    results: dict[str, ModeResult] = {}
+    eager = run_mode(spec, "eager", compilers["eager"], refs, math.inf,
+                     timing if "eager" in modes else None, device)
+    tol = max(base_tol, ERR_SLACK * eager.rel_err) if eager.rel_err is not None and not math.isnan(eager.rel_err) \
+        else base_tol
+    eager.tolerance = tol
+    if eager.status == "ok" and eager.rel_err is not None and eager.rel_err > base_tol:
+        echo(f"  note: eager itself is {eager.rel_err:.3g} off the {ref_dtype} reference (> {base_tol:g})")
+    if "eager" in modes:
+        results["eager"] = eager
+        echo(_line(spec.name, eager))
+    for mode in modes:
+        if mode == "eager":
+            continue
+        if mode not in compilers:
+            raise KeyError(f"unknown mode {mode!r}; known: {sorted(compilers)}")
+        results[mode] = run_mode(spec, mode, compilers[mode], refs, tol, timing, device)
+        echo(_line(spec.name, results[mode]))
+    del refs
+    _free()
+    return results
+
+
+def _line(name: str, r: ModeResult) -> str:
+    t = f"{r.us:9.2f} us" if r.us is not None else "    -     "
+    c = f"compile {r.compile_s:6.1f} s" if r.compile_s is not None else " " * 16
+    e = f"err {r.rel_err:.2e}" if r.rel_err is not None else ""
+    tail = f"  FAILED {r.error}" if r.status == "failed" else ""
+    return f"  {name:<34} {r.mode:<22} {t}  {c}  {e}{tail}"
+
+
+def workload_spec(w: W.Workload, batch: int, dtype: torch.dtype, device: torch.device, quick: bool) -> CaseSpec:
+    c = W.cost(w, batch, dtype, quick)
+    return CaseSpec(f"{w.name} b{batch} {str(dtype).replace('torch.', '')}", w.fn,
+                    lambda seed: w.make_inputs(batch, dtype, device, seed, quick), w.mutates, c.bytes,
+                    {"bytes": c.bytes, "flops": c.flops})
+
+
+def result_dict(r: ModeResult) -> dict:
+    return asdict(r)

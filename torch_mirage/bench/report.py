@@ -1,0 +1,210 @@
+"""Benchmark results as JSON, a markdown table and a PNG plot.
+
+One document (``new_document``) holds the environment, the device ceilings, one record per
+workload × batch × dtype (``case_record``, with the derived ratios) and one per LLM scenario.
+``markdown`` renders the tables, ``plot`` the speedup over the best Inductor mode and the
+fraction of the floor reached (skipped with a message when matplotlib is missing), ``merge``
+joins the documents of several runs (e.g. the parts of ``benchmarks/run_h100.sh``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from typing import Any, Sequence
+
+SCHEMA = "torch_mirage.bench/1"
+QUICK_NOTE = "quick mode: tiny shapes, correctness only; no timing claims"
+
+
+def environment(device: str) -> dict:
+    import torch
+
+    from .. import __version__
+
+    env = {"device": device, "torch": torch.__version__, "torch_mirage": __version__,
+           "python": platform.python_version(), "cuda": torch.version.cuda}
+    for name in ("triton", "transformers"):
+        try:
+            env[name] = __import__(name).__version__
+        except Exception:   # absent or broken: say so, do not fail the run
+            env[name] = None
+    return env
+
+
+def new_document(env: dict, ceilings: dict | None, settings: dict, timing: bool) -> dict:
+    return {"schema": SCHEMA, "timing": timing, "note": "" if timing else QUICK_NOTE, "env": env,
+            "ceilings": ceilings, "settings": settings, "cases": [], "llm": []}
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def case_record(workload: str, shapes: str, batch: int, dtype: str, nbytes: int, flops: int,
+                floor_us: float | None, sets: int | None, modes: dict[str, dict]) -> dict:
+    """One case with its derived figures: best Inductor (the faster timed Inductor mode),
+    speedup = best Inductor µs ÷ mirage µs, fraction of floor = floor µs ÷ mirage µs."""
+    inductor = [m["us"] for name, m in modes.items()
+                if name.startswith("inductor") and m["status"] == "ok" and m["us"] is not None]
+    best = min(inductor) if inductor else None
+    mirage = modes.get("mirage", {})
+    mirage_us = mirage.get("us") if mirage.get("status") == "ok" else None
+    return {"workload": workload, "shapes": shapes, "batch": batch, "dtype": dtype, "bytes": nbytes,
+            "flops": flops, "floor_us": floor_us, "sets": sets, "modes": modes, "best_inductor_us": best,
+            "speedup_vs_best_inductor": _ratio(best, mirage_us), "fraction_of_floor": _ratio(floor_us, mirage_us)}
+
+
+def write_json(doc: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=_jsonable)
+    os.replace(tmp, path)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    return str(x)
+
+
+def load(path: str) -> dict:
+    with open(path) as f:
+        doc = json.load(f)
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: not a torch_mirage benchmark document (schema {doc.get('schema')!r})")
+    return doc
+
+
+def merge(docs: Sequence[dict]) -> dict:
+    """One document from several runs; later runs replace earlier records of the same case."""
+    if not docs:
+        raise ValueError("merge: no documents")
+    out = dict(docs[-1])
+    cases: dict[tuple, dict] = {}
+    llm: dict[tuple, dict] = {}
+    for d in docs:
+        for c in d["cases"]:
+            cases[(c["workload"], c["batch"], c["dtype"])] = c
+        for r in d.get("llm", []):
+            llm[(r["model"], r["scenario"], r["dtype"])] = r
+    out["cases"], out["llm"] = list(cases.values()), list(llm.values())
+    out["timing"] = all(d["timing"] for d in docs)
+    out["note"] = "" if out["timing"] else QUICK_NOTE
+    out["parts"] = [{"env": d["env"], "ceilings": d["ceilings"], "settings": d["settings"]} for d in docs]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown
+
+
+def _cell(m: dict | None, timing: bool) -> str:
+    if m is None:
+        return ""
+    if m["status"] == "failed":
+        return "FAIL"
+    if m["status"] != "ok":
+        return m["status"]
+    return f"{m['us']:.1f}" if timing and m.get("us") is not None else "ok"
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return format(x, fmt) if x is not None else "—"
+
+
+def markdown(doc: dict) -> str:
+    env, ceil, timing = doc["env"], doc.get("ceilings"), doc["timing"]
+    lines = [f"# torch-mirage benchmarks", "",
+             f"Device: {env['device']} · torch {env['torch']} · triton {env.get('triton')} · "
+             f"torch_mirage {env['torch_mirage']}" + (f" · transformers {env['transformers']}" if env.get("transformers") else "")]
+    if ceil:
+        lines.append(f"Ceilings measured in this run: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s "
+                     f"(read + write), fp16 matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, "
+                     f"L2 {ceil['l2_bytes'] / 2 ** 20:.0f} MiB.")
+    if not timing:
+        lines.append(f"**{QUICK_NOTE}**")
+    modes = _modes(doc["cases"])
+    if doc["cases"]:
+        lines += ["", "µs per call (median, inside one CUDA graph, inputs rotated past 3× L2); "
+                  "speedup = best Inductor ÷ mirage; floor ÷ mirage = fraction of the floor reached.", "",
+                  "| workload | b | dtype | floor µs | " + " | ".join(modes) + " | speedup | floor ÷ mirage |",
+                  "|---|---:|---|---:|" + "---:|" * len(modes) + "---:|---:|"]
+        for c in doc["cases"]:
+            cells = [_cell(c["modes"].get(m), timing) for m in modes]
+            lines.append(f"| {c['workload']} | {c['batch']} | {c['dtype']} | {_num(c['floor_us'], '.1f')} | "
+                         + " | ".join(cells) + f" | {_num(c['speedup_vs_best_inductor'], '.2f')} | "
+                         f"{_num(c['fraction_of_floor'], '.2f')} |")
+        failures = [(c, m, r) for c in doc["cases"] for m, r in c["modes"].items() if r["status"] == "failed"]
+        if failures:
+            lines += ["", "Failures:", ""]
+            lines += [f"- {c['workload']} b{c['batch']} {c['dtype']} {m}: {r['error']}" for c, m, r in failures]
+    if doc.get("llm"):
+        lines += ["", "## End-to-end LLMs (random weights)", "",
+                  "| model | scenario | dtype | mode | ms / step | tokens / s | compile s | peak GiB | status |",
+                  "|---|---|---|---|---:|---:|---:|---:|---|"]
+        for r in doc["llm"]:
+            for m, x in r["modes"].items():
+                status = "ok" if x["status"] == "ok" else f"{x['status']}: {(x.get('error') or '')[:80]}"
+                lines.append(f"| {r['model']} | {r['scenario']} | {r['dtype']} | {m} | {_num(x.get('ms'), '.3f')} | "
+                             f"{_num(x.get('tokens_per_s'), ',.0f')} | {_num(x.get('compile_s'), '.1f')} | "
+                             f"{_num(x.get('peak_gib'), '.2f')} | {status} |")
+    for note in doc.get("notes", []):
+        lines += ["", note]
+    return "\n".join(lines) + "\n"
+
+
+def _modes(cases: Sequence[dict]) -> list[str]:
+    from .harness import MODES
+
+    seen = {m for c in cases for m in c["modes"]}
+    return [m for m in MODES if m in seen] + sorted(seen - set(MODES))
+
+
+# ---------------------------------------------------------------------------------------------
+# Plot
+
+
+def plot(doc: dict, path: str) -> str | None:
+    """Speedup over best Inductor and fraction of floor, per case. Returns why not, or None."""
+    if not doc["timing"]:
+        return "no plot: the run made no timing claims"
+    rows = [c for c in doc["cases"] if c["speedup_vs_best_inductor"] is not None]
+    if not rows:
+        return "no plot: no case has both a mirage and an Inductor time"
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    labels = [f"{c['workload']} b{c['batch']} {c['dtype'].replace('float', 'f').replace('bfloat', 'bf')}" for c in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, max(4, 0.28 * len(rows) + 1.5)), sharey=True)
+    y = list(range(len(rows)))
+    speed = [c["speedup_vs_best_inductor"] for c in rows]
+    ax1.barh(y, speed, color=["tab:green" if s >= 1 else "tab:red" for s in speed])
+    ax1.axvline(1.0, color="black", lw=0.8)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("speedup of mirage over best Inductor (×, log)")
+    ax1.set_yticks(y, labels, fontsize=7)
+    ax1.invert_yaxis()
+    ax2.barh(y, [c["fraction_of_floor"] or 0 for c in rows], color="tab:blue")
+    ax2.axvline(1.0, color="black", lw=0.8)
+    ax2.set_xlabel("floor ÷ mirage time (1 = at the floor)")
+    fig.suptitle(f"torch-mirage on {doc['env']['device']} (torch {doc['env']['torch']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def write_all(doc: dict, out_dir: str, stem: str = "results") -> list[str]:
+    """JSON, markdown and (when possible) PNG under ``out_dir``; returns messages for the user."""
+    os.makedirs(out_dir, exist_ok=True)
+    write_json(doc, os.path.join(out_dir, f"{stem}.json"))
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(markdown(doc))
+    why = plot(doc, os.path.join(out_dir, f"{stem}.png"))
+    return [why] if why else []
