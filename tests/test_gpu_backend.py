@@ -95,3 +95,33 @@ def test_dynamic_shapes_on_gpu():
     for n in (4, 5, 6, 4):
         x = torch.randn(n, 96, device="cuda", dtype=torch.float16)
         assert_close(compiled(x), fn(x.double()).to(x.dtype), torch.float16)
+
+
+class _SlowClaimer:
+    """Claims exp(x)*2 regions with a deliberately slow kernel (20 redundant launches)."""
+    name = "slow"
+
+    def claim(self, graph, free, ctx):
+        from torch_mirage.partition.region import Reason, Region
+        exp = [n for n in free if n.op.name == "exp"]
+        if not exp:
+            return []
+        region = Region(exp[:1], "mirage", Reason.CLAIMED)
+
+        def kernel(x):
+            for _ in range(20):
+                y = torch.exp(x)
+            return (y,)
+        region.kernel = kernel
+        return [region]
+
+
+def test_region_slower_than_inductor_is_handed_back(tmp_path):
+    report = torch_mirage.Report()
+    backend = torch_mirage.MirageBackend(options={"cache_dir": str(tmp_path)}, report=report, claimers=[_SlowClaimer()])
+    fn = lambda x: torch.exp(x) * 2
+    x = torch.randn(1024, 1024, device="cuda")
+    assert_close(torch.compile(fn, backend=backend)(x), fn(x.double()).float())
+    slow = [r for r in report.regions if r.claimer == "slow"]
+    assert slow and slow[0].compiled_by == "inductor" and "slower" in slow[0].reason
+    assert slow[0].info["mirage_us"] > slow[0].info["inductor_us"] > 0

@@ -293,7 +293,7 @@ def reduction_dims(node: Node) -> tuple[Value, list[int], bool]:
     x = _tensor_inputs(node)[0]
     dims = _norm_dims(b.get("dim", b.get("dims")), _rank(x))
     out = next(o for o in node.outputs if o.is_tensor)
-    keepdim = _rank(out) == _rank(x) and _rank(x) > 0 and bool(b.get("keepdim", len(dims) == 0))
+    keepdim = bool(dims) and _rank(out) == _rank(x)
     return x, dims, keepdim
 
 
@@ -711,13 +711,27 @@ class TensorProperties:
         return "\n".join(lines)
 
 
-def analyze_properties(graph: Graph, nodes: Iterable[Node] | None = None) -> TensorProperties:
-    """Properties of ``graph``'s tensors; with ``nodes``, only those nodes' rules apply (a candidate kernel's view)."""
-    chosen = graph.nodes if nodes is None else [n for n in graph.nodes if id(n) in {id(m) for m in nodes}]
+def analyze_values(nodes: Iterable[Node]) -> dict[int, ValueProperty]:
+    """Value properties of the outputs of ``nodes`` (in topological order), keyed by ``id(value)``; forward only."""
     values: dict[int, ValueProperty] = {}
-    for node in graph.nodes:   # values always flow through the whole graph: they do not depend on the kernel
+    for node in nodes:
         for out, p in zip(node.outputs, _VALUE_RULES[node.kind](node, values)):
             values[id(out)] = p
+    return values
+
+
+def analyze_properties(graph: Graph | None, nodes: Iterable[Node] | None = None, *,
+                       values: dict[int, ValueProperty] | None = None) -> TensorProperties:
+    """Properties of ``graph``'s tensors. With ``nodes`` only those nodes' link rules apply: the view of one candidate
+    kernel, whose axes give its parallelism. Values flow through the whole graph (they do not depend on the kernel);
+    pass ``values`` from :func:`analyze_values` to reuse them, or ``graph=None`` to analyse ``nodes`` alone."""
+    if graph is None and nodes is None:
+        raise ValueError("analyze_properties: give a graph, nodes, or both")
+    keep = None if nodes is None else {id(m) for m in nodes}
+    all_nodes = list(nodes) if graph is None else graph.nodes
+    chosen = all_nodes if keep is None else [n for n in all_nodes if id(n) in keep]
+    if values is None:
+        values = analyze_values(all_nodes)
     facts = _Facts()
     order: list[Value] = []
     seen: set[int] = set()

@@ -169,7 +169,7 @@ def check(outs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor], tol: float
 
 def rotation_count(set_bytes: int, l2_bytes: int, limit: int = 2048) -> int:
     """How many input sets make one pass read more than 3× L2."""
-    return max(1, min(limit, math.ceil(3 * l2_bytes / max(set_bytes, 1))))
+    return max(1, min(limit, 3 * l2_bytes // max(set_bytes, 1) + 1))
 
 
 def time_in_cuda_graph(call: Callable, input_sets: Sequence[Sequence[Any]], target_ms: float = 10.0,

@@ -204,3 +204,41 @@ def topo_sorted(nodes: Sequence[Node], graph: Graph) -> list[Node]:
     """``nodes`` in the graph's order."""
     keep = set(map(id, nodes))
     return [n for n in graph.nodes if id(n) in keep]
+
+
+def subgraph(graph: Graph, nodes: Sequence[Node], outputs: Sequence[Value]) -> Graph:
+    """A standalone graph of ``nodes``: their external inputs become inputs, ``outputs`` its outputs."""
+    sub = Graph()
+    env: dict[int, Value] = {}
+    inside = {id(n) for n in nodes}
+    for node in topo_sorted(nodes, graph):
+        for v in node.inputs:
+            if id(v) not in env and (v.producer is None or id(v.producer) not in inside):
+                env[id(v)] = sub.add_input(v.name, v.example)
+        args, kwargs = map_values((node.args, node.kwargs), lambda v: env[id(v)])
+        example = pytree.tree_unflatten([v.example for v in node.outputs], node.out_structure)
+        new = sub.add_node(node.name, node.op, node.target, tuple(args), dict(kwargs), example)
+        for old, fresh in zip(node.outputs, new.outputs):
+            env[id(old)] = fresh
+    sub.outputs = [env[id(v)] for v in outputs]
+    sub.validate()
+    return sub
+
+
+def fingerprint(graph: Graph) -> str:
+    """A stable text of the graph's structure, shapes, strides, dtypes and constants: for cache keys."""
+    index = {id(v): i for i, v in enumerate(graph.values())}
+
+    def fmt(a: Any) -> str:
+        if isinstance(a, Value):
+            return f"%{index[id(a)]}"
+        if isinstance(a, (list, tuple)):
+            return "[" + ",".join(fmt(x) for x in a) + "]"
+        return repr(a)
+
+    parts = [";".join(f"{v.meta}s{v.meta.stride}" if v.meta else repr(v.example) for v in graph.inputs)]
+    for n in graph.nodes:
+        parts.append(f"{n.target_name}({fmt(n.args)},{fmt(sorted(n.kwargs.items()))})->"
+                     + ",".join(str(v.meta) for v in n.outputs))
+    parts.append("out:" + fmt(graph.outputs))
+    return "\n".join(parts)

@@ -51,7 +51,7 @@ class _Builder:
     def _ctx(self) -> Ctx:
         return Ctx()
 
-    def add(self, name: str, inputs: Sequence[Tensor] = (), body=None, **attrs) -> list[Tensor]:
+    def add_op(self, name: str, inputs: Sequence[Tensor] = (), body=None, **attrs) -> list[Tensor]:
         s = spec(name)
         if self.level not in s.levels:
             raise MuGraphError(f"op {name} is not allowed in a {self.level} graph (levels: {sorted(s.levels)})")
@@ -73,7 +73,7 @@ class _Builder:
         return lambda *xs, **attrs: self._one(name, list(xs), attrs)
 
     def _one(self, name, xs, attrs):
-        outs = self.add(name, xs, **attrs)
+        outs = self.add_op(name, xs, **attrs)
         return outs[0] if len(outs) == 1 else outs
 
     def _dim(self, t: Tensor, dim: int | None) -> int | None:
@@ -89,7 +89,7 @@ class KernelBuilder(_Builder):
         self.n_inputs = 0
 
     def new_input(self, dims: Sequence[int], dtype: str = "float16") -> Tensor:
-        (t,) = self.add("input", index=self.n_inputs, shape=tuple(dims), dtype=dtype)
+        (t,) = self.add_op("input", index=self.n_inputs, shape=tuple(dims), dtype=dtype)
         self.n_inputs += 1
         return t
 
@@ -97,7 +97,7 @@ class KernelBuilder(_Builder):
         """A graph-defined kernel op running ``tb`` on ``inputs`` (in the order
         the block graph's ``new_input`` calls were given their tensors)."""
         body = tb.build(list(inputs))
-        return self.add("customized", list(inputs), body=body)
+        return self.add_op("customized", list(inputs), body=body)
 
     def reduce_sum(self, t: Tensor, dim: int) -> Tensor:
         return self._one("reduce_sum", [t], {"dim": self._dim(t, dim)})
@@ -115,8 +115,6 @@ class BlockBuilder(_Builder):
     def __init__(self, grid_dim: Sequence[int], forloop_range: int = 1) -> None:
         super().__init__()
         grid = tuple(int(g) for g in grid_dim)
-        while len(grid) > 1 and grid[-1] == 1:
-            grid = grid[:-1]
         if not 1 <= len(grid) <= 3 or min(grid) < 1:
             raise MuGraphError(f"grid_dim {tuple(grid_dim)}: need 1 to 3 positive dims")
         if forloop_range < 1:
@@ -129,13 +127,12 @@ class BlockBuilder(_Builder):
         return Ctx(self.grid, self.forloop_range)
 
     def _map(self, m) -> tuple:
-        m = tuple(_phi(x) for x in m)
-        return m[:len(self.grid)] if all(x is None for x in m[len(self.grid):]) else m
+        return tuple(_phi(x) for x in m)
 
     def new_input(self, dtensor: Tensor, imap: Sequence, fmap: int | None = None) -> Tensor:
         """An input iterator over kernel tensor ``dtensor``."""
         self.sources.append(dtensor)
-        (t,) = self.add("iterator", index=len(self.sources) - 1, shape=dtensor.shape, dtype=dtensor.dtype,
+        (t,) = self.add_op("iterator", index=len(self.sources) - 1, shape=dtensor.shape, dtype=dtensor.dtype,
                         imap=self._map(imap), fmap=_phi(fmap))
         return t
 
@@ -147,7 +144,7 @@ class BlockBuilder(_Builder):
 
     def forloop_accum_online_softmax(self, scores: Tensor, values: Tensor) -> list[Tensor]:
         """The rescaling accumulator of online softmax: returns ``(m, l, o)``."""
-        return self.add("acc_online_softmax", [scores, values])
+        return self.add_op("acc_online_softmax", [scores, values])
 
     def reduce_sum(self, t: Tensor, dim: int) -> Tensor:
         return self._one("reduce_sum", [t], {"dim": self._dim(t, dim)})
@@ -164,7 +161,7 @@ class BlockBuilder(_Builder):
     def new_output(self, t: Tensor, omap: Sequence, dtype: str | None = None) -> None:
         """An output saver; ``dtype`` of the kernel output defaults to the first input's."""
         dtype = dtype or (self.sources[0].dtype if self.sources else t.dtype)
-        self.add("saver", [t], index=self.n_out, omap=self._map(omap), dtype=dtype)
+        self.add_op("saver", [t], index=self.n_out, omap=self._map(omap), dtype=dtype)
         self.n_out += 1
 
     def build(self, inputs: Sequence[Tensor] | None = None) -> BlockGraph:
@@ -192,7 +189,7 @@ class ThreadBuilder(_Builder):
         self.outputs: list[Ref] = []
 
     def new_input(self, shape: Sequence[int], dtype: str) -> Tensor:
-        (t,) = self.add("input", index=sum(op.name == "input" for op in self.ops), shape=tuple(shape), dtype=dtype)
+        (t,) = self.add_op("input", index=sum(op.name == "input" for op in self.ops), shape=tuple(shape), dtype=dtype)
         return t
 
     def mark_output(self, t: Tensor) -> None:
@@ -248,10 +245,10 @@ def _fuse_block(bg: BlockGraph) -> BlockGraph:
         if root[i] != i:
             continue   # emitted with its group's root
         if len(members) < 2:
-            outs = b.add(op.name, [new[r] for r in op.inputs], body=op.body, **op.attrs)
+            outs = b.add_op(op.name, [new[r] for r in op.inputs], body=op.body, **op.attrs)
         else:
             body, ext = _thread_body(bg, members)
-            outs = b.add("thread", [new[r] for r in ext], body=body)
+            outs = b.add_op("thread", [new[r] for r in ext], body=body)
         for j, t in enumerate(outs):
             new[Ref(i, j)] = t
     return replace_ops(bg, b.ops)
@@ -268,7 +265,7 @@ def _thread_body(bg: BlockGraph, members: list[int]) -> tuple[ThreadGraph, list[
     env = {r: tb.new_input(bg.shape(r), bg.dtype(r)) for r in ext}
     for i in members:
         op = bg.ops[i]
-        (env[Ref(i, 0)],) = tb.add(op.name, [env[Ref(*r)] for r in op.inputs], **op.attrs)
+        (env[Ref(i, 0)],) = tb.add_op(op.name, [env[Ref(*r)] for r in op.inputs], **op.attrs)
     tb.mark_output(env[Ref(members[-1], 0)])
     return tb.build(), ext
 

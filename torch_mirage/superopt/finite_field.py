@@ -135,6 +135,12 @@ class Deg:
     m: float = 0
     has_exp: bool = False
 
+    def __post_init__(self):
+        if not self.has_exp:   # without exp every term has exponent 0: one term, polynomial coefficients
+            object.__setattr__(self, "kn", 1)
+            object.__setattr__(self, "kd", 1)
+            object.__setattr__(self, "m", 0)
+
     @property
     def polynomial_den(self) -> bool:
         return self.dd == 0 and self.kd == 1 and not self.has_exp_den
@@ -165,7 +171,7 @@ class Deg:
                    self.kd ** n, n * self.m, self.has_exp)
 
     def exp(self) -> "Deg":
-        if self.has_exp or self.kn != 1 or self.kd != 1:
+        if self.has_exp:
             raise NotLAX("exp of a value that already went through exp (Mirage Definition 5.1: one exp per path)")
         return Deg(0, 0, 1, 1, max(self.dn, self.dd), True)
 
@@ -218,6 +224,12 @@ class FieldTensor(torch.Tensor):
                             "route it through FiniteFieldArith")
         out = super().__torch_function__(func, types, args, kwargs)
         degs = _degs((args, kwargs))
+        if name == "__setitem__" and isinstance(args[0], FieldTensor) and degs:
+            d = degs[0]
+            for o in degs[1:]:
+                d = d.join(o)
+            args[0].deg = d   # writing a tile into an output: the output now holds both
+            return out
         if degs:
             d = degs[0]
             for o in degs[1:]:

@@ -256,7 +256,7 @@ class OpSpec:
     layout | accum | graph; ``arith``: the :class:`~.arith.Arith` method that
     evaluates it (attrs passed as keywords; accumulators call ``arith`` and
     ``arith + '_final'``); ``layout``: the arithmetic-free tensor function of a
-    layout op."""
+    layout op (attrs as keywords); ``lax``: inside Mirage's LAX fragment."""
     name: str
     kind: str
     arity: int | None
@@ -295,7 +295,8 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     OpSpec("matmul", "matmul", 2, KB, _matmul, "matmul"),
     OpSpec("concat", "layout", None, KB, _concat, "concat", ("dim",)),
     OpSpec("transpose", "layout", 1, KB, _transpose, layout=lambda x: x.transpose(-1, -2)),
-    OpSpec("reshape", "layout", 1, frozenset({K}), _reshape, attrs=("shape",)),
+    OpSpec("reshape", "layout", 1, frozenset({K}), _reshape, attrs=("shape",),
+           layout=lambda x, shape: x.reshape(shape)),
     OpSpec("customized", "graph", None, frozenset({K}), _customized, dtype=_dt_saved),
     OpSpec("thread", "graph", None, frozenset({B}), _thread, dtype=_dt_body),
     _accum("acc_sum"),
@@ -356,6 +357,8 @@ def make_op(name, inputs, in_shapes, in_dtypes, attrs=None, body=None, ctx: Ctx 
     """A new op with its output shapes and dtypes inferred from the table."""
     s = spec(name)
     attrs = Attrs({k: _freeze(v) for k, v in (attrs or {}).items()})
+    if isinstance(attrs.get("dim"), int) and in_shapes and -len(in_shapes[0]) <= attrs["dim"] < 0:
+        attrs["dim"] %= len(in_shapes[0])     # canonical: non-negative dims
     unknown = set(attrs) - set(s.attrs)
     if unknown:
         raise MuGraphError(f"op {name}: unknown attributes {sorted(unknown)} (allowed: {list(s.attrs)})")
@@ -454,7 +457,7 @@ class Graph:
             lhs = ", ".join(_tname(i, j, len(op.shapes)) for j in range(len(op.shapes)))
             types = ", ".join(f"{d}{list(s)}" for s, d in zip(op.shapes, op.dtypes))
             args = ", ".join(_tname(r[0], r[1], len(self.ops[r[0]].shapes)) for r in op.inputs)
-            lines.append(f"{pad}  {lhs + ' = ' if lhs else ''}{op.name}({args}){_fmt_attrs(op.attrs)}"
+            lines.append(f"{pad}  {lhs + ' = ' if lhs else ''}{op.name}({args}){_fmt_attrs(op.attrs, op.name)}"
                          f"{' : ' + types if types else ''}")
             if op.body is not None:
                 lines += op.body._lines(pad + "    ")
@@ -530,8 +533,23 @@ def _fmt_val(v) -> str:
     return "φ" if v is None else repr(v)
 
 
-def _fmt_attrs(attrs) -> str:
-    return "[" + ", ".join(f"{k}={_fmt_val(v)}" for k, v in sorted(attrs.items())) + "]" if attrs else ""
+_GRID = "xyz"
+
+
+def _fmt_attrs(attrs, name: str = "") -> str:
+    """Attributes for printing: maps as {x:dim, y:φ}, the kernel tensor's dtype and
+    an io op's own shape left to the type column, absent options dropped."""
+    hide = {"dtype", "shape"} if name == "input" else {"dtype"} if name in ("iterator", "saver") else set()
+    parts = []
+    for k, v in sorted(attrs.items()):
+        if k in hide or v is None and k not in ("fmap",):
+            continue
+        if k in ("imap", "omap"):
+            v = "{" + ", ".join(f"{_GRID[g]}:{'φ' if d is None else d}" for g, d in enumerate(v)) + "}"
+        else:
+            v = _fmt_val(v)
+        parts.append(f"{k}={v}")
+    return "[" + ", ".join(parts) + "]" if parts else ""
 
 
 def _attrs_json(attrs) -> dict:

@@ -1,0 +1,215 @@
+"""Stitch kernels against eager (fp64 references): odd shapes, broadcast, strides, -inf masks, NaN; and end to end.
+
+Kernels run on CPU tensors under TRITON_INTERPRET=1, set before triton is imported.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from helpers import assert_close  # noqa: E402
+from torch_mirage.partition.plan import Strategy  # noqa: E402
+from torch_mirage.partition.stitch import StitchClaimer  # noqa: E402
+from torch_mirage.testing.aten import trace_ir  # noqa: E402
+
+
+# ------------------------------------------------------------------ the workloads, as model authors write them
+
+def softmax(x):
+    return torch.softmax(x, -1)
+
+
+def layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b)
+
+
+def rmsnorm(x, w):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+
+def bias_gelu(x, b):
+    return F.gelu(x + b, approximate="tanh")
+
+
+def bias_residual_layernorm(x, bias, r, w, b):
+    return F.layer_norm(x + bias + r, (x.shape[-1],), w, b)
+
+
+def bert_softmax(s, mask):
+    return torch.softmax(s + mask, -1)
+
+
+def _rows(shape, dtype):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def _vec(n, dtype):
+    return torch.randn(n, dtype=dtype)
+
+
+def _mask(shape, dtype):
+    """Additive padding mask (b,1,1,n): zeros, -inf over the last quarter of every row."""
+    b, n = shape[0], shape[-1]
+    m = torch.zeros(b, 1, 1, n, dtype=dtype)
+    m[..., n - max(1, n // 4):] = float("-inf") if n > 1 else 0.0
+    return m
+
+
+CASES = {
+    "softmax": (softmax, lambda s, dt: (_rows(s, dt),)),
+    "layer_norm": (layer_norm, lambda s, dt: (_rows(s, dt), _vec(s[-1], dt), _vec(s[-1], dt))),
+    "rmsnorm": (rmsnorm, lambda s, dt: (_rows(s, dt), _vec(s[-1], dt))),
+    "bias_gelu": (bias_gelu, lambda s, dt: (_rows(s, dt), _vec(s[-1], dt))),
+    "bias_residual_layernorm": (bias_residual_layernorm, lambda s, dt: (
+        _rows(s, dt), _vec(s[-1], dt), _rows(s, dt), _vec(s[-1], dt), _vec(s[-1], dt))),
+}
+SHAPES = [(1, 1), (3, 17), (4097, 33), (7, 1), (1, 65536), (2, 3, 40)]
+
+
+def stitched(fn, *inputs):
+    """The single stitch region covering ``fn``'s graph, and a callable running its kernel on ``inputs``."""
+    graph = trace_ir(fn, *inputs)
+    regions = StitchClaimer().claim(graph, list(graph.nodes), None)
+    assert len(regions) == 1, [r.ops for r in regions]
+    region = regions[0]
+    assert len(region.nodes) == len(graph.nodes), "the region should hold the whole graph"
+    by_value = {id(v): t for v, t in zip(graph.inputs, inputs)}
+    outs = region.kernel(*[by_value[id(v)] for v in region.inputs])
+    assert [id(v) for v in region.outputs(graph)] == [id(v) for v in graph.output_values]
+    return region, outs
+
+
+def reference(fn, *inputs):
+    return fn(*[t.double() if t.is_floating_point() else t for t in inputs])
+
+
+def assert_matches(out, ref, dtype):
+    """Same NaN and inf positions as eager, close elsewhere."""
+    assert out.shape == ref.shape and out.dtype == dtype
+    o, r = out.double(), ref.double()
+    assert torch.equal(torch.isnan(o), torch.isnan(r)), "NaN positions differ from eager"
+    assert torch.equal(torch.isinf(o), torch.isinf(r)) and torch.equal(o[torch.isinf(o)], r[torch.isinf(r)])
+    fin = torch.isfinite(r)
+    if fin.any():
+        assert_close(o[fin], r[fin], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_against_eager(name, shape, dtype):
+    if shape == (1, 65536) and name != "softmax" and name != "layer_norm":
+        pytest.skip("one long row: softmax and layer norm cover the looped strategy")
+    torch.manual_seed(hash((name, shape)) % 1000)
+    fn, make = CASES[name]
+    inputs = make(shape, dtype)
+    region, (out,) = stitched(fn, *inputs)
+    assert_matches(out, reference(fn, *inputs).to(dtype), dtype)
+    if shape == (1, 65536):
+        assert region.plan.mapping.strategy is Strategy.LOOPED
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 5, 17), (2, 12, 9, 512)], ids=lambda s: "x".join(map(str, s)))
+def test_bert_softmax_with_mask(shape, dtype):
+    torch.manual_seed(1)
+    s, mask = _rows(shape, dtype), _mask(shape, dtype)
+    region, (out,) = stitched(bert_softmax, s, mask)
+    assert_matches(out, reference(bert_softmax, s, mask).to(dtype), dtype)
+    assert region.plan.dominants[0].node.op.name == "amax"
+
+
+def test_all_minus_inf_row_gives_nan_like_eager():
+    x = torch.randn(4, 19)
+    x[1] = float("-inf")
+    x[2, :5] = float("-inf")
+    _, (out,) = stitched(softmax, x)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2, 3]]).any()
+    assert_matches(out, reference(softmax, x).float(), torch.float32)
+
+
+@pytest.mark.parametrize("shape", [(5, 23), (2, 65536)], ids=["row-in-registers", "looped"])
+def test_nan_propagates_through_reductions(shape):
+    x = torch.randn(*shape)
+    x[1, 3] = float("nan")
+    for fn in (softmax, lambda t: t.amax(-1, keepdim=True) * 2.0, lambda t: t.amin(-1) + 1.0,
+               lambda t: layer_norm(t, torch.ones(shape[-1]), torch.zeros(shape[-1]))):
+        _, (out,) = stitched(fn, x)
+        ref = reference(fn, x).float()
+        assert torch.isnan(out[1]).all()
+        assert_matches(out, ref, torch.float32)
+
+
+def test_maximum_and_relu_propagate_nan():
+    x = torch.randn(6, 10)
+    x[2, 2] = float("nan")
+
+    def fn(t):
+        return torch.relu(t * 2.0) + torch.clamp_min(t, 0.5)
+
+    _, (out,) = stitched(fn, x)
+    assert_matches(out, reference(fn, x).float(), torch.float32)
+
+
+def test_strided_and_broadcast_inputs():
+    base = torch.randn(33, 12)
+    x = base.t()                                  # (12, 33), strides (1, 12)
+    col = torch.randn(12, 1)                      # per-row operand
+    w = torch.randn(33)
+
+    def fn(a, c, v):
+        return torch.softmax(a * v + c, -1) * torch.sigmoid(c)
+
+    _, (out,) = stitched(fn, x, col, w)
+    assert_matches(out, reference(fn, x, col, w).float(), torch.float32)
+
+
+def test_outputs_of_several_kinds():
+    """A row-level output (keepdim=False), a tile output and an intermediate read outside are all stored."""
+    x = torch.randn(9, 21)
+
+    def fn(t):
+        m = t.mean(-1)
+        c = t - t.mean(-1, keepdim=True)
+        return m, c.exp(), c * 3.0
+
+    graph = trace_ir(fn, x)
+    regions = StitchClaimer().claim(graph, list(graph.nodes), None)
+    assert len(regions) == 1
+    outs = regions[0].kernel(x)
+    refs = reference(fn, x)
+    by_id = {id(v): o for v, o in zip(regions[0].outputs(graph), outs)}
+    for v, r in zip(graph.output_values, refs):
+        assert_matches(by_id[id(v)], r.float(), torch.float32)
+
+
+def test_interpreter_flag_is_picked_up():
+    region, _ = stitched(softmax, torch.randn(2, 8))
+    import sys
+    mod = next(m for m in list(sys.modules.values())
+               if getattr(m, "__file__", None) == region.info["kernel_source"])
+    assert type(mod.stitch_kernel).__name__ == "InterpretedFunction"
+
+
+# ------------------------------------------------------------------ end to end through the backend
+
+def test_backend_runs_stitch_regions():
+    import torch_mirage
+    from torch_mirage.backend import MirageBackend
+
+    def fn(x, w, b):
+        return F.layer_norm(torch.softmax(x, -1) * 3.0 + x, (x.shape[-1],), w, b)
+
+    x, w, b = torch.randn(37, 45), torch.randn(45), torch.randn(45)
+    compiled = torch.compile(fn, backend=MirageBackend(options={"cuda_graphs": False}))
+    assert_close(compiled(x, w, b), fn(x, w, b))
+    torch._dynamo.reset()
+    report = torch_mirage.explain(fn, x, w, b, options={"cuda_graphs": False})
+    mirage = [r for r in report.regions if r.compiled_by == "mirage"]
+    assert mirage and all(r.claimer == "stitch" for r in mirage)
+    assert any("amax" in " ".join(r.ops) and "var_mean" in " ".join(r.ops) for r in mirage)
+    assert "thread_mapping" in mirage[0].info and "dominant" in mirage[0].info

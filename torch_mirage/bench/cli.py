@@ -1,0 +1,147 @@
+"""``python -m torch_mirage bench``: run the suite, write JSON + markdown + PNG.
+
+    python -m torch_mirage bench                       # everything, on a CUDA GPU
+    python -m torch_mirage bench --quick               # tiny shapes, correctness only (CPU is fine)
+    python -m torch_mirage bench --workloads gqa h2o_core --modes inductor mirage --batch 8 --dtype float16
+    python -m torch_mirage bench --merge a/results.json b/results.json --out merged/
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from typing import Sequence
+
+import torch
+
+from . import harness, llm, report
+from . import workloads as W
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _list(values: Sequence[str] | None) -> list[str] | None:
+    """Accept both ``--x a b`` and ``--x a,b``."""
+    if values is None:
+        return None
+    return [v for item in values for v in item.split(",") if v]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m torch_mirage bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", nargs="+", help=f"workloads (default: all; --quick: {' '.join(W.QUICK_DEFAULT)}); "
+                   f"'none' for none. Known: {' '.join(W.WORKLOADS)}")
+    p.add_argument("--modes", nargs="+", help=f"modes (default: {' '.join(harness.MODES)})")
+    p.add_argument("--batch", nargs="+", help="batch sizes (default: 1 8; --quick: 1)")
+    p.add_argument("--dtype", nargs="+", help="float16 bfloat16 float32 (default: float16 bfloat16; "
+                   "--quick on a CPU: float32)")
+    p.add_argument("--llms", nargs="+", help=f"end-to-end LLMs (default: all; --quick: {' '.join(llm.QUICK_DEFAULT)}); "
+                   f"'none' for none. Known: {' '.join(llm.MODELS)}")
+    p.add_argument("--llm-modes", nargs="+", help=f"modes for the LLMs (default: {' '.join(llm.LLM_MODES)})")
+    p.add_argument("--llm-dtype", default="bfloat16", help="dtype of the LLMs (default: bfloat16; --quick on a CPU: float32)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes, correctness only, no timing claims")
+    p.add_argument("--out", default="bench-results", help="output directory (default: ./bench-results)")
+    p.add_argument("--name", default="results", help="file stem of the outputs (default: results)")
+    p.add_argument("--target-ms", type=float, default=10.0, help="GPU time per timing repeat (default: 10)")
+    p.add_argument("--repeats", type=int, default=7, help="timing repeats; the median is reported (default: 7)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier result files into --out/NAME.* and exit")
+    p.add_argument("-v", "--verbose", action="store_true", help="log torch_mirage at INFO")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO)
+    if args.merge:
+        doc = report.merge([report.load(p) for p in args.merge])
+        for msg in report.write_all(doc, args.out, args.name):
+            print(msg)
+        print(report.markdown(doc))
+        return 0
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.quick:
+        print("bench: timing needs a CUDA GPU; without one, run with --quick (tiny shapes, correctness only)",
+              file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if cuda else "cpu")
+    quick, timing = args.quick, not args.quick
+    wl_names = _list(args.workloads) or (list(W.QUICK_DEFAULT) if quick else None)
+    workloads = [] if wl_names == ["none"] else W.get(wl_names)
+    modes = _list(args.modes) or list(harness.MODES)
+    unknown = [m for m in modes if m not in harness.COMPILERS]
+    if unknown:
+        print(f"bench: unknown mode(s) {unknown}; known: {list(harness.COMPILERS)}", file=sys.stderr)
+        return 2
+    batches = [int(b) for b in (_list(args.batch) or (["1"] if quick else ["1", "8"]))]
+    dtypes = [DTYPES[d] for d in (_list(args.dtype) or (["float32"] if not cuda else ["float16", "bfloat16"]))]
+    llm_names = _list(args.llms) or (list(llm.QUICK_DEFAULT) if quick else None)
+    llm_specs = [] if llm_names == ["none"] else llm.get(llm_names)
+    llm_modes = _list(args.llm_modes) or list(llm.LLM_MODES)
+    llm_dtype = torch.float32 if not cuda else DTYPES[args.llm_dtype]
+    timing_cfg = {"target_ms": args.target_ms, "repeats": args.repeats} if timing else None
+
+    t_start = time.perf_counter()
+    ceilings = None
+    if timing:
+        c = harness.measure_ceilings()
+        ceilings = vars(c)
+        print(f"ceilings: copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, fp16 matmul {c.matmul_flops_per_s / 1e12:.0f} "
+              f"TFLOP/s, L2 {c.l2_bytes / 2 ** 20:.0f} MiB", flush=True)
+    device_name = torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)"
+    settings = {"quick": quick, "modes": modes, "batches": batches, "dtypes": [str(d).replace("torch.", "") for d in dtypes],
+                "workloads": [w.name for w in workloads], "llms": [s.name for s in llm_specs], "llm_modes": llm_modes,
+                "llm_dtype": str(llm_dtype).replace("torch.", ""), "timing": timing_cfg, "argv": list(argv or sys.argv[1:])}
+    doc = report.new_document(report.environment(device_name), ceilings, settings, timing)
+    if not timing:
+        print(f"bench: {report.QUICK_NOTE} ({device_name})")
+
+    for dtype in dtypes:
+        for w in workloads:
+            for b in batches:
+                doc["cases"].append(_run_workload(w, b, dtype, modes, device, quick, timing_cfg, ceilings))
+                report.write_json(doc, os.path.join(args.out, f"{args.name}.json"))   # partial results survive a kill
+
+    if llm_specs and not llm.available():
+        print(f"bench: {llm.MISSING}")
+        doc.setdefault("notes", []).append(llm.MISSING)
+    elif llm_specs:
+        for spec in llm_specs:
+            print(f"{spec.name} ({str(llm_dtype).replace('torch.', '')})", flush=True)
+            try:
+                doc["llm"] += llm.run_model(spec, batches, llm_dtype, llm_modes, device, quick, timing_cfg,
+                                            echo=lambda s: print(s, flush=True))
+            except Exception as e:   # building the model failed (API drift across versions): record and go on
+                msg = f"{spec.name}: could not build or run ({harness._short(e)})"
+                print(f"bench: {msg}")
+                doc.setdefault("notes", []).append(msg)
+            report.write_json(doc, os.path.join(args.out, f"{args.name}.json"))
+
+    doc["wall_s"] = time.perf_counter() - t_start
+    for msg in report.write_all(doc, args.out, args.name):
+        print(msg)
+    print(report.markdown(doc))
+    print(f"bench: wrote {os.path.join(args.out, args.name)}.{{json,md" + (",png" if timing else "") +
+          f"}} in {doc['wall_s']:.0f} s")
+    return 0
+
+
+def _run_workload(w: W.Workload, batch: int, dtype: torch.dtype, modes: Sequence[str], device: torch.device,
+                  quick: bool, timing: dict | None, ceilings: dict | None) -> dict:
+    spec = harness.workload_spec(w, batch, dtype, device, quick)
+    floor = W.floor_us(W.Cost(spec.info["bytes"], spec.info["flops"]), ceilings["copy_bytes_per_s"],
+                       ceilings["matmul_flops_per_s"]) if ceilings else None
+    sets = harness.rotation_count(spec.set_bytes, ceilings["l2_bytes"]) if ceilings else None
+    print(f"{spec.name}: {w.shapes}" + (f"; floor {floor:.1f} us, {sets} input sets" if floor else ""), flush=True)
+    timing_case = dict(timing, sets=sets) if timing else None
+    results = harness.run_case(spec, modes, dtype, device, timing_case, echo=lambda s: print(s, flush=True))
+    return report.case_record(w.name, w.shapes, batch, str(dtype).replace("torch.", ""), spec.info["bytes"],
+                              spec.info["flops"], floor, sets, {m: harness.result_dict(r) for m, r in results.items()})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

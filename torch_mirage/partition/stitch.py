@@ -1,0 +1,457 @@
+"""The stitch partitioner (AStitch §4): memory-intensive sub-graphs → StitchRegions with a plan and a kernel.
+
+1. Candidates: free elementwise / reduction / constant-fill nodes the stitch
+   codegen can emit, on static shapes, fp16 / bf16 / fp32 (bool masks), on CUDA
+   (or CPU under ``TRITON_INTERPRET=1``). Matmuls and opaque ops are boundaries.
+2. Stitch ops grow over data edges in topological order (the BFS of the paper),
+   a node joining its producers' group when the union still has one iteration
+   space and the condensed graph stays acyclic; independent groups of the same
+   space are merged when that creates no cycle.
+3. View-like layout ops feeding only the group (prologue) or reading only its
+   results (epilogue) join it: they run on real tensors around the kernel.
+4. Each group gets dominant ops, a scheme per edge and a thread mapping
+   (:mod:`torch_mirage.partition.plan`), is emitted by
+   :mod:`torch_mirage.codegen.stitch_triton`, and becomes a mirage Region.
+Groups that are only layout ops or one cheap elementwise op stay with Inductor.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..capture.ir import Graph, Node, Value, topo_sorted
+from ..capture.ops import OpKind
+from ..codegen.stitch_triton import build_kernel, node_support, reduction_spec
+from .plan import DominantOp, Scheme, StitchPlan, Strategy, ThreadMapping
+from .region import Reason, Region
+
+log = logging.getLogger("torch_mirage")
+
+DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.bool}
+VIEW_OPS = {"view", "permute", "expand", "unsqueeze", "squeeze", "slice"}
+MAX_ROW_IN_REGISTERS = 8192     # longest row (elements) a program keeps on chip
+TILE_ELEMS = 2048               # elements per program that horizontal packing aims at
+LOOP_CHUNK = 4096               # chunk of a looped row
+_INT32 = 2 ** 31
+
+
+# ---------------------------------------------------------------- device and cost (other modules, when present)
+
+@dataclass(frozen=True)
+class _Profile:
+    """Published H100 SXM figures, used only until ``analysis.device`` exists."""
+    name: str = "H100 (built-in profile)"
+    sm_count: int = 132
+    smem_per_block: int = 227 * 1024
+
+
+def device_model() -> Any:
+    try:
+        from ..analysis.device import DeviceModel
+    except ImportError:
+        return _Profile()
+    return DeviceModel.current() if torch.cuda.is_available() else DeviceModel.profile("H100")
+
+
+def predicted_us(nodes: Sequence[Node], graph: Graph, device: Any) -> float | None:
+    try:
+        from ..analysis.cost import CostModel
+    except ImportError:
+        return None
+    return CostModel(device).region_cost(list(nodes), graph).predicted_us
+
+
+# ---------------------------------------------------------------- candidates
+
+def _device_ok(v: Value, interpret: bool) -> bool:
+    return v.meta.device.type == "cuda" or (interpret and v.meta.device.type == "cpu")
+
+
+def _tensor_problem(node: Node, interpret: bool) -> tuple[Reason, str] | None:
+    for v in list(node.inputs) + list(node.outputs):
+        if v.meta is None:
+            reason = Reason.DYNAMIC_SHAPE if isinstance(v.example, torch.SymInt) else Reason.NOT_CLAIMED
+            return reason, f"{node.name}: non-tensor value {v!r}"
+        if not v.meta.is_static:
+            return Reason.DYNAMIC_SHAPE, f"{node.name}: {v.meta}"
+        if v.meta.dtype not in DTYPES:
+            return Reason.UNSUPPORTED_DTYPE, f"{node.name}: {v.meta.dtype}"
+        if not _device_ok(v, interpret):
+            return Reason.UNSUPPORTED_DEVICE, f"{node.name}: {v.meta.device} (Triton kernels need CUDA)"
+        if v.meta.numel >= _INT32:
+            return Reason.NOT_CLAIMED, f"{node.name}: {v.meta.numel} elements overflow int32 offsets"
+    return None
+
+
+def candidate_problem(node: Node, interpret: bool) -> tuple[Reason, str] | None:
+    """None when ``node`` may join a stitch group; else (reason, detail)."""
+    if node.kind not in (OpKind.ELEMENTWISE, OpKind.REDUCTION, OpKind.CREATION):
+        return Reason.NOT_CLAIMED, f"{node.name}: {node.kind.value}"
+    why = node_support(node)
+    if why is not None:
+        return Reason.NOT_CLAIMED, why
+    return _tensor_problem(node, interpret)
+
+
+def _is_view(node: Node, interpret: bool) -> bool:
+    return node.kind is OpKind.LAYOUT and node.op.name in VIEW_OPS and len(node.outputs) == 1 \
+        and _tensor_problem(node, interpret) is None
+
+
+# ---------------------------------------------------------------- iteration space
+
+def _keepdim_false(node: Node) -> bool:
+    return node.kind is OpKind.REDUCTION and not reduction_spec(node).keepdim
+
+
+def iteration_space(nodes: Sequence[Node]) -> tuple[int, ...] | None:
+    """The broadcast shape every computed value fits into, its last dim reduced by every reduction; None if none."""
+    shapes, reduced_inputs = [], []
+    produced_nokeep = set()
+    for n in nodes:
+        if _keepdim_false(n):
+            produced_nokeep.update(id(v) for v in n.outputs)
+    for n in nodes:
+        if any(id(v) in produced_nokeep for v in n.inputs):
+            return None                      # a keepdim=False result broadcasts against the wrong dims
+        for v in n.inputs:
+            shapes.append(tuple(v.meta.shape))
+        if n.kind is OpKind.REDUCTION:
+            reduced_inputs.append(tuple(n.inputs[0].meta.shape))
+            if reduction_spec(n).keepdim:
+                shapes.extend(tuple(v.meta.shape) for v in n.outputs)
+        else:
+            shapes.extend(tuple(v.meta.shape) for v in n.outputs)
+    try:
+        space = tuple(torch.broadcast_shapes(*shapes)) if shapes else ()
+    except RuntimeError:
+        return None
+    space = space or (1,)
+    for s in reduced_inputs:
+        if len(s) != len(space) or s[-1] != space[-1]:
+            return None
+    return space
+
+
+# ---------------------------------------------------------------- grouping
+
+def _acyclic(graph: Graph, group_of: dict[int, int]) -> bool:
+    """The graph with every group contracted to one vertex has no cycle."""
+    key = lambda n: ("g", group_of[id(n)]) if id(n) in group_of else ("n", id(n))
+    succ: dict[Any, set] = {}
+    indeg: dict[Any, int] = {}
+    for n in graph.nodes:
+        k = key(n)
+        succ.setdefault(k, set())
+        indeg.setdefault(k, 0)
+        for v in n.inputs:
+            if v.producer is None:
+                continue
+            p = key(v.producer)
+            if p != k and k not in succ.setdefault(p, set()):
+                succ[p].add(k)
+                indeg[k] = indeg.get(k, 0) + 1
+    ready = [k for k, d in indeg.items() if d == 0]
+    seen = 0
+    while ready:
+        k = ready.pop()
+        seen += 1
+        for s in succ[k]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+    return seen == len(indeg)
+
+
+def grow_groups(graph: Graph, candidates: Sequence[Node]) -> list[list[Node]]:
+    """Stitch ops: candidates joined with their producers' groups while the space and acyclicity hold."""
+    next_id = 0
+    groups: dict[int, list[Node]] = {}
+    group_of: dict[int, int] = {}
+    for n in topo_sorted(candidates, graph):
+        producers = []
+        for v in n.inputs:
+            g = group_of.get(id(v.producer)) if v.producer is not None else None
+            if g is not None and g not in producers:
+                producers.append(g)
+        options = ([producers] if len(producers) > 1 else []) + [[g] for g in sorted(
+            producers, key=lambda g: (-any(m.kind is OpKind.REDUCTION for m in groups[g]), -len(groups[g])))]
+        placed = False
+        for opt in options:
+            nodes = [m for g in opt for m in groups[g]] + [n]
+            if iteration_space(nodes) is None:
+                continue
+            trial = dict(group_of)
+            for m in nodes:
+                trial[id(m)] = opt[0]
+            if _acyclic(graph, trial):
+                for g in opt[1:]:
+                    del groups[g]
+                groups[opt[0]] = nodes
+                group_of = trial
+                placed = True
+                break
+        if not placed:
+            gid = next_id
+            next_id += 1
+            groups[gid] = [n]
+            group_of[id(n)] = gid
+    return merge_independent(graph, groups, group_of)
+
+
+def merge_independent(graph: Graph, groups: dict[int, list[Node]], group_of: dict[int, int]) -> list[list[Node]]:
+    """Stitch independent groups of one iteration space into one kernel when no cycle results."""
+    spaces = {g: iteration_space(nodes) for g, nodes in groups.items()}
+    order = sorted(groups, key=lambda g: graph.nodes.index(groups[g][0]))
+    merged: dict[int, int] = {}
+    for i, a in enumerate(order):
+        if a in merged:
+            continue
+        for b in order[i + 1:]:
+            if b in merged or spaces[a] != spaces[b]:
+                continue
+            nodes = groups[a] + groups[b]
+            if iteration_space(nodes) != spaces[a]:
+                continue
+            trial = {k: (a if g == b else g) for k, g in group_of.items()}
+            if _acyclic(graph, trial):
+                groups[a] = topo_sorted(nodes, graph)
+                group_of = trial
+                merged[b] = a
+    for b in merged:
+        del groups[b]
+    return [topo_sorted(nodes, graph) for nodes in groups.values()]
+
+
+def _independent_parts(nodes: Sequence[Node]) -> int:
+    parent = {id(n): id(n) for n in nodes}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    for n in nodes:
+        for v in n.inputs:
+            if v.producer is not None and id(v.producer) in parent:
+                parent[find(id(n))] = find(id(v.producer))
+    return len({find(x) for x in parent})
+
+
+def attach_layout(graph: Graph, compute: Sequence[Node], free_ids: set[int], taken: set[int],
+                  interpret: bool) -> tuple[list[Node], list[Node]]:
+    """View-like ops that only feed the group (prologue) or only read its results (epilogue)."""
+    inside = {id(n) for n in compute}
+    prologue: list[Node] = []
+    changed = True
+    while changed:
+        changed = False
+        for n in graph.nodes:
+            if id(n) in inside or id(n) not in free_ids or id(n) in taken or not _is_view(n, interpret):
+                continue
+            users = n.outputs[0].users
+            if users and all(id(u) in inside for u in users) and \
+                    all(v.producer is None or id(v.producer) not in {id(c) for c in compute} for v in n.inputs):
+                if id(n.outputs[0]) in {id(v) for v in graph.output_values}:
+                    continue
+                inside.add(id(n))
+                prologue.append(n)
+                changed = True
+    made = {id(n) for n in compute}
+    epilogue: list[Node] = []
+    for n in graph.nodes:
+        if id(n) in inside or id(n) not in free_ids or id(n) in taken or not _is_view(n, interpret):
+            continue
+        ins = n.inputs
+        if len(ins) == 1 and ins[0].producer is not None and id(ins[0].producer) in made \
+                and not any(id(u) in inside for u in n.outputs[0].users):
+            made.add(id(n))
+            inside.add(id(n))
+            epilogue.append(n)
+    return topo_sorted(prologue, graph), topo_sorted(epilogue, graph)
+
+
+# ---------------------------------------------------------------- the plan
+
+def _row_values(compute: Sequence[Node], loads: Sequence[Value], space: tuple[int, ...]) -> frozenset[int]:
+    """Values constant along the row: per-row loads, constants, reductions and what only they feed."""
+    n = space[-1]
+    row: set[int] = set()
+    for v in loads:
+        if n == 1 or len(v.meta.shape) == 0 or v.meta.shape[-1] == 1:
+            row.add(id(v))
+    for node in compute:
+        if node.kind is OpKind.REDUCTION or node.kind is OpKind.CREATION or \
+                all(id(v) in row for v in node.inputs):
+            row.update(id(v) for v in node.outputs)
+    return frozenset(row)
+
+
+def _value_levels(compute: Sequence[Node]) -> dict[int, int]:
+    """How many reductions (in sequence) each value waits for."""
+    lvl: dict[int, int] = {}
+    for node in compute:
+        base = max((lvl.get(id(v), 0) for v in node.inputs), default=0)
+        for v in node.outputs:
+            lvl[id(v)] = base + (1 if node.kind is OpKind.REDUCTION else 0)
+    return lvl
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _warps(elems: int) -> int:
+    return 2 if elems <= 512 else 4 if elems <= 2048 else 8 if elems <= 8192 else 16
+
+
+def choose_mapping(rows: int, row_len: int, has_reduction: bool, regional_tiles: int, device: Any) -> ThreadMapping:
+    """Thread mapping from the dominant op's rows and row length and the device's SMs / shared memory."""
+    waves = 2 * int(getattr(device, "sm_count", 132))
+    smem = int(getattr(device, "smem_per_block", 227 * 1024))
+    bn = _pow2(row_len)
+    if not has_reduction:
+        bn = min(bn, 1024)
+        bm = min(_pow2(rows), max(1, TILE_ELEMS // bn))
+        while bm > 1 and -(-rows // bm) * -(-row_len // bn) < waves:
+            bm //= 2
+        return ThreadMapping(Strategy.ELEMENTWISE, rows, row_len, bm, bn, _warps(bm * bn))
+    if bn <= MAX_ROW_IN_REGISTERS and bn * 4 * max(1, regional_tiles) <= smem:
+        bm = min(_pow2(rows), max(1, TILE_ELEMS // bn))
+        while bm > 1 and (-(-rows // bm) < waves or bm * bn * 4 * max(1, regional_tiles) > smem):
+            bm //= 2
+        return ThreadMapping(Strategy.PACKED if bm > 1 else Strategy.ROW, rows, row_len, bm, bn, _warps(bm * bn))
+    chunk = min(bn, LOOP_CHUNK)
+    return ThreadMapping(Strategy.LOOPED, rows, row_len, 1, chunk, _warps(chunk))
+
+
+def build_plan(graph: Graph, compute: list[Node], prologue: list[Node], epilogue: list[Node],
+               outputs: list[Value], device: Any) -> StitchPlan | None:
+    space = iteration_space(compute)
+    if space is None:
+        return None
+    made = {id(v) for n in compute for v in n.outputs}
+    loads: list[Value] = []
+    for n in compute:
+        for v in n.inputs:
+            if id(v) not in made and all(v is not x for x in loads):
+                loads.append(v)
+    epi_ids = {id(n) for n in epilogue}
+    graph_outs = {id(v) for v in graph.output_values}
+    inside = {id(n) for n in compute}
+    stored = [v for n in compute for v in n.outputs
+              if id(v) in graph_outs or any(id(u) not in inside for u in v.users)]
+    rows = 1
+    for s in space[:-1]:
+        rows *= s
+    for v in stored:
+        shape = tuple(v.meta.shape)
+        if shape not in (space, space[:-1] + (1,)) and not (_keepdim_false(v.producer) and shape == space[:-1]):
+            log.debug("torch_mirage stitch: stored value %r has shape %s outside the space %s", v, shape, space)
+            return None
+    row = _row_values(compute, loads, space)
+    lvl = _value_levels(compute)
+    reductions = [n for n in compute if n.kind is OpKind.REDUCTION]
+    kept = [v for n in compute for v in n.outputs if id(v) not in row
+            and any(id(u) in inside and lvl[id(u.outputs[0])] > lvl[id(v)] for u in v.users)]
+    kept += [v for v in loads if id(v) not in row
+             and any(lvl[id(u.outputs[0])] > 0 for u in v.users if id(u) in inside)]
+    mapping = choose_mapping(rows, space[-1], bool(reductions), len(kept), device)
+    schemes: dict[tuple[str, str], Scheme] = {}
+    for n in compute:
+        for v in n.inputs:
+            if v.producer is None or id(v.producer) not in inside:
+                continue
+            if id(v) in row:
+                s = Scheme.LOCAL if all(id(o) in row for o in n.outputs) or n.kind is OpKind.REDUCTION \
+                    else Scheme.REGIONAL
+            elif lvl[id(n.outputs[0])] > lvl[id(v)] or any(x is v for x in kept):
+                s = Scheme.REGIONAL if mapping.single_pass else Scheme.GLOBAL
+            else:
+                s = Scheme.LOCAL
+            schemes[(v.name, n.name)] = s
+    dominants = [DominantOp(r, "dominant" if i == 0 else "sub-dominant",
+                            "reduction over the row: fixes the thread mapping" if i == 0
+                            else "reduction over the dominant's rows") for i, r in enumerate(reductions)]
+    for n in compute:
+        if n.kind is OpKind.ELEMENTWISE and n.op.flops >= 4 and id(n.outputs[0]) in row and \
+                any(id(u) in inside and id(u.outputs[0]) not in row for u in n.outputs[0].users):
+            dominants.append(DominantOp(n, "sub-dominant", "heavy elementwise broadcast along the row"))
+    smem = mapping.block_m * mapping.block_n * 4 * len(kept) if mapping.single_pass and reductions else 0
+    return StitchPlan(prologue, compute, epilogue, space, loads, stored, outputs, row, dominants, schemes,
+                      mapping, groups=_independent_parts(compute), smem_bytes=smem)
+
+
+def worth_claiming(compute: Sequence[Node]) -> bool:
+    """Fewer launches is the point: a reduction, or two real elementwise ops, or one heavy one."""
+    real = [n for n in compute if n.kind is OpKind.REDUCTION or
+            (n.kind is OpKind.ELEMENTWISE and n.op.name not in ("copy", "to_dtype"))]
+    if any(n.kind is OpKind.REDUCTION for n in real):
+        return True
+    return len(real) >= 2 or (len(real) == 1 and real[0].op.flops >= 4)
+
+
+# ---------------------------------------------------------------- the claimer
+
+class StitchClaimer:
+    """Claims memory-intensive regions and compiles each into one stitched Triton kernel."""
+    name = "stitch"
+
+    def __init__(self, device: Any = None):
+        self.device = device
+
+    def claim(self, graph: Graph, free: Sequence[Node], ctx: Any) -> list[Region]:
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        skipped: list[tuple[str, str, str]] = []
+        candidates = []
+        for n in free:
+            problem = candidate_problem(n, interpret)
+            if problem is None:
+                candidates.append(n)
+            elif n.kind in (OpKind.ELEMENTWISE, OpKind.REDUCTION):
+                skipped.append((n.name, problem[0].name, problem[1]))
+        if ctx is not None and getattr(ctx, "facts", None) is not None:
+            ctx.facts["stitch.skipped"] = skipped
+        if not candidates:
+            return []
+        device = self.device or device_model()
+        free_ids = {id(n) for n in free}
+        taken: set[int] = set()
+        regions = []
+        for compute in grow_groups(graph, candidates):
+            if not worth_claiming(compute):
+                continue
+            region = self._region(graph, compute, free_ids, taken, interpret, device, ctx)
+            if region is not None:
+                taken.update(id(n) for n in region.nodes)
+                regions.append(region)
+        return regions
+
+    def _region(self, graph: Graph, compute: list[Node], free_ids: set[int], taken: set[int], interpret: bool,
+                device: Any, ctx: Any) -> Region | None:
+        prologue, epilogue = attach_layout(graph, compute, free_ids, taken, interpret)
+        nodes = topo_sorted(prologue + compute + epilogue, graph)
+        region = Region(nodes, "mirage", Reason.CLAIMED, claimer=self.name)
+        plan = build_plan(graph, compute, prologue, epilogue, region.outputs(graph), device)
+        if plan is None:
+            return None
+        cache_dir = ctx.config.cache_dir if ctx is not None else os.path.join(
+            os.environ.get("TMPDIR", "/tmp"), "torch_mirage")
+        try:
+            region.kernel, path = build_kernel(plan, region.inputs, cache_dir)
+        except Exception as e:  # codegen or import failure: leave the nodes to the fallback
+            if ctx is not None and ctx.config.strict:
+                raise
+            log.warning("torch_mirage stitch: generating the kernel for %s failed (%s: %s); left to the fallback",
+                        [n.name for n in compute], type(e).__name__, e)
+            return None
+        summary = plan.summary()
+        region.detail = f"stitch: {summary['thread_mapping']}"
+        region.info = dict(summary, kernel_source=path, predicted_us=predicted_us(nodes, graph, device),
+                           device_profile=getattr(device, "name", str(device)))
+        region.plan = plan
+        return region

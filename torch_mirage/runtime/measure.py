@@ -1,0 +1,127 @@
+"""Measured choice between mirage's kernel for a region and Inductor's version of the same region.
+
+On a CUDA device each claimed region is timed once — both versions inside a CUDA graph, over input sets
+rotated past L2 — and the faster one is kept; the result is cached on disk under the region's fingerprint,
+the device and the versions, so later compiles reuse it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..capture.ir import Graph, fingerprint, subgraph
+from ..capture.lower import to_fx
+from ..partition.region import Reason, Region
+
+log = logging.getLogger("torch_mirage")
+
+
+@dataclass
+class RegionTiming:
+    mirage_us: float
+    inductor_us: float
+
+
+def random_like(meta, device=None) -> torch.Tensor:
+    """Real-valued test data for a TensorMeta: normal floats, small non-negative ints, random bools."""
+    device = device or meta.device
+    shape, dtype = tuple(meta.shape), meta.dtype
+    if dtype.is_floating_point:
+        t = torch.randn(shape, device=device, dtype=torch.float32).to(dtype)
+    elif dtype == torch.bool:
+        t = torch.rand(shape, device=device) > 0.5
+    else:
+        t = torch.randint(0, 8, shape, device=device, dtype=dtype)
+    if not meta.is_contiguous and all(s > 0 for s in shape):
+        t = torch.empty_strided(shape, meta.stride, device=device, dtype=dtype).copy_(t)
+    return t
+
+
+def cuda_graph_time_us(fn: Callable[..., Any], input_sets: Sequence[Sequence[torch.Tensor]],
+                       replays: int = 20, repeats: int = 5) -> float:
+    """Median µs per call of ``fn`` captured in one CUDA graph that calls it once per input set."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for inputs in input_sets[:2]:
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for inputs in input_sets:
+            fn(*inputs)
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * len(input_sets)))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def rotated_input_sets(inputs: Sequence[Any], l2_bytes: int, max_sets: int = 64) -> list[list[Any]]:
+    """Enough copies of ``inputs`` that one pass over them touches more than 3× L2."""
+    nbytes = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor)) or 1
+    count = max(2, min(max_sets, -(-3 * l2_bytes // nbytes)))
+    return [[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs] for _ in range(count)]
+
+
+def _inductor_region(sub: Graph, inputs: Sequence[torch.Tensor], mode: str) -> Callable[..., Any]:
+    from torch._inductor import standalone_compile
+
+    options = {"max_autotune": True} if mode == "max-autotune-no-cudagraphs" else {}
+    compiled = standalone_compile(to_fx(sub), list(inputs), dynamic_shapes="from_example_inputs", options=options)
+    return lambda *args: compiled(*args)
+
+
+def measure_region(region: Region, graph: Graph, ctx: Any) -> RegionTiming:
+    outs = region.outputs(graph)
+    sub = subgraph(graph, region.nodes, outs)
+    key = None
+    if ctx.cache is not None:
+        from ..cache import cache_key
+        key = cache_key(kind="region-timing", graph=fingerprint(sub), claimer=region.claimer,
+                        device=torch.cuda.get_device_name(), config=ctx.config.output_key())
+        hit = ctx.cache.get_json(key)
+        if hit is not None:
+            return RegionTiming(**hit)
+    inputs = [random_like(v.meta) if v.meta else v.example for v in sub.inputs]
+    sets = rotated_input_sets(inputs, torch.cuda.get_device_properties(inputs[0].device).L2_cache_size)
+    inductor_fn = _inductor_region(sub, inputs, ctx.config.inductor_mode)
+    timing = RegionTiming(mirage_us=cuda_graph_time_us(region.kernel, sets),
+                          inductor_us=cuda_graph_time_us(inductor_fn, sets))
+    if key is not None:
+        ctx.cache.put_json(key, timing.__dict__)
+    return timing
+
+
+def keep_faster(regions: Sequence[Region], graph: Graph, ctx: Any) -> None:
+    """Hand each mirage region whose kernel measured slower than Inductor's back to the fallback."""
+    for region in regions:
+        if region.compiled_by != "mirage" or region.kernel is None:
+            continue
+        if not all(v.meta is None or v.meta.device.type == "cuda" for v in region.inputs):
+            continue
+        try:
+            timing = measure_region(region, graph, ctx)
+        except Exception as e:   # measuring is advice: keep mirage's verified kernel and say so
+            if ctx.config.strict:
+                raise
+            log.info("torch_mirage: could not time region %s against Inductor (%s: %s); keeping mirage's kernel",
+                     region.ops, type(e).__name__, e)
+            region.info["measured"] = f"failed: {type(e).__name__}"
+            continue
+        region.info["mirage_us"] = round(timing.mirage_us, 2)
+        region.info["inductor_us"] = round(timing.inductor_us, 2)
+        if timing.mirage_us > timing.inductor_us:
+            region.compiled_by, region.reason = ctx.config.fallback, Reason.SLOWER_THAN_INDUCTOR
+            region.detail = f"{timing.mirage_us:.1f} µs vs Inductor {timing.inductor_us:.1f} µs"
+            region.kernel = None
