@@ -193,3 +193,92 @@ def test_gpu_timing_small(tmp_path):
     for m in case["modes"].values():
         assert m["status"] == "ok" and m["us"] > 0 and m["us_min"] <= m["us"] <= m["us_max"]
         assert m["us"] >= 0.5 * case["floor_us"], "faster than the floor: the timing is wrong"
+
+
+# ---------------------------------------------------------------------------------------------
+# The LLM driver, on the CPU, against a small stand-in for the transformers API it uses
+# (config class, causal-LM class, StaticCache with lazily allocated per-layer keys/values).
+# The real transformers models run in the GPU test below and in benchmarks/run_h100.sh.
+
+
+class _Config:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+        self._attn_implementation = None
+
+
+class _Layer:
+    keys = values = None
+
+    def update(self, k, v, cache_position):
+        if self.keys is None:
+            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
+            self.keys, self.values = torch.zeros(shape, dtype=k.dtype), torch.zeros(shape, dtype=k.dtype)
+        self.keys.index_copy_(2, cache_position, k)
+        self.values.index_copy_(2, cache_position, v)
+        return self.keys, self.values
+
+
+class _StaticCache:
+    def __init__(self, config, max_cache_len):
+        self.layers = [_Layer() for _ in range(config.num_hidden_layers)]
+        for layer in self.layers:
+            layer.max_len = max_cache_len
+
+
+class _CausalLM(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d, kv = config.hidden_size, config.num_key_value_heads
+        self.hd = d // config.num_attention_heads
+        self.kv = kv
+        self.embed = torch.nn.Embedding(config.vocab_size, d)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(d, d + 2 * kv * self.hd) for _ in range(config.num_hidden_layers))
+        self.head = torch.nn.Linear(d, config.vocab_size)
+
+    def forward(self, input_ids, position_ids, cache_position, past_key_values, use_cache, logits_to_keep=0):
+        x = self.embed(input_ids)
+        b, t, d = x.shape
+        for i, proj in enumerate(self.qkv):
+            q, k, v = proj(x).split([d, self.kv * self.hd, self.kv * self.hd], dim=-1)
+            k, v = (z.view(b, t, self.kv, self.hd).transpose(1, 2) for z in (k, v))
+            keys, values = past_key_values.layers[i].update(k, v, cache_position)
+            pos = torch.arange(keys.shape[2])
+            mask = torch.where(pos[None, :] <= cache_position[:, None], 0.0, float("-inf"))
+            q = q.view(b, t, self.kv, -1, self.hd).permute(0, 2, 1, 3, 4).reshape(b, self.kv, -1, self.hd)
+            mask = mask.repeat_interleave(q.shape[2] // t, dim=0) if t > 1 else mask
+            p = torch.softmax(q @ keys.transpose(-1, -2) * self.hd ** -0.5 + mask, dim=-1)
+            x = x + (p @ values).view(b, self.kv, t, -1, self.hd).permute(0, 2, 1, 3, 4).reshape(b, t, d)
+        logits = self.head(x[:, -logits_to_keep:] if logits_to_keep else x)
+        return type("Out", (), {"logits": logits})()
+
+
+@pytest.fixture
+def fake_transformers(monkeypatch):
+    import sys
+    import types
+
+    mod = types.ModuleType("transformers")
+    mod.LlamaConfig, mod.LlamaForCausalLM, mod.StaticCache = _Config, _CausalLM, _StaticCache
+    mod.__version__ = "0-test"
+    monkeypatch.setitem(sys.modules, "transformers", mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_llm_driver_checks_every_mode(fake_transformers, monkeypatch):
+    from torch_mirage.bench import llm
+
+    assert llm.available()
+    broken = {"eager": harness.COMPILERS["eager"],
+              "noisy": lambda fn, info: (lambda *a: fn(*a) + 0.05 * torch.randn(1))}
+    monkeypatch.setattr(llm, "COMPILERS", broken)
+    records = llm.run_model(llm.MODELS["llama3-8b-4l"], [1], torch.float32, ["eager", "noisy"],
+                            torch.device("cpu"), quick=True, timing=None, echo=lambda s: None)
+    assert [r["scenario"] for r in records] == ["decode b1 ctx64", "prefill 32"]
+    for r in records:
+        assert r["modes"]["eager"]["status"] == "ok" and r["modes"]["eager"]["rel_err"] == 0.0
+        assert r["modes"]["noisy"]["status"] == "failed" and "wrong logits" in r["modes"]["noisy"]["error"]
+    doc = report.new_document({"device": "cpu", "torch": "x", "torch_mirage": "y"}, None, {}, False)
+    doc["llm"] = records
+    assert "| llama3-8b-4l | decode b1 ctx64 | float32 | noisy |" in report.markdown(doc)

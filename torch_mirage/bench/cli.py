@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="results", help="file stem of the outputs (default: results)")
     p.add_argument("--target-ms", type=float, default=10.0, help="GPU time per timing repeat (default: 10)")
     p.add_argument("--repeats", type=int, default=7, help="timing repeats; the median is reported (default: 7)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no new case or model after this many seconds; the rest is listed as not run")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier result files into --out/NAME.* and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="log torch_mirage at INFO")
     return p
@@ -100,9 +102,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not timing:
         print(f"bench: {report.QUICK_NOTE} ({device_name})")
 
+    def over_budget(what: str) -> bool:
+        if args.budget_s is None or time.perf_counter() - t_start < args.budget_s:
+            return False
+        doc.setdefault("not_run", []).append(what)
+        print(f"bench: budget of {args.budget_s:.0f} s spent; not run: {what}", flush=True)
+        return True
+
     for dtype in dtypes:
         for w in workloads:
             for b in batches:
+                if over_budget(f"{w.name} b{b} {str(dtype).replace('torch.', '')}"):
+                    continue
                 doc["cases"].append(_run_workload(w, b, dtype, modes, device, quick, timing_cfg, ceilings))
                 report.write_json(doc, os.path.join(args.out, f"{args.name}.json"))   # partial results survive a kill
 
@@ -111,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc.setdefault("notes", []).append(llm.MISSING)
     elif llm_specs:
         for spec in llm_specs:
+            if over_budget(spec.name):
+                continue
             print(f"{spec.name} ({str(llm_dtype).replace('torch.', '')})", flush=True)
             try:
                 doc["llm"] += llm.run_model(spec, batches, llm_dtype, llm_modes, device, quick, timing_cfg,

@@ -91,6 +91,9 @@ def merge(docs: Sequence[dict]) -> dict:
         for r in d.get("llm", []):
             llm[(r["model"], r["scenario"], r["dtype"])] = r
     out["cases"], out["llm"] = list(cases.values()), list(llm.values())
+    done = {f"{c['workload']} b{c['batch']} {c['dtype']}" for c in out["cases"]} | {r["model"] for r in out["llm"]}
+    out["not_run"] = sorted({w for d in docs for w in d.get("not_run", [])} - done)
+    out["notes"] = list(dict.fromkeys(n for d in docs for n in d.get("notes", [])))
     out["timing"] = all(d["timing"] for d in docs)
     out["note"] = "" if out["timing"] else QUICK_NOTE
     out["parts"] = [{"env": d["env"], "ceilings": d["ceilings"], "settings": d["settings"]} for d in docs]
@@ -153,6 +156,8 @@ def markdown(doc: dict) -> str:
                 lines.append(f"| {r['model']} | {r['scenario']} | {r['dtype']} | {m} | {_num(x.get('ms'), '.3f')} | "
                              f"{_num(x.get('tokens_per_s'), ',.0f')} | {_num(x.get('compile_s'), '.1f')} | "
                              f"{_num(x.get('peak_gib'), '.2f')} | {status} |")
+    if doc.get("not_run"):
+        lines += ["", "Not run (time budget spent): " + ", ".join(doc["not_run"])]
     for note in doc.get("notes", []):
         lines += ["", note]
     return "\n".join(lines) + "\n"

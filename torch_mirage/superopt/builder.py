@@ -19,10 +19,10 @@ op with mismatched shapes raises :class:`~.ugraph.MuGraphError` at once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
-from .ugraph import (B, K, T, BlockGraph, Ctx, KernelGraph, MuGraphError, Op, Ref, ThreadGraph,
+from .ugraph import (OPS, B, K, T, Attrs, BlockGraph, Ctx, KernelGraph, MuGraphError, Op, Ref, ThreadGraph,
                      make_op, spec)
 
 
@@ -65,9 +65,9 @@ class _Builder:
         return [Tensor(self, Ref(i, j), s_, d) for j, (s_, d) in enumerate(zip(op.shapes, op.dtypes))]
 
     def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        s = spec(name)
+        if name.startswith("_") or name not in OPS:
+            raise AttributeError(f"{type(self).__name__} has no method or μGraph op {name!r}")
+        s = OPS[name]
         if s.arity is None:
             return lambda xs, **attrs: self._one(name, list(xs), attrs)
         return lambda *xs, **attrs: self._one(name, list(xs), attrs)
@@ -75,9 +75,6 @@ class _Builder:
     def _one(self, name, xs, attrs):
         outs = self.add_op(name, xs, **attrs)
         return outs[0] if len(outs) == 1 else outs
-
-    def _dim(self, t: Tensor, dim: int | None) -> int | None:
-        return None if dim is None else dim % len(t.shape)
 
 
 class KernelBuilder(_Builder):
@@ -98,9 +95,6 @@ class KernelBuilder(_Builder):
         the block graph's ``new_input`` calls were given their tensors)."""
         body = tb.build(list(inputs))
         return self.add_op("customized", list(inputs), body=body)
-
-    def reduce_sum(self, t: Tensor, dim: int) -> Tensor:
-        return self._one("reduce_sum", [t], {"dim": self._dim(t, dim)})
 
     def mark_output(self, t: Tensor) -> None:
         self.outputs.append(t.ref)
@@ -140,23 +134,11 @@ class BlockBuilder(_Builder):
         """A for-loop accumulator: ``kind`` in sum, mean, max, rms, concat;
         ``dim`` reduces that tile dim inside each iteration (concat: the dim the
         iterations are concatenated along)."""
-        return self._one("acc_" + kind, [t], {"dim": self._dim(t, dim), **attrs})
+        return self._one("acc_" + kind, [t], {"dim": dim, **attrs})
 
     def forloop_accum_online_softmax(self, scores: Tensor, values: Tensor) -> list[Tensor]:
         """The rescaling accumulator of online softmax: returns ``(m, l, o)``."""
         return self.add_op("acc_online_softmax", [scores, values])
-
-    def reduce_sum(self, t: Tensor, dim: int) -> Tensor:
-        return self._one("reduce_sum", [t], {"dim": self._dim(t, dim)})
-
-    def reduce_max(self, t: Tensor, dim: int) -> Tensor:
-        return self._one("reduce_max", [t], {"dim": self._dim(t, dim)})
-
-    def reduce_mean(self, t: Tensor, dim: int) -> Tensor:
-        return self._one("reduce_mean", [t], {"dim": self._dim(t, dim)})
-
-    def concat(self, xs: Sequence[Tensor], dim: int) -> Tensor:
-        return self._one("concat", list(xs), {"dim": self._dim(xs[0], dim)})
 
     def new_output(self, t: Tensor, omap: Sequence, dtype: str | None = None) -> None:
         """An output saver; ``dtype`` of the kernel output defaults to the first input's."""
@@ -176,8 +158,6 @@ class BlockBuilder(_Builder):
 
 
 def _with_index(op: Op, index: int) -> Op:
-    from dataclasses import replace
-    from .ugraph import Attrs
     return replace(op, attrs=Attrs({**op.attrs, "index": index}))
 
 
@@ -217,7 +197,6 @@ def fuse_thread_graphs(graph: KernelGraph) -> KernelGraph:
     each maximal tree of elementwise ops whose inner results have a single
     consumer (in the same loop phase) becomes one ``thread`` op, so those
     intermediates live in registers instead of shared memory."""
-    from dataclasses import replace
     ops = tuple(replace(op, body=_fuse_block(op.body)) if op.name == "customized" else op for op in graph.ops)
     return replace(graph, ops=ops).canonical()
 
@@ -251,7 +230,7 @@ def _fuse_block(bg: BlockGraph) -> BlockGraph:
             outs = b.add_op("thread", [new[r] for r in ext], body=body)
         for j, t in enumerate(outs):
             new[Ref(i, j)] = t
-    return replace_ops(bg, b.ops)
+    return replace(bg, ops=tuple(b.ops))
 
 
 def _thread_body(bg: BlockGraph, members: list[int]) -> tuple[ThreadGraph, list[Ref]]:
@@ -268,8 +247,3 @@ def _thread_body(bg: BlockGraph, members: list[int]) -> tuple[ThreadGraph, list[
         (env[Ref(i, 0)],) = tb.add_op(op.name, [env[Ref(*r)] for r in op.inputs], **op.attrs)
     tb.mark_output(env[Ref(members[-1], 0)])
     return tb.build(), ext
-
-
-def replace_ops(bg: BlockGraph, ops) -> BlockGraph:
-    from dataclasses import replace
-    return replace(bg, ops=tuple(ops))

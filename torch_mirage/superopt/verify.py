@@ -9,7 +9,11 @@
   (:mod:`.finite_field`), runs both sides and compares the outputs' Z_p components exactly. The
   per-trial false-accept bound ε comes from the degree / term-count bounds the field values carry
   (:func:`~.finite_field.per_trial_bound`, Theorem 2); the number of trials t is the least with
-  ε^t ≤ the target ``error_bound`` (Theorem 3), and the verdict reports ε^t. Equivalent LAX
+  ε^t ≤ the target ``error_bound`` (Theorem 3), and the verdict reports ε^t. For programs whose
+  difference has more than two exp terms the root-of-unity part of ε, (K−1)/q, rests on the
+  uncertainty principle Li & Wu conjecture for Z_p (proven for K ≤ 2). Sums of fractions whose
+  denominators hold exp terms (softmax(·)@V) make the tracked term count explode: then the test
+  still runs (``UNBOUNDED_TRIALS``) but no bound is claimed (``error_bound=None``). Equivalent LAX
   programs always pass (perfect completeness), except where a non-LAX treatment is not an
   identity: a program whose output depends on a max value (not only through a cancelling shift)
   or on sqrt rewrites fails — a false reject, never a false accept.
