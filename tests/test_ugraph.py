@@ -176,6 +176,7 @@ def test_thread_graph_fusion_keeps_values_and_saves_shared_memory():
     (thread,) = [op for op in bg.ops if op.name == "thread"]
     assert [op.name for op in thread.body.ops if op.name != "input"] == ["silu", "mul"]
     assert not validate.problems(f)
+    assert ugraph.from_json(f.to_json()) == f and f.hash() != g.hash()
     smem = lambda graph: sum(validate.nbytes(s, d) for op in [o for o in graph.ops if o.name == "customized"][0].body.ops
                              for s, d in zip(op.shapes, op.dtypes))
     assert smem(f) < smem(g)
