@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The full benchmark run on one H100, in parts that each fit one 10-minute device command.
 #
-#   benchmarks/run_h100.sh PART        PART: fp16-b1 fp16-b8 bf16 llm-llama llm-qwen2 llm-gemma2
-#   benchmarks/run_h100.sh merge DIR   (on any machine) merge DIR/*.json into benchmarks/results/
+#   benchmarks/run_h100.sh PART [EXTRA BENCH ARGS]
+#       PART: fp16-b1-a fp16-b1-b fp16-b8-a fp16-b8-b bf16 llm-llama llm-qwen2 llm-gemma2
+#       extra args override the part's (e.g. --workloads X Y to redo what a part left "not run")
+#   benchmarks/run_h100.sh merge DIR   (on any machine) merge DIR/*.json into benchmarks/results/h100.*
 #
 # Each part writes $OUT/PART.{json,md,png} and $OUT/PART.log (benchmarks/results/raw/ without $OUT).
 # Every part stops starting new cases after BUDGET_S seconds (default 540) and lists what it skipped,
@@ -12,7 +14,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 OUTDIR=${OUT:-benchmarks/results/raw}
 BUDGET_S=${BUDGET_S:-540}
-PART=${1:?usage: $0 PART (fp16-b1 fp16-b8 bf16 llm-llama llm-qwen2 llm-gemma2) | merge DIR}
+PART=${1:?usage: $0 PART [ARGS] | merge DIR   (PART: fp16-b1-a fp16-b1-b fp16-b8-a fp16-b8-b bf16 llm-llama llm-qwen2 llm-gemma2)}
+shift
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
@@ -23,16 +26,20 @@ bench() {   # bench NAME ARGS...
   "$PY" -m torch_mirage.bench.cli --out "$OUTDIR" --name "$name" --budget-s "$BUDGET_S" "$@" 2>&1 | tee "$OUTDIR/$name.log"
 }
 
+GROUP_A="rmsnorm_linear gated_mlp gated_mlp_llama8b gqa qknorm_attention lora ntrans"
+GROUP_B="bias_residual_layernorm bert_softmax bias_gelu h2o_core gemma2_softcap llama_layer_decode"
 BF16_SUBSET="rmsnorm_linear gqa bias_residual_layernorm h2o_core llama_layer_decode"
 case "$PART" in
-  fp16-b1)    bench "$PART" --dtype float16 --batch 1 --llms none ;;
-  fp16-b8)    bench "$PART" --dtype float16 --batch 8 --llms none ;;
-  bf16)       bench "$PART" --dtype bfloat16 --batch 1 8 --workloads $BF16_SUBSET --llms none ;;
-  llm-llama)  bench "$PART" --workloads none --llms llama3-8b-4l --batch 1 8 ;;
-  llm-qwen2)  bench "$PART" --workloads none --llms qwen2-7b-4l --batch 1 8 ;;
-  llm-gemma2) bench "$PART" --workloads none --llms gemma2-9b-4l --batch 1 8 ;;
+  fp16-b1-a)  bench "$PART" --dtype float16 --batch 1 --workloads $GROUP_A --llms none "$@" ;;
+  fp16-b1-b)  bench "$PART" --dtype float16 --batch 1 --workloads $GROUP_B --llms none "$@" ;;
+  fp16-b8-a)  bench "$PART" --dtype float16 --batch 8 --workloads $GROUP_A --llms none "$@" ;;
+  fp16-b8-b)  bench "$PART" --dtype float16 --batch 8 --workloads $GROUP_B --llms none "$@" ;;
+  bf16)       bench "$PART" --dtype bfloat16 --batch 1 8 --workloads $BF16_SUBSET --llms none "$@" ;;
+  llm-llama)  bench "$PART" --workloads none --llms llama3-8b-4l --batch 1 8 "$@" ;;
+  llm-qwen2)  bench "$PART" --workloads none --llms qwen2-7b-4l --batch 1 8 "$@" ;;
+  llm-gemma2) bench "$PART" --workloads none --llms gemma2-9b-4l --batch 1 8 "$@" ;;
   merge)
-    DIR=${2:?usage: $0 merge DIR_WITH_PART_JSONS}
+    DIR=${1:?usage: $0 merge DIR_WITH_PART_JSONS}
     "$PY" -m torch_mirage.bench.cli --merge "$DIR"/*.json --out benchmarks/results --name h100 ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac

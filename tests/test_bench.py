@@ -109,7 +109,7 @@ def test_wrong_modes_fail_and_are_not_timed(fake_timer):
     for mode in compilers:
         assert res[mode].status == "failed" and res[mode].us is None and res[mode].error, mode
     assert "relative error" in res["off_by_one"].error
-    assert "NaN" in res["nan"].error
+    assert "NaN" in res["nan"].error and harness.result_dict(res["nan"])["rel_err"] is None
     assert "cannot compile" in res["raises"].error
 
 
@@ -282,3 +282,21 @@ def test_llm_driver_checks_every_mode(fake_transformers, monkeypatch):
     doc = report.new_document({"device": "cpu", "torch": "x", "torch_mirage": "y"}, None, {}, False)
     doc["llm"] = records
     assert "| llama3-8b-4l | decode b1 ctx64 | float32 | noisy |" in report.markdown(doc)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model", ["llama3-8b-4l", "qwen2-7b-4l", "gemma2-9b-4l"])
+def test_gpu_llm_tiny_real_transformers(model):
+    """The transformers APIs llm.py relies on (configs, StaticCache, logits_to_keep), at tiny sizes, timed."""
+    pytest.importorskip("transformers")
+    from torch_mirage.bench import llm
+
+    records = llm.run_model(llm.MODELS[model], [2], torch.bfloat16, ["eager", "inductor"], torch.device("cuda"),
+                            quick=True, timing={"target_ms": 1.0, "repeats": 2}, echo=print)
+    assert [r["batch"] for r in records] == [2, 1]
+    for r in records:
+        for mode, m in r["modes"].items():
+            assert m["status"] == "ok", (r["scenario"], mode, m["error"])
+            assert m["ms"] > 0 and m["tokens_per_s"] > 0 and m["peak_gib"] > 0
+        assert r["modes"]["inductor"]["timing_method"] == "cuda graph"

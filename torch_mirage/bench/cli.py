@@ -87,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     llm_dtype = torch.float32 if not cuda else DTYPES[args.llm_dtype]
     timing_cfg = {"target_ms": args.target_ms, "repeats": args.repeats} if timing else None
 
+    _cold_graph_caches()
     t_start = time.perf_counter()
     ceilings = None
     if timing:
@@ -97,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)"
     settings = {"quick": quick, "modes": modes, "batches": batches, "dtypes": [str(d).replace("torch.", "") for d in dtypes],
                 "workloads": [w.name for w in workloads], "llms": [s.name for s in llm_specs], "llm_modes": llm_modes,
-                "llm_dtype": str(llm_dtype).replace("torch.", ""), "timing": timing_cfg, "argv": list(argv or sys.argv[1:])}
+                "llm_dtype": str(llm_dtype).replace("torch.", ""), "timing": timing_cfg,
+                "compile_caches": "FX graph and AOTAutograd caches off; Triton kernel caches on", "argv": list(argv or sys.argv[1:])}
     doc = report.new_document(report.environment(device_name), ceilings, settings, timing)
     if not timing:
         print(f"bench: {report.QUICK_NOTE} ({device_name})")
@@ -141,6 +143,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"bench: wrote {os.path.join(args.out, args.name)}.{{json,md" + (",png" if timing else "") +
           f"}} in {doc['wall_s']:.0f} s")
     return 0
+
+
+def _cold_graph_caches() -> None:
+    """Turn off Inductor's whole-graph caches (FX graph, AOTAutograd) for this process, so that a mode's
+    compile time is not a cache hit on another mode's (or an earlier run's) compile of the same graph.
+    Per-kernel Triton caches stay on."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = False
+    if hasattr(functorch_config, "enable_autograd_cache"):
+        functorch_config.enable_autograd_cache = False
 
 
 def _run_workload(w: W.Workload, batch: int, dtype: torch.dtype, modes: Sequence[str], device: torch.device,

@@ -345,4 +345,5 @@ def workload_spec(w: W.Workload, batch: int, dtype: torch.dtype, device: torch.d
 
 
 def result_dict(r: ModeResult) -> dict:
-    return asdict(r)
+    """JSON-ready: NaN and inf (a NaN output's error) become None."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(r).items()}

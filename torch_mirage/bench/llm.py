@@ -249,7 +249,7 @@ def _run_mode(model, step, s: Scenario, mode: str, refs: dict, vocab: int, dtype
         res["mirage"] = mirage_summary(info)
         info.clear()
         _free()
-    return res
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in res.items()}
 
 
 def _time_plain(fn, inputs, target_ms: float, repeats: int) -> dict:

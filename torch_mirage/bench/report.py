@@ -134,7 +134,7 @@ def markdown(doc: dict) -> str:
         lines += ["", ("µs per call (median, inside one CUDA graph, inputs rotated past 3× L2); "
                        "speedup = best Inductor µs ÷ mirage µs; floor ÷ mirage = fraction of the floor reached."
                        if timing else "ok = matches the higher-precision reference on fresh random inputs; "
-                       "FAIL = wrong result or error (listed below). Tiny shapes, not the ones shown."), "",
+                       "FAIL = wrong result or error (listed below). Tiny shapes (every dimension scaled down)."), "",
                   "| workload | b | dtype | floor µs | " + " | ".join(modes) + " | speedup | floor ÷ mirage |",
                   "|---|---:|---|---:|" + "---:|" * len(modes) + "---:|---:|"]
         for c in doc["cases"]:

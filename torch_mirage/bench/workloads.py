@@ -116,7 +116,6 @@ def llama_layer_decode(x, cos, sin, mask, cache_position, k_cache, v_cache,
 # ---------------------------------------------------------------------------------------------
 # Inputs: how each kind of input is drawn (never zeros)
 
-Gen = torch.Generator
 
 
 def _randn(shape, dtype, device, gen, scale=1.0):

@@ -1,0 +1,177 @@
+"""Stitch kernels on a CUDA GPU: numerics against fp64 eager (fp16 / bf16 / fp32) and µs per call against Inductor.
+
+    PYTHONPATH=. python benchmarks/stitch_gpu_check.py [--quick]
+
+Timing: ``triton.testing.do_bench`` (median, no CUDA graph) of the stitch region's launcher against
+``torch.compile(fn)`` (Inductor default) on the same inputs. The project's CUDA-graph benchmark harness
+is the reference for published numbers; this script checks the kernels and gives a first comparison.
+Writes ``$OUT/stitch_gpu_check.json`` when ``OUT`` is set. Exit status 1 when a numerics check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from torch_mirage.partition.stitch import StitchClaimer  # noqa: E402
+from torch_mirage.testing.aten import trace_ir  # noqa: E402
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def bias_residual_layernorm(x, bias, r, w, b):
+    return F.layer_norm(x + bias + r, (x.shape[-1],), w, b)
+
+
+def bert_softmax(s, mask):
+    return torch.softmax(s + mask, -1)
+
+
+def bias_gelu(x, bias):
+    return F.gelu(x + bias, approximate="tanh")
+
+
+def softmax(x):
+    return torch.softmax(x, -1)
+
+
+def layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b)
+
+
+def rmsnorm(x, w):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+
+def _mask(b, n, dtype, dev):
+    m = torch.zeros(b, 1, 1, n, dtype=dtype, device=dev)
+    m[..., n - n // 4:] = float("-inf")
+    return m
+
+
+def workloads(b: int, dtype: torch.dtype, dev: str):
+    r = lambda *s: torch.randn(*s, dtype=dtype, device=dev)
+    return {
+        "bias_residual_layernorm": (bias_residual_layernorm, (r(4096 * b, 768), r(768), r(4096 * b, 768), r(768), r(768))),
+        "bert_softmax": (bert_softmax, (r(b, 12, 512, 512), _mask(b, 512, dtype, dev))),
+        "bias_gelu": (bias_gelu, (r(512 * b, 3072), r(3072))),
+    }
+
+
+def extra_workloads(dtype: torch.dtype, dev: str):
+    r = lambda *s: torch.randn(*s, dtype=dtype, device=dev)
+    return {
+        "softmax_long_rows": (softmax, (r(4096, 32768),)),
+        "layer_norm_long_rows": (layer_norm, (r(4096, 32768), r(32768), r(32768))),
+        "rmsnorm": (rmsnorm, (r(8 * 4096, 4096), r(4096))),
+        "softmax_odd": (softmax, (r(4097, 33),)),
+        "softmax_one_long_row": (softmax, (r(1, 65536),)),
+    }
+
+
+def stitched(fn, inputs, cache_dir):
+    graph = trace_ir(fn, *inputs)
+    regions = StitchClaimer().claim(graph, list(graph.nodes), None if cache_dir is None else _Ctx(cache_dir))
+    if len(regions) != 1 or len(regions[0].nodes) != len(graph.nodes):
+        raise RuntimeError(f"expected one region over the graph, got {[r.ops for r in regions]}")
+    region = regions[0]
+    shapes = [(tuple(v.meta.shape), v.meta.stride) for v in graph.inputs]
+    if shapes != [(tuple(t.shape), t.stride()) for t in inputs]:
+        raise RuntimeError("graph inputs are not in argument order")
+    by_value = {id(v): t for v, t in zip(graph.inputs, inputs)}
+    args = [by_value[id(v)] for v in region.inputs]
+    return region, (lambda: region.kernel(*args)[0])
+
+
+class _Ctx:
+    """The two fields of CompileContext the claimer reads."""
+
+    def __init__(self, cache_dir):
+        from torch_mirage.config import load
+        self.config = load({"cache_dir": cache_dir})
+        self.facts = {}
+
+
+def rel_error(out, ref):
+    o, r = out.double(), ref.double()
+    same_nan = torch.equal(torch.isnan(o), torch.isnan(r))
+    fin = torch.isfinite(r)
+    err = ((o[fin] - r[fin]).norm() / (r[fin].norm() + 1e-30)).item()
+    return err, same_nan
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="numerics only at b=1, no extra workloads")
+    opts = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 2
+    import triton
+    from triton.testing import do_bench
+
+    dev = "cuda"
+    cache_dir = tempfile.mkdtemp(prefix="mirage-stitch-")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "numerics": [], "timing_us": []}
+    failed = False
+    torch.manual_seed(0)
+    # numerics, every dtype
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        cases = dict(workloads(1, dtype, dev))
+        if not opts.quick:
+            cases.update(extra_workloads(dtype, dev))
+        for name, (fn, inputs) in cases.items():
+            try:
+                region, run = stitched(fn, inputs, cache_dir)
+                out = run()
+                ref = fn(*[t.double() for t in inputs]).to(dtype)
+                err, same_nan = rel_error(out, ref)
+                ok = same_nan and err <= TOL[dtype]
+                row = {"workload": name, "dtype": str(dtype), "rel_error": err, "nan_match": same_nan, "ok": ok,
+                       "mapping": region.info["thread_mapping"]}
+            except Exception as e:  # report and go on
+                row = {"workload": name, "dtype": str(dtype), "ok": False, "error": f"{type(e).__name__}: {e}"}
+            failed |= not row["ok"]
+            results["numerics"].append(row)
+            print(("ok  " if row["ok"] else "FAIL"), json.dumps(row))
+    # timing, fp16
+    batches = (1,) if opts.quick else (1, 8)
+    for b in batches:
+        cases = dict(workloads(b, torch.float16, dev))
+        if b == 1 and not opts.quick:
+            cases.update({k: v for k, v in extra_workloads(torch.float16, dev).items()
+                          if k in ("softmax_long_rows", "layer_norm_long_rows")})
+        for name, (fn, inputs) in cases.items():
+            try:
+                region, run = stitched(fn, inputs, cache_dir)
+                torch._dynamo.reset()
+                ind = torch.compile(fn)
+                ind(*inputs)
+                t_mirage = do_bench(run, return_mode="median") * 1e3
+                t_inductor = do_bench(lambda: ind(*inputs), return_mode="median") * 1e3
+                nbytes = sum(t.numel() * t.element_size() for t in inputs) + run().numel() * 2
+                row = {"workload": name, "b": b, "mirage_us": round(t_mirage, 2), "inductor_us": round(t_inductor, 2),
+                       "speedup": round(t_inductor / t_mirage, 3), "mirage_GBps": round(nbytes / t_mirage / 1e3, 1),
+                       "mapping": region.info["thread_mapping"]}
+            except Exception as e:
+                row = {"workload": name, "b": b, "error": f"{type(e).__name__}: {e}"}
+            results["timing_us"].append(row)
+            print(json.dumps(row))
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "stitch_gpu_check.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The stitch partitioner: which ops form which region, dominant ops, schemes, thread mappings, what is left alone."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from torch_mirage.capture.ops import OpKind  # noqa: E402
+from torch_mirage.partition.plan import Scheme, Strategy  # noqa: E402
+from torch_mirage.partition.region import is_convex  # noqa: E402
+from torch_mirage.partition.stitch import StitchClaimer, _acyclic, choose_mapping  # noqa: E402
+from torch_mirage.pipeline import CompileContext  # noqa: E402
+from torch_mirage.config import load  # noqa: E402
+from torch_mirage.report import GraphReport  # noqa: E402
+from torch_mirage.testing import models as M  # noqa: E402
+from torch_mirage.testing.aten import trace_ir  # noqa: E402
+
+
+def claim(fn, *inputs, claimer=None):
+    graph = trace_ir(fn, *inputs)
+    regions = (claimer or StitchClaimer()).claim(graph, list(graph.nodes), None)
+    return graph, regions
+
+
+def op_names(region):
+    return sorted(n.op.name for n in region.nodes)
+
+
+def check_regions_valid(graph, regions):
+    seen = set()
+    for r in regions:
+        assert is_convex(graph, r.nodes)
+        assert not any(n.kind in (OpKind.MATMUL, OpKind.OPAQUE) for n in r.nodes)
+        assert not seen & {id(n) for n in r.nodes}
+        seen |= {id(n) for n in r.nodes}
+    group_of = {id(n): i for i, r in enumerate(regions) for n in r.nodes}
+    assert _acyclic(graph, group_of), "claimed regions form a cycle"
+
+
+def test_bert_layer_regions():
+    torch.manual_seed(0)
+    model = M.BertLayer().eval()
+    x, mask = M.bert_inputs(64, 2, 16)
+    graph, regions = claim(model, x, mask)
+    check_regions_valid(graph, regions)
+    by_dom = {}
+    for r in regions:
+        dom = r.plan.dominants[0].node.op.name if r.plan.dominants else "elementwise"
+        by_dom.setdefault(dom, []).append(r)
+    # attention softmax with the additive mask, two layer norms (residual adds included), the GELU
+    assert len(by_dom["amax"]) == 1 and len(by_dom["var_mean"]) == 2 and len(by_dom["elementwise"]) == 1
+    softmax = by_dom["amax"][0]
+    assert {"add", "amax", "sub", "exp", "sum", "div"} <= set(op_names(softmax))
+    assert [d.node.op.name for d in softmax.plan.dominants] == ["amax", "sum"]
+    assert softmax.plan.dominants[1].role == "sub-dominant"
+    assert softmax.plan.space == (2, 4, 16, 16)
+    for ln in by_dom["var_mean"]:
+        assert "add" in op_names(ln) and "rsqrt" in op_names(ln)     # residual add stitched into the norm
+        assert any(d.node.op.name == "rsqrt" and d.role == "sub-dominant" for d in ln.plan.dominants)
+        assert Scheme.REGIONAL in ln.plan.schemes.values()
+    gelu = by_dom["elementwise"][0]
+    assert "tanh" in op_names(gelu)
+    assert set(gelu.plan.schemes.values()) == {Scheme.LOCAL}
+    assert gelu.plan.mapping.strategy is Strategy.ELEMENTWISE
+
+
+def test_llama_block_regions():
+    torch.manual_seed(0)
+    cfg = M.LlamaConfig()
+    model = M.LlamaBlock(cfg).eval()
+    graph, regions = claim(model, *M.llama_inputs(cfg, 2, 16))
+    check_regions_valid(graph, regions)
+    doms = sorted(r.plan.dominants[0].node.op.name for r in regions if r.plan.dominants)
+    assert doms == ["amax", "mean", "mean"]        # causal softmax, two RMSNorms
+    causal = next(r for r in regions if r.plan.dominants and r.plan.dominants[0].node.op.name == "amax")
+    assert {"where", "amax", "exp", "sum", "div"} <= set(op_names(causal))
+    assert "iota" not in op_names(causal)          # int64 index arithmetic stays outside
+    silu_mul = [r for r in regions if {"neg", "exp", "div", "mul"} <= set(op_names(r)) and not r.plan.dominants]
+    assert len(silu_mul) == 1                      # SwiGLU's silu(a) * b in one kernel
+    claimed = {id(n) for r in regions for n in r.nodes}
+    assert not any(id(n) in claimed for n in graph.nodes if n.op.name == "iota")
+
+
+def test_independent_groups_of_one_space_merge():
+    def fn(x, y):
+        return torch.softmax(x, -1), torch.softmax(y * 2.0, -1)
+
+    graph, regions = claim(fn, torch.randn(6, 40), torch.randn(6, 40))
+    assert len(regions) == 1 and regions[0].plan.groups == 2
+    assert regions[0].plan.scheme_counts()["independent"] == 1
+    graph, regions = claim(fn, torch.randn(6, 40), torch.randn(5, 40))
+    assert len(regions) == 2
+
+
+def test_no_cycle_through_a_matmul():
+    def fn(x, w):
+        a = torch.exp(x)
+        return torch.tanh(a @ w + a)
+
+    graph, regions = claim(fn, torch.randn(8, 8), torch.randn(8, 8))
+    check_regions_valid(graph, regions)
+    for r in regions:
+        names = op_names(r)
+        assert not ("exp" in names and "tanh" in names), "exp and tanh would make a cycle through the matmul"
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x + 1.0,                        # one cheap elementwise op
+    lambda x: x.view(4, 10).t().contiguous(),  # layout only
+    lambda x: x.sum(0),                        # reduction over a non-last dim
+], ids=["single-cheap-op", "layout-only", "non-last-dim-reduction"])
+def test_not_claimed(fn):
+    _, regions = claim(fn, torch.randn(10, 4))
+    assert regions == []
+
+
+def test_cpu_without_interpreter_is_unsupported_device(monkeypatch):
+    graph = trace_ir(lambda x: torch.softmax(x, -1), torch.randn(3, 5))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ctx = CompileContext(load({}), GraphReport(0, "inference"), None)
+    assert StitchClaimer().claim(graph, list(graph.nodes), ctx) == []
+    reasons = {r for _, r, _ in ctx.facts["stitch.skipped"]}
+    assert reasons == {"UNSUPPORTED_DEVICE"}
+
+
+def test_info_for_the_report():
+    _, (region,) = claim(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b),
+                         torch.randn(64, 96), torch.randn(96), torch.randn(96))
+    info = region.info
+    assert info["dominant"].startswith("var_mean")
+    assert "rows=64 x 96" in info["thread_mapping"]
+    assert os.path.exists(info["kernel_source"])
+    assert info["schemes"]["regional"] >= 1
+
+
+class _Device:
+    name = "test device"
+
+    def __init__(self, sm_count=132, smem_per_block=227 * 1024):
+        self.sm_count, self.smem_per_block = sm_count, smem_per_block
+
+
+def test_thread_mapping_choices():
+    h100 = _Device()
+    # bias_residual_layernorm b=8: many short rows -> horizontal packing, row on chip
+    m = choose_mapping(4096 * 8, 768, True, 2, h100)
+    assert m.strategy is Strategy.PACKED and m.block_n == 1024 and m.block_m >= 2
+    assert m.grid[0] >= 2 * h100.sm_count
+    # bert_softmax b=8: rows of 512
+    m = choose_mapping(8 * 12 * 512, 512, True, 2, h100)
+    assert m.strategy is Strategy.PACKED and m.block_m * m.block_n <= 4096
+    # few rows: one row per program so the SMs have work
+    m = choose_mapping(64, 512, True, 2, h100)
+    assert m.strategy is Strategy.ROW and m.block_m == 1
+    # a row longer than a program keeps on chip: looped (global scheme)
+    m = choose_mapping(4096, 32768, True, 2, h100)
+    assert m.strategy is Strategy.LOOPED and m.block_n <= 4096
+    # the shared-memory budget degrades regional to global
+    m = choose_mapping(4096, 4096, True, 3, _Device(smem_per_block=32 * 1024))
+    assert m.strategy is Strategy.LOOPED
+    # elementwise: 2-D tiles
+    m = choose_mapping(512 * 8, 3072, False, 0, h100)
+    assert m.strategy is Strategy.ELEMENTWISE and m.block_n == 1024
+
+
+def test_smem_budget_degrades_schemes_to_global():
+    def fn(x):
+        return torch.softmax(x, -1)
+
+    import dataclasses
+    from torch_mirage.analysis.device import DeviceModel
+
+    h100 = DeviceModel.profile("H100")
+    x = torch.randn(4, 4096)
+    _, (small,) = claim(fn, x, claimer=StitchClaimer(device=dataclasses.replace(h100, smem_per_block=16 * 1024)))
+    _, (big,) = claim(fn, x, claimer=StitchClaimer(device=h100))
+    assert small.plan.mapping.strategy is Strategy.LOOPED and Scheme.GLOBAL in small.plan.schemes.values()
+    assert big.plan.mapping.single_pass and Scheme.GLOBAL not in big.plan.schemes.values()
+    out_small, out_big = small.kernel(x)[0], big.kernel(x)[0]
+    torch.testing.assert_close(out_small, torch.softmax(x, -1))
+    torch.testing.assert_close(out_big, torch.softmax(x, -1))
