@@ -3,6 +3,11 @@ import os
 import pytest
 import torch
 
+# Without a GPU, generated Triton kernels run in Triton's interpreter (read when @triton.jit runs), so the
+# stitch claimer claims on CPU tensors in every test, the way it does on CUDA.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Backend tests run without CUDA graphs unless a test asks; cache in a per-session temp dir.
 os.environ.setdefault("MIRAGE_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"mirage-test-cache-{os.getpid()}"))
 

@@ -165,3 +165,33 @@ def test_claimed_regions_are_assembled_between_inductor_regions():
     by = {r.compiled_by for r in report.regions}
     assert by == {"mirage", "inductor"}
     assert all(r.claimer == "test-eager" for r in report.regions if r.compiled_by == "mirage")
+
+
+class _WrongClaimer(_EagerClaimer):
+    """Claims like _EagerClaimer but its exp kernel is off by a little: the compile-time check must catch it."""
+    name = "wrong"
+
+    def claim(self, graph, free, ctx):
+        regions = super().claim(graph, free, ctx)
+        for region in regions:
+            if region.nodes[0].op.name == "exp":
+                good = region.kernel
+                region.kernel = lambda *t, good=good: tuple(o * 1.01 for o in good(*t))
+        return regions
+
+
+def test_wrong_kernel_is_caught_at_compile_time_and_handed_back():
+    report = torch_mirage.Report()
+    fn = lambda x: torch.exp(x) * 3
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(report=report, claimers=[_WrongClaimer()]))
+    x = torch.randn(64, 64)
+    assert_close(compiled(x), fn(x))
+    exp_region = next(r for r in report.regions if any("exp" in op for op in r.ops))
+    assert exp_region.compiled_by == "inductor" and "relative error" in exp_region.detail
+    assert any(r.compiled_by == "mirage" for r in report.regions)   # the correct mul kernel stays
+
+
+def test_strict_mode_raises_on_a_wrong_kernel():
+    backend = torch_mirage.MirageBackend(options={"strict": True}, claimers=[_WrongClaimer()])
+    with pytest.raises(Exception, match="relative error"):
+        torch.compile(lambda x: torch.exp(x) * 3, backend=backend)(torch.randn(8, 8))

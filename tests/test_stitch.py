@@ -1,21 +1,23 @@
 """The stitch partitioner: which ops form which region, dominant ops, schemes, thread mappings, what is left alone."""
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
 
-from torch_mirage.capture.ops import OpKind  # noqa: E402
-from torch_mirage.partition.plan import Scheme, Strategy  # noqa: E402
-from torch_mirage.partition.region import is_convex  # noqa: E402
-from torch_mirage.partition.stitch import StitchClaimer, _acyclic, choose_mapping  # noqa: E402
-from torch_mirage.pipeline import CompileContext  # noqa: E402
-from torch_mirage.config import load  # noqa: E402
-from torch_mirage.report import GraphReport  # noqa: E402
-from torch_mirage.testing import models as M  # noqa: E402
-from torch_mirage.testing.aten import trace_ir  # noqa: E402
+from torch_mirage.capture.ops import OpKind
+from torch_mirage.partition.plan import Scheme, Strategy
+from torch_mirage.partition.region import is_convex
+from torch_mirage.partition.stitch import StitchClaimer, _acyclic, choose_mapping
+from torch_mirage.pipeline import CompileContext
+from torch_mirage.config import load
+from torch_mirage.report import GraphReport
+from torch_mirage.testing import models as M
+from torch_mirage.testing.aten import trace_ir
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
 
 
 def claim(fn, *inputs, claimer=None):

@@ -38,6 +38,7 @@ class Config:
     verify_error_bound: float = _knob(1e-9, "Target probability that the verifier accepts a wrong candidate.", affects_output=True)
     stitch: bool = _knob(True, "Claim memory-bound regions with AStitch-style stitch kernels.", affects_output=True)
     measure_regions: bool = _knob(True, "On a GPU, time each claimed region against Inductor's version and keep the faster.", affects_output=True)
+    check_regions: bool = _knob(True, "Run each mirage kernel once at compile time against eager ATen on random inputs; a mismatch hands the region back to the fallback.", affects_output=True)
     cache: bool = _knob(True, "Read and write the on-disk cache.")
 
     def __post_init__(self) -> None:

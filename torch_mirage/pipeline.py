@@ -24,7 +24,7 @@ from .partition.region import Claimer, Reason, Region, is_convex
 from .report import GraphReport, RegionReport
 from .runtime.assemble import assemble
 from .runtime.cudagraph import CudaGraphRunner, cuda_graph_blocker
-from .runtime.measure import keep_faster
+from .runtime.measure import check_regions, keep_faster
 
 log = logging.getLogger("torch_mirage")
 
@@ -124,6 +124,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
             graph = lower(gm, list(example_inputs))
         with report.stage("partition"):
             regions = claim_regions(graph, claimers, ctx)
+        if config.check_regions:
+            with report.stage("check"):
+                check_regions(regions, graph, ctx)
         if config.measure_regions and torch.cuda.is_available():
             with report.stage("measure"):
                 keep_faster(regions, graph, ctx)

@@ -19,8 +19,9 @@ kernel boundaries, never inside a region.
 *Value* (forward only): constants (``full``, scalars, and anything computed from constants, evaluated with the ATen op
 itself), integer affine index expressions (``iota``/``arange``), half-plane masks from comparing them (a causal
 triangle is ``d[-1] - d[-2] >= c``), and piecewise tensors (``where(mask, a, b)``) whose constant side (e.g. ``-inf``)
-survives ``add``/``sub``/``mul``/``div``/``exp``... so later stages can skip masked tiles. Non-constant operands are
-assumed finite (``-inf + x = -inf``, ``0 * x = 0``), the assumption value-aware skipping rests on.
+survives ``add``/``sub``/``mul``/``div``/``exp``... so later stages can skip masked tiles. On the masked side of a
+piecewise tensor, non-constant operands are assumed finite (``-inf + x = -inf``, ``0 * x = 0``), the assumption
+value-aware skipping rests on; whole-tensor constants are exact (``x * 0`` is not folded: NaN stays NaN).
 """
 from __future__ import annotations
 
@@ -497,13 +498,33 @@ _ABSORB: dict[str, dict[tuple[int, Any], Any]] = {
 }
 
 
-def _side(node: Node, ops: list[ValueProperty], positional: list[Any]) -> ValueProperty:
-    """The value of one side of a piecewise result, given each operand's value on that side."""
+# identities: op name -> {operand position: value}; the result is the other operand (any kind of property)
+_IDENTITY: dict[str, dict[int, Any]] = {
+    "add": {0: 0, 1: 0}, "sub": {1: 0}, "mul": {0: 1, 1: 1}, "div": {1: 1}, "logical_and": {0: True, 1: True},
+}
+
+
+def _identity(node: Node, ops: list[ValueProperty]) -> ValueProperty | None:
+    if len(ops) != 2 or bind_args(node).get("alpha", 1) != 1 or "rsub" in node.target_name:
+        return None
+    for pos, ident in _IDENTITY.get(node.op.name, {}).items():
+        o = ops[pos]
+        if o.is_constant and isinstance(o.fill, bool) == isinstance(ident, bool) and o.fill == ident:
+            return ops[1 - pos]
+    return None
+
+
+def _side(node: Node, ops: list[ValueProperty], positional: list[Any], masked: bool) -> ValueProperty:
+    """The value of one side of a piecewise result (``masked``) or of a whole tensor, given its operands' values.
+    Absorbing elements with unknown operands (``-inf + x``) apply to masked sides only: whole tensors stay exact."""
     if all(o.is_constant for o in ops):
         consts = {id(a): o.fill for a, o in zip(positional, ops) if isinstance(a, Value)}
         r = _eval_constants(node, consts)
         return UNKNOWN if r is None else const(r)
-    for i, o in enumerate(ops):
+    ident = _identity(node, ops)
+    if ident is not None:
+        return ident
+    for i, o in enumerate(ops if masked else ()):
         if o.is_constant:
             for (pos, fill), res in _ABSORB.get(node.op.name, {}).items():
                 if pos == i and _eq_fill(o.fill, fill):
@@ -574,14 +595,17 @@ def _value_elementwise(node: Node, values: dict) -> list[ValueProperty]:
             return [r]
     if node.op.name == "logical_not" and ops[0].kind is ValueKind.MASK:
         return [ValueProperty(ValueKind.MASK, expr=ops[0].expr.scaled(-1).plus(Affine((), -1)))]
+    ident = _identity(node, ops)
+    if ident is not None:
+        return [ident]
     preds = {o.expr for o in ops if o.kind is ValueKind.PIECEWISE}
     if len(preds) > 1 or any(o.kind in (ValueKind.AFFINE, ValueKind.MASK) for o in ops):
         return [UNKNOWN]
     if not preds:
-        return [_side(node, ops, positional)]
+        return [_side(node, ops, positional, masked=False)]
     pred = preds.pop()
-    inside = _side(node, [o.inside if o.kind is ValueKind.PIECEWISE else o for o in ops], positional)
-    outside = _side(node, [o.outside if o.kind is ValueKind.PIECEWISE else o for o in ops], positional)
+    inside = _side(node, [o.inside if o.kind is ValueKind.PIECEWISE else o for o in ops], positional, True)
+    outside = _side(node, [o.outside if o.kind is ValueKind.PIECEWISE else o for o in ops], positional, True)
     if inside.is_constant and outside.is_constant and _eq_fill(inside.fill, outside.fill):
         return [inside]
     if not inside.known and not outside.known:

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -60,7 +61,7 @@ def to_fx(graph: Graph) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[int, fx.Node] = {}
     for v in graph.inputs:
-        p = g.placeholder(v.name)
+        p = g.placeholder(re.sub(r"\W", "_", v.name))
         p.meta["val"] = v.example
         env[id(v)] = p
     for node in graph.nodes:

@@ -77,7 +77,7 @@ OPS: tuple[OpDef, ...] = (
     OpDef("erf", E, _t("aten.erf.default"), False, "_erf({0})", flops=8),
     OpDef("log", E, _t("aten.log.default"), False, "tl.log({0})", flops=4),
     OpDef("abs", E, _t("aten.abs.default"), False, "tl.abs({0})"),
-    OpDef("relu", E, _t("aten.relu.default"), False, "tl.maximum({0}, 0.0)"),
+    OpDef("relu", E, _t("aten.relu.default"), False, "_maximum({0}, 0.0)"),
     OpDef("maximum", E, _t("aten.maximum.default", "aten.clamp_min.default"), False, "_maximum({0}, {1})"),
     OpDef("minimum", E, _t("aten.minimum.default", "aten.clamp_max.default"), False, "_minimum({0}, {1})"),
     OpDef("where", E, _t("aten.where.self", "aten.where.ScalarSelf", "aten.where.ScalarOther"), False, "tl.where({0}, {1}, {2})"),

@@ -35,6 +35,7 @@ class Region:
     detail: str = ""
     claimer: str = ""
     kernel: Callable[..., tuple] | None = None   # mirage regions: (*inputs) -> tuple(outputs)
+    plan: Any = None                   # the claimer's plan (StitchPlan, μGraph) the kernel was built from
     info: dict[str, Any] = field(default_factory=dict)  # claimer's facts for the report
 
     def __post_init__(self) -> None:

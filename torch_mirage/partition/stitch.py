@@ -86,6 +86,8 @@ def _tensor_problem(node: Node, interpret: bool) -> tuple[Reason, str] | None:
             return Reason.UNSUPPORTED_DTYPE, f"{node.name}: {v.meta.dtype}"
         if not _device_ok(v, interpret):
             return Reason.UNSUPPORTED_DEVICE, f"{node.name}: {v.meta.device} (Triton kernels need CUDA)"
+        if v.meta.numel == 0:
+            return Reason.NOT_CLAIMED, f"{node.name}: 0-size tensor {v.meta} (nothing to compute)"
         if v.meta.numel >= _INT32:
             return Reason.NOT_CLAIMED, f"{node.name}: {v.meta.numel} elements overflow int32 offsets"
     return None

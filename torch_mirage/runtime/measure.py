@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..capture.ir import Graph, fingerprint, subgraph
 from ..capture.lower import to_fx
@@ -111,7 +112,8 @@ def keep_faster(regions: Sequence[Region], graph: Graph, ctx: Any) -> None:
         if not all(v.meta is None or v.meta.device.type == "cuda" for v in region.inputs):
             continue
         try:
-            timing = measure_region(region, graph, ctx)
+            with unset_fake_temporarily():
+                timing = measure_region(region, graph, ctx)
         except Exception as e:   # measuring is advice: keep mirage's verified kernel and say so
             if ctx.config.strict:
                 raise
@@ -124,4 +126,56 @@ def keep_faster(regions: Sequence[Region], graph: Graph, ctx: Any) -> None:
         if timing.mirage_us > timing.inductor_us:
             region.compiled_by, region.reason = ctx.config.fallback, Reason.SLOWER_THAN_INDUCTOR
             region.detail = f"{timing.mirage_us:.1f} µs vs Inductor {timing.inductor_us:.1f} µs"
+            region.kernel = None
+
+
+_CHECK_TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 1e-4, torch.float64: 1e-10}
+
+
+def numerics_problem(region: Region, graph: Graph) -> str | None:
+    """Run the region's kernel and its ATen subgraph on the same random inputs; describe any mismatch."""
+    outs = region.outputs(graph)
+    sub = subgraph(graph, region.nodes, outs)
+    inputs = [random_like(v.meta) if v.meta else v.example for v in sub.inputs]
+    with torch.no_grad():
+        want = to_fx(sub)(*inputs)
+        got = region.kernel(*inputs)
+    for v, g, w in zip(outs, got, want):
+        if not isinstance(w, torch.Tensor):
+            continue
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return f"output {v.name}: {g.dtype}{list(g.shape)} instead of {w.dtype}{list(w.shape)}"
+        if w.dtype == torch.bool or not w.dtype.is_floating_point:
+            if not torch.equal(g, w):
+                return f"output {v.name}: {(g != w).sum().item()} of {w.numel()} elements differ"
+            continue
+        gd, wd = g.double(), w.double()
+        finite = torch.isfinite(wd)
+        if not torch.equal(finite, torch.isfinite(gd)) or not torch.equal(gd[~finite].nan_to_num(), wd[~finite].nan_to_num()):
+            return f"output {v.name}: NaN / inf pattern differs from eager"
+        denom = wd[finite].norm().item() or 1.0
+        err = (gd[finite] - wd[finite]).norm().item() / denom
+        if err > _CHECK_TOL.get(w.dtype, 1e-2):
+            return f"output {v.name}: relative error {err:.2e} against eager ({w.dtype})"
+    return None
+
+
+def check_regions(regions: Sequence[Region], graph: Graph, ctx: Any) -> None:
+    """Hand back every mirage region whose kernel disagrees with eager, or fails to run, on random inputs."""
+    for region in regions:
+        if region.compiled_by != "mirage" or region.kernel is None:
+            continue
+        try:
+            with unset_fake_temporarily():   # the compile runs under AOT's fake mode; this needs real tensors
+                problem = numerics_problem(region, graph)
+        except Exception as e:
+            if ctx.config.strict:
+                raise
+            problem = f"kernel failed to run: {type(e).__name__}: {e}"
+        if problem is not None:
+            if ctx.config.strict:
+                raise RuntimeError(f"torch_mirage: region {region.ops} ({region.claimer}) is wrong: {problem}")
+            log.warning("torch_mirage: %s kernel for %s disagrees with eager (%s); the region falls back to %s",
+                        region.claimer, ", ".join(region.ops[:6]), problem, ctx.config.fallback)
+            region.compiled_by, region.reason, region.detail = ctx.config.fallback, Reason.COMPILE_ERROR, problem
             region.kernel = None

@@ -1,0 +1,223 @@
+"""Launch parameters of a graph-defined kernel op: tile sizes, split, ``num_warps``, ``num_stages``.
+
+A :class:`LaunchConfig` re-tiles a block graph (new grid sizes and for-loop range: the same imap / fmap /
+omap, tile extents re-inferred by the op table), adds a kernel-level split of the for-loop (split-K /
+split-KV) and picks Triton's ``num_warps`` / ``num_stages``. A re-tiling is accepted only if the op table
+re-infers every shape and every saver keeps its kernel-output shape; :func:`choose` also checks each
+candidate's output against the μGraph's own schedule on the real inputs before timing it.
+
+On CUDA, :func:`choose` ranks candidates with a small roofline model (bytes each program loads, SM
+occupancy, the combine kernel's cost), times the best few with ``triton.testing.do_bench`` and caches the
+winner in a :class:`~torch_mirage.cache.DiskCache` keyed by the block graph's hash (shapes and dtypes are
+in it), the input strides and the device name. On the CPU / interpreter it returns the μGraph's own
+schedule with a fixed small config, untimed. Autotuning stays here, apart from codegen.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..superopt.ugraph import BlockGraph, Ctx, MuGraphError, ThreadGraph, make_op
+from .ugraph_triton import _saved, padded
+
+log = logging.getLogger("torch_mirage")
+
+TILES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+LOOP_TILES = (32, 64, 128, 256)
+SPLITS = (1, 2, 4, 8, 16, 32)
+WARPS_STAGES = ((4, 3), (8, 4))
+MAX_TILE = 128 * 128           # elements any block tile may hold (registers of one program)
+MAX_STAGE_BYTES = 48 * 1024    # bytes one for-loop iteration loads (x num_stages must fit shared memory)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    grid: tuple
+    forloop_range: int
+    split: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "grid": list(self.grid)}
+
+    @staticmethod
+    def from_json(d: dict) -> "LaunchConfig":
+        return LaunchConfig(**{**d, "grid": tuple(d["grid"])})
+
+
+def default_config(bg: BlockGraph) -> LaunchConfig:
+    """The μGraph's own schedule, no split: what the CPU interpreter and the tests run."""
+    return LaunchConfig(tuple(bg.grid), bg.forloop_range)
+
+
+# ------------------------------------------------------------------ re-tiling
+def _rebody(tg: ThreadGraph, in_shapes, in_dtypes) -> ThreadGraph:
+    ops = []
+    for op in tg.ops:
+        if op.name == "input":
+            i = op.attrs["index"]
+            ops.append(make_op("input", [], [], [], {**op.attrs, "shape": tuple(in_shapes[i])}))
+            continue
+        ops.append(make_op(op.name, op.inputs, [ops[r[0]].shapes[r[1]] for r in op.inputs],
+                           [ops[r[0]].dtypes[r[1]] for r in op.inputs], dict(op.attrs)))
+    return ThreadGraph(ops=tuple(ops), outputs=tg.outputs)
+
+
+def retile(bg: BlockGraph, grid: Sequence[int], forloop_range: int) -> BlockGraph | None:
+    """``bg`` with a new grid and for-loop range, or None where that changes what the op computes
+    (a shape rule fails or a saver's output shape changes)."""
+    grid = tuple(int(g) for g in grid)
+    if grid == tuple(bg.grid) and forloop_range == bg.forloop_range:
+        return bg
+    ctx = Ctx(grid, int(forloop_range))
+    ops: list = []
+    try:
+        for op in bg.ops:
+            shapes = [ops[r[0]].shapes[r[1]] for r in op.inputs]
+            dtypes = [ops[r[0]].dtypes[r[1]] for r in op.inputs]
+            body = _rebody(op.body, shapes, dtypes) if isinstance(op.body, ThreadGraph) else op.body
+            ops.append(make_op(op.name, op.inputs, shapes, dtypes, dict(op.attrs), body, ctx))
+    except MuGraphError:
+        return None
+    new = BlockGraph(ops=tuple(ops), grid=grid, forloop_range=int(forloop_range))
+    if [_saved(new, s) for s in new.savers] != [_saved(bg, s) for s in bg.savers]:
+        return None
+    return new
+
+
+# ------------------------------------------------------------------ candidates
+def _grid_choices(bg: BlockGraph, g: int) -> list[int]:
+    for it in bg.iterators:
+        d = it.attrs["imap"][g]
+        if d is None:
+            continue
+        extent = it.attrs["shape"][d]
+        if extent // bg.grid[g] == 1:
+            return [bg.grid[g]]          # a dim split to single elements (heads, batch): leave it
+        return sorted({extent // t for t in TILES if extent % t == 0} | {bg.grid[g]})
+    return [bg.grid[g]]
+
+
+def _loop_choices(bg: BlockGraph, grid) -> list[int]:
+    for it in bg.iterators:
+        d = it.attrs["fmap"]
+        if d is None:
+            continue
+        extent = it.attrs["shape"][d]
+        for g, m in enumerate(it.attrs["imap"]):
+            if m == d:
+                extent //= grid[g]
+        return sorted({extent // t for t in LOOP_TILES if extent % t == 0 and extent >= t} | {bg.forloop_range})
+    return [bg.forloop_range]
+
+
+def estimate_us(bg: BlockGraph, split: int, n_sm: int, bandwidth: float = 3.0e6) -> float | None:
+    """A roofline guess in µs: bytes all programs load at the achieved occupancy, a per-iteration cost and
+    the combine kernel; None where a tile would not fit registers or one stage would not fit shared memory."""
+    if any(math.prod(padded(x) for x in s) > MAX_TILE for op in bg.ops for s in op.shapes):
+        return None
+    programs = math.prod(bg.grid) * split
+    per_program = stage = 0
+    for it in bg.iterators:
+        size = 2 if it.attrs["dtype"] in ("float16", "bfloat16") else 4
+        tile_bytes = math.prod(padded(x) for x in it.shapes[0]) * size
+        if it.attrs["fmap"] is not None:
+            stage += tile_bytes
+            per_program += tile_bytes * (bg.forloop_range // split)
+        else:
+            per_program += tile_bytes
+    if stage > MAX_STAGE_BYTES:
+        return None
+    states = [math.prod(padded(x) for x in s) for op in bg.ops if op.spec.kind == "accum" for s in op.shapes]
+    occupancy = min(1.0, programs / n_sm)
+    t = per_program * programs / (bandwidth * occupancy) + 0.02 * (bg.forloop_range // split)
+    if split > 1:
+        t += 2.0 + 2 * sum(states) * 4 * programs / bandwidth
+    return t
+
+
+def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
+    """The μGraph's own schedule plus the ``limit`` best re-tilings by :func:`estimate_us`, each with
+    the (num_warps, num_stages) pairs of ``WARPS_STAGES``."""
+    scored = []
+    choices = [_grid_choices(bg, g) for g in range(len(bg.grid))]
+    for grid in _product(choices):
+        for f in _loop_choices(bg, grid):
+            tiled = retile(bg, grid, f)
+            if tiled is None:
+                continue
+            for s in SPLITS:
+                if f % s or (s > 1 and f // s < 1):
+                    continue
+                est = estimate_us(tiled, s, n_sm)
+                if est is not None:
+                    scored.append((est, grid, f, s))
+    scored.sort()
+    picks = [(tuple(bg.grid), bg.forloop_range, 1)]
+    for _, grid, f, s in scored:
+        if len(picks) > limit:
+            break
+        if (grid, f, s) not in picks:
+            picks.append((grid, f, s))
+    return [LaunchConfig(g, f, s, w, st) for g, f, s in picks for w, st in WARPS_STAGES]
+
+
+def _product(choices):
+    out = [()]
+    for c in choices:
+        out = [p + (x,) for p in out for x in c]
+    return out
+
+
+# ------------------------------------------------------------------ choosing
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / (b.norm() + 1e-30))
+
+
+def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Sequence[torch.Tensor], *,
+           cache: Any = None, limit: int = 4) -> LaunchConfig:
+    """The launch config to use for ``bg`` on ``inputs``; ``build(config)`` returns ``run(*inputs) -> outputs``."""
+    base = default_config(bg)
+    if not inputs or inputs[0].device.type != "cuda":
+        return base
+    from ..cache import cache_key
+    key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
+                    device=torch.cuda.get_device_name(inputs[0].device))
+    if cache is not None:
+        hit = cache.get_json(key)
+        if hit is not None:
+            return LaunchConfig.from_json(hit)
+    import triton.testing
+
+    n_sm = torch.cuda.get_device_properties(inputs[0].device).multi_processor_count
+    want = None
+    best: tuple[float, LaunchConfig] | None = None
+    for cfg in candidates(bg, n_sm, limit):
+        try:
+            run = build(cfg)
+            outs = run(*inputs)
+        except Exception as e:   # a candidate Triton cannot compile (registers, shared memory) is skipped
+            log.info("torch_mirage: launch config %s failed to build or run (%s: %s)", cfg, type(e).__name__, e)
+            continue
+        if want is None:
+            want = [o.clone() for o in outs]
+        tol = 5e-3 if any(o.dtype in (torch.float16, torch.bfloat16) for o in outs) else 1e-4
+        errs = [_rel_err(o, w) for o, w in zip(outs, want)]
+        if max(errs, default=0.0) > tol:
+            log.warning("torch_mirage: launch config %s disagrees with the μGraph's own schedule "
+                        "(relative error %.2e); not used", cfg, max(errs))
+            continue
+        ms = triton.testing.do_bench(lambda: run(*inputs), warmup=5, rep=25)
+        log.debug("torch_mirage: %s -> %.2f µs", cfg, ms * 1e3)
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    chosen = best[1] if best is not None else base
+    if cache is not None and best is not None:
+        cache.put_json(key, chosen.to_json())
+    return chosen

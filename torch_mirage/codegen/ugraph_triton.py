@@ -1,0 +1,589 @@
+"""μGraph → Triton source: one graph-defined kernel op (a :class:`BlockGraph`) → one ``@triton.jit`` kernel.
+
+What maps to what (Mirage §2, §6):
+
+* grid dims → ``tl.program_id(0..2)``; ``imap`` / ``omap`` → tile start offsets ``pid_g × block extent``;
+* the for-loop → ``tl.range(lo, hi, num_stages=NUM_STAGES)`` (Triton's software pipelining); iterators
+  with ``fmap = φ`` and everything computed only from them are hoisted out of the loop;
+* accumulators (sum, mean, max, rms, online-softmax rescaling) → fp32 register tiles; a block matmul
+  feeding a sum accumulator → ``acc = tl.dot(a, b, acc)``; ``matmul(concat, concat)`` along the
+  contracted dim (LoRA's concat identity) → one ``tl.dot`` per part into the same accumulator;
+* thread graphs (fused elementwise chains) are inlined: Triton keeps them in registers;
+* every tile dim is padded to a power of two (≥ 16, ``tl.dot``'s minimum, unless it is 1); loads and
+  stores are masked on ragged dims, and every reduction or contraction over a padded dim masks its
+  operand first, so padding never leaks into valid elements; strides are kernel arguments;
+* fp16 / bf16 / fp32 storage; elementwise math and accumulation in fp32, ``tl.dot`` operands in the
+  storage dtype of the graph (fp16/bf16 on tensor cores; fp32 with ``input_precision="ieee"``);
+* ops are emitted in order of depth (Mirage's depth scheduling) within each phase;
+* ``split > 1`` is a kernel-level reduction after the graph-defined op (split-K / split-KV): the partial
+  kernel runs ``forloop_range / split`` iterations per program and writes its raw accumulator states to an
+  fp32 workspace; a combine kernel folds the splits (sum / max / online-softmax rescale), applies the
+  accumulators' finals, the epilogue and the savers.
+
+Leading unit dims of a tile are dropped (keeping rank ≥ 2 for rank ≥ 2 tiles); that keeps attention's
+``(1, 1, rows, d)`` tiles two-dimensional for ``tl.dot`` and is exact under right-aligned broadcasting.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..superopt.ugraph import BlockGraph, Graph, MuGraphError, Op, Ref
+
+TL = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32"}
+HALF = ("float16", "bfloat16")
+COMBINABLE = {"acc_sum", "acc_mean", "acc_rms", "acc_max", "acc_online_softmax"}
+
+# elementwise μGraph ops: Triton expression over fp32 operands {0}, {1} (attrs by name)
+ELEMENTWISE = {
+    "add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "div": "{0} / {1}",
+    "exp": "tl.exp({0})", "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})", "silu": "{0} * tl.sigmoid({0})",
+    "neg": "-{0}", "square": "{0} * {0}", "scalar_mul": "{0} * {value}", "scalar_add": "{0} + {value}",
+}
+# reductions: (Triton reducer, fill for padded elements)
+NEG_INF = 'float("-inf")'
+REDUCERS = {"reduce_sum": ("tl.sum", "0.0"), "reduce_mean": ("tl.sum", "0.0"), "reduce_max": ("tl.max", NEG_INF)}
+# how the combine kernel folds two partial accumulator states
+FOLD = {"acc_sum": "{a} + {b}", "acc_mean": "{a} + {b}", "acc_rms": "{a} + {b}", "acc_max": "tl.maximum({a}, {b})"}
+
+
+class CodegenError(MuGraphError):
+    """A μGraph construct this Triton codegen does not emit (the message says which op and what to do)."""
+
+
+def padded(extent: int) -> int:
+    """Triton block size for a tile dim: 1 stays 1, else the next power of two, at least 16."""
+    return 1 if extent == 1 else max(16, 1 << (extent - 1).bit_length())
+
+
+def strip(shape) -> tuple[tuple, int]:
+    """``shape`` without its leading unit dims (rank ≥ 2 tiles keep rank 2); returns (shape, dims dropped)."""
+    shape, keep, i = tuple(shape), min(len(shape), 2), 0
+    while len(shape) - i > keep and shape[i] == 1:
+        i += 1
+    return shape[i:], i
+
+
+def order_by_depth(g: Graph, subset) -> list[int]:
+    """Ops ``subset`` of ``g`` in Mirage's depth order: by longest path from the sources, then by index."""
+    depth: dict[int, int] = {}
+    for i, op in enumerate(g.ops):
+        depth[i] = 1 + max((depth[r[0]] for r in op.inputs), default=-1)
+    return sorted(subset, key=lambda i: (depth[i], i))
+
+
+def _expand(rank: int, k: int) -> str:
+    """Indexer that lifts a 1-d arange to position ``k`` of a rank-``rank`` block."""
+    if rank == 1:
+        return ""
+    return "[" + ", ".join(":" if j == k else "None" for j in range(rank)) + "]"
+
+
+def _bcast(*shapes) -> tuple:
+    rank = max(len(s) for s in shapes)
+    out = []
+    for i in range(rank):
+        sizes = {s[len(s) - rank + i] for s in shapes if len(s) - rank + i >= 0} - {1}
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+@dataclass
+class Val:
+    """A tile value in the kernel: variable name, shape without leading unit dims, dtype of the values."""
+    name: str
+    shape: tuple
+    dtype: str
+    parts: tuple = ()       # a virtual concat: its parts (Vals) and the concat dim in ``shape``
+    cat_dim: int = -1
+
+    @property
+    def pshape(self) -> tuple:
+        return tuple(padded(e) for e in self.shape)
+
+
+@dataclass
+class BlockKernel:
+    """The generated source for one customized op and what its launcher needs."""
+    source: str
+    name: str
+    combine: str | None
+    grid: tuple
+    split: int
+    workspaces: list = field(default_factory=list)     # numel (padded) of each accumulator state, per program
+    outputs: list = field(default_factory=list)        # (shape, dtype) of each saver's kernel tensor
+    pipelined: bool = False                            # has a for-loop (takes NUM_STAGES)
+
+
+class _Emitter:
+    def __init__(self, bg: BlockGraph, n_inputs: int, split: int):
+        self.bg, self.split, self.n_inputs = bg, split, n_inputs
+        self.lines: list[str] = []
+        self.indent = 1
+        self.aranges: set[int] = set()
+        self.count = 0
+        dts = [op.attrs["dtype"] for op in bg.iterators]
+        for d in dts:
+            if d not in TL:
+                raise CodegenError(f"μGraph codegen: input dtype {d} not supported (use float16, bfloat16 or float32)")
+        self.dot_dtype = next((d for d in dts if d in HALF), "float32")
+
+    # -------------------------------------------------------------- basics
+    def line(self, s: str) -> None:
+        self.lines.append("    " * self.indent + s)
+
+    def fresh(self, base: str) -> str:
+        self.count += 1
+        return f"{base}{self.count}"
+
+    def r(self, p: int) -> str:
+        self.aranges.add(p)
+        return f"r{p}"
+
+    def assign(self, base: str, expr: str, shape, dtype: str = "float32", natural=None) -> Val:
+        v = Val(self.fresh(base), tuple(shape), dtype)
+        want = v.pshape
+        if natural is not None and tuple(natural) != want:
+            expr = f"tl.reshape({expr}, {want})"
+        self.line(f"{v.name} = {expr}")
+        return v
+
+    def f32(self, v: Val) -> str:
+        return v.name if v.dtype == "float32" else f"{v.name}.to(tl.float32)"
+
+    def mask(self, shape) -> str | None:
+        """Validity mask of a block of (stripped) ``shape``: only padded dims are checked."""
+        rank, terms = len(shape), []
+        for k, e in enumerate(shape):
+            if padded(e) != e:
+                terms.append(f"({self.r(padded(e))} < {e}){_expand(rank, k)}")
+        return " & ".join(terms) or None
+
+    def masked(self, v: Val, dims, fill: str) -> str:
+        """``v`` (fp32) with the padding of ``dims`` replaced by ``fill`` (no-op when those dims are exact)."""
+        rank, terms = len(v.shape), []
+        for k in dims:
+            e = v.shape[k]
+            if padded(e) != e:
+                terms.append(f"({self.r(padded(e))} < {e}){_expand(rank, k)}")
+        if not terms:
+            return self.f32(v)
+        return f"tl.where({' & '.join(terms)}, {self.f32(v)}, {fill})"
+
+    # -------------------------------------------------------------- memory
+    def offsets(self, prefix: str, full, tile, starts) -> tuple[str, str | None]:
+        """Pointer offsets (and mask) of a tile of kernel tensor ``prefix`` whose dim d starts at ``starts[d]``."""
+        kept, n = strip(tile)
+        rank, terms = len(kept), []
+        for d in range(len(full)):
+            s = starts[d]
+            if d < n:
+                if s != "0":
+                    terms.append(f"({s}) * {prefix}_s{d}")
+                continue
+            k = d - n
+            ar = self.r(padded(tile[d]))
+            idx = ar if s == "0" else f"({s} + {ar})"
+            terms.append(f"{idx}{_expand(rank, k)} * {prefix}_s{d}")
+        return " + ".join(terms) or "0", self.mask(kept)
+
+    def load_iterator(self, op: Op, it: str | None) -> Val:
+        a, bg = op.attrs, self.bg
+        full, tile = a["shape"], op.shapes[0]
+        starts = []
+        for d in range(len(full)):
+            parts = [f"pid_{g} * {full[d] // bg.grid[g]}" for g, m in enumerate(a["imap"]) if m == d]
+            if a["fmap"] == d:
+                parts.append(f"{it} * {tile[d]}")
+            starts.append(" + ".join(parts) or "0")
+        p = f"in{a['index']}"
+        offs, mask = self.offsets(p, full, tile, starts)
+        extra = f", mask={mask}, other=0.0" if mask else ""
+        return self.assign("x", f"tl.load({p}_ptr + {offs}{extra})", strip(tile)[0], a["dtype"])
+
+    def store_saver(self, op: Op, v: Val) -> None:
+        k, bg = op.attrs["index"], self.bg
+        tile = bg.shape(op.inputs[0])
+        starts = [" + ".join(f"pid_{g} * {tile[d]}" for g, m in enumerate(op.attrs["omap"]) if m == d) or "0"
+                  for d in range(len(tile))]
+        full = [t * math.prod(bg.grid[g] for g, m in enumerate(op.attrs["omap"]) if m == d) for d, t in enumerate(tile)]
+        offs, mask = self.offsets(f"out{k}", full, tile, starts)
+        value = self.conform(v, strip(tile)[0])
+        extra = f", mask={mask}" if mask else ""
+        self.line(f"tl.store(out{k}_ptr + {offs}, {value}.to({TL[op.attrs['dtype']]}){extra})")
+
+    def conform(self, v: Val, shape) -> str:
+        want = tuple(padded(e) for e in shape)
+        return v.name if v.pshape == want else f"tl.reshape({v.name}, {want})"
+
+    def flat(self, pshape) -> str:
+        rank, terms = len(pshape), []
+        for k, p in enumerate(pshape):
+            stride = math.prod(pshape[k + 1:])
+            terms.append(f"{self.r(p)}{_expand(rank, k)}" + (f" * {stride}" if stride != 1 else ""))
+        return " + ".join(terms)
+
+    # -------------------------------------------------------------- compute
+    def emit(self, op: Op, xs: list[Val], shapes=None) -> list[Val]:
+        """Emit one compute op of a block or thread graph; returns its output values."""
+        name, a = op.name, op.attrs
+        out, n = strip((shapes or op.shapes)[0])
+        if name in ELEMENTWISE:
+            args = [self.f32(x) for x in xs]
+            value = repr(float(a["value"])) if "value" in a else None
+            expr = ELEMENTWISE[name].format(*args, value=value)
+            return [self.assign("v", expr, out, natural=_bcast(*(x.pshape for x in xs)))]
+        if name == "thread":
+            return self.emit_thread(op, xs)
+        if name in REDUCERS:
+            return [self.reduce(op, xs[0], out)]
+        if name == "rms_norm":
+            x = xs[0]
+            last = len(x.shape) - 1
+            ss = f"tl.sum({self.masked(x, [last], '0.0')} * {self.masked(x, [last], '0.0')}, axis={last}, keep_dims=True)"
+            expr = f"{self.f32(x)} / tl.sqrt({ss} / {x.shape[last]}.0 + {float(a.get('eps') or 0.0)!r})"
+            return [self.assign("v", expr, out, natural=x.pshape)]
+        if name == "matmul":
+            return [self.matmul(xs[0], xs[1], out)]
+        if name == "transpose":
+            x, rank = xs[0], len(xs[0].shape)
+            if rank == 2:
+                expr = f"tl.trans({x.name})"
+            else:
+                perm = tuple(range(rank - 2)) + (rank - 1, rank - 2)
+                expr = f"tl.permute({x.name}, {perm})"
+            nat = x.pshape[:-2] + (x.pshape[-1], x.pshape[-2])
+            return [self.assign("v", expr, out, x.dtype, natural=nat)]
+        if name == "concat":
+            dim = a["dim"] - (len(op.shapes[0]) - len(out))
+            return [Val(f"<concat of {len(xs)}>", out, "float32", tuple(xs), dim)]
+        raise CodegenError(f"μGraph codegen: block op {name!r} (output {op.shapes[0]}) is not supported; "
+                           "rewrite it with supported block ops or run the μGraph with the reference executor")
+
+    def emit_thread(self, op: Op, xs: list[Val]) -> list[Val]:
+        tg = op.body
+        env: dict[Ref, Val] = {}
+        for i, top in enumerate(tg.ops):
+            ins = [env[Ref(*r)] for r in top.inputs]
+            outs = [xs[top.attrs["index"]]] if top.name == "input" else self.emit(top, ins)
+            for j, v in enumerate(outs):
+                env[Ref(i, j)] = v
+        return [env[Ref(*r)] for r in tg.outputs]
+
+    def reduce(self, op: Op, x: Val, out) -> Val:
+        fn, fill = REDUCERS[op.name]
+        full_rank = len(op.shapes[0])
+        dim = op.attrs["dim"] - (full_rank - len(x.shape))
+        if dim < 0:                      # a dropped unit dim: reducing one element is the identity
+            return self.assign("v", self.f32(x), out, natural=x.pshape)
+        expr = f"{fn}({self.masked(x, [dim], fill)}, axis={dim}, keep_dims=True)"
+        if op.name == "reduce_mean":
+            expr = f"{expr} / {x.shape[dim]}.0"
+        nat = x.pshape[:dim] + (1,) + x.pshape[dim + 1:]
+        return self.assign("v", expr, out, natural=nat)
+
+    def dot_operand(self, expr: str, dtype: str) -> str:
+        return expr if dtype == self.dot_dtype else f"{expr}.to({TL[self.dot_dtype]})"
+
+    def matmul_parts(self, a: Val, b: Val) -> list[tuple[Val, Val]]:
+        if not a.parts and not b.parts:
+            return [(a, b)]
+        if (a.parts and a.cat_dim != len(a.shape) - 1) or (b.parts and b.cat_dim != len(b.shape) - 2) \
+                or len(a.parts or [a]) != len(b.parts or [b]):
+            raise CodegenError(f"μGraph codegen: concat feeds a matmul other than along the contracted dim "
+                               f"({a.shape} @ {b.shape}); only (A1‖A2)·(B1‖B2) = A1·B1 + A2·B2 is emitted")
+        return list(zip(a.parts or [a], b.parts or [b]))
+
+    def matmul(self, a: Val, b: Val, out, acc: Val | None = None) -> Val:
+        """``a @ b`` (+ ``acc``): ``tl.dot`` when every dim is ≥ 16, else a broadcast multiply-sum."""
+        expr = acc.name if acc is not None else None
+        for pa, pb in self.matmul_parts(a, b):
+            if len(pa.shape) != 2 or len(pb.shape) != 2:
+                raise CodegenError(f"μGraph codegen: batched block matmul {pa.shape} @ {pb.shape} is not supported; "
+                                   "map the batch dims to grid dims (imap) so each block multiplies 2-d tiles")
+            k = pa.shape[1]
+            am = self.masked(pa, [1], "0.0") if padded(k) != k else pa.name
+            bm = self.masked(pb, [0], "0.0") if padded(k) != k else pb.name
+            a_dt = "float32" if am != pa.name else pa.dtype
+            b_dt = "float32" if bm != pb.name else pb.dtype
+            if min(pa.pshape + pb.pshape) >= 16:
+                prec = ', input_precision="ieee"' if self.dot_dtype == "float32" else ""
+                tail = f", {expr}" if expr is not None else ""
+                term = f"tl.dot({self.dot_operand(am, a_dt)}, {self.dot_operand(bm, b_dt)}{tail}{prec})"
+                expr = self.assign("d", term, (pa.shape[0], pb.shape[1])).name
+            else:
+                am = am if a_dt == "float32" else f"{am}.to(tl.float32)"
+                bm = bm if b_dt == "float32" else f"{bm}.to(tl.float32)"
+                term = f"tl.sum({am}[:, :, None] * {bm}[None, :, :], axis=1)"
+                expr = self.assign("d", term if expr is None else f"{expr} + {term}", (pa.shape[0], pb.shape[1])).name
+        res = Val(expr, (a.shape[0], b.shape[1]), "float32")
+        if tuple(out) != res.shape:
+            return self.assign("v", res.name, out, natural=res.pshape)
+        return res
+
+
+# ------------------------------------------------------------------ accumulators
+def _acc_count(bg: BlockGraph, op: Op) -> int:
+    dim = op.attrs.get("dim")
+    if op.name in ("acc_mean", "acc_rms") and dim is not None:
+        return bg.shape(op.inputs[0])[dim] * bg.forloop_range
+    return bg.forloop_range
+
+
+def _acc_init(e: _Emitter, op: Op) -> list[Val]:
+    states = []
+    for j, s in enumerate(op.shapes):
+        shape = strip(s)[0]
+        pshape = tuple(padded(x) for x in shape)
+        neg = op.name == "acc_max" or (op.name == "acc_online_softmax" and j == 0)
+        init = f'tl.full({pshape}, float("-inf"), tl.float32)' if neg else f"tl.zeros({pshape}, tl.float32)"
+        states.append(e.assign("acc", init, shape))
+    return states
+
+
+def _acc_update(e: _Emitter, op: Op, states: list[Val], xs: list[Val], fused: tuple | None) -> None:
+    """Fold one iteration into ``states`` in place (re-assigning the same variable names)."""
+    if op.name == "acc_online_softmax":
+        return _online_softmax_update(e, states, *xs)
+    st = states[0]
+    if fused is not None:                               # acc = tl.dot(a, b, acc)
+        v = e.matmul(fused[0], fused[1], st.shape, acc=st)
+        e.line(f"{st.name} = {v.name}")
+        return
+    x, dim = xs[0], op.attrs.get("dim")
+    if dim is not None:
+        dim -= len(op.shapes[0]) - len(x.shape)
+    if op.name == "acc_rms":
+        sq = e.assign("v", f"{e.f32(x)} * {e.f32(x)}", x.shape, natural=x.pshape)
+        x = sq
+    if op.name == "acc_max":
+        part = f"tl.max({e.masked(x, [dim], NEG_INF)}, axis={dim}, keep_dims=True)" \
+            if dim is not None and dim >= 0 else e.f32(x)
+        e.line(f"{st.name} = tl.maximum({st.name}, {_conform_expr(part, x, dim, st)})")
+        return
+    part = f"tl.sum({e.masked(x, [dim], '0.0')}, axis={dim}, keep_dims=True)" if dim is not None and dim >= 0 \
+        else e.f32(x)
+    e.line(f"{st.name} = {st.name} + {_conform_expr(part, x, dim, st)}")
+
+
+def _conform_expr(expr: str, x: Val, dim, st: Val) -> str:
+    """``expr`` (``x`` reduced over ``dim``) reshaped to the state's block shape where they differ."""
+    nat = x.pshape if dim is None or dim < 0 else x.pshape[:dim] + (1,) + x.pshape[dim + 1:]
+    return expr if tuple(nat) == st.pshape else f"tl.reshape({expr}, {st.pshape})"
+
+
+def _online_softmax_update(e: _Emitter, states: list[Val], s: Val, v: Val) -> None:
+    m, l, o = states
+    last = len(s.shape) - 1
+    sm = e.assign("s", e.masked(s, [last], NEG_INF), s.shape, natural=s.pshape)
+    mt = e.assign("m", f"tl.max({sm.name}, axis={last}, keep_dims=True)", m.shape,
+                  natural=sm.pshape[:last] + (1,))
+    mn = e.assign("m", f"tl.maximum({m.name}, {mt.name})", m.shape, natural=m.pshape)
+    alpha = e.assign("a", f"tl.exp({m.name} - {mn.name})", m.shape, natural=m.pshape)
+    p = e.assign("p", f"tl.exp({sm.name} - {mn.name})", s.shape, natural=s.pshape)
+    e.line(f"{l.name} = {l.name} * {alpha.name} + tl.sum({p.name}, axis={last}, keep_dims=True)")
+    scaled = e.assign("o", f"{o.name} * {alpha.name}", o.shape, natural=o.pshape)
+    new_o = e.matmul(p, v, o.shape, acc=scaled)
+    e.line(f"{o.name} = {new_o.name}")
+    e.line(f"{m.name} = {mn.name}")
+
+
+def _acc_final(e: _Emitter, bg: BlockGraph, op: Op, states: list[Val]) -> list[Val]:
+    st = states[0]
+    if op.name == "acc_mean":
+        return [e.assign("f", f"{st.name} / {_acc_count(bg, op)}.0", st.shape)]
+    if op.name == "acc_rms":
+        eps = float(op.attrs.get("eps") or 0.0)
+        return [e.assign("f", f"tl.sqrt({st.name} / {_acc_count(bg, op)}.0 + {eps!r})", st.shape)]
+    return states
+
+
+def _combine(e: _Emitter, op: Op, states: list[Val], others: list[Val]) -> None:
+    if op.name != "acc_online_softmax":
+        st, ot = states[0], others[0]
+        e.line(f"{st.name} = {FOLD[op.name].format(a=st.name, b=ot.name)}")
+        return
+    (m, l, o), (m2, l2, o2) = states, others
+    mn = e.assign("m", f"tl.maximum({m.name}, {m2.name})", m.shape)
+    a1 = e.assign("a", f"tl.exp({m.name} - {mn.name})", m.shape)
+    a2 = e.assign("a", f"tl.exp({m2.name} - {mn.name})", m.shape)
+    e.line(f"{l.name} = {l.name} * {a1.name} + {l2.name} * {a2.name}")
+    e.line(f"{o.name} = {o.name} * {a1.name} + {o2.name} * {a2.name}")
+    e.line(f"{m.name} = {mn.name}")
+
+
+# ------------------------------------------------------------------ kernels
+def _fusable_matmuls(bg: BlockGraph) -> dict[int, int]:
+    """matmul op → the ``acc_sum`` (no dim) that is its only consumer: emitted as ``tl.dot(a, b, acc)``."""
+    users = bg.consumers()
+    out = {}
+    for i, op in enumerate(bg.ops):
+        if op.name != "matmul":
+            continue
+        us = users.get(Ref(i, 0), [])
+        if len(us) == 1 and bg.ops[us[0]].name == "acc_sum" and bg.ops[us[0]].attrs.get("dim") is None:
+            out[i] = us[0]
+    return out
+
+
+def _variant(bg: BlockGraph) -> list[bool]:
+    """Which body ops change from one for-loop iteration to the next (the rest are hoisted)."""
+    var: list[bool] = []
+    for op in bg.ops:
+        if op.name == "iterator":
+            var.append(op.attrs["fmap"] is not None)
+        else:
+            var.append(any(var[r[0]] for r in op.inputs))
+    return var
+
+
+def _header(name: str, bg: BlockGraph, n_inputs: int, in_ranks, out_ranks, n_ws: int, pipelined: bool) -> list[str]:
+    params = []
+    for i in range(n_inputs):
+        params += [f"in{i}_ptr"] + [f"in{i}_s{d}" for d in range(in_ranks[i])]
+    for k, r in enumerate(out_ranks):
+        params += [f"out{k}_ptr"] + [f"out{k}_s{d}" for d in range(r)]
+    params += [f"ws{j}_ptr" for j in range(n_ws)]
+    if pipelined:
+        params.append("NUM_STAGES: tl.constexpr")
+    return ["@triton.jit", f"def {name}({', '.join(params)}):"]
+
+
+def _pids(e: _Emitter, grid: tuple, split: int) -> None:
+    for g in range(len(grid)):
+        if g == 0 and split > 1:
+            e.line(f"pid_0 = tl.program_id(0) // {split}")
+            e.line(f"split = tl.program_id(0) % {split}")
+        else:
+            e.line(f"pid_{g} = tl.program_id({g})")
+
+
+def _pid_flat(grid: tuple) -> str:
+    expr = "pid_0"
+    for g in range(1, len(grid)):
+        expr = f"({expr}) * {grid[g]} + pid_{g}"
+    return f"({expr})"
+
+
+def _finish(e: _Emitter, head: list[str]) -> str:
+    prelude = [f"    r{p} = tl.arange(0, {p})" for p in sorted(e.aranges)]
+    body = e.lines[:e.pid_lines] + prelude + e.lines[e.pid_lines:]
+    return "\n".join(head + body) + "\n"
+
+
+def _epilogue(e: _Emitter, bg: BlockGraph, epi: list[int], env: dict) -> None:
+    for i in order_by_depth(bg, epi):
+        op = bg.ops[i]
+        if op.name == "saver":
+            e.store_saver(op, env[Ref(*op.inputs[0])])
+            continue
+        for j, v in enumerate(e.emit(op, [env[Ref(*r)] for r in op.inputs])):
+            env[Ref(i, j)] = v
+
+
+def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", split: int = 1) -> BlockKernel:
+    """Triton source for one graph-defined op. ``in_ranks``: rank of each kernel input (its strides are arguments)."""
+    if bg.forloop_range % split:
+        raise CodegenError(f"μGraph codegen: split {split} does not divide forloop_range {bg.forloop_range}")
+    body, epi = bg.phases()
+    accs = [i for i in body if bg.ops[i].spec.kind == "accum"]
+    for i in accs:
+        if bg.ops[i].name not in COMBINABLE:
+            raise CodegenError(f"μGraph codegen: accumulator {bg.ops[i].name} is not supported "
+                               f"(supported: {sorted(COMBINABLE)})")
+    fused = _fusable_matmuls(bg)
+    var = _variant(bg)
+    savers = bg.savers
+    out_ranks = [len(bg.shape(s.inputs[0])) for s in savers]
+    state_shapes = [strip(s)[0] for i in accs for s in bg.ops[i].shapes]
+    ws = [math.prod(padded(x) for x in s) for s in state_shapes] if split > 1 else []
+    n_inputs = len(in_ranks)
+    e = _Emitter(bg, n_inputs, split)
+    _pids(e, bg.grid, split)
+    e.pid_lines = len(e.lines)
+    env: dict[Ref, Val] = {}
+    compute = [i for i in body if i not in accs and i not in fused]
+    per = bg.forloop_range // split
+    loop = per > 1
+
+    def emit_ops(idx, it):
+        for i in order_by_depth(bg, idx):
+            op = bg.ops[i]
+            outs = [e.load_iterator(op, it)] if op.name == "iterator" else \
+                e.emit(op, [env[Ref(*r)] for r in op.inputs])
+            for j, v in enumerate(outs):
+                env[Ref(i, j)] = v
+
+    lo = f"split * {per}" if split > 1 else "0"
+    emit_ops([i for i in compute if not var[i]], None)
+    states = {i: _acc_init(e, bg.ops[i]) for i in accs}
+    if loop:
+        e.line(f"for it in tl.range({lo}, {lo + ' + ' if split > 1 else ''}{per}, num_stages=NUM_STAGES):")
+        e.indent += 1
+    emit_ops([i for i in compute if var[i]], "it" if loop else lo)
+    for i in order_by_depth(bg, accs):
+        op = bg.ops[i]
+        mm = next((m for m, a in fused.items() if a == i), None)
+        pair = tuple(env[Ref(*r)] for r in bg.ops[mm].inputs) if mm is not None else None
+        _acc_update(e, op, states[i], [env[Ref(*r)] for r in op.inputs] if mm is None else [], pair)
+    if loop:
+        e.indent -= 1
+    head = _header(name, bg, n_inputs, in_ranks, [] if split > 1 else out_ranks, len(ws), loop)
+    outputs = [(_saved(bg, s), s.attrs["dtype"]) for s in savers]
+    if split > 1:
+        j = 0
+        for i in accs:
+            for st in states[i]:
+                e.line(f"tl.store(ws{j}_ptr + ({_pid_flat(bg.grid)} * {split} + split) * {ws[j]} + "
+                       f"{e.flat(st.pshape)}, {st.name})")
+                j += 1
+        source = _finish(e, head)
+        combine = _emit_combine(bg, name + "_combine", accs, epi, out_ranks, ws, split)
+        return BlockKernel(source + "\n\n" + combine, name, name + "_combine", tuple(bg.grid), split, ws, outputs, loop)
+    for i in accs:
+        for j, v in enumerate(_acc_final(e, bg, bg.ops[i], states[i])):
+            env[Ref(i, j)] = v
+    _epilogue(e, bg, epi, env)
+    return BlockKernel(_finish(e, head), name, None, tuple(bg.grid), 1, [], outputs, loop)
+
+
+def _saved(bg: BlockGraph, s: Op) -> tuple:
+    tile = bg.shape(s.inputs[0])
+    return tuple(t * math.prod(bg.grid[g] for g, m in enumerate(s.attrs["omap"]) if m == d) for d, t in enumerate(tile))
+
+
+def _emit_combine(bg: BlockGraph, name: str, accs, epi, out_ranks, ws, split: int) -> str:
+    """The kernel after a split op: fold the ``split`` partial states, finals, epilogue, savers."""
+    e = _Emitter(bg, 0, 1)
+    _pids(e, bg.grid, 1)
+    e.pid_lines = len(e.lines)
+    flat = _pid_flat(bg.grid)
+    env: dict[Ref, Val] = {}
+    k = 0
+    for i in accs:
+        op = bg.ops[i]
+        shapes = [strip(s)[0] for s in op.shapes]
+        idx = range(k, k + len(shapes))
+        k += len(shapes)
+
+        def load(j: int, shape, s) -> str:
+            return f"tl.load(ws{j}_ptr + ({flat} * {split} + {s}) * {ws[j]} + {e.flat(tuple(padded(x) for x in shape))})"
+        states = [e.assign("acc", load(j, sh, 0), sh) for j, sh in zip(idx, shapes)]
+        e.line(f"for s in tl.static_range(1, {split}):")
+        e.indent += 1
+        others = [e.assign("w", load(j, sh, "s"), sh) for j, sh in zip(idx, shapes)]
+        _combine(e, op, states, others)
+        e.indent -= 1
+        for n, v in enumerate(_acc_final(e, bg, op, states)):
+            env[Ref(i, n)] = v
+    _epilogue(e, bg, epi, env)
+    params = [p for j, r in enumerate(out_ranks) for p in [f"out{j}_ptr"] + [f"out{j}_s{d}" for d in range(r)]]
+    params += [f"ws{j}_ptr" for j in range(len(ws))]
+    return _finish(e, ["@triton.jit", f"def {name}({', '.join(params)}):"])
+
+
+def module_source(kernels: list[BlockKernel]) -> str:
+    """One importable module holding the kernels of a μGraph."""
+    head = '"""Generated by torch_mirage.codegen.ugraph_triton from a μGraph; do not edit."""\n' \
+           "import triton\nimport triton.language as tl\n\n\n"
+    return head + "\n\n".join(k.source for k in kernels)

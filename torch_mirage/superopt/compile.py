@@ -1,0 +1,236 @@
+"""compile_ugraph: a μGraph → a callable that runs generated Triton kernels.
+
+Kernel ops run in Mirage's depth order. A graph-defined op (``customized``) runs the kernel(s) that
+``codegen.ugraph_triton`` emits for its block graph, with launch parameters from ``codegen.launch``
+(timed on CUDA, fixed on the CPU interpreter); pre-defined kernel ops (library matmul, elementwise,
+reductions, layout) run as torch calls, as Mirage's kernel-level library ops do.
+
+Memory planning: every kernel tensor that is neither a graph output nor a view of one — the outputs of
+intermediate kernel ops and the split workspaces — gets an offset in one byte arena per call, assigned
+greedily by size over the tensors' lifetimes (in depth order), so tensors whose lifetimes do not overlap
+share memory.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..codegen.launch import LaunchConfig, choose, default_config, retile
+from ..codegen.loader import load_source
+from ..codegen.ugraph_triton import BlockKernel, CodegenError, emit_block_kernel, module_source, order_by_depth
+from .arith import TorchArith
+from .ugraph import BlockGraph, KernelGraph, Ref
+from .validate import validate
+
+log = logging.getLogger("torch_mirage")
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+ALIGN = 256
+VIEW_OPS = {"reshape", "transpose"}
+
+
+def _cache_dir(cache: Any) -> str:
+    if cache is not None and hasattr(cache, "root"):
+        return os.path.dirname(cache.root)
+    from ..config import load
+    return load().cache_dir
+
+
+class BlockLauncher:
+    """One graph-defined op at one launch config: generated module, launch grid, output / workspace specs."""
+
+    def __init__(self, bg: BlockGraph, config: LaunchConfig, in_ranks: Sequence[int], cache_dir: str,
+                 name: str = "ugraph_kernel"):
+        tiled = retile(bg, config.grid, config.forloop_range)
+        if tiled is None:
+            raise CodegenError(f"launch config {config} does not re-tile the block graph (grid {bg.grid}, "
+                               f"forloop_range {bg.forloop_range})")
+        self.config = config
+        self.kernel: BlockKernel = emit_block_kernel(tiled, list(in_ranks), name, config.split)
+        self.source = module_source([self.kernel])
+        module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
+        self.fn = getattr(module, self.kernel.name)
+        self.combine_fn = getattr(module, self.kernel.combine) if self.kernel.combine else None
+        grid = list(self.kernel.grid) + [1] * (3 - len(self.kernel.grid))
+        self.launch_grid = (grid[0] * config.split, grid[1], grid[2])
+        self.out_specs = [(tuple(s), DTYPES[d]) for s, d in self.kernel.outputs]
+        programs = grid[0] * grid[1] * grid[2] * config.split
+        self.ws_specs = [((n * programs,), torch.float32) for n in self.kernel.workspaces]
+
+    def __call__(self, *inputs: torch.Tensor, outs: Sequence[torch.Tensor] | None = None,
+                 workspaces: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        dev = inputs[0].device
+        outs = [t if t is not None else torch.empty(s, dtype=d, device=dev)
+                for t, (s, d) in zip(outs or [None] * len(self.out_specs), self.out_specs)]
+        ws = [t if t is not None else torch.empty(s, dtype=d, device=dev)
+              for t, (s, d) in zip(workspaces or [None] * len(self.ws_specs), self.ws_specs)]
+        args: list[Any] = []
+        for t in inputs:
+            args += [t, *t.stride()]
+        out_args: list[Any] = []
+        for t in outs:
+            out_args += [t, *t.stride()]
+        extra = {"NUM_STAGES": self.config.num_stages} if self.kernel.pipelined else {}
+        opts = {"num_warps": self.config.num_warps, "num_stages": self.config.num_stages}
+        if self.combine_fn is None:
+            self.fn[self.launch_grid](*args, *out_args, **extra, **opts)
+        else:
+            self.fn[self.launch_grid](*args, *ws, **extra, **opts)
+            combine_grid = (self.launch_grid[0] // self.config.split, *self.launch_grid[1:])
+            self.combine_fn[combine_grid](*out_args, *ws, num_warps=self.config.num_warps)
+        return outs
+
+
+@dataclass
+class _Step:
+    index: int            # kernel op index
+    launcher: BlockLauncher | None
+
+
+class CompiledUGraph:
+    """``(*inputs) -> tuple(outputs)`` for a μGraph; ``sources`` holds the generated Triton per kernel op."""
+
+    def __init__(self, graph: KernelGraph, steps: list[_Step], plan: dict, arena_bytes: int):
+        self.graph, self.steps, self.plan, self.arena_bytes = graph, steps, plan, arena_bytes
+        self.sources = [s.launcher.source for s in steps if s.launcher is not None]
+        self.configs = [s.launcher.config for s in steps if s.launcher is not None]
+        self._arith = TorchArith()
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple:
+        g = self.graph
+        env: dict[Ref, torch.Tensor] = {}
+        arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=inputs[0].device) if self.arena_bytes else None
+        for step in self.steps:
+            op = g.ops[step.index]
+            if op.name == "input":
+                env[Ref(step.index, 0)] = inputs[op.attrs["index"]]
+                continue
+            xs = [env[Ref(*r)] for r in op.inputs]
+            if step.launcher is not None:
+                outs = [self._buffer(arena, ("out", step.index, j), s, d)
+                        for j, (s, d) in enumerate(step.launcher.out_specs)]
+                ws = [self._buffer(arena, ("ws", step.index, j), s, d)
+                      for j, (s, d) in enumerate(step.launcher.ws_specs)]
+                res = step.launcher(*xs, outs=outs, workspaces=ws)
+            elif op.spec.layout is not None:
+                res = [op.spec.layout(*xs, **op.attrs)]
+            else:
+                fn = getattr(self._arith, op.spec.arith)
+                res = [fn(xs, **op.attrs) if op.spec.arity is None else fn(*xs, **op.attrs)]
+            for j, t in enumerate(res):
+                env[Ref(step.index, j)] = t
+        return tuple(env[r] for r in g.outputs)
+
+    def _buffer(self, arena, key, shape, dtype) -> torch.Tensor | None:
+        """The planned arena view for ``key``; None (the launcher allocates) for outputs."""
+        off = self.plan.get(key)
+        if off is None or arena is None:
+            return None
+        n = _nbytes(shape, dtype)
+        return arena[off:off + n].view(dtype).view(shape)
+
+
+def _nbytes(shape, dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def plan_memory(graph: KernelGraph, steps: list[_Step]) -> tuple[dict, int]:
+    """Arena offsets for intermediate kernel tensors and workspaces: greedy by size over lifetimes."""
+    order = [s.index for s in steps]
+    pos = {i: k for k, i in enumerate(order)}
+    root: dict[Ref, Any] = {}
+    last: dict[Any, int] = {}
+    buffers: dict[Any, tuple[int, int]] = {}     # key -> (bytes, first position)
+    for s in steps:
+        op = graph.ops[s.index]
+        if s.launcher is not None:
+            for j, (shape, dt) in enumerate(s.launcher.out_specs):
+                key = ("out", s.index, j)
+                root[Ref(s.index, j)] = key
+                buffers[key] = (_nbytes(shape, dt), pos[s.index])
+                last[key] = pos[s.index]
+            for j, (shape, dt) in enumerate(s.launcher.ws_specs):
+                key = ("ws", s.index, j)
+                buffers[key] = (_nbytes(shape, dt), pos[s.index])
+                last[key] = pos[s.index]
+        elif op.name in VIEW_OPS and Ref(*op.inputs[0]) in root:
+            root[Ref(s.index, 0)] = root[Ref(*op.inputs[0])]
+        for r in op.inputs:
+            if Ref(*r) in root:
+                last[root[Ref(*r)]] = max(last[root[Ref(*r)]], pos[s.index])
+    for r in graph.outputs:            # outputs (and what they view) are fresh tensors, never arena memory
+        key = root.get(Ref(*r))
+        if key is not None:
+            buffers.pop(key, None)
+    placed: list[tuple[int, int, int, int]] = []    # (offset, bytes, first, last)
+    plan: dict = {}
+    for key, (n, first) in sorted(buffers.items(), key=lambda kv: -kv[1][0]):
+        off = 0
+        for o, m, f, l in sorted(placed):
+            if f <= last[key] and first <= l and off < o + m and o < off + n:
+                off = _align(o + m)
+        # a second pass: moving past one block may collide with an earlier one
+        while any(f <= last[key] and first <= l and off < o + m and o < off + n for o, m, f, l in placed):
+            off = _align(max(o + m for o, m, f, l in placed
+                             if f <= last[key] and first <= l and off < o + m and o < off + n))
+        placed.append((off, n, first, last[key]))
+        plan[key] = off
+    return plan, _align(max((o + m for o, m, _, _ in placed), default=0))
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], *, cache: Any = None,
+                   tune: bool | None = None, limit: int = 4) -> CompiledUGraph:
+    """Generated Triton for every graph-defined op of ``kgraph``; launch configs tuned on ``example_inputs``
+    when they are CUDA tensors (``tune=False``: the μGraph's own schedule). Returns ``callable(*tensors)``."""
+    validate(kgraph)
+    ins = kgraph.inputs
+    if len(example_inputs) != len(ins):
+        raise ValueError(f"compile_ugraph: μGraph takes {len(ins)} inputs, got {len(example_inputs)}")
+    for op, x in zip(ins, example_inputs):
+        if tuple(x.shape) != tuple(op.attrs["shape"]) or DTYPES.get(op.attrs["dtype"]) != x.dtype:
+            raise ValueError(f"compile_ugraph: input {op.attrs['index']} is {tuple(x.shape)} {x.dtype}, the μGraph "
+                             f"was built for {tuple(op.attrs['shape'])} {op.attrs['dtype']}; rebuild it for these")
+    cache_dir = _cache_dir(cache)
+    tune = example_inputs[0].is_cuda if tune is None else tune
+    steps: list[_Step] = []
+    env: dict[Ref, torch.Tensor] = {}
+    arith = TorchArith()
+    for i in order_by_depth(kgraph, range(len(kgraph.ops))):
+        op = kgraph.ops[i]
+        if op.name == "input":
+            env[Ref(i, 0)] = example_inputs[op.attrs["index"]]
+            steps.append(_Step(i, None))
+            continue
+        xs = [env[Ref(*r)] for r in op.inputs]
+        launcher = None
+        if op.name == "customized":
+            ranks = [x.dim() for x in xs]
+            name = f"ugraph_op{i}"
+
+            def build(cfg: LaunchConfig, bg=op.body, ranks=ranks, name=name) -> BlockLauncher:
+                return BlockLauncher(bg, cfg, ranks, cache_dir, name)
+            cfg = choose(op.body, build, xs, cache=cache, limit=limit) if tune else default_config(op.body)
+            launcher = build(cfg)
+            log.info("torch_mirage: μGraph op %d uses %s (%s)", i, cfg, launcher.path)
+            res = launcher(*xs)
+        elif op.spec.layout is not None:
+            res = [op.spec.layout(*xs, **op.attrs)]
+        else:
+            fn = getattr(arith, op.spec.arith)
+            res = [fn(xs, **op.attrs) if op.spec.arity is None else fn(*xs, **op.attrs)]
+        for j, t in enumerate(res):
+            env[Ref(i, j)] = t
+        steps.append(_Step(i, launcher))
+    plan, size = plan_memory(kgraph, steps)
+    return CompiledUGraph(kgraph, steps, plan, size)
