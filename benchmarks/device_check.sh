@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call: install carried wheels and the package, then run the named steps, each under its own
+# time limit, logging to $OUT/<step>.log. Steps: gputests stitch mirageset bench:<part>.
+#   benchmarks/device_check.sh gputests stitch mirageset
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/device.txt"
+LIMIT=${STEP_LIMIT_S:-280}
+for step in "$@"; do
+  echo "== $step"
+  case "$step" in
+    gputests) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -x -p no:cacheprovider ;;
+    stitch)   timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py ;;
+    stitchq)  timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py --quick ;;
+    mirageset) timeout "$LIMIT" python3 benchmarks/mirage_set_gpu.py --limit 2 ;;
+    bench:*)  BUDGET_S=$((LIMIT - 40)) timeout "$LIMIT" bash benchmarks/run_h100.sh "${step#bench:}" ;;
+    *) echo "unknown step $step" ;;
+  esac > "$OUT/${step//[:]/_}.log" 2>&1
+  echo "rc=$?"; tail -25 "$OUT/${step//[:]/_}.log"
+done
