@@ -135,6 +135,78 @@ def _logits_kwarg(model) -> dict:
     return {}
 
 
+class KVState:
+    """A static KV cache held at one scenario's position, so that every checked or timed call starts alike.
+
+    Where a call writes is the cache's business, and it differs across ``transformers`` versions: 5.x
+    layers write at their own counter (``cumulative_length``, a tensor, plus ``cumulative_length_int``
+    on sliding-window layers) and advance it on every call, ignoring any ``cache_position``; 4.x caches
+    write at the ``cache_position`` argument. :meth:`set_position` puts every counter back to the
+    scenario's first position (a few scalar fills, so it also runs inside each timed call and each
+    CUDA-graph replay writes the same slots); :meth:`restore` also puts back the contents saved by
+    :meth:`save` (kept on the host, so that the snapshot is no part of the peak GPU memory).
+    Positions are checked on the host before anything runs: a device-side index assert would leave
+    the CUDA context unusable for every case after it.
+    """
+
+    def __init__(self, cache, start: int, tokens: int, passes_cache_position: bool, where: str):
+        self.cache, self.start, self.tokens, self.where = cache, start, tokens, where
+        self.layers = list(getattr(cache, "layers", []))
+        self.counters = [layer for layer in self.layers if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+        self.saved: list[torch.Tensor] | None = None
+        for i, size in enumerate(self._slots()):
+            if start < 0 or start + tokens > size:
+                raise ValueError(f"{where}: tokens at positions {start}..{start + tokens - 1} do not fit layer {i}'s "
+                                 f"static cache of {size} slots; use a larger context or fewer tokens")
+        if not passes_cache_position and len(self.counters) != len(self.layers):
+            kinds = sorted({type(layer).__name__ for layer in self.layers if layer not in self.counters})
+            raise TypeError(f"{where}: cache layers {kinds} keep no write counter (cumulative_length) and the model "
+                            f"takes no cache_position, so the benchmark cannot hold the cache at position {start}; "
+                            f"this transformers version ({_version()}) is not supported")
+
+    def _slots(self) -> list[int]:
+        if self.layers:
+            sizes = [getattr(layer, "max_cache_len", None) for layer in self.layers]
+        else:   # 4.x: one size for the whole cache
+            sizes = [getattr(self.cache, "max_cache_len", None)]
+        if any(not isinstance(n, int) for n in sizes):
+            raise TypeError(f"{self.where}: {type(self.cache).__name__} is not a static cache (no max_cache_len per layer)")
+        return sizes
+
+    def set_position(self) -> None:
+        for layer in self.counters:
+            layer.cumulative_length.fill_(self.start)
+        for layer in self.layers:
+            if hasattr(layer, "cumulative_length_int"):
+                layer.cumulative_length_int = self.start
+
+    def save(self) -> None:
+        self.saved = [t.detach().to("cpu", copy=True) for t in cache_tensors(self.cache)]
+
+    def restore(self) -> None:
+        for t, saved in zip(cache_tensors(self.cache), self.saved or []):
+            t.copy_(saved)
+        self.set_position()
+
+    def written(self) -> list[torch.Tensor]:
+        """The slots the scenario's tokens write, in every key and value tensor."""
+        return [t[:, :, self.start:self.start + self.tokens].clone() for t in cache_tensors(self.cache)]
+
+    def check_advanced(self) -> None:
+        """After a call (host read, outside any graph): every counter moved from start to start + tokens."""
+        for i, layer in enumerate(self.counters):
+            got = int(layer.cumulative_length)
+            if got != self.start + self.tokens:
+                raise RuntimeError(f"{self.where}: cache layer {i} ended at position {got}, expected "
+                                   f"{self.start + self.tokens}: the cache does not write where the benchmark put it")
+
+
+def _version() -> str:
+    import transformers
+
+    return getattr(transformers, "__version__", "?")
+
+
 # ---------------------------------------------------------------------------------------------
 # Scenarios
 
@@ -162,82 +234,125 @@ def _step_inputs(s: Scenario, vocab: int, device: torch.device, seed: int) -> tu
     return ids, cache_position.unsqueeze(0).expand(s.batch, -1).contiguous(), cache_position
 
 
+@dataclass
+class _Case:
+    """One model × scenario: the function every mode compiles, its cache state, eager's results."""
+    s: Scenario
+    vocab: int
+    device: torch.device
+    forward: Callable          # (ids, position_ids, cache_position) -> logits
+    kv: KVState
+    refs: dict = field(default_factory=dict)   # seed -> (logits, written cache slots), from eager
+
+    def inputs(self, seed: int) -> tuple:
+        return _step_inputs(self.s, self.vocab, self.device, seed)
+
+
 def run_model(spec: LLMSpec, batches: Sequence[int], dtype: torch.dtype, modes: Sequence[str],
               device: torch.device, quick: bool, timing: dict | None,
               echo: Callable[[str], None] = print) -> list[dict]:
     """Every scenario of one model; one record per scenario with a result per mode."""
     model, config = build_model(spec, dtype, device, quick)
     context = 64 if quick else CONTEXT
-    extra = _logits_kwarg(model)
     records = []
     for s in scenarios(batches, quick):
-        cache = static_cache(config, s.batch, context, device, dtype)
-
-        def step(ids, position_ids, cache_position, _model=model, _cache=cache):
-            out = _model(input_ids=ids, position_ids=position_ids, cache_position=cache_position,
-                         past_key_values=_cache, use_cache=True, **extra)
-            return out.logits
-
-        with torch.no_grad():
-            step(*_step_inputs(s, config.vocab_size, device, 0))     # eager call: allocates lazy caches
-            gen = torch.Generator(device=device).manual_seed(1)
-            for t in cache_tensors(cache):
-                t.copy_(torch.randn(t.shape, device=device, generator=gen, dtype=torch.float32))
-            refs = {seed: step(*_step_inputs(s, config.vocab_size, device, seed)).float() for seed in (11, 12)}
+        case = _prepare(model, config, spec, s, context, device, dtype)
         results = {}
         for mode in modes:
-            results[mode] = _run_mode(model, step, s, mode, refs, config.vocab_size, dtype, device, timing)
-            r = results[mode]
+            results[mode] = r = _run_mode(case, mode, dtype, timing)
             t = f"{r['ms']:8.3f} ms/step {r['tokens_per_s']:10,.0f} tok/s" if r.get("ms") else ""
             c = f"compile {r['compile_s']:.1f} s" if r.get("compile_s") is not None else ""
             echo(f"  {spec.name:<14} {s.name:<18} {mode:<22} {r['status']:<6} {t} {c} "
                  f"{('err %.2e' % r['rel_err']) if r.get('rel_err') is not None else ''} {r.get('error') or ''}")
         records.append({"model": spec.name, "scenario": s.name, "batch": s.batch, "tokens": s.tokens,
                         "dtype": str(dtype).replace("torch.", ""), "config": dict(spec.config, **(spec.quick if quick else {})),
-                        "attn_implementation": spec.attn, "sets": 1, "modes": results})
-        del cache, refs, step
+                        "attn_implementation": spec.attn, "context": context, "start": s.start, "sets": 1,
+                        "modes": results})
+        del case
         _free()
     del model
     _free()
     return records
 
 
-def _run_mode(model, step, s: Scenario, mode: str, refs: dict, vocab: int, dtype: torch.dtype,
-              device: torch.device, timing: dict | None) -> dict:
+def _prepare(model, config, spec: LLMSpec, s: Scenario, context: int, device: torch.device,
+             dtype: torch.dtype) -> _Case:
+    """A fresh static cache for the scenario, filled with random keys and values; eager's reference results."""
+    cache = static_cache(config, s.batch, context, device, dtype)
+    params = inspect.signature(model.forward).parameters
+    passes_cache_position = "cache_position" in params
+    extra = _logits_kwarg(model)
+
+    def forward(ids, position_ids, cache_position):
+        kw = {"cache_position": cache_position} if passes_cache_position else {}
+        out = model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True, **kw, **extra)
+        return out.logits
+
+    kv = KVState(cache, s.start, s.tokens, passes_cache_position, f"{spec.name} {s.name}")
+    case = _Case(s, config.vocab_size, device, forward, kv)
+    with torch.no_grad():
+        kv.set_position()
+        forward(*case.inputs(0))                    # allocates the lazily built cache tensors
+        gen = torch.Generator(device=device).manual_seed(1)
+        for t in cache_tensors(cache):
+            t.copy_(torch.randn(t.shape, device=device, generator=gen, dtype=torch.float32))
+        kv.save()
+        for seed in (11, 12):
+            kv.restore()
+            logits = forward(*case.inputs(seed)).float()
+            kv.check_advanced()
+            case.refs[seed] = (logits, [t.float() for t in kv.written()])
+    return case
+
+
+def _run_mode(case: _Case, mode: str, dtype: torch.dtype, timing: dict | None) -> dict:
+    """Compile, check logits and the cache slots written against eager on every seed, then time."""
     res: dict[str, Any] = {"status": "failed", "ms": None, "tokens_per_s": None, "compile_s": None,
                            "peak_gib": None, "rel_err": None, "error": None, "timing_method": None}
     info: dict = {}
+    s, kv, tol = case.s, case.kv, TOLERANCE[dtype]
     try:
         _free()
-        if device.type == "cuda":
+        if case.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        fn = COMPILERS[mode](step, info)
+        compiled = COMPILERS[mode](case.forward, info)
+
+        def step(ids, position_ids, cache_position):
+            kv.set_position()
+            return compiled(ids, position_ids, cache_position)
+
         worst = 0.0
-        for i, (seed, ref) in enumerate(refs.items()):
-            inputs = _step_inputs(s, vocab, device, seed)
+        for i, (seed, (ref_logits, ref_slots)) in enumerate(case.refs.items()):
+            inputs = case.inputs(seed)
+            kv.restore()
             t0 = time.perf_counter()
             with torch.no_grad():
-                out = fn(*inputs)
-            if device.type == "cuda":
+                out = step(*inputs)
+            if case.device.type == "cuda":
                 torch.cuda.synchronize()
             if i == 0 and mode != "eager":
                 res["compile_s"] = time.perf_counter() - t0
-            err = rel_error(out.float(), ref)
-            worst = err if math.isnan(err) else max(worst, err)
-            if math.isnan(err) or err > TOLERANCE[dtype]:
-                res["rel_err"] = worst
-                res["error"] = f"wrong logits (seed {seed}): relative error {err:.3g} > {TOLERANCE[dtype]:g} vs eager"
-                return res
+            kv.check_advanced()
+            checks = [("logits", out, ref_logits)] + [(f"cache slots of tensor {j}", got, ref)
+                                                     for j, (got, ref) in enumerate(zip(kv.written(), ref_slots))]
+            for what, got, ref in checks:
+                err = rel_error(got.float(), ref)
+                worst = err if math.isnan(err) else max(worst, err)
+                if math.isnan(err) or err > tol:
+                    res["rel_err"] = worst
+                    res["error"] = f"wrong {what} (seed {seed}): relative error {err:.3g} > {tol:g} vs eager"
+                    return res
         res["rel_err"] = worst
         if timing is not None:
-            inputs = _step_inputs(s, vocab, device, 0)
+            inputs = case.inputs(0)
+            kv.restore()
             with torch.no_grad():
                 try:
-                    t = time_in_cuda_graph(fn, [inputs], timing["target_ms"], timing["repeats"])
+                    t = time_in_cuda_graph(step, [inputs], timing["target_ms"], timing["repeats"])
                     res["timing_method"] = "cuda graph"
                 except Exception as e:   # e.g. a host sync inside the model: time it outside a graph, and say so
                     torch.cuda.synchronize()
-                    t = _time_plain(fn, inputs, timing["target_ms"], timing["repeats"])
+                    t = _time_plain(step, inputs, timing["target_ms"], timing["repeats"])
                     res["timing_method"] = f"no graph (capture failed: {_short(e, 200)})"
             res["ms"] = t["us"] / 1e3
             res["tokens_per_s"] = s.batch * s.tokens / (res["ms"] * 1e-3)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from ..capture.ir import Graph, Value, map_values
-from .finite_field import FieldTensor, FiniteFieldArith, NotLAX, raw, wrap
+from .finite_field import FieldTensor, FiniteFieldArith, NotLAX, raw
 
 Handler = Callable[[FiniteFieldArith, Any, tuple, dict], Any]
 
@@ -139,9 +139,7 @@ def _where(A, node, args, kwargs):
     cond, a, b = args
     if isinstance(cond, FieldTensor) or not isinstance(cond, torch.Tensor) or cond.dtype is not torch.bool:
         raise NotLAX(f"{node.describe()}: the condition is computed from field values (a comparison)")
-    a = a if isinstance(a, FieldTensor) else A.full((), a)
-    b = b if isinstance(b, FieldTensor) else A.full((), b)
-    return wrap(torch.where(cond, raw(a), raw(b)), a.deg.join(b.deg))
+    return A.where(cond, a, b)
 
 
 def _bool_op(fn):

@@ -5,21 +5,26 @@
 (lowered through the capture pipeline, interpreted by :mod:`.ff_interpret`).
 
 * **Finite-field test.** Each trial draws every input element uniformly from Z_p × Z_q, a random
-  q-th root of unity ω for exp, fresh random values for ``max``, and a fresh key for the sqrt hash
-  (:mod:`.finite_field`), runs both sides and compares the outputs' Z_p components exactly. The
-  per-trial false-accept bound ε comes from the degree / term-count bounds the field values carry
-  (:func:`~.finite_field.per_trial_bound`, Theorem 2); the number of trials t is the least with
-  ε^t ≤ the target ``error_bound`` (Theorem 3), and the verdict reports ε^t. For programs whose
-  difference has more than two exp terms the root-of-unity part of ε, (K−1)/q, rests on the
-  uncertainty principle Li & Wu conjecture for Z_p (proven for K ≤ 2). Sums of fractions whose
-  denominators hold exp terms (softmax(·)@V) make the tracked term count explode: then the test
+  q-th root of unity ω for exp, a random λ for ln 2 (exp2), fresh random values for ``max``, and a
+  fresh key for the sqrt hash (:mod:`.finite_field`), runs both sides and compares the outputs' Z_p
+  components exactly. The per-trial false-accept bound ε comes from the degree / term-count bounds
+  and denominator ids the field values carry (:func:`~.finite_field.per_trial_bound`, which
+  derives it: Schwartz–Zippel on the cleared-denominator difference N1·D2 − N2·D1, each distinct
+  denominator counted once — which is what gives softmax(·)@V a finite bound); the number of trials
+  t is the least with ε^t ≤ the target ``error_bound`` (Theorem 3), and the verdict reports ε^t.
+  What is proven and what is not: the Schwartz–Zippel parts (coefficients, exponent collisions,
+  vanishing denominators) are; the part for an exponential sum at the random root of unity,
+  (K−1)/q, is proven for K ≤ 2 terms and rests for K ≥ 3 on the uncertainty principle over Z_p
+  that Li & Wu conjecture (Mirage's Theorem 2 rests on it too). ``Verdict.bound_proven`` and
+  ``Verdict.reason`` say which case a bound is. If the tracked term count explodes anyway the test
   still runs (``UNBOUNDED_TRIALS``) but no bound is claimed (``error_bound=None``). Equivalent LAX
   programs always pass (perfect completeness), except where a non-LAX treatment is not an
   identity: a program whose output depends on a max value (not only through a cancelling shift)
-  or on sqrt rewrites fails — a false reject, never a false accept.
+  or on sqrt rewrites, or on a float constant identity that holds only up to rounding, fails — a
+  false reject, never a false accept.
 * **Non-LAX programs** (tanh, erf, comparisons, clamp, nested exp ...) get no field test: the
   verdict says so in ``reason`` and its ``error_bound`` is ``None``.
-* **Float test** (always): several random real inputs in fp64 — unit scale, large magnitude (×1e3,
+* **Float test** (always): several random real inputs in fp64 — unit scale, large magnitude (×1e4,
   where an unsafe softmax overflows) and, for mask inputs (bool tensors, or float inputs whose
   parameter name contains "mask": filled with 0 / −inf), random masks with one unmasked entry per
   row. Outputs must agree in their non-finite pattern and within ``FLOAT_TOL`` relative to the
@@ -32,12 +37,14 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .finite_field import DEFAULT_FIELD, FieldParams, FieldTensor, FiniteFieldArith, NotLAX, per_trial_bound, raw
+from .finite_field import (DEFAULT_FIELD, FieldParams, FieldTensor, FiniteFieldArith, NotLAX, TrialBound,
+                           per_trial_bound, raw)
 
 log = logging.getLogger("torch_mirage")
 
@@ -54,6 +61,7 @@ class Verdict:
     float_max_error: float | None
     reason: str
     trials: int                   # finite-field trials run
+    bound_proven: bool | None = None   # False: error_bound rests on the Li & Wu conjecture (K ≥ 3 exp terms)
 
     def __bool__(self) -> bool:
         return self.equivalent
@@ -72,7 +80,7 @@ class _Side:
             if not callable(program):
                 raise TypeError(f"verify: expected a μGraph or a callable, got {type(program).__name__}")
             try:
-                self.graph = lower_callable(program, example_inputs)
+                self.graph = _lowered(program, example_inputs)
             except Exception as e:  # noqa: BLE001 - any capture failure means: float test only
                 self.lower_error = f"{type(e).__name__}: {e}"
 
@@ -97,6 +105,28 @@ class _Side:
 def _is_ugraph(x) -> bool:
     from .ugraph import KernelGraph
     return isinstance(x, KernelGraph)
+
+
+_LOWERED: "OrderedDict[tuple, Any]" = OrderedDict()
+LOWERED_CACHE_SIZE = 32
+
+
+def _lowered(fn: Callable, example_inputs: Sequence):
+    """:func:`lower_callable`, cached by (callable, input shapes / dtypes): a search verifies one
+    reference against many candidates. Assumes ``fn`` is a pure function of its inputs (its ATen
+    graph does not change between calls with inputs of the same shapes and dtypes)."""
+    key = (fn, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x)
+                     for x in example_inputs))
+    try:
+        graph = _LOWERED.pop(key, None)
+    except TypeError:                       # unhashable callable or input value: no caching
+        return lower_callable(fn, example_inputs)
+    if graph is None:
+        graph = lower_callable(fn, example_inputs)
+    _LOWERED[key] = graph
+    while len(_LOWERED) > LOWERED_CACHE_SIZE:
+        _LOWERED.popitem(last=False)
+    return graph
 
 
 def lower_callable(fn: Callable, example_inputs: Sequence):
@@ -178,6 +208,7 @@ class FieldResult:
     trials: int
     per_trial: float | None      # ε; None when no bound < 1 was proven
     detail: str
+    bound: TrialBound | None = None   # the worst output's bound (K, provenness)
 
 
 def _shape_mismatch(c, r) -> str | None:
@@ -192,7 +223,8 @@ def _shape_mismatch(c, r) -> str | None:
 def field_test(cand: _Side, ref: _Side, example_inputs, masks, *, target: float, trials: int | None,
                field: FieldParams, rng: torch.Generator) -> FieldResult:
     """Run trials until the per-trial bound ε reaches ``target`` (or exactly ``trials`` trials)."""
-    eps, t, needed = None, 0, trials or 1
+    tb, t, needed = None, 0, trials or 1
+    eps = None
     while t < needed:
         for _attempt in range(4):
             arith = FiniteFieldArith(field, rng)
@@ -208,18 +240,28 @@ def field_test(cand: _Side, ref: _Side, example_inputs, masks, *, target: float,
         t += 1
         bad = _shape_mismatch(c, r)
         if bad:
-            return FieldResult(False, t, eps, bad)
+            return FieldResult(False, t, eps, bad, tb)
         for i, (a, b) in enumerate(zip(c, r)):
             if not isinstance(a, FieldTensor) or not isinstance(b, FieldTensor):
                 return FieldResult(None, t, None, f"output {i} is not a field value")
             if not torch.equal(_p_part(a), _p_part(b)):
                 n = int((_p_part(a) != _p_part(b)).sum())
-                return FieldResult(False, t, eps, f"output {i} differs in {n} of {a.numel()} elements at trial {t}")
-        if eps is None:
-            eps = max(per_trial_bound(a.deg, b.deg, field) for a, b in zip(c, r))
+                return FieldResult(False, t, eps, f"output {i} differs in {n} of {a.numel()} elements at trial {t}",
+                                   tb)
+        if tb is None:
+            tb = _worst_bound(c, r, arith)
+            eps = tb.eps if tb.eps < 1.0 else None
             if trials is None:
-                needed = UNBOUNDED_TRIALS if eps >= 1.0 else max(1, math.ceil(math.log(target) / math.log(eps)))
-    return FieldResult(True, t, eps if eps is not None and eps < 1.0 else None, "")
+                needed = UNBOUNDED_TRIALS if eps is None else max(1, math.ceil(math.log(target) / math.log(eps)))
+    return FieldResult(True, t, eps, "", tb)
+
+
+def _worst_bound(c: list, r: list, arith: FiniteFieldArith) -> TrialBound:
+    """The largest per-trial bound over the output pairs (the degrees do not depend on the draw)."""
+    bounds = [per_trial_bound(a.deg, b.deg, arith.f, arith.zero_risk) for a, b in zip(c, r)]
+    worst = max(bounds, key=lambda x: x.eps)
+    proven = all(x.proven for x in bounds) and arith.zero_risk_proven
+    return TrialBound(worst.eps, max(x.terms for x in bounds), proven)
 
 
 def _p_part(x: FieldTensor) -> torch.Tensor:
@@ -264,7 +306,7 @@ def verify(candidate, reference, example_inputs: Sequence, *, error_bound: float
            trials: int | None = None, field: FieldParams = DEFAULT_FIELD, seed: int | None = None) -> Verdict:
     """Is ``candidate`` equivalent to ``reference`` on inputs shaped like ``example_inputs``?
 
-    ``error_bound``: target probability of accepting a non-equivalent candidate (default 1e-9);
+    ``error_bound``: target probability of accepting a non-equivalent candidate (default ``DEFAULT_ERROR_BOUND``);
     ``trials``: run exactly this many field trials instead (the achieved bound is reported).
     """
     target = DEFAULT_ERROR_BOUND if error_bound is None else error_bound
@@ -279,16 +321,29 @@ def verify(candidate, reference, example_inputs: Sequence, *, error_bound: float
     ferr, fmsg = float_test(cand, ref, example_inputs, masks, rng)
     bound = None if fr.per_trial is None else fr.per_trial ** fr.trials
 
+    proven = None if bound is None or fr.bound is None else fr.bound.proven
     if fr.passed is False:
         return Verdict(False, bound, ferr, f"finite-field test rejects: {fr.detail}" + (f"; {fmsg}" if fmsg else ""),
-                       fr.trials)
+                       fr.trials, proven)
     if fmsg:
         field_note = ("finite-field test passed" if fr.passed else f"no finite-field test ({fr.detail})")
-        return Verdict(False, bound if fr.passed else None, ferr, f"{fmsg} ({field_note})", fr.trials)
+        return Verdict(False, bound if fr.passed else None, ferr, f"{fmsg} ({field_note})", fr.trials,
+                       proven if fr.passed else None)
     if fr.passed is None:
         return Verdict(True, None, ferr, f"float test only, no error bound: {fr.detail}", fr.trials)
     if bound is None:
         return Verdict(True, None, ferr, f"finite-field test passed {fr.trials} trials, but no per-trial bound < 1 "
-                       "could be proven (too many exp terms for Theorem 2); float test passed", fr.trials)
-    note = f"finite-field test passed {fr.trials} trials (per-trial bound {fr.per_trial:.3g}); float test passed"
-    return Verdict(True, bound, ferr, note, fr.trials)
+                       f"could be proven (K = {fr.bound.terms:.3g} exp terms in the cleared difference, too many "
+                       "for Theorem 2); float test passed", fr.trials)
+    note = (f"finite-field test passed {fr.trials} trials (per-trial bound {fr.per_trial:.3g}, "
+            f"{_provenance(fr.bound)}); float test passed")
+    return Verdict(True, bound, ferr, note, fr.trials, proven)
+
+
+def _provenance(tb: TrialBound) -> str:
+    if tb.proven and tb.terms == 0:
+        return "proven: Schwartz-Zippel on the cleared rational functions, no exp"
+    if tb.proven:
+        return f"proven: Schwartz-Zippel, K = {tb.terms:.3g} <= 2 exp terms"
+    return (f"rests on the conjecture of Li & Wu (uncertainty principle over Z_p, Mirage Theorem 2) for the "
+            f"K = {tb.terms:.3g}-term exponential sums; the Schwartz-Zippel parts are proven")
