@@ -196,9 +196,10 @@ def test_gpu_timing_small(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The LLM driver, on the CPU, against a small stand-in for the transformers API it uses
-# (config class, causal-LM class, StaticCache with lazily allocated per-layer keys/values).
-# The real transformers models run in the GPU test below and in benchmarks/run_h100.sh.
+# The LLM driver, on the CPU, against a small stand-in for the two transformers cache APIs it
+# drives: 4.x (a StaticCache writes where the model's cache_position says) and 5.x (each layer
+# writes at its own counter, cumulative_length, and advances it; the model takes no cache_position).
+# Real transformers models run in the tests after these, on the CPU and on a GPU.
 
 
 class _Config:
@@ -210,78 +211,190 @@ class _Config:
 class _Layer:
     keys = values = None
 
-    def update(self, k, v, cache_position):
+    def __init__(self, max_cache_len, counted):
+        self.max_cache_len = max_cache_len
+        if counted:
+            self.cumulative_length = torch.tensor(0)
+
+    def update(self, k, v, cache_position=None):
         if self.keys is None:
-            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
+            shape = (k.shape[0], k.shape[1], self.max_cache_len, k.shape[3])
             self.keys, self.values = torch.zeros(shape, dtype=k.dtype), torch.zeros(shape, dtype=k.dtype)
+        if cache_position is None:      # 5.x: the layer's own counter
+            cache_position = torch.arange(k.shape[2]) + self.cumulative_length
+            self.cumulative_length.add_(k.shape[2])
         self.keys.index_copy_(2, cache_position, k)
         self.values.index_copy_(2, cache_position, v)
         return self.keys, self.values
 
 
-class _StaticCache:
-    def __init__(self, config, max_cache_len):
-        self.layers = [_Layer() for _ in range(config.num_hidden_layers)]
-        for layer in self.layers:
-            layer.max_len = max_cache_len
+def _causal_lm_class(api):
+    class CausalLM(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            d, kv = config.hidden_size, config.num_key_value_heads
+            self.hd, self.kv = d // config.num_attention_heads, kv
+            self.embed = torch.nn.Embedding(config.vocab_size, d)
+            self.qkv = torch.nn.ModuleList(torch.nn.Linear(d, d + 2 * kv * self.hd)
+                                           for _ in range(config.num_hidden_layers))
+            self.head = torch.nn.Linear(d, config.vocab_size)
+
+        def run(self, input_ids, past_key_values, cache_position, logits_to_keep):
+            x = self.embed(input_ids)
+            b, t, d = x.shape
+            for i, proj in enumerate(self.qkv):
+                layer = past_key_values.layers[i]
+                pos = cache_position if cache_position is not None else torch.arange(t) + layer.cumulative_length
+                q, k, v = proj(x).split([d, self.kv * self.hd, self.kv * self.hd], dim=-1)
+                k, v = (z.view(b, t, self.kv, self.hd).transpose(1, 2) for z in (k, v))
+                keys, values = layer.update(k, v, cache_position)
+                mask = torch.where(torch.arange(keys.shape[2])[None, :] <= pos[:, None], 0.0, float("-inf"))
+                q = q.view(b, t, self.kv, -1, self.hd).permute(0, 2, 1, 3, 4).reshape(b, self.kv, -1, self.hd)
+                mask = mask.repeat_interleave(q.shape[2] // t, dim=0) if t > 1 else mask
+                p = torch.softmax(q @ keys.transpose(-1, -2) * self.hd ** -0.5 + mask, dim=-1)
+                x = x + (p @ values).view(b, self.kv, t, -1, self.hd).permute(0, 2, 1, 3, 4).reshape(b, t, d)
+            logits = self.head(x[:, -logits_to_keep:] if logits_to_keep else x)
+            return type("Out", (), {"logits": logits})()
+
+    if api == "4.x":
+        def forward(self, input_ids, position_ids, cache_position, past_key_values, use_cache, logits_to_keep=0):
+            return self.run(input_ids, past_key_values, cache_position, logits_to_keep)
+    else:
+        def forward(self, input_ids, position_ids, past_key_values, use_cache, logits_to_keep=0):
+            return self.run(input_ids, past_key_values, None, logits_to_keep)
+    CausalLM.forward = forward
+    return CausalLM
 
 
-class _CausalLM(torch.nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        d, kv = config.hidden_size, config.num_key_value_heads
-        self.hd = d // config.num_attention_heads
-        self.kv = kv
-        self.embed = torch.nn.Embedding(config.vocab_size, d)
-        self.qkv = torch.nn.ModuleList(torch.nn.Linear(d, d + 2 * kv * self.hd) for _ in range(config.num_hidden_layers))
-        self.head = torch.nn.Linear(d, config.vocab_size)
-
-    def forward(self, input_ids, position_ids, cache_position, past_key_values, use_cache, logits_to_keep=0):
-        x = self.embed(input_ids)
-        b, t, d = x.shape
-        for i, proj in enumerate(self.qkv):
-            q, k, v = proj(x).split([d, self.kv * self.hd, self.kv * self.hd], dim=-1)
-            k, v = (z.view(b, t, self.kv, self.hd).transpose(1, 2) for z in (k, v))
-            keys, values = past_key_values.layers[i].update(k, v, cache_position)
-            pos = torch.arange(keys.shape[2])
-            mask = torch.where(pos[None, :] <= cache_position[:, None], 0.0, float("-inf"))
-            q = q.view(b, t, self.kv, -1, self.hd).permute(0, 2, 1, 3, 4).reshape(b, self.kv, -1, self.hd)
-            mask = mask.repeat_interleave(q.shape[2] // t, dim=0) if t > 1 else mask
-            p = torch.softmax(q @ keys.transpose(-1, -2) * self.hd ** -0.5 + mask, dim=-1)
-            x = x + (p @ values).view(b, self.kv, t, -1, self.hd).permute(0, 2, 1, 3, 4).reshape(b, t, d)
-        logits = self.head(x[:, -logits_to_keep:] if logits_to_keep else x)
-        return type("Out", (), {"logits": logits})()
-
-
-@pytest.fixture
-def fake_transformers(monkeypatch):
+@pytest.fixture(params=["4.x", "5.x"])
+def fake_transformers(monkeypatch, request):
     import sys
     import types
 
+    class StaticCache:
+        def __init__(self, config, max_cache_len):
+            self.layers = [_Layer(max_cache_len, counted=request.param == "5.x")
+                           for _ in range(config.num_hidden_layers)]
+
     mod = types.ModuleType("transformers")
-    mod.LlamaConfig, mod.LlamaForCausalLM, mod.StaticCache = _Config, _CausalLM, _StaticCache
-    mod.__version__ = "0-test"
+    mod.LlamaConfig, mod.LlamaForCausalLM, mod.StaticCache = _Config, _causal_lm_class(request.param), StaticCache
+    mod.__version__ = request.param
     monkeypatch.setitem(sys.modules, "transformers", mod)
     return mod
 
 
-@pytest.mark.slow
 def test_llm_driver_checks_every_mode(fake_transformers, monkeypatch):
     from torch_mirage.bench import llm
 
     assert llm.available()
     broken = {"eager": harness.COMPILERS["eager"],
-              "noisy": lambda fn, info: (lambda *a: fn(*a) + 0.05 * torch.randn(1))}
+              "noisy": lambda fn, info: (lambda *a: fn(*a) + 0.05 * torch.randn(1)),
+              "twice": lambda fn, info: (lambda *a: (fn(*a), fn(*a))[1])}
     monkeypatch.setattr(llm, "COMPILERS", broken)
-    records = llm.run_model(llm.MODELS["llama3-8b-4l"], [1], torch.float32, ["eager", "noisy"],
+    records = llm.run_model(llm.MODELS["llama3-8b-4l"], [1], torch.float32, ["eager", "noisy", "twice"],
                             torch.device("cpu"), quick=True, timing=None, echo=lambda s: None)
     assert [r["scenario"] for r in records] == ["decode b1 ctx64", "prefill 32"]
     for r in records:
-        assert r["modes"]["eager"]["status"] == "ok" and r["modes"]["eager"]["rel_err"] == 0.0
+        assert r["modes"]["eager"]["status"] == "ok" and r["modes"]["eager"]["rel_err"] == 0.0, r
         assert r["modes"]["noisy"]["status"] == "failed" and "wrong logits" in r["modes"]["noisy"]["error"]
+        twice = r["modes"]["twice"]
+        if fake_transformers.__version__ == "5.x":   # the second call writes the next slots: caught on the host
+            assert twice["status"] == "failed" and "ended at position" in twice["error"], twice
+        else:                                        # 4.x: the same slots again, so the same logits
+            assert twice["status"] == "ok" and twice["rel_err"] == 0.0, twice
     doc = report.new_document({"device": "cpu", "torch": "x", "torch_mirage": "y"}, None, {}, False)
     doc["llm"] = records
     assert "| llama3-8b-4l | decode b1 ctx64 | float32 | noisy |" in report.markdown(doc)
+
+
+def test_llm_positions_checked_on_the_host(fake_transformers):
+    """A scenario that does not fit the static cache is refused before anything runs (on a GPU, an
+    out-of-bounds cache write is a device-side assert that poisons the CUDA context for every later case)."""
+    from torch_mirage.bench import llm
+
+    cache = fake_transformers.StaticCache(_Config(num_hidden_layers=2), max_cache_len=64)
+    llm.KVState(cache, 32, 32, fake_transformers.__version__ == "4.x", "fits")
+    for start, tokens in ((33, 32), (64, 1), (-1, 1)):
+        with pytest.raises(ValueError, match="do not fit"):
+            llm.KVState(cache, start, tokens, True, "too long")
+
+
+# ---------------------------------------------------------------------------------------------
+# Real transformers models (tiny configs, fp32) on the CPU: eager twice gives the same logits, and
+# compiled modes match it. Each family gets one compiled mode on one scenario here (compiling on 2
+# CPU cores takes 5–30 s a case); MIRAGE_LLM_FULL=1 runs every family × scenario × mode.
+
+_CPU_LLM_CASES = {"llama3-8b-4l": ("decode b2 ctx64", "inductor"),
+                  "qwen2-7b-4l": ("prefill 32", "mirage"),
+                  "gemma2-9b-4l": ("decode b1 ctx64", "mirage")}
+
+
+def _real_llm(name):
+    pytest.importorskip("transformers")
+    from torch_mirage.bench import llm
+
+    spec = llm.MODELS[name]
+    model, config = llm.build_model(spec, torch.float32, torch.device("cpu"), quick=True)
+    return llm, spec, model, config
+
+
+def _check_llm_record(r, modes):
+    assert set(r["modes"]) == set(modes)
+    for mode, m in r["modes"].items():
+        assert m["status"] == "ok", (r["model"], r["scenario"], mode, m["error"])
+        limit = 1e-6 if mode == "eager" else 1e-4     # eager against eager: the same call from the same state
+        assert m["rel_err"] is not None and m["rel_err"] <= limit, (r["model"], r["scenario"], mode, m["rel_err"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(_CPU_LLM_CASES))
+def test_cpu_llm_real_transformers(name):
+    import torch._inductor.config as inductor_config
+
+    llm, spec, model, config = _real_llm(name)
+    compiled_scenario, compiled_mode = _CPU_LLM_CASES[name]
+    for s in llm.scenarios([1, 2], quick=True):
+        modes = ["eager", compiled_mode] if s.name == compiled_scenario else ["eager"]
+        with inductor_config.patch(compile_threads=1):     # no worker pool to start on a 2-core CPU
+            r = llm.run_scenario(spec, model, config, s, True, torch.float32, modes, torch.device("cpu"), None,
+                                 echo=lambda line: None)
+        _check_llm_record(r, modes)
+        if compiled_mode == "mirage" and s.name == compiled_scenario:
+            assert r["modes"]["mirage"]["mirage"]["graphs"] >= 1, "the mirage backend never ran"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("MIRAGE_LLM_FULL"), reason="every family × scenario × mode: ~10 min on 2 cores; "
+                    "set MIRAGE_LLM_FULL=1")
+@pytest.mark.parametrize("name", ["llama3-8b-4l", "qwen2-7b-4l", "gemma2-9b-4l"])
+def test_cpu_llm_real_transformers_all_modes(name):
+    llm, spec, model, config = _real_llm(name)
+    for s in llm.scenarios([1, 2], quick=True):
+        modes = ["eager", "inductor", "mirage"]
+        _check_llm_record(llm.run_scenario(spec, model, config, s, True, torch.float32, modes, torch.device("cpu"),
+                                           None, echo=print), modes)
+
+
+def test_cpu_llm_cache_corruption_is_caught(monkeypatch):
+    """A mode whose logits are right but whose cache update is wrong fails (the next token would be wrong)."""
+    llm, spec, model, config = _real_llm("llama3-8b-4l")
+    caches = []
+    real_static_cache = llm.static_cache
+    monkeypatch.setattr(llm, "static_cache", lambda *a: caches.append(real_static_cache(*a)) or caches[-1])
+
+    def corrupts_cache(fn, info):
+        def run(*args):
+            out = fn(*args)
+            llm.cache_tensors(caches[-1])[-1][:, :, s.start] *= 1.5     # the last layer's values at the new slot
+            return out
+        return run
+
+    monkeypatch.setitem(llm.COMPILERS, "corrupts", corrupts_cache)
+    s = llm.scenarios([1], quick=True)[0]
+    r = llm.run_scenario(spec, model, config, s, True, torch.float32, ["eager", "corrupts"], torch.device("cpu"),
+                         None, echo=lambda line: None)
+    assert r["modes"]["eager"]["status"] == "ok" and r["modes"]["eager"]["rel_err"] == 0.0
+    assert r["modes"]["corrupts"]["status"] == "failed" and "wrong cache slots" in r["modes"]["corrupts"]["error"]
 
 
 @pytest.mark.gpu
@@ -299,4 +412,5 @@ def test_gpu_llm_tiny_real_transformers(model):
         for mode, m in r["modes"].items():
             assert m["status"] == "ok", (r["scenario"], mode, m["error"])
             assert m["ms"] > 0 and m["tokens_per_s"] > 0 and m["peak_gib"] > 0
+        assert r["modes"]["eager"]["rel_err"] <= 1e-3, "eager against eager: the same call from the same state"
         assert r["modes"]["inductor"]["timing_method"] == "cuda graph"

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from torch_mirage.analysis.cost import CostModel, CostModelError, is_compute_bound, real_bytes, region_io
+from torch_mirage.analysis import device as device_module
 from torch_mirage.analysis.device import DeviceModel, calibrate
 from torch_mirage.analysis.properties import analyze_properties
 from torch_mirage.testing.aten import trace_ir
@@ -16,13 +17,25 @@ f16 = torch.float16
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def _trace(fn, *shapes, dtype=f16):
+    """The IR of ``fn`` traced on fake inputs of ``shapes``: nothing runs, so large shapes cost nothing."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch_mirage.capture.lower import lower
+
+    inputs = [torch.empty(s, dtype=dtype) for s in shapes]
+    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*inputs)
+    gm.graph.eliminate_dead_code()
+    return lower(gm)
+
+
 def _bias_gelu(x, b):
     return torch.nn.functional.gelu(x + b, approximate="tanh")
 
 
 def test_bias_gelu_region_reads_and_writes_once():
     m, n = 512, 3072
-    g = trace_ir(_bias_gelu, torch.randn(m, n, dtype=f16), torch.randn(n, dtype=f16))
+    g = _trace(_bias_gelu, (m, n), (n,))
     cost = CostModel(H100).region_cost(g.nodes, g)
     assert cost.bytes == 2 * m * n * 2 + n * 2
     assert cost.bound == "memory" and cost.kernels == 1
@@ -59,8 +72,8 @@ def test_rmsnorm_linear_matmul_flops_and_bytes():
 @pytest.mark.parametrize("device", ["H100", "H200", "A100"])
 def test_matmul_bound_by_intensity_not_op_type(device):
     dev = DeviceModel.profile(device)
-    skinny = trace_ir(torch.mm, torch.randn(16, 4096, dtype=f16), torch.randn(4096, 4096, dtype=f16))
-    square = trace_ir(torch.mm, torch.randn(4096, 4096, dtype=f16), torch.randn(4096, 4096, dtype=f16))
+    skinny = _trace(torch.mm, (16, 4096), (4096, 4096))
+    square = _trace(torch.mm, (4096, 4096), (4096, 4096))
     model = CostModel(dev)
     c_skinny, c_square = model.node_cost(skinny.nodes[0]), model.node_cost(square.nodes[0])
     assert c_skinny.intensity < dev.balance_point(f16) < c_square.intensity
@@ -70,7 +83,7 @@ def test_matmul_bound_by_intensity_not_op_type(device):
 
 
 def test_fp32_matmul_uses_cuda_core_rate():
-    g = trace_ir(torch.mm, torch.randn(1024, 1024), torch.randn(1024, 1024))
+    g = _trace(torch.mm, (1024, 1024), (1024, 1024), dtype=torch.float32)
     cost = CostModel(H100).node_cost(g.nodes[0])
     assert cost.compute_us == pytest.approx(2 * 1024 ** 3 / H100.peak_fp32_flops * 1e6)
 
@@ -91,16 +104,18 @@ def test_views_alone_are_free():
 
 def test_parallelism_scales_time_when_tasks_are_few():
     model = CostModel(H100)
-    rows = trace_ir(lambda x: x.sum(-1), torch.randn(1024, 512))
-    total = trace_ir(lambda x: x.sum(), torch.randn(1024, 512))
+    rows = _trace(lambda x: x.sum(-1), (1024, 512))
+    total = _trace(lambda x: x.sum(), (1024, 512))
     c_rows, c_total = model.region_cost(rows.nodes, rows), model.region_cost(total.nodes, total)
     assert c_rows.parallel_tasks == 1024 and c_total.parallel_tasks == 1
     assert c_total.memory_us == pytest.approx(c_rows.memory_us, rel=1e-2)
-    assert c_total.predicted_us > 50 * c_rows.predicted_us
+    launch_us = H100.kernel_overhead_s * 1e6
+    slowdown = (c_total.predicted_us - launch_us) / (c_rows.predicted_us - launch_us)
+    assert slowdown == pytest.approx(H100.sm_count, rel=1e-2)
 
 
 def test_matmul_parallelism_counts_reuse_tiles():
-    g = trace_ir(torch.mm, torch.randn(16, 512, dtype=f16), torch.randn(512, 1024, dtype=f16))
+    g = _trace(torch.mm, (16, 512), (512, 1024))
     cost = CostModel(H100).node_cost(g.nodes[0])
     assert cost.parallel_tasks == 16 * (1024 // CostModel.reuse_tile)   # M below one tile counts whole
 
@@ -179,3 +194,31 @@ def test_calibrate_measures_below_the_datasheet():
     assert 0.3 * dev.peak_fp16_flops < dev.measured_matmul_flops <= 1.1 * dev.peak_fp16_flops
     assert 0 < dev.kernel_overhead_s < 2e-5 and 0 < dev.launch_overhead_s < 1e-4
     print(dev)
+
+
+def _fake_cuda(monkeypatch, **props):
+    from types import SimpleNamespace
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda idx: SimpleNamespace(**props))
+    monkeypatch.setattr(device_module, "_nvml_figures", lambda idx: {})   # not the real GPU's NVML
+
+
+def test_current_on_a_known_device_keeps_datasheet_peaks(monkeypatch):
+    _fake_cuda(monkeypatch, name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132,
+               max_threads_per_multi_processor=2048, L2_cache_size=50 * 2 ** 20, warp_size=32,
+               memory_bus_width=5120, memory_clock_rate=2_619_000, clock_rate=1_980_000)
+    dev = DeviceModel.current()
+    assert dev.source == "cuda:0" and dev.peak_fp16_flops == H100.peak_fp16_flops
+    assert dev.mem_bandwidth == pytest.approx(3.35e12, rel=0.01)   # bus width x memory clock x 2
+    assert dev.measured_copy_bandwidth == H100.measured_copy_bandwidth
+    assert dev.smem_per_block == H100.smem_per_block                # not reported by this torch: profile figure
+
+
+def test_current_on_an_unknown_device_derives_peaks(monkeypatch):
+    _fake_cuda(monkeypatch, name="NVIDIA H100 PCIe", major=9, minor=0, multi_processor_count=114,
+               L2_cache_size=50 * 2 ** 20, clock_rate=1_755_000)
+    dev = DeviceModel.current()
+    assert dev.sm_count == 114 and dev.measured_copy_bandwidth is None and dev.measured_matmul_flops is None
+    assert dev.peak_fp16_flops == pytest.approx(114 * 2048 * 2 * 1.755e9)
+    assert dev.clock_hz == 1.755e9

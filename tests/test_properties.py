@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torch_mirage.analysis.properties import (Affine, ReduceDep, ValueKind, analyze_properties, analyze_values)
-from torch_mirage.capture.ir import Graph, Value, map_values
+from torch_mirage.capture.ir import Graph, map_values
 from torch_mirage.testing.aten import trace_ir
 
 B, R, N = ReduceDep.BATCH, ReduceDep.REUSE, ReduceDep.NONPARA
@@ -58,10 +58,6 @@ def _check_all_values(graph: Graph, *inputs: torch.Tensor) -> int:
     env = _run_ir(graph, *inputs)
     props = analyze_properties(graph)
     return sum(_check_value(props.value(v), env[id(v)]) for v in graph.values() if v.is_tensor)
-
-
-def _by_name(graph: Graph, name: str) -> Value:
-    return next(v for v in graph.values() if v.name == name)
 
 
 def _producer(graph: Graph, op: str, nth: int = 0) -> Value:

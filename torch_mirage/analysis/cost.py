@@ -1,15 +1,16 @@
 """Roofline cost of IR nodes and of candidate regions (one kernel each).
 
 A region reads each external input once and writes each external output once (bytes from the values' metadata;
-an expanded / broadcast value counts its real elements, views of external inputs count nothing when they leave the
-region). Flops come from the op table (``flops`` per output element for elementwise ops, per input element for
-reductions, ``2·M·N·K`` for a matmul). Time is
+an expanded / broadcast value counts its real elements; inputs that only pass through views, and views of external
+inputs that leave the region, count nothing). Flops come from the op table (``flops`` per output element for
+elementwise ops, per input element for reductions, ``2·M·N·K`` for a matmul). Time is
 
     max(bytes / bandwidth, matmul_flops / matmul_rate + other_flops / vector_rate) / utilisation + kernel overhead
 
 where utilisation is ``min(1, parallel_tasks / SMs)`` and the parallel tasks come from the region's iteration axes
 (FlashTensor: BATCH axes count every index, REUSE axes count tiles of :attr:`CostModel.reuse_tile` once longer than a
-tile, NONPARA axes count one). Whether work is compute- or memory-bound is decided by its arithmetic intensity
+tile, NONPARA axes count one). A region with one task (a full reduction) is predicted SMs times slower: AStitch's
+task splitting is the partitioner's answer to that, not the model's. Whether work is compute- or memory-bound is decided by its arithmetic intensity
 against the device's balance point for the region's mix of arithmetic (PowerFusion), never by op type.
 The model needs static shapes: symbolic sizes raise :class:`CostModelError`.
 """
@@ -19,7 +20,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-import torch
 
 from ..capture.ir import Graph, Node, TensorMeta, Value
 from ..capture.ops import OpKind
@@ -124,12 +124,24 @@ def _alias_base(v: Value, inside: set[int]) -> Value:
     return v
 
 
+def _is_read(v: Value, inside: set[int]) -> bool:
+    """Some non-aliasing node of the region reads ``v``, directly or through views."""
+    for u in v.users:
+        if id(u) not in inside:
+            continue
+        if u.op.name not in ALIASING_OPS or any(_is_read(o, inside) for o in u.outputs if o.is_tensor):
+            return True
+    return False
+
+
 def region_bytes(nodes: Sequence[Node], graph: Graph | None) -> int:
     ins, outs = region_io(nodes, graph)
     inside = {id(n) for n in nodes}
     external = {id(v) for v in ins}
     total = 0
     for v in ins:
+        if not _is_read(v, inside):
+            continue
         _static(v.meta, f"input %{v.name}")
         total += real_bytes(v.meta)
     written: set[int] = set()

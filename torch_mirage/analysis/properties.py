@@ -13,7 +13,9 @@ marks some dims from its own semantics (*seeds*). Forward and backward propagati
 iterated to a fixed point, gives every dim the highest seed reachable over links; since links are symmetric that
 fixed point is the maximum over each connected set of linked dims, which is computed here with union-find in one
 pass. Each connected set is one iteration :class:`Axis` of the analysed nodes (used by the cost model's parallelism).
-Views that merge or split dims link all dims of the group (conservative). Opaque ops neither link nor seed: they are
+A size-1 dim broadcast by a consumer is marked ``broadcast`` and not linked (it has no extent to share). Views that
+merge or split dims link all dims of the group (conservative). Operands whose value is known (constants, index
+masks) are not data worth reusing and seed no REUSE. Opaque ops neither link nor seed: they are
 kernel boundaries, never inside a region.
 
 *Value* (forward only): constants (``full``, scalars, and anything computed from constants, evaluated with the ATen op
@@ -208,7 +210,8 @@ class DimProperty:
     expanded: bool         # stride 0 with size > 1: every element along it is the same
 
     def __str__(self) -> str:
-        return f"{self.size}:{self.reduce_dep.letter}" + ("*" if self.broadcast else "") + ("^" if self.expanded else "")
+        marks = ("*" if self.broadcast else "") + ("^" if self.expanded else "")
+        return f"{self.size}:{self.reduce_dep.letter}{marks}"
 
 
 @dataclass(frozen=True)
@@ -621,7 +624,7 @@ def _value_creation(node: Node, values: dict) -> list[ValueProperty]:
         if _is_int(start) and _is_int(step):
             return [ValueProperty(ValueKind.AFFINE, expr=Affine.make({-1: step}, start))]
         return [UNKNOWN]
-    for key, default in (("fill_value", None), ("s", None)):
+    for key in ("fill_value", "s"):
         if key in b:
             return [const(b[key])]
     fills = {"zeros": 0.0, "ones": 1.0}

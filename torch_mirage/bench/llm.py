@@ -253,26 +253,30 @@ def run_model(spec: LLMSpec, batches: Sequence[int], dtype: torch.dtype, modes: 
               echo: Callable[[str], None] = print) -> list[dict]:
     """Every scenario of one model; one record per scenario with a result per mode."""
     model, config = build_model(spec, dtype, device, quick)
-    context = 64 if quick else CONTEXT
-    records = []
-    for s in scenarios(batches, quick):
-        case = _prepare(model, config, spec, s, context, device, dtype)
-        results = {}
-        for mode in modes:
-            results[mode] = r = _run_mode(case, mode, dtype, timing)
-            t = f"{r['ms']:8.3f} ms/step {r['tokens_per_s']:10,.0f} tok/s" if r.get("ms") else ""
-            c = f"compile {r['compile_s']:.1f} s" if r.get("compile_s") is not None else ""
-            echo(f"  {spec.name:<14} {s.name:<18} {mode:<22} {r['status']:<6} {t} {c} "
-                 f"{('err %.2e' % r['rel_err']) if r.get('rel_err') is not None else ''} {r.get('error') or ''}")
-        records.append({"model": spec.name, "scenario": s.name, "batch": s.batch, "tokens": s.tokens,
-                        "dtype": str(dtype).replace("torch.", ""), "config": dict(spec.config, **(spec.quick if quick else {})),
-                        "attn_implementation": spec.attn, "context": context, "start": s.start, "sets": 1,
-                        "modes": results})
-        del case
-        _free()
+    records = [run_scenario(spec, model, config, s, quick, dtype, modes, device, timing, echo)
+               for s in scenarios(batches, quick)]
     del model
     _free()
     return records
+
+
+def run_scenario(spec: LLMSpec, model, config, s: Scenario, quick: bool, dtype: torch.dtype, modes: Sequence[str],
+                 device: torch.device, timing: dict | None, echo: Callable[[str], None] = print) -> dict:
+    """One scenario of a built model through every mode, on a fresh static cache: the record of it."""
+    context = 64 if quick else CONTEXT
+    case = _prepare(model, config, spec, s, context, device, dtype)
+    results = {}
+    for mode in modes:
+        results[mode] = r = _run_mode(case, mode, dtype, timing)
+        t = f"{r['ms']:8.3f} ms/step {r['tokens_per_s']:10,.0f} tok/s" if r.get("ms") else ""
+        c = f"compile {r['compile_s']:.1f} s" if r.get("compile_s") is not None else ""
+        echo(f"  {spec.name:<14} {s.name:<18} {mode:<22} {r['status']:<6} {t} {c} "
+             f"{('err %.2e' % r['rel_err']) if r.get('rel_err') is not None else ''} {r.get('error') or ''}")
+    del case
+    _free()
+    return {"model": spec.name, "scenario": s.name, "batch": s.batch, "tokens": s.tokens,
+            "dtype": str(dtype).replace("torch.", ""), "config": dict(spec.config, **(spec.quick if quick else {})),
+            "attn_implementation": spec.attn, "context": context, "start": s.start, "sets": 1, "modes": results}
 
 
 def _prepare(model, config, spec: LLMSpec, s: Scenario, context: int, device: torch.device,

@@ -416,6 +416,8 @@ class FieldTensor(torch.Tensor):
             deg = deg.join(getattr(o, "deg", CONST))
         with_den = any(getattr(o, "den", None) is not None for o in ins)
         if name == "__setitem__" and isinstance(args[0], FieldTensor):
+            # the executor writes tiles into the output tensor itself; a write through a *view*
+            # would update the base's data but not the base's deg / den (not done anywhere)
             target = args[0]
             target.deg = deg   # writing a tile into an output: the output now holds both
             if with_den:
@@ -539,7 +541,7 @@ class DenIds:
 
     def reduce(self, ids: torch.Tensor | None, dim: int) -> tuple[torch.Tensor | None, int, int]:
         """(ids of the sum along ``dim`` (kept as size 1), max distinct ids, max distinct ids ≠ 0)."""
-        if ids is None or ids.shape[dim] == 0:
+        if ids is None or ids.numel() == 0:
             return None, 1, 0
         s = ids.sort(dim).values
         n = s.shape[dim]
@@ -626,8 +628,8 @@ class FiniteFieldArith(Arith):
     def _real_of(x) -> float | None:
         if isinstance(x, (int, float)) and not isinstance(x, bool):
             return float(x)
-        r = getattr(x, "_real", None)
-        return r if isinstance(r, float) and raw(x).numel() == 1 else None
+        r = getattr(x, "_real", None)          # set by constant(): every element is this real
+        return r if isinstance(r, float) else None
 
     # ------------------------------------------------------------ primitives
     def add(self, a, b):

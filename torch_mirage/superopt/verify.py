@@ -333,8 +333,8 @@ def verify(candidate, reference, example_inputs: Sequence, *, error_bound: float
         return Verdict(True, None, ferr, f"float test only, no error bound: {fr.detail}", fr.trials)
     if bound is None:
         return Verdict(True, None, ferr, f"finite-field test passed {fr.trials} trials, but no per-trial bound < 1 "
-                       f"could be proven (K = {fr.bound.terms:.3g} exp terms in the cleared difference, too many "
-                       "for Theorem 2); float test passed", fr.trials)
+                       f"could be proven (K = {fr.bound.terms:.3g} exp terms in the cleared difference: too many, or "
+                       "too high degrees, for Theorem 2); float test passed", fr.trials)
     note = (f"finite-field test passed {fr.trials} trials (per-trial bound {fr.per_trial:.3g}, "
             f"{_provenance(fr.bound)}); float test passed")
     return Verdict(True, bound, ferr, note, fr.trials, proven)
