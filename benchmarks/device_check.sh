@@ -26,4 +26,6 @@ for step in "$@"; do
     *) echo "unknown step $step" ;;
   esac > "$OUT/${step//[:]/_}.log" 2>&1
   echo "rc=$?"; tail -25 "$OUT/${step//[:]/_}.log"
+  # only 8 files come back from a device call: keep the JSON, the table and the step log
+  rm -f "$OUT"/*.png "$OUT"/*.gpu.txt "$OUT/${step#bench:}.log"
 done

@@ -324,8 +324,8 @@ def test_llm_positions_checked_on_the_host(fake_transformers):
 # compiled modes match it. Each family gets one compiled mode on one scenario here (compiling on 2
 # CPU cores takes 5–30 s a case); MIRAGE_LLM_FULL=1 runs every family × scenario × mode.
 
-_CPU_LLM_CASES = {"llama3-8b-4l": ("decode b2 ctx64", "inductor"),
-                  "qwen2-7b-4l": ("prefill 32", "mirage"),
+_CPU_LLM_CASES = {"llama3-8b-4l": ("prefill 32", "inductor"),
+                  "qwen2-7b-4l": ("decode b2 ctx64", "mirage"),
                   "gemma2-9b-4l": ("decode b1 ctx64", "mirage")}
 
 
@@ -352,6 +352,8 @@ def test_cpu_llm_real_transformers(name):
     import torch._inductor.config as inductor_config
 
     llm, spec, model, config = _real_llm(name)
+    assert model.config._attn_implementation == spec.attn     # Gemma2: eager, so that soft-capping runs
+    assert all(getattr(model.config, k) == v for k, v in spec.config.items() if "softcapping" in k)
     compiled_scenario, compiled_mode = _CPU_LLM_CASES[name]
     for s in llm.scenarios([1, 2], quick=True):
         modes = ["eager", compiled_mode] if s.name == compiled_scenario else ["eager"]

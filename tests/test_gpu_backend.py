@@ -125,3 +125,18 @@ def test_region_slower_than_inductor_is_handed_back(tmp_path):
     slow = [r for r in report.regions if r.claimer == "slow"]
     assert slow and slow[0].compiled_by == "inductor" and "slower" in slow[0].reason
     assert slow[0].info["mirage_us"] > slow[0].info["inductor_us"] > 0
+
+
+def test_whole_graph_timed_against_inductor_on_first_call():
+    report = torch_mirage.Report()
+    fn = lambda x, bias: torch.softmax(x + bias, dim=-1) * 2
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(report=report))
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.float16)
+    bias = torch.randn(512, device="cuda", dtype=torch.float16)
+    out = compiled(x, bias)
+    assert_close(out, fn(x.double(), bias.double()).half(), torch.float16)
+    g = report.graphs[0]
+    assert g.choice in ("mirage", "inductor") and set(g.choice_times_us) == {"mirage", "inductor"}
+    assert g.choice_times_us[g.choice] == min(g.choice_times_us.values())
+    if g.choice == "inductor":
+        assert all(r.compiled_by != "mirage" for r in g.regions)

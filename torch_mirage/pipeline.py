@@ -24,6 +24,7 @@ from .partition.region import Claimer, Reason, Region, is_convex
 from .report import GraphReport, RegionReport
 from .runtime.assemble import assemble
 from .runtime.cudagraph import CudaGraphRunner, cuda_graph_blocker
+from .runtime.choose import FasterOf, is_timeable
 from .runtime.measure import check_regions, keep_faster
 
 log = logging.getLogger("torch_mirage")
@@ -133,6 +134,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
         _report_regions(report, regions)
         with report.stage("assemble"):
             fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode)
+        if (config.measure_regions and config.fallback == "inductor" and report.kind == "inference"
+                and any(r.compiled_by == "mirage" for r in regions) and is_timeable(gm, list(example_inputs))):
+            with report.stage("inductor"):
+                whole = Region(list(graph.nodes), "inductor", Reason.SLOWER_THAN_INDUCTOR)
+                inductor_fn = assemble(gm, graph, [whole], "inductor", config.inductor_mode)
+            fn = FasterOf({"mirage": fn, "inductor": inductor_fn}, _choice_recorder(report, regions))
     except Exception as e:
         if config.strict:
             raise
@@ -143,6 +150,19 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
         report.fallback_error = f"{type(e).__name__}: {e}"
         fn = _fallback(gm, example_inputs, ctx)
     return _maybe_cuda_graph(fn, gm, example_inputs, ctx)
+
+
+def _choice_recorder(report: GraphReport, regions: Sequence[Region]):
+    def record(choice: str, times: dict) -> None:
+        report.choice = choice
+        report.choice_times_us = {k: round(v, 2) for k, v in times.items()}
+        if choice != "mirage":
+            detail = (f"whole graph: mirage assembly {times.get('mirage', float('nan')):.1f} µs vs "
+                      f"Inductor {times.get('inductor', float('nan')):.1f} µs")
+            for r in report.regions:
+                if r.compiled_by == "mirage":
+                    r.compiled_by, r.reason, r.detail = "inductor", Reason.SLOWER_THAN_INDUCTOR.value, detail
+    return record
 
 
 def _fallback(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Any:

@@ -39,6 +39,8 @@ class GraphReport:
     cuda_graph: bool = False
     cuda_graph_reason: str = ""
     fallback_error: str | None = None
+    choice: str | None = None            # "mirage" | "inductor": the faster whole-graph assembly, timed
+    choice_times_us: dict[str, float] = field(default_factory=dict)
     stage_times_ms: dict[str, float] = field(default_factory=dict)
 
     @contextlib.contextmanager
@@ -54,6 +56,9 @@ class GraphReport:
         stages = ", ".join(f"{k} {v:.0f} ms" for k, v in self.stage_times_ms.items())
         lines = [f"graph {self.index} [{self.kind}]: {self.num_nodes} ATen nodes, {len(self.regions)} regions, "
                  f"CUDA graph: {cg}", f"  stages: {stages}"]
+        if self.choice:
+            times = ", ".join(f"{k} {v:.1f} µs" for k, v in self.choice_times_us.items())
+            lines.append(f"  timed whole graph on first call: kept {self.choice} ({times})")
         if self.fallback_error:
             lines.append(f"  fell back: {self.fallback_error}")
         lines += [r.row() for r in self.regions]

@@ -3,14 +3,23 @@
 Nothing is downloaded. Three decoder-only models of 4 layers each, shaped like their 7–9B
 originals except for the vocabulary (32000 for all three, so that embedding and LM head stay
 small next to the 4 layers): Llama-3-8B, Qwen2-7B (bias on q/k/v), Gemma-2-9B (attention-logit
-and final-logit soft-capping, eager attention so that the soft-capping runs). Scenarios: one
-decode step with a static KV cache of 4096 slots (filled with random keys and values up to
-position 4000) at batch 1 and 8, and a 2048-token prefill at batch 1. Each mode is checked
-against eager on fresh random token ids, then timed in one CUDA graph (the weights alone are
-larger than 3× L2, so one input set suffices); compile time and peak GPU memory are recorded.
+and final-logit soft-capping, eager attention so that the soft-capping runs; sdpa would skip it).
+Scenarios: one decode step with a static KV cache of 4096 slots (filled with random keys and
+values, the new token at position 4000) at batch 1 and 8, and a 2048-token prefill at batch 1.
 
-Written against the ``transformers`` ≥ 4.45 and 5.x APIs (``LlamaConfig``, ``StaticCache``...);
-the import is guarded so that the rest of the suite runs without it.
+Every scenario gets a fresh static cache, and every call — eager's references, each mode's
+checks, each CUDA-graph replay — starts from the same cache state (:class:`KVState`: position
+reset inside the timed call, contents restored before each check), because a static cache is
+mutated by every call and transformers 5.x writes at the cache's own counter, not at any
+``cache_position``. Positions are checked against the cache size on the host before anything
+runs. Each mode is checked against eager (logits and the cache slots written) on fresh random
+token ids, then timed in one CUDA graph (the weights alone are larger than 3× L2, so one input
+set suffices; the timed call includes the counter reset, a scalar fill per layer, in every mode);
+compile time and peak GPU memory are recorded.
+
+Written against the ``transformers`` 4.45+ and 5.x APIs (checked on 5.17: ``StaticCache(config,
+max_cache_len)`` with lazily allocated ``layers[i].keys``); the import is guarded so that the rest
+of the suite runs without it.
 """
 from __future__ import annotations
 
