@@ -18,7 +18,8 @@ LIMIT=${STEP_LIMIT_S:-280}
 for step in "$@"; do
   echo "== $step"
   case "$step" in
-    gputests) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -x -p no:cacheprovider ;;
+    gputests) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -p no:cacheprovider ;;
+    gputest:*) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -p no:cacheprovider -k "${step#gputest:}" ;;
     stitch)   timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py ;;
     stitchq)  timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py --quick ;;
     mirageset) timeout "$LIMIT" python3 benchmarks/mirage_set_gpu.py --limit 2 ;;
