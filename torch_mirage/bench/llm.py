@@ -161,7 +161,8 @@ class KVState:
     def __init__(self, cache, start: int, tokens: int, passes_cache_position: bool, where: str):
         self.cache, self.start, self.tokens, self.where = cache, start, tokens, where
         self.layers = list(getattr(cache, "layers", []))
-        self.counters = [layer for layer in self.layers if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+        self.counters = [layer for layer in self.layers
+                         if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
         self.saved: list[torch.Tensor] | None = None
         for i, size in enumerate(self._slots()):
             if start < 0 or start + tokens > size:
@@ -179,7 +180,8 @@ class KVState:
         else:   # 4.x: one size for the whole cache
             sizes = [getattr(self.cache, "max_cache_len", None)]
         if any(not isinstance(n, int) for n in sizes):
-            raise TypeError(f"{self.where}: {type(self.cache).__name__} is not a static cache (no max_cache_len per layer)")
+            raise TypeError(f"{self.where}: {type(self.cache).__name__} is not a static cache "
+                            f"(no max_cache_len per layer)")
         return sizes
 
     def set_position(self) -> None:

@@ -114,6 +114,7 @@ class Graph:
         self.nodes: list[Node] = []
         self.outputs: list[Any] = []   # Values or constants, in FX output order
         self.single_output = False     # the FX graph returns one value, not a tuple
+        self.constants: dict[str, str] = {}   # input value name -> get_attr target, for constant tensors
         self._names: set[str] = set()
 
     def _fresh(self, base: str) -> str:

@@ -39,7 +39,10 @@ def lower(gm: fx.GraphModule, example_inputs: list | None = None) -> Graph:
             graph.outputs = [result] if graph.single_output else list(result)
             continue
         if node.op == "get_attr":
-            raise LoweringError(f"get_attr {node.target!r}: constants inside ATen graphs are not lowered")
+            # a constant tensor of the graph module: an input-like value that no node produces
+            env[node] = graph.add_input(node.name, _attr(gm, node.target))
+            graph.constants[env[node].name] = node.target
+            continue
         if node.op != "call_function":
             raise LoweringError(f"{node.op} {node.target!r} is not a functional ATen call")
         if "val" not in node.meta:
@@ -56,12 +59,25 @@ def lower(gm: fx.GraphModule, example_inputs: list | None = None) -> Graph:
     return graph
 
 
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def to_fx(graph: Graph) -> fx.GraphModule:
     """The graph as an FX ``GraphModule`` of ATen calls (``meta['val']`` kept)."""
     g = fx.Graph()
+    root = torch.nn.Module()
     env: dict[int, fx.Node] = {}
     for v in graph.inputs:
-        p = g.placeholder(re.sub(r"\W", "_", v.name))
+        name = re.sub(r"\W", "_", v.name)
+        if v.name in graph.constants:
+            root.register_buffer(name, v.example)
+            p = g.get_attr(name)
+        else:
+            p = g.placeholder(name)
         p.meta["val"] = v.example
         env[id(v)] = p
     for node in graph.nodes:
@@ -77,4 +93,4 @@ def to_fx(graph: Graph) -> fx.GraphModule:
                 env[id(v)] = item
     outs = map_values(list(graph.outputs), lambda v: env[id(v)])
     g.output(outs[0] if graph.single_output else tuple(outs))
-    return fx.GraphModule(torch.nn.Module(), g)
+    return fx.GraphModule(root, g)

@@ -122,7 +122,9 @@ def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallba
                 copied.meta.setdefault("custom", {})
                 copied.meta["custom"] = dict(copied.meta["custom"], compile_with_inductor={
                     "inductor_configs": dict(_INDUCTOR_MODE_CONFIGS[inductor_mode]),
-                    "inductor_region": fb_owner[it]})
+                    # one annotation for every fallback node: regional_inductor then forms the largest
+                    # cycle-free partitions itself, so Inductor fuses across our report's region borders
+                    "inductor_region": 0})
             env[it] = copied
             continue
         region = mirage[it[1]]
