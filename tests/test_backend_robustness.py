@@ -122,7 +122,9 @@ def test_inductor_failure_falls_back_to_eager(monkeypatch):
 
     def broken(*args, **kwargs):
         raise RuntimeError("inductor broke")
+    import torch._inductor.compile_fx as cfx
     monkeypatch.setattr(ri, "regional_inductor", broken)
+    monkeypatch.setattr(cfx, "compile_fx", broken)
     compiled, report = _mirage(lambda x: torch.cos(x) + 1)
     x = torch.randn(3)
     assert_close(compiled(x), torch.cos(x) + 1)

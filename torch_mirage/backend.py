@@ -19,7 +19,7 @@ from torch._dynamo.backends.common import aot_autograd
 from . import config as config_mod
 from .cache import DiskCache
 from .partition.region import Claimer
-from .pipeline import CompileContext, compile_graph
+from .pipeline import CompileContext, WholeGraphToInductor, compile_graph, wrap_cuda_graph
 from .report import Report
 
 log = logging.getLogger("torch_mirage")
@@ -72,10 +72,12 @@ class MirageBackend:
             inference_compiler=functools.partial(inner, "inference"),
             partition_fn=min_cut_rematerialization_partition,
             decompositions=select_decomp_table(),
-            keep_inference_input_mutations=False,
+            keep_inference_input_mutations=True,
         )
         try:
             return compiler(gm, example_inputs)
+        except WholeGraphToInductor as whole:
+            return self._inductor_whole_graph(gm, example_inputs, cfg, whole)
         except Exception as e:
             if cfg.strict:
                 raise
@@ -87,6 +89,31 @@ class MirageBackend:
                 from torch._inductor.compile_fx import compile_fx
                 return compile_fx(gm, example_inputs)
             return gm.forward
+
+    def _inductor_whole_graph(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: config_mod.Config,
+                              whole: WholeGraphToInductor) -> Any:
+        """Inductor's own compile of the Dynamo graph, in our CUDA-graph wrapper where capture is safe."""
+        from torch._inductor.compile_fx import compile_fx
+
+        report = self.report.graphs[-1]
+        patches = {"max_autotune": True} if cfg.inductor_mode == "max-autotune-no-cudagraphs" else {}
+        try:
+            with report.stage("inductor"):
+                compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        except Exception as e:
+            if cfg.strict:
+                raise
+            log.warning("torch_mirage: Inductor could not compile the graph (%s: %s); running it eagerly.",
+                        type(e).__name__, e)
+            report.fallback_error = f"{type(e).__name__}: {e}"
+            for region in report.regions:
+                region.compiled_by = "eager"
+            return gm.forward
+        if whole.cuda_graph_blocker is not None or not cfg.cuda_graphs:
+            wrap_cuda_graph(None, whole.cuda_graph_blocker, (), cfg, report)   # records the reason only
+            return compiled
+        boxed = wrap_cuda_graph(lambda args: compiled(*args), None, whole.static_input_indices, cfg, report)
+        return lambda *args: boxed(list(args))
 
 
 def mirage_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:

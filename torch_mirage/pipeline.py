@@ -30,6 +30,16 @@ from .runtime.measure import check_regions, keep_faster
 log = logging.getLogger("torch_mirage")
 
 
+class WholeGraphToInductor(Exception):
+    """Raised by the forward / inference compile when mirage keeps no region of the graph: the backend then
+    hands the original Dynamo graph to Inductor's own ``compile_fx``, so the result is exactly Inductor's."""
+
+    def __init__(self, cuda_graph_blocker: str | None, static_input_indices: Sequence[int]):
+        super().__init__("no mirage region: whole graph to Inductor")
+        self.cuda_graph_blocker = cuda_graph_blocker
+        self.static_input_indices = tuple(static_input_indices)
+
+
 class MirageError(RuntimeError):
     """An error inside mirage's compilation, naming the node it concerns."""
 
@@ -132,6 +142,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
             with report.stage("measure"):
                 keep_faster(regions, graph, ctx)
         _report_regions(report, regions)
+        if (config.fallback == "inductor" and report.kind in ("inference", "forward")
+                and not any(r.compiled_by == "mirage" for r in regions)):
+            report.whole_graph_to_inductor = True
+            raise WholeGraphToInductor(cuda_graph_blocker(gm, example_inputs, report.kind), ctx.static_input_indices)
         with report.stage("assemble"):
             fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode)
         if (config.measure_regions and config.fallback == "inductor" and report.kind == "inference"
@@ -140,6 +154,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
                 whole = Region(list(graph.nodes), "inductor", Reason.SLOWER_THAN_INDUCTOR)
                 inductor_fn = assemble(gm, graph, [whole], "inductor", config.inductor_mode)
             fn = FasterOf({"mirage": fn, "inductor": inductor_fn}, _choice_recorder(report, regions))
+    except WholeGraphToInductor:
+        raise
     except Exception as e:
         if config.strict:
             raise
@@ -188,17 +204,22 @@ def _fallback(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileCon
 
 
 def _maybe_cuda_graph(fn: Any, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Any:
-    report = ctx.report
-    if not ctx.config.cuda_graphs:
+    return wrap_cuda_graph(fn, cuda_graph_blocker(gm, example_inputs, ctx.report.kind), ctx.static_input_indices,
+                           ctx.config, ctx.report)
+
+
+def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence[int], config: Config,
+                    report: GraphReport) -> Any:
+    """``fn`` (boxed) inside a :class:`CudaGraphRunner` when capture is allowed; the reason in the report."""
+    if not config.cuda_graphs:
         report.cuda_graph_reason = "disabled (MIRAGE_CUDA_GRAPHS=0)"
     else:
-        blocker = cuda_graph_blocker(gm, example_inputs, report.kind)
         if blocker is None:
             report.cuda_graph = True
             def on_disable(why: str) -> None:
                 report.cuda_graph, report.cuda_graph_reason = False, why
 
-            runner = CudaGraphRunner(fn, ctx.static_input_indices, on_disable=on_disable)
+            runner = CudaGraphRunner(fn, static_input_indices, on_disable=on_disable)
             return _boxed(runner)
         report.cuda_graph_reason = blocker
     log.debug("torch_mirage: %s graph %d runs without a CUDA graph: %s", report.kind, report.index,

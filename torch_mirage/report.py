@@ -39,6 +39,7 @@ class GraphReport:
     cuda_graph: bool = False
     cuda_graph_reason: str = ""
     fallback_error: str | None = None
+    whole_graph_to_inductor: bool = False   # no mirage region: the Dynamo graph went to Inductor's compile_fx
     choice: str | None = None            # "mirage" | "inductor": the faster whole-graph assembly, timed
     choice_times_us: dict[str, float] = field(default_factory=dict)
     stage_times_ms: dict[str, float] = field(default_factory=dict)
@@ -56,6 +57,8 @@ class GraphReport:
         stages = ", ".join(f"{k} {v:.0f} ms" for k, v in self.stage_times_ms.items())
         lines = [f"graph {self.index} [{self.kind}]: {self.num_nodes} ATen nodes, {len(self.regions)} regions, "
                  f"CUDA graph: {cg}", f"  stages: {stages}"]
+        if self.whole_graph_to_inductor:
+            lines.append("  no mirage region: the whole graph went to Inductor's own compile_fx")
         if self.choice:
             times = ", ".join(f"{k} {v:.1f} µs" for k, v in self.choice_times_us.items())
             lines.append(f"  timed whole graph on first call: kept {self.choice} ({times})")
