@@ -16,52 +16,22 @@ import sys
 import tempfile
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from torch_mirage.partition.stitch import StitchClaimer  # noqa: E402
 from torch_mirage.testing.aten import trace_ir  # noqa: E402
+from torch_mirage.testing.functions import (bert_softmax, bias_gelu, bias_residual_layernorm, layer_norm,  # noqa: E402
+                                            padding_mask, rmsnorm, softmax)
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
-
-
-def bias_residual_layernorm(x, bias, r, w, b):
-    return F.layer_norm(x + bias + r, (x.shape[-1],), w, b)
-
-
-def bert_softmax(s, mask):
-    return torch.softmax(s + mask, -1)
-
-
-def bias_gelu(x, bias):
-    return F.gelu(x + bias, approximate="tanh")
-
-
-def softmax(x):
-    return torch.softmax(x, -1)
-
-
-def layer_norm(x, w, b):
-    return F.layer_norm(x, (x.shape[-1],), w, b)
-
-
-def rmsnorm(x, w):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
-
-
-def _mask(b, n, dtype, dev):
-    m = torch.zeros(b, 1, 1, n, dtype=dtype, device=dev)
-    m[..., n - n // 4:] = float("-inf")
-    return m
 
 
 def workloads(b: int, dtype: torch.dtype, dev: str):
     r = lambda *s: torch.randn(*s, dtype=dtype, device=dev)
     return {
         "bias_residual_layernorm": (bias_residual_layernorm, (r(4096 * b, 768), r(768), r(4096 * b, 768), r(768), r(768))),
-        "bert_softmax": (bert_softmax, (r(b, 12, 512, 512), _mask(b, 512, dtype, dev))),
+        "bert_softmax": (bert_softmax, (r(b, 12, 512, 512), padding_mask(b, 512, dtype, dev))),
         "bias_gelu": (bias_gelu, (r(512 * b, 3072), r(3072))),
     }
 

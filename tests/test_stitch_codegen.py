@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import assert_close
+from torch_mirage.testing.functions import (bert_softmax, bias_gelu, bias_residual_layernorm, layer_norm,
+                                            padding_mask, rmsnorm, softmax)
 from torch_mirage.partition.plan import Strategy
 from torch_mirage.partition.stitch import StitchClaimer
 from torch_mirage.testing.aten import trace_ir
@@ -20,31 +22,6 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 # ------------------------------------------------------------------ the workloads, as model authors write them
 
-def softmax(x):
-    return torch.softmax(x, -1)
-
-
-def layer_norm(x, w, b):
-    return F.layer_norm(x, (x.shape[-1],), w, b)
-
-
-def rmsnorm(x, w):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
-
-
-def bias_gelu(x, b):
-    return F.gelu(x + b, approximate="tanh")
-
-
-def bias_residual_layernorm(x, bias, r, w, b):
-    return F.layer_norm(x + bias + r, (x.shape[-1],), w, b)
-
-
-def bert_softmax(s, mask):
-    return torch.softmax(s + mask, -1)
-
-
 def _rows(shape, dtype):
     return torch.randn(*shape, dtype=dtype)
 
@@ -54,11 +31,7 @@ def _vec(n, dtype):
 
 
 def _mask(shape, dtype):
-    """Additive padding mask (b,1,1,n): zeros, -inf over the last quarter of every row."""
-    b, n = shape[0], shape[-1]
-    m = torch.zeros(b, 1, 1, n, dtype=dtype)
-    m[..., n - max(1, n // 4):] = float("-inf") if n > 1 else 0.0
-    return m
+    return padding_mask(shape[0], shape[-1], dtype)
 
 
 CASES = {

@@ -16,7 +16,7 @@ import torch.fx as fx
 from functorch.compile import make_boxed_func
 
 from .cache import DiskCache
-from .capture.ir import Graph, Node
+from .capture.ir import Graph, Node, connected_components
 from .capture.lower import lower
 from .capture.ops import OpKind
 from .config import Config
@@ -89,23 +89,8 @@ def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext
 
 def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config) -> list[Region]:
     """Connected groups of unclaimed nodes, each a fallback region with its reason."""
-    parent = {id(n): id(n) for n in free}
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for n in free:
-        for v in n.inputs:
-            if v.producer is not None and id(v.producer) in parent:
-                parent[find(id(n))] = find(id(v.producer))
-    groups: dict[int, list[Node]] = {}
-    for n in free:
-        groups.setdefault(find(id(n)), []).append(n)
     out = []
-    for nodes in groups.values():
+    for nodes in connected_components(free):
         kinds = {n.kind for n in nodes}
         if OpKind.OPAQUE in kinds:
             reason, detail = Reason.OPAQUE_OP, ", ".join(sorted({n.target_name for n in nodes if n.kind is OpKind.OPAQUE}))

@@ -243,3 +243,23 @@ def fingerprint(graph: Graph) -> str:
                      + ",".join(str(v.meta) for v in n.outputs))
     parts.append("out:" + fmt(graph.outputs))
     return "\n".join(parts)
+
+
+def connected_components(nodes: Sequence[Node]) -> list[list[Node]]:
+    """``nodes`` grouped by data edges among themselves, each group in the given order."""
+    parent = {id(n): id(n) for n in nodes}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for n in nodes:
+        for v in n.inputs:
+            if v.producer is not None and id(v.producer) in parent:
+                parent[find(id(n))] = find(id(v.producer))
+    groups: dict[int, list[Node]] = {}
+    for n in nodes:
+        groups.setdefault(find(id(n)), []).append(n)
+    return list(groups.values())

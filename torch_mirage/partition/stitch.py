@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..capture.ir import Graph, Node, Value, topo_sorted
+from ..capture.ir import Graph, Node, Value, connected_components, topo_sorted
 from ..capture.ops import OpKind
 from ..codegen.stitch_triton import build_kernel, node_support, reduction_spec
 from .plan import DominantOp, Scheme, StitchPlan, Strategy, ThreadMapping
@@ -233,21 +233,6 @@ def merge_independent(graph: Graph, groups: dict[int, list[Node]], group_of: dic
     return [topo_sorted(nodes, graph) for nodes in groups.values()]
 
 
-def _independent_parts(nodes: Sequence[Node]) -> int:
-    parent = {id(n): id(n) for n in nodes}
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            x = parent[x]
-        return x
-
-    for n in nodes:
-        for v in n.inputs:
-            if v.producer is not None and id(v.producer) in parent:
-                parent[find(id(n))] = find(id(v.producer))
-    return len({find(x) for x in parent})
-
-
 def attach_layout(graph: Graph, compute: Sequence[Node], free_ids: set[int], taken: set[int],
                   interpret: bool) -> tuple[list[Node], list[Node]]:
     """View-like ops that only feed the group (prologue) or only read its results (epilogue)."""
@@ -389,7 +374,7 @@ def build_plan(graph: Graph, compute: list[Node], prologue: list[Node], epilogue
             dominants.append(DominantOp(n, "sub-dominant", "heavy elementwise broadcast along the row"))
     smem = mapping.block_m * mapping.block_n * 4 * len(kept) if mapping.single_pass and reductions else 0
     return StitchPlan(prologue, compute, epilogue, space, loads, stored, outputs, row, dominants, schemes,
-                      mapping, groups=_independent_parts(compute), smem_bytes=smem)
+                      mapping, groups=len(connected_components(compute)), smem_bytes=smem)
 
 
 def worth_claiming(compute: Sequence[Node]) -> bool:

@@ -168,37 +168,31 @@ def _bool_mask(shape, rng: torch.Generator) -> torch.Tensor:
     return keep
 
 
-def field_inputs(example_inputs, masks, arith: FiniteFieldArith, rng) -> list:
+def _random_inputs(example_inputs, masks, rng, value, masked) -> list:
+    """Fresh inputs shaped like ``example_inputs``: bool tensors become random masks, float mask inputs
+    ``masked(keep)``, other float tensors ``value(shape)``; everything else is passed through."""
     out = []
     for x, is_mask in zip(example_inputs, masks):
-        if not isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor) or not (x.dtype is torch.bool or x.is_floating_point()):
             out.append(x)
         elif x.dtype is torch.bool:
             out.append(_bool_mask(x.shape, rng))
-        elif x.is_floating_point() and is_mask:
-            keep = _bool_mask(x.shape, rng)
-            out.append(torch.where(keep, arith.zeros(x.shape), arith.full(x.shape, float("-inf"))))
-        elif x.is_floating_point():
-            out.append(arith.random(x.shape))
+        elif is_mask:
+            out.append(masked(_bool_mask(x.shape, rng)))
         else:
-            out.append(x)
+            out.append(value(x.shape))
     return out
+
+
+def field_inputs(example_inputs, masks, arith: FiniteFieldArith, rng) -> list:
+    return _random_inputs(example_inputs, masks, rng, arith.random,
+                          lambda keep: torch.where(keep, arith.zeros(keep.shape), arith.full(keep.shape, float("-inf"))))
 
 
 def float_inputs(example_inputs, masks, scale: float, rng) -> list:
-    out = []
-    for x, is_mask in zip(example_inputs, masks):
-        if not isinstance(x, torch.Tensor):
-            out.append(x)
-        elif x.dtype is torch.bool:
-            out.append(_bool_mask(x.shape, rng))
-        elif x.is_floating_point() and is_mask:
-            out.append(torch.where(_bool_mask(x.shape, rng), 0.0, float("-inf")).double())
-        elif x.is_floating_point():
-            out.append(torch.randn(x.shape, generator=rng, dtype=torch.float64) * scale)
-        else:
-            out.append(x)
-    return out
+    return _random_inputs(example_inputs, masks, rng,
+                          lambda shape: torch.randn(shape, generator=rng, dtype=torch.float64) * scale,
+                          lambda keep: torch.where(keep, 0.0, float("-inf")).double())
 
 
 # ------------------------------------------------------------------ the two tests
