@@ -8,9 +8,9 @@ from torch_mirage import config
 def test_defaults_and_env_override():
     cfg = config.load(environ={})
     assert cfg.cuda_graphs is True and cfg.fallback == "inductor" and cfg.strict is False
-    cfg = config.load(environ={"MIRAGE_CUDA_GRAPHS": "0", "MIRAGE_STRICT": "yes", "MIRAGE_SEARCH_BUDGET_S": "2.5",
+    cfg = config.load(environ={"MIRAGE_CUDA_GRAPHS": "0", "MIRAGE_STRICT": "yes", "MIRAGE_VERIFY_ERROR_BOUND": "2.5e-6",
                                "MIRAGE_FALLBACK": "eager", "MIRAGE_LOG_LEVEL": "debug"})
-    assert (cfg.cuda_graphs, cfg.strict, cfg.search_budget_s, cfg.fallback, cfg.log_level) == (False, True, 2.5, "eager", "DEBUG")
+    assert (cfg.cuda_graphs, cfg.strict, cfg.verify_error_bound, cfg.fallback, cfg.log_level) == (False, True, 2.5e-6, "eager", "DEBUG")
 
 
 def test_options_override_env():

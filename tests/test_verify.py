@@ -491,3 +491,11 @@ def test_float_constants_are_canonical():
     g = L.gqa_flashattention(*dims, dtype="float32", forloop_range=2)
     u = verify(g, L.attention_ref, _qkv(*dims))
     assert u.equivalent and u.error_bound is not None and u.error_bound <= 1e-9, u.reason
+
+
+def test_trials_and_bound_come_from_the_configuration(monkeypatch):
+    from torch_mirage.superopt import verify as verify_fn
+    x, y = torch.randn(3, 4), torch.randn(4, 5)
+    monkeypatch.setenv("MIRAGE_VERIFY_TRIALS", "2")
+    verdict = verify_fn(lambda a, b: a @ b * 2, lambda a, b: (a + a) @ b, [x, y])
+    assert verdict.equivalent and verdict.trials == 2

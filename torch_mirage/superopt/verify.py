@@ -300,10 +300,15 @@ def verify(candidate, reference, example_inputs: Sequence, *, error_bound: float
            trials: int | None = None, field: FieldParams = DEFAULT_FIELD, seed: int | None = None) -> Verdict:
     """Is ``candidate`` equivalent to ``reference`` on inputs shaped like ``example_inputs``?
 
-    ``error_bound``: target probability of accepting a non-equivalent candidate (default ``DEFAULT_ERROR_BOUND``);
-    ``trials``: run exactly this many field trials instead (the achieved bound is reported).
+    ``error_bound``: target probability of accepting a non-equivalent candidate (default: the configuration's
+    ``verify_error_bound``, ``MIRAGE_VERIFY_ERROR_BOUND``); ``trials``: run exactly this many field trials
+    instead (default: ``MIRAGE_VERIFY_TRIALS`` when it is not 0; the achieved bound is reported).
     """
-    target = DEFAULT_ERROR_BOUND if error_bound is None else error_bound
+    from ..config import load
+
+    cfg = load()
+    target = cfg.verify_error_bound if error_bound is None else error_bound
+    trials = (cfg.verify_trials or None) if trials is None else trials
     if not 0.0 < target < 1.0:
         raise ValueError(f"verify: error_bound must be in (0, 1), got {target}")
     rng = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
