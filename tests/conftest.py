@@ -7,6 +7,8 @@ import torch
 # stitch claimer claims on CPU tensors in every test, the way it does on CUDA.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# CPU tests use tiny shapes: claim regions of any size so the kernels are exercised (one test checks the threshold)
+os.environ.setdefault("MIRAGE_MIN_REGION_US", "0")
 
 # Backend tests run without CUDA graphs unless a test asks; cache in a per-session temp dir.
 os.environ.setdefault("MIRAGE_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"mirage-test-cache-{os.getpid()}"))

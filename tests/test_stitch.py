@@ -183,3 +183,16 @@ def test_smem_budget_degrades_schemes_to_global():
     out_small, out_big = small.kernel(x)[0], big.kernel(x)[0]
     torch.testing.assert_close(out_small, torch.softmax(x, -1))
     torch.testing.assert_close(out_big, torch.softmax(x, -1))
+
+
+def test_regions_below_the_size_threshold_are_left_to_inductor(monkeypatch):
+    import torch_mirage
+    fn = lambda x: torch.softmax(x * 2, dim=-1)
+    x = torch.randn(8, 64)
+    monkeypatch.setenv("MIRAGE_MIN_REGION_US", "3")       # 8x64 fp32 is far below 3 µs of traffic on an H100
+    small = torch_mirage.explain(fn, x)
+    assert all(r.compiled_by != "mirage" for r in small.regions)
+    torch._dynamo.reset()
+    monkeypatch.setenv("MIRAGE_MIN_REGION_US", "0")
+    claimed = torch_mirage.explain(fn, x)
+    assert any(r.compiled_by == "mirage" for r in claimed.regions)

@@ -69,6 +69,14 @@ def predicted_us(nodes: Sequence[Node], graph: Graph, device: Any) -> float | No
         return None
 
 
+def _memory_us(nodes: Sequence[Node], graph: Graph, device: Any) -> float | None:
+    try:
+        from ..analysis.cost import CostModel
+        return CostModel(device).region_cost(list(nodes), graph).memory_us
+    except Exception:  # no cost model for this region (e.g. symbolic sizes): no size threshold applies
+        return None
+
+
 # ---------------------------------------------------------------- candidates
 
 def _device_ok(v: Value, interpret: bool) -> bool:
@@ -413,8 +421,15 @@ class StitchClaimer:
         free_ids = {id(n) for n in free}
         taken: set[int] = set()
         regions = []
+        min_us = ctx.config.min_region_us if ctx is not None else 0.0
         for compute in grow_groups(graph, candidates):
             if not worth_claiming(compute):
+                continue
+            memory_us = _memory_us(compute, graph, device)
+            if memory_us is not None and memory_us < min_us:
+                # too little traffic to pay for a kernel of its own: Inductor fuses it with its neighbours
+                skipped.append((compute[0].name, Reason.NOT_CLAIMED.name,
+                                f"{memory_us:.2f} µs of memory traffic < {min_us:g} µs (MIRAGE_MIN_REGION_US)"))
                 continue
             region = self._region(graph, compute, free_ids, taken, interpret, device, ctx)
             if region is not None:
