@@ -60,14 +60,9 @@ class CompileContext:
 
 def default_claimers(config: Config) -> list[Claimer]:
     """Claiming passes in priority order (earlier passes see the graph first)."""
-    claimers: list[Claimer] = []
-    try:
-        from .partition.stitch import StitchClaimer
-    except ImportError:
-        StitchClaimer = None
-    if config.stitch and StitchClaimer is not None:
-        claimers.append(StitchClaimer())
-    return claimers
+    from .partition.stitch import StitchClaimer
+
+    return [StitchClaimer()] if config.stitch else []
 
 
 def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext) -> list[Region]:
@@ -76,7 +71,7 @@ def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext
     for claimer in claimers:
         for region in claimer.claim(graph, free, ctx):
             taken = {id(n) for n in region.nodes}
-            if any(id(n) not in {id(f) for f in free} for n in region.nodes):
+            if not taken <= {id(f) for f in free}:
                 raise MirageError(f"claimer {claimer.name} claimed a node twice")
             if not is_convex(graph, region.nodes):
                 raise MirageError(f"claimer {claimer.name} claimed a non-convex region {region.ops}")
