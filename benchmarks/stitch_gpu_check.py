@@ -2,9 +2,12 @@
 
     PYTHONPATH=. python benchmarks/stitch_gpu_check.py [--quick]
 
-Timing: ``triton.testing.do_bench`` (median, no CUDA graph) of the stitch region's launcher against
-``torch.compile(fn)`` (Inductor default) on the same inputs. The project's CUDA-graph benchmark harness
-is the reference for published numbers; this script checks the kernels and gives a first comparison.
+Timing: ``triton.testing.do_bench`` (median, no CUDA graph, L2 flushed between calls) of the stitch region's
+launcher against ``torch.compile(fn)`` (Inductor default) on the same inputs. The project's CUDA-graph benchmark
+harness is the reference for published numbers; this script checks the kernels and gives a first comparison.
+Every timing row reports GB/s (inputs read once + output written once) for both, and the fraction of the copy
+ceiling, measured here with a 2 GiB device-to-device copy (read + write bytes). The long-row rows cover the
+looped strategy (4096 rows) and task splitting (1 and 8 rows).
 Writes ``$OUT/stitch_gpu_check.json`` when ``OUT`` is set. Exit status 1 when a numerics check fails.
 """
 from __future__ import annotations
@@ -44,7 +47,24 @@ def extra_workloads(dtype: torch.dtype, dev: str):
         "rmsnorm": (rmsnorm, (r(8 * 4096, 4096), r(4096))),
         "softmax_odd": (softmax, (r(4097, 33),)),
         "softmax_one_long_row": (softmax, (r(1, 65536),)),
+        "layer_norm_one_long_row": (layer_norm, (r(1, 65536), r(65536), r(65536))),
+        "softmax_8_long_rows": (softmax, (r(8, 32768),)),
+        "layer_norm_8_long_rows": (layer_norm, (r(8, 32768), r(32768), r(32768))),
+        "rmsnorm_8_long_rows": (rmsnorm, (r(8, 32768), r(32768))),
     }
+
+
+LONG_ROWS = ("softmax_long_rows", "layer_norm_long_rows", "softmax_one_long_row", "layer_norm_one_long_row",
+             "softmax_8_long_rows", "layer_norm_8_long_rows", "rmsnorm_8_long_rows")
+
+
+def copy_gbps(do_bench) -> float:
+    """The copy ceiling: a 2 GiB device-to-device copy, bytes read + written per second."""
+    src = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    t_ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    del src, dst
+    return 2 * 2 ** 30 / t_ms / 1e6
 
 
 def stitched(fn, inputs, cache_dir):
@@ -94,6 +114,8 @@ def main() -> int:
                "numerics": [], "timing_us": []}
     failed = False
     torch.manual_seed(0)
+    results["copy_GBps"] = round(copy_gbps(do_bench), 1)
+    print(f"copy ceiling: {results['copy_GBps']} GB/s")
     # numerics, every dtype
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         cases = dict(workloads(1, dtype, dev))
@@ -118,8 +140,7 @@ def main() -> int:
     for b in batches:
         cases = dict(workloads(b, torch.float16, dev))
         if b == 1 and not opts.quick:
-            cases.update({k: v for k, v in extra_workloads(torch.float16, dev).items()
-                          if k in ("softmax_long_rows", "layer_norm_long_rows")})
+            cases.update({k: v for k, v in extra_workloads(torch.float16, dev).items() if k in LONG_ROWS})
         for name, (fn, inputs) in cases.items():
             try:
                 region, run = stitched(fn, inputs, cache_dir)
@@ -128,9 +149,14 @@ def main() -> int:
                 ind(*inputs)
                 t_mirage = do_bench(run, return_mode="median") * 1e3
                 t_inductor = do_bench(lambda: ind(*inputs), return_mode="median") * 1e3
-                nbytes = sum(t.numel() * t.element_size() for t in inputs) + run().numel() * 2
+                out = run()
+                nbytes = sum(t.numel() * t.element_size() for t in inputs) + out.numel() * out.element_size()
+                gbps = nbytes / t_mirage / 1e3
                 row = {"workload": name, "b": b, "mirage_us": round(t_mirage, 2), "inductor_us": round(t_inductor, 2),
-                       "speedup": round(t_inductor / t_mirage, 3), "mirage_GBps": round(nbytes / t_mirage / 1e3, 1),
+                       "speedup": round(t_inductor / t_mirage, 3), "mirage_GBps": round(gbps, 1),
+                       "inductor_GBps": round(nbytes / t_inductor / 1e3, 1),
+                       "copy_fraction": round(gbps / results["copy_GBps"], 3),
+                       "inductor_copy_fraction": round(nbytes / t_inductor / 1e3 / results["copy_GBps"], 3),
                        "mapping": region.info["thread_mapping"]}
             except Exception as e:
                 row = {"workload": name, "b": b, "error": f"{type(e).__name__}: {e}"}

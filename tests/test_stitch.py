@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_mirage.capture.ops import OpKind
-from torch_mirage.partition.plan import Scheme, Strategy
+from torch_mirage.partition.plan import Scheme, StitchLimits, Strategy
 from torch_mirage.partition.region import is_convex
 from torch_mirage.partition.stitch import StitchClaimer, _acyclic, choose_mapping
 from torch_mirage.pipeline import CompileContext
@@ -167,6 +167,44 @@ def test_thread_mapping_choices():
     assert m.strategy is Strategy.ELEMENTWISE and m.block_n == 1024
 
 
+@pytest.mark.parametrize("rows,row_len", [(1, 65536), (8, 32768), (100, 20000)])
+def test_task_splitting_fills_the_device(rows, row_len):
+    """Few long rows: each split over programs so that rows x split reaches ~2 waves, pieces in whole chunks."""
+    h100 = _Device()
+    m = choose_mapping(rows, row_len, True, 2, h100, reduction_passes=1, fusions=("online softmax",))
+    assert m.strategy is Strategy.SPLIT and m.grid == (rows, m.split)
+    assert m.split_len % m.block_n == 0 and (m.split - 1) * m.split_len < row_len <= m.split * m.split_len
+    assert m.split_len >= StitchLimits().min_split_len
+    assert rows * m.split >= min(2 * h100.sm_count, rows * (row_len // StitchLimits().min_split_len))
+    assert "row split over" in m.describe() and "online softmax" in m.describe()
+    # more rows than SMs, two reduction passes, or splitting switched off: one looped row per program
+    assert choose_mapping(4096, row_len, True, 2, h100).strategy is Strategy.LOOPED
+    assert choose_mapping(rows, row_len, True, 2, h100, reduction_passes=2).strategy is Strategy.LOOPED
+    off = choose_mapping(rows, row_len, True, 2, h100, StitchLimits(split=1), reduction_passes=1)
+    assert off.strategy is Strategy.LOOPED and off.passes == 2
+    # fewer SMs, fewer pieces
+    assert choose_mapping(rows, row_len, True, 2, _Device(sm_count=4)).split <= max(1, -(-8 // rows))
+
+
+@pytest.mark.parametrize("fn,fusion,passes", [
+    (lambda x: torch.softmax(x, -1), "online softmax", 2),
+    (lambda x: F.layer_norm(x, (x.shape[-1],)), "Welford", 2),
+    (lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), None, 2),
+    (lambda x: torch.exp(x - x.mean(-1, keepdim=True)).sum(-1, keepdim=True), None, 2),    # no store pass
+    (lambda x: x / (x - x.amax(-1, keepdim=True)).sum(-1, keepdim=True), None, 3),   # not exp: two levels
+], ids=["softmax", "layer_norm", "rmsnorm", "sum-after-mean", "sum-not-exp"])
+def test_long_row_schedule_in_the_plan(fn, fusion, passes):
+    """The plan's thread mapping says which reductions share a pass and how often the row is read."""
+    limits = StitchLimits(max_row_on_chip=1024, loop_chunk=1024, split=1)
+    _, (region,) = claim(fn, torch.randn(3, 3000), claimer=StitchClaimer(limits=limits))
+    m = region.plan.mapping
+    assert m.strategy is Strategy.LOOPED and m.passes == passes, m.describe()
+    assert m.fusions == ((fusion,) if fusion else ())
+    assert f"{passes} passes" in region.info["thread_mapping"]
+    out = region.kernel(torch.ones(3, 3000) * 0.5)[0]
+    torch.testing.assert_close(out, fn(torch.ones(3, 3000) * 0.5))
+
+
 def test_smem_budget_degrades_schemes_to_global():
     def fn(x):
         return torch.softmax(x, -1)
@@ -178,7 +216,7 @@ def test_smem_budget_degrades_schemes_to_global():
     x = torch.randn(4, 4096)
     _, (small,) = claim(fn, x, claimer=StitchClaimer(device=dataclasses.replace(h100, smem_per_block=16 * 1024)))
     _, (big,) = claim(fn, x, claimer=StitchClaimer(device=h100))
-    assert small.plan.mapping.strategy is Strategy.LOOPED and Scheme.GLOBAL in small.plan.schemes.values()
+    assert not small.plan.mapping.single_pass and Scheme.GLOBAL in small.plan.schemes.values()
     assert big.plan.mapping.single_pass and Scheme.GLOBAL not in big.plan.schemes.values()
     out_small, out_big = small.kernel(x)[0], big.kernel(x)[0]
     torch.testing.assert_close(out_small, torch.softmax(x, -1))

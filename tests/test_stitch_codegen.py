@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from helpers import assert_close
 from torch_mirage.testing.functions import (bert_softmax, bias_gelu, bias_residual_layernorm, layer_norm,
                                             padding_mask, rmsnorm, softmax)
-from torch_mirage.partition.plan import Strategy
+from torch_mirage.partition.plan import StitchLimits, Strategy
 from torch_mirage.partition.stitch import StitchClaimer
 from torch_mirage.testing.aten import trace_ir
 
@@ -45,10 +45,10 @@ CASES = {
 SHAPES = [(1, 1), (3, 17), (4097, 33), (7, 1), (1, 65536), (2, 3, 40)]
 
 
-def stitched(fn, *inputs):
+def stitched(fn, *inputs, limits=None):
     """The single stitch region covering ``fn``'s graph, and a callable running its kernel on ``inputs``."""
     graph = trace_ir(fn, *inputs)
-    regions = StitchClaimer().claim(graph, list(graph.nodes), None)
+    regions = StitchClaimer(limits=limits).claim(graph, list(graph.nodes), None)
     assert len(regions) == 1, [r.ops for r in regions]
     region = regions[0]
     assert len(region.nodes) == len(graph.nodes), "the region should hold the whole graph"
@@ -81,14 +81,14 @@ def assert_matches(out, ref, dtype):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_against_eager(name, shape, dtype):
     if shape == (1, 65536) and name != "softmax" and name != "layer_norm":
-        pytest.skip("one long row: softmax and layer norm cover the looped strategy")
+        pytest.skip("one long row: softmax and layer norm cover task splitting (test_long_rows_* cover the rest)")
     torch.manual_seed(hash((name, shape)) % 1000)
     fn, make = CASES[name]
     inputs = make(shape, dtype)
     region, (out,) = stitched(fn, *inputs)
     assert_matches(out, reference(fn, *inputs).to(dtype), dtype)
-    if shape == (1, 65536):
-        assert region.plan.mapping.strategy is Strategy.LOOPED
+    if shape == (1, 65536):    # one long row: split over programs (task splitting) on the default H100 profile
+        assert region.plan.mapping.strategy is Strategy.SPLIT and region.plan.mapping.split > 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -110,13 +110,21 @@ def test_all_minus_inf_row_gives_nan_like_eager():
     assert_matches(out, reference(softmax, x).float(), torch.float32)
 
 
-@pytest.mark.parametrize("shape", [(5, 23), (2, 65536)], ids=["row-in-registers", "looped"])
-def test_nan_propagates_through_reductions(shape):
+# long rows forced through the looped and split strategies at interpreter-friendly sizes
+LOOPED = StitchLimits(max_row_on_chip=1024, loop_chunk=1024, split=1)
+SPLIT = StitchLimits(max_row_on_chip=1024, loop_chunk=1024, split=4)
+LONG_PATHS = {"in-registers": ((5, 23), None, Strategy.ROW), "looped": ((3, 5000), LOOPED, Strategy.LOOPED),
+              "split": ((3, 20000), SPLIT, Strategy.SPLIT)}
+
+
+@pytest.mark.parametrize("path", sorted(LONG_PATHS))
+def test_nan_propagates_through_reductions(path):
+    shape, limits, _ = LONG_PATHS[path]
     x = torch.randn(*shape)
     x[1, 3] = float("nan")
     for fn in (softmax, lambda t: t.amax(-1, keepdim=True) * 2.0, lambda t: t.amin(-1, keepdim=True) + 1.0,
                lambda t: F.layer_norm(t, (t.shape[-1],))):
-        _, (out,) = stitched(fn, x)
+        _, (out,) = stitched(fn, x, limits=limits)
         ref = reference(fn, x).float()
         assert torch.isnan(out[1]).all()
         assert_matches(out, ref, torch.float32)
@@ -199,9 +207,78 @@ def test_generated_source_shape():
     src = open(region.info["kernel_source"]).read()
     body = src.split("def stitch_kernel")[1]
     assert "for start" not in body and body.count("tl.load(") == 1 and body.count("tl.store(") == 1
-    region, _ = stitched(softmax, torch.randn(2, 20000))
+    region, _ = stitched(softmax, torch.randn(2, 5000), limits=LOOPED)
     body = open(region.info["kernel_source"]).read().split("def stitch_kernel")[1]
-    assert body.count("for start in range(0, N, BLOCK_N):") == 3    # amax, sum, normalise-and-store
-    region, _ = stitched(lambda x: F.layer_norm(x, (x.shape[-1],)), torch.randn(2, 20000))
+    assert body.count("for start in range(0, N, BLOCK_N):") == 2    # online max + sum, normalise-and-store
+    assert body.count("tl.load(") == 2 and "online softmax, 2 passes" in region.info["thread_mapping"]
+    region, _ = stitched(lambda x: F.layer_norm(x, (x.shape[-1],)), torch.randn(2, 5000), limits=LOOPED)
     body = open(region.info["kernel_source"]).read().split("def stitch_kernel")[1]
-    assert body.count("for start in range(0, N, BLOCK_N):") == 3    # mean, centred variance, store
+    assert body.count("for start in range(0, N, BLOCK_N):") == 2    # Welford mean + M2, store
+    assert "Welford, 2 passes" in region.info["thread_mapping"]
+    region, _ = stitched(softmax, torch.randn(1, 20000), limits=SPLIT)
+    src = open(region.info["kernel_source"]).read()
+    assert "def stitch_partials" in src and src.count("for start in range(lo, lo + 5120, BLOCK_N):") == 2
+    assert "row split over 4 programs" in region.info["thread_mapping"]
+
+
+# ------------------------------------------------------------------ long rows: fewer passes, task splitting
+
+def _long_inputs(name, shape, dtype):
+    """Inputs with the awkward rows: a normal row, one all -inf (softmax) or NaN row, -inf masks."""
+    x = torch.randn(*shape, dtype=dtype)
+    if name == "softmax":
+        x[0, : shape[-1] // 3] = float("-inf")
+        if shape[0] > 2:
+            x[1] = float("-inf")
+            x[2, 17] = float("nan")
+        return (x,)
+    if name == "bert_softmax":
+        s = x.view(1, shape[0], 1, shape[-1])
+        if shape[0] > 2:
+            s[0, 1, 0] = float("-inf")
+            s[0, 2, 0, 5] = float("nan")
+        return s, padding_mask(1, shape[-1], dtype)
+    w = torch.randn(shape[-1], dtype=dtype)
+    x = x + 100.0                                    # a large mean: sum-of-squares variance would lose it
+    if shape[0] > 2:
+        x[2, 11] = float("nan")
+    return (x, w, torch.randn(shape[-1], dtype=dtype)) if name == "layer_norm" else (x, w)
+
+
+LONG_FNS = {"softmax": (softmax, "online softmax"), "bert_softmax": (bert_softmax, "online softmax"),
+            "layer_norm": (layer_norm, "Welford"), "rmsnorm": (rmsnorm, None)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("path", ["looped", "split"])
+@pytest.mark.parametrize("name", sorted(LONG_FNS))
+def test_long_rows_against_eager(name, path, dtype):
+    shape, limits, strategy = LONG_PATHS[path]
+    torch.manual_seed(hash((name, path)) % 1000)
+    fn, fusion = LONG_FNS[name]
+    inputs = _long_inputs(name, shape if dtype is torch.float32 else (1,) + shape[1:], dtype)
+    region, (out,) = stitched(fn, *inputs, limits=limits)
+    m = region.plan.mapping
+    assert m.strategy is strategy and m.passes == 2, m.describe()     # two reads of the row, one write
+    assert (fusion in m.fusions) if fusion else not m.fusions
+    if strategy is Strategy.SPLIT:
+        assert m.split == 4 and m.grid == (m.rows, 4) and (m.split - 1) * m.split_len < m.row_len
+    assert_matches(out, reference(fn, *inputs).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("path", ["looped", "split"])
+def test_long_rows_with_row_outputs(path):
+    """keepdim=False row outputs next to tile outputs: each row's value stored once, also when the row is split."""
+    shape, limits, _ = LONG_PATHS[path]
+    x = torch.randn(*shape)
+
+    def fn(t):
+        v, mu = torch.var_mean(t, -1, keepdim=True)
+        return t.mean(-1), (t - t.amax(-1, keepdim=True)).exp(), v * 2.0 + mu
+
+    graph = trace_ir(fn, x)
+    (region,) = StitchClaimer(limits=limits).claim(graph, list(graph.nodes), None)
+    assert region.plan.mapping.strategy is LONG_PATHS[path][2]
+    outs = dict(zip([id(v) for v in region.outputs(graph)], region.kernel(x)))
+    for v, r in zip(graph.output_values, reference(fn, x)):
+        assert_matches(outs[id(v)], r.float(), torch.float32)

@@ -8,7 +8,13 @@ converted to fp32; outputs are cast on store and written with the strides the
 IR recorded. Row-resident strategies evaluate the whole DAG once (the regional
 scheme: the row stays on chip across reductions); the looped strategy makes one
 chunked pass over the row per reduction level and a last pass for the stores,
-recomputing producers from device memory (the global scheme).
+recomputing producers from device memory (the global scheme). Reductions that
+can share a pass do (:func:`loop_schedule`): ``amax`` with ``sum(exp(x - amax))``
+by the online-softmax recurrence, ``var_mean`` by fp32 Welford, so softmax and
+layer norm read a long row twice and write it once. Task splitting (AStitch):
+a few long rows are split over several programs; ``stitch_partials`` writes each
+program's statistics to an fp32 workspace, ``stitch_kernel`` combines them and
+stores its piece of the row.
 
 NaN / inf follow eager: ``amax``/``amin`` and ``maximum``/``minimum`` propagate
 NaN (``tl.max`` does not, so NaN is tracked separately); an all ``-inf`` softmax
@@ -214,6 +220,7 @@ class _Emitter:
         self.load_index = {id(v): i for i, v in enumerate(plan.loads)}
         self.row = plan.row_values
         self.producer_set = {id(n) for n in plan.compute}
+        self.evict: str | None = None   # L2 eviction hint for the tile loads of the current looped pass
 
     def line(self, s: str) -> None:
         self.lines.append("    " * self.indent + s)
@@ -248,8 +255,9 @@ class _Emitter:
             self.line(f"{name} = tl.load(in{i} + {self.row_offset(f'in{i}')}, mask=rmask, other={other}){cvt}")
         else:
             r = len(self.plan.space) - 1
+            evict = f", eviction_policy=\"{self.evict}\"" if self.evict and math.prod(v.meta.shape[:-1]) > 1 else ""
             self.line(f"{name} = tl.load(in{i} + {self.row_offset(f'in{i}')} + cols * in{i}_s{r}, mask=mask, "
-                      f"other={other}){cvt}")
+                      f"other={other}{evict}){cvt}")
         scope[id(v)] = name
         return name
 
@@ -309,31 +317,153 @@ class _Emitter:
         scope[id(node.outputs[0])] = m
 
 
-def reduction_parts(node: Node) -> list[str]:
-    """The chunk-accumulated parts of a reduction in the looped strategy, in dependency order."""
-    kind = reduction_spec(node).kind
-    return {"sum": ["sum"], "mean": ["sum"], "amax": ["max"], "amin": ["min"],
-            "var_mean": ["sum", "centered"], "var": ["sum", "centered"]}[kind]
+# ---------------------------------------------------------------- the looped schedule (long rows)
+
+@dataclass(frozen=True)
+class Accumulation:
+    """One per-lane accumulation of a looped row: the reductions it serves and the pass that reads for it.
+
+    ``online`` accumulates ``amax(x)`` and ``sum(exp(x - amax(x)))`` together (the online-softmax recurrence:
+    running max, running sum rescaled when the max grows); ``welford`` accumulates count / mean / M2 for
+    ``var_mean`` and ``var`` in one pass (fp32 Welford, lanes combined with Chan's formula).
+    """
+    kind: str                  # "sum" | "max" | "min" | "online" | "welford"
+    node: Node                 # the reduction (for "online": the amax)
+    partner: Node | None       # "online": the sum of exp(x - amax(x))
+    pass_no: int               # 1-based chunked pass over the row
 
 
-def _levels(plan: StitchPlan) -> dict[tuple[int, int], int]:
-    """(reduction node id, part index) -> pass number (1-based) in the looped strategy."""
+# the per-lane statistics of each accumulation kind and their identities (masked lanes, empty splits)
+STATS = {"sum": ("sum",), "max": ("max", "nan"), "min": ("min", "nan"), "online": ("max", "nan", "sum"),
+         "welford": ("cnt", "mean", "m2")}
+IDENTITY = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")', "nan": "0.0", "cnt": "0.0", "mean": "0.0",
+            "m2": "0.0"}
+FUSION_NAME = {"online": "online softmax", "welford": "Welford"}
+_KIND = {"sum": "sum", "mean": "sum", "amax": "max", "amin": "min", "var_mean": "welford", "var": "welford"}
+
+
+def _online_partner(amax: Node, inside: set[int]) -> Node | None:
+    """The region's ``sum(exp(x - amax(x)))`` over the same ``x``, which the online recurrence accumulates too."""
+    x, m = amax.inputs[0], amax.outputs[0]
+    for sub in m.users:
+        if id(sub) not in inside or sub.op.name != "sub" or len(sub.args) < 2 \
+                or sub.args[0] is not x or sub.args[1] is not m:
+            continue
+        for ex in sub.outputs[0].users:
+            if id(ex) not in inside or ex.op.name != "exp" or ex.args[0] is not sub.outputs[0]:
+                continue
+            for s in ex.outputs[0].users:
+                if id(s) in inside and s.kind is OpKind.REDUCTION and reduction_spec(s) is not None \
+                        and reduction_spec(s).kind == "sum":
+                    return s
+    return None
+
+
+def loop_schedule(compute: Sequence[Node]) -> list[Accumulation]:
+    """The accumulations of a looped row, each in the earliest pass its input allows (fusions applied)."""
+    inside = {id(n) for n in compute}
     lvl: dict[int, int] = {}
-    out: dict[tuple[int, int], int] = {}
-    for node in plan.compute:
+    fused: dict[int, Accumulation] = {}
+    out: list[Accumulation] = []
+    for node in compute:
         base = max((lvl.get(id(v), 0) for v in node.inputs), default=0)
-        if node.kind is OpKind.REDUCTION:
-            parts = reduction_parts(node)
-            for k in range(len(parts)):
-                out[(id(node), k)] = base + 1 + k
-            for v in node.outputs:
-                lvl[id(v)] = base + len(parts)
-            if reduction_spec(node).kind == "var_mean":
-                lvl[id(node.outputs[1])] = base + 1   # the mean is ready after the first part
+        if node.kind is not OpKind.REDUCTION:
+            lvl.update((id(v), base) for v in node.outputs)
+        elif id(node) in fused:
+            lvl.update((id(v), fused[id(node)].pass_no) for v in node.outputs)
         else:
-            for v in node.outputs:
-                lvl[id(v)] = base
+            kind = _KIND[reduction_spec(node).kind]
+            partner = _online_partner(node, inside) if kind == "max" else None
+            acc = Accumulation("online" if partner is not None else kind, node, partner, base + 1)
+            if partner is not None:
+                fused[id(partner)] = acc
+            out.append(acc)
+            lvl.update((id(v), base + 1) for v in node.outputs)
     return out
+
+
+def schedule_facts(compute: Sequence[Node]) -> tuple[int, tuple[str, ...]]:
+    """(reduction passes over a looped row, names of the fused accumulations) for the thread mapping."""
+    sched = loop_schedule(compute)
+    names = tuple(dict.fromkeys(FUSION_NAME[a.kind] for a in sched if a.kind in FUSION_NAME))
+    return max((a.pass_no for a in sched), default=0), names
+
+
+def stat_slots(plan: StitchPlan) -> list[tuple[int, str]]:
+    """(accumulation index, statistic) per fp32 workspace slot of a split row's partials."""
+    return [(i, k) for i, a in enumerate(loop_schedule(plan.compute)) for k in STATS[a.kind]]
+
+
+def _update(e: "_Emitter", kind: str, st: dict[str, str], x: str) -> None:
+    """One chunk into the per-lane statistics ``st``."""
+    if kind == "sum":
+        e.line(f"{st['sum']} += tl.where(mask, {x}, 0.0)")
+    if kind in ("max", "min", "online"):
+        e.line(f"{st['nan']} = tl.maximum({st['nan']}, tl.where(mask & ({x} != {x}), 1.0, 0.0))")
+    if kind in ("max", "min"):
+        fn = "maximum" if kind == "max" else "minimum"
+        e.line(f"{st[kind]} = tl.{fn}({st[kind]}, tl.where(mask, {x}, {IDENTITY[kind]}))")
+    if kind == "online":
+        xc, mn, ms = e.fresh("xc"), e.fresh("mn"), e.fresh("ms")
+        e.line(f"{xc} = tl.where(mask, {x}, float(\"-inf\"))")
+        e.line(f"{mn} = tl.maximum({st['max']}, {xc})")
+        e.line(f"{ms} = tl.where({mn} == float(\"-inf\"), 0.0, {mn})      # no -inf - -inf in a lane")
+        e.line(f"{st['sum']} = {st['sum']} * tl.exp({st['max']} - {ms}) + tl.exp({xc} - {ms})")
+        e.line(f"{st['max']} = {mn}")
+    if kind == "welford":
+        c1, d = e.fresh("c"), e.fresh("d")
+        e.line(f"{c1} = {st['cnt']} + tl.where(mask, 1.0, 0.0)")
+        e.line(f"{d} = tl.where(mask, {x} - {st['mean']}, 0.0)")
+        e.line(f"{st['mean']} = {st['mean']} + {d} / tl.maximum({c1}, 1.0)")
+        e.line(f"{st['m2']} = {st['m2']} + {d} * tl.where(mask, {x} - {st['mean']}, 0.0)")
+        e.line(f"{st['cnt']} = {c1}")
+
+
+def _combine(e: "_Emitter", kind: str, lanes: dict[str, str]) -> dict[str, str]:
+    """Per-lane statistics ``[BLOCK_M, L]`` → per-row statistics ``[BLOCK_M, 1]`` of the same kind."""
+    st = {k: e.fresh(k) for k in STATS[kind]}
+    red = lambda fn, x: f"tl.{fn}({x}, 1)[:, None]"
+    if "nan" in st:
+        e.line(f"{st['nan']} = {red('max', lanes['nan'])}")
+    if kind in ("sum", "max", "min"):
+        e.line(f"{st[kind]} = {red(kind, lanes[kind])}")
+    if kind == "online":
+        ms = e.fresh("ms")
+        e.line(f"{st['max']} = {red('max', lanes['max'])}")
+        e.line(f"{ms} = tl.where({st['max']} == float(\"-inf\"), 0.0, {st['max']})")
+        scaled = f"{lanes['sum']} * tl.exp({lanes['max']} - {ms})"
+        e.line(f"{st['sum']} = {red('sum', scaled)}")
+    if kind == "welford":
+        c, m = lanes["cnt"], lanes["mean"]
+        e.line(f"{st['cnt']} = {red('sum', c)}")
+        weighted = f"{c} * {m}"
+        e.line(f"{st['mean']} = {red('sum', weighted)} / tl.maximum({st['cnt']}, 1.0)")
+        mean = st["mean"]
+        spread = f"{lanes['m2']} + tl.where({c} > 0.0, {c} * ({m} - {mean}) * ({m} - {mean}), 0.0)"
+        e.line(f"{st['m2']} = {red('sum', spread)}")   # Chan et al.: M2 = sum(M2_i + n_i (mean_i - mean)^2)
+    return st
+
+
+def _finalize(e: "_Emitter", acc: Accumulation, st: dict[str, str], outer: dict) -> None:
+    """Per-row statistics → the reductions' values, with eager's NaN / inf results."""
+    spec, n, outs = reduction_spec(acc.node), float(e.plan.row_len), acc.node.outputs
+    r = e.fresh("red")
+    if acc.kind == "sum":
+        e.line(f"{r} = {st['sum']}" + (f" / {n!r}" if spec.kind == "mean" else ""))
+    elif acc.kind == "welford":
+        e.line(f"{r} = {st['m2']} / {float(e.plan.row_len - spec.correction)!r}")
+        if spec.kind == "var_mean":
+            outer[id(outs[1])] = st["mean"]
+    else:
+        key = "min" if acc.kind == "min" else "max"
+        e.line(f"{r} = tl.where({st['nan']} > 0.0, float(\"nan\"), {st[key]})")
+    outer[id(outs[0])] = r
+    if acc.kind == "online":
+        # eager: exp(x - m) is NaN everywhere when the max is NaN, +inf or -inf (all -inf row)
+        s = e.fresh("red")
+        e.line(f"{s} = tl.where(({st['nan']} == 0.0) & (tl.abs({st['max']}) < float(\"inf\")), {st['sum']}, "
+               f"float(\"nan\"))")
+        outer[id(acc.partner.outputs[0])] = s
 
 
 def _header(plan: StitchPlan, kname: str) -> list[str]:
@@ -343,6 +473,8 @@ def _header(plan: StitchPlan, kname: str) -> list[str]:
         params += [f"in{i}"] + [f"in{i}_s{k}" for k in range(r)]
     for j, _ in enumerate(plan.stored):
         params += [f"out{j}"] + [f"out{j}_s{k}" for k in range(r)]
+    if plan.mapping.strategy is Strategy.SPLIT:
+        params.append("ws")
     return ["@triton.jit", f"def {kname}({', '.join(params + ['BLOCK_M: tl.constexpr', 'BLOCK_N: tl.constexpr'])}):"]
 
 
@@ -383,12 +515,14 @@ def _stores_as_tile(plan: StitchPlan, v: Value) -> bool:
 
 
 def emit_kernel(plan: StitchPlan, kname: str = "stitch_kernel") -> str:
-    """The Triton source of the region's kernel (helpers included)."""
+    """The Triton source of the region's kernel (helpers included); a split row adds ``stitch_partials``."""
     e = _Emitter(plan)
     lines = _header(plan, kname)
     _prelude(e)
+    strategy = plan.mapping.strategy
+    extra: list[str] = []
     if plan.mapping.single_pass:
-        col0 = "tl.program_id(1) * BLOCK_N" if plan.mapping.strategy is Strategy.ELEMENTWISE else "0"
+        col0 = "tl.program_id(1) * BLOCK_N" if strategy is Strategy.ELEMENTWISE else "0"
         _cols(e, col0)
         scope: dict[int, str] = {}
         for node in plan.compute:
@@ -400,80 +534,113 @@ def emit_kernel(plan: StitchPlan, kname: str = "stitch_kernel") -> str:
                 e.compute(node, scope)
         for j, v in enumerate(plan.stored):
             _store(e, j, v, scope, _stores_as_tile(plan, v))
+    elif strategy is Strategy.SPLIT:
+        _emit_split_store(e)
+        p = _Emitter(plan)
+        _prelude(p)
+        _emit_split_partials(p)
+        extra = [""] + _header(plan, "stitch_partials") + p.lines
     else:
         _emit_looped(e)
-    return "\n".join(["import triton", "import triton.language as tl", HELPERS, ""] + lines + e.lines) + "\n"
+    return "\n".join(["import triton", "import triton.language as tl", HELPERS, ""] + lines + e.lines + extra) + "\n"
+
+
+def _accumulate(e: _Emitter, accs: Sequence[Accumulation], outer: dict, lo: str, hi: str) -> list[dict[str, str]]:
+    """One chunked pass over columns [lo, hi) feeding every accumulation in ``accs``; returns the lane statistics."""
+    lanes = []
+    for a in accs:
+        st = {k: e.fresh(k) for k in STATS[a.kind]}
+        for k, name in st.items():
+            e.line(f"{name} = tl.full([BLOCK_M, BLOCK_N], {IDENTITY[k]}, tl.float32)")
+        lanes.append(st)
+    e.line(f"for start in range({lo}, {hi}, BLOCK_N):")
+    e.indent += 1
+    _cols(e, "start")
+    inner = dict(outer)
+    e.evict = "evict_last"      # re-read by the next pass: keep in L2
+    for a, st in zip(accs, lanes):
+        _update(e, a.kind, st, e.value(a.node.inputs[0], inner))
+    e.evict = None
+    e.indent -= 1
+    return lanes
+
+
+def _store_pass(e: _Emitter, outer: dict, lo: str, hi: str, row_stores_if: str | None = None) -> None:
+    """The last chunked pass: recompute from device memory and store the tile outputs; then the per-row outputs."""
+    plan = e.plan
+    tile_stores = [(j, v) for j, v in enumerate(plan.stored) if _stores_as_tile(plan, v)]
+    if tile_stores:
+        e.line(f"for start in range({lo}, {hi}, BLOCK_N):")
+        e.indent += 1
+        _cols(e, "start")
+        inner = dict(outer)
+        e.evict = "evict_first"     # last read of the row
+        for j, v in tile_stores:
+            _store(e, j, v, inner, True)
+        e.evict = None
+        e.indent -= 1
+    row_stores = [(j, v) for j, v in enumerate(plan.stored) if not _stores_as_tile(plan, v)]
+    if row_stores and row_stores_if:
+        e.line(f"rmask = rmask & ({row_stores_if})")
+    for j, v in row_stores:
+        _store(e, j, v, outer, False)
 
 
 def _emit_looped(e: _Emitter) -> None:
-    """One chunked pass per reduction level, then a chunked pass for the tile stores."""
+    """One chunked pass per reduction level (fused accumulations share a pass), then the store pass."""
+    outer: dict = {}
+    sched = loop_schedule(e.plan.compute)
+    for p in range(1, max((a.pass_no for a in sched), default=0) + 1):
+        accs = [a for a in sched if a.pass_no == p]
+        lanes = _accumulate(e, accs, outer, "0", "N")
+        for a, ln in zip(accs, lanes):
+            _finalize(e, a, _combine(e, a.kind, ln), outer)
+    _store_pass(e, outer, "0", "N")
+
+
+def _split_range(e: _Emitter) -> tuple[str, str]:
+    e.line(f"lo = tl.program_id(1) * {e.plan.mapping.split_len}")
+    return "lo", f"lo + {e.plan.mapping.split_len}"
+
+
+def _ws_offset(slot: int, plan: StitchPlan, col: str) -> str:
+    return f"ws + ({slot * plan.rows} + rows) * {plan.mapping.split} + {col}"
+
+
+def _emit_split_partials(e: _Emitter) -> None:
+    """Task splitting, kernel 1: this program's piece of the row → per-row statistics in the fp32 workspace."""
+    sched = loop_schedule(e.plan.compute)
+    lo, hi = _split_range(e)
+    lanes = _accumulate(e, sched, {}, lo, hi)
+    slot = 0
+    for a, ln in zip(sched, lanes):
+        st = _combine(e, a.kind, ln)
+        for k in STATS[a.kind]:
+            e.line(f"tl.store({_ws_offset(slot, e.plan, 'tl.program_id(1)')}, {st[k]}, mask=rmask)")
+            slot += 1
+
+
+def _emit_split_store(e: _Emitter) -> None:
+    """Task splitting, kernel 2: combine every program's statistics of the row, then store this program's piece."""
     plan = e.plan
-    outer: dict[int, str] = {}
-    levels = _levels(plan)
-    npasses = max(levels.values(), default=0)
-    reductions = [n for n in plan.compute if n.kind is OpKind.REDUCTION]
-    for p in range(1, npasses + 1):
-        parts = [(n, k) for n in reductions for k, _ in enumerate(reduction_parts(n)) if levels[(id(n), k)] == p]
-        accs = []
-        for n, k in parts:
-            kind = reduction_parts(n)[k]
-            acc = e.fresh("acc")
-            init = {"sum": "0.0", "centered": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}[kind]
-            e.line(f"{acc} = tl.full([BLOCK_M, BLOCK_N], {init}, tl.float32)")
-            nan = None
-            if kind in ("max", "min"):
-                nan = e.fresh("nan")
-                e.line(f"{nan} = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)")
-            accs.append((n, k, kind, acc, nan))
-        e.line("for start in range(0, N, BLOCK_N):")
-        e.indent += 1
-        _cols(e, "start")
-        inner = dict(outer)
-        for n, k, kind, acc, nan in accs:
-            x = e.value(n.inputs[0], inner)
-            if kind == "sum":
-                e.line(f"{acc} += tl.where(mask, {x}, 0.0)")
-            elif kind == "centered":
-                mean = outer[("mean", id(n))]
-                e.line(f"{acc} += tl.where(mask, ({x} - {mean}) * ({x} - {mean}), 0.0)")
-            else:
-                ident = 'float("-inf")' if kind == "max" else 'float("inf")'
-                e.line(f"{acc} = tl.{'maximum' if kind == 'max' else 'minimum'}({acc}, tl.where(mask, {x}, {ident}))")
-                e.line(f"{nan} = {nan} | tl.where(mask & ({x} != {x}), 1, 0)")
-        e.indent -= 1
-        for n, k, kind, acc, nan in accs:
-            spec = reduction_spec(n)
-            r = e.fresh("red")
-            if kind in ("max", "min"):
-                e.line(f"{r} = tl.where(tl.max({nan}, 1)[:, None] > 0, float(\"nan\"), tl.{kind}({acc}, 1)[:, None])")
-                outer[id(n.outputs[0])] = r
-            elif kind == "sum":
-                e.line(f"{r} = tl.sum({acc}, 1)[:, None]")
-                if spec.kind == "sum":
-                    outer[id(n.outputs[0])] = r
-                else:
-                    mean = e.fresh("mean")
-                    e.line(f"{mean} = {r} / {float(plan.row_len)!r}")
-                    outer[("mean", id(n))] = mean
-                    if spec.kind == "mean":
-                        outer[id(n.outputs[0])] = mean
-                    elif spec.kind == "var_mean":
-                        outer[id(n.outputs[1])] = mean
-            else:
-                e.line(f"{r} = tl.sum({acc}, 1)[:, None] / {float(plan.row_len - spec.correction)!r}")
-                outer[id(n.outputs[0])] = r
-    tile_stores = [(j, v) for j, v in enumerate(plan.stored) if _stores_as_tile(plan, v)]
-    if tile_stores:
-        e.line("for start in range(0, N, BLOCK_N):")
-        e.indent += 1
-        _cols(e, "start")
-        inner = dict(outer)
-        for j, v in tile_stores:
-            _store(e, j, v, inner, True)
-        e.indent -= 1
-    for j, v in enumerate(plan.stored):
-        if not _stores_as_tile(plan, v):
-            _store(e, j, v, outer, False)
+    sched = loop_schedule(plan.compute)
+    e.line(f"sp = tl.arange(0, {_pow2(plan.mapping.split)})[None, :]")
+    e.line(f"smask = rmask & (sp < {plan.mapping.split})")
+    outer: dict = {}
+    slot = 0
+    for a in sched:
+        lanes = {}
+        for k in STATS[a.kind]:
+            lanes[k] = e.fresh("p")
+            e.line(f"{lanes[k]} = tl.load({_ws_offset(slot, plan, 'sp')}, mask=smask, other={IDENTITY[k]})")
+            slot += 1
+        _finalize(e, a, _combine(e, a.kind, lanes), outer)
+    lo, hi = _split_range(e)
+    _store_pass(e, outer, lo, hi, row_stores_if="tl.program_id(1) == 0")
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
 
 
 # ---------------------------------------------------------------- launching
@@ -499,10 +666,16 @@ def _apply_layout(node: Node, env: dict[int, Any]) -> None:
     env[id(node.outputs[0])] = target(*args, **kwargs)
 
 
-def make_launcher(plan: StitchPlan, inputs: Sequence[Value], jit_fn: Any) -> Callable[..., tuple]:
-    """``(*region inputs) -> tuple(region outputs)``: prologue views, allocation, launch, epilogue views."""
+def make_launcher(plan: StitchPlan, inputs: Sequence[Value], jit_fn: Any,
+                  partials_fn: Any = None) -> Callable[..., tuple]:
+    """``(*region inputs) -> tuple(region outputs)``: prologue views, allocation, launch(es), epilogue views.
+
+    A split row (``partials_fn``) first writes per-program statistics to an fp32 workspace, then ``jit_fn``
+    combines them and stores.
+    """
     space, mapping = tuple(plan.space), plan.mapping
     grid = mapping.grid
+    ws_elems = len(stat_slots(plan)) * plan.rows * mapping.split if partials_fn is not None else 0
     input_ids = [id(v) for v in inputs]
     metas = [v.meta for v in plan.stored]
 
@@ -524,7 +697,11 @@ def make_launcher(plan: StitchPlan, inputs: Sequence[Value], jit_fn: Any) -> Cal
             strides = list(meta.stride) if len(meta.shape) == len(space) else list(meta.stride) + [0]
             args.append(out)
             args.extend(0 if s == 1 else st for s, st in zip(list(meta.shape) + [1] * (len(space) - len(meta.shape)), strides))
-        jit_fn[grid](*args, BLOCK_M=mapping.block_m, BLOCK_N=mapping.block_n, num_warps=mapping.num_warps)
+        meta = dict(BLOCK_M=mapping.block_m, BLOCK_N=mapping.block_n, num_warps=mapping.num_warps)
+        if partials_fn is not None:
+            args.append(torch.empty(ws_elems, dtype=torch.float32, device=device))
+            partials_fn[grid](*args, **meta)
+        jit_fn[grid](*args, **meta)
         for node in plan.epilogue:
             _apply_layout(node, env)
         return tuple(env[id(v)] for v in plan.outputs)
@@ -539,4 +716,4 @@ def build_kernel(plan: StitchPlan, inputs: Sequence[Value], cache_dir: str) -> t
 
     source = emit_kernel(plan)
     module, path = load_source(source, cache_dir, prefix="stitch")
-    return make_launcher(plan, inputs, module.stitch_kernel), path
+    return make_launcher(plan, inputs, module.stitch_kernel, getattr(module, "stitch_partials", None)), path

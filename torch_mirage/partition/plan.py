@@ -13,7 +13,8 @@ kernel. Its plan records
 * one :class:`Scheme` per data edge inside the region (independent, local,
   regional, global);
 * the :class:`ThreadMapping` (horizontal packing of short rows, one row per
-  program, a chunked loop over long rows).
+  program, a chunked loop over long rows, a long row split over several
+  programs — AStitch's task splitting), chosen within :class:`StitchLimits`.
 """
 from __future__ import annotations
 
@@ -38,6 +39,21 @@ class Strategy(enum.Enum):
     PACKED = "packed"             # horizontal packing: BLOCK_M short rows per program, row in registers
     ROW = "row"                   # one row per program, row in registers
     LOOPED = "looped"             # one row per program, looped over in BLOCK_N chunks (row does not fit)
+    SPLIT = "split"               # task splitting: a long row over several programs, partials combined after
+
+
+@dataclass(frozen=True)
+class StitchLimits:
+    """The knobs of the thread-mapping choice (defaults fit an H100; tests force the long-row paths with them).
+
+    ``split``: None chooses task splitting from rows, row length and the SM count; 1 never splits; k > 1 splits
+    every looped row over (about) k programs when its reductions take one pass.
+    """
+    max_row_on_chip: int = 8192     # longest row (elements, power of two) a program keeps in registers
+    tile_elems: int = 2048          # elements per program that horizontal packing aims at
+    loop_chunk: int = 4096          # chunk of a looped row
+    split: int | None = None
+    min_split_len: int = 1024       # shortest piece of a row one split program takes
 
 
 @dataclass(frozen=True)
@@ -48,23 +64,32 @@ class ThreadMapping:
     block_m: int
     block_n: int
     num_warps: int
+    split: int = 1            # programs per row (SPLIT)
+    split_len: int = 0        # elements of the row each split program covers (a multiple of block_n)
+    passes: int = 1           # reads of the row (LOOPED / SPLIT): reduction passes + the store pass
+    fusions: tuple[str, ...] = ()   # reductions accumulated together in one pass ("online softmax", "Welford")
 
     @property
     def grid(self) -> tuple[int, ...]:
         gm = -(-self.rows // self.block_m)
         if self.strategy is Strategy.ELEMENTWISE:
             return (gm, -(-self.row_len // self.block_n))
+        if self.strategy is Strategy.SPLIT:
+            return (gm, self.split)
         return (gm,)
 
     @property
     def single_pass(self) -> bool:
-        return self.strategy is not Strategy.LOOPED
+        return self.strategy not in (Strategy.LOOPED, Strategy.SPLIT)
 
     def describe(self) -> str:
+        how = "".join(f", {f}" for f in self.fusions)
         per = {Strategy.ELEMENTWISE: f"{self.block_m}x{self.block_n} tiles/program",
                Strategy.PACKED: f"{self.block_m} rows/program (horizontal packing)",
                Strategy.ROW: "1 row/program",
-               Strategy.LOOPED: f"1 row/program looped in chunks"}[self.strategy]
+               Strategy.LOOPED: f"1 row/program looped in chunks{how}, {self.passes} passes",
+               Strategy.SPLIT: f"row split over {self.split} programs of {self.split_len}{how}, "
+                               f"{self.passes} passes in 2 kernels (partials, combine + store)"}[self.strategy]
         grid = "x".join(map(str, self.grid))
         return (f"rows={self.rows} x {self.row_len}, {per}, BLOCK_M={self.block_m}, BLOCK_N={self.block_n}, "
                 f"grid={grid}, num_warps={self.num_warps}")

@@ -25,17 +25,14 @@ import torch
 
 from ..capture.ir import Graph, Node, Value, connected_components, topo_sorted
 from ..capture.ops import OpKind
-from ..codegen.stitch_triton import build_kernel, node_support, reduction_spec
-from .plan import DominantOp, Scheme, StitchPlan, Strategy, ThreadMapping
+from ..codegen.stitch_triton import build_kernel, node_support, reduction_spec, schedule_facts
+from .plan import DominantOp, Scheme, StitchLimits, StitchPlan, Strategy, ThreadMapping
 from .region import Reason, Region
 
 log = logging.getLogger("torch_mirage")
 
 DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.bool}
 VIEW_OPS = {"view", "permute", "expand", "unsqueeze", "squeeze", "slice"}
-MAX_ROW_IN_REGISTERS = 8192     # longest row (elements) a program keeps on chip
-TILE_ELEMS = 2048               # elements per program that horizontal packing aims at
-LOOP_CHUNK = 4096               # chunk of a looped row
 _INT32 = 2 ** 31
 
 
@@ -308,28 +305,55 @@ def _warps(elems: int) -> int:
     return 2 if elems <= 512 else 4 if elems <= 2048 else 8 if elems <= 8192 else 16
 
 
-def choose_mapping(rows: int, row_len: int, has_reduction: bool, regional_tiles: int, device: Any) -> ThreadMapping:
-    """Thread mapping from the dominant op's rows and row length and the device's SMs / shared memory."""
+def choose_mapping(rows: int, row_len: int, has_reduction: bool, regional_tiles: int, device: Any,
+                   limits: StitchLimits | None = None, reduction_passes: int = 1,
+                   fusions: tuple[str, ...] = (), store_pass: bool = True) -> ThreadMapping:
+    """Thread mapping from the dominant op's rows and row length and the device's SMs / shared memory.
+
+    ``reduction_passes`` / ``fusions`` / ``store_pass``: what a looped row costs (from the loop schedule).
+    """
+    lim = limits or StitchLimits()
     waves = 2 * int(getattr(device, "sm_count", 132))
     smem = int(getattr(device, "smem_per_block", 227 * 1024))
     bn = _pow2(row_len)
     if not has_reduction:
         bn = min(bn, 1024)
-        bm = min(_pow2(rows), max(1, TILE_ELEMS // bn))
+        bm = min(_pow2(rows), max(1, lim.tile_elems // bn))
         while bm > 1 and -(-rows // bm) * -(-row_len // bn) < waves:
             bm //= 2
         return ThreadMapping(Strategy.ELEMENTWISE, rows, row_len, bm, bn, _warps(bm * bn))
-    if bn <= MAX_ROW_IN_REGISTERS and bn * 4 * max(1, regional_tiles) <= smem:
-        bm = min(_pow2(rows), max(1, TILE_ELEMS // bn))
+    if bn <= lim.max_row_on_chip and bn * 4 * max(1, regional_tiles) <= smem:
+        bm = min(_pow2(rows), max(1, lim.tile_elems // bn))
         while bm > 1 and (-(-rows // bm) < waves or bm * bn * 4 * max(1, regional_tiles) > smem):
             bm //= 2
         return ThreadMapping(Strategy.PACKED if bm > 1 else Strategy.ROW, rows, row_len, bm, bn, _warps(bm * bn))
-    chunk = min(bn, LOOP_CHUNK)
-    return ThreadMapping(Strategy.LOOPED, rows, row_len, 1, chunk, _warps(chunk))
+    passes = reduction_passes + int(store_pass)
+    split = _split_count(rows, row_len, device, lim) if reduction_passes == 1 else 1
+    if split > 1:
+        piece = -(-row_len // split)
+        chunk = min(lim.loop_chunk, _pow2(piece))
+        piece = -(-piece // chunk) * chunk
+        if -(-row_len // piece) > 1:
+            return ThreadMapping(Strategy.SPLIT, rows, row_len, 1, chunk, _warps(chunk), split=-(-row_len // piece),
+                                 split_len=piece, passes=passes, fusions=fusions)
+    chunk = min(bn, lim.loop_chunk)
+    return ThreadMapping(Strategy.LOOPED, rows, row_len, 1, chunk, _warps(chunk), passes=passes, fusions=fusions)
+
+
+def _split_count(rows: int, row_len: int, device: Any, lim: StitchLimits) -> int:
+    """Task splitting (AStitch): programs per long row so that few rows still fill about two waves of SMs."""
+    if lim.split is not None:
+        want = lim.split
+    else:
+        sms = int(getattr(device, "sm_count", 132))
+        if rows >= sms:
+            return 1
+        want = -(-2 * sms // rows)
+    return max(1, min(want, row_len // max(1, lim.min_split_len)))
 
 
 def build_plan(graph: Graph, compute: list[Node], prologue: list[Node], epilogue: list[Node],
-               outputs: list[Value], device: Any) -> StitchPlan | None:
+               outputs: list[Value], device: Any, limits: StitchLimits | None = None) -> StitchPlan | None:
     space = iteration_space(compute)
     if space is None:
         return None
@@ -359,7 +383,10 @@ def build_plan(graph: Graph, compute: list[Node], prologue: list[Node], epilogue
             and any(id(u) in inside and lvl[id(u.outputs[0])] > lvl[id(v)] for u in v.users)]
     kept += [v for v in loads if id(v) not in row
              and any(lvl[id(u.outputs[0])] > 0 for u in v.users if id(u) in inside)]
-    mapping = choose_mapping(rows, space[-1], bool(reductions), len(kept), device)
+    passes, fusions = schedule_facts(compute)
+    tile_out = any(len(v.meta.shape) == len(space) and v.meta.shape[-1] == space[-1] for v in stored)
+    mapping = choose_mapping(rows, space[-1], bool(reductions), len(kept), device, limits, passes, fusions,
+                             tile_out and space[-1] > 1)
     schemes: dict[tuple[str, str], Scheme] = {}
     for n in compute:
         for v in n.inputs:
@@ -400,8 +427,9 @@ class StitchClaimer:
     """Claims memory-intensive regions and compiles each into one stitched Triton kernel."""
     name = "stitch"
 
-    def __init__(self, device: Any = None):
+    def __init__(self, device: Any = None, limits: StitchLimits | None = None):
         self.device = device
+        self.limits = limits or StitchLimits()
 
     def claim(self, graph: Graph, free: Sequence[Node], ctx: Any) -> list[Region]:
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -442,7 +470,7 @@ class StitchClaimer:
         prologue, epilogue = attach_layout(graph, compute, free_ids, taken, interpret)
         nodes = topo_sorted(prologue + compute + epilogue, graph)
         region = Region(nodes, "mirage", Reason.CLAIMED, claimer=self.name)
-        plan = build_plan(graph, compute, prologue, epilogue, region.outputs(graph), device)
+        plan = build_plan(graph, compute, prologue, epilogue, region.outputs(graph), device, self.limits)
         if plan is None:
             return None
         cache_dir = ctx.config.cache_dir if ctx is not None else os.path.join(
