@@ -197,3 +197,22 @@ def test_strict_mode_raises_on_a_wrong_kernel():
     backend = torch_mirage.MirageBackend(options={"strict": True}, claimers=[_WrongClaimer()])
     with pytest.raises(Exception, match="relative error"):
         torch.compile(lambda x: torch.exp(x) * 3, backend=backend)(torch.randn(8, 8))
+
+
+def test_mutated_inputs_are_found_through_views():
+    from torch_mirage.runtime.choose import mutated_inputs
+    from torch_mirage.testing.aten import trace_aten
+
+    def writes(x, cache, pos, y):
+        cache[:, 0].index_copy_(0, pos, y)   # through a view of the cache
+        x.add_(1)
+        return (cache * 2).sum(-1)
+
+    def pure(x, cache, pos, y):
+        return (cache * x.sum()).sum(-1) + y.sum()
+
+    inputs = (torch.randn(3), torch.randn(8, 2, 4), torch.tensor([1, 5]), torch.randn(2, 4))
+    gm = trace_aten(writes, *inputs)   # Dynamo orders a graph's inputs by first use: find them by shape
+    shapes = [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder"]
+    assert sorted(shapes[i] for i in mutated_inputs(gm)) == [(3,), (8, 2, 4)]
+    assert mutated_inputs(trace_aten(pure, *inputs)) == ()

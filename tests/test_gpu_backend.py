@@ -140,3 +140,45 @@ def test_whole_graph_timed_against_inductor_on_first_call():
     assert g.choice_times_us[g.choice] == min(g.choice_times_us.values())
     if g.choice == "inductor":
         assert all(r.compiled_by != "mirage" for r in g.regions)
+
+
+def test_timing_on_first_call_does_not_repeat_input_mutations():
+    """The first call times mirage against Inductor by re-running the graph: on clones of what it writes to."""
+    report = torch_mirage.Report()
+
+    def fn(x, bias):
+        x.add_(1)
+        return torch.softmax(x.float() + bias, dim=-1) * 2
+
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(report=report))
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.float16)
+    bias = torch.randn(512, device="cuda", dtype=torch.float32)
+    x0 = x.clone()
+    out = compiled(x, bias)
+    assert_close(x, x0 + 1, torch.float16)
+    assert_close(out, fn(x0.clone().double(), bias.double()).float(), torch.float32)
+    g = report.graphs[0]
+    assert g.mutated_inputs == (0,) and g.choice in ("mirage", "inductor"), str(report)
+    compiled(x, bias)
+    assert_close(x, x0 + 2, torch.float16)
+
+
+def test_compiled_model_inside_the_callers_cuda_graph():
+    """A caller capturing our compiled function in its own CUDA graph gets plain kernels, not a nested graph."""
+    fn = lambda x, bias: torch.softmax(x + bias, dim=-1) * 2
+    compiled = torch.compile(fn, backend="mirage")
+    x = torch.randn(1024, 512, device="cuda", dtype=torch.float16)
+    bias = torch.randn(512, device="cuda", dtype=torch.float16)
+    compiled(x, bias)                                   # compile, time, capture our own graph
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        compiled(x, bias)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled(x, bias)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, fn(x.double(), bias.double()).half(), torch.float16)

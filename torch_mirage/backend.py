@@ -18,9 +18,10 @@ from torch._dynamo.backends.common import aot_autograd
 
 from . import config as config_mod
 from .cache import DiskCache
-from .partition.region import Claimer
+from .partition.region import Claimer, Reason
 from .pipeline import CompileContext, WholeGraphToInductor, compile_graph, wrap_cuda_graph
-from .report import Report
+from .report import GraphReport, Report
+from .runtime.choose import FasterOf
 
 log = logging.getLogger("torch_mirage")
 
@@ -74,8 +75,9 @@ class MirageBackend:
             decompositions=select_decomp_table(),
             keep_inference_input_mutations=True,
         )
+        first_graph = len(self.report.graphs)
         try:
-            return compiler(gm, example_inputs)
+            compiled = compiler(gm, example_inputs)
         except WholeGraphToInductor as whole:
             return self._inductor_whole_graph(gm, example_inputs, cfg, whole)
         except Exception as e:
@@ -89,17 +91,26 @@ class MirageBackend:
                 from torch._inductor.compile_fx import compile_fx
                 return compile_fx(gm, example_inputs)
             return gm.forward
+        graphs = self.report.graphs[first_graph:]
+        if len(graphs) == 1 and _timed_against_inductor(graphs[0], cfg):
+            return self._faster_of_mirage_and_inductor(gm, example_inputs, cfg, compiled, graphs[0])
+        return compiled
+
+    def _inductor_compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: config_mod.Config,
+                          report: GraphReport) -> Any:
+        """Inductor's own ``compile_fx`` of the Dynamo graph (the user's ``backend="inductor"``)."""
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = {"max_autotune": True} if cfg.inductor_mode == "max-autotune-no-cudagraphs" else {}
+        with report.stage("inductor"):
+            return compile_fx(gm, example_inputs, config_patches=patches)
 
     def _inductor_whole_graph(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: config_mod.Config,
                               whole: WholeGraphToInductor) -> Any:
         """Inductor's own compile of the Dynamo graph, in our CUDA-graph wrapper where capture is safe."""
-        from torch._inductor.compile_fx import compile_fx
-
         report = self.report.graphs[-1]
-        patches = {"max_autotune": True} if cfg.inductor_mode == "max-autotune-no-cudagraphs" else {}
         try:
-            with report.stage("inductor"):
-                compiled = compile_fx(gm, example_inputs, config_patches=patches)
+            compiled = self._inductor_compile(gm, example_inputs, cfg, report)
         except Exception as e:
             if cfg.strict:
                 raise
@@ -109,11 +120,62 @@ class MirageBackend:
             for region in report.regions:
                 region.compiled_by = "eager"
             return gm.forward
-        if whole.cuda_graph_blocker is not None or not cfg.cuda_graphs:
-            wrap_cuda_graph(None, whole.cuda_graph_blocker, (), cfg, report)   # records the reason only
-            return compiled
-        boxed = wrap_cuda_graph(lambda args: compiled(*args), None, whole.static_input_indices, cfg, report)
-        return lambda *args: boxed(list(args))
+        return _in_cuda_graph(compiled, whole.cuda_graph_blocker, whole.static_input_indices, cfg, report)
+
+    def _faster_of_mirage_and_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                                       cfg: config_mod.Config, mirage: Any, report: GraphReport) -> Any:
+        """Mirage's compile and Inductor's, the faster one chosen by timing on the first call."""
+        # AOTAutograd's inputs are the Dynamo graph's own parameters and buffers, then the Dynamo inputs
+        lifted = len(dict(gm.named_parameters(remove_duplicate=False))) + len(dict(gm.named_buffers(remove_duplicate=False)))
+        if report.num_inputs == lifted + len(example_inputs):
+            if any(i < lifted for i in report.mutated_inputs):
+                return mirage   # writes to a module attribute: timing would change the caller's state
+            mutated: tuple[int, ...] | None = tuple(i - lifted for i in report.mutated_inputs)
+            static = tuple(i - lifted for i in _static_input_indices() if i >= lifted)
+        else:   # AOTAutograd deduplicated inputs: positions unknown, clone every tensor for timing
+            mutated, static = None, ()
+        try:
+            inductor = self._inductor_compile(gm, example_inputs, cfg, report)
+        except Exception as e:
+            if cfg.strict:
+                raise
+            log.info("torch_mirage: Inductor could not compile graph %d for the timing guard (%s: %s); keeping "
+                     "mirage's version", report.index, type(e).__name__, e)
+            return mirage
+        blocker = None if report.cuda_graph else (report.cuda_graph_reason or "not captured")
+        inductor = _in_cuda_graph(inductor, blocker, static, cfg, GraphReport(report.index, report.kind))
+        return FasterOf({"mirage": mirage, "inductor": inductor}, _choice_recorder(report), mutated)
+
+
+def _timed_against_inductor(report: GraphReport, cfg: config_mod.Config) -> bool:
+    return (cfg.measure_regions and cfg.fallback == "inductor" and report.kind == "inference" and report.timeable
+            and report.fallback_error is None and any(r.compiled_by == "mirage" for r in report.regions)
+            and torch.cuda.is_available())
+
+
+def _in_cuda_graph(compiled: Any, blocker: str | None, static_input_indices: Sequence[int], cfg: config_mod.Config,
+                   report: GraphReport) -> Any:
+    """An unboxed ``compiled(*args)`` in our CUDA-graph wrapper where capture is allowed."""
+    if blocker is not None or not cfg.cuda_graphs:
+        wrap_cuda_graph(None, blocker, (), cfg, report)   # records the reason only
+        return compiled
+    boxed = wrap_cuda_graph(lambda args: compiled(*args), None, static_input_indices, cfg, report)
+    return lambda *args: boxed(list(args))
+
+
+def _choice_recorder(report: GraphReport):
+    def record(choice: str, times: dict) -> None:
+        report.choice = choice
+        report.choice_times_us = {k: round(v, 2) for k, v in times.items()}
+        log.info("torch_mirage: graph %d timed on first call: %s; keeping %s", report.index,
+                 ", ".join(f"{k} {v:.1f} µs" for k, v in times.items()), choice)
+        if choice != "mirage":
+            detail = (f"whole graph: mirage {times.get('mirage', float('nan')):.1f} µs vs "
+                      f"Inductor {times.get('inductor', float('nan')):.1f} µs")
+            for r in report.regions:
+                if r.compiled_by == "mirage":
+                    r.compiled_by, r.reason, r.detail = "inductor", Reason.SLOWER_THAN_INDUCTOR.value, detail
+    return record
 
 
 def mirage_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:

@@ -24,7 +24,7 @@ from .partition.region import Claimer, Reason, Region, is_convex
 from .report import GraphReport, RegionReport
 from .runtime.assemble import assemble
 from .runtime.cudagraph import CudaGraphRunner, cuda_graph_blocker
-from .runtime.choose import FasterOf, is_timeable
+from .runtime.choose import is_timeable, mutated_inputs
 from .runtime.measure import check_regions, keep_faster
 
 log = logging.getLogger("torch_mirage")
@@ -109,6 +109,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
     """Compile one ATen graph; returns a boxed callable."""
     report, config = ctx.report, ctx.config
     report.num_nodes = sum(n.op == "call_function" for n in gm.graph.nodes)
+    report.num_inputs = sum(n.op == "placeholder" for n in gm.graph.nodes)
     claimers = default_claimers(config) if claimers is None else claimers
     try:
         with report.stage("lower"):
@@ -128,12 +129,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
             raise WholeGraphToInductor(cuda_graph_blocker(gm, example_inputs, report.kind), ctx.static_input_indices)
         with report.stage("assemble"):
             fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode)
-        if (config.measure_regions and config.fallback == "inductor" and report.kind == "inference"
-                and any(r.compiled_by == "mirage" for r in regions) and is_timeable(gm, list(example_inputs))):
-            with report.stage("inductor"):
-                whole = Region(list(graph.nodes), "inductor", Reason.SLOWER_THAN_INDUCTOR)
-                inductor_fn = assemble(gm, graph, [whole], "inductor", config.inductor_mode)
-            fn = FasterOf({"mirage": fn, "inductor": inductor_fn}, _choice_recorder(report, regions))
+        report.mutated_inputs = mutated_inputs(gm)
+        report.timeable = is_timeable(gm, list(example_inputs))
     except WholeGraphToInductor:
         raise
     except Exception as e:
@@ -146,19 +143,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
         report.fallback_error = f"{type(e).__name__}: {e}"
         fn = _fallback(gm, example_inputs, ctx)
     return _maybe_cuda_graph(fn, gm, example_inputs, ctx)
-
-
-def _choice_recorder(report: GraphReport, regions: Sequence[Region]):
-    def record(choice: str, times: dict) -> None:
-        report.choice = choice
-        report.choice_times_us = {k: round(v, 2) for k, v in times.items()}
-        if choice != "mirage":
-            detail = (f"whole graph: mirage assembly {times.get('mirage', float('nan')):.1f} µs vs "
-                      f"Inductor {times.get('inductor', float('nan')):.1f} µs")
-            for r in report.regions:
-                if r.compiled_by == "mirage":
-                    r.compiled_by, r.reason, r.detail = "inductor", Reason.SLOWER_THAN_INDUCTOR.value, detail
-    return record
 
 
 def _fallback(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Any:

@@ -35,12 +35,15 @@ class GraphReport:
     index: int
     kind: str                       # "inference" | "forward" | "backward"
     num_nodes: int = 0
+    num_inputs: int = 0
     regions: list[RegionReport] = field(default_factory=list)
     cuda_graph: bool = False
     cuda_graph_reason: str = ""
     fallback_error: str | None = None
     whole_graph_to_inductor: bool = False   # no mirage region: the Dynamo graph went to Inductor's compile_fx
-    choice: str | None = None            # "mirage" | "inductor": the faster whole-graph assembly, timed
+    mutated_inputs: tuple[int, ...] = ()    # graph inputs written in place (cloned when the graph is timed)
+    timeable: bool = False                  # may be re-run on real inputs (CUDA, static shapes, no random ops)
+    choice: str | None = None            # "mirage" | "inductor": the faster version of the whole graph, timed
     choice_times_us: dict[str, float] = field(default_factory=dict)
     stage_times_ms: dict[str, float] = field(default_factory=dict)
 
@@ -59,9 +62,11 @@ class GraphReport:
                  f"CUDA graph: {cg}", f"  stages: {stages}"]
         if self.whole_graph_to_inductor:
             lines.append("  no mirage region: the whole graph went to Inductor's own compile_fx")
+        if self.mutated_inputs:
+            lines.append(f"  writes to inputs {list(self.mutated_inputs)} in place")
         if self.choice:
             times = ", ".join(f"{k} {v:.1f} µs" for k, v in self.choice_times_us.items())
-            lines.append(f"  timed whole graph on first call: kept {self.choice} ({times})")
+            lines.append(f"  timed against Inductor's compile of the whole graph on first call: kept {self.choice} ({times})")
         if self.fallback_error:
             lines.append(f"  fell back: {self.fallback_error}")
         lines += [r.row() for r in self.regions]

@@ -1,15 +1,15 @@
-"""The graph-level guarantee: a compiled graph is never slower than Inductor's version of the whole graph.
+"""The graph-level guarantee: a compiled graph is never slower than what ``backend="inductor"`` makes of it.
 
-When mirage claimed regions of a CUDA graph, both assemblies — mirage's kernels with Inductor for the rest,
-and Inductor for everything — are compiled. On the first call, with the caller's real inputs, each is timed
-inside a CUDA graph and the faster one is kept for every later call (and for the CUDA-graph capture).
-Graphs with random ops are not timed (re-running them would advance the caller's RNG); mirage's assembly
-is kept there.
+When mirage claimed regions of an inference graph, the backend also hands the Dynamo graph to Inductor's own
+``compile_fx``. On the first call, with the caller's real inputs, :class:`FasterOf` times both inside a CUDA
+graph and keeps the faster one for every later call. Inputs the graph mutates are cloned for the timing
+runs, so the caller's state changes exactly once (by the real call). Graphs with random ops are not timed
+(re-running them would advance the caller's RNG); mirage's version is kept there.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -19,29 +19,37 @@ log = logging.getLogger("torch_mirage")
 
 
 class FasterOf:
-    """Boxed callable choosing between named boxed candidates on its first real call."""
+    """``fn(*args)`` choosing between named candidates (each ``fn(*args)``) on its first real call.
 
-    def __init__(self, candidates: dict[str, Callable[[list], Any]], on_choice: Callable[[str, dict], None]):
+    ``mutated`` are the argument positions a candidate writes to; ``None`` means unknown, and then every
+    tensor argument is cloned for the timing runs.
+    """
+
+    def __init__(self, candidates: dict[str, Callable[..., Any]], on_choice: Callable[[str, dict], None],
+                 mutated: Sequence[int] | None = ()):
         self.candidates = candidates
         self.on_choice = on_choice
+        self.mutated = None if mutated is None else frozenset(mutated)
         self.choice: str | None = None
-        self._boxed_call = True
 
-    def _time(self, fn: Callable[[list], Any], args: list) -> float:
-        return cuda_graph_time_us(lambda *a: fn(list(a)), [args], replays=10, repeats=3)
+    def timing_args(self, args: Sequence[Any]) -> list[Any]:
+        return [a.clone() if isinstance(a, torch.Tensor) and (self.mutated is None or i in self.mutated) else a
+                for i, a in enumerate(args)]
 
-    def __call__(self, args: list) -> Any:
+    def __call__(self, *args: Any) -> Any:
         if self.choice is None:
             times: dict[str, float] = {}
+            timing_args = self.timing_args(args)
             for name, fn in self.candidates.items():
                 try:
-                    times[name] = self._time(fn, list(args))
+                    times[name] = cuda_graph_time_us(fn, [timing_args], replays=10, repeats=3)
                 except Exception as e:   # a candidate that cannot be timed (e.g. not capturable) is not chosen
-                    log.info("torch_mirage: timing the %s assembly failed (%s: %s)", name, type(e).__name__, e)
+                    log.info("torch_mirage: timing the %s version failed (%s: %s)", name, type(e).__name__, e)
+            del timing_args
             first = next(iter(self.candidates))
             self.choice = min(times, key=times.get) if times else first
             self.on_choice(self.choice, times)
-        return self.candidates[self.choice](args)
+        return self.candidates[self.choice](*args)
 
 
 def is_timeable(gm: torch.fx.GraphModule, example_inputs: list) -> bool:
@@ -53,3 +61,26 @@ def is_timeable(gm: torch.fx.GraphModule, example_inputs: list) -> bool:
         return False
     return not any(n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
                    for n in gm.graph.nodes)
+
+
+def mutated_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
+    """Positions of the placeholders an ATen graph writes to, directly or through views of them."""
+    index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+
+    def base(node: Any) -> int | None:
+        while isinstance(node, torch.fx.Node) and node not in index:
+            schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+            if schema is None or not schema.arguments or not node.args or schema.arguments[0].alias_info is None:
+                return None   # a fresh tensor, not a view of an input
+            node = node.args[0]
+        return index.get(node)
+
+    out = set()
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None:
+            continue
+        for arg, spec in zip(n.args, schema.arguments):
+            if spec.alias_info is not None and spec.alias_info.is_write and (i := base(arg)) is not None:
+                out.add(i)
+    return tuple(sorted(out))

@@ -4,7 +4,8 @@
 :class:`CudaGraphRunner` warms the callable up on a side stream, captures it
 into static input buffers on first call and replays it afterwards. Outputs are
 cloned out of the graph's static memory, so a later replay never overwrites
-what an earlier call returned.
+what an earlier call returned. Called while the stream is being captured (the
+caller records its own CUDA graph), it runs the callable plainly.
 """
 from __future__ import annotations
 
@@ -75,7 +76,9 @@ class CudaGraphRunner:
         self.graph = graph
 
     def __call__(self, args: list) -> Any:
-        if self.disabled_reason is not None:
+        if self.disabled_reason is not None or torch.cuda.is_current_stream_capturing():
+            # inside someone else's capture (a caller's CUDA graph, or our own timing): be captured as plain
+            # kernels there rather than nest a graph of our own
             return self.fn(args)
         if self.graph is None:
             try:

@@ -21,7 +21,7 @@ def trace_aten(fn: Callable, *inputs: Any) -> fx.GraphModule:
         return make_boxed_func(gm)
 
     backend = aot_autograd(fw_compiler=keep, inference_compiler=keep, decompositions=select_decomp_table(),
-                           keep_inference_input_mutations=False)
+                           keep_inference_input_mutations=True)
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*inputs)
