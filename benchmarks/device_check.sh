@@ -28,5 +28,6 @@ for step in "$@"; do
   esac > "$OUT/${step//[:]/_}.log" 2>&1
   echo "rc=$?"; tail -25 "$OUT/${step//[:]/_}.log"
   # only 8 files come back from a device call: keep the JSON, the table and the step log
-  rm -f "$OUT"/*.png "$OUT"/*.gpu.txt "$OUT/${step#bench:}.log"
+  rm -f "$OUT"/*.png "$OUT"/*.gpu.txt
+  [[ $step == bench:* ]] && rm -f "$OUT/${step#bench:}.log"   # the part's own log: the step log holds it
 done

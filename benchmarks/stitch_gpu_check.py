@@ -86,7 +86,7 @@ class _Ctx:
 
     def __init__(self, cache_dir):
         from torch_mirage.config import load
-        self.config = load({"cache_dir": cache_dir})
+        self.config = load({"cache_dir": cache_dir, "min_region_us": 0.0})   # every size: this checks kernels
         self.facts = {}
 
 

@@ -64,7 +64,9 @@ def mirage_summary(info: dict) -> dict | None:
     regions = report.regions
     return {"graphs": len(report.graphs), "regions": len(regions),
             "mirage_regions": sum(r.compiled_by == "mirage" for r in regions),
-            "fallback_errors": [g.fallback_error for g in report.graphs if g.fallback_error]}
+            "fallback_errors": [g.fallback_error for g in report.graphs if g.fallback_error],
+            # graphs timed against Inductor's compile on the first call: which one was kept, and the times
+            "choices": [{"graph": g.index, "kept": g.choice, "us": g.choice_times_us} for g in report.graphs if g.choice]}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -414,7 +414,9 @@ def _update(e: "_Emitter", kind: str, st: dict[str, str], x: str) -> None:
         c1, d = e.fresh("c"), e.fresh("d")
         e.line(f"{c1} = {st['cnt']} + tl.where(mask, 1.0, 0.0)")
         e.line(f"{d} = tl.where(mask, {x} - {st['mean']}, 0.0)")
-        e.line(f"{st['mean']} = {st['mean']} + {d} / tl.maximum({c1}, 1.0)")
+        # only a lane's last chunk can be ragged, so its count is the chunk number: multiply by its inverse
+        # (one division per chunk, not one per element)
+        e.line(f"{st['mean']} = {st['mean']} + {d} * inv_count")
         e.line(f"{st['m2']} = {st['m2']} + {d} * tl.where(mask, {x} - {st['mean']}, 0.0)")
         e.line(f"{st['cnt']} = {c1}")
 
@@ -556,6 +558,8 @@ def _accumulate(e: _Emitter, accs: Sequence[Accumulation], outer: dict, lo: str,
     e.line(f"for start in range({lo}, {hi}, BLOCK_N):")
     e.indent += 1
     _cols(e, "start")
+    if any(a.kind == "welford" for a in accs):
+        e.line(f"inv_count = 1.0 / ((start - {lo}) // BLOCK_N + 1.0)")
     inner = dict(outer)
     e.evict = "evict_last"      # re-read by the next pass: keep in L2
     for a, st in zip(accs, lanes):
