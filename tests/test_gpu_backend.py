@@ -182,3 +182,26 @@ def test_compiled_model_inside_the_callers_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, fn(x.double(), bias.double()).half(), torch.float16)
+
+
+def test_timing_on_first_call_restores_written_module_state():
+    """State the graph writes outside its arguments (a tensor on a Python object) is restored after timing."""
+    class State:
+        pass
+
+    state = State()
+    state.buf = torch.randn(4096, 512, device="cuda")
+    report = torch_mirage.Report()
+
+    def fn(x):
+        state.buf.add_(x)
+        return torch.softmax(state.buf * 2, dim=-1)
+
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(report=report))
+    x = torch.randn(4096, 512, device="cuda")
+    buf0 = state.buf.clone()
+    out = compiled(x)
+    assert_close(state.buf, buf0 + x)
+    assert_close(out, torch.softmax((buf0.double() + x.double()) * 2, dim=-1).float())
+    compiled(x)
+    assert_close(state.buf, buf0 + 2 * x)

@@ -126,14 +126,15 @@ class MirageBackend:
                                        cfg: config_mod.Config, mirage: Any, report: GraphReport) -> Any:
         """Mirage's compile and Inductor's, the faster one chosen by timing on the first call."""
         # AOTAutograd's inputs are the Dynamo graph's own parameters and buffers, then the Dynamo inputs
-        lifted = len(dict(gm.named_parameters(remove_duplicate=False))) + len(dict(gm.named_buffers(remove_duplicate=False)))
-        if report.num_inputs == lifted + len(example_inputs):
-            if any(i < lifted for i in report.mutated_inputs):
-                return mirage   # writes to a module attribute: timing would change the caller's state
-            mutated: tuple[int, ...] | None = tuple(i - lifted for i in report.mutated_inputs)
-            static = tuple(i - lifted for i in _static_input_indices() if i >= lifted)
-        else:   # AOTAutograd deduplicated inputs: positions unknown, clone every tensor for timing
-            mutated, static = None, ()
+        lifted = [*dict(gm.named_parameters(remove_duplicate=False)).values(),
+                  *dict(gm.named_buffers(remove_duplicate=False)).values()]
+        positions = report.mutated_inputs
+        if report.num_inputs == len(lifted) + len(example_inputs):
+            static = tuple(i - len(lifted) for i in _static_input_indices() if i >= len(lifted))
+            written = lambda args: [[*lifted, *args][i] for i in positions]
+        else:   # AOTAutograd deduplicated inputs: positions unknown, save every tensor when the graph writes any
+            static = ()
+            written = lambda args: [t for t in [*lifted, *args] if isinstance(t, torch.Tensor)] if positions else []
         try:
             inductor = self._inductor_compile(gm, example_inputs, cfg, report)
         except Exception as e:
@@ -144,7 +145,7 @@ class MirageBackend:
             return mirage
         blocker = None if report.cuda_graph else (report.cuda_graph_reason or "not captured")
         inductor = _in_cuda_graph(inductor, blocker, static, cfg, GraphReport(report.index, report.kind))
-        return FasterOf({"mirage": mirage, "inductor": inductor}, _choice_recorder(report), mutated)
+        return FasterOf({"mirage": mirage, "inductor": inductor}, _choice_recorder(report), written)
 
 
 def _timed_against_inductor(report: GraphReport, cfg: config_mod.Config) -> bool:

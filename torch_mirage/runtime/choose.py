@@ -2,8 +2,8 @@
 
 When mirage claimed regions of an inference graph, the backend also hands the Dynamo graph to Inductor's own
 ``compile_fx``. On the first call, with the caller's real inputs, :class:`FasterOf` times both inside a CUDA
-graph and keeps the faster one for every later call. Inputs the graph mutates are cloned for the timing
-runs, so the caller's state changes exactly once (by the real call). Graphs with random ops are not timed
+graph and keeps the faster one for every later call. Tensors the graph writes to (inputs, or module state)
+are saved before and restored after them, so the caller's state changes exactly once (by the real call). Graphs with random ops are not timed
 (re-running them would advance the caller's RNG); mirage's version is kept there.
 """
 from __future__ import annotations
@@ -21,31 +21,39 @@ log = logging.getLogger("torch_mirage")
 class FasterOf:
     """``fn(*args)`` choosing between named candidates (each ``fn(*args)``) on its first real call.
 
-    ``mutated`` are the argument positions a candidate writes to; ``None`` means unknown, and then every
-    tensor argument is cloned for the timing runs.
+    ``written(args)`` lists the tensors a call writes to (inputs, or module state the graph holds): they are
+    saved before the timing runs and restored after them, so the caller's state changes once, by the real call.
     """
 
     def __init__(self, candidates: dict[str, Callable[..., Any]], on_choice: Callable[[str, dict], None],
-                 mutated: Sequence[int] | None = ()):
+                 written: Callable[[Sequence[Any]], list[torch.Tensor]] = lambda args: []):
         self.candidates = candidates
         self.on_choice = on_choice
-        self.mutated = None if mutated is None else frozenset(mutated)
+        self.written = written
         self.choice: str | None = None
 
-    def timing_args(self, args: Sequence[Any]) -> list[Any]:
-        return [a.clone() if isinstance(a, torch.Tensor) and (self.mutated is None or i in self.mutated) else a
-                for i, a in enumerate(args)]
+    def _time_all(self, args: Sequence[Any]) -> dict[str, float]:
+        times: dict[str, float] = {}
+        try:
+            state = [(t, t.clone()) for t in self.written(args)]
+        except torch.cuda.OutOfMemoryError:
+            log.info("torch_mirage: no memory to save the graph's written inputs; not timing it")
+            return times
+        try:
+            for name, fn in self.candidates.items():
+                try:
+                    times[name] = cuda_graph_time_us(fn, [args], replays=10, repeats=3)
+                except Exception as e:   # a candidate that cannot be timed (e.g. not capturable) is not chosen
+                    log.info("torch_mirage: timing the %s version failed (%s: %s)", name, type(e).__name__, e)
+        finally:
+            with torch.no_grad():
+                for t, saved in state:
+                    t.copy_(saved)
+        return times
 
     def __call__(self, *args: Any) -> Any:
         if self.choice is None:
-            times: dict[str, float] = {}
-            timing_args = self.timing_args(args)
-            for name, fn in self.candidates.items():
-                try:
-                    times[name] = cuda_graph_time_us(fn, [timing_args], replays=10, repeats=3)
-                except Exception as e:   # a candidate that cannot be timed (e.g. not capturable) is not chosen
-                    log.info("torch_mirage: timing the %s version failed (%s: %s)", name, type(e).__name__, e)
-            del timing_args
+            times = self._time_all(args)
             first = next(iter(self.candidates))
             self.choice = min(times, key=times.get) if times else first
             self.on_choice(self.choice, times)
