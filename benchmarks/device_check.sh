@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels and the package, then run the named steps, each under its own
-# time limit, logging to $OUT/<step>.log. Steps: gputests stitch mirageset bench:<part>.
-#   benchmarks/device_check.sh gputests stitch mirageset
+# time limit (STEP_LIMIT_S, or step@SECONDS), logging to $OUT/<step>.log.
+# Steps: gputests gputest:<pytest -k expr> stitch stitchq mirageset bench:<part>.
+#   benchmarks/device_check.sh gputests@400 stitch mirageset
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -14,9 +15,10 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/device.txt"
-LIMIT=${STEP_LIMIT_S:-280}
-for step in "$@"; do
-  echo "== $step"
+for arg in "$@"; do
+  step=${arg%@*}; LIMIT=${STEP_LIMIT_S:-280}
+  [[ $arg == *@* ]] && LIMIT=${arg##*@}     # step@SECONDS: this step's own limit
+  echo "== $step (limit ${LIMIT}s)"
   case "$step" in
     gputests) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -p no:cacheprovider ;;
     gputest:*) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -p no:cacheprovider -k "${step#gputest:}" ;;
