@@ -216,3 +216,16 @@ def test_mutated_inputs_are_found_through_views():
     shapes = [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder"]
     assert sorted(shapes[i] for i in mutated_inputs(gm)) == [(3,), (8, 2, 4)]
     assert mutated_inputs(trace_aten(pure, *inputs)) == ()
+
+
+def test_fp32_kernel_over_fp16_intermediates_is_not_handed_back():
+    """Eager rounds x + 1 to fp16 before the fp32 softmax; the kernel does not. The check compares both with
+    float64, so the (more accurate) kernel is kept and the result stays close to float64."""
+    def fn(x, bias):
+        return torch.softmax((x + 1).float() + bias, dim=-1) * 2
+
+    compiled, report = _mirage(fn)
+    x, bias = torch.randn(64, 384, dtype=torch.float16) * 30, torch.randn(384)
+    out = compiled(x, bias)
+    assert [r.compiled_by for r in report.regions] == ["mirage"], str(report)
+    assert_close(out, fn(x.double(), bias.double()).float(), torch.float16)
