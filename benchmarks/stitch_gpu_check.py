@@ -67,9 +67,9 @@ def copy_gbps(do_bench) -> float:
     return 2 * 2 ** 30 / t_ms / 1e6
 
 
-def stitched(fn, inputs, cache_dir):
+def stitched(fn, inputs, cache_dir, limits=None):
     graph = trace_ir(fn, *inputs)
-    regions = StitchClaimer().claim(graph, list(graph.nodes), None if cache_dir is None else _Ctx(cache_dir))
+    regions = StitchClaimer(limits=limits).claim(graph, list(graph.nodes), None if cache_dir is None else _Ctx(cache_dir))
     if len(regions) != 1 or len(regions[0].nodes) != len(graph.nodes):
         raise RuntimeError(f"expected one region over the graph, got {[r.ops for r in regions]}")
     region = regions[0]
@@ -96,6 +96,29 @@ def rel_error(out, ref):
     fin = torch.isfinite(r)
     err = ((o[fin] - r[fin]).norm() / (r[fin].norm() + 1e-30)).item()
     return err, same_nan
+
+
+def long_row_sweep(do_bench, copy_gbps: float, cache_dir: str) -> list[dict]:
+    """The looped long-row kernels (4096 x 32768 fp16) at every chunk size and warp count: which mapping is best."""
+    from torch_mirage.partition.plan import StitchLimits
+
+    rows = []
+    cases = {k: v for k, v in extra_workloads(torch.float16, "cuda").items()
+             if k in ("softmax_long_rows", "layer_norm_long_rows")}
+    for name, (fn, inputs) in cases.items():
+        for chunk in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                try:
+                    region, run = stitched(fn, inputs, cache_dir, StitchLimits(loop_chunk=chunk, loop_warps=warps))
+                    t = do_bench(run, return_mode="median") * 1e3
+                    nbytes = sum(x.numel() * x.element_size() for x in inputs) + inputs[0].numel() * 2
+                    row = {"workload": name, "chunk": chunk, "warps": warps, "us": round(t, 2),
+                           "copy_fraction": round(nbytes / t / 1e3 / copy_gbps, 3)}
+                except Exception as e:
+                    row = {"workload": name, "chunk": chunk, "warps": warps, "error": f"{type(e).__name__}: {e}"}
+                rows.append(row)
+                print("sweep", json.dumps(row))
+    return rows
 
 
 def main() -> int:
@@ -162,6 +185,8 @@ def main() -> int:
                 row = {"workload": name, "b": b, "error": f"{type(e).__name__}: {e}"}
             results["timing_us"].append(row)
             print(json.dumps(row))
+    if not opts.quick:
+        results["long_row_sweep"] = long_row_sweep(do_bench, results["copy_GBps"], cache_dir)
     out_dir = os.environ.get("OUT")
     if out_dir:
         with open(os.path.join(out_dir, "stitch_gpu_check.json"), "w") as f:

@@ -127,9 +127,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if over_budget(spec.name):
                 continue
             print(f"{spec.name} ({str(llm_dtype).replace('torch.', '')})", flush=True)
+            def keep(record: dict) -> None:
+                doc["llm"].append(record)
+                report.write_json(doc, os.path.join(args.out, f"{args.name}.json"))
+
             try:
-                doc["llm"] += llm.run_model(spec, batches, llm_dtype, llm_modes, device, quick, timing_cfg,
-                                            echo=lambda s: print(s, flush=True))
+                llm.run_model(spec, batches, llm_dtype, llm_modes, device, quick, timing_cfg,
+                              echo=lambda s: print(s, flush=True), on_record=keep)
             except Exception as e:   # building the model failed (API drift across versions): record and go on
                 msg = f"{spec.name}: could not build or run ({harness._short(e)})"
                 print(f"bench: {msg}")

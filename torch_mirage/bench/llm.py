@@ -261,11 +261,15 @@ class _Case:
 
 def run_model(spec: LLMSpec, batches: Sequence[int], dtype: torch.dtype, modes: Sequence[str],
               device: torch.device, quick: bool, timing: dict | None,
-              echo: Callable[[str], None] = print) -> list[dict]:
-    """Every scenario of one model; one record per scenario with a result per mode."""
+              echo: Callable[[str], None] = print,
+              on_record: Callable[[dict], None] = lambda record: None) -> list[dict]:
+    """Every scenario of one model; one record per scenario with a result per mode (each also handed to
+    ``on_record`` as soon as it is measured, so a run cut short keeps what it finished)."""
     model, config = build_model(spec, dtype, device, quick)
-    records = [run_scenario(spec, model, config, s, quick, dtype, modes, device, timing, echo)
-               for s in scenarios(batches, quick)]
+    records = []
+    for s in scenarios(batches, quick):
+        records.append(run_scenario(spec, model, config, s, quick, dtype, modes, device, timing, echo))
+        on_record(records[-1])
     del model
     _free()
     return records

@@ -52,6 +52,7 @@ class StitchLimits:
     max_row_on_chip: int = 8192     # longest row (elements, power of two) a program keeps in registers
     tile_elems: int = 2048          # elements per program that horizontal packing aims at
     loop_chunk: int = 4096          # chunk of a looped row
+    loop_warps: int | None = None   # warps of a looped / split program (None: from the chunk size)
     split: int | None = None
     min_split_len: int = 1024       # shortest piece of a row one split program takes
 

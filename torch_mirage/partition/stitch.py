@@ -334,10 +334,12 @@ def choose_mapping(rows: int, row_len: int, has_reduction: bool, regional_tiles:
         chunk = min(lim.loop_chunk, _pow2(piece))
         piece = -(-piece // chunk) * chunk
         if -(-row_len // piece) > 1:
-            return ThreadMapping(Strategy.SPLIT, rows, row_len, 1, chunk, _warps(chunk), split=-(-row_len // piece),
+            return ThreadMapping(Strategy.SPLIT, rows, row_len, 1, chunk, lim.loop_warps or _warps(chunk),
+                                 split=-(-row_len // piece),
                                  split_len=piece, passes=passes, fusions=fusions)
     chunk = min(bn, lim.loop_chunk)
-    return ThreadMapping(Strategy.LOOPED, rows, row_len, 1, chunk, _warps(chunk), passes=passes, fusions=fusions)
+    return ThreadMapping(Strategy.LOOPED, rows, row_len, 1, chunk, lim.loop_warps or _warps(chunk), passes=passes,
+                         fusions=fusions)
 
 
 def _split_count(rows: int, row_len: int, device: Any, lim: StitchLimits) -> int:
