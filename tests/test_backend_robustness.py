@@ -229,3 +229,25 @@ def test_fp32_kernel_over_fp16_intermediates_is_not_handed_back():
     out = compiled(x, bias)
     assert [r.compiled_by for r in report.regions] == ["mirage"], str(report)
     assert_close(out, fn(x.double(), bias.double()).float(), torch.float16)
+
+
+def test_in_place_ops_are_seen_in_dynamo_graphs():
+    from torch_mirage.runtime.choose import writes_in_place
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def fns():
+        yield lambda x, c: (c.add_(x), x * 2)[1], True
+        yield lambda x, c: c.__setitem__(0, x[0]) or x * 2, True
+        yield lambda x, c: torch.add(x, 1, out=c) * 2, True
+        yield lambda x, c: (c * x).softmax(-1), False
+
+    for fn, writes in fns():
+        torch._dynamo.reset()
+        graphs.clear()
+        torch.compile(fn, backend=keep, fullgraph=True)(torch.randn(4, 4), torch.randn(4, 4))
+        assert writes_in_place(graphs[0]) is writes, graphs[0].code

@@ -21,7 +21,7 @@ from .cache import DiskCache
 from .partition.region import Claimer, Reason
 from .pipeline import CompileContext, WholeGraphToInductor, compile_graph, wrap_cuda_graph
 from .report import GraphReport, Report
-from .runtime.choose import FasterOf
+from .runtime.choose import FasterOf, writes_in_place
 
 log = logging.getLogger("torch_mirage")
 
@@ -128,13 +128,15 @@ class MirageBackend:
         # AOTAutograd's inputs are the Dynamo graph's own parameters and buffers, then the Dynamo inputs
         lifted = [*dict(gm.named_parameters(remove_duplicate=False)).values(),
                   *dict(gm.named_buffers(remove_duplicate=False)).values()]
-        positions = report.mutated_inputs
-        if report.num_inputs == len(lifted) + len(example_inputs):
-            static = tuple(i - len(lifted) for i in _static_input_indices() if i >= len(lifted))
-            written = lambda args: [[*lifted, *args][i] for i in positions]
-        else:   # AOTAutograd deduplicated inputs: positions unknown, save every tensor when the graph writes any
-            static = ()
-            written = lambda args: [t for t in [*lifted, *args] if isinstance(t, torch.Tensor)] if positions else []
+        aligned = report.num_inputs == len(lifted) + len(example_inputs)
+        static = tuple(i - len(lifted) for i in _static_input_indices() if i >= len(lifted)) if aligned else ()
+        if report.mutated_inputs or writes_in_place(gm):
+            # a mutation may also happen outside the ATen graph (AOTAutograd applies some after it runs, e.g. to
+            # aliased inputs): save every tensor that is not a parameter, not only the graph's written inputs
+            written = lambda args: [t for t in [*lifted, *args]
+                                    if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
+        else:
+            written = lambda args: []
         try:
             inductor = self._inductor_compile(gm, example_inputs, cfg, report)
         except Exception as e:

@@ -337,9 +337,12 @@ def choose_mapping(rows: int, row_len: int, has_reduction: bool, regional_tiles:
             return ThreadMapping(Strategy.SPLIT, rows, row_len, 1, chunk, lim.loop_warps or _warps(chunk),
                                  split=-(-row_len // piece),
                                  split_len=piece, passes=passes, fusions=fusions)
-    chunk = min(bn, lim.loop_chunk)
-    return ThreadMapping(Strategy.LOOPED, rows, row_len, 1, chunk, lim.loop_warps or _warps(chunk), passes=passes,
-                         fusions=fusions)
+    chunk, warps = min(bn, lim.loop_chunk), lim.loop_warps or _warps(min(bn, lim.loop_chunk))
+    if "Welford" in fusions and lim.loop_warps is None:
+        # three fp32 statistics per lane: twice the chunk over twice the warps (H100 sweep, 4096 x 32768 fp16
+        # layer norm: 193.7 µs against 247.5 at 4096 / 8 warps; benchmarks/results/stitch_gpu_check_h100.json)
+        chunk, warps = min(bn, 2 * lim.loop_chunk), 16
+    return ThreadMapping(Strategy.LOOPED, rows, row_len, 1, chunk, warps, passes=passes, fusions=fusions)
 
 
 def _split_count(rows: int, row_len: int, device: Any, lim: StitchLimits) -> int:

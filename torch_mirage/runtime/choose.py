@@ -2,8 +2,9 @@
 
 When mirage claimed regions of an inference graph, the backend also hands the Dynamo graph to Inductor's own
 ``compile_fx``. On the first call, with the caller's real inputs, :class:`FasterOf` times both inside a CUDA
-graph and keeps the faster one for every later call. Tensors the graph writes to (inputs, or module state)
-are saved before and restored after them, so the caller's state changes exactly once (by the real call). Graphs with random ops are not timed
+graph and keeps the faster one for every later call. When the graph writes to state (inputs, or tensors on
+modules and other objects), every tensor that is not a parameter is saved before the timing runs and restored
+after them, so the caller's state changes exactly once, by the real call. Graphs with random ops are not timed
 (re-running them would advance the caller's RNG); mirage's version is kept there.
 """
 from __future__ import annotations
@@ -92,3 +93,22 @@ def mutated_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
             if spec.alias_info is not None and spec.alias_info.is_write and (i := base(arg)) is not None:
                 out.add(i)
     return tuple(sorted(out))
+
+
+def writes_in_place(gm: torch.fx.GraphModule) -> bool:
+    """Whether a Dynamo graph has an in-place op (``x.add_(...)``, ``x[i] = v``, ``out=``): it writes to state."""
+    import operator
+
+    for n in gm.graph.nodes:
+        if n.op == "call_method" and n.target.endswith("_") and not n.target.endswith("__"):
+            return True
+        if n.op == "call_function":
+            name = getattr(n.target, "__name__", "")
+            if n.target in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv):
+                return True
+            if "out" in n.kwargs or (name.endswith("_") and not name.endswith("__")):
+                return True
+            schema = getattr(n.target, "_schema", None)
+            if schema is not None and schema.is_mutable:
+                return True
+    return False
