@@ -25,11 +25,11 @@ for arg in "$@"; do
     stitch)   timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py ;;
     stitchq)  timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py --quick ;;
     mirageset) timeout "$LIMIT" python3 benchmarks/mirage_set_gpu.py --limit 2 ;;
-    bench:*)  BUDGET_S=$((LIMIT - 40)) timeout "$LIMIT" bash benchmarks/run_h100.sh "${step#bench:}" ;;
+    bench:*)  BUDGET_S=$((LIMIT - 40)) timeout "$LIMIT" bash benchmarks/run_h100.sh ${step#bench:} ;;   # "bench:PART ARGS..." splits
     *) echo "unknown step $step" ;;
   esac > "$OUT/${step//[^A-Za-z0-9_.-]/_}.log" 2>&1
   echo "rc=$?"; tail -25 "$OUT/${step//[^A-Za-z0-9_.-]/_}.log"
   # only 8 files come back from a device call: keep the JSON, the table and the step log
   rm -f "$OUT"/*.png "$OUT"/*.gpu.txt
-  [[ $step == bench:* ]] && rm -f "$OUT/${step#bench:}.log"   # the part's own log: the step log holds it
+  part=${step#bench:}; [[ $step == bench:* ]] && rm -f "$OUT/${part%% *}.log"   # the part's own log: the step log holds it
 done
