@@ -251,3 +251,19 @@ def test_in_place_ops_are_seen_in_dynamo_graphs():
         graphs.clear()
         torch.compile(fn, backend=keep, fullgraph=True)(torch.randn(4, 4), torch.randn(4, 4))
         assert writes_in_place(graphs[0]) is writes, graphs[0].code
+
+
+def test_mutation_of_a_value_mirage_computes_keeps_the_region():
+    """x.add_(1) computed inside a mirage region: the copy back into x runs after the region, no fallback."""
+    def fn(x, bias):
+        x.add_(1)
+        return torch.softmax(x + bias, dim=-1) * 2
+
+    compiled, report = _mirage(fn)
+    x, bias = torch.randn(64, 96), torch.randn(96)
+    x0 = x.clone()
+    out = compiled(x, bias)
+    assert_close(x, x0 + 1)
+    assert_close(out, fn(x0.clone().double(), bias.double()).float())
+    g = report.graphs[0]
+    assert g.fallback_error is None and g.mutated_inputs and any(r.compiled_by == "mirage" for r in g.regions), str(report)

@@ -90,6 +90,13 @@ def _condensed_order(gm: fx.GraphModule, owner: dict[fx.Node, int]) -> list[Any]
     return order
 
 
+def _write_back_only(node: fx.Node, fb_owner: dict[fx.Node, int]) -> bool:
+    """A ``copy_`` of a mirage result (or an input) back into an input: it stays a plain ATen call. Alone it would
+    form an Inductor partition without outputs, which regional_inductor rejects (torch 2.11)."""
+    return (node.target is torch.ops.aten.copy_.default
+            and not any(a in fb_owner for a in node.all_input_nodes))
+
+
 def _region_runner(kernel, n_out: int):
     def run_region(*args):
         outs = kernel(*args)
@@ -118,7 +125,7 @@ def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallba
     for it in order:
         if isinstance(it, fx.Node):
             copied = new.node_copy(it, lambda a: env[a])
-            if fallback == "inductor" and it in fb_owner:
+            if fallback == "inductor" and it in fb_owner and not _write_back_only(it, fb_owner):
                 copied.meta.setdefault("custom", {})
                 copied.meta["custom"] = dict(copied.meta["custom"], compile_with_inductor={
                     "inductor_configs": dict(_INDUCTOR_MODE_CONFIGS[inductor_mode]),
