@@ -210,3 +210,26 @@ def test_timing_on_first_call_restores_written_module_state(monkeypatch):
     assert report.graphs[0].choice in ("mirage", "inductor"), str(report)
     compiled(x)
     assert_close(state.buf, buf0 + 2 * x)
+
+
+def test_every_timing_run_starts_from_the_callers_state(monkeypatch):
+    """A graph that writes at a position counter and advances it (a static KV cache): two runs from the
+    advanced state would index past the cache (the gemma2 prefill assert); each timing run starts afresh."""
+    import torch_mirage.pipeline
+    monkeypatch.setattr(torch_mirage.pipeline, "keep_faster", lambda *a: None)
+    report = torch_mirage.Report()
+
+    def fn(x, cache, pos):
+        cache.index_copy_(0, pos + torch.arange(4, device=x.device), x)
+        pos.add_(4)
+        return torch.softmax(cache[:4] * 2, dim=-1)
+
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(report=report))
+    x = torch.randn(4, 4096, device="cuda")
+    cache = torch.zeros(8, 4096, device="cuda")
+    pos = torch.zeros((), dtype=torch.int64, device="cuda")
+    out = compiled(x, cache, pos)
+    torch.cuda.synchronize()
+    assert pos.item() == 4 and torch.equal(cache[:4], x) and not cache[4:].any()
+    assert_close(out, torch.softmax(x.double() * 2, dim=-1).float())
+    assert report.graphs[0].choice in ("mirage", "inductor"), str(report)

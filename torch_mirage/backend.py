@@ -129,14 +129,15 @@ class MirageBackend:
         lifted = [*dict(gm.named_parameters(remove_duplicate=False)).values(),
                   *dict(gm.named_buffers(remove_duplicate=False)).values()]
         aligned = report.num_inputs == len(lifted) + len(example_inputs)
+        positions = report.mutated_inputs
+        if (positions and not aligned) or (writes_in_place(gm) and not positions):
+            # writes we cannot name (inputs deduplicated by AOTAutograd, or a write the ATen graph does not show):
+            # re-running the graph for timing could change the caller's state, so mirage's version is kept
+            log.info("torch_mirage: graph %d writes state the timing guard cannot save; not timed against "
+                     "Inductor", report.index)
+            return mirage
         static = tuple(i - len(lifted) for i in _static_input_indices() if i >= len(lifted)) if aligned else ()
-        if report.mutated_inputs or writes_in_place(gm):
-            # a mutation may also happen outside the ATen graph (AOTAutograd applies some after it runs, e.g. to
-            # aliased inputs): save every tensor that is not a parameter, not only the graph's written inputs
-            written = lambda args: [t for t in [*lifted, *args]
-                                    if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
-        else:
-            written = lambda args: []
+        written = lambda args: [[*lifted, *args][i] for i in positions]
         try:
             inductor = self._inductor_compile(gm, example_inputs, cfg, report)
         except Exception as e:

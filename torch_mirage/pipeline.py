@@ -24,7 +24,7 @@ from .partition.region import Claimer, Reason, Region, is_convex
 from .report import GraphReport, RegionReport
 from .runtime.assemble import assemble
 from .runtime.cudagraph import CudaGraphRunner, cuda_graph_blocker
-from .runtime.choose import is_timeable, mutated_inputs
+from .runtime.choose import declared_mutations, is_timeable, mutated_inputs
 from .runtime.measure import check_regions, keep_faster
 
 log = logging.getLogger("torch_mirage")
@@ -130,7 +130,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
         with report.stage("assemble"):
             fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode)
         report.mutated_inputs = mutated_inputs(gm)
-        report.timeable = is_timeable(gm, list(example_inputs))
+        declared = declared_mutations(report.num_inputs)
+        # timed on the first call only when every write is one the timing can save and put back
+        report.timeable = (is_timeable(gm, list(example_inputs)) and declared is not None
+                           and declared <= set(report.mutated_inputs))
     except WholeGraphToInductor:
         raise
     except Exception as e:

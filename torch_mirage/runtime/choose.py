@@ -2,10 +2,11 @@
 
 When mirage claimed regions of an inference graph, the backend also hands the Dynamo graph to Inductor's own
 ``compile_fx``. On the first call, with the caller's real inputs, :class:`FasterOf` times both inside a CUDA
-graph and keeps the faster one for every later call. When the graph writes to state (inputs, or tensors on
-modules and other objects), every tensor that is not a parameter is saved before the timing runs and restored
-after them, so the caller's state changes exactly once, by the real call. Graphs with random ops are not timed
-(re-running them would advance the caller's RNG); mirage's version is kept there.
+graph and keeps the faster one for every later call. Tensors the graph writes (inputs, or tensors on modules
+and other objects) are saved first and copied back before every timing run and after the last, so each run
+sees the caller's state and the state changes once, by the real call. Graphs that write state we cannot
+name, and graphs with random ops (re-running them would advance the caller's RNG), are not timed: mirage's
+version is kept there.
 """
 from __future__ import annotations
 
@@ -38,18 +39,31 @@ class FasterOf:
         try:
             state = [(t, t.clone()) for t in self.written(args)]
         except torch.cuda.OutOfMemoryError:
-            log.info("torch_mirage: no memory to save the graph's written inputs; not timing it")
+            log.info("torch_mirage: no memory to save the state the graph writes; not timing it")
             return times
-        try:
-            for name, fn in self.candidates.items():
-                try:
-                    times[name] = cuda_graph_time_us(fn, [args], replays=10, repeats=3)
-                except Exception as e:   # a candidate that cannot be timed (e.g. not capturable) is not chosen
-                    log.info("torch_mirage: timing the %s version failed (%s: %s)", name, type(e).__name__, e)
-        finally:
+
+        def restore() -> None:
             with torch.no_grad():
                 for t, saved in state:
                     t.copy_(saved)
+
+        def from_saved_state(fn: Callable[..., Any]) -> Callable[..., Any]:
+            # every run starts from the caller's state (a run may read what the last one wrote: a KV-cache
+            # position counter, say); the copies are the same work for every candidate
+            def run(*a: Any) -> Any:
+                restore()
+                return fn(*a)
+            return run
+
+        try:
+            for name, fn in self.candidates.items():
+                try:
+                    times[name] = cuda_graph_time_us(from_saved_state(fn) if state else fn, [args],
+                                                     replays=10, repeats=3)
+                except Exception as e:   # a candidate that cannot be timed (e.g. not capturable) is not chosen
+                    log.info("torch_mirage: timing the %s version failed (%s: %s)", name, type(e).__name__, e)
+        finally:
+            restore()
         return times
 
     def __call__(self, *args: Any) -> Any:
@@ -93,6 +107,16 @@ def mutated_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
             if spec.alias_info is not None and spec.alias_info.is_write and (i := base(arg)) is not None:
                 out.add(i)
     return tuple(sorted(out))
+
+
+def declared_mutations(num_inputs: int) -> set[int] | None:
+    """The inputs AOTAutograd says the graph being compiled mutates (data or metadata, applied in the graph or
+    after it), or ``None`` when that is not known for this graph's inputs."""
+    ctx = torch._guards.TracingContext.try_get()
+    infos = getattr(getattr(ctx, "fw_metadata", None), "input_info", None)
+    if infos is None or len(infos) != num_inputs:
+        return None
+    return {i for i, info in enumerate(infos) if info.mutates_data or info.mutates_metadata}
 
 
 def writes_in_place(gm: torch.fx.GraphModule) -> bool:
