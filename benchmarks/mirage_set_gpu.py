@@ -12,7 +12,12 @@ check its output against an fp64 reference (relative norm error < 1e-2), then ti
 each captured in one CUDA graph over input sets rotated past 3× L2
 (``torch_mirage.runtime.measure``). Prints a table; writes ``$OUT/mirage_set.json`` when ``$OUT`` is set.
 
-    python benchmarks/mirage_set_gpu.py [--batches 1 8] [--only gqa_flashdecoding ...] [--no-max-autotune]
+With ``--profile`` each row also gets ``steps``: every kernel-level op of the compiled μGraph timed alone the
+same way, with the bytes it reads and writes and the fraction of the measured copy bandwidth that is; and the
+run records the time of one minimal kernel in a CUDA graph (``launch_floor_us``). Together they say where a
+μGraph's time goes: which op, how far from bandwidth, how many launches.
+
+    python benchmarks/mirage_set_gpu.py [--batches 1 8] [--only gqa_flashdecoding ...] [--no-max-autotune] [--profile]
 """
 from __future__ import annotations
 
@@ -50,7 +55,33 @@ def make_inputs(name: str, dims: tuple, gen: torch.Generator) -> list[torch.Tens
     return [x.half() for x in xs]
 
 
-def bench_one(name: str, b: int, modes: list[str], cache: DiskCache, limit: int, compiled_refs: dict) -> dict:
+def device_floors() -> dict:
+    """Copy bandwidth (1 GiB device-to-device, read + write bytes) and one minimal kernel, both in a CUDA graph."""
+    src = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    copy_us = cuda_graph_time_us(lambda: dst.copy_(src), [[]])
+    del src, dst
+    one = torch.zeros(1, device="cuda")
+    return {"copy_GBps": round(2 * 2 ** 30 / copy_us / 1e3, 1),
+            "launch_floor_us": round(cuda_graph_time_us(lambda: one.add_(1), [[]], replays=200), 2)}
+
+
+def profile_steps(ours, xs: list[torch.Tensor], copy_gbps: float) -> list[dict]:
+    """Every kernel-level op of the compiled μGraph alone: µs (CUDA graph, inputs rotated past L2), bytes, GB/s."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    steps = []
+    for run in ours.run_steps(xs):
+        tensors = [t for t in run.inputs + run.outputs if isinstance(t, torch.Tensor)]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        us = cuda_graph_time_us(run.fn, rotated_input_sets(run.inputs, l2))
+        steps.append({"index": run.index, "op": run.op, "config": run.config.to_json() if run.config else None,
+                      "us": round(us, 2), "bytes": nbytes, "GBps": round(nbytes / us / 1e3, 1),
+                      "copy_fraction": round(nbytes / us / 1e3 / copy_gbps, 3)})
+    return steps
+
+
+def bench_one(name: str, b: int, modes: list[str], cache: DiskCache, limit: int, compiled_refs: dict,
+              floors: dict | None = None) -> dict:
     w = library.WORKLOADS[name]
     dims = library.bench_dims(name, b)
     gen = torch.Generator(device="cuda").manual_seed(1000 * b + len(name))
@@ -81,6 +112,9 @@ def bench_one(name: str, b: int, modes: list[str], cache: DiskCache, limit: int,
         except Exception as e:       # a mode that fails is reported, the others still run
             row[f"{mode}_us"] = None
             row[f"{mode}_error"] = f"{type(e).__name__}: {e}"[:300]
+    if floors is not None:
+        row["steps"] = profile_steps(ours, xs, floors["copy_GBps"])
+        row["steps_sum_us"] = round(sum(st["us"] for st in row["steps"]), 2)
     inductor = [row.get(f"{m}_us") for m in modes if row.get(f"{m}_us") is not None]
     row["best_inductor_us"] = min(inductor) if inductor else None
     us = row["mirage_us"]
@@ -107,6 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     p.add_argument("--no-max-autotune", action="store_true", help="skip torch.compile max-autotune (slow to compile)")
     p.add_argument("--limit", type=int, default=3, help="re-tilings timed per kernel op (each x 2 warp/stage pairs)")
+    p.add_argument("--profile", action="store_true", help="time every kernel-level op of each μGraph alone")
     p.add_argument("--cache-dir", default=os.environ.get("MIRAGE_CACHE_DIR", "/tmp/mirage-bench-cache"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -118,10 +153,13 @@ def main(argv=None) -> int:
     cache = DiskCache(args.cache_dir, "ugraph-launch")
     start = time.perf_counter()
     rows, compiled_refs = [], {}
+    floors = device_floors() if args.profile else None
+    if floors:
+        print(json.dumps(floors), flush=True)
     for b in args.batches:
         for name in args.only:
             try:
-                row = bench_one(name, b, modes, cache, args.limit, compiled_refs)
+                row = bench_one(name, b, modes, cache, args.limit, compiled_refs, floors)
             except Exception as e:
                 row = {"workload": name, "b": b, "error": f"{type(e).__name__}: {e}"[:500]}
             rows.append(row)
@@ -129,7 +167,7 @@ def main(argv=None) -> int:
     print_table(rows)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "wall_s": round(time.perf_counter() - start, 1),
-              "rows": rows}
+              **(floors or {}), "rows": rows}
     print(f"total {result['wall_s']} s")
     out = os.environ.get("OUT")
     if out:

@@ -140,6 +140,20 @@ def test_memory_plan_shares_only_disjoint_lifetimes():
     assert len(set(offsets)) == 3 and all(o % 256 == 0 for o in offsets)
 
 
+def test_run_steps_reruns_each_kernel_op_alone():
+    """The profiling view: each step's ``fn`` re-run on its own inputs reproduces its outputs; the last step's
+    output is the μGraph's."""
+    g = library.gqa_flashdecoding(2, 3, 5, 12, 7, dtype="float32", splits=3, forloop_range=2)
+    xs = _inputs("gqa_flashdecoding", (2, 3, 5, 12, 7), torch.float32, seed=2)
+    compiled = compile_ugraph(g, xs, tune=False)
+    runs = list(compiled.run_steps(xs))
+    assert sum(r.config is not None for r in runs) == 2          # FlashDecoding: partials, then the combine
+    for r in runs:
+        again = r.fn(*r.inputs)
+        assert all(torch.equal(a, b) for a, b in zip(again, r.outputs)), r.op
+    _check("gqa_flashdecoding", runs[-1].outputs[0], xs, torch.float32)
+
+
 def test_depth_order_is_topological():
     g = library.gqa_flashdecoding(1, 2, 4, 8, 4, dtype="float32", splits=2, forloop_range=2)
     order = order_by_depth(g, range(len(g.ops)))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -91,6 +91,17 @@ class _Step:
     launcher: BlockLauncher | None
 
 
+@dataclass
+class StepRun:
+    """One kernel-level op as :meth:`CompiledUGraph.run_steps` ran it: ``fn(*inputs)`` re-runs it."""
+    index: int
+    op: str
+    config: LaunchConfig | None
+    fn: Callable[..., list]
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+
+
 class CompiledUGraph:
     """``(*inputs) -> tuple(outputs)`` for a μGraph; ``sources`` holds the generated Triton per kernel op."""
 
@@ -101,8 +112,16 @@ class CompiledUGraph:
         self._arith = TorchArith()
 
     def __call__(self, *inputs: torch.Tensor) -> tuple:
-        g = self.graph
         env: dict[Ref, torch.Tensor] = {}
+        for step in self.run_steps(inputs, env):
+            pass
+        return tuple(env[r] for r in self.graph.outputs)
+
+    def run_steps(self, inputs: Sequence[torch.Tensor], env: dict | None = None) -> Iterator[StepRun]:
+        """Run the μGraph one kernel-level op at a time, yielding each op's run (for profiling); ``env`` receives
+        every op's outputs by :class:`Ref`."""
+        g = self.graph
+        env = {} if env is None else env
         arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=inputs[0].device) if self.arena_bytes else None
         for step in self.steps:
             op = g.ops[step.index]
@@ -110,20 +129,21 @@ class CompiledUGraph:
                 env[Ref(step.index, 0)] = inputs[op.attrs["index"]]
                 continue
             xs = [env[Ref(*r)] for r in op.inputs]
-            if step.launcher is not None:
-                outs = [self._buffer(arena, ("out", step.index, j), s, d)
-                        for j, (s, d) in enumerate(step.launcher.out_specs)]
-                ws = [self._buffer(arena, ("ws", step.index, j), s, d)
-                      for j, (s, d) in enumerate(step.launcher.ws_specs)]
-                res = step.launcher(*xs, outs=outs, workspaces=ws)
-            elif op.spec.layout is not None:
-                res = [op.spec.layout(*xs, **op.attrs)]
-            else:
-                fn = getattr(self._arith, op.spec.arith)
-                res = [fn(xs, **op.attrs) if op.spec.arity is None else fn(*xs, **op.attrs)]
+            fn = self._step_fn(step, op, arena)
+            res = fn(*xs)
             for j, t in enumerate(res):
                 env[Ref(step.index, j)] = t
-        return tuple(env[r] for r in g.outputs)
+            yield StepRun(step.index, op.name, step.launcher.config if step.launcher else None, fn, xs, list(res))
+
+    def _step_fn(self, step: _Step, op: Any, arena: torch.Tensor | None) -> Callable[..., list]:
+        if step.launcher is not None:
+            outs = [self._buffer(arena, ("out", step.index, j), s, d) for j, (s, d) in enumerate(step.launcher.out_specs)]
+            ws = [self._buffer(arena, ("ws", step.index, j), s, d) for j, (s, d) in enumerate(step.launcher.ws_specs)]
+            return lambda *xs: step.launcher(*xs, outs=outs, workspaces=ws)
+        if op.spec.layout is not None:
+            return lambda *xs: [op.spec.layout(*xs, **op.attrs)]
+        fn = getattr(self._arith, op.spec.arith)
+        return lambda *xs: [fn(xs, **op.attrs) if op.spec.arity is None else fn(*xs, **op.attrs)]
 
     def _buffer(self, arena, key, shape, dtype) -> torch.Tensor | None:
         """The planned arena view for ``key``; None (the launcher allocates) for outputs."""
