@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..runtime.measure import cuda_graph_timing
 from . import workloads as W
 
 log = logging.getLogger("torch_mirage")
@@ -177,37 +178,7 @@ def rotation_count(set_bytes: int, l2_bytes: int, limit: int = 2048) -> int:
 def time_in_cuda_graph(call: Callable, input_sets: Sequence[Sequence[Any]], target_ms: float = 10.0,
                        repeats: int = 7) -> dict:
     """µs per call: one CUDA graph calling ``call`` once per input set, replayed ~``target_ms`` a repeat."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for s in input_sets:            # kernels compiled and autotuned before capture
-            call(*s)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for s in input_sets:
-            call(*s)
-    try:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        replays = max(1, math.ceil(target_ms / max(start.elapsed_time(end), 1e-3)))
-        per_call = []
-        for _ in range(repeats):
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            per_call.append(start.elapsed_time(end) * 1e3 / (replays * len(input_sets)))
-    finally:
-        del graph
-    return {"us": statistics.median(per_call), "us_min": min(per_call), "us_max": max(per_call),
-            "replays": replays, "repeats": repeats, "sets": len(input_sets)}
+    return cuda_graph_timing(call, input_sets, target_ms=target_ms, repeats=repeats)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..runtime.measure import plain_timing
 from .harness import COMPILERS, _free, _short, mirage_summary, rel_error, time_in_cuda_graph
 
 CONTEXT = 4096          # static cache slots
@@ -371,7 +372,7 @@ def _run_mode(case: _Case, mode: str, dtype: torch.dtype, timing: dict | None) -
                     res["timing_method"] = "cuda graph"
                 except Exception as e:   # e.g. a host sync inside the model: time it outside a graph, and say so
                     torch.cuda.synchronize()
-                    t = _time_plain(step, inputs, timing["target_ms"], timing["repeats"])
+                    t = plain_timing(step, inputs, target_ms=timing["target_ms"], repeats=timing["repeats"])
                     res["timing_method"] = f"no graph (capture failed: {_short(e, 200)})"
             res["ms"] = t["us"] / 1e3
             res["tokens_per_s"] = s.batch * s.tokens / (res["ms"] * 1e-3)
@@ -386,22 +387,3 @@ def _run_mode(case: _Case, mode: str, dtype: torch.dtype, timing: dict | None) -
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in res.items()}
 
 
-def _time_plain(fn, inputs, target_ms: float, repeats: int) -> dict:
-    import statistics
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn(*inputs)
-    start.record()
-    fn(*inputs)
-    end.record()
-    end.synchronize()
-    n = max(1, math.ceil(target_ms / max(start.elapsed_time(end), 1e-3)))
-    per = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(n):
-            fn(*inputs)
-        end.record()
-        end.synchronize()
-        per.append(start.elapsed_time(end) * 1e3 / n)
-    return {"us": statistics.median(per)}

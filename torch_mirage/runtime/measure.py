@@ -7,6 +7,8 @@ the device and the versions, so later compiles reuse it.
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -41,31 +43,60 @@ def random_like(meta, device=None) -> torch.Tensor:
     return t
 
 
-def cuda_graph_time_us(fn: Callable[..., Any], input_sets: Sequence[Sequence[torch.Tensor]],
-                       replays: int = 20, repeats: int = 5) -> float:
-    """Median µs per call of ``fn`` captured in one CUDA graph that calls it once per input set."""
+def _repeated_timing(run_once: Callable[[], Any], calls_per_run: int, replays: int | None, target_ms: float | None,
+                     repeats: int) -> dict:
+    """Time ``run_once`` ``replays`` times per repeat (or as often as fills ``target_ms``): µs per call."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    run_once()
+    if replays is None:
+        start.record()
+        run_once()
+        end.record()
+        end.synchronize()
+        replays = max(1, math.ceil((target_ms or 10.0) / max(start.elapsed_time(end), 1e-3)))
+    per_call = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(replays):
+            run_once()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) * 1e3 / (replays * calls_per_run))
+    return {"us": statistics.median(per_call), "us_min": min(per_call), "us_max": max(per_call),
+            "replays": replays, "repeats": repeats, "sets": calls_per_run}
+
+
+def cuda_graph_timing(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], *, replays: int | None = None,
+                      target_ms: float | None = None, repeats: int = 5) -> dict:
+    """µs per call of ``fn`` in one CUDA graph that calls it once per input set (warmed up on a side stream, so
+    compilation and autotuning happen before capture), replayed ``replays`` times per repeat or for about
+    ``target_ms``; median, min and max over the repeats."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for inputs in input_sets[:2]:
+        for inputs in input_sets:
             fn(*inputs)
     torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for inputs in input_sets:
             fn(*inputs)
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * len(input_sets)))
-    del graph
-    return sorted(times)[len(times) // 2]
+    try:
+        return _repeated_timing(graph.replay, len(input_sets), replays, target_ms, repeats)
+    finally:
+        del graph
+
+
+def plain_timing(fn: Callable[..., Any], inputs: Sequence[Any], *, target_ms: float = 10.0, repeats: int = 5) -> dict:
+    """µs per call of ``fn(*inputs)`` launched from Python, no CUDA graph (for what cannot be captured)."""
+    return _repeated_timing(lambda: fn(*inputs), 1, None, target_ms, repeats)
+
+
+def cuda_graph_time_us(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], replays: int = 20,
+                       repeats: int = 5) -> float:
+    """Median µs per call of :func:`cuda_graph_timing`."""
+    return cuda_graph_timing(fn, input_sets, replays=replays, repeats=repeats)["us"]
 
 
 def rotated_input_sets(inputs: Sequence[Any], l2_bytes: int, max_sets: int = 64) -> list[list[Any]]:
