@@ -338,6 +338,7 @@ STATS = {"sum": ("sum",), "max": ("max", "nan"), "min": ("min", "nan"), "online"
          "welford": ("cnt", "mean", "m2")}
 IDENTITY = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")', "nan": "0.0", "cnt": "0.0", "mean": "0.0",
             "m2": "0.0"}
+ROW_STATS = {("online", "max")}   # statistics kept per row ([BLOCK_M, 1]) rather than per lane
 FUSION_NAME = {"online": "online softmax", "welford": "Welford"}
 _KIND = {"sum": "sum", "mean": "sum", "amax": "max", "amin": "min", "var_mean": "welford", "var": "welford"}
 
@@ -404,10 +405,12 @@ def _update(e: "_Emitter", kind: str, st: dict[str, str], x: str) -> None:
         fn = "maximum" if kind == "max" else "minimum"
         e.line(f"{st[kind]} = tl.{fn}({st[kind]}, tl.where(mask, {x}, {IDENTITY[kind]}))")
     if kind == "online":
+        # the running max is per row ([BLOCK_M, 1]): one exp per element plus one per row and chunk for the
+        # rescale, instead of two per element with a max per lane
         xc, mn, ms = e.fresh("xc"), e.fresh("mn"), e.fresh("ms")
         e.line(f"{xc} = tl.where(mask, {x}, float(\"-inf\"))")
-        e.line(f"{mn} = tl.maximum({st['max']}, {xc})")
-        e.line(f"{ms} = tl.where({mn} == float(\"-inf\"), 0.0, {mn})      # no -inf - -inf in a lane")
+        e.line(f"{mn} = tl.maximum({st['max']}, tl.max({xc}, 1)[:, None])")
+        e.line(f"{ms} = tl.where({mn} == float(\"-inf\"), 0.0, {mn})      # no -inf - -inf in a row")
         e.line(f"{st['sum']} = {st['sum']} * tl.exp({st['max']} - {ms}) + tl.exp({xc} - {ms})")
         e.line(f"{st['max']} = {mn}")
     if kind == "welford":
@@ -553,7 +556,8 @@ def _accumulate(e: _Emitter, accs: Sequence[Accumulation], outer: dict, lo: str,
     for a in accs:
         st = {k: e.fresh(k) for k in STATS[a.kind]}
         for k, name in st.items():
-            e.line(f"{name} = tl.full([BLOCK_M, BLOCK_N], {IDENTITY[k]}, tl.float32)")
+            width = "1" if (a.kind, k) in ROW_STATS else "BLOCK_N"
+            e.line(f"{name} = tl.full([BLOCK_M, {width}], {IDENTITY[k]}, tl.float32)")
         lanes.append(st)
     e.line(f"for start in range({lo}, {hi}, BLOCK_N):")
     e.indent += 1
