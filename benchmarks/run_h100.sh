@@ -2,7 +2,8 @@
 # The full benchmark run on one H100, in parts that each fit one 10-minute device command.
 #
 #   benchmarks/run_h100.sh PART [EXTRA BENCH ARGS]
-#       PART: fp16-b1-a fp16-b1-b fp16-b8-a fp16-b8-b bf16 llm-llama llm-qwen2 llm-gemma2
+#       PART: fp16-b1-a fp16-b1-b fp16-b8-a fp16-b8-b bf16-b1 bf16-b8 llm-llama llm-qwen2 llm-gemma2
+#             llm-llama-mat llm-qwen2-mat llm-gemma2-mat (Inductor max-autotune on the LLMs: merged in as a column)
 #       extra args override the part's (e.g. --workloads X Y to redo what a part left "not run")
 #   benchmarks/run_h100.sh merge DIR   (on any machine) merge DIR/*.json into benchmarks/results/h100.*
 #
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 OUTDIR=${OUT:-benchmarks/results/raw}
 BUDGET_S=${BUDGET_S:-540}
-PART=${1:?usage: $0 PART [ARGS] | merge DIR   (PART: fp16-b1-a fp16-b1-b fp16-b8-a fp16-b8-b bf16 llm-llama llm-qwen2 llm-gemma2)}
+PART=${1:?usage: $0 PART [ARGS] | merge DIR   (PART: fp16-b1-a fp16-b1-b fp16-b8-a fp16-b8-b bf16-b1 bf16-b8 llm-llama llm-qwen2 llm-gemma2 llm-MODEL-mat)}
 shift
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -34,10 +35,15 @@ case "$PART" in
   fp16-b1-b)  bench "$PART" --dtype float16 --batch 1 --workloads $GROUP_B --llms none "$@" ;;
   fp16-b8-a)  bench "$PART" --dtype float16 --batch 8 --workloads $GROUP_A --llms none "$@" ;;
   fp16-b8-b)  bench "$PART" --dtype float16 --batch 8 --workloads $GROUP_B --llms none "$@" ;;
-  bf16)       bench "$PART" --dtype bfloat16 --batch 1 8 --workloads $BF16_SUBSET --llms none "$@" ;;
+  bf16-b1)    bench "$PART" --dtype bfloat16 --batch 1 --workloads $BF16_SUBSET --llms none "$@" ;;
+  bf16-b8)    bench "$PART" --dtype bfloat16 --batch 8 --workloads $BF16_SUBSET --llms none "$@" ;;
   llm-llama)  bench "$PART" --workloads none --llms llama3-8b-4l --batch 1 8 "$@" ;;
   llm-qwen2)  bench "$PART" --workloads none --llms qwen2-7b-4l --batch 1 8 "$@" ;;
   llm-gemma2) bench "$PART" --workloads none --llms gemma2-9b-4l --batch 1 8 "$@" ;;
+  llm-*-mat)
+    model=${PART#llm-}; model=${model%-mat}
+    case "$model" in llama) model=llama3-8b-4l ;; qwen2) model=qwen2-7b-4l ;; gemma2) model=gemma2-9b-4l ;; esac
+    bench "$PART" --workloads none --llms "$model" --batch 1 8 --llm-modes inductor-max-autotune "$@" ;;
   merge)
     DIR=${1:?usage: $0 merge DIR_WITH_PART_JSONS}
     "$PY" -m torch_mirage.bench.cli --merge "$DIR"/*.json --out benchmarks/results --name h100 ;;

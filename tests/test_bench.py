@@ -168,6 +168,27 @@ def test_quick_cli_writes_json_and_table(tmp_path, capsys):
     assert len(merged["cases"]) == 2
 
 
+def test_merge_combines_modes_of_the_same_case():
+    def case(modes):
+        return report.case_record("w", "[4]", 1, "float16", 100, 0, 1.0, 2,
+                                  {m: {"status": "ok", "us": us} for m, us in modes.items()})
+
+    def doc(cases, llm=()):
+        return {"cases": cases, "llm": list(llm), "timing": True, "env": {}, "ceilings": None, "settings": {}}
+
+    first = doc([case({"inductor": 4.0, "mirage": 5.0})], [{"model": "m", "scenario": "s", "dtype": "bf16",
+                                                             "modes": {"eager": {"ms": 2.0}}}])
+    second = doc([case({"inductor-max-autotune": 3.0, "mirage": 2.0})], [{"model": "m", "scenario": "s",
+                                                                          "dtype": "bf16",
+                                                                          "modes": {"mirage": {"ms": 1.0}}}])
+    merged = report.merge([first, second])
+    (c,) = merged["cases"]
+    assert set(c["modes"]) == {"inductor", "inductor-max-autotune", "mirage"} and c["modes"]["mirage"]["us"] == 2.0
+    assert c["best_inductor_us"] == 3.0 and c["speedup_vs_best_inductor"] == 1.5 and c["fraction_of_floor"] == 0.5
+    (r,) = merged["llm"]
+    assert set(r["modes"]) == {"eager", "mirage"}
+
+
 def test_cli_refuses_timing_without_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("has a GPU")

@@ -79,17 +79,28 @@ def load(path: str) -> dict:
 
 
 def merge(docs: Sequence[dict]) -> dict:
-    """One document from several runs; later runs replace earlier records of the same case."""
+    """One document from several runs. Records of the same case (or LLM scenario) are combined mode by mode: a
+    later run's result for a mode replaces an earlier one, modes only an earlier run measured are kept (so a part
+    that runs one more mode adds a column)."""
     if not docs:
         raise ValueError("merge: no documents")
     out = dict(docs[-1])
     cases: dict[tuple, dict] = {}
     llm: dict[tuple, dict] = {}
+
+    def add(into: dict[tuple, dict], key: tuple, record: dict) -> dict:
+        earlier = into.get(key)
+        into[key] = dict(record, modes={**(earlier["modes"] if earlier else {}), **record["modes"]})
+        return into[key]
+
     for d in docs:
         for c in d["cases"]:
-            cases[(c["workload"], c["batch"], c["dtype"])] = c
+            m = add(cases, (c["workload"], c["batch"], c["dtype"]), c)
+            cases[(c["workload"], c["batch"], c["dtype"])] = case_record(
+                m["workload"], m["shapes"], m["batch"], m["dtype"], m["bytes"], m["flops"], m["floor_us"],
+                m["sets"], m["modes"])   # best Inductor, speedup and floor fraction over the combined modes
         for r in d.get("llm", []):
-            llm[(r["model"], r["scenario"], r["dtype"])] = r
+            add(llm, (r["model"], r["scenario"], r["dtype"]), r)
     out["cases"], out["llm"] = list(cases.values()), list(llm.values())
     done = {f"{c['workload']} b{c['batch']} {c['dtype']}" for c in out["cases"]} | {r["model"] for r in out["llm"]}
     out["not_run"] = sorted({w for d in docs for w in d.get("not_run", [])} - done)
