@@ -368,7 +368,6 @@ def build_plan(graph: Graph, compute: list[Node], prologue: list[Node], epilogue
         for v in n.inputs:
             if id(v) not in made and all(v is not x for x in loads):
                 loads.append(v)
-    epi_ids = {id(n) for n in epilogue}
     graph_outs = {id(v) for v in graph.output_values}
     inside = {id(n) for n in compute}
     stored = [v for n in compute for v in n.outputs
