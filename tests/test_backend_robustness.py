@@ -267,3 +267,11 @@ def test_mutation_of_a_value_mirage_computes_keeps_the_region():
     assert_close(out, fn(x0.clone().double(), bias.double()).float())
     g = report.graphs[0]
     assert g.fallback_error is None and g.mutated_inputs and any(r.compiled_by == "mirage" for r in g.regions), str(report)
+
+
+def test_groups_below_the_region_threshold_are_named_in_the_report():
+    compiled, report = _mirage(lambda x: torch.softmax(x * 2, dim=-1), min_region_us=1000.0)
+    x = torch.randn(8, 32)
+    assert_close(compiled(x), torch.softmax(x.double() * 2, dim=-1).float())
+    (region,) = report.regions
+    assert region.compiled_by == "inductor" and "MIRAGE_MIN_REGION_US" in region.detail, str(report)

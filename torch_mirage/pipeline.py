@@ -78,12 +78,15 @@ def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext
             region.claimer = region.claimer or claimer.name
             regions.append(region)
             free = [n for n in free if id(n) not in taken]
-    regions.extend(_unclaimed_regions(graph, free, ctx.config))
+    regions.extend(_unclaimed_regions(graph, free, ctx.config, ctx.facts.get("stitch.skipped", ())))
     return regions
 
 
-def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config) -> list[Region]:
-    """Connected groups of unclaimed nodes, each a fallback region with its reason."""
+def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config,
+                       skipped: Sequence[tuple[str, str, str]] = ()) -> list[Region]:
+    """Connected groups of unclaimed nodes, each a fallback region with its reason; memory-bound groups a
+    claimer passed over as too small are named in the detail."""
+    small = {name: why for name, _, why in skipped if "MIRAGE_MIN_REGION_US" in why}
     out = []
     for nodes in connected_components(free):
         kinds = {n.kind for n in nodes}
@@ -95,6 +98,10 @@ def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config) -> li
             reason, detail = Reason.COMPUTE_BOUND, ""
         else:
             reason, detail = Reason.NOT_CLAIMED, ""
+        left = [f"{n.name} ({small[n.name].split(' <')[0]})" for n in nodes if n.name in small]
+        if left:
+            note = f"memory-bound groups too small for a kernel of their own (MIRAGE_MIN_REGION_US): {', '.join(left)}"
+            detail = f"{detail}; {note}" if detail else note
         out.append(Region(nodes, config.fallback, reason, detail))
     return out
 
