@@ -133,8 +133,8 @@ class MirageBackend:
         if (positions and not aligned) or (writes_in_place(gm) and not positions):
             # writes we cannot name (inputs deduplicated by AOTAutograd, or a write the ATen graph does not show):
             # re-running the graph for timing could change the caller's state, so mirage's version is kept
-            log.info("torch_mirage: graph %d writes state the timing guard cannot save; not timed against "
-                     "Inductor", report.index)
+            report.untimed_reason = "it writes state the timing could not save and restore"
+            log.info("torch_mirage: graph %d %s", report.index, report.untimed_reason)
             return mirage
         static = tuple(i - len(lifted) for i in _static_input_indices() if i >= len(lifted)) if aligned else ()
         written = lambda args: [[*lifted, *args][i] for i in positions]
@@ -143,8 +143,8 @@ class MirageBackend:
         except Exception as e:
             if cfg.strict:
                 raise
-            log.info("torch_mirage: Inductor could not compile graph %d for the timing guard (%s: %s); keeping "
-                     "mirage's version", report.index, type(e).__name__, e)
+            report.untimed_reason = f"Inductor could not compile the graph ({type(e).__name__}: {e})"
+            log.info("torch_mirage: graph %d: %s", report.index, report.untimed_reason)
             return mirage
         blocker = None if report.cuda_graph else (report.cuda_graph_reason or "not captured")
         inductor = _in_cuda_graph(inductor, blocker, static, cfg, GraphReport(report.index, report.kind))
@@ -152,9 +152,13 @@ class MirageBackend:
 
 
 def _timed_against_inductor(report: GraphReport, cfg: config_mod.Config) -> bool:
-    return (cfg.measure_regions and cfg.fallback == "inductor" and report.kind == "inference" and report.timeable
-            and report.fallback_error is None and any(r.compiled_by == "mirage" for r in report.regions)
-            and torch.cuda.is_available())
+    applies = (cfg.measure_regions and cfg.fallback == "inductor" and report.kind == "inference"
+               and report.fallback_error is None and any(r.compiled_by == "mirage" for r in report.regions)
+               and torch.cuda.is_available())
+    if applies and not report.timeable:
+        report.untimed_reason = ("random ops, dynamic shapes, or writes beyond what the graph shows "
+                                 "(re-running it could change the caller's state)")
+    return applies and report.timeable
 
 
 def _in_cuda_graph(compiled: Any, blocker: str | None, static_input_indices: Sequence[int], cfg: config_mod.Config,
