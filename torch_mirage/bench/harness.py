@@ -15,14 +15,13 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
-from ..runtime.measure import cuda_graph_timing
+from ..runtime.measure import cuda_graph_timing, plain_timing
 from . import workloads as W
 
 log = logging.getLogger("torch_mirage")
@@ -83,31 +82,16 @@ class Ceilings:
     l2_bytes: int
 
 
-def _event_time_ms(fn: Callable[[], Any], inner: int, repeats: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return statistics.median(times)
-
-
 def measure_ceilings(copy_mib: int = 1024, matmul_n: int = 8192) -> Ceilings:
     """A large device-to-device copy (bytes read + written) and an fp16 matmul on random data."""
     src = torch.randn(copy_mib * 2 ** 19, device="cuda", dtype=torch.float16)
     dst = torch.empty_like(src)
-    copy_ms = _event_time_ms(lambda: dst.copy_(src), inner=10, repeats=9)
+    copy_ms = plain_timing(dst.copy_, [src], replays=10, repeats=9)["us"] / 1e3
     del src, dst
     a = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.float16)
     b = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.float16)
     c = torch.empty_like(a)
-    mm_ms = _event_time_ms(lambda: torch.mm(a, b, out=c), inner=10, repeats=9)
+    mm_ms = plain_timing(lambda: torch.mm(a, b, out=c), [], replays=10, repeats=9)["us"] / 1e3
     del a, b, c
     torch.cuda.empty_cache()
     return Ceilings(copy_bytes_per_s=2 * copy_mib * 2 ** 20 / (copy_ms * 1e-3),

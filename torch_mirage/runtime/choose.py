@@ -24,7 +24,8 @@ class FasterOf:
     """``fn(*args)`` choosing between named candidates (each ``fn(*args)``) on its first real call.
 
     ``written(args)`` lists the tensors a call writes to (inputs, or module state the graph holds): they are
-    saved before the timing runs and restored after them, so the caller's state changes once, by the real call.
+    saved first and restored before every timing run and after the last, so the caller's state changes once,
+    by the real call.
     """
 
     def __init__(self, candidates: dict[str, Callable[..., Any]], on_choice: Callable[[str, dict], None],

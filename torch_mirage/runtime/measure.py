@@ -88,9 +88,11 @@ def cuda_graph_timing(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]
         del graph
 
 
-def plain_timing(fn: Callable[..., Any], inputs: Sequence[Any], *, target_ms: float = 10.0, repeats: int = 5) -> dict:
-    """µs per call of ``fn(*inputs)`` launched from Python, no CUDA graph (for what cannot be captured)."""
-    return _repeated_timing(lambda: fn(*inputs), 1, None, target_ms, repeats)
+def plain_timing(fn: Callable[..., Any], inputs: Sequence[Any], *, replays: int | None = None,
+                 target_ms: float = 10.0, repeats: int = 5) -> dict:
+    """µs per call of ``fn(*inputs)`` launched from Python, no CUDA graph (for what cannot be captured, and for
+    calls long enough that launching does not count)."""
+    return _repeated_timing(lambda: fn(*inputs), 1, replays, target_ms, repeats)
 
 
 def cuda_graph_time_us(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], replays: int = 20,
