@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels and the package, then run the named steps, each under its own
 # time limit (STEP_LIMIT_S, or step@SECONDS), logging to $OUT/<step>.log.
-# Steps: gputests gputest:<pytest -k expr> stitch stitchq mirageset mirageprofile bench:<part>.
+# Steps: gputests gputest:<pytest -k expr> stitch stitchq stitchsweep mirageset mirageprofile bench:<part>.
 #   benchmarks/device_check.sh gputests@400 stitch mirageset
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +23,7 @@ for arg in "$@"; do
     gputests) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -p no:cacheprovider ;;
     gputest:*) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -p no:cacheprovider -k "${step#gputest:}" ;;
     stitch)   timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py ;;
+    stitchsweep) timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py --sweep ;;
     stitchq)  timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py --quick ;;
     mirageset) timeout "$LIMIT" python3 benchmarks/mirage_set_gpu.py --limit 2 ;;
     mirageprofile) timeout "$LIMIT" python3 benchmarks/mirage_set_gpu.py --limit 2 --profile --no-max-autotune ;;
@@ -32,5 +33,5 @@ for arg in "$@"; do
   echo "rc=$?"; tail -25 "$OUT/${step//[^A-Za-z0-9_.-]/_}.log"
   # only 8 files come back from a device call: keep the JSON, the table and the step log
   rm -f "$OUT"/*.png "$OUT"/*.gpu.txt
-  part=${step#bench:}; [[ $step == bench:* ]] && rm -f "$OUT/${part%% *}.log"   # the part's own log: the step log holds it
+  part=${step#bench:}; [[ $step == bench:* ]] && rm -f "$OUT/${part%% *}.log" "$OUT/${part%% *}.md"   # the step log holds the part's log; merge rebuilds the table
 done

@@ -98,32 +98,42 @@ def rel_error(out, ref):
     return err, same_nan
 
 
-def long_row_sweep(do_bench, copy_gbps: float, cache_dir: str) -> list[dict]:
-    """The looped long-row kernels (4096 x 32768 fp16) at every chunk size and warp count: which mapping is best."""
+def long_row_sweep(do_bench, copy_gbps: float, cache_dir: str, on_chip_only: bool = False) -> list[dict]:
+    """The long-row kernels (4096 x 32768 fp16) at the default mapping, looped at every chunk size and warp count
+    (skipped with ``on_chip_only``), and whole rows on chip at 8 / 16 / 32 warps: which mapping is best."""
     from torch_mirage.partition.plan import StitchLimits
 
     rows = []
     cases = {k: v for k, v in extra_workloads(torch.float16, "cuda").items()
              if k in ("softmax_long_rows", "layer_norm_long_rows")}
     for name, (fn, inputs) in cases.items():
-        for chunk in (1024, 2048, 4096, 8192):
-            for warps in (4, 8, 16):
-                try:
-                    region, run = stitched(fn, inputs, cache_dir, StitchLimits(loop_chunk=chunk, loop_warps=warps))
-                    t = do_bench(run, return_mode="median") * 1e3
-                    nbytes = sum(x.numel() * x.element_size() for x in inputs) + inputs[0].numel() * 2
-                    row = {"workload": name, "chunk": chunk, "warps": warps, "us": round(t, 2),
-                           "copy_fraction": round(nbytes / t / 1e3 / copy_gbps, 3)}
-                except Exception as e:
-                    row = {"workload": name, "chunk": chunk, "warps": warps, "error": f"{type(e).__name__}: {e}"}
-                rows.append(row)
-                print("sweep", json.dumps(row))
+        limits = [("looped", chunk, warps, StitchLimits(loop_chunk=chunk, loop_warps=warps))
+                  for chunk in (1024, 2048, 4096, 8192) for warps in (4, 8, 16)] if not on_chip_only else []
+        limits.insert(0, ("default", None, None, StitchLimits()))
+        limits += [("on chip", 32768, warps, StitchLimits(max_row_on_chip=32768, row_warps=warps,
+                                                                  on_chip_bytes=1 << 20))
+                   for warps in (8, 16, 32)]
+        for kind, chunk, warps, lim in limits:
+            row = {"workload": name, "kind": kind, "chunk": chunk, "warps": warps}
+            try:
+                region, run = stitched(fn, inputs, cache_dir, lim)
+                out = run()
+                ref = fn(*[t.double() for t in inputs]).to(out.dtype)
+                t = do_bench(run, return_mode="median") * 1e3
+                nbytes = sum(x.numel() * x.element_size() for x in inputs) + inputs[0].numel() * 2
+                row.update({"us": round(t, 2), "copy_fraction": round(nbytes / t / 1e3 / copy_gbps, 3),
+                            "rel_error": rel_error(out, ref)[0], "mapping": region.info["thread_mapping"]})
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print("sweep", json.dumps(row))
     return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="numerics only at b=1, no extra workloads")
+    ap.add_argument("--sweep", action="store_true", help="only the long-row mapping sweep")
     opts = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -139,6 +149,11 @@ def main() -> int:
     torch.manual_seed(0)
     results["copy_GBps"] = round(copy_gbps(do_bench), 1)
     print(f"copy ceiling: {results['copy_GBps']} GB/s")
+    if opts.sweep:
+        results["long_row_sweep"] = long_row_sweep(do_bench, results["copy_GBps"], cache_dir,
+                                                   on_chip_only=os.environ.get("ON_CHIP_ONLY") == "1")
+        _write(results, "stitch_sweep.json")
+        return 0
     # numerics, every dtype
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         cases = dict(workloads(1, dtype, dev))
@@ -187,11 +202,15 @@ def main() -> int:
             print(json.dumps(row))
     if not opts.quick:
         results["long_row_sweep"] = long_row_sweep(do_bench, results["copy_GBps"], cache_dir)
+    _write(results, "stitch_gpu_check.json")
+    return 1 if failed else 0
+
+
+def _write(results: dict, name: str) -> None:
     out_dir = os.environ.get("OUT")
     if out_dir:
-        with open(os.path.join(out_dir, "stitch_gpu_check.json"), "w") as f:
+        with open(os.path.join(out_dir, name), "w") as f:
             json.dump(results, f, indent=1)
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

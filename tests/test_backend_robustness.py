@@ -218,6 +218,23 @@ def test_mutated_inputs_are_found_through_views():
     assert mutated_inputs(trace_aten(pure, *inputs)) == ()
 
 
+def test_attention_without_dropout_does_not_count_as_random():
+    """SDPA is tagged as seeded for its dropout: at dropout_p = 0 a graph using it may still be timed."""
+    from torch_mirage.runtime.choose import draws_random_numbers
+    from torch_mirage.testing.aten import trace_aten
+
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+
+    def seeded(fn):
+        return [draws_random_numbers(n) for n in trace_aten(fn, q, k, v).graph.nodes if draws_random_numbers(n)]
+
+    attention = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
+    assert seeded(attention) == []
+    dropout = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.25) * 2
+    noisy = lambda q, k, v: (q + torch.rand_like(q)) * k * v
+    assert seeded(dropout) and seeded(noisy)
+
+
 def test_fp32_kernel_over_fp16_intermediates_is_not_handed_back():
     """Eager rounds x + 1 to fp16 before the fp32 softmax; the kernel does not. The check compares both with
     float64, so the (more accurate) kernel is kept and the result stays close to float64."""

@@ -156,9 +156,14 @@ def test_thread_mapping_choices():
     # few rows: one row per program so the SMs have work
     m = choose_mapping(64, 512, True, 2, h100)
     assert m.strategy is Strategy.ROW and m.block_m == 1
-    # a row longer than a program keeps on chip: looped (global scheme)
+    # a long row whole in one program's registers when the rows fill the SMs; longer rows, or more tiles than
+    # the register file holds: looped (global scheme)
     m = choose_mapping(4096, 32768, True, 2, h100)
-    assert m.strategy is Strategy.LOOPED and m.block_n <= 4096
+    assert m.strategy is Strategy.ROW and m.block_n == 32768 and m.num_warps == 32
+    m = choose_mapping(4096, 65536, True, 2, h100)
+    assert m.strategy is Strategy.LOOPED and m.block_n <= 8192
+    m = choose_mapping(4096, 32768, True, 3, h100)
+    assert m.strategy is Strategy.LOOPED
     # the shared-memory budget degrades regional to global
     m = choose_mapping(4096, 4096, True, 3, _Device(smem_per_block=32 * 1024))
     assert m.strategy is Strategy.LOOPED
@@ -177,8 +182,10 @@ def test_task_splitting_fills_the_device(rows, row_len):
     assert m.split_len >= StitchLimits().min_split_len
     assert rows * m.split >= min(2 * h100.sm_count, rows * (row_len // StitchLimits().min_split_len))
     assert "row split over" in m.describe() and "online softmax" in m.describe()
-    # more rows than SMs, two reduction passes, or splitting switched off: one looped row per program
-    assert choose_mapping(4096, row_len, True, 2, h100).strategy is Strategy.LOOPED
+    # more rows than SMs: one row per program (whole up to 32768, looped beyond); two reduction passes, or
+    # splitting switched off: one looped row per program
+    assert choose_mapping(4096, row_len, True, 2, h100).strategy is (
+        Strategy.ROW if row_len <= StitchLimits().max_row_whole else Strategy.LOOPED)
     assert choose_mapping(rows, row_len, True, 2, h100, reduction_passes=2).strategy is Strategy.LOOPED
     off = choose_mapping(rows, row_len, True, 2, h100, StitchLimits(split=1), reduction_passes=1)
     assert off.strategy is Strategy.LOOPED and off.passes == 2

@@ -115,8 +115,9 @@ def test_all_minus_inf_row_gives_nan_like_eager():
 # long rows forced through the looped and split strategies at interpreter-friendly sizes
 LOOPED = StitchLimits(max_row_on_chip=1024, loop_chunk=1024, split=1)
 SPLIT = StitchLimits(max_row_on_chip=1024, loop_chunk=1024, split=4)
+WHOLE = StitchLimits(max_row_on_chip=256, max_row_whole=2048)   # rows >= the SM count: each row whole
 LONG_PATHS = {"in-registers": ((5, 23), None, Strategy.ROW), "looped": ((3, 5000), LOOPED, Strategy.LOOPED),
-              "split": ((3, 20000), SPLIT, Strategy.SPLIT)}
+              "split": ((3, 20000), SPLIT, Strategy.SPLIT), "whole-long-row": ((140, 1500), WHOLE, Strategy.ROW)}
 
 
 @pytest.mark.parametrize("path", sorted(LONG_PATHS))

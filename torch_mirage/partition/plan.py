@@ -50,9 +50,15 @@ class StitchLimits:
     every looped row over (about) k programs when its reductions take one pass.
     """
     max_row_on_chip: int = 8192     # longest row (elements, power of two) a program keeps in registers
+    # longest row one program holds whole (in registers) when the rows alone fill the SMs; H100 sweep of
+    # 4096 x 32768 fp16 at 32 warps: softmax 0.90 of copy bandwidth, layer norm 0.95, against 0.82 / 0.93
+    # looped (benchmarks/results/stitch_sweep_h100.json)
+    max_row_whole: int = 32768
     tile_elems: int = 2048          # elements per program that horizontal packing aims at
     loop_chunk: int = 4096          # chunk of a looped row
     loop_warps: int | None = None   # warps of a looped / split program (None: from the chunk size)
+    row_warps: int | None = None    # warps of a program holding whole rows (None: from the tile size)
+    on_chip_bytes: int | None = None   # bytes of fp32 row tiles a program may hold (None: from the device)
     split: int | None = None
     min_split_len: int = 1024       # shortest piece of a row one split program takes
 

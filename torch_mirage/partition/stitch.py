@@ -302,7 +302,7 @@ def _pow2(x: int) -> int:
 
 
 def _warps(elems: int) -> int:
-    return 2 if elems <= 512 else 4 if elems <= 2048 else 8 if elems <= 8192 else 16
+    return 2 if elems <= 512 else 4 if elems <= 2048 else 8 if elems <= 8192 else 16 if elems <= 16384 else 32
 
 
 def choose_mapping(rows: int, row_len: int, has_reduction: bool, regional_tiles: int, device: Any,
@@ -314,7 +314,8 @@ def choose_mapping(rows: int, row_len: int, has_reduction: bool, regional_tiles:
     """
     lim = limits or StitchLimits()
     waves = 2 * int(getattr(device, "sm_count", 132))
-    smem = int(getattr(device, "smem_per_block", 227 * 1024))
+    smem = lim.on_chip_bytes or int(getattr(device, "smem_per_block", 227 * 1024))
+    regs = lim.on_chip_bytes or 4 * int(getattr(device, "regs_per_sm", 65536))
     bn = _pow2(row_len)
     if not has_reduction:
         bn = min(bn, 1024)
@@ -326,7 +327,13 @@ def choose_mapping(rows: int, row_len: int, has_reduction: bool, regional_tiles:
         bm = min(_pow2(rows), max(1, lim.tile_elems // bn))
         while bm > 1 and (-(-rows // bm) < waves or bm * bn * 4 * max(1, regional_tiles) > smem):
             bm //= 2
-        return ThreadMapping(Strategy.PACKED if bm > 1 else Strategy.ROW, rows, row_len, bm, bn, _warps(bm * bn))
+        return ThreadMapping(Strategy.PACKED if bm > 1 else Strategy.ROW, rows, row_len, bm, bn,
+                             lim.row_warps or _warps(bm * bn))
+    if (lim.max_row_on_chip < bn <= lim.max_row_whole and bn * 4 * max(1, regional_tiles) <= regs
+            and rows >= int(getattr(device, "sm_count", 132))):
+        # a long row whole in one program's registers (one program per SM): read once, no second pass through L2;
+        # with fewer rows than SMs, task splitting below keeps the device busy instead
+        return ThreadMapping(Strategy.ROW, rows, row_len, 1, bn, lim.row_warps or _warps(bn))
     passes = reduction_passes + int(store_pass)
     split = _split_count(rows, row_len, device, lim) if reduction_passes == 1 else 1
     if split > 1:

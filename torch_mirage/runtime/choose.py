@@ -1,8 +1,9 @@
 """The graph-level guarantee: a compiled graph is never slower than what ``backend="inductor"`` makes of it.
 
 When mirage claimed regions of an inference graph, the backend also hands the Dynamo graph to Inductor's own
-``compile_fx``. On the first call, with the caller's real inputs, :class:`FasterOf` times both inside a CUDA
-graph and keeps the faster one for every later call. Tensors the graph writes (inputs, or tensors on modules
+``compile_fx``. On the first call, with the caller's real inputs, :class:`FasterOf` times both as the caller
+will run them (each a replay of its own CUDA graph where it can be captured) and keeps the faster one for every
+later call, dropping the other. Tensors the graph writes (inputs, or tensors on modules
 and other objects) are saved first and copied back before every timing run and after the last, so each run
 sees the caller's state and the state changes once, by the real call. Graphs that write state we cannot
 name, and graphs with random ops (re-running them would advance the caller's RNG), are not timed: mirage's
@@ -15,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .measure import cuda_graph_time_us
+from .measure import plain_timing
 
 log = logging.getLogger("torch_mirage")
 
@@ -59,8 +60,10 @@ class FasterOf:
         try:
             for name, fn in self.candidates.items():
                 try:
-                    times[name] = cuda_graph_time_us(from_saved_state(fn) if state else fn, [args],
-                                                     replays=10, repeats=3)
+                    # each candidate is a CUDA-graph replay (or what cannot be captured) launched as the caller
+                    # will launch it; timing it inside another graph would give every candidate a second pool
+                    times[name] = plain_timing(from_saved_state(fn) if state else fn, args, target_ms=20.0,
+                                               repeats=3)["us"]
                 except Exception as e:   # a candidate that cannot be timed (e.g. not capturable) is not chosen
                     log.info("torch_mirage: timing the %s version failed (%s: %s)", name, type(e).__name__, e)
         finally:
@@ -72,6 +75,7 @@ class FasterOf:
             times = self._time_all(args)
             first = next(iter(self.candidates))
             self.choice = min(times, key=times.get) if times else first
+            self.candidates = {self.choice: self.candidates[self.choice]}   # the others' memory is freed
             self.on_choice(self.choice, times)
         return self.candidates[self.choice](*args)
 
@@ -83,8 +87,21 @@ def is_timeable(gm: torch.fx.GraphModule, example_inputs: list) -> bool:
         return False
     if any(isinstance(x, torch.SymInt) for x in example_inputs):
         return False
-    return not any(n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
-                   for n in gm.graph.nodes)
+    return not any(draws_random_numbers(n) for n in gm.graph.nodes)
+
+
+def draws_random_numbers(node: torch.fx.Node) -> bool:
+    """Whether an op advances the RNG: a seeded op, unless its only randomness is dropout and ``dropout_p`` is 0
+    (attention at inference: ``scaled_dot_product_attention`` is tagged seeded for its dropout)."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = node.target._schema
+    for position, arg in enumerate(schema.arguments):
+        if arg.name == "dropout_p":
+            value = node.args[position] if position < len(node.args) else node.kwargs.get("dropout_p",
+                                                                                          arg.default_value)
+            return not (isinstance(value, (int, float)) and value == 0)
+    return True
 
 
 def mutated_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:

@@ -102,9 +102,10 @@ def cuda_graph_time_us(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any
 
 
 def rotated_input_sets(inputs: Sequence[Any], l2_bytes: int, max_sets: int = 64) -> list[list[Any]]:
-    """Enough copies of ``inputs`` that one pass over them touches more than 3× L2."""
+    """Enough copies of ``inputs`` that one pass over them touches more than 3× L2 (one set, not copied twice,
+    when it is that large by itself: a 2 GiB logits region needs no second copy)."""
     nbytes = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor)) or 1
-    count = max(2, min(max_sets, -(-3 * l2_bytes // nbytes)))
+    count = max(1, min(max_sets, -(-3 * l2_bytes // nbytes)))
     return [[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs] for _ in range(count)]
 
 
