@@ -149,7 +149,10 @@ def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallba
     if fallback == "inductor" and fb_owner:
         from torch.fx.passes.regional_inductor import regional_inductor
 
+        from .inductor_quiet import without_artifact_warning
+
         example = [n.meta.get("val") for n in new_gm.graph.nodes if n.op == "placeholder"]
-        compiled = regional_inductor(new_gm, *example)
+        with without_artifact_warning():
+            compiled = regional_inductor(new_gm, *example)
         return compiled  # regional_inductor returns a boxed-calling GraphModule
     return make_boxed_func(new_gm)

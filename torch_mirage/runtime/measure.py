@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ..capture.ir import Graph, fingerprint, subgraph
 from ..capture.lower import to_fx
 from ..partition.region import Reason, Region
+from .inductor_quiet import without_artifact_warning
 
 log = logging.getLogger("torch_mirage")
 
@@ -113,7 +114,9 @@ def _inductor_region(sub: Graph, inputs: Sequence[torch.Tensor], mode: str) -> C
     from torch._inductor import standalone_compile
 
     options = {"max_autotune": True} if mode == "max-autotune-no-cudagraphs" else {}
-    compiled = standalone_compile(to_fx(sub), list(inputs), dynamic_shapes="from_example_inputs", options=options)
+    with without_artifact_warning():
+        compiled = standalone_compile(to_fx(sub), list(inputs), dynamic_shapes="from_example_inputs",
+                                      options=options)
     return lambda *args: compiled(*args)
 
 
