@@ -442,3 +442,16 @@ def test_gpu_llm_tiny_real_transformers(model):
             assert m["ms"] > 0 and m["tokens_per_s"] > 0 and m["peak_gib"] > 0
         assert r["modes"]["eager"]["rel_err"] <= 1e-3, "eager against eager: the same call from the same state"
         assert r["modes"]["inductor"]["timing_method"] == "cuda graph"
+
+
+def test_mirage_summary_says_where_compile_time_went():
+    import torch_mirage
+
+    rep = torch_mirage.Report()
+    fn = lambda x: torch.softmax(x * 2, -1) + 1
+    torch.compile(fn, backend=torch_mirage.MirageBackend(options={"min_region_us": 0}, report=rep))(
+        torch.randn(8, 40))
+    summary = harness.mirage_summary({"report": rep})
+    assert summary["graphs"] == 1 and summary["regions"] >= 1
+    assert summary["stage_ms"] and all(v >= 0 for v in summary["stage_ms"].values())
+    assert summary["untimed"] == [] and summary["choices"] == []   # CPU: nothing is timed against Inductor

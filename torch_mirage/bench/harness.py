@@ -66,7 +66,18 @@ def mirage_summary(info: dict) -> dict | None:
             "mirage_regions": sum(r.compiled_by == "mirage" for r in regions),
             "fallback_errors": [g.fallback_error for g in report.graphs if g.fallback_error],
             # graphs timed against Inductor's compile on the first call: which one was kept, and the times
-            "choices": [{"graph": g.index, "kept": g.choice, "us": g.choice_times_us} for g in report.graphs if g.choice]}
+            "choices": [{"graph": g.index, "kept": g.choice, "us": g.choice_times_us} for g in report.graphs if g.choice],
+            # why a graph with mirage regions was not timed against Inductor; where compile time went
+            "untimed": [{"graph": g.index, "reason": g.untimed_reason} for g in report.graphs if g.untimed_reason],
+            "stage_ms": _summed_stage_ms(report.graphs)}
+
+
+def _summed_stage_ms(graphs) -> dict:
+    total: dict = {}
+    for g in graphs:
+        for stage, ms in g.stage_times_ms.items():
+            total[stage] = round(total.get(stage, 0.0) + ms, 1)
+    return total
 
 
 # ---------------------------------------------------------------------------------------------
