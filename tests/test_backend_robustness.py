@@ -309,3 +309,15 @@ def test_inductor_artifact_warning_is_filtered_only_while_we_compile(caplog):
         logger.warning(spurious)
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["a real Inductor problem", spurious]
+
+
+def test_rotated_input_sets_copy_only_what_l2_needs():
+    from torch_mirage.runtime.measure import rotated_input_sets
+
+    x, y = torch.randn(256), torch.randn(256)           # 2 KiB a set against a 64 KiB "L2": 96 sets, capped
+    sets = rotated_input_sets([x, y, 3], l2_bytes=64 * 1024, max_sets=8)
+    assert len(sets) == 8 and all(s[2] == 3 for s in sets)
+    assert len({s[0].data_ptr() for s in sets}) == 8 and all(torch.equal(s[0], x) for s in sets)
+    big = torch.randn(64 * 1024)                         # 256 KiB: past 3x L2 alone, used as it is
+    (only,) = rotated_input_sets([big], l2_bytes=64 * 1024)
+    assert only[0] is big

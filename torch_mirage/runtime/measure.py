@@ -107,6 +107,8 @@ def rotated_input_sets(inputs: Sequence[Any], l2_bytes: int, max_sets: int = 64)
     when it is that large by itself: a 2 GiB logits region needs no second copy)."""
     nbytes = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor)) or 1
     count = max(1, min(max_sets, -(-3 * l2_bytes // nbytes)))
+    if count == 1:
+        return [list(inputs)]   # the inputs themselves: no copy of a set that large
     return [[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs] for _ in range(count)]
 
 
