@@ -321,3 +321,33 @@ def test_rotated_input_sets_copy_only_what_l2_needs():
     big = torch.randn(64 * 1024)                         # 256 KiB: past 3x L2 alone, used as it is
     (only,) = rotated_input_sets([big], l2_bytes=64 * 1024)
     assert only[0] is big
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 22])
+def test_numerics_check_in_chunks_matches_whole(monkeypatch, chunk):
+    """The compile-time check compares large outputs a chunk at a time; the verdicts do not depend on it."""
+    import torch_mirage.runtime.measure as measure
+    from torch_mirage.runtime.measure import _relative_error, _same_non_finite
+
+    monkeypatch.setattr(measure, "_CHUNK", chunk)
+    want = torch.randn(13, 17)
+    want[2, 3], want[5, 0], want[7, 7] = float("nan"), float("inf"), float("-inf")
+    got = want + 1e-3 * torch.randn(13, 17)
+    assert _same_non_finite(got, want)
+    finite = torch.isfinite(want)
+    whole = (got[finite].double() - want[finite].double()).norm() / want[finite].double().norm()
+    assert abs(_relative_error(got, want, want) - whole.item()) <= 1e-12
+    flipped = got.clone()
+    flipped[7, 7] = float("inf")
+    assert not _same_non_finite(flipped, want)
+    moved = got.clone()
+    moved[2, 3], moved[2, 4] = 0.0, float("nan")
+    assert not _same_non_finite(moved, want)
+    # end to end: the wrong exp kernel is still caught with tiny chunks
+    report = torch_mirage.Report()
+    fn = lambda x: torch.exp(x) * 2
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(report=report, claimers=[_WrongClaimer()]))
+    x = torch.randn(64, 64)
+    assert_close(compiled(x), fn(x))
+    exp_region = next(r for r in report.regions if any("exp" in op for op in r.ops))
+    assert exp_region.compiled_by == "inductor" and "relative error" in exp_region.detail
