@@ -146,6 +146,8 @@ def main(argv=None) -> int:
         print("mirage_set_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING)
+    # every launch config tried, its time or why it was dropped: the log says why a config was chosen
+    logging.getLogger("torch_mirage").setLevel(logging.INFO)
     torch._dynamo.config.cache_size_limit = 64
     modes = ["inductor"] + ([] if args.no_max_autotune else ["max_autotune"])
     cache = DiskCache(args.cache_dir, "ugraph-launch")

@@ -207,14 +207,16 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
             continue
         if want is None:
             want = [o.clone() for o in outs]
-        tol = 5e-3 if any(o.dtype in (torch.float16, torch.bfloat16) for o in outs) else 1e-4
+        # re-tilings sum in another order: half-precision inputs bound the agreement even for fp32 outputs
+        # (a split-KV's fp32 partials from fp16 Q / K / V differ by ~1e-4, which is not a wrong config)
+        tol = 5e-3 if any(t.dtype in (torch.float16, torch.bfloat16) for t in (*outs, *inputs)) else 1e-4
         errs = [_rel_err(o, w) for o, w in zip(outs, want)]
         if max(errs, default=0.0) > tol:
             log.warning("torch_mirage: launch config %s disagrees with the μGraph's own schedule "
                         "(relative error %.2e); not used", cfg, max(errs))
             continue
         ms = triton.testing.do_bench(lambda: run(*inputs), warmup=5, rep=25)
-        log.debug("torch_mirage: %s -> %.2f µs", cfg, ms * 1e3)
+        log.info("torch_mirage: launch config %s: %.2f µs", cfg, ms * 1e3)
         if best is None or ms < best[0]:
             best = (ms, cfg)
     chosen = best[1] if best is not None else base
