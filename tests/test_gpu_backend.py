@@ -233,3 +233,25 @@ def test_every_timing_run_starts_from_the_callers_state(monkeypatch):
     assert pos.item() == 4 and torch.equal(cache[:4], x) and not cache[4:].any()
     assert_close(out, torch.softmax(x.double() * 2, dim=-1).float())
     assert report.graphs[0].choice in ("mirage", "inductor"), str(report)
+
+
+@pytest.mark.parametrize("in_callers_graph", [False, True])
+def test_faster_of_times_candidates_as_they_will_run(in_callers_graph):
+    """Launched from Python, or inside the caller's CUDA graph: the faster candidate is kept, the slower one
+    dropped; inside a caller's graph a candidate that cannot be captured (a host sync) is never chosen."""
+    from torch_mirage.runtime.choose import FasterOf
+
+    x = torch.randn(2048, 2048, device="cuda")
+    fast = lambda t: t * 2
+    slow = lambda t: [t @ t for _ in range(8)][-1] * 0 + t * 2
+    seen = {}
+    chooser = FasterOf({"slow": slow, "fast": fast}, lambda c, times: seen.update(times, choice=c),
+                       in_callers_graph=in_callers_graph)
+    assert_close(chooser(x), x * 2)
+    assert seen["choice"] == "fast" and seen["fast"] < seen["slow"] and list(chooser.candidates) == ["fast"]
+    syncing = lambda t: t * 2 if t.sum().item() == t.sum().item() else t
+    seen.clear()
+    chooser = FasterOf({"syncing": syncing, "slow": slow}, lambda c, times: seen.update(times, choice=c),
+                       in_callers_graph=in_callers_graph)
+    assert_close(chooser(x), x * 2)
+    assert seen["choice"] == ("slow" if in_callers_graph else "syncing")

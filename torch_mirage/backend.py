@@ -148,7 +148,8 @@ class MirageBackend:
             return mirage
         blocker = None if report.cuda_graph else (report.cuda_graph_reason or "not captured")
         inductor = _in_cuda_graph(inductor, blocker, static, cfg, GraphReport(report.index, report.kind))
-        return FasterOf({"mirage": mirage, "inductor": inductor}, _choice_recorder(report), written)
+        return FasterOf({"mirage": mirage, "inductor": inductor}, _choice_recorder(report), written,
+                        in_callers_graph=not cfg.cuda_graphs)
 
 
 def _timed_against_inductor(report: GraphReport, cfg: config_mod.Config) -> bool:

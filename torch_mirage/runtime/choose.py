@@ -2,8 +2,8 @@
 
 When mirage claimed regions of an inference graph, the backend also hands the Dynamo graph to Inductor's own
 ``compile_fx``. On the first call, with the caller's real inputs, :class:`FasterOf` times both as the caller
-will run them (each a replay of its own CUDA graph where it can be captured) and keeps the faster one for every
-later call, dropping the other. Tensors the graph writes (inputs, or tensors on modules
+will run them (each a replay of its own CUDA graph where it can be captured; inside one graph when the caller
+captures its own) and keeps the faster one for every later call, dropping the other. Tensors the graph writes (inputs, or tensors on modules
 and other objects) are saved first and copied back before every timing run and after the last, so each run
 sees the caller's state and the state changes once, by the real call. Graphs that write state we cannot
 name, and graphs with random ops (re-running them would advance the caller's RNG), are not timed: mirage's
@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .measure import plain_timing
+from .measure import cuda_graph_time_us, plain_timing
 
 log = logging.getLogger("torch_mirage")
 
@@ -27,13 +27,20 @@ class FasterOf:
     ``written(args)`` lists the tensors a call writes to (inputs, or module state the graph holds): they are
     saved first and restored before every timing run and after the last, so the caller's state changes once,
     by the real call.
+
+    ``in_callers_graph``: the caller captures our function in its own CUDA graph (``MIRAGE_CUDA_GRAPHS=0``), so
+    candidates are timed inside a graph — GPU time, what that graph will replay; a candidate that cannot be
+    captured is not chosen. Otherwise each candidate is timed launched from Python, as the caller will run it
+    (a replay of its own CUDA graph where it has one): CPU launch cost counts there, as it does for the user.
     """
 
     def __init__(self, candidates: dict[str, Callable[..., Any]], on_choice: Callable[[str, dict], None],
-                 written: Callable[[Sequence[Any]], list[torch.Tensor]] = lambda args: []):
+                 written: Callable[[Sequence[Any]], list[torch.Tensor]] = lambda args: [],
+                 in_callers_graph: bool = False):
         self.candidates = candidates
         self.on_choice = on_choice
         self.written = written
+        self.in_callers_graph = in_callers_graph
         self.choice: str | None = None
 
     def _time_all(self, args: Sequence[Any]) -> dict[str, float]:
@@ -59,11 +66,12 @@ class FasterOf:
 
         try:
             for name, fn in self.candidates.items():
+                run = from_saved_state(fn) if state else fn
                 try:
-                    # each candidate is a CUDA-graph replay (or what cannot be captured) launched as the caller
-                    # will launch it; timing it inside another graph would give every candidate a second pool
-                    times[name] = plain_timing(from_saved_state(fn) if state else fn, args, target_ms=20.0,
-                                               repeats=3)["us"]
+                    if self.in_callers_graph:
+                        times[name] = cuda_graph_time_us(run, [args], replays=10, repeats=3)
+                    else:
+                        times[name] = plain_timing(run, args, target_ms=20.0, repeats=3)["us"]
                 except Exception as e:   # a candidate that cannot be timed (e.g. not capturable) is not chosen
                     log.info("torch_mirage: timing the %s version failed (%s: %s)", name, type(e).__name__, e)
         finally:
