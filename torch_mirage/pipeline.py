@@ -61,8 +61,9 @@ class CompileContext:
 def default_claimers(config: Config) -> list[Claimer]:
     """Claiming passes in priority order (earlier passes see the graph first)."""
     from .partition.stitch import StitchClaimer
+    from .superopt.claim import LibraryClaimer
 
-    return [StitchClaimer()] if config.stitch else []
+    return ([LibraryClaimer()] if config.ugraph_library else []) + ([StitchClaimer()] if config.stitch else [])
 
 
 def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext) -> list[Region]:

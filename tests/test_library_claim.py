@@ -1,0 +1,93 @@
+"""The μGraph library claimer: user programs that compute a hand-built μGraph run it (Triton interpreter on CPU)."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_mirage
+from helpers import assert_close
+from torch_mirage.superopt import library
+from torch_mirage.superopt.claim import dims_from_shapes
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def lora(x, w, a, b):
+    return x @ w + (x @ a) @ b
+
+
+def gated_mlp(x, w1, w3):
+    return F.silu(x @ w1) * (x @ w3)
+
+
+def _compile(fn, **options):
+    report = torch_mirage.Report()
+    return torch.compile(fn, backend=torch_mirage.MirageBackend(options=options, report=report)), report
+
+
+def _inputs(shapes, dtype):
+    return [torch.randn(s, dtype=dtype) * s[0] ** -0.5 for s in shapes]
+
+
+def _library_regions(report):
+    return [r for r in report.regions if r.claimer == "ugraph-library"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name,fn,shapes", [
+    ("lora", lora, [(24, 40), (40, 56), (40, 8), (8, 56)]),
+    ("gated_mlp", gated_mlp, [(24, 40), (40, 56), (40, 56)]),
+    ("lora", lora, [(7, 33), (33, 17), (33, 3), (3, 17)]),          # odd sizes: tiles of any divisor
+])
+def test_library_program_runs_its_ugraph(name, fn, shapes, dtype):
+    compiled, report = _compile(fn)
+    xs = _inputs(shapes, dtype)
+    out = compiled(*xs)
+    assert_close(out, fn(*[x.double() for x in xs]).to(dtype), dtype)
+    (region,) = _library_regions(report)
+    assert region.compiled_by == "mirage" and region.info["ugraph"] == name, str(report)
+    assert region.info["dims"] == list(dims_from_shapes(library.WORKLOADS[name], shapes))
+
+
+def test_programs_that_differ_are_not_claimed():
+    """Other wiring, another constant, an inner value read elsewhere, bf16 under the interpreter (which computes
+    bf16 wrongly): no μGraph, eager's result."""
+    def scaled(x, w, a, b):
+        return x @ w + (x @ a) @ b * 2
+
+    def other_constant(x, w1, w3):        # silu's decomposition with 2 where it has 1
+        h = x @ w1
+        return h / (torch.exp(-h) + 2) * (x @ w3)
+
+    def inner_read(x, w, a, b):
+        y = x @ a
+        return x @ w + y @ b, y
+
+    cases = [(scaled, [(24, 40), (40, 56), (40, 8), (8, 56)]),
+             (other_constant, [(24, 40), (40, 56), (40, 56)]),
+             (inner_read, [(24, 40), (40, 56), (40, 8), (8, 56)])]
+    for fn, shapes in cases:
+        compiled, report = _compile(fn)
+        xs = _inputs(shapes, torch.float32)
+        assert_close(compiled(*xs), fn(*[x.double() for x in xs]))
+        assert not _library_regions(report), f"{fn.__name__}: {report}"
+    compiled, report = _compile(lora)
+    xs = _inputs([(24, 40), (40, 56), (40, 8), (8, 56)], torch.bfloat16)
+    assert_close(compiled(*xs), lora(*[x.double() for x in xs]).bfloat16(), torch.bfloat16)
+    assert not _library_regions(report)
+
+
+def test_library_claimer_can_be_switched_off():
+    compiled, report = _compile(lora, ugraph_library=False)
+    xs = _inputs([(24, 40), (40, 56), (40, 8), (8, 56)], torch.float32)
+    assert_close(compiled(*xs), lora(*xs))
+    assert not _library_regions(report)
+
+
+def test_dims_from_shapes_inverts_input_shapes():
+    w = library.WORKLOADS["lora"]
+    assert dims_from_shapes(w, w.input_shapes(24, 40, 56, 8)) == (24, 40, 56, 8)
+    assert dims_from_shapes(w, [(24, 40), (41, 56), (40, 8), (8, 56)]) is None   # k disagrees
+    g = library.WORKLOADS["gated_mlp"]
+    assert dims_from_shapes(g, [(5, 6), (6, 7), (6, 7)]) == (5, 6, 7)

@@ -1,0 +1,206 @@
+"""The μGraph library claimer: subgraphs of a user graph that compute one of the hand-built μGraphs exactly.
+
+For each library workload (``library.WORKLOADS``) the claimer traces its PyTorch program to ATen the way the
+backend sees programs (Inductor's decompositions) and looks for the same computation in the user graph,
+anchored at each free node: same ATen ops, the same wiring, and — on a second pass, with the program traced
+again at the shapes the first pass bound — the same non-tensor arguments (sizes, dims, constants). A match
+whose inner values nothing else reads, and whose inputs have one dtype the μGraph supports, becomes a region
+whose kernel is the μGraph compiled for those shapes. The backend then checks the kernel against eager ATen on
+random inputs and, on a GPU, times it against Inductor's version of the same region, as for every region.
+
+This finds a μGraph only where the user wrote the program the way the library does (``x @ w + (x @ a) @ b``);
+the search of a later stage generalises it. Workloads with a constant the shapes do not fix (an RMS-norm's
+eps) are not matched here: a different constant would pass the structural test and differ only slightly.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Sequence
+
+import torch
+
+from ..capture.ir import Graph, Node, Value
+from ..partition.region import Reason, Region, is_convex
+from . import library
+
+log = logging.getLogger("torch_mirage")
+
+# eps-free workloads whose programs have one output (see the module docstring)
+DEFAULT_WORKLOADS = ("lora", "gated_mlp")
+DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_PROBE = (1009, 1013, 1019, 1021, 1031, 1033, 1039)   # distinct primes: which dim lands where in the shapes
+
+
+@dataclass
+class Match:
+    nodes: list[Node]          # the user nodes computing the program, in graph order
+    inputs: list[Value]        # user values bound to the program's inputs, in μGraph input order
+    output: Value
+
+
+def dims_from_shapes(workload: library.Workload, shapes: Sequence[tuple]) -> tuple | None:
+    """The workload's dims for these input shapes (``input_shapes`` inverted), or None where none fit."""
+    ndims = workload.build.__code__.co_argcount
+    probe = workload.input_shapes(*_PROBE[:ndims])
+    dims = []
+    for p in _PROBE[:ndims]:
+        where = next(((i, a) for i, s in enumerate(probe) for a, d in enumerate(s) if d == p), None)
+        if where is None or where[0] >= len(shapes) or where[1] >= len(shapes[where[0]]):
+            return None
+        dims.append(shapes[where[0]][where[1]])
+    dims = tuple(int(d) for d in dims)
+    ok = [tuple(s) for s in workload.input_shapes(*dims)] == [tuple(s) for s in shapes]
+    return dims if ok else None
+
+
+@lru_cache(maxsize=64)
+def program_graph(name: str, shapes: tuple, dtype: torch.dtype) -> Graph:
+    """The workload's PyTorch program as ATen IR (Inductor's decompositions), traced on fake tensors."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ..capture.lower import lower
+
+    with unset_fake_temporarily(), torch.no_grad():
+        args = [torch.empty(s, dtype=dtype, device="meta") for s in shapes]
+        gm = make_fx(library.WORKLOADS[name].reference, decomposition_table=select_decomp_table(),
+                     tracing_mode="fake")(*args)
+    return lower(gm)
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_constant(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def match_program(program: Graph, anchor: Node, exact: bool) -> Match | None:
+    """The user nodes computing ``program`` with ``anchor`` as its output node; ``exact`` also compares the
+    non-tensor arguments. Each program node maps to one user node and each program input to one user value."""
+    (out,) = program.output_values
+    nodes: dict[int, Node] = {}        # id(program node) -> user node
+    bound: dict[int, Value] = {}       # id(program input) -> user value
+
+    def value(p: Value, g: Any) -> bool:
+        if not isinstance(g, Value) or (p.meta is None) != (g.meta is None):
+            return False
+        if p.producer is None:
+            if id(p) in bound:
+                return bound[id(p)] is g
+            bound[id(p)] = g
+            return True
+        if g.producer is None or p.producer.outputs.index(p) != g.producer.outputs.index(g):
+            return False
+        return node(p.producer, g.producer)
+
+    def arg(p: Any, g: Any) -> bool:
+        if isinstance(p, Value):
+            return value(p, g)
+        if isinstance(p, (list, tuple)):
+            return (isinstance(g, (list, tuple)) and len(p) == len(g)
+                    and all(arg(x, y) for x, y in zip(p, g)))
+        return not exact or _same_constant(p, g)
+
+    def node(p: Node, g: Node) -> bool:
+        if id(p) in nodes:
+            return nodes[id(p)] is g
+        if p.target != g.target or len(p.args) != len(g.args) or set(p.kwargs) != set(g.kwargs):
+            return False
+        nodes[id(p)] = g
+        return (all(arg(a, b) for a, b in zip(p.args, g.args))
+                and all(arg(p.kwargs[k], g.kwargs[k]) for k in p.kwargs))
+
+    if out.producer is None or not node(out.producer, anchor):
+        return None
+    inputs = [bound.get(id(v)) for v in program.inputs if v.users]
+    if any(v is None for v in inputs) or len(inputs) != len(program.inputs):
+        return None
+    return Match(list(nodes.values()), inputs, anchor.outputs[out.producer.outputs.index(out)])
+
+
+class LibraryClaimer:
+    """Claims subgraphs that compute a hand-built μGraph of ``library.py`` and runs the μGraph for them."""
+    name = "ugraph-library"
+
+    def __init__(self, workloads: Sequence[str] = DEFAULT_WORKLOADS):
+        self.workloads = [library.WORKLOADS[w] for w in workloads]
+
+    def claim(self, graph: Graph, free: Sequence[Node], ctx: Any) -> list[Region]:
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        free_ids = {id(n) for n in free}
+        order = {id(n): i for i, n in enumerate(graph.nodes)}
+        regions: list[Region] = []
+        for workload in self.workloads:
+            for anchor in reversed([n for n in free if id(n) in free_ids]):
+                found = self._match(workload, graph, anchor, free_ids, interpret)
+                if found is None:
+                    continue
+                found.nodes.sort(key=lambda n: order[id(n)])
+                region = self._region(workload, graph, found, ctx)
+                if region is not None:
+                    free_ids -= {id(n) for n in found.nodes}
+                    regions.append(region)
+        return regions
+
+    def _match(self, workload: library.Workload, graph: Graph, anchor: Node, free_ids: set[int],
+               interpret: bool) -> Match | None:
+        """A match at ``anchor`` the μGraph can run: free nodes, a convex set, inner values read only inside,
+        one dtype for every input, shapes that fix the workload's dims, the same constants."""
+        out = anchor.outputs[0].meta if anchor.outputs else None
+        if out is None or out.dtype not in DTYPES:
+            return None
+        # the wiring, at probe shapes and the anchor's dtype (half-precision programs upcast inside)
+        probe = tuple(map(tuple, workload.input_shapes(*_PROBE[:workload.build.__code__.co_argcount])))
+        structural = match_program(program_graph(workload.name, probe, out.dtype), anchor, exact=False)
+        if structural is None:
+            return None
+        metas = [v.meta for v in structural.inputs]
+        dtypes = {m.dtype for m in metas}
+        if len(dtypes) != 1 or not all(m.is_static for m in metas):
+            return None
+        dtype = dtypes.pop()
+        if dtype not in DTYPES or (interpret and dtype == torch.bfloat16) or metas[0].device.type not in (
+                "cuda", "cpu") or (metas[0].device.type == "cpu" and not interpret):
+            return None
+        shapes = tuple(tuple(m.shape) for m in metas)
+        if dims_from_shapes(workload, shapes) is None:
+            return None
+        found = match_program(program_graph(workload.name, shapes, dtype), anchor, exact=True)
+        if found is None or any(id(n) not in free_ids for n in found.nodes):
+            return None
+        inside = {id(n) for n in found.nodes}
+        outputs = {id(v) for v in graph.output_values}
+        for n in found.nodes:
+            for v in n.outputs:
+                if v is not found.output and (id(v) in outputs or any(id(u) not in inside for u in v.users)):
+                    return None    # an inner value read elsewhere: the μGraph does not produce it
+        return found if is_convex(graph, found.nodes) else None
+
+    def _region(self, workload: library.Workload, graph: Graph, found: Match, ctx: Any) -> Region | None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from ..runtime.measure import random_like
+        from .compile import compile_ugraph
+
+        metas = [v.meta for v in found.inputs]
+        dims = dims_from_shapes(workload, [tuple(m.shape) for m in metas])
+        try:
+            kgraph = workload.build(*dims, dtype=DTYPES[metas[0].dtype])
+            with unset_fake_temporarily():
+                examples = [random_like(m) for m in metas]
+                compiled = compile_ugraph(kgraph, examples, cache=getattr(ctx, "cache", None))
+        except Exception as e:   # a μGraph that does not build or compile for these shapes: not claimed
+            log.info("torch_mirage: μGraph %s%s not used (%s: %s)", workload.name, dims, type(e).__name__, e)
+            return None
+        region = Region(found.nodes, "mirage", Reason.CLAIMED, detail=f"μGraph {workload.name}{dims}",
+                        plan=kgraph)
+        positions = {id(v): i for i, v in enumerate(region.inputs)}
+        order = [positions[id(v)] for v in found.inputs]
+        region.kernel = lambda *ins: tuple(compiled(*[ins[i] for i in order]))
+        region.info = {"ugraph": workload.name, "dims": list(dims), "dtype": DTYPES[metas[0].dtype],
+                       "ugraph_hash": kgraph.hash()[:16]}
+        return region
