@@ -91,3 +91,24 @@ def test_dims_from_shapes_inverts_input_shapes():
     assert dims_from_shapes(w, [(24, 40), (41, 56), (40, 8), (8, 56)]) is None   # k disagrees
     g = library.WORKLOADS["gated_mlp"]
     assert dims_from_shapes(g, [(5, 6), (6, 7), (6, 7)]) == (5, 6, 7)
+
+
+def test_lora_layer_with_parameters():
+    class LoRALinear(torch.nn.Module):
+        def __init__(self, k, n, r):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(k, n) * k ** -0.5)
+            self.a = torch.nn.Parameter(torch.randn(k, r) * k ** -0.5)
+            self.b = torch.nn.Parameter(torch.randn(r, n) * r ** -0.5)
+
+        def forward(self, x):
+            return x @ self.w + (x @ self.a) @ self.b
+
+    layer = LoRALinear(40, 56, 8).eval()
+    compiled, report = _compile(layer)
+    x = torch.randn(24, 40)
+    with torch.no_grad():
+        out = compiled(x)
+        ref = lora(x.double(), layer.w.double(), layer.a.double(), layer.b.double())
+    assert_close(out, ref.float())
+    assert [r.info["ugraph"] for r in _library_regions(report)] == ["lora"], str(report)
