@@ -27,15 +27,29 @@ def _compile(fn, **options):
 
 
 def _inputs(shapes, dtype):
-    return [torch.randn(s, dtype=dtype) * s[0] ** -0.5 for s in shapes]
+    return [torch.randn(s, dtype=dtype) * s[-2] ** -0.5 for s in shapes]
 
 
 def _library_regions(report):
     return [r for r in report.regions if r.claimer == "ugraph-library"]
 
 
+def attention(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1) @ v
+
+
+def attention_fp32_softmax(q, k, v):
+    s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+    return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+ATTENTION_SHAPES = [(2, 2, 16, 16), (2, 2, 64, 16), (2, 2, 64, 16)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("name,fn,shapes", [
+    ("gqa_flashattention", attention, ATTENTION_SHAPES),
+    ("gqa_flashattention", attention_fp32_softmax, ATTENTION_SHAPES),
     ("lora", lora, [(24, 40), (40, 56), (40, 8), (8, 56)]),
     ("gated_mlp", gated_mlp, [(24, 40), (40, 56), (40, 56)]),
     ("lora", lora, [(7, 33), (33, 17), (33, 3), (3, 17)]),          # odd sizes: tiles of any divisor

@@ -8,8 +8,8 @@ whose inner values nothing else reads, and whose inputs have one dtype the μGra
 whose kernel is the μGraph compiled for those shapes. The backend then checks the kernel against eager ATen on
 random inputs and, on a GPU, times it against Inductor's version of the same region, as for every region.
 
-This finds a μGraph only where the user wrote the program the way the library does (``x @ w + (x @ a) @ b``);
-the search of a later stage generalises it. Workloads with a constant the shapes do not fix (an RMS-norm's
+This finds a μGraph only where the user wrote the program in one of the forms ``PROGRAMS`` lists (``x @ w +
+(x @ a) @ b``; attention with its softmax in fp32); the search of a later stage generalises it. Workloads with a constant the shapes do not fix (an RMS-norm's
 eps) are not matched here: a different constant would pass the structural test and differ only slightly.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 import os
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -28,8 +28,19 @@ from . import library
 
 log = logging.getLogger("torch_mirage")
 
-# eps-free workloads whose programs have one output (see the module docstring)
-DEFAULT_WORKLOADS = ("lora", "gated_mlp")
+def attention_softmax_fp32(q, k, v):
+    """Attention as half-precision models write it: softmax in fp32, the probabilities cast back."""
+    s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+    return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+# eps-free workloads with one output, and the ways users write each program (see the module docstring)
+PROGRAMS: dict[str, tuple[Callable, ...]] = {
+    "lora": (library.lora_ref,),
+    "gated_mlp": (library.gated_mlp_ref,),
+    "gqa_flashattention": (library.attention_ref, attention_softmax_fp32),
+}
+DEFAULT_WORKLOADS = tuple(PROGRAMS)
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _PROBE = (1009, 1013, 1019, 1021, 1031, 1033, 1039)   # distinct primes: which dim lands where in the shapes
 
@@ -57,18 +68,20 @@ def dims_from_shapes(workload: library.Workload, shapes: Sequence[tuple]) -> tup
 
 
 @lru_cache(maxsize=64)
-def program_graph(name: str, shapes: tuple, dtype: torch.dtype) -> Graph:
-    """The workload's PyTorch program as ATen IR (Inductor's decompositions), traced on fake tensors."""
+def program_graph(name: str, form: int, shapes: tuple, dtype: torch.dtype) -> Graph:
+    """Form ``form`` of the workload's PyTorch program as ATen IR (Inductor's decompositions), traced on meta
+    tensors."""
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ..capture.lower import lower
 
+    # meta tensors traced as they are ("real" mode): no fake mode of its own that could pick up the symbolic
+    # shapes of the compile this runs inside, so every size in the program is a plain int
     with unset_fake_temporarily(), torch.no_grad():
         args = [torch.empty(s, dtype=dtype, device="meta") for s in shapes]
-        gm = make_fx(library.WORKLOADS[name].reference, decomposition_table=select_decomp_table(),
-                     tracing_mode="fake")(*args)
+        gm = make_fx(PROGRAMS[name][form], decomposition_table=select_decomp_table(), tracing_mode="real")(*args)
     return lower(gm)
 
 
@@ -136,7 +149,10 @@ class LibraryClaimer:
         regions: list[Region] = []
         for workload in self.workloads:
             for anchor in reversed([n for n in free if id(n) in free_ids]):
-                found = self._match(workload, graph, anchor, free_ids, interpret)
+                if id(anchor) not in free_ids:
+                    continue   # taken by a match found at a later anchor
+                found = next((m for form in range(len(PROGRAMS[workload.name]))
+                              if (m := self._match(workload, form, graph, anchor, free_ids, interpret))), None)
                 if found is None:
                     continue
                 found.nodes.sort(key=lambda n: order[id(n)])
@@ -146,7 +162,7 @@ class LibraryClaimer:
                     regions.append(region)
         return regions
 
-    def _match(self, workload: library.Workload, graph: Graph, anchor: Node, free_ids: set[int],
+    def _match(self, workload: library.Workload, form: int, graph: Graph, anchor: Node, free_ids: set[int],
                interpret: bool) -> Match | None:
         """A match at ``anchor`` the μGraph can run: free nodes, a convex set, inner values read only inside,
         one dtype for every input, shapes that fix the workload's dims, the same constants."""
@@ -155,7 +171,7 @@ class LibraryClaimer:
             return None
         # the wiring, at probe shapes and the anchor's dtype (half-precision programs upcast inside)
         probe = tuple(map(tuple, workload.input_shapes(*_PROBE[:workload.build.__code__.co_argcount])))
-        structural = match_program(program_graph(workload.name, probe, out.dtype), anchor, exact=False)
+        structural = match_program(program_graph(workload.name, form, probe, out.dtype), anchor, exact=False)
         if structural is None:
             return None
         metas = [v.meta for v in structural.inputs]
@@ -169,7 +185,7 @@ class LibraryClaimer:
         shapes = tuple(tuple(m.shape) for m in metas)
         if dims_from_shapes(workload, shapes) is None:
             return None
-        found = match_program(program_graph(workload.name, shapes, dtype), anchor, exact=True)
+        found = match_program(program_graph(workload.name, form, shapes, dtype), anchor, exact=True)
         if found is None or any(id(n) not in free_ids for n in found.nodes):
             return None
         inside = {id(n) for n in found.nodes}
