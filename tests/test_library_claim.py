@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import torch_mirage
 from helpers import assert_close
 from torch_mirage.superopt import library
-from torch_mirage.superopt.claim import dims_from_shapes
+from torch_mirage.superopt.claim import dims_from_shapes, ugraph_shapes
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -53,6 +53,8 @@ ATTENTION_SHAPES = [(2, 2, 16, 16), (2, 2, 64, 16), (2, 2, 64, 16)]
     ("lora", lora, [(24, 40), (40, 56), (40, 8), (8, 56)]),
     ("gated_mlp", gated_mlp, [(24, 40), (40, 56), (40, 56)]),
     ("lora", lora, [(7, 33), (33, 17), (33, 3), (3, 17)]),          # odd sizes: tiles of any divisor
+    ("lora", lora, [(3, 8, 40), (40, 56), (40, 8), (8, 56)]),       # (batch, seq, k) activations
+    ("gated_mlp", gated_mlp, [(2, 12, 40), (40, 56), (40, 56)]),
 ])
 def test_library_program_runs_its_ugraph(name, fn, shapes, dtype):
     compiled, report = _compile(fn)
@@ -61,7 +63,7 @@ def test_library_program_runs_its_ugraph(name, fn, shapes, dtype):
     assert_close(out, fn(*[x.double() for x in xs]).to(dtype), dtype)
     (region,) = _library_regions(report)
     assert region.compiled_by == "mirage" and region.info["ugraph"] == name, str(report)
-    assert region.info["dims"] == list(dims_from_shapes(library.WORKLOADS[name], shapes))
+    assert region.info["dims"] == list(dims_from_shapes(library.WORKLOADS[name], ugraph_shapes(name, shapes)))
 
 
 def test_programs_that_differ_are_not_claimed():

@@ -41,6 +41,9 @@ PROGRAMS: dict[str, tuple[Callable, ...]] = {
     "gqa_flashattention": (library.attention_ref, attention_softmax_fp32),
 }
 DEFAULT_WORKLOADS = tuple(PROGRAMS)
+# the μGraph input whose rows may come with leading dims — a (batch, seq, k) activation for an (m, k) one — and
+# then the output carries the same leading dims (the matmul ``x @ w`` of a 3-D x is view → mm → view in ATen)
+BATCHED_INPUT = {"lora": 0, "gated_mlp": 0}
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _PROBE = (1009, 1013, 1019, 1021, 1031, 1033, 1039)   # distinct primes: which dim lands where in the shapes
 
@@ -50,6 +53,18 @@ class Match:
     nodes: list[Node]          # the user nodes computing the program, in graph order
     inputs: list[Value]        # user values bound to the program's inputs, in μGraph input order
     output: Value
+
+
+def ugraph_shapes(name: str, shapes: Sequence[tuple]) -> list[tuple]:
+    """The μGraph's input shapes for the user's: a batched input's leading dims folded into its rows."""
+    out = [tuple(s) for s in shapes]
+    i = BATCHED_INPUT.get(name)
+    if i is not None and len(out[i]) > 2:
+        rows = 1
+        for d in out[i][:-1]:
+            rows *= d
+        out[i] = (rows, out[i][-1])
+    return out
 
 
 def dims_from_shapes(workload: library.Workload, shapes: Sequence[tuple]) -> tuple | None:
@@ -169,8 +184,13 @@ class LibraryClaimer:
         out = anchor.outputs[0].meta if anchor.outputs else None
         if out is None or out.dtype not in DTYPES:
             return None
-        # the wiring, at probe shapes and the anchor's dtype (half-precision programs upcast inside)
-        probe = tuple(map(tuple, workload.input_shapes(*_PROBE[:workload.build.__code__.co_argcount])))
+        # the wiring, at probe shapes and the anchor's dtype (half-precision programs upcast inside); a batched
+        # input gets one leading dim more when the anchor's result has one
+        probe = [tuple(t) for t in workload.input_shapes(*_PROBE[:workload.build.__code__.co_argcount])]
+        batched = BATCHED_INPUT.get(workload.name)
+        if batched is not None and len(out.shape) == 3:
+            probe[batched] = (1051,) + probe[batched]
+        probe = tuple(probe)
         structural = match_program(program_graph(workload.name, form, probe, out.dtype), anchor, exact=False)
         if structural is None:
             return None
@@ -183,7 +203,7 @@ class LibraryClaimer:
                 "cuda", "cpu") or (metas[0].device.type == "cpu" and not interpret):
             return None
         shapes = tuple(tuple(m.shape) for m in metas)
-        if dims_from_shapes(workload, shapes) is None:
+        if dims_from_shapes(workload, ugraph_shapes(workload.name, shapes)) is None:
             return None
         found = match_program(program_graph(workload.name, form, shapes, dtype), anchor, exact=True)
         if found is None or any(id(n) not in free_ids for n in found.nodes):
@@ -203,11 +223,13 @@ class LibraryClaimer:
         from .compile import compile_ugraph
 
         metas = [v.meta for v in found.inputs]
-        dims = dims_from_shapes(workload, [tuple(m.shape) for m in metas])
+        shapes = ugraph_shapes(workload.name, [tuple(m.shape) for m in metas])
+        dims = dims_from_shapes(workload, shapes)
+        out_shape = tuple(found.output.meta.shape)
         try:
             kgraph = workload.build(*dims, dtype=DTYPES[metas[0].dtype])
             with unset_fake_temporarily():
-                examples = [random_like(m) for m in metas]
+                examples = [random_like(m).reshape(s) for m, s in zip(metas, shapes)]
                 compiled = compile_ugraph(kgraph, examples, cache=getattr(ctx, "cache", None))
         except Exception as e:   # a μGraph that does not build or compile for these shapes: not claimed
             log.info("torch_mirage: μGraph %s%s not used (%s: %s)", workload.name, dims, type(e).__name__, e)
@@ -216,7 +238,8 @@ class LibraryClaimer:
                         plan=kgraph)
         positions = {id(v): i for i, v in enumerate(region.inputs)}
         order = [positions[id(v)] for v in found.inputs]
-        region.kernel = lambda *ins: tuple(compiled(*[ins[i] for i in order]))
+        region.kernel = lambda *ins: (compiled(*[ins[i].reshape(s) for i, s in zip(order, shapes)])[0]
+                                      .reshape(out_shape),)
         region.info = {"ugraph": workload.name, "dims": list(dims), "dtype": DTYPES[metas[0].dtype],
                        "ugraph_hash": kgraph.hash()[:16]}
         return region
