@@ -128,3 +128,31 @@ def test_lora_layer_with_parameters():
         ref = lora(x.double(), layer.w.double(), layer.a.double(), layer.b.double())
     assert_close(out, ref.float())
     assert [r.info["ugraph"] for r in _library_regions(report)] == ["lora"], str(report)
+
+
+def test_llama_style_mlp_of_linear_layers():
+    """nn.Linear weights arrive transposed (a permute the claimer binds as the μGraph's input): the gate / up
+    half of a Llama MLP on (batch, seq, dim) activations runs the gated-MLP μGraph."""
+    class MLP(torch.nn.Module):
+        def __init__(self, dim, hidden):
+            super().__init__()
+            self.gate = torch.nn.Linear(dim, hidden, bias=False)
+            self.up = torch.nn.Linear(dim, hidden, bias=False)
+            self.down = torch.nn.Linear(hidden, dim, bias=False)
+
+        def forward(self, x):
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+
+    mlp = MLP(40, 56).eval()
+    compiled, report = _compile(mlp)
+    x = torch.randn(2, 12, 40)
+    with torch.no_grad():
+        out = compiled(x)
+        ref = copy_double(mlp)(x.double())
+    assert_close(out, ref.float())
+    assert [r.info["ugraph"] for r in _library_regions(report)] == ["gated_mlp"], str(report)
+
+
+def copy_double(module):
+    import copy
+    return copy.deepcopy(module).double()
