@@ -156,3 +156,26 @@ def test_llama_style_mlp_of_linear_layers():
 def copy_double(module):
     import copy
     return copy.deepcopy(module).double()
+
+
+def test_a_program_that_does_not_trace_skips_its_workload_only(monkeypatch, caplog):
+    """The library claimer failing to trace a program must not cost the graph its other regions."""
+    import torch_mirage.superopt.claim as claim
+
+    def broken(*args):
+        raise RuntimeError("no tracing today")
+
+    claim.program_graph.cache_clear()
+    monkeypatch.setitem(claim.PROGRAMS, "lora", (broken,))
+    try:
+        def fn(x, w, a, b, y):
+            return lora(x, w, a, b), torch.softmax(y * 2, -1)
+        compiled, report = _compile(fn, min_region_us=0)
+        xs = _inputs([(24, 40), (40, 56), (40, 8), (8, 56), (8, 33)], torch.float32)
+        out, sm = compiled(*xs)
+        assert_close(out, lora(*[x.double() for x in xs[:4]]).float())
+        assert_close(sm, torch.softmax(xs[4].double() * 2, -1).float())
+        assert not _library_regions(report) and any(r.claimer == "stitch" for r in report.regions), str(report)
+        assert "does not trace" in caplog.text
+    finally:
+        claim.program_graph.cache_clear()

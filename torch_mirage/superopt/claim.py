@@ -156,6 +156,7 @@ class LibraryClaimer:
 
     def __init__(self, workloads: Sequence[str] = DEFAULT_WORKLOADS):
         self.workloads = [library.WORKLOADS[w] for w in workloads]
+        self._untraceable: set[str] = set()
 
     def claim(self, graph: Graph, free: Sequence[Node], ctx: Any) -> list[Region]:
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -163,11 +164,12 @@ class LibraryClaimer:
         order = {id(n): i for i, n in enumerate(graph.nodes)}
         regions: list[Region] = []
         for workload in self.workloads:
+            if not self._traceable(workload):
+                continue
             for anchor in reversed([n for n in free if id(n) in free_ids]):
                 if id(anchor) not in free_ids:
                     continue   # taken by a match found at a later anchor
-                found = next((m for form in range(len(PROGRAMS[workload.name]))
-                              if (m := self._match(workload, form, graph, anchor, free_ids, interpret))), None)
+                found = self._match_any_form(workload, graph, anchor, free_ids, interpret)
                 if found is None:
                     continue
                 found.nodes.sort(key=lambda n: order[id(n)])
@@ -176,6 +178,33 @@ class LibraryClaimer:
                     free_ids -= {id(n) for n in found.nodes}
                     regions.append(region)
         return regions
+
+    def _traceable(self, workload: library.Workload) -> bool:
+        """Whether this torch traces the workload's programs (a failure skips the workload, not the graph)."""
+        probe = tuple(tuple(t) for t in workload.input_shapes(*_PROBE[:workload.build.__code__.co_argcount]))
+        try:
+            for form in range(len(PROGRAMS[workload.name])):
+                program_graph(workload.name, form, probe, torch.float32)
+        except Exception as e:
+            if workload.name not in self._untraceable:
+                self._untraceable.add(workload.name)
+                log.warning("torch_mirage: the %s μGraph's program does not trace on torch %s (%s: %s); "
+                            "it is not matched", workload.name, torch.__version__, type(e).__name__, e)
+            return False
+        return True
+
+    def _match_any_form(self, workload: library.Workload, graph: Graph, anchor: Node, free_ids: set[int],
+                        interpret: bool) -> Match | None:
+        for form in range(len(PROGRAMS[workload.name])):
+            try:
+                found = self._match(workload, form, graph, anchor, free_ids, interpret)
+            except Exception as e:   # a program that does not trace at these shapes: no match, the graph goes on
+                log.debug("torch_mirage: matching %s at %s failed (%s: %s)", workload.name, anchor.name,
+                          type(e).__name__, e)
+                found = None
+            if found is not None:
+                return found
+        return None
 
     def _match(self, workload: library.Workload, form: int, graph: Graph, anchor: Node, free_ids: set[int],
                interpret: bool) -> Match | None:
