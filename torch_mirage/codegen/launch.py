@@ -201,7 +201,11 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     sets = rotated_input_sets(inputs, props.L2_cache_size, max_sets=16)
     want = None
     best: tuple[float, LaunchConfig] | None = None
-    for cfg in candidates(bg, n_sm, limit):
+    from tqdm.auto import tqdm
+
+    # a Triton compile and a timing per config: a bar on a terminal, nothing elsewhere
+    for cfg in tqdm(candidates(bg, n_sm, limit), desc="torch_mirage: tuning a μGraph kernel", unit="config",
+                    leave=False, disable=None):
         try:
             run = build(cfg)
             outs = run(*inputs)

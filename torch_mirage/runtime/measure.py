@@ -145,11 +145,13 @@ def measure_region(region: Region, graph: Graph, ctx: Any) -> RegionTiming:
 
 def keep_faster(regions: Sequence[Region], graph: Graph, ctx: Any) -> None:
     """Hand each mirage region whose kernel measured slower than Inductor's back to the fallback."""
-    for region in regions:
-        if region.compiled_by != "mirage" or region.kernel is None:
-            continue
-        if not all(v.meta is None or v.meta.device.type == "cuda" for v in region.inputs):
-            continue
+    from tqdm.auto import tqdm
+
+    timed = [r for r in regions if r.compiled_by == "mirage" and r.kernel is not None
+             and all(v.meta is None or v.meta.device.type == "cuda" for v in r.inputs)]
+    # seconds each (an Inductor compile of the region, two CUDA graphs): a bar on a terminal, nothing elsewhere
+    for region in tqdm(timed, desc="torch_mirage: timing regions against Inductor", unit="region",
+                       leave=False, disable=None):
         try:
             with unset_fake_temporarily():
                 timing = measure_region(region, graph, ctx)
