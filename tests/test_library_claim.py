@@ -179,3 +179,27 @@ def test_a_program_that_does_not_trace_skips_its_workload_only(monkeypatch, capl
         assert "does not trace" in caplog.text
     finally:
         claim.program_graph.cache_clear()
+
+
+def _rms(x, eps):
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_ntrans_with_its_eps_read_from_the_graph(dtype):
+    def ntrans(h, x, alpha):
+        return _rms(alpha * (_rms(h, 1e-6) + x) + x, 1e-6)
+
+    def two_eps(h, x, alpha):          # not nTrans: the norms disagree on eps
+        return _rms(alpha * (_rms(h, 1e-6) + x) + x, 1e-5)
+
+    shapes = [(12, 48)] * 3
+    compiled, report = _compile(ntrans)
+    xs = [torch.randn(s, dtype=dtype) for s in shapes]
+    assert_close(compiled(*xs), ntrans(*[x.double() for x in xs]).to(dtype), dtype)
+    (region,) = _library_regions(report)
+    assert region.info["ugraph"] == "ntrans" and "eps=1e-06" in region.detail, str(report)
+    compiled, report = _compile(two_eps)
+    assert_close(compiled(*xs), two_eps(*[x.double() for x in xs]).to(dtype), dtype)
+    assert not _library_regions(report), str(report)

@@ -9,14 +9,17 @@ whose kernel is the μGraph compiled for those shapes. The backend then checks t
 random inputs and, on a GPU, times it against Inductor's version of the same region, as for every region.
 
 This finds a μGraph only where the user wrote the program in one of the forms ``PROGRAMS`` lists (``x @ w +
-(x @ a) @ b``; attention with its softmax in fp32); the search of a later stage generalises it. Workloads with a constant the shapes do not fix (an RMS-norm's
-eps) are not matched here: a different constant would pass the structural test and differ only slightly.
+(x @ a) @ b``; attention with its softmax in fp32); the search of a later stage generalises it. A constant the
+shapes do not fix (an RMS norm's eps) is read from the user's graph where the program, traced with a sentinel in
+its place, has it; the exact pass then requires every occurrence to agree, since a different eps would pass a
+numerics check while computing something else.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Sequence
 
@@ -34,12 +37,27 @@ def attention_softmax_fp32(q, k, v):
     return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
-# eps-free workloads with one output, and the ways users write each program (see the module docstring)
+def _rms_norm_fp32(x, eps):
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def ntrans_norms_fp32(h, x, alpha, eps):
+    """nTrans as half-precision models write it: each RMS norm in fp32, cast back."""
+    return _rms_norm_fp32(alpha * (_rms_norm_fp32(h, eps) + x) + x, eps)
+
+
+# workloads with one output, and the ways users write each program (see the module docstring)
 PROGRAMS: dict[str, tuple[Callable, ...]] = {
     "lora": (library.lora_ref,),
     "gated_mlp": (library.gated_mlp_ref,),
     "gqa_flashattention": (library.attention_ref, attention_softmax_fp32),
+    "ntrans": (library.ntrans_ref, ntrans_norms_fp32),
 }
+# keyword constants a program and its μGraph take that the shapes do not fix: read from the user's graph where
+# the program traced with a sentinel value has it, then required to match exactly like every other constant
+CONSTANTS: dict[str, tuple[str, ...]] = {"ntrans": ("eps",)}
+_SENTINELS = (1.2345678e-5, 2.3456789e-5)
 DEFAULT_WORKLOADS = tuple(PROGRAMS)
 # the μGraph input whose rows may come with leading dims — a (batch, seq, k) activation for an (m, k) one — and
 # then the output carries the same leading dims (the matmul ``x @ w`` of a 3-D x is view → mm → view in ATen)
@@ -53,6 +71,8 @@ class Match:
     nodes: list[Node]          # the user nodes computing the program, in graph order
     inputs: list[Value]        # user values bound to the program's inputs, in μGraph input order
     output: Value
+    pairs: list[tuple[Node, Node]] = field(default_factory=list)   # (program node, user node)
+    constants: dict[str, float] = field(default_factory=dict)        # CONSTANTS' values, e.g. eps
 
 
 def ugraph_shapes(name: str, shapes: Sequence[tuple]) -> list[tuple]:
@@ -83,7 +103,7 @@ def dims_from_shapes(workload: library.Workload, shapes: Sequence[tuple]) -> tup
 
 
 @lru_cache(maxsize=64)
-def program_graph(name: str, form: int, shapes: tuple, dtype: torch.dtype) -> Graph:
+def program_graph(name: str, form: int, shapes: tuple, dtype: torch.dtype, constants: tuple = ()) -> Graph:
     """Form ``form`` of the workload's PyTorch program as ATen IR (Inductor's decompositions), traced on meta
     tensors."""
     from torch._inductor.decomposition import select_decomp_table
@@ -96,7 +116,8 @@ def program_graph(name: str, form: int, shapes: tuple, dtype: torch.dtype) -> Gr
     # shapes of the compile this runs inside, so every size in the program is a plain int
     with unset_fake_temporarily(), torch.no_grad():
         args = [torch.empty(s, dtype=dtype, device="meta") for s in shapes]
-        gm = make_fx(PROGRAMS[name][form], decomposition_table=select_decomp_table(), tracing_mode="real")(*args)
+        program = functools.partial(PROGRAMS[name][form], **dict(zip(CONSTANTS.get(name, ()), constants)))
+        gm = make_fx(program, decomposition_table=select_decomp_table(), tracing_mode="real")(*args)
     return lower(gm)
 
 
@@ -147,7 +168,22 @@ def match_program(program: Graph, anchor: Node, exact: bool) -> Match | None:
     inputs = [bound.get(id(v)) for v in program.inputs if v.users]
     if any(v is None for v in inputs) or len(inputs) != len(program.inputs):
         return None
-    return Match(list(nodes.values()), inputs, anchor.outputs[out.producer.outputs.index(out)])
+    by_id = {id(p): p for p in program.nodes}
+    return Match(list(nodes.values()), inputs, anchor.outputs[out.producer.outputs.index(out)],
+                 [(by_id[i], g) for i, g in nodes.items()])
+
+
+def read_constants(name: str, structural: Match) -> tuple | None:
+    """The user's values of the workload's ``CONSTANTS``, found where the sentinel-traced program has them."""
+    names = CONSTANTS.get(name, ())
+    found: dict[int, Any] = {}
+    for p, g in structural.pairs:
+        for a, b in zip(p.args, g.args):
+            for k, sentinel in enumerate(_SENTINELS[:len(names)]):
+                if isinstance(a, float) and a == sentinel:
+                    if not isinstance(b, (int, float)) or found.setdefault(k, b) != b:
+                        return None
+    return tuple(float(found[k]) for k in range(len(names))) if len(found) == len(names) else None
 
 
 class LibraryClaimer:
@@ -182,9 +218,10 @@ class LibraryClaimer:
     def _traceable(self, workload: library.Workload) -> bool:
         """Whether this torch traces the workload's programs (a failure skips the workload, not the graph)."""
         probe = tuple(tuple(t) for t in workload.input_shapes(*_PROBE[:workload.build.__code__.co_argcount]))
+        sentinels = _SENTINELS[:len(CONSTANTS.get(workload.name, ()))]
         try:
             for form in range(len(PROGRAMS[workload.name])):
-                program_graph(workload.name, form, probe, torch.float32)
+                program_graph(workload.name, form, probe, torch.float32, sentinels)
         except Exception as e:
             if workload.name not in self._untraceable:
                 self._untraceable.add(workload.name)
@@ -220,8 +257,13 @@ class LibraryClaimer:
         if batched is not None and len(out.shape) == 3:
             probe[batched] = (1051,) + probe[batched]
         probe = tuple(probe)
-        structural = match_program(program_graph(workload.name, form, probe, out.dtype), anchor, exact=False)
+        sentinels = _SENTINELS[:len(CONSTANTS.get(workload.name, ()))]
+        structural = match_program(program_graph(workload.name, form, probe, out.dtype, sentinels), anchor,
+                                   exact=False)
         if structural is None:
+            return None
+        constants = read_constants(workload.name, structural)
+        if constants is None:
             return None
         metas = [v.meta for v in structural.inputs]
         dtypes = {m.dtype for m in metas}
@@ -234,9 +276,10 @@ class LibraryClaimer:
         shapes = tuple(tuple(m.shape) for m in metas)
         if dims_from_shapes(workload, ugraph_shapes(workload.name, shapes)) is None:
             return None
-        found = match_program(program_graph(workload.name, form, shapes, dtype), anchor, exact=True)
+        found = match_program(program_graph(workload.name, form, shapes, dtype, constants), anchor, exact=True)
         if found is None or any(id(n) not in free_ids for n in found.nodes):
             return None
+        found.constants = dict(zip(CONSTANTS.get(workload.name, ()), constants))
         inside = {id(n) for n in found.nodes}
         outputs = {id(v) for v in graph.output_values}
         for n in found.nodes:
@@ -256,14 +299,15 @@ class LibraryClaimer:
         dims = dims_from_shapes(workload, shapes)
         out_shape = tuple(found.output.meta.shape)
         try:
-            kgraph = workload.build(*dims, dtype=DTYPES[metas[0].dtype])
+            kgraph = workload.build(*dims, dtype=DTYPES[metas[0].dtype], **found.constants)
             with unset_fake_temporarily():
                 examples = [random_like(m).reshape(s) for m, s in zip(metas, shapes)]
                 compiled = compile_ugraph(kgraph, examples, cache=getattr(ctx, "cache", None))
         except Exception as e:   # a μGraph that does not build or compile for these shapes: not claimed
             log.info("torch_mirage: μGraph %s%s not used (%s: %s)", workload.name, dims, type(e).__name__, e)
             return None
-        region = Region(found.nodes, "mirage", Reason.CLAIMED, detail=f"μGraph {workload.name}{dims}",
+        consts = "".join(f", {k}={v:g}" for k, v in found.constants.items())
+        region = Region(found.nodes, "mirage", Reason.CLAIMED, detail=f"μGraph {workload.name}{dims}{consts}",
                         plan=kgraph)
         positions = {id(v): i for i, v in enumerate(region.inputs)}
         order = [positions[id(v)] for v in found.inputs]
