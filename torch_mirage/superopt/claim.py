@@ -20,7 +20,6 @@ import functools
 import logging
 import os
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, Callable, Sequence
 
 import torch
@@ -30,6 +29,7 @@ from ..partition.region import Reason, Region, is_convex
 from . import library
 
 log = logging.getLogger("torch_mirage")
+
 
 def attention_softmax_fp32(q, k, v):
     """Attention as half-precision models write it: softmax in fp32, the probabilities cast back."""
@@ -102,7 +102,7 @@ def dims_from_shapes(workload: library.Workload, shapes: Sequence[tuple]) -> tup
     return dims if ok else None
 
 
-@lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)
 def program_graph(name: str, form: int, shapes: tuple, dtype: torch.dtype, constants: tuple = ()) -> Graph:
     """Form ``form`` of the workload's PyTorch program as ATen IR (Inductor's decompositions), traced on meta
     tensors."""
