@@ -73,6 +73,7 @@ class Match:
     output: Value
     pairs: list[tuple[Node, Node]] = field(default_factory=list)   # (program node, user node)
     constants: dict[str, float] = field(default_factory=dict)        # CONSTANTS' values, e.g. eps
+    dims: tuple = ()                                                 # the workload's dims for these shapes
 
 
 def ugraph_shapes(name: str, shapes: Sequence[tuple]) -> list[tuple]:
@@ -274,12 +275,14 @@ class LibraryClaimer:
                 "cuda", "cpu") or (metas[0].device.type == "cpu" and not interpret):
             return None
         shapes = tuple(tuple(m.shape) for m in metas)
-        if dims_from_shapes(workload, ugraph_shapes(workload.name, shapes)) is None:
+        dims = dims_from_shapes(workload, ugraph_shapes(workload.name, shapes))
+        if dims is None:
             return None
         found = match_program(program_graph(workload.name, form, shapes, dtype, constants), anchor, exact=True)
         if found is None or any(id(n) not in free_ids for n in found.nodes):
             return None
         found.constants = dict(zip(CONSTANTS.get(workload.name, ()), constants))
+        found.dims = dims
         inside = {id(n) for n in found.nodes}
         outputs = {id(v) for v in graph.output_values}
         for n in found.nodes:
@@ -296,7 +299,7 @@ class LibraryClaimer:
 
         metas = [v.meta for v in found.inputs]
         shapes = ugraph_shapes(workload.name, [tuple(m.shape) for m in metas])
-        dims = dims_from_shapes(workload, shapes)
+        dims = found.dims
         out_shape = tuple(found.output.meta.shape)
         try:
             kgraph = workload.build(*dims, dtype=DTYPES[metas[0].dtype], **found.constants)
