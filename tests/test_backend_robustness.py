@@ -328,6 +328,52 @@ def test_rotated_input_sets_copy_only_what_l2_needs():
     assert only[0] is big
 
 
+def test_timing_input_sets_copy_only_what_a_copy_keeps_the_same():
+    """A caller's arguments are rotated only when copies are the same input: dense, unaliased tensors."""
+    from torch_mirage.runtime.measure import timing_input_sets
+
+    x, w = torch.randn(64, 8), torch.randn(8, 16).t()    # a transposed weight keeps its strides in the copies
+    sets = timing_input_sets([x, w, 2.0], l2_bytes=4 * 1024)
+    assert len(sets) > 1 and all(s[1].stride() == w.stride() and torch.equal(s[1], w) for s in sets)
+    for shared in ([x, x[1:]], [torch.randn(8, 1).expand(8, 16)]):   # aliased, overlapping: as they are
+        (only,) = timing_input_sets(shared, l2_bytes=4 * 1024)
+        assert all(a is b for a, b in zip(only, shared))
+
+
+@pytest.mark.parametrize("in_callers_graph", [False, True])
+def test_faster_of_times_in_a_b_b_a_order(monkeypatch, in_callers_graph):
+    """With the GPU slowing down as it is timed, two equally fast candidates come out equal (timed one after
+    the other, the second would look slower), and the faster of two different ones is kept."""
+    import torch_mirage.runtime.choose as choose
+
+    base = {"mirage": 100.0, "inductor": 100.0}
+    order: list[str] = []
+
+    def fake_timing(fn, inputs, target_ms, repeats):   # 1 µs slower on each run: drift
+        name = fn(*(inputs[0] if in_callers_graph else inputs))
+        order.append(name)
+        drift = float(len(order))
+        return {"samples": [base[name] + drift] * repeats}
+
+    monkeypatch.setattr(choose, "plain_timing", fake_timing)
+    monkeypatch.setattr(choose, "cuda_graph_timing", fake_timing)
+    monkeypatch.setattr(choose, "timing_input_sets", lambda args, l2: [list(args)])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"L2_cache_size": 1})())
+    seen = {}
+    candidates = {name: (lambda name=name: (lambda *a: name))() for name in base}
+    chooser = choose.FasterOf(dict(candidates), lambda c, times: seen.update(times, choice=c),
+                              in_callers_graph=in_callers_graph)
+    chooser(torch.ones(1))
+    assert order == ["mirage", "inductor", "inductor", "mirage"] and seen["mirage"] == seen["inductor"]
+    base["inductor"] = 99.0
+    order.clear()
+    chooser = choose.FasterOf(dict(candidates), lambda c, times: seen.update(times, choice=c),
+                              in_callers_graph=in_callers_graph)
+    assert chooser(torch.ones(1)) == "inductor" and seen["choice"] == "inductor"
+    assert list(chooser.candidates) == ["inductor"]
+
+
 @pytest.mark.parametrize("chunk", [7, 1 << 22])
 def test_numerics_check_in_chunks_matches_whole(monkeypatch, chunk):
     """The compile-time check compares large outputs a chunk at a time; the verdicts do not depend on it."""

@@ -3,7 +3,8 @@
 When mirage claimed regions of an inference graph, the backend also hands the Dynamo graph to Inductor's own
 ``compile_fx``. On the first call, with the caller's real inputs, :class:`FasterOf` times both as the caller
 will run them (each a replay of its own CUDA graph where it can be captured; inside one graph when the caller
-captures its own) and keeps the faster one for every later call, dropping the other. Tensors the graph writes (inputs, or tensors on modules
+captures its own), in the order A B B A so that clock and temperature drift favour neither, and keeps the
+faster one for every later call, dropping the other. Tensors the graph writes (inputs, or tensors on modules
 and other objects) are saved first and copied back before every timing run and after the last, so each run
 sees the caller's state and the state changes once, by the real call. Graphs that write state we cannot
 name, and graphs with random ops (re-running them would advance the caller's RNG), are not timed: mirage's
@@ -12,13 +13,16 @@ version is kept there.
 from __future__ import annotations
 
 import logging
+import statistics
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .measure import cuda_graph_time_us, plain_timing
+from .measure import cuda_graph_timing, plain_timing, timing_input_sets
 
 log = logging.getLogger("torch_mirage")
+
+_HALF_MS = 10.0   # GPU time per candidate in each half of the A B B A schedule
 
 
 class FasterOf:
@@ -29,8 +33,9 @@ class FasterOf:
     by the real call.
 
     ``in_callers_graph``: the caller captures our function in its own CUDA graph (``MIRAGE_CUDA_GRAPHS=0``), so
-    candidates are timed inside a graph — GPU time, what that graph will replay; a candidate that cannot be
-    captured is not chosen. Otherwise each candidate is timed launched from Python, as the caller will run it
+    candidates are timed inside a graph — GPU time, what that graph will replay, several calls per replay on
+    copies of the arguments that together exceed L2 (:func:`timing_input_sets`) when no state has to be
+    restored; a candidate that cannot be captured is not chosen. Otherwise each candidate is timed launched from Python, as the caller will run it
     (a replay of its own CUDA graph where it has one): CPU launch cost counts there, as it does for the user.
     """
 
@@ -64,19 +69,33 @@ class FasterOf:
                 return fn(*a)
             return run
 
+        # Inside the caller's graph our call sits among other work: several calls per replay (on copies of the
+        # arguments where they are not state to restore), so one replay's launch gap is not most of what is
+        # timed, and a pass over the copies does not find them in L2.
+        sets = [list(args)]
+        if self.in_callers_graph and not state:
+            sets = timing_input_sets(args, torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size)
+        samples: dict[str, list[float] | None] = {name: [] for name in self.candidates}
+        # A B B A: the GPU's clock and temperature drift while it is timed, and each candidate meets the drift alike
+        names = list(self.candidates)
         try:
-            for name, fn in self.candidates.items():
+            for name in names + names[::-1]:
+                if samples[name] is None:
+                    continue
+                fn = self.candidates[name]
                 run = from_saved_state(fn) if state else fn
                 try:
                     if self.in_callers_graph:
-                        times[name] = cuda_graph_time_us(run, [args], replays=10, repeats=3)
+                        t = cuda_graph_timing(run, sets, target_ms=_HALF_MS, repeats=2)
                     else:
-                        times[name] = plain_timing(run, args, target_ms=20.0, repeats=3)["us"]
+                        t = plain_timing(run, args, target_ms=_HALF_MS, repeats=2)
+                    samples[name] += t["samples"]
                 except Exception as e:   # a candidate that cannot be timed (e.g. not capturable) is not chosen
                     log.info("torch_mirage: timing the %s version failed (%s: %s)", name, type(e).__name__, e)
+                    samples[name] = None
         finally:
             restore()
-        return times
+        return {name: statistics.median(got) for name, got in samples.items() if got}
 
     def __call__(self, *args: Any) -> Any:
         if self.choice is None:

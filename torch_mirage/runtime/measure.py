@@ -64,7 +64,7 @@ def _repeated_timing(run_once: Callable[[], Any], calls_per_run: int, replays: i
         end.synchronize()
         per_call.append(start.elapsed_time(end) * 1e3 / (replays * calls_per_run))
     return {"us": statistics.median(per_call), "us_min": min(per_call), "us_max": max(per_call),
-            "replays": replays, "repeats": repeats, "sets": calls_per_run}
+            "replays": replays, "repeats": repeats, "sets": calls_per_run, "samples": per_call}
 
 
 def cuda_graph_timing(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], *, replays: int | None = None,
@@ -110,6 +110,30 @@ def rotated_input_sets(inputs: Sequence[Any], l2_bytes: int, max_sets: int = 64)
     if count == 1:
         return [list(inputs)]   # the inputs themselves: no copy of a set that large
     return [[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs] for _ in range(count)]
+
+
+def timing_input_sets(args: Sequence[Any], l2_bytes: int) -> list[list[Any]]:
+    """:func:`rotated_input_sets` of a caller's real arguments where a copy is the same input to the callee:
+    every tensor dense and non-overlapping (``clone`` keeps its strides) and no two sharing storage (a copy
+    would break the aliasing). Otherwise, or without the memory for the copies, the arguments themselves."""
+    tensors = [t for t in args if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    if len(storages) != len(tensors) or not all(_dense(t) for t in tensors):
+        return [list(args)]
+    try:
+        return rotated_input_sets(args, l2_bytes)
+    except torch.cuda.OutOfMemoryError:
+        return [list(args)]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory once in some order of dims (what ``clone`` reproduces)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _inductor_region(sub: Graph, inputs: Sequence[torch.Tensor], mode: str) -> Callable[..., Any]:
