@@ -68,6 +68,22 @@ def test_library_program_runs_its_ugraph(name, fn, shapes, dtype):
     assert region.info["dims"] == list(dims_from_shapes(library.WORKLOADS[name], ugraph_shapes(name, shapes)))
 
 
+@pytest.mark.parametrize("fa_us,fd_us,chosen", [(2.0, 1.0, "gqa_flashdecoding"), (1.0, 2.0, "gqa_flashattention")])
+def test_attention_runs_the_faster_of_its_ugraphs(monkeypatch, fa_us, fd_us, chosen):
+    """Attention has two μGraphs (FlashAttention-style and split-KV FlashDecoding): both are compiled, the one
+    that times faster runs (timing is faked here: the interpreter has no CUDA graphs), and either matches eager."""
+    from torch_mirage.superopt import claim
+
+    times = iter([fa_us, fd_us])
+    monkeypatch.setattr(claim, "_time_ugraph", lambda compiled, examples: next(times))
+    compiled, report = _compile(attention)
+    xs = _inputs(ATTENTION_SHAPES, torch.float32)
+    assert_close(compiled(*xs), attention(*[x.double() for x in xs]).float())
+    (region,) = _library_regions(report)
+    assert region.info["ugraph"] == chosen and chosen in region.detail, str(report)
+    assert region.info["ugraph_us"] == {"gqa_flashattention": fa_us, "gqa_flashdecoding": fd_us}
+
+
 def test_programs_that_differ_are_not_claimed():
     """Other wiring, another constant, an inner value read elsewhere, bf16 under the interpreter (which computes
     bf16 wrongly): no μGraph, eager's result."""

@@ -59,6 +59,9 @@ PROGRAMS: dict[str, tuple[Callable, ...]] = {
 CONSTANTS: dict[str, tuple[str, ...]] = {"ntrans": ("eps",)}
 _SENTINELS = (1.2345678e-5, 2.3456789e-5)
 DEFAULT_WORKLOADS = tuple(PROGRAMS)
+# other μGraphs of the same program, inputs and dims: each is compiled, and on a GPU the fastest runs (split-KV
+# FlashDecoding fills the SMs where few query rows leave FlashAttention's grid small, and loses where many do)
+ALTERNATIVES: dict[str, tuple[str, ...]] = {"gqa_flashattention": ("gqa_flashdecoding",)}
 # the μGraph input whose rows may come with leading dims — a (batch, seq, k) activation for an (m, k) one — and
 # then the output carries the same leading dims (the matmul ``x @ w`` of a 3-D x is view → mm → view in ATen)
 BATCHED_INPUT = {"lora": 0, "gated_mlp": 0}
@@ -295,27 +298,81 @@ class LibraryClaimer:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         from ..runtime.measure import random_like
-        from .compile import compile_ugraph
 
         metas = [v.meta for v in found.inputs]
         shapes = ugraph_shapes(workload.name, [tuple(m.shape) for m in metas])
         dims = found.dims
         out_shape = tuple(found.output.meta.shape)
-        try:
-            kgraph = workload.build(*dims, dtype=DTYPES[metas[0].dtype], **found.constants)
-            with unset_fake_temporarily():
-                examples = [random_like(m).reshape(s) for m, s in zip(metas, shapes)]
-                compiled = compile_ugraph(kgraph, examples, cache=getattr(ctx, "cache", None))
-        except Exception as e:   # a μGraph that does not build or compile for these shapes: not claimed
-            log.info("torch_mirage: μGraph %s%s not used (%s: %s)", workload.name, dims, type(e).__name__, e)
-            return None
+        dtype = DTYPES[metas[0].dtype]
+        cache = getattr(ctx, "cache", None)
+        with unset_fake_temporarily():
+            examples = [random_like(m).reshape(s) for m, s in zip(metas, shapes)]
+            built = [b for name in (workload.name, *ALTERNATIVES.get(workload.name, ()))
+                     if (b := _compiled(library.WORKLOADS[name], dims, dtype, found.constants, examples, cache))]
+            if not built:
+                return None
+            (chosen, kgraph, compiled), times = _fastest(built, examples, cache)
         consts = "".join(f", {k}={v:g}" for k, v in found.constants.items())
-        region = Region(found.nodes, "mirage", Reason.CLAIMED, detail=f"μGraph {workload.name}{dims}{consts}",
+        region = Region(found.nodes, "mirage", Reason.CLAIMED, detail=f"μGraph {chosen.name}{dims}{consts}",
                         plan=kgraph)
         positions = {id(v): i for i, v in enumerate(region.inputs)}
         order = [positions[id(v)] for v in found.inputs]
         region.kernel = lambda *ins: (compiled(*[ins[i].reshape(s) for i, s in zip(order, shapes)])[0]
                                       .reshape(out_shape),)
-        region.info = {"ugraph": workload.name, "dims": list(dims), "dtype": DTYPES[metas[0].dtype],
-                       "ugraph_hash": kgraph.hash()[:16]}
+        region.info = {"ugraph": chosen.name, "dims": list(dims), "dtype": dtype, "ugraph_hash": kgraph.hash()[:16]}
+        if times:
+            region.info["ugraph_us"] = {name: round(us, 2) for name, us in times.items()}
         return region
+
+
+def _compiled(workload: library.Workload, dims: tuple, dtype: str, constants: dict, examples: list,
+              cache: Any) -> tuple | None:
+    """``(workload, kernel graph, compiled μGraph)`` at these dims, or None (logged) when it does not build."""
+    from .compile import compile_ugraph
+
+    try:
+        kgraph = workload.build(*dims, dtype=dtype, **constants)
+        return workload, kgraph, compile_ugraph(kgraph, examples, cache=cache)
+    except Exception as e:   # a μGraph that does not build or compile for these shapes: not used
+        log.info("torch_mirage: μGraph %s%s not used (%s: %s)", workload.name, dims, type(e).__name__, e)
+        return None
+
+
+def _time_ugraph(compiled: Callable, examples: list) -> float | None:
+    """µs per call of a compiled μGraph replayed in a CUDA graph over inputs rotated past L2; None off CUDA."""
+    from ..runtime.measure import cuda_graph_time_us, rotated_input_sets
+
+    if examples[0].device.type != "cuda":
+        return None
+    l2 = torch.cuda.get_device_properties(examples[0].device).L2_cache_size
+    return cuda_graph_time_us(compiled, rotated_input_sets(examples, l2))
+
+
+def _fastest(built: list[tuple], examples: list, cache: Any) -> tuple[tuple, dict[str, float]]:
+    """The fastest of several compiled μGraphs of one program (the first where none can be timed), with the
+    times; a choice made once per kernel-graph set and device is read back from ``cache``."""
+    if len(built) == 1:
+        return built[0], {}
+    key = None
+    if cache is not None and examples[0].device.type == "cuda":
+        from ..cache import cache_key
+        key = cache_key(kind="ugraph-alternatives", graphs=[k.hash() for _, k, _ in built],
+                        device=torch.cuda.get_device_name(examples[0].device))
+        hit = cache.get_json(key)
+        if hit is not None and set(hit) == {w.name for w, _, _ in built}:
+            return min(built, key=lambda b: hit[b[0].name]), hit
+    times: dict[str, float] = {}
+    for workload, _, compiled in built:
+        try:
+            us = _time_ugraph(compiled, examples)
+        except Exception as e:   # one that cannot be timed (e.g. not capturable) is not chosen
+            log.info("torch_mirage: timing μGraph %s failed (%s: %s)", workload.name, type(e).__name__, e)
+            continue
+        if us is not None:
+            times[workload.name] = us
+    if not times:
+        return built[0], {}
+    log.info("torch_mirage: %s", ", ".join(f"μGraph {n} {us:.1f} µs" for n, us in times.items()))
+    if key is not None and len(times) == len(built):
+        cache.put_json(key, times)
+    return min((b for b in built if b[0].name in times), key=lambda b: times[b[0].name]), times
