@@ -87,7 +87,13 @@ class Node:
 
     @property
     def inputs(self) -> list[Value]:
-        return [a for a in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(a, Value)]
+        """The Values among ``args`` and ``kwargs``, flattened once per call structure (partitioning reads them
+        for every node many times over)."""
+        cached = self.__dict__.get("_inputs")
+        if cached is None or cached[0] is not self.args or cached[1] is not self.kwargs:
+            leaves = [a for a in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(a, Value)]
+            cached = self.__dict__["_inputs"] = (self.args, self.kwargs, leaves)
+        return list(cached[2])
 
     @property
     def kind(self) -> OpKind:

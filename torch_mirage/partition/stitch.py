@@ -150,31 +150,38 @@ def iteration_space(nodes: Sequence[Node]) -> tuple[int, ...] | None:
 
 # ---------------------------------------------------------------- grouping
 
+def _edges(graph: Graph) -> tuple[list[int], list[tuple[int, int]]]:
+    """Node ids and (producer id, consumer id) data edges of ``graph``, built once per graph."""
+    cached = getattr(graph, "_data_edges", None)
+    if cached is None or len(cached[0]) != len(graph.nodes):
+        ids = [id(n) for n in graph.nodes]
+        edges = [(id(v.producer), id(n)) for n in graph.nodes for v in n.inputs if v.producer is not None]
+        cached = (ids, edges)
+        graph._data_edges = cached
+    return cached
+
+
 def _acyclic(graph: Graph, group_of: dict[int, int]) -> bool:
     """The graph with every group contracted to one vertex has no cycle."""
-    key = lambda n: ("g", group_of[id(n)]) if id(n) in group_of else ("n", id(n))
-    succ: dict[Any, set] = {}
-    indeg: dict[Any, int] = {}
-    for n in graph.nodes:
-        k = key(n)
-        succ.setdefault(k, set())
-        indeg.setdefault(k, 0)
-        for v in n.inputs:
-            if v.producer is None:
-                continue
-            p = key(v.producer)
-            if p != k and k not in succ.setdefault(p, set()):
-                succ[p].add(k)
-                indeg[k] = indeg.get(k, 0) + 1
+    ids, edges = _edges(graph)
+    key = lambda i: -1 - group_of[i] if i in group_of else i     # groups as negative ints, nodes by id
+    vertices = {key(i) for i in ids}
+    succ: dict[int, set] = {k: set() for k in vertices}
+    indeg = dict.fromkeys(vertices, 0)
+    for p, c in edges:
+        p, c = key(p), key(c)
+        if p != c and c not in succ[p]:
+            succ[p].add(c)
+            indeg[c] += 1
     ready = [k for k, d in indeg.items() if d == 0]
     seen = 0
     while ready:
         k = ready.pop()
         seen += 1
-        for s in succ[k]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                ready.append(s)
+        for s2 in succ[k]:
+            indeg[s2] -= 1
+            if indeg[s2] == 0:
+                ready.append(s2)
     return seen == len(indeg)
 
 
