@@ -31,6 +31,7 @@ TILES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LOOP_TILES = (32, 64, 128, 256)
 SPLITS = (1, 2, 4, 8, 16, 32)
 WARPS_STAGES = ((4, 3), (8, 4))
+PROBE_WAVES = (2, 4)           # programs per SM of the extra candidates :func:`candidates` always adds
 MAX_TILE = 128 * 128           # elements any block tile may hold (registers of one program)
 MAX_STAGE_BYTES = 48 * 1024    # bytes one for-loop iteration loads (x num_stages must fit shared memory)
 
@@ -143,8 +144,8 @@ def estimate_us(bg: BlockGraph, split: int, n_sm: int, bandwidth: float = 3.0e6)
 
 
 def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
-    """The μGraph's own schedule plus the ``limit`` best re-tilings by :func:`estimate_us`, each with
-    the (num_warps, num_stages) pairs of ``WARPS_STAGES``."""
+    """The μGraph's own schedule plus the ``limit`` best re-tilings by :func:`estimate_us` and the best with
+    at least ``PROBE_WAVES`` programs per SM, each with the (num_warps, num_stages) pairs of ``WARPS_STAGES``."""
     scored = []
     choices = [_grid_choices(bg, g) for g in range(len(bg.grid))]
     for grid in _product(choices):
@@ -165,6 +166,12 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
             break
         if (grid, f, s) not in picks:
             picks.append((grid, f, s))
+    # The model counts SMs, not the loads each SM keeps in flight, so it ranks 1 and 4 programs per SM alike;
+    # the best-estimated re-tiling with at least PROBE_WAVES[i] programs per SM is timed as well
+    for waves in PROBE_WAVES:
+        probe = next(((g, f, s) for _, g, f, s in scored if math.prod(g) * s >= waves * n_sm), None)
+        if probe is not None and probe not in picks:
+            picks.append(probe)
     return [LaunchConfig(g, f, s, w, st) for g, f, s in picks for w, st in WARPS_STAGES]
 
 
