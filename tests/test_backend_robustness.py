@@ -223,6 +223,74 @@ def test_mutated_inputs_are_found_through_views():
     assert mutated_inputs(trace_aten(pure, *inputs)) == ()
 
 
+def _write_back_graph(extra_read: bool):
+    import torch.fx as fx
+
+    g = fx.Graph()
+    cache, idx, v = g.placeholder("cache"), g.placeholder("idx"), g.placeholder("v")
+    new = g.call_function(torch.ops.aten.index_put.default, (cache, [idx], v))
+    out = g.call_function(torch.ops.aten.mul.Tensor, (new, 2))
+    if extra_read:   # the old cache read after the update: an in-place update would change what it sees
+        out = g.call_function(torch.ops.aten.add.Tensor, (out, g.call_function(torch.ops.aten.sum.default, (cache,))))
+    g.call_function(torch.ops.aten.copy_.default, (cache, new))
+    g.output((out,))
+    return g
+
+
+@pytest.mark.parametrize("extra_read", [False, True])
+def test_kv_cache_write_back_becomes_an_in_place_update(extra_read):
+    """copy_(cache, index_put(cache, ...)) → index_put_(cache, ...) where nothing else reads the cache; the graph
+    computes the same result and leaves the cache in the same state either way."""
+    import torch.fx as fx
+
+    from torch_mirage.runtime.assemble import reinplace_write_backs
+
+    def run(graph):
+        cache, idx, v = torch.randn(6, 4), torch.tensor([1, 4]), torch.randn(2, 4)
+        before = cache.clone()
+        (out,) = fx.GraphModule(torch.nn.Module(), graph)(cache, idx, v)
+        return out, cache, before, idx, v
+
+    g = _write_back_graph(extra_read)
+    assert reinplace_write_backs(g) == (0 if extra_read else 1)
+    targets = [n.target for n in g.nodes if n.op == "call_function"]
+    assert (torch.ops.aten.copy_.default in targets) == extra_read
+    assert (torch.ops.aten.index_put_.default in targets) != extra_read
+    out, cache, before, idx, v = run(g)
+    want = before.index_put([idx], v)
+    assert torch.equal(cache, want)
+    assert_close(out, want * 2 + (before.sum() if extra_read else 0))
+
+
+def test_static_cache_update_next_to_a_mirage_region(monkeypatch):
+    """A decode step's shape: a cache buffer updated in place at a position, read by a region mirage claims;
+    outputs and cache match eager over several steps, and the cache is written in place, not copied."""
+    import torch_mirage.runtime.assemble as assemble
+
+    rewritten = []
+    real = assemble.reinplace_write_backs
+    monkeypatch.setattr(assemble, "reinplace_write_backs", lambda g: rewritten.append(real(g)) or rewritten[-1])
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(16, 32))
+
+        def forward(self, x, pos):
+            self.cache.index_copy_(0, pos, x)
+            return torch.softmax(self.cache * 2, dim=-1) @ self.cache.t()
+
+    eager, model = Step(), Step()
+    report = torch_mirage.Report()
+    compiled = torch.compile(model, backend=torch_mirage.MirageBackend(report=report))
+    for step in range(3):
+        x, pos = torch.randn(2, 32), torch.tensor([2 * step, 2 * step + 1])
+        assert_close(compiled(x, pos), eager(x, pos))
+        assert torch.equal(model.cache, eager.cache)
+    assert any(r.compiled_by == "mirage" for r in report.regions), str(report)
+    assert rewritten == [1], rewritten
+
+
 def test_attention_without_dropout_does_not_count_as_random():
     """SDPA is tagged as seeded for its dropout: at dropout_p = 0 a graph using it may still be timed."""
     from torch_mirage.runtime.choose import draws_random_numbers

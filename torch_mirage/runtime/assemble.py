@@ -97,6 +97,36 @@ def _write_back_only(node: fx.Node, fb_owner: dict[fx.Node, int]) -> bool:
             and not any(a in fb_owner for a in node.all_input_nodes))
 
 
+# functional ATen update ops whose result may overwrite their first argument instead of a copy of it
+_IN_PLACE = {
+    torch.ops.aten.index_put.default: torch.ops.aten.index_put_.default,
+    torch.ops.aten.index_copy.default: torch.ops.aten.index_copy_.default,
+    torch.ops.aten.scatter.src: torch.ops.aten.scatter_.src,
+    torch.ops.aten.scatter.value: torch.ops.aten.scatter_.value,
+}
+
+
+def reinplace_write_backs(graph: fx.Graph) -> int:
+    """``copy_(x, index_put(x, ...))`` of a graph input ``x`` → ``index_put_(x, ...)`` (likewise ``index_copy``
+    and ``scatter``), where nothing else reads ``x`` and nothing reads the ``copy_``. A static KV cache's update
+    is this pattern; split across partitions (the update with the attention that reads it, the write-back with
+    the other input mutations) Inductor cannot make it in place, and each step copied the whole cache twice.
+    Returns how many were rewritten."""
+    done = 0
+    for copy in list(graph.nodes):
+        if copy.op != "call_function" or copy.target is not torch.ops.aten.copy_.default or copy.users:
+            continue
+        dst, src = copy.args[0], copy.args[1]
+        if not (isinstance(dst, fx.Node) and dst.op == "placeholder" and isinstance(src, fx.Node)
+                and src.op == "call_function" and src.target in _IN_PLACE and src.args and src.args[0] is dst
+                and set(dst.users) == {src, copy}):
+            continue
+        src.target = _IN_PLACE[src.target]
+        graph.erase_node(copy)
+        done += 1
+    return done
+
+
 def _region_runner(kernel, n_out: int):
     def run_region(*args):
         outs = kernel(*args)
@@ -145,6 +175,7 @@ def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallba
             env[values[id(v)]] = item
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     new.output(fx.node.map_arg(out_node.args[0], lambda a: env[a]))
+    reinplace_write_backs(new)
     new_gm = fx.GraphModule(gm, new)
     if fallback == "inductor" and fb_owner:
         from torch.fx.passes.regional_inductor import regional_inductor
