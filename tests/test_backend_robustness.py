@@ -408,6 +408,25 @@ def test_timing_input_sets_copy_only_what_a_copy_keeps_the_same():
         assert all(a is b for a, b in zip(only, shared))
 
 
+def test_alternating_medians_order_and_failures():
+    """A B C C B A; a candidate whose timing raises is dropped and reported, or its error propagates."""
+    from torch_mirage.runtime.measure import alternating_medians
+
+    order, errors = [], []
+
+    def half(name):
+        order.append(name)
+        if name == "c":
+            raise RuntimeError("not capturable")
+        return [len(order) + {"a": 0.0, "b": 10.0}[name]]
+
+    times = alternating_medians(["a", "b", "c"], half, on_error=lambda n, e: errors.append((n, str(e))))
+    assert order == ["a", "b", "c", "b", "a"] and errors == [("c", "not capturable")]
+    assert times == {"a": 3.0, "b": 13.0}
+    with pytest.raises(RuntimeError, match="not capturable"):
+        alternating_medians(["a", "c"], half)
+
+
 @pytest.mark.parametrize("in_callers_graph", [False, True])
 def test_faster_of_times_in_a_b_b_a_order(monkeypatch, in_callers_graph):
     """With the GPU slowing down as it is timed, two equally fast candidates come out equal (timed one after

@@ -13,12 +13,11 @@ version is kept there.
 from __future__ import annotations
 
 import logging
-import statistics
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .measure import cuda_graph_timing, plain_timing, timing_input_sets
+from .measure import alternating_medians, cuda_graph_timing, plain_timing, timing_input_sets
 
 log = logging.getLogger("torch_mirage")
 
@@ -49,12 +48,11 @@ class FasterOf:
         self.choice: str | None = None
 
     def _time_all(self, args: Sequence[Any]) -> dict[str, float]:
-        times: dict[str, float] = {}
         try:
             state = [(t, t.clone()) for t in self.written(args)]
         except torch.cuda.OutOfMemoryError:
             log.info("torch_mirage: no memory to save the state the graph writes; not timing it")
-            return times
+            return {}
 
         def restore() -> None:
             with torch.no_grad():
@@ -75,27 +73,20 @@ class FasterOf:
         sets = [list(args)]
         if self.in_callers_graph and not state:
             sets = timing_input_sets(args, torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size)
-        samples: dict[str, list[float] | None] = {name: [] for name in self.candidates}
-        # A B B A: the GPU's clock and temperature drift while it is timed, and each candidate meets the drift alike
-        names = list(self.candidates)
+
+        def time_half(name: str) -> list[float]:
+            run = from_saved_state(self.candidates[name]) if state else self.candidates[name]
+            if self.in_callers_graph:
+                return cuda_graph_timing(run, sets, target_ms=_HALF_MS, repeats=2)["samples"]
+            return plain_timing(run, args, target_ms=_HALF_MS, repeats=2)["samples"]
+
+        def failed(name: str, e: Exception) -> None:   # a candidate that cannot be timed (not capturable, say)
+            log.info("torch_mirage: timing the %s version failed (%s: %s)", name, type(e).__name__, e)
+
         try:
-            for name in names + names[::-1]:
-                if samples[name] is None:
-                    continue
-                fn = self.candidates[name]
-                run = from_saved_state(fn) if state else fn
-                try:
-                    if self.in_callers_graph:
-                        t = cuda_graph_timing(run, sets, target_ms=_HALF_MS, repeats=2)
-                    else:
-                        t = plain_timing(run, args, target_ms=_HALF_MS, repeats=2)
-                    samples[name] += t["samples"]
-                except Exception as e:   # a candidate that cannot be timed (e.g. not capturable) is not chosen
-                    log.info("torch_mirage: timing the %s version failed (%s: %s)", name, type(e).__name__, e)
-                    samples[name] = None
+            return alternating_medians(list(self.candidates), time_half, on_error=failed)
         finally:
             restore()
-        return {name: statistics.median(got) for name, got in samples.items() if got}
 
     def __call__(self, *args: Any) -> Any:
         if self.choice is None:

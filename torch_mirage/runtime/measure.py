@@ -96,6 +96,26 @@ def plain_timing(fn: Callable[..., Any], inputs: Sequence[Any], *, replays: int 
     return _repeated_timing(lambda: fn(*inputs), 1, replays, target_ms, repeats)
 
 
+def alternating_medians(names: Sequence[str], time_half: Callable[[str], list[float]],
+                        on_error: Callable[[str, Exception], None] | None = None) -> dict[str, float]:
+    """Median µs per call of each named candidate, timed in the order A B … B A by ``time_half(name)`` (which
+    returns per-call samples): the GPU's clock and temperature drift between back-to-back timings, and each
+    candidate then meets the drift alike. A candidate whose timing raises is dropped when ``on_error`` is given
+    (and told), else the error propagates."""
+    samples: dict[str, list[float] | None] = {name: [] for name in names}
+    for name in [*names, *reversed(names)]:
+        if samples[name] is None:
+            continue
+        try:
+            samples[name] += time_half(name)
+        except Exception as e:
+            if on_error is None:
+                raise
+            on_error(name, e)
+            samples[name] = None
+    return {name: statistics.median(got) for name, got in samples.items() if got}
+
+
 def cuda_graph_time_us(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], replays: int = 20,
                        repeats: int = 5) -> float:
     """Median µs per call of :func:`cuda_graph_timing`."""
@@ -159,9 +179,10 @@ def measure_region(region: Region, graph: Graph, ctx: Any) -> RegionTiming:
             return RegionTiming(**hit)
     inputs = [random_like(v.meta) if v.meta else v.example for v in sub.inputs]
     sets = rotated_input_sets(inputs, torch.cuda.get_device_properties(inputs[0].device).L2_cache_size)
-    inductor_fn = _inductor_region(sub, inputs, ctx.config.inductor_mode)
-    timing = RegionTiming(mirage_us=cuda_graph_time_us(region.kernel, sets),
-                          inductor_us=cuda_graph_time_us(inductor_fn, sets))
+    fns = {"mirage": region.kernel, "inductor": _inductor_region(sub, inputs, ctx.config.inductor_mode)}
+    us = alternating_medians(list(fns), lambda name: cuda_graph_timing(fns[name], sets, replays=20,
+                                                                        repeats=3)["samples"])
+    timing = RegionTiming(mirage_us=us["mirage"], inductor_us=us["inductor"])
     if key is not None:
         ctx.cache.put_json(key, timing.__dict__)
     return timing
