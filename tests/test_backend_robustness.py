@@ -223,43 +223,44 @@ def test_mutated_inputs_are_found_through_views():
     assert mutated_inputs(trace_aten(pure, *inputs)) == ()
 
 
-def _write_back_graph(extra_read: bool):
+def _write_back_graph(blocker: str | None):
     import torch.fx as fx
 
     g = fx.Graph()
     cache, idx, v = g.placeholder("cache"), g.placeholder("idx"), g.placeholder("v")
     new = g.call_function(torch.ops.aten.index_put.default, (cache, [idx], v))
     out = g.call_function(torch.ops.aten.mul.Tensor, (new, 2))
-    if extra_read:   # the old cache read after the update: an in-place update would change what it sees
+    if blocker == "old value read":   # after the update: an in-place update would change what it sees
         out = g.call_function(torch.ops.aten.add.Tensor, (out, g.call_function(torch.ops.aten.sum.default, (cache,))))
     g.call_function(torch.ops.aten.copy_.default, (cache, new))
-    g.output((out,))
+    if blocker == "returned as a view":   # made in place, the caller would get the cache itself
+        g.output((out, g.call_function(torch.ops.aten.view.default, (new, [24]))))
+    else:
+        g.output((out,))
     return g
 
 
-@pytest.mark.parametrize("extra_read", [False, True])
-def test_kv_cache_write_back_becomes_an_in_place_update(extra_read):
-    """copy_(cache, index_put(cache, ...)) → index_put_(cache, ...) where nothing else reads the cache; the graph
-    computes the same result and leaves the cache in the same state either way."""
+@pytest.mark.parametrize("blocker", [None, "old value read", "returned as a view"])
+def test_kv_cache_write_back_becomes_an_in_place_update(blocker):
+    """copy_(cache, index_put(cache, ...)) → index_put_(cache, ...) where nothing else reads the cache and the
+    update is not returned; the graph computes the same result and leaves the cache in the same state."""
     import torch.fx as fx
 
     from torch_mirage.runtime.assemble import reinplace_write_backs
 
-    def run(graph):
-        cache, idx, v = torch.randn(6, 4), torch.tensor([1, 4]), torch.randn(2, 4)
-        before = cache.clone()
-        (out,) = fx.GraphModule(torch.nn.Module(), graph)(cache, idx, v)
-        return out, cache, before, idx, v
-
-    g = _write_back_graph(extra_read)
-    assert reinplace_write_backs(g) == (0 if extra_read else 1)
+    g = _write_back_graph(blocker)
+    assert reinplace_write_backs(g) == (0 if blocker else 1)
     targets = [n.target for n in g.nodes if n.op == "call_function"]
-    assert (torch.ops.aten.copy_.default in targets) == extra_read
-    assert (torch.ops.aten.index_put_.default in targets) != extra_read
-    out, cache, before, idx, v = run(g)
+    assert (torch.ops.aten.copy_.default in targets) == bool(blocker)
+    assert (torch.ops.aten.index_put_.default in targets) != bool(blocker)
+    cache, idx, v = torch.randn(6, 4), torch.tensor([1, 4]), torch.randn(2, 4)
+    before = cache.clone()
+    out = fx.GraphModule(torch.nn.Module(), g)(cache, idx, v)
     want = before.index_put([idx], v)
     assert torch.equal(cache, want)
-    assert_close(out, want * 2 + (before.sum() if extra_read else 0))
+    assert_close(out[0], want * 2 + (before.sum() if blocker == "old value read" else 0))
+    if blocker == "returned as a view":
+        assert out[1].data_ptr() != cache.data_ptr() and torch.equal(out[1], want.view(24))
 
 
 def test_static_cache_update_next_to_a_mirage_region(monkeypatch):

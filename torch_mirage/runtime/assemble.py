@@ -119,12 +119,31 @@ def reinplace_write_backs(graph: fx.Graph) -> int:
         dst, src = copy.args[0], copy.args[1]
         if not (isinstance(dst, fx.Node) and dst.op == "placeholder" and isinstance(src, fx.Node)
                 and src.op == "call_function" and src.target in _IN_PLACE and src.args and src.args[0] is dst
-                and set(dst.users) == {src, copy}):
+                and set(dst.users) == {src, copy} and not _returned_as_view(src)):
             continue
         src.target = _IN_PLACE[src.target]
         graph.erase_node(copy)
         done += 1
     return done
+
+
+def _returned_as_view(node: fx.Node) -> bool:
+    """Whether the graph returns ``node`` or a view of it (made in place, the caller would get the input)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if user.op == "output":
+                return True
+            schema = getattr(user.target, "_schema", None) if user.op == "call_function" else None
+            aliases = schema is not None and schema.arguments and user.args and user.args[0] is n and \
+                schema.arguments[0].alias_info is not None and not schema.arguments[0].alias_info.is_write
+            if aliases or user.target is operator.getitem:
+                todo.append(user)
+    return False
 
 
 def _region_runner(kernel, n_out: int):
