@@ -141,7 +141,7 @@ def _returned_as_view(node: fx.Node) -> bool:
             schema = getattr(user.target, "_schema", None) if user.op == "call_function" else None
             aliases = schema is not None and schema.arguments and user.args and user.args[0] is n and \
                 schema.arguments[0].alias_info is not None and not schema.arguments[0].alias_info.is_write
-            if aliases or user.target is operator.getitem:
+            if aliases or user.target in (operator.getitem, torch.ops.aten._unsafe_view.default):
                 todo.append(user)
     return False
 
