@@ -34,8 +34,9 @@ class FasterOf:
     ``in_callers_graph``: the caller captures our function in its own CUDA graph (``MIRAGE_CUDA_GRAPHS=0``), so
     candidates are timed inside a graph — GPU time, what that graph will replay, several calls per replay on
     copies of the arguments that together exceed L2 (:func:`timing_input_sets`) when no state has to be
-    restored; a candidate that cannot be captured is not chosen. Otherwise each candidate is timed launched from Python, as the caller will run it
-    (a replay of its own CUDA graph where it has one): CPU launch cost counts there, as it does for the user.
+    restored; a candidate that cannot be captured is not chosen. Otherwise each candidate is timed launched from
+    Python, as the caller will run it (a replay of its own CUDA graph where it has one): CPU launch cost counts
+    there, as it does for the user.
     """
 
     def __init__(self, candidates: dict[str, Callable[..., Any]], on_choice: Callable[[str, dict], None],
