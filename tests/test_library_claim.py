@@ -221,3 +221,20 @@ def test_ntrans_with_its_eps_read_from_the_graph(dtype):
     compiled, report = _compile(two_eps)
     assert_close(compiled(*xs), two_eps(*[x.double() for x in xs]).to(dtype), dtype)
     assert not _library_regions(report), str(report)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("x_shape", [(12, 48), (2, 6, 48)])
+def test_rmsnorm_linear_with_its_eps_read_from_the_graph(dtype, x_shape):
+    """``rms_norm(x)·g @ w`` (the norm in fp32 and cast back, as half-precision models write it) runs the
+    RMSNorm+Linear μGraph with the graph's eps; (batch, seq, k) activations fold into rows."""
+    def rmsnorm_linear(x, g, w):
+        return (_rms(x, 1e-5) * g) @ w
+
+    compiled, report = _compile(rmsnorm_linear)
+    xs = [torch.randn(x_shape, dtype=dtype), 1 + 0.1 * torch.randn(48, dtype=dtype),
+          torch.randn(48, 40, dtype=dtype) * 48 ** -0.5]
+    assert_close(compiled(*xs), rmsnorm_linear(*[x.double() for x in xs]).to(dtype), dtype)
+    (region,) = _library_regions(report)
+    assert region.info["ugraph"] == "rmsnorm_linear" and "eps=1e-05" in region.detail, str(report)
+    assert region.info["dims"] == [12, 48, 40]

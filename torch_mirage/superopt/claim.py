@@ -42,6 +42,11 @@ def _rms_norm_fp32(x, eps):
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def rmsnorm_linear_fp32(x, g, w, eps):
+    """RMSNorm + Linear as half-precision models write it: the norm in fp32, cast back, then the gain."""
+    return (_rms_norm_fp32(x, eps) * g) @ w
+
+
 def ntrans_norms_fp32(h, x, alpha, eps):
     """nTrans as half-precision models write it: each RMS norm in fp32, cast back."""
     return _rms_norm_fp32(alpha * (_rms_norm_fp32(h, eps) + x) + x, eps)
@@ -49,6 +54,7 @@ def ntrans_norms_fp32(h, x, alpha, eps):
 
 # workloads with one output, and the ways users write each program (see the module docstring)
 PROGRAMS: dict[str, tuple[Callable, ...]] = {
+    "rmsnorm_linear": (library.rmsnorm_linear_ref, rmsnorm_linear_fp32),
     "lora": (library.lora_ref,),
     "gated_mlp": (library.gated_mlp_ref,),
     "gqa_flashattention": (library.attention_ref, attention_softmax_fp32),
@@ -56,7 +62,7 @@ PROGRAMS: dict[str, tuple[Callable, ...]] = {
 }
 # keyword constants a program and its μGraph take that the shapes do not fix: read from the user's graph where
 # the program traced with a sentinel value has it, then required to match exactly like every other constant
-CONSTANTS: dict[str, tuple[str, ...]] = {"ntrans": ("eps",)}
+CONSTANTS: dict[str, tuple[str, ...]] = {"ntrans": ("eps",), "rmsnorm_linear": ("eps",)}
 _SENTINELS = (1.2345678e-5, 2.3456789e-5)
 DEFAULT_WORKLOADS = tuple(PROGRAMS)
 # other μGraphs of the same program, inputs and dims: each is compiled, and on a GPU the fastest runs (split-KV
@@ -64,7 +70,7 @@ DEFAULT_WORKLOADS = tuple(PROGRAMS)
 ALTERNATIVES: dict[str, tuple[str, ...]] = {"gqa_flashattention": ("gqa_flashdecoding",)}
 # the μGraph input whose rows may come with leading dims — a (batch, seq, k) activation for an (m, k) one — and
 # then the output carries the same leading dims (the matmul ``x @ w`` of a 3-D x is view → mm → view in ATen)
-BATCHED_INPUT = {"lora": 0, "gated_mlp": 0}
+BATCHED_INPUT = {"lora": 0, "gated_mlp": 0, "rmsnorm_linear": 0}
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _PROBE = (1009, 1013, 1019, 1021, 1031, 1033, 1039)   # distinct primes: which dim lands where in the shapes
 
