@@ -259,21 +259,26 @@ def test_faster_of_times_candidates_as_they_will_run(in_callers_graph):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_library_ugraphs_on_the_gpu(dtype):
-    """LoRA and attention written as the library writes them run their μGraph (or Inductor's version where
-    that measured faster) and match float64."""
+    """LoRA, attention and RMSNorm + Linear written as the library writes them run their μGraph (or
+    Inductor's version where that measured faster) and match float64."""
     def lora(x, w, a, b):
         return x @ w + (x @ a) @ b
+
+    def rmsnorm_linear(x, g, w):
+        h = x.float()
+        return ((h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * g) @ w
 
     def attention(q, k, v):
         s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
         return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
     cases = [(lora, [(128, 256), (256, 4096), (256, 16), (16, 4096)]),
-             (attention, [(2, 2, 256, 64), (2, 2, 1024, 64), (2, 2, 1024, 64)])]
+             (attention, [(2, 2, 256, 64), (2, 2, 1024, 64), (2, 2, 1024, 64)]),
+             (rmsnorm_linear, [(16, 4096), (4096,), (4096, 4096)])]
     for fn, shapes in cases:
         report = torch_mirage.Report()
         compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(report=report))
-        xs = [torch.randn(s, device="cuda", dtype=dtype) * s[-2] ** -0.5 for s in shapes]
+        xs = [torch.randn(s, device="cuda", dtype=dtype) * (s[-2] ** -0.5 if len(s) > 1 else 1.0) for s in shapes]
         assert_close(compiled(*xs), fn(*[x.double() for x in xs]).to(dtype), dtype)
         claimed = [r for r in report.regions if r.claimer == "ugraph-library"]
         assert len(claimed) == 1 and claimed[0].compiled_by in ("mirage", "inductor"), str(report)
