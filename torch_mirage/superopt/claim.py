@@ -344,19 +344,27 @@ def _compiled(workload: library.Workload, dims: tuple, dtype: str, constants: di
         return None
 
 
-def _time_ugraph(compiled: Callable, examples: list) -> float | None:
-    """µs per call of a compiled μGraph replayed in a CUDA graph over inputs rotated past L2; None off CUDA."""
-    from ..runtime.measure import cuda_graph_time_us, rotated_input_sets
+def _timing_sets(examples: list) -> list | None:
+    """Copies of ``examples`` rotated past L2 for timing on CUDA; None off CUDA (nothing is timed there)."""
+    from ..runtime.measure import rotated_input_sets
 
     if examples[0].device.type != "cuda":
         return None
-    l2 = torch.cuda.get_device_properties(examples[0].device).L2_cache_size
-    return cuda_graph_time_us(compiled, rotated_input_sets(examples, l2))
+    return rotated_input_sets(examples, torch.cuda.get_device_properties(examples[0].device).L2_cache_size)
+
+
+def _time_ugraph(compiled: Callable, sets: list) -> list[float]:
+    """Per-call µs samples of a compiled μGraph replayed in a CUDA graph over ``sets``."""
+    from ..runtime.measure import cuda_graph_timing
+
+    return cuda_graph_timing(compiled, sets, replays=20, repeats=3)["samples"]
 
 
 def _fastest(built: list[tuple], examples: list, cache: Any) -> tuple[tuple, dict[str, float]]:
     """The fastest of several compiled μGraphs of one program (the first where none can be timed), with the
     times; a choice made once per kernel-graph set and device is read back from ``cache``."""
+    from ..runtime.measure import alternating_medians
+
     if len(built) == 1:
         return built[0], {}
     key = None
@@ -367,18 +375,18 @@ def _fastest(built: list[tuple], examples: list, cache: Any) -> tuple[tuple, dic
         hit = cache.get_json(key)
         if hit is not None and set(hit) == {w.name for w, _, _ in built}:
             return min(built, key=lambda b: hit[b[0].name]), hit
-    times: dict[str, float] = {}
-    for workload, _, compiled in built:
-        try:
-            us = _time_ugraph(compiled, examples)
-        except Exception as e:   # one that cannot be timed (e.g. not capturable) is not chosen
-            log.info("torch_mirage: timing μGraph %s failed (%s: %s)", workload.name, type(e).__name__, e)
-            continue
-        if us is not None:
-            times[workload.name] = us
+    sets = _timing_sets(examples)
+    if sets is None:
+        return built[0], {}
+    by_name = {b[0].name: b for b in built}
+
+    def failed(name: str, e: Exception) -> None:   # one that cannot be timed (e.g. not capturable) is not chosen
+        log.info("torch_mirage: timing μGraph %s failed (%s: %s)", name, type(e).__name__, e)
+
+    times = alternating_medians(list(by_name), lambda name: _time_ugraph(by_name[name][2], sets), on_error=failed)
     if not times:
         return built[0], {}
     log.info("torch_mirage: %s", ", ".join(f"μGraph {n} {us:.1f} µs" for n, us in times.items()))
     if key is not None and len(times) == len(built):
         cache.put_json(key, times)
-    return min((b for b in built if b[0].name in times), key=lambda b: times[b[0].name]), times
+    return by_name[min(times, key=times.get)], times
