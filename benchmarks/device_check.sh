@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels and the package, then run the named steps, each under its own
 # time limit (STEP_LIMIT_S, or step@SECONDS), logging to $OUT/<step>.log.
-# Steps: gputests gputest:<pytest -k expr> stitch stitchq stitchsweep mirageset mirageprofile bench:<part>.
+# Steps: gputests gputest:<pytest -k expr> stitch stitchq stitchsweep mirageset mirageprofile bench:<part>
+#        llmab:<args of benchmarks/llm_ab.py>.
 #   benchmarks/device_check.sh gputests@400 stitch mirageset
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,7 @@ for arg in "$@"; do
     stitchq)  timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py --quick ;;
     mirageset) timeout "$LIMIT" python3 benchmarks/mirage_set_gpu.py --limit 2 ;;
     mirageprofile) timeout "$LIMIT" python3 benchmarks/mirage_set_gpu.py --limit 2 --profile --no-max-autotune ;;
+    llmab:*)  timeout "$LIMIT" python3 benchmarks/llm_ab.py ${step#llmab:} ;;   # "llmab:--model M --scenario S" splits
     bench:*)  BUDGET_S=$((LIMIT - 40)) timeout "$LIMIT" bash benchmarks/run_h100.sh ${step#bench:} ;;   # "bench:PART ARGS..." splits
     *) echo "unknown step $step" ;;
   esac > "$OUT/${step//[^A-Za-z0-9_.-]/_}.log" 2>&1

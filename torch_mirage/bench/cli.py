@@ -59,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
+        os.environ["MIRAGE_LOG_LEVEL"] = "INFO"   # the backend sets its logger's level from this knob
     if args.merge:
         doc = report.merge([report.load(p) for p in args.merge])
         for msg in report.write_all(doc, args.out, args.name):
