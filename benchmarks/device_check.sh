@@ -26,6 +26,7 @@ for arg in "$@"; do
     stitch)   timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py ;;
     stitchsweep) timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py --sweep ;;
     stitchq)  timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py --quick ;;
+    sweep:*)  timeout "$LIMIT" python3 benchmarks/ugraph_config_sweep.py ${step#sweep:} ;;   # "sweep:--workload W --batches 1" splits
     mirageset) timeout "$LIMIT" python3 benchmarks/mirage_set_gpu.py --limit 2 ;;
     mirageprofile) timeout "$LIMIT" python3 benchmarks/mirage_set_gpu.py --limit 2 --profile --no-max-autotune ;;
     llmab:*)  timeout "$LIMIT" python3 benchmarks/llm_ab.py ${step#llmab:} ;;   # "llmab:--model M --scenario S" splits

@@ -328,6 +328,44 @@ def test_llm_driver_checks_every_mode(fake_transformers, monkeypatch):
     assert "| llama3-8b-4l | decode b1 ctx64 | float32 | noisy |" in report.markdown(doc)
 
 
+def test_llm_modes_timed_in_alternating_rounds(fake_transformers, monkeypatch):
+    """Every checked mode is timed in rounds of alternating order (A B C, C B A) and gets the median over all
+    its rounds' samples; a mode that failed its check is not timed. The timer is faked (no GPU here)."""
+    from torch_mirage.bench import llm
+
+    modes = {"eager": harness.COMPILERS["eager"], "also": harness.COMPILERS["eager"],
+             "noisy": lambda fn, info: (lambda *a: fn(*a) + 0.05 * torch.randn(1))}
+    monkeypatch.setattr(llm, "COMPILERS", modes)
+    order, per_call = [], {}
+
+    def fake_timer(step, sets, target_ms, repeats):
+        mode = next(m for m, fn in steps_by_fn.items() if fn is step)
+        order.append(mode)
+        us = {"eager": [100.0, 300.0], "also": [10.0, 20.0]}[mode][len(per_call.setdefault(mode, []))]
+        per_call[mode].append(us)
+        return {"us": us, "samples": [us] * repeats}
+
+    steps_by_fn = {}
+    real_check = llm._check_mode
+
+    def check(case, mode, dtype, peak):
+        res, step = real_check(case, mode, dtype, peak)
+        if step is not None:
+            steps_by_fn[mode] = step
+        return res, step
+
+    monkeypatch.setattr(llm, "_check_mode", check)
+    monkeypatch.setattr(llm, "time_in_cuda_graph", fake_timer)
+    spec = llm.MODELS["llama3-8b-4l"]
+    model, config = llm.build_model(spec, torch.float32, torch.device("cpu"), quick=True)
+    s = llm.scenarios([1], quick=True)[0]
+    r = llm.run_scenario(spec, model, config, s, True, torch.float32, list(modes), torch.device("cpu"),
+                         {"target_ms": 1.0, "repeats": 3}, echo=lambda line: None)
+    assert llm.TIMING_ROUNDS == 2 and order == ["eager", "also", "also", "eager"]
+    assert r["modes"]["eager"]["ms"] == pytest.approx(0.2) and r["modes"]["also"]["ms"] == pytest.approx(0.015)
+    assert r["modes"]["noisy"]["status"] == "failed" and r["modes"]["noisy"]["ms"] is None
+
+
 def test_llm_positions_checked_on_the_host(fake_transformers):
     """A scenario that does not fit the static cache is refused before anything runs (on a GPU, an
     out-of-bounds cache write is a device-side assert that poisons the CUDA context for every later case)."""

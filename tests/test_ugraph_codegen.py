@@ -126,7 +126,7 @@ def test_choose_on_cpu_is_the_graphs_own_schedule():
     assert cfg == launch.default_config(bg)
     cands = launch.candidates(bg, n_sm=132)
     assert cands[0].grid == bg.grid and all(retile(bg, c.grid, c.forloop_range) is not None for c in cands)
-    assert 2 <= len(cands) <= 14
+    assert 2 <= len(cands) <= 21
 
 
 def test_candidates_include_more_programs_per_sm():
@@ -137,6 +137,18 @@ def test_candidates_include_more_programs_per_sm():
     programs = {math.prod(c.grid) * c.split for c in cands}
     assert any(p >= 2 * 132 for p in programs) and any(p >= 4 * 132 for p in programs)
     assert all(retile(bg, c.grid, c.forloop_range) is not None for c in cands)
+
+
+def test_candidates_try_a_deep_pipeline_on_long_loops_only():
+    """Streaming weights over a 64-step loop: the own schedule is also tried with DEEP_PIPELINE's stages; a
+    re-tiling whose programs walk fewer than DEEP_LOOP steps is not (stages beyond the loop buy nothing)."""
+    bg = next(o for o in library.gated_mlp(8, 4096, 4096, dtype="float16").ops if o.name == "customized").body
+    cands = launch.candidates(bg, n_sm=132)
+    deep = [c for c in cands if (c.num_warps, c.num_stages) == launch.DEEP_PIPELINE]
+    assert any(c.grid == bg.grid and c.forloop_range == bg.forloop_range and c.split == 1 for c in deep)
+    assert all(c.forloop_range // c.split >= launch.DEEP_LOOP for c in deep)
+    short = [c for c in cands if c.forloop_range // c.split < launch.DEEP_LOOP]
+    assert all((c.num_warps, c.num_stages) in launch.WARPS_STAGES for c in short)
 
 
 def test_memory_plan_shares_only_disjoint_lifetimes():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -278,21 +279,39 @@ def run_model(spec: LLMSpec, batches: Sequence[int], dtype: torch.dtype, modes: 
 
 def run_scenario(spec: LLMSpec, model, config, s: Scenario, quick: bool, dtype: torch.dtype, modes: Sequence[str],
                  device: torch.device, timing: dict | None, echo: Callable[[str], None] = print) -> dict:
-    """One scenario of a built model through every mode, on a fresh static cache: the record of it."""
+    """One scenario of a built model through every mode, on a fresh static cache: the record of it.
+
+    Every mode is compiled and checked first and kept; then the modes are timed in ``TIMING_ROUNDS`` rounds of
+    alternating order (A B C, C B A, …), each round a fresh CUDA-graph capture, and the median over all rounds'
+    repeats is reported. A multi-millisecond prefill drifts with the GPU's clocks and temperature by a few per
+    cent over a minute; timing the modes one after another would hand that drift to whichever ran last."""
     context = 64 if quick else CONTEXT
     case = _prepare(model, config, spec, s, context, device, dtype)
-    results = {}
-    for mode in modes:
-        results[mode] = r = _run_mode(case, mode, dtype, timing)
-        t = f"{r['ms']:8.3f} ms/step {r['tokens_per_s']:10,.0f} tok/s" if r.get("ms") else ""
-        c = f"compile {r['compile_s']:.1f} s" if r.get("compile_s") is not None else ""
-        echo(f"  {spec.name:<14} {s.name:<18} {mode:<22} {r['status']:<6} {t} {c} "
-             f"{('err %.2e' % r['rel_err']) if r.get('rel_err') is not None else ''} {r.get('error') or ''}")
-    del case
-    _free()
+    results, steps = {}, {}
+    peak = _PeakMemory(device)
+    try:
+        for mode in modes:
+            results[mode], step = _check_mode(case, mode, dtype, peak)
+            if step is not None and timing is not None:
+                steps[mode] = step
+        if steps:
+            _time_modes(case, steps, results, timing, peak)
+    finally:
+        steps.clear()
+        results = {mode: _finite(r) for mode, r in results.items()}
+        for mode, r in results.items():
+            t = f"{r['ms']:8.3f} ms/step {r['tokens_per_s']:10,.0f} tok/s" if r.get("ms") else ""
+            c = f"compile {r['compile_s']:.1f} s" if r.get("compile_s") is not None else ""
+            echo(f"  {spec.name:<14} {s.name:<18} {mode:<22} {r['status']:<6} {t} {c} "
+                 f"{('err %.2e' % r['rel_err']) if r.get('rel_err') is not None else ''} {r.get('error') or ''}")
+        del case
+        _free()
     return {"model": spec.name, "scenario": s.name, "batch": s.batch, "tokens": s.tokens,
             "dtype": str(dtype).replace("torch.", ""), "config": dict(spec.config, **(spec.quick if quick else {})),
             "attn_implementation": spec.attn, "context": context, "start": s.start, "sets": 1, "modes": results}
+
+
+TIMING_ROUNDS = 2
 
 
 def _prepare(model, config, spec: LLMSpec, s: Scenario, context: int, device: torch.device,
@@ -325,16 +344,32 @@ def _prepare(model, config, spec: LLMSpec, s: Scenario, context: int, device: to
     return case
 
 
-def _run_mode(case: _Case, mode: str, dtype: torch.dtype, timing: dict | None) -> dict:
-    """Compile, check logits and the cache slots written against eager on every seed, then time."""
+class _PeakMemory:
+    """Peak GPU memory of one mode as if it were alone: :meth:`reset` before the mode's work, :meth:`gib` after;
+    what earlier modes still hold when it starts (allocated above the scenario's ``base``) is not counted."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.base = self.held = torch.cuda.memory_allocated() if self.cuda else 0
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.held = torch.cuda.memory_allocated()
+
+    def gib(self) -> float | None:
+        return (torch.cuda.max_memory_allocated() - (self.held - self.base)) / 2 ** 30 if self.cuda else None
+
+
+def _check_mode(case: _Case, mode: str, dtype: torch.dtype, peak: _PeakMemory) -> tuple[dict, Callable | None]:
+    """Compile, check logits and the cache slots written against eager on every seed: the mode's result so far,
+    and its ``step`` to time (None where it failed)."""
     res: dict[str, Any] = {"status": "failed", "ms": None, "tokens_per_s": None, "compile_s": None,
                            "peak_gib": None, "rel_err": None, "error": None, "timing_method": None}
     info: dict = {}
-    s, kv, tol = case.s, case.kv, TOLERANCE[dtype]
+    kv, tol = case.kv, TOLERANCE[dtype]
     try:
-        _free()
-        if case.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        peak.reset()
         compiled = COMPILERS[mode](case.forward, info)
 
         def step(ids, position_ids, cache_position):
@@ -361,29 +396,57 @@ def _run_mode(case: _Case, mode: str, dtype: torch.dtype, timing: dict | None) -
                 if math.isnan(err) or err > tol:
                     res["rel_err"] = worst
                     res["error"] = f"wrong {what} (seed {seed}): relative error {err:.3g} > {tol:g} vs eager"
-                    return res
+                    return res, None
         res["rel_err"] = worst
-        if timing is not None:
-            inputs = case.inputs(0)
-            kv.restore()
-            with torch.no_grad():
-                try:
-                    t = time_in_cuda_graph(step, [inputs], timing["target_ms"], timing["repeats"])
-                    res["timing_method"] = "cuda graph"
-                except Exception as e:   # e.g. a host sync inside the model: time it outside a graph, and say so
-                    torch.cuda.synchronize()
-                    t = plain_timing(step, inputs, target_ms=timing["target_ms"], repeats=timing["repeats"])
-                    res["timing_method"] = f"no graph (capture failed: {_short(e, 200)})"
-            res["ms"] = t["us"] / 1e3
-            res["tokens_per_s"] = s.batch * s.tokens / (res["ms"] * 1e-3)
-            res["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        res["peak_gib"] = peak.gib()
         res["status"] = "ok"
+        return res, step
     except Exception as e:
         res["error"] = _short(e)
+        return res, None
     finally:
         res["mirage"] = mirage_summary(info)
         info.clear()
-        _free()
+
+
+def _time_modes(case: _Case, steps: dict[str, Callable], results: dict[str, dict], timing: dict,
+                peak: _PeakMemory) -> None:
+    """Median ms per step of every checked mode over ``TIMING_ROUNDS`` rounds of alternating order."""
+    samples: dict[str, list[float]] = {mode: [] for mode in steps}
+    inputs = case.inputs(0)
+    order = list(steps)
+    for rnd in range(TIMING_ROUNDS):
+        for mode in (order if rnd % 2 == 0 else order[::-1]):
+            res = results[mode]
+            if res["status"] != "ok":
+                continue
+            kv = case.kv
+            kv.restore()
+            peak.reset()
+            try:
+                with torch.no_grad():
+                    try:
+                        t = time_in_cuda_graph(steps[mode], [inputs], timing["target_ms"], timing["repeats"])
+                        res["timing_method"] = "cuda graph"
+                    except Exception as e:   # e.g. a host sync inside the model: time it outside a graph, say so
+                        torch.cuda.synchronize()
+                        t = plain_timing(steps[mode], inputs, target_ms=timing["target_ms"], repeats=timing["repeats"])
+                        res["timing_method"] = f"no graph (capture failed: {_short(e, 200)})"
+            except Exception as e:
+                res.update(status="failed", error=f"timing: {_short(e)}")
+                continue
+            samples[mode] += t["samples"]
+            if peak.cuda:
+                res["peak_gib"] = max(res["peak_gib"] or 0.0, peak.gib())
+    for mode, got in samples.items():
+        res = results[mode]
+        if got and res["status"] == "ok":
+            res["ms"] = statistics.median(got) / 1e3
+            res["tokens_per_s"] = case.s.batch * case.s.tokens / (res["ms"] * 1e-3)
+            res["timing_rounds"] = TIMING_ROUNDS
+        elif res["status"] == "ok":
+            res.update(status="failed", error=res.get("error") or "not timed")
+
+
+def _finite(res: dict) -> dict:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in res.items()}
-
-
