@@ -3,7 +3,7 @@ alternating their order (I M M I …), each a replay of its own CUDA graph. Sepa
 slower" from "the mode timed later ran on a hotter, slower-clocked GPU" — the bench times its modes one
 after another. Prints mirage's regions (claimer, who compiled them) and its first-call choice.
 
-    python benchmarks/llm_ab.py --model llama3-8b-4l --scenario prefill --rounds 3
+    python benchmarks/llm_ab.py --model llama3-8b-4l --scenario prefill --rounds 4
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 
 from torch_mirage.bench import llm
 from torch_mirage.bench.harness import COMPILERS, time_in_cuda_graph
+from torch_mirage.runtime.measure import alternating_medians
 
 
 def main() -> None:
@@ -22,7 +23,7 @@ def main() -> None:
     p.add_argument("--model", default="llama3-8b-4l")
     p.add_argument("--scenario", default="prefill", help="prefill | decode-b1 | decode-b8")
     p.add_argument("--modes", nargs="+", default=["inductor", "mirage"])
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4, help="rounds of alternating order (rounded up to even)")
     p.add_argument("--target-ms", type=float, default=200.0)
     args = p.parse_args()
 
@@ -56,14 +57,18 @@ def main() -> None:
                           f"{' …' if len(r.ops) > 8 else ''} {json.dumps(r.info, default=str)[:300]}")
     order = list(args.modes)
     samples: dict[str, list[float]] = {m: [] for m in order}
+
+    def time_half(mode: str) -> list[float]:
+        case.kv.restore()
+        t = time_in_cuda_graph(steps[mode], [inputs], args.target_ms / 4, 4)
+        samples[mode] += t["samples"]
+        print(f"{mode:<22} {t['us'] / 1e3:8.3f} ms  (min {t['us_min'] / 1e3:.3f}, "
+              f"max {t['us_max'] / 1e3:.3f}, replays {t['replays']})", flush=True)
+        return t["samples"]
+
     with torch.no_grad():
-        for rnd in range(args.rounds):
-            for mode in (order if rnd % 2 == 0 else list(reversed(order))):
-                case.kv.restore()
-                t = time_in_cuda_graph(steps[mode], [inputs], args.target_ms / 4, 4)
-                samples[mode] += t["samples"]
-                print(f"round {rnd} {mode:<22} {t['us'] / 1e3:8.3f} ms  (min {t['us_min'] / 1e3:.3f}, "
-                      f"max {t['us_max'] / 1e3:.3f}, replays {t['replays']})", flush=True)
+        for _ in range(-(-args.rounds // 2)):     # each pass is two rounds: A B, then B A
+            alternating_medians(order, time_half)
     for mode in order:
         print(f"{args.model} {s.name} {mode:<22} median {statistics.median(samples[mode]) / 1e3:.3f} ms "
               f"over {len(samples[mode])} repeats")

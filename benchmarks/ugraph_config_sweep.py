@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mirage_set_gpu import make_inputs, rel_error  # noqa: E402  (this directory)
 from torch_mirage.codegen.launch import LaunchConfig, candidates, choose  # noqa: E402
 from torch_mirage.runtime.measure import cuda_graph_time_us, rotated_input_sets  # noqa: E402
 from torch_mirage.superopt import library  # noqa: E402
@@ -45,9 +46,7 @@ def main() -> None:
             dims = library.bench_dims(name, b)
             w = library.WORKLOADS[name]
             kg = w.build(*dims)
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            xs = [(torch.randn(s, generator=gen, device="cuda") / (s[0] ** 0.5 if i and len(s) > 1 else 1)).half()
-                  for i, s in enumerate(w.input_shapes(*dims))]
+            xs = make_inputs(name, dims, torch.Generator(device="cuda").manual_seed(0))
             op = next(o for o in kg.ops if o.name == "customized")
             bg = op.body
             ranks = [x.dim() for x in xs]
@@ -67,7 +66,7 @@ def main() -> None:
                         out = run(*xs)[0]
                         if want is None:
                             want = out.clone()
-                        err = float((out.double() - want.double()).norm() / want.double().norm())
+                        err = rel_error(out, want.double())
                         us = cuda_graph_time_us(run, sets, replays=10, repeats=3)
                     except Exception as e:
                         print(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:100]})")

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
-from ..runtime.measure import plain_timing
+from ..runtime.measure import alternating_medians, plain_timing
 from .harness import COMPILERS, _free, _short, mirage_summary, rel_error, time_in_cuda_graph
 
 CONTEXT = 4096          # static cache slots
@@ -281,9 +280,9 @@ def run_scenario(spec: LLMSpec, model, config, s: Scenario, quick: bool, dtype: 
                  device: torch.device, timing: dict | None, echo: Callable[[str], None] = print) -> dict:
     """One scenario of a built model through every mode, on a fresh static cache: the record of it.
 
-    Every mode is compiled and checked first and kept; then the modes are timed in ``TIMING_ROUNDS`` rounds of
-    alternating order (A B C, C B A, …), each round a fresh CUDA-graph capture, and the median over all rounds'
-    repeats is reported. A multi-millisecond prefill drifts with the GPU's clocks and temperature by a few per
+    Every mode is compiled and checked first and kept; then the modes are timed in two rounds of alternating
+    order (A B C, C B A: ``measure.alternating_medians``), each a fresh CUDA-graph capture, and the median over
+    both rounds' repeats is reported. A multi-millisecond prefill drifts with the GPU's clocks and temperature by a few per
     cent over a minute; timing the modes one after another would hand that drift to whichever ran last."""
     context = 64 if quick else CONTEXT
     case = _prepare(model, config, spec, s, context, device, dtype)
@@ -311,7 +310,7 @@ def run_scenario(spec: LLMSpec, model, config, s: Scenario, quick: bool, dtype: 
             "attn_implementation": spec.attn, "context": context, "start": s.start, "sets": 1, "modes": results}
 
 
-TIMING_ROUNDS = 2
+TIMING_ROUNDS = 2   # the A B … B A of ``alternating_medians``
 
 
 def _prepare(model, config, spec: LLMSpec, s: Scenario, context: int, device: torch.device,
@@ -411,41 +410,35 @@ def _check_mode(case: _Case, mode: str, dtype: torch.dtype, peak: _PeakMemory) -
 
 def _time_modes(case: _Case, steps: dict[str, Callable], results: dict[str, dict], timing: dict,
                 peak: _PeakMemory) -> None:
-    """Median ms per step of every checked mode over ``TIMING_ROUNDS`` rounds of alternating order."""
-    samples: dict[str, list[float]] = {mode: [] for mode in steps}
+    """Median ms per step of every checked mode, timed in the order A B … B A (``alternating_medians``)."""
     inputs = case.inputs(0)
-    order = list(steps)
-    for rnd in range(TIMING_ROUNDS):
-        for mode in (order if rnd % 2 == 0 else order[::-1]):
-            res = results[mode]
-            if res["status"] != "ok":
-                continue
-            kv = case.kv
-            kv.restore()
-            peak.reset()
-            try:
-                with torch.no_grad():
-                    try:
-                        t = time_in_cuda_graph(steps[mode], [inputs], timing["target_ms"], timing["repeats"])
-                        res["timing_method"] = "cuda graph"
-                    except Exception as e:   # e.g. a host sync inside the model: time it outside a graph, say so
-                        torch.cuda.synchronize()
-                        t = plain_timing(steps[mode], inputs, target_ms=timing["target_ms"], repeats=timing["repeats"])
-                        res["timing_method"] = f"no graph (capture failed: {_short(e, 200)})"
-            except Exception as e:
-                res.update(status="failed", error=f"timing: {_short(e)}")
-                continue
-            samples[mode] += t["samples"]
-            if peak.cuda:
-                res["peak_gib"] = max(res["peak_gib"] or 0.0, peak.gib())
-    for mode, got in samples.items():
+
+    def time_half(mode: str) -> list[float]:
         res = results[mode]
-        if got and res["status"] == "ok":
-            res["ms"] = statistics.median(got) / 1e3
+        case.kv.restore()
+        peak.reset()
+        with torch.no_grad():
+            try:
+                t = time_in_cuda_graph(steps[mode], [inputs], timing["target_ms"], timing["repeats"])
+                res["timing_method"] = "cuda graph"
+            except Exception as e:   # e.g. a host sync inside the model: time it outside a graph, say so
+                torch.cuda.synchronize()
+                t = plain_timing(steps[mode], inputs, target_ms=timing["target_ms"], repeats=timing["repeats"])
+                res["timing_method"] = f"no graph (capture failed: {_short(e, 200)})"
+        if peak.cuda:
+            res["peak_gib"] = max(res["peak_gib"] or 0.0, peak.gib())
+        return t["samples"]
+
+    def failed(mode: str, e: Exception) -> None:
+        results[mode].update(status="failed", error=f"timing: {_short(e)}")
+
+    medians = alternating_medians(list(steps), time_half, on_error=failed)
+    for mode in steps:
+        res = results[mode]
+        if mode in medians and res["status"] == "ok":
+            res["ms"] = medians[mode] / 1e3
             res["tokens_per_s"] = case.s.batch * case.s.tokens / (res["ms"] * 1e-3)
             res["timing_rounds"] = TIMING_ROUNDS
-        elif res["status"] == "ok":
-            res.update(status="failed", error=res.get("error") or "not timed")
 
 
 def _finite(res: dict) -> dict:
