@@ -32,7 +32,8 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--extra", nargs="*", default=[], metavar="GRID:LOOP:SPLIT",
-                   help="more re-tilings to time, e.g. 128:64:1 (grid, forloop_range, split; 1-D grids)")
+                   help="more re-tilings to time, e.g. 128:64:1 or 2x8x2:64:4 (grid dims joined by x, "
+                        "forloop_range, split)")
     p.add_argument("--pairs", nargs="*", default=[], metavar="WARPS:STAGES",
                    help=f"(num_warps, num_stages) pairs (default: {' '.join(f'{w}:{s}' for w, s in PAIRS)})")
     args = p.parse_args()
@@ -53,7 +54,8 @@ def main() -> None:
             nbytes = sum(x.numel() * x.element_size() for x in xs)
             sets = rotated_input_sets(xs, props.L2_cache_size, max_sets=16)
             tilings = {(c.grid, c.forloop_range, c.split) for c in candidates(bg, props.multi_processor_count, args.limit)}
-            tilings |= {((int(g),), int(f), int(sp)) for g, f, sp in (e.split(":") for e in args.extra)}
+            tilings |= {(tuple(int(x) for x in g.split("x")), int(f), int(sp))
+                        for g, f, sp in (e.split(":") for e in args.extra)}
             pairs = [tuple(int(v) for v in x.split(":")) for x in args.pairs] or PAIRS
             t0 = time.time()
             chosen = choose(bg, lambda cfg: BlockLauncher(bg, cfg, ranks, cache_dir), xs)

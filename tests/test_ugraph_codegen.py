@@ -93,6 +93,46 @@ def test_retiled_and_split_kernels_match_eager(name, dims, sched, cfg, tmp_path)
     _check(name, got, xs, torch.float16)
 
 
+# split kernels whose combine runs on a finer grid (power-of-two state dims the combine cuts into chunks)
+CHUNKED = [
+    ("gqa_flashattention", (1, 2, 64, 32, 16), dict(q_blocks=1, forloop_range=4), LaunchConfig((2, 1, 1), 4, 4)),
+    ("qknorm_attention", (2, 1, 32, 16, 16), dict(q_blocks=1, forloop_range=2), LaunchConfig((1, 2, 1), 2, 2)),
+    ("rmsnorm_linear", (3, 32, 64), dict(grid=1, forloop_range=2), LaunchConfig((1,), 2, 2)),
+    ("gated_mlp", (5, 32, 64), dict(grid=2, forloop_range=2), LaunchConfig((2,), 2, 2)),
+]
+
+
+@pytest.mark.parametrize("name,dims,sched,cfg", CHUNKED, ids=[s[0] for s in CHUNKED])
+def test_split_combine_on_a_finer_grid_matches_eager(name, dims, sched, cfg, tmp_path):
+    g = library.WORKLOADS[name].build(*dims, dtype="float16", **sched)
+    (op,) = [o for o in g.ops if o.name == "customized"]
+    xs = _inputs(name, dims, torch.float16, seed=11)
+    run = BlockLauncher(op.body, cfg, [x.dim() for x in xs], str(tmp_path))
+    assert math.prod(run.combine_grid) > math.prod(cfg.grid), "the combine should run on more programs"
+    assert "chunk = " in run.source
+    (got,) = run(*xs)
+    _check(name, got, xs, torch.float16)
+
+
+def test_combine_tiling_keeps_the_grid_where_an_epilogue_op_reduces_the_chunked_dim():
+    """``sum_j (X @ W)[i, j]`` after the loop: cutting the accumulator's columns would give each combine
+    program a part of the row it sums, so the combine keeps the partial kernel's grid."""
+    g = builder.new_kernel_graph()
+    X, W = g.new_input((4, 32), "float32"), g.new_input((32, 64), "float32")
+    tb = builder.new_threadblock_graph((1,), 2)
+    acc = tb.forloop_accum(tb.matmul(tb.new_input(X, imap=(None,), fmap=1), tb.new_input(W, imap=(None,), fmap=0)),
+                           "sum")
+    tb.new_output(tb.reduce_sum(acc, dim=1), omap=(None,))
+    (Y,) = g.customized([X, W], tb)
+    g.mark_output(Y)
+    bg = next(o for o in g.build().ops if o.name == "customized").body
+    assert launch.combine_tiling(bg, 2).grid == bg.grid
+    fa = next(o for o in library.gqa_flashattention(1, 2, 64, 32, 16, q_blocks=1, forloop_range=4).ops
+              if o.name == "customized").body
+    assert launch.combine_tiling(fa, 4).grid == (2, 1, 4)        # 64 rows in chunks of 16
+    assert launch.combine_tiling(fa, 1).grid == fa.grid          # no split: no combine kernel
+
+
 def test_strided_inputs_are_read_through_their_strides():
     g = library.rmsnorm_linear(5, 9, 14, dtype="float32", grid=7, forloop_range=3)
     x, gw = torch.randn(5, 9, device=DEVICE), torch.randn(9, device=DEVICE)

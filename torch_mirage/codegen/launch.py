@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..superopt.ugraph import BlockGraph, Ctx, MuGraphError, ThreadGraph, make_op
-from .ugraph_triton import _saved, padded
+from .ugraph_triton import ELEMENTWISE, _saved, padded, strip
 
 log = logging.getLogger("torch_mirage")
 
@@ -38,6 +38,10 @@ DEEP_LOOP = 8                  # for-loop steps per program from which DEEP_PIPE
 PROBE_WAVES = (2, 4)           # programs per SM of the extra candidates :func:`candidates` always adds
 MAX_TILE = 128 * 128           # elements any block tile may hold (registers of one program)
 MAX_STAGE_BYTES = 48 * 1024    # bytes one for-loop iteration loads (x num_stages must fit shared memory)
+# programs the combine kernel after a split aims for: it reads every partial state once, so it wants the SMs
+# full (H100 profile, 11-23: attention's combine on the partial kernel's 16 tiles folded 8.4 MB of fp32 states)
+COMBINE_PROGRAMS = 256
+COMBINE_CHUNKS = (2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,52 @@ def retile(bg: BlockGraph, grid: Sequence[int], forloop_range: int) -> BlockGrap
     if [_saved(new, s) for s in new.savers] != [_saved(bg, s) for s in bg.savers]:
         return None
     return new
+
+
+def _elementwise(op) -> bool:
+    if op.name == "thread":
+        return all(o.name == "input" or o.name in ELEMENTWISE for o in op.body.ops)
+    return op.name in ELEMENTWISE
+
+
+def combine_tiling(bg: BlockGraph, split: int, programs: int = COMBINE_PROGRAMS) -> BlockGraph:
+    """The block graph whose grid the combine kernel after a ``split`` of ``bg`` runs on: ``bg`` with one grid
+    dim multiplied by the smallest chunk count that gives at least ``programs`` programs (else the most
+    programs), or ``bg`` itself. A chunking is used only where it cuts each accumulator state along one dim
+    into equal power-of-two parts of at least 16 (so a program's part is a slice of what one partial program
+    wrote, and not a sliver) and the
+    ops after the accumulators that the chunking reshapes are elementwise (a reduction or matmul over the
+    chunked dim would see a part of its operand)."""
+    if split <= 1 or math.prod(bg.grid) >= programs:
+        return bg
+    body, epi = bg.phases()
+    accs = [i for i in body if bg.ops[i].spec.kind == "accum"]
+    best = bg
+    for r in COMBINE_CHUNKS:
+        for g in range(len(bg.grid)):
+            fine = retile(bg, tuple(x * r if k == g else x for k, x in enumerate(bg.grid)), bg.forloop_range)
+            if fine is None or fine is bg or not _chunks_states(bg, fine, accs, r):
+                continue
+            if any(fine.ops[i].shapes != bg.ops[i].shapes and not _elementwise(bg.ops[i])
+                   for i in epi if bg.ops[i].name != "saver"):
+                continue
+            if math.prod(fine.grid) > math.prod(best.grid):
+                best = fine
+            if math.prod(fine.grid) >= programs:
+                return fine
+    return best
+
+
+def _chunks_states(bg: BlockGraph, fine: BlockGraph, accs, r: int) -> bool:
+    for i in accs:
+        for cs, fs in zip(bg.ops[i].shapes, fine.ops[i].shapes):
+            (c, _), (f, _) = strip(cs), strip(fs)
+            if len(c) != len(f):
+                return False
+            cut = [(a, b) for a, b in zip(c, f) if a != b]
+            if len(cut) > 1 or any(a != b * r or padded(a) != a or padded(b) != b or b < 16 for a, b in cut):
+                return False
+    return True
 
 
 # ------------------------------------------------------------------ candidates
@@ -204,7 +254,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     from ..cache import cache_key
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs",
-                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit])   # a wider search re-tunes
+                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS])   # a wider search re-tunes
     if cache is not None:
         hit = cache.get_json(key)
         if hit is not None:

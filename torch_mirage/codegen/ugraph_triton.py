@@ -18,7 +18,10 @@ What maps to what (Mirage §2, §6):
 * ``split > 1`` is a kernel-level reduction after the graph-defined op (split-K / split-KV): the partial
   kernel runs ``forloop_range / split`` iterations per program and writes its raw accumulator states to an
   fp32 workspace; a combine kernel folds the splits (sum / max / online-softmax rescale), applies the
-  accumulators' finals, the epilogue and the savers.
+  accumulators' finals, the epilogue and the savers. The combine kernel may run on a finer grid than the
+  partial kernel (``combine=`` a re-tiling with one grid dim multiplied): each of its programs folds one
+  chunk of a partial program's states, so the fold of large states (attention's (rows, d) outputs) is not
+  left to as few programs as the partial kernel has tiles.
 
 Leading unit dims of a tile are dropped (keeping rank ≥ 2 for rank ≥ 2 tiles); that keeps attention's
 ``(1, 1, rows, d)`` tiles two-dimensional for ``tl.dot`` and is exact under right-aligned broadcasting.
@@ -113,6 +116,7 @@ class BlockKernel:
     workspaces: list = field(default_factory=list)     # numel (padded) of each accumulator state, per program
     outputs: list = field(default_factory=list)        # (shape, dtype) of each saver's kernel tensor
     pipelined: bool = False                            # has a for-loop (takes NUM_STAGES)
+    combine_grid: tuple = ()                           # the combine kernel's grid (split > 1)
 
 
 class _Emitter:
@@ -458,10 +462,14 @@ def _pids(e: _Emitter, grid: tuple, split: int) -> None:
             e.line(f"pid_{g} = tl.program_id({g})")
 
 
-def _pid_flat(grid: tuple) -> str:
-    expr = "pid_0"
+def _pid_flat(grid: tuple, ratio: tuple = ()) -> str:
+    """The flat program index over ``grid``; where ``ratio[g] > 1`` the running program's ``pid_g`` is a
+    finer grid's and its program of ``grid`` is ``pid_g // ratio[g]``."""
+    def pid(g: int) -> str:
+        return f"(pid_{g} // {ratio[g]})" if ratio and ratio[g] > 1 else f"pid_{g}"
+    expr = pid(0)
     for g in range(1, len(grid)):
-        expr = f"({expr}) * {grid[g]} + pid_{g}"
+        expr = f"({expr}) * {grid[g]} + {pid(g)}"
     return f"({expr})"
 
 
@@ -481,8 +489,11 @@ def _epilogue(e: _Emitter, bg: BlockGraph, epi: list[int], env: dict) -> None:
             env[Ref(i, j)] = v
 
 
-def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", split: int = 1) -> BlockKernel:
-    """Triton source for one graph-defined op. ``in_ranks``: rank of each kernel input (its strides are arguments)."""
+def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", split: int = 1,
+                      combine: BlockGraph | None = None) -> BlockKernel:
+    """Triton source for one graph-defined op. ``in_ranks``: rank of each kernel input (its strides are
+    arguments). ``combine``: the re-tiling of ``bg`` whose grid the combine kernel runs on (split > 1;
+    default ``bg``'s own grid)."""
     if bg.forloop_range % split:
         raise CodegenError(f"μGraph codegen: split {split} does not divide forloop_range {bg.forloop_range}")
     body, epi = bg.phases()
@@ -538,8 +549,10 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
                        f"{e.flat(st.pshape)}, {st.name})")
                 j += 1
         source = _finish(e, head)
-        combine = _emit_combine(bg, name + "_combine", accs, epi, out_ranks, ws, split)
-        return BlockKernel(source + "\n\n" + combine, name, name + "_combine", tuple(bg.grid), split, ws, outputs, loop)
+        fine = combine or bg
+        src = _emit_combine(bg, fine, name + "_combine", accs, epi, out_ranks, ws, split)
+        return BlockKernel(source + "\n\n" + src, name, name + "_combine", tuple(bg.grid), split, ws, outputs, loop,
+                           tuple(fine.grid))
     for i in accs:
         for j, v in enumerate(_acc_final(e, bg, bg.ops[i], states[i])):
             env[Ref(i, j)] = v
@@ -552,31 +565,45 @@ def _saved(bg: BlockGraph, s: Op) -> tuple:
     return tuple(t * math.prod(bg.grid[g] for g, m in enumerate(s.attrs["omap"]) if m == d) for d, t in enumerate(tile))
 
 
-def _emit_combine(bg: BlockGraph, name: str, accs, epi, out_ranks, ws, split: int) -> str:
-    """The kernel after a split op: fold the ``split`` partial states, finals, epilogue, savers."""
-    e = _Emitter(bg, 0, 1)
-    _pids(e, bg.grid, 1)
+def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ranks, ws, split: int) -> str:
+    """The kernel after a split op: fold the ``split`` partial states, finals, epilogue, savers. It runs on
+    ``fine``'s grid (``bg``'s, or one dim of it multiplied: see :func:`combine_chunks`); a program there
+    reads its chunk of the states its program of ``bg`` wrote."""
+    ratio = tuple(f // c for f, c in zip(fine.grid, bg.grid))
+    e = _Emitter(fine, 0, 1)
+    _pids(e, fine.grid, 1)
+    for g, r in enumerate(ratio):
+        if r > 1:
+            e.line(f"chunk = pid_{g} % {r}")
     e.pid_lines = len(e.lines)
-    flat = _pid_flat(bg.grid)
+    flat = _pid_flat(bg.grid, ratio)
     env: dict[Ref, Val] = {}
     k = 0
     for i in accs:
         op = bg.ops[i]
-        shapes = [strip(s)[0] for s in op.shapes]
+        coarse = [tuple(padded(x) for x in strip(s)[0]) for s in op.shapes]
+        shapes = [strip(s)[0] for s in fine.ops[i].shapes]
         idx = range(k, k + len(shapes))
         k += len(shapes)
 
-        def load(j: int, shape, s) -> str:
-            return f"tl.load(ws{j}_ptr + ({flat} * {split} + {s}) * {ws[j]} + {e.flat(tuple(padded(x) for x in shape))})"
-        states = [e.assign("acc", load(j, sh, 0), sh) for j, sh in zip(idx, shapes)]
+        def load(j: int, shape, s, full) -> str:
+            rank, terms = len(full), []
+            for d, (p, f) in enumerate(zip(tuple(padded(x) for x in shape), full)):
+                ix = e.r(p)
+                if p != f:                                  # the chunked dim: this program's part of it
+                    ix = f"(chunk * {p} + {ix})"
+                stride = math.prod(full[d + 1:])
+                terms.append(f"{ix}{_expand(rank, d)}" + (f" * {stride}" if stride != 1 else ""))
+            return f"tl.load(ws{j}_ptr + ({flat} * {split} + {s}) * {ws[j]} + {' + '.join(terms)})"
+        states = [e.assign("acc", load(j, sh, 0, c), sh) for j, sh, c in zip(idx, shapes, coarse)]
         e.line(f"for s in tl.static_range(1, {split}):")
         e.indent += 1
-        others = [e.assign("w", load(j, sh, "s"), sh) for j, sh in zip(idx, shapes)]
+        others = [e.assign("w", load(j, sh, "s", c), sh) for j, sh, c in zip(idx, shapes, coarse)]
         _combine(e, op, states, others)
         e.indent -= 1
         for n, v in enumerate(_acc_final(e, bg, op, states)):
             env[Ref(i, n)] = v
-    _epilogue(e, bg, epi, env)
+    _epilogue(e, fine, epi, env)
     params = [p for j, r in enumerate(out_ranks) for p in [f"out{j}_ptr"] + [f"out{j}_s{d}" for d in range(r)]]
     params += [f"ws{j}_ptr" for j in range(len(ws))]
     return _finish(e, ["@triton.jit", f"def {name}({', '.join(params)}):"])

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..codegen.launch import LaunchConfig, choose, default_config, retile
+from ..codegen.launch import LaunchConfig, choose, combine_tiling, default_config, retile
 from ..codegen.loader import load_source
 from ..codegen.ugraph_triton import BlockKernel, CodegenError, emit_block_kernel, module_source, order_by_depth
 from .arith import TorchArith
@@ -50,13 +50,16 @@ class BlockLauncher:
             raise CodegenError(f"launch config {config} does not re-tile the block graph (grid {bg.grid}, "
                                f"forloop_range {bg.forloop_range})")
         self.config = config
-        self.kernel: BlockKernel = emit_block_kernel(tiled, list(in_ranks), name, config.split)
+        combine = combine_tiling(tiled, config.split) if config.split > 1 else None
+        self.kernel: BlockKernel = emit_block_kernel(tiled, list(in_ranks), name, config.split, combine)
         self.source = module_source([self.kernel])
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
         self.fn = getattr(module, self.kernel.name)
         self.combine_fn = getattr(module, self.kernel.combine) if self.kernel.combine else None
         grid = list(self.kernel.grid) + [1] * (3 - len(self.kernel.grid))
         self.launch_grid = (grid[0] * config.split, grid[1], grid[2])
+        cgrid = list(self.kernel.combine_grid) + [1] * (3 - len(self.kernel.combine_grid))
+        self.combine_grid = tuple(cgrid)
         self.out_specs = [(tuple(s), DTYPES[d]) for s, d in self.kernel.outputs]
         programs = grid[0] * grid[1] * grid[2] * config.split
         self.ws_specs = [((n * programs,), torch.float32) for n in self.kernel.workspaces]
@@ -80,8 +83,7 @@ class BlockLauncher:
             self.fn[self.launch_grid](*args, *out_args, **extra, **opts)
         else:
             self.fn[self.launch_grid](*args, *ws, **extra, **opts)
-            combine_grid = (self.launch_grid[0] // self.config.split, *self.launch_grid[1:])
-            self.combine_fn[combine_grid](*out_args, *ws, num_warps=self.config.num_warps)
+            self.combine_fn[self.combine_grid](*out_args, *ws, num_warps=self.config.num_warps)
         return outs
 
 
