@@ -2,7 +2,7 @@
 # One device call: install carried wheels and the package, then run the named steps, each under its own
 # time limit (STEP_LIMIT_S, or step@SECONDS), logging to $OUT/<step>.log.
 # Steps: gputests gputest:<pytest -k expr> stitch stitchq stitchsweep mirageset mirageprofile bench:<part>
-#        llmab:<args of benchmarks/llm_ab.py>.
+#        llmab:<args of benchmarks/llm_ab.py> attnprobe:<args of benchmarks/attention_probe.py>.
 #   benchmarks/device_check.sh gputests@400 stitch mirageset
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,7 @@ for arg in "$@"; do
   step=${arg%@*}; LIMIT=${STEP_LIMIT_S:-280}
   [[ $arg == *@* ]] && LIMIT=${arg##*@}     # step@SECONDS: this step's own limit
   echo "== $step (limit ${LIMIT}s)"
+  log="$OUT/$(printf %s "$step" | tr -c 'A-Za-z0-9_.-' _ | cut -c1-80).log"   # file names stay short
   case "$step" in
     gputests) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -p no:cacheprovider ;;
     gputest:*) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -p no:cacheprovider -k "${step#gputest:}" ;;
@@ -29,11 +30,12 @@ for arg in "$@"; do
     sweep:*)  timeout "$LIMIT" python3 benchmarks/ugraph_config_sweep.py ${step#sweep:} ;;   # "sweep:--workload W --batches 1" splits
     mirageset) timeout "$LIMIT" python3 benchmarks/mirage_set_gpu.py --limit 2 ;;
     mirageprofile) timeout "$LIMIT" python3 benchmarks/mirage_set_gpu.py --limit 2 --profile --no-max-autotune ;;
+    attnprobe:*) timeout "$LIMIT" python3 benchmarks/attention_probe.py ${step#attnprobe:} ;;
     llmab:*)  timeout "$LIMIT" python3 benchmarks/llm_ab.py ${step#llmab:} ;;   # "llmab:--model M --scenario S" splits
     bench:*)  BUDGET_S=$((LIMIT - 40)) timeout "$LIMIT" bash benchmarks/run_h100.sh ${step#bench:} ;;   # "bench:PART ARGS..." splits
     *) echo "unknown step $step" ;;
-  esac > "$OUT/${step//[^A-Za-z0-9_.-]/_}.log" 2>&1
-  echo "rc=$?"; tail -25 "$OUT/${step//[^A-Za-z0-9_.-]/_}.log"
+  esac > "$log" 2>&1
+  echo "rc=$?"; tail -25 "$log"
   # only 8 files come back from a device call: keep the JSON, the table and the step log
   rm -f "$OUT"/*.png "$OUT"/*.gpu.txt
   part=${step#bench:}; [[ $step == bench:* ]] && rm -f "$OUT/${part%% *}.log" "$OUT/${part%% *}.md"   # the step log holds the part's log; merge rebuilds the table
