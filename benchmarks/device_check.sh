@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels and the package, then run the named steps, each under its own
 # time limit (STEP_LIMIT_S, or step@SECONDS), logging to $OUT/<step>.log.
-# Steps: gputests gputest:<pytest -k expr> stitch stitchq stitchsweep mirageset mirageprofile bench:<part>
+# Steps: gputests gputest:<pytest -k expr> pytest:<pytest args> stitch stitchq stitchsweep mirageset mirageprofile bench:<part>
 #        llmab:<args of benchmarks/llm_ab.py> attnprobe:<args of benchmarks/attention_probe.py>.
 #   benchmarks/device_check.sh gputests@400 stitch mirageset
 set -uo pipefail
@@ -24,6 +24,7 @@ for arg in "$@"; do
   case "$step" in
     gputests) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -p no:cacheprovider ;;
     gputest:*) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -p no:cacheprovider -k "${step#gputest:}" ;;
+    pytest:*) timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider ${step#pytest:} ;;   # CPU tests run on CUDA too
     stitch)   timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py ;;
     stitchsweep) timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py --sweep ;;
     stitchq)  timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py --quick ;;

@@ -2,7 +2,8 @@
 # The full benchmark run on one H100, in parts that each fit one 10-minute device command.
 #
 #   benchmarks/run_h100.sh PART [EXTRA BENCH ARGS]
-#       PART: fp16-b1-a fp16-b1-b fp16-b8-a fp16-b8-b bf16-b1 bf16-b8 llm-llama llm-qwen2 llm-gemma2
+#       PART: fp16-b1-a fp16-b1-b fp16-b8-a fp16-b8-b bf16-b1-a bf16-b1-b bf16-b8-a bf16-b8-b
+#             llm-llama llm-qwen2 llm-gemma2
 #             llm-llama-mat llm-qwen2-mat llm-gemma2-mat (Inductor max-autotune on the LLMs: merged in as a column)
 #       extra args override the part's (e.g. --workloads X Y to redo what a part left "not run")
 #   benchmarks/run_h100.sh merge DIR   (on any machine) merge DIR/*.json into benchmarks/results/h100.*
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 OUTDIR=${OUT:-benchmarks/results/raw}
 BUDGET_S=${BUDGET_S:-540}
-PART=${1:?usage: $0 PART [ARGS] | merge DIR   (PART: fp16-b1-a fp16-b1-b fp16-b8-a fp16-b8-b bf16-b1 bf16-b8 llm-llama llm-qwen2 llm-gemma2 llm-MODEL-mat)}
+PART=${1:?usage: $0 PART [ARGS] | merge DIR   (PART: fp16-bN-G bf16-bN-G with N 1 or 8, G a or b; llm-llama llm-qwen2 llm-gemma2 llm-MODEL-mat)}
 shift
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -29,14 +30,12 @@ bench() {   # bench NAME ARGS...
 
 GROUP_A="rmsnorm_linear gated_mlp gated_mlp_llama8b gqa qknorm_attention lora ntrans"
 GROUP_B="bias_residual_layernorm bert_softmax bias_gelu h2o_core gemma2_softcap llama_layer_decode"
-BF16_SUBSET="rmsnorm_linear gqa bias_residual_layernorm h2o_core llama_layer_decode"
 case "$PART" in
-  fp16-b1-a)  bench "$PART" --dtype float16 --batch 1 --workloads $GROUP_A --llms none "$@" ;;
-  fp16-b1-b)  bench "$PART" --dtype float16 --batch 1 --workloads $GROUP_B --llms none "$@" ;;
-  fp16-b8-a)  bench "$PART" --dtype float16 --batch 8 --workloads $GROUP_A --llms none "$@" ;;
-  fp16-b8-b)  bench "$PART" --dtype float16 --batch 8 --workloads $GROUP_B --llms none "$@" ;;
-  bf16-b1)    bench "$PART" --dtype bfloat16 --batch 1 --workloads $BF16_SUBSET --llms none "$@" ;;
-  bf16-b8)    bench "$PART" --dtype bfloat16 --batch 8 --workloads $BF16_SUBSET --llms none "$@" ;;
+  fp16-b[18]-[ab]|bf16-b[18]-[ab])    # DTYPE-bBATCH-GROUP
+    dtype=${PART%%-*}; dtype=${dtype/fp16/float16}; dtype=${dtype/bf16/bfloat16}
+    batch=${PART#*-b}; batch=${batch%%-*}
+    group=GROUP_${PART##*-}; group=${group^^}
+    bench "$PART" --dtype "$dtype" --batch "$batch" --workloads ${!group} --llms none "$@" ;;
   llm-llama)  bench "$PART" --workloads none --llms llama3-8b-4l --batch 1 8 "$@" ;;
   llm-qwen2)  bench "$PART" --workloads none --llms qwen2-7b-4l --batch 1 8 "$@" ;;
   llm-gemma2) bench "$PART" --workloads none --llms gemma2-9b-4l --batch 1 8 "$@" ;;
