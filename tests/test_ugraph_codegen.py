@@ -72,44 +72,31 @@ def test_generated_triton_matches_eager(name, dims, sched, dtype):
     _check(name, got, xs, dtype)
 
 
-# (workload, dims, schedule, launch config): re-tiled grids / for-loops and kernel-level splits
+# (workload, dims, schedule, launch config, combine on a finer grid): re-tiled grids / for-loops and kernel-level
+# splits; states with an odd dim keep the combine on the partial kernel's grid, power-of-two ones cut into chunks
 SPLITS = [
-    ("rmsnorm_linear", (3, 15, 21), dict(grid=3, forloop_range=5), LaunchConfig((7,), 5, 5)),
-    ("gated_mlp", (3, 16, 32), dict(grid=2, forloop_range=4), LaunchConfig((1,), 2, 2)),
-    ("lora", (3, 15, 21, 5), dict(grid=3, forloop_range=5), LaunchConfig((1,), 5, 5)),
-    ("gqa_flashattention", (2, 3, 6, 15, 7), dict(q_blocks=3, forloop_range=5), LaunchConfig((3, 2, 1), 5, 5)),
-    ("qknorm_attention", (2, 3, 6, 15, 7), dict(q_blocks=2, forloop_range=3), LaunchConfig((3, 2, 2), 3, 3)),
+    ("rmsnorm_linear", (3, 15, 21), dict(grid=3, forloop_range=5), LaunchConfig((7,), 5, 5), False),
+    ("gated_mlp", (3, 16, 32), dict(grid=2, forloop_range=4), LaunchConfig((1,), 2, 2), True),
+    ("lora", (3, 15, 21, 5), dict(grid=3, forloop_range=5), LaunchConfig((1,), 5, 5), False),
+    ("gqa_flashattention", (2, 3, 6, 15, 7), dict(q_blocks=3, forloop_range=5), LaunchConfig((3, 2, 1), 5, 5), False),
+    ("qknorm_attention", (2, 3, 6, 15, 7), dict(q_blocks=2, forloop_range=3), LaunchConfig((3, 2, 2), 3, 3), False),
+    ("gqa_flashattention", (1, 2, 64, 32, 16), dict(q_blocks=1, forloop_range=4), LaunchConfig((2, 1, 1), 4, 4), True),
+    ("qknorm_attention", (2, 1, 32, 16, 16), dict(q_blocks=1, forloop_range=2), LaunchConfig((1, 2, 1), 2, 2), True),
+    ("rmsnorm_linear", (3, 32, 64), dict(grid=1, forloop_range=2), LaunchConfig((1,), 2, 2), True),
+    ("gated_mlp", (5, 32, 64), dict(grid=2, forloop_range=2), LaunchConfig((2,), 2, 2), True),
 ]
 
 
-@pytest.mark.parametrize("name,dims,sched,cfg", SPLITS, ids=[s[0] for s in SPLITS])
-def test_retiled_and_split_kernels_match_eager(name, dims, sched, cfg, tmp_path):
+@pytest.mark.parametrize("name,dims,sched,cfg,finer", SPLITS,
+                         ids=[f"{s[0]}-{'x'.join(map(str, s[1]))}" for s in SPLITS])
+def test_retiled_and_split_kernels_match_eager(name, dims, sched, cfg, finer, tmp_path):
     g = library.WORKLOADS[name].build(*dims, dtype="float16", **sched)
     (op,) = [o for o in g.ops if o.name == "customized"]
     xs = _inputs(name, dims, torch.float16, seed=7)
     run = BlockLauncher(op.body, cfg, [x.dim() for x in xs], str(tmp_path))
     assert (run.combine_fn is not None) == (cfg.split > 1)
-    (got,) = run(*xs)
-    _check(name, got, xs, torch.float16)
-
-
-# split kernels whose combine runs on a finer grid (power-of-two state dims the combine cuts into chunks)
-CHUNKED = [
-    ("gqa_flashattention", (1, 2, 64, 32, 16), dict(q_blocks=1, forloop_range=4), LaunchConfig((2, 1, 1), 4, 4)),
-    ("qknorm_attention", (2, 1, 32, 16, 16), dict(q_blocks=1, forloop_range=2), LaunchConfig((1, 2, 1), 2, 2)),
-    ("rmsnorm_linear", (3, 32, 64), dict(grid=1, forloop_range=2), LaunchConfig((1,), 2, 2)),
-    ("gated_mlp", (5, 32, 64), dict(grid=2, forloop_range=2), LaunchConfig((2,), 2, 2)),
-]
-
-
-@pytest.mark.parametrize("name,dims,sched,cfg", CHUNKED, ids=[s[0] for s in CHUNKED])
-def test_split_combine_on_a_finer_grid_matches_eager(name, dims, sched, cfg, tmp_path):
-    g = library.WORKLOADS[name].build(*dims, dtype="float16", **sched)
-    (op,) = [o for o in g.ops if o.name == "customized"]
-    xs = _inputs(name, dims, torch.float16, seed=11)
-    run = BlockLauncher(op.body, cfg, [x.dim() for x in xs], str(tmp_path))
-    assert math.prod(run.combine_grid) > math.prod(cfg.grid), "the combine should run on more programs"
-    assert "chunk = " in run.source
+    assert (math.prod(run.combine_grid) > math.prod(cfg.grid)) == finer, run.combine_grid
+    assert ("chunk = " in run.source) == finer
     (got,) = run(*xs)
     _check(name, got, xs, torch.float16)
 
