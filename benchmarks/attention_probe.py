@@ -11,9 +11,12 @@ in a CUDA graph over inputs rotated past L2:
   tutorial is (1-d row states, exp2, K read transposed through its strides), writing the same workspaces.
 
 and counts ``convert_layout`` ops and ``ex2`` instructions of the generated partial kernel (TTGIR / PTX).
-Prints a table; nothing here is used by the backend.
+With ``--qknorm``, instead: the QK-norm attention μGraph with K normalised per tile before the matmul
+(``k_norm="rows"``) against K's norm as a score-column scale after it (``"scale"``), and plain attention, each
+compiled and launch-tuned the way the backend does. Prints a table; nothing here is used by the backend.
 
     python benchmarks/attention_probe.py --batch 8 --config 2x8x2:64:4:4:3
+    python benchmarks/attention_probe.py --batch 8 --qknorm
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from torch_mirage.codegen.launch import LaunchConfig  # noqa: E402
 from torch_mirage.codegen.loader import load_source  # noqa: E402
 from torch_mirage.runtime.measure import cuda_graph_time_us, rotated_input_sets  # noqa: E402
 from torch_mirage.superopt import library  # noqa: E402
-from torch_mirage.superopt.compile import BlockLauncher  # noqa: E402
+from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph  # noqa: E402
 
 LOG2E = 1.4426950408889634
 
@@ -86,11 +89,33 @@ def compiled_asm(fn, key: str) -> str:
     return ""
 
 
+def qknorm_forms(batch: int) -> None:
+    b, h, sq, kv, d = library.bench_dims("qknorm_attention", batch)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    xs = [torch.randn(s, generator=gen, device="cuda").half()
+          for s in library.WORKLOADS["qknorm_attention"].input_shapes(b, h, sq, kv, d)]
+    want = library.qknorm_attention_ref(*[x.double() for x in xs], eps=1e-6)
+    sets = rotated_input_sets(xs, torch.cuda.get_device_properties(0).L2_cache_size, max_sets=64)
+    print(f"qknorm_attention b={batch} dims {(b, h, sq, kv, d)}, {len(sets)} input sets")
+    for name, g, n_in in (("k_norm=rows", library.qknorm_attention(b, h, sq, kv, d, eps=1e-6), 5),
+                          ("k_norm=scale", library.qknorm_attention(b, h, sq, kv, d, eps=1e-6, k_norm="scale"), 5),
+                          ("attention without norms", library.gqa_flashattention(b, h, sq, kv, d), 3)):
+        run = compile_ugraph(g, xs[:n_in])
+        out = run(*xs[:n_in])[0]
+        err = float((out.double() - want).norm() / want.norm()) if n_in == 5 else float("nan")
+        us = cuda_graph_time_us(run, [s_[:n_in] for s_ in sets], replays=10, repeats=5)
+        cfg = [st.launcher.config for st in run.steps if st.launcher is not None]
+        print(f"    {name:28s} {us:8.2f} µs  err {err:.1e}  {cfg}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--config", nargs="+", default=["2x8x2:64:4:4:3"], metavar="GRID:LOOP:SPLIT:WARPS:STAGES")
+    p.add_argument("--qknorm", action="store_true", help="compare the QK-norm attention forms instead")
     args = p.parse_args()
+    if args.qknorm:
+        return qknorm_forms(args.batch)
     b, h, sq, kv, d = library.bench_dims("gqa_flashattention", args.batch)
     kg = library.gqa_flashattention(b, h, sq, kv, d)
     bg = next(o for o in kg.ops if o.name == "customized").body
