@@ -19,8 +19,7 @@ CASES = {
     "gqa_flashattention": [((2, 3, 6, 15, 7), dict(q_blocks=3, forloop_range=5)),
                            ((1, 2, 5, 9, 3), dict(q_blocks=1, forloop_range=9))],
     "qknorm_attention": [((2, 3, 6, 15, 7), dict(q_blocks=2, forloop_range=3)),
-                         ((1, 1, 5, 10, 6), dict(q_blocks=5, forloop_range=2)),
-                         ((2, 3, 6, 15, 7), dict(q_blocks=3, forloop_range=5, k_norm="scale"))],
+                         ((1, 1, 5, 10, 6), dict(q_blocks=5, forloop_range=2))],
     "ntrans": [((6, 9), dict(grid=3)), ((5, 12), dict(grid=5))],
 }
 PARAMS = [(n, dims, sched) for n, cases in CASES.items() for dims, sched in cases]

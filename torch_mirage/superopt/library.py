@@ -13,9 +13,7 @@ each split dim; any divisor works, so tests use small odd shapes.
 * lora: (X ‖ XA)·(W ‖ B) per K tile, one kernel (the concat identity).
 * gqa_flashdecoding: split-KV partial attention (max, sum, out) + a combine kernel.
 * gqa_flashattention: one kernel, online-softmax accumulator.
-* qknorm_attention: Q/K RMS-norm fused into the FlashAttention kernel; with ``k_norm="scale"`` the K norm is
-  moved after the matmul (``(rms(Q)·Gq·Gk) Kᵀ`` with column j divided by rms(K_j)), so K tiles feed the
-  matmul as loaded.
+* qknorm_attention: Q/K RMS-norm fused into the FlashAttention kernel.
 * ntrans: rms(α·(rms(H)+X)+X) as one kernel.
 """
 from __future__ import annotations
@@ -116,25 +114,18 @@ def lora_ref(x, w, a, b):
 
 
 # ------------------------------------------------------------------ attention
-def _attention_block(tb, tQ, tK, tV, d: int, key_scale=None):
-    """Scores, online-softmax accumulation, ``o / l`` — shared by the FlashAttention-style graphs.
-    ``key_scale``: a (keys, 1) factor per key, applied to the score columns after the matmul."""
-    s = tb.matmul(tQ, tb.transpose(tK))
-    if key_scale is not None:
-        s = tb.mul(s, tb.transpose(key_scale))
-    m, l, o = tb.forloop_accum_online_softmax(tb.scalar_mul(s, value=1.0 / math.sqrt(d)), tV)
+def _attention_block(tb, tQ, tK, tV, d: int):
+    """Scores, online-softmax accumulation, ``o / l`` — shared by the FlashAttention-style graphs."""
+    s = tb.scalar_mul(tb.matmul(tQ, tb.transpose(tK)), value=1.0 / math.sqrt(d))
+    m, l, o = tb.forloop_accum_online_softmax(s, tV)
     return m, l, o
 
 
 def gqa_flashattention(b: int, h: int, sq: int, kv: int, d: int, *, dtype: str = "float16",
                        q_blocks: int | None = None, forloop_range: int | None = None, tile: int = 64,
-                       qknorm_eps: float | None = None, k_norm: str = "rows") -> KernelGraph:
+                       qknorm_eps: float | None = None) -> KernelGraph:
     """``softmax(Q Kᵀ/√d) V``: Q(b,h,sq,d), K,V(b,h,kv,d) [+ Gq(d), Gk(d) when
-    ``qknorm_eps`` is set]. Grid (h, b, q row blocks); the for-loop walks KV. ``k_norm``: "rows"
-    normalises each K tile before the matmul; "scale" multiplies Q by Gk once and divides score column j
-    by rms(K_j) after it (Σ_d q_d·gk_d·k_jd / rms(K_j) = q · (rms_norm(K)·Gk)_j)."""
-    if k_norm not in ("rows", "scale"):
-        raise ValueError(f"gqa_flashattention: k_norm is 'rows' or 'scale', not {k_norm!r}")
+    ``qknorm_eps`` is set]. Grid (h, b, q row blocks); the for-loop walks KV."""
     q_blocks = q_blocks or blocks(sq, tile)
     forloop_range = forloop_range or blocks(kv, tile)
     g = new_kernel_graph()
@@ -144,18 +135,12 @@ def gqa_flashattention(b: int, h: int, sq: int, kv: int, d: int, *, dtype: str =
     tQ = tb.new_input(Q, imap=(1, 0, 2), fmap=PHI)
     tK = tb.new_input(Kt, imap=(1, 0, PHI), fmap=2)
     tV = tb.new_input(V, imap=(1, 0, PHI), fmap=2)
-    key_scale = None
     if norms:
         tGq = tb.new_input(norms[0], imap=(PHI, PHI, PHI), fmap=PHI)
         tGk = tb.new_input(norms[1], imap=(PHI, PHI, PHI), fmap=PHI)
         tQ = tb.mul(tb.rms_norm(tQ, eps=qknorm_eps), tGq)
-        if k_norm == "rows":
-            tK = tb.mul(tb.rms_norm(tK, eps=qknorm_eps), tGk)
-        else:
-            tQ = tb.mul(tQ, tGk)
-            mean_sq = tb.reduce_mean(tb.square(tK), dim=len(tK.shape) - 1)
-            key_scale = tb.rsqrt(tb.scalar_add(mean_sq, value=float(qknorm_eps)))
-    _, l, o = _attention_block(tb, tQ, tK, tV, d, key_scale)
+        tK = tb.mul(tb.rms_norm(tK, eps=qknorm_eps), tGk)
+    _, l, o = _attention_block(tb, tQ, tK, tV, d)
     tb.new_output(tb.div(o, l), omap=(1, 0, 2))
     (Y,) = g.customized([Q, Kt, V, *norms], tb)
     g.mark_output(Y)
