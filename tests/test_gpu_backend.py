@@ -259,8 +259,8 @@ def test_faster_of_times_candidates_as_they_will_run(in_callers_graph):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_library_ugraphs_on_the_gpu(dtype):
-    """LoRA, attention and RMSNorm + Linear written as the library writes them run their μGraph (or
-    Inductor's version where that measured faster) and match float64."""
+    """LoRA, attention, QK-norm attention and RMSNorm + Linear written as the library writes them run their
+    μGraph (or Inductor's version where that measured faster) and match float64."""
     def lora(x, w, a, b):
         return x @ w + (x @ a) @ b
 
@@ -272,8 +272,16 @@ def test_library_ugraphs_on_the_gpu(dtype):
         s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
         return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
+    def rms(x, eps=1e-6):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def qknorm_attention(q, k, v, gq, gk):
+        return attention(rms(q) * gq, rms(k) * gk, v)
+
     cases = [(lora, [(128, 256), (256, 4096), (256, 16), (16, 4096)]),
              (attention, [(2, 2, 256, 64), (2, 2, 1024, 64), (2, 2, 1024, 64)]),
+             (qknorm_attention, [(2, 2, 256, 64), (2, 2, 1024, 64), (2, 2, 1024, 64), (64,), (64,)]),
              (rmsnorm_linear, [(16, 4096), (4096,), (4096, 4096)])]
     for fn, shapes in cases:
         report = torch_mirage.Report()
@@ -282,6 +290,8 @@ def test_library_ugraphs_on_the_gpu(dtype):
         assert_close(compiled(*xs), fn(*[x.double() for x in xs]).to(dtype), dtype)
         claimed = [r for r in report.regions if r.claimer == "ugraph-library"]
         assert len(claimed) == 1 and claimed[0].compiled_by in ("mirage", "inductor"), str(report)
+        if fn is qknorm_attention:   # claimed whole, the norms inside the attention kernel
+            assert claimed[0].info["ugraph"] == "qknorm_attention", str(report)
         if fn is attention:   # both attention μGraphs were timed, the faster one runs
             us = claimed[0].info["ugraph_us"]
             assert set(us) == {"gqa_flashattention", "gqa_flashdecoding"} and all(t > 0 for t in us.values())

@@ -245,3 +245,20 @@ def test_rmsnorm_linear_with_its_eps_read_from_the_graph(dtype, x_shape):
     (region,) = _library_regions(report)
     assert region.info["ugraph"] == "rmsnorm_linear" and "eps=1e-05" in region.detail, str(report)
     assert region.info["dims"] == [12, 48, 40]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qknorm_attention_runs_the_fused_ugraph(dtype):
+    """Attention over RMS-normed Q and K (each norm in fp32, cast back, then its gain) is claimed whole by the
+    QK-norm attention μGraph — not as attention with the norms left to other kernels — with the graph's eps."""
+    def qknorm_attention(q, k, v, gq, gk):
+        return attention_fp32_softmax(_rms(q, 1e-6) * gq, _rms(k, 1e-6) * gk, v)
+
+    shapes = [(2, 2, 16, 16), (2, 2, 32, 16), (2, 2, 32, 16), (16,), (16,)]
+    xs = [torch.randn(s, dtype=dtype) for s in shapes[:3]] + [1 + 0.1 * torch.randn(s, dtype=dtype)
+                                                              for s in shapes[3:]]
+    compiled, report = _compile(qknorm_attention)
+    assert_close(compiled(*xs), qknorm_attention(*[x.double() for x in xs]).to(dtype), dtype)
+    (region,) = _library_regions(report)
+    assert region.info["ugraph"] == "qknorm_attention" and "eps=1e-06" in region.detail, str(report)
+    assert region.info["dims"] == [2, 2, 16, 32, 16]
