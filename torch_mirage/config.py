@@ -36,7 +36,7 @@ class Config:
     verify_trials: int = _knob(0, "Finite-field verifier trials per candidate; 0 derives the count from verify_error_bound.", affects_output=True)
     verify_error_bound: float = _knob(1e-12, "Target probability that the verifier accepts a wrong candidate.", affects_output=True)
     stitch: bool = _knob(True, "Claim memory-bound regions with AStitch-style stitch kernels.", affects_output=True)
-    ugraph_library: bool = _knob(True, "Claim subgraphs that compute a hand-built μGraph (RMSNorm + Linear: (rms(x)·g)@w; LoRA: x@w + (x@a)@b; gated MLP: silu(x@w1) * (x@w3); unmasked attention; nTrans) and run the μGraph.", affects_output=True)
+    ugraph_library: bool = _knob(True, "Claim subgraphs that compute a hand-built μGraph (RMSNorm + Linear: (rms(x)·g)@w; LoRA: x@w + (x@a)@b; gated MLP: silu(x@w1) * (x@w3); unmasked attention, with or without RMS-normed q and k; nTrans) and run the μGraph.", affects_output=True)
     min_region_us: float = _knob(3.0, "Stitch regions whose memory traffic takes less than this many µs on the device model are left to Inductor, which fuses them with their neighbours.", affects_output=True)
     measure_regions: bool = _knob(True, "On a GPU, time each claimed region against Inductor's version and keep the faster.", affects_output=True)
     check_regions: bool = _knob(True, "Run each mirage kernel once at compile time against eager ATen on random inputs; a mismatch hands the region back to the fallback.", affects_output=True)
