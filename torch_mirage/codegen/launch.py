@@ -111,9 +111,8 @@ def combine_tiling(bg: BlockGraph, split: int, programs: int = COMBINE_PROGRAMS)
     dim multiplied by the smallest chunk count that gives at least ``programs`` programs (else the most
     programs), or ``bg`` itself. A chunking is used only where it cuts each accumulator state along one dim
     into equal power-of-two parts of at least 16 (so a program's part is a slice of what one partial program
-    wrote, and not a sliver) and the
-    ops after the accumulators that the chunking reshapes are elementwise (a reduction or matmul over the
-    chunked dim would see a part of its operand)."""
+    wrote, and not a sliver) and the ops after the accumulators that the chunking reshapes are elementwise (a
+    reduction or matmul over the chunked dim would see a part of its operand)."""
     if split <= 1 or math.prod(bg.grid) >= programs:
         return bg
     body, epi = bg.phases()
@@ -122,7 +121,7 @@ def combine_tiling(bg: BlockGraph, split: int, programs: int = COMBINE_PROGRAMS)
     for r in COMBINE_CHUNKS:
         for g in range(len(bg.grid)):
             fine = retile(bg, tuple(x * r if k == g else x for k, x in enumerate(bg.grid)), bg.forloop_range)
-            if fine is None or fine is bg or not _chunks_states(bg, fine, accs, r):
+            if fine is None or not _chunks_states(bg, fine, accs, r):
                 continue
             if any(fine.ops[i].shapes != bg.ops[i].shapes and not _elementwise(bg.ops[i])
                    for i in epi if bg.ops[i].name != "saver"):
@@ -135,6 +134,8 @@ def combine_tiling(bg: BlockGraph, split: int, programs: int = COMBINE_PROGRAMS)
 
 
 def _chunks_states(bg: BlockGraph, fine: BlockGraph, accs, r: int) -> bool:
+    """Whether ``fine`` cuts every accumulator state of ``bg`` along at most one dim into ``r`` power-of-two
+    parts of at least 16."""
     for i in accs:
         for cs, fs in zip(bg.ops[i].shapes, fine.ops[i].shapes):
             (c, _), (f, _) = strip(cs), strip(fs)

@@ -226,11 +226,15 @@ class _Emitter:
         want = tuple(padded(e) for e in shape)
         return v.name if v.pshape == want else f"tl.reshape({v.name}, {want})"
 
-    def flat(self, pshape) -> str:
+    def flat(self, pshape, within=None) -> str:
+        """Offsets of a ``pshape`` block in a row-major block of padded shape ``within`` (default: itself); a
+        dim narrower than ``within``'s is the ``chunk``-th part of it (the combine kernel on a finer grid)."""
+        within = within or pshape
         rank, terms = len(pshape), []
-        for k, p in enumerate(pshape):
-            stride = math.prod(pshape[k + 1:])
-            terms.append(f"{self.r(p)}{_expand(rank, k)}" + (f" * {stride}" if stride != 1 else ""))
+        for k, (p, w) in enumerate(zip(pshape, within)):
+            stride = math.prod(within[k + 1:])
+            ix = self.r(p) if p == w else f"(chunk * {p} + {self.r(p)})"
+            terms.append(f"{ix}{_expand(rank, k)}" + (f" * {stride}" if stride != 1 else ""))
         return " + ".join(terms)
 
     # -------------------------------------------------------------- compute
@@ -600,7 +604,7 @@ def _saved(bg: BlockGraph, s: Op) -> tuple:
 
 def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ranks, ws, split: int) -> str:
     """The kernel after a split op: fold the ``split`` partial states, finals, epilogue, savers. It runs on
-    ``fine``'s grid (``bg``'s, or one dim of it multiplied: see :func:`combine_chunks`); a program there
+    ``fine``'s grid (``bg``'s, or one dim of it multiplied: see ``launch.combine_tiling``); a program there
     reads its chunk of the states its program of ``bg`` wrote."""
     ratio = tuple(f // c for f, c in zip(fine.grid, bg.grid))
     e = _Emitter(fine, 0, 1)
@@ -620,14 +624,8 @@ def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ra
         k += len(shapes)
 
         def load(j: int, shape, s, full) -> str:
-            rank, terms = len(full), []
-            for d, (p, f) in enumerate(zip(tuple(padded(x) for x in shape), full)):
-                ix = e.r(p)
-                if p != f:                                  # the chunked dim: this program's part of it
-                    ix = f"(chunk * {p} + {ix})"
-                stride = math.prod(full[d + 1:])
-                terms.append(f"{ix}{_expand(rank, d)}" + (f" * {stride}" if stride != 1 else ""))
-            return f"tl.load(ws{j}_ptr + ({flat} * {split} + {s}) * {ws[j]} + {' + '.join(terms)})"
+            offs = e.flat(tuple(padded(x) for x in shape), full)
+            return f"tl.load(ws{j}_ptr + ({flat} * {split} + {s}) * {ws[j]} + {offs})"
         states = [e.assign("acc", load(j, sh, 0, c), sh) for j, sh, c in zip(idx, shapes, coarse)]
         e.line(f"for s in tl.static_range(1, {split}):")
         e.indent += 1

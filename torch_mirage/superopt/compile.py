@@ -50,16 +50,15 @@ class BlockLauncher:
             raise CodegenError(f"launch config {config} does not re-tile the block graph (grid {bg.grid}, "
                                f"forloop_range {bg.forloop_range})")
         self.config = config
-        combine = combine_tiling(tiled, config.split) if config.split > 1 else None
-        self.kernel: BlockKernel = emit_block_kernel(tiled, list(in_ranks), name, config.split, combine)
+        self.kernel: BlockKernel = emit_block_kernel(tiled, list(in_ranks), name, config.split,
+                                                     combine_tiling(tiled, config.split))
         self.source = module_source([self.kernel])
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
         self.fn = getattr(module, self.kernel.name)
         self.combine_fn = getattr(module, self.kernel.combine) if self.kernel.combine else None
-        grid = list(self.kernel.grid) + [1] * (3 - len(self.kernel.grid))
+        grid = _grid3(self.kernel.grid)
         self.launch_grid = (grid[0] * config.split, grid[1], grid[2])
-        cgrid = list(self.kernel.combine_grid) + [1] * (3 - len(self.kernel.combine_grid))
-        self.combine_grid = tuple(cgrid)
+        self.combine_grid = _grid3(self.kernel.combine_grid)
         self.out_specs = [(tuple(s), DTYPES[d]) for s, d in self.kernel.outputs]
         programs = grid[0] * grid[1] * grid[2] * config.split
         self.ws_specs = [((n * programs,), torch.float32) for n in self.kernel.workspaces]
@@ -85,6 +84,11 @@ class BlockLauncher:
             self.fn[self.launch_grid](*args, *ws, **extra, **opts)
             self.combine_fn[self.combine_grid](*out_args, *ws, num_warps=self.config.num_warps)
         return outs
+
+
+def _grid3(grid: Sequence[int]) -> tuple:
+    """A Triton launch grid: ``grid`` padded with 1s to three dims."""
+    return tuple(grid) + (1,) * (3 - len(grid))
 
 
 @dataclass
