@@ -47,37 +47,37 @@ def read_kernel(w_ptr, out_ptr, total, BLOCK: tl.constexpr, PER: tl.constexpr):
 
 @triton.jit
 def gemv_fma(x_ptr, g_ptr, w_ptr, y_ptr, K, N, M, MP: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, STAGES: tl.constexpr):
-    """y[M, N] = x[M, K] @ w[N, K]^T; w row-major (nn.Linear). Programs split N; each walks all of K."""
+             BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, STAGES: tl.constexpr,
+             DOT: tl.constexpr):
+    """y[M, N] = x[M, K] @ w[N, K]^T; w row-major (nn.Linear). Programs split N; each walks all of K. The RMS norm
+    of x (NORM) accumulates in the same loop and divides the result once at the end (Mirage's RMSNorm+Linear)."""
     pid = tl.program_id(0)
     rn = pid * BN + tl.arange(0, BN)
     rm = tl.arange(0, MP)
     mrow = rm < M
-    if NORM:
-        ss = tl.zeros((MP,), tl.float32)
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)
-            xv = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mrow[:, None], other=0.0).to(tl.float32)
-            ss += tl.sum(xv * xv, 1)
-        inv = 1.0 / tl.sqrt(ss / K + EPS)
+    ss = tl.zeros((MP,), tl.float32)
     acc = tl.zeros((MP, BN), tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         rk = k0 + tl.arange(0, BK)
         w = tl.load(w_ptr + rn[:, None] * K + rk[None, :]).to(tl.float32)                      # (BN, BK)
         xv = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mrow[:, None], other=0.0).to(tl.float32)
         if NORM:
+            ss += tl.sum(xv * xv, 1)
             xv = xv * tl.load(g_ptr + rk).to(tl.float32)[None, :]
-        acc += tl.sum(xv[:, None, :] * w[None, :, :], 2)                                          # (MP, BN)
+        if DOT:
+            acc = tl.dot(xv.to(w_ptr.dtype.element_ty), tl.trans(w.to(w_ptr.dtype.element_ty)), acc)
+        else:
+            acc += tl.sum(xv[:, None, :] * w[None, :, :], 2)                                      # (MP, BN)
     if NORM:
-        acc = acc * inv[:, None]
+        acc = acc / tl.sqrt(ss / K + EPS)[:, None]
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mrow[:, None])
 
 
-def gemv(x, g, w, y, bn, bk, warps, stages, norm, eps=1e-6):
+def gemv(x, g, w, y, bn, bk, warps, stages, norm, eps=1e-6, dot=False):
     m, k = x.shape
     n = w.shape[0]
-    mp = max(1, triton.next_power_of_2(m))
-    gemv_fma[(n // bn,)](x, g, w, y, k, n, m, mp, bn, bk, norm, eps, stages, num_warps=warps)
+    mp = 16 if dot else max(1, triton.next_power_of_2(m))
+    gemv_fma[(n // bn,)](x, g, w, y, k, n, m, mp, bn, bk, norm, eps, stages, dot, num_warps=warps)
     return y
 
 
@@ -121,21 +121,22 @@ def main() -> None:
         add("cublas", cuda_graph_time_us(lambda x, g, w: x @ w.T, sets),
             float(((x @ w.T).double() - ref).norm() / ref.norm()))
         best = {}
-        for norm in (False, True):
-            mp = triton.next_power_of_2(m)
+        for norm, dot in itertools.product((False, True), (False, True)):
+            mp = 16 if dot else triton.next_power_of_2(m)
             for bn, bk, warps, stages in itertools.product((8, 16, 32, 64), (128, 256, 512), (4, 8), (3, 5)):
-                if n % bn or k % bk or bn * bk > 16384 or bn * bk * mp > 65536 or time.time() > deadline:
+                if (n % bn or k % bk or bn * bk > 16384 or (not dot and bn * bk * mp > 65536) or (dot and bn < 16)
+                        or (not dot and m > 4) or time.time() > deadline):
                     continue
                 try:
-                    gemv(x, g, w, out, bn, bk, warps, stages, norm)
+                    gemv(x, g, w, out, bn, bk, warps, stages, norm, dot=dot)
                     r = refn if norm else ref
                     err = float((out.double() - r).norm() / r.norm())
-                    us = cuda_graph_time_us(lambda x, g, w: gemv(x, g, w, out, bn, bk, warps, stages, norm), sets,
+                    us = cuda_graph_time_us(lambda x, g, w: gemv(x, g, w, out, bn, bk, warps, stages, norm, dot=dot), sets,
                                             replays=10, repeats=3)
                 except Exception as e:  # noqa: BLE001 — a config that does not compile is skipped and named
                     print(f"skip n={n} m={m} bn={bn} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
                     continue
-                key = "fma_norm" if norm else "fma"
+                key = ("dot" if dot else "fma") + ("_norm" if norm else "")
                 if key not in best or us < best[key][0]:
                     best[key] = (us, err, dict(bn=bn, bk=bk, warps=warps, stages=stages))
         for key, (us, err, cfg) in best.items():
