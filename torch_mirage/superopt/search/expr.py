@@ -355,7 +355,7 @@ def expr_of_op(op: Op, args: Sequence[Expr], ctx: Ctx = Ctx(), *, in_shapes: Seq
         return tuple(_walk(op.body, args)[r] for r in op.body.outputs)
     if name == "acc_online_softmax" or (name not in _SIZED):
         outs = max(1, len(op.shapes))
-        return tuple(sym(name, args, (i, _attr_key(at))) for i in range(outs))
+        return tuple(sym(name, args, ("out", i, _attr_key(at))) for i in range(outs))
     shapes = _need_shapes(op, in_shapes)
     s0 = shapes[0]
     if name == "matmul":
@@ -380,6 +380,13 @@ def expr_of_op(op: Op, args: Sequence[Expr], ctx: Ctx = Ctx(), *, in_shapes: Seq
 
 _SIZED = {"matmul", "concat", "rms_norm", "reduce_sum", "reduce_mean", "reduce_max",
           "acc_sum", "acc_mean", "acc_rms", "acc_max"}
+
+
+def sibling_key(e: Expr):
+    """For output ``i`` of a multi-output uninterpreted op: what its sibling outputs share, else None."""
+    if e.op == "sym" and isinstance(e.attr[1], tuple) and len(e.attr[1]) == 3 and e.attr[1][0] == "out":
+        return (e.attr[0], e.args, e.attr[1][2])
+    return None
 
 
 def _attr_key(at) -> tuple:
