@@ -126,11 +126,12 @@ def _mk(op: str, args: tuple = (), attr=None) -> Expr:
 
 # ------------------------------------------------------------------ constructors
 def _num(c) -> Fraction:
-    """Constants as exact fractions; a float that is a short fraction (1/3 from
-    ``1 / n``) becomes that fraction, so 1/n written two ways folds alike."""
+    """Constants as exact fractions; a float within fp32 rounding of a short
+    fraction (1/3 from ``1 / n``, eps = 1e-6 read back from fp32) becomes that
+    fraction, so a constant written two ways folds alike."""
     f = Fraction(c)
-    g = f.limit_denominator(1 << 20)
-    return g if abs(g - f) <= abs(f) * 1e-12 else f
+    g = f.limit_denominator(1 << 24)
+    return g if abs(g - f) <= abs(f) * 1e-7 else f     # 1e-6 and its fp32 rounding fold alike
 
 
 def var(i: int) -> Expr:
