@@ -1,6 +1,8 @@
 """search/reference.py: captured regions (several ways a user writes RMSNorm+Linear,
 gated MLP and LoRA, nn.Linear's transposed weight included) lower to plain
 μGraphs that match eager, and their target expressions equal the library μGraph's."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,3 +112,28 @@ def test_declines_name_the_op():
     assert isinstance(ref, Decline) and "pow" in ref.reason and "3" in ref.reason
     ref, _ = _reference(lambda x: x.permute(1, 0, 2).exp(), [torch.randn(2, 3, 4)])
     assert isinstance(ref, Decline) and "permute" in ref.reason
+
+
+def att_a(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+def att_b(q, k, v):                    # scale folded into q, F.softmax
+    return F.softmax((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1), dim=-1) @ v
+
+
+def att_c(q, k, v):                    # softmax written out
+    s = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    return (p / p.sum(-1, keepdim=True)) @ v
+
+
+@pytest.mark.parametrize("fn", [att_a, att_b, att_c])
+def test_attention_forms_give_flashattention(fn):
+    b, h, sq, kv, d = 1, 2, 4, 8, 4
+    xs = [torch.randn(b, h, sq, d), torch.randn(b, h, kv, d), torch.randn(b, h, kv, d)]
+    ref, graph = _reference(fn, xs)
+    assert isinstance(ref, Reference), str(ref)
+    (out,) = execute(ref.graph, xs)
+    assert_close(out, fn(*xs))
+    assert ref.exprs == graph_exprs(L.gqa_flashattention(b, h, sq, kv, d, forloop_range=2))
