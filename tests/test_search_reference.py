@@ -137,3 +137,18 @@ def test_attention_forms_give_flashattention(fn):
     (out,) = execute(ref.graph, xs)
     assert_close(out, fn(*xs))
     assert ref.exprs == graph_exprs(L.gqa_flashattention(b, h, sq, kv, d, forloop_range=2))
+
+
+def test_qknorm_attention_and_ntrans_refs_give_the_library_expressions():
+    b, h, sq, kv, d = 1, 2, 4, 8, 4
+    xs = [torch.randn(b, h, sq, d), torch.randn(b, h, kv, d), torch.randn(b, h, kv, d), torch.randn(d),
+          torch.randn(d)]
+    ref, _ = _reference(lambda q, k, v, gq, gk: L.qknorm_attention_ref(q, k, v, gq, gk, eps=EPS), xs)
+    assert isinstance(ref, Reference), str(ref)
+    assert ref.exprs == graph_exprs(L.qknorm_attention(b, h, sq, kv, d, eps=EPS, forloop_range=2))
+    xs = [torch.randn(4, 6) for _ in range(3)]
+    ref, _ = _reference(lambda hh, x, al: L.ntrans_ref(hh, x, al, eps=EPS), xs)
+    assert isinstance(ref, Reference), str(ref)
+    assert ref.exprs == graph_exprs(L.ntrans(4, 6, eps=EPS))
+    (out,) = execute(ref.graph, xs)
+    assert_close(out, L.ntrans_ref(*xs, eps=EPS))
