@@ -97,19 +97,33 @@ def test_z3_disabled_and_missing(monkeypatch):
     assert o.admits(open_case) and o.stats["z3_skipped"] == 1 and o.stats["z3"] == 0
 
 
-def test_z3_decides_a_front_miss_and_disk_cache(tmp_path):
+@pytest.mark.parametrize("target, cand", [
+    (add(mul(x0, x2), mul(x1, x2)), add(x0, x1)),                           # (x+y)·z = x·z + y·z
+    (mul(fn("exp", x0), add(x1, x2)), add(mul(fn("exp", x0), x1), mul(fn("exp", x0), x2))),
+    (div(add(x0, x1), x2), div(x0, x2)),                                    # x/z + y/z = (x+y)/z
+])
+def test_z3_decides_front_misses_and_disk_cache(tmp_path, target, cand):
+    """Terms the front cannot place (they need distributivity) are proven by Z3,
+    kept, and the answer comes back from the disk cache without Z3."""
+    pytest.importorskip("z3")
+    cache = DiskCache(str(tmp_path))
+    o = SubexprOracle([target], z3_timeout_ms=2000, disk_cache=cache)
+    assert not o.front(cand) and not o.refutes(cand)
+    assert o.admits(cand) and o.stats["z3"] == 1 and o.stats["z3_unsat"] == 1
+    o.save()
+    o2 = SubexprOracle([target], disk_cache=cache)
+    assert o2.admits(cand) and o2.stats["z3"] == 0
+    o3 = SubexprOracle([target], z3_total_s=0.0)
+    assert o3.admits(cand) and o3.stats["z3_skipped"] == 1                # Z3 time cap spent: kept, counted
+    assert SubexprOracle([target], use_z3=False, strict=True).admits(cand) is False
+
+
+def test_z3_unknown_keeps():
     pytest.importorskip("z3")
     (t,) = _target("rmsnorm_linear")
-    # (v0·v1)·v2 regrouped as v2·(v1·v0): AC is the front's normal form; Z3 proves the A_eq instance directly
-    o = SubexprOracle([t])
-    assert o.z3_admits(mul(x0, x1)) is True
-    open_case = add(x0, x1)
-    cache = DiskCache(str(tmp_path))
-    o = SubexprOracle([t], z3_timeout_ms=50, disk_cache=cache)
-    keep = o.admits(open_case)
-    assert keep and o.stats["z3"] == 1 and o.stats["z3_unknown"] + o.stats["z3_unsat"] == 1
-    o = SubexprOracle([t], z3_timeout_ms=50, z3_total_s=0.0)
-    assert o.admits(open_case) and o.stats["z3_skipped"] == 1       # total Z3 cap spent: kept, counted
+    o = SubexprOracle([t], z3_timeout_ms=30)
+    assert o.admits(add(x0, x1))          # not derivable, not refutable by the countermodel: kept
+    assert o.stats["z3_unknown"] + o.stats["z3_unsat"] == 1 and o.stats["rejected"] == 0
 
 
 def _random_terms(targets, n, seed):
@@ -146,7 +160,7 @@ def test_t2_front_never_admits_what_is_refuted():
     for name in ("rmsnorm_linear", "gated_mlp", "lora"):
         targets = _target(name)
         o = SubexprOracle(targets, use_z3=False)
-        terms = _random_terms(targets, 400, seed=hash(name) % 1000)
+        terms = _random_terms(targets, 400, seed=sum(map(ord, name)))
         admitted = [e for e in terms if o.front(e)]
         refuted = [e for e in terms if o.refutes(e)]
         assert not set(admitted) & set(refuted), f"{name}: front admits refuted terms"

@@ -271,6 +271,11 @@ class SubexprOracle:
             self._disk.put_json(self._disk_key, self._disk_answers)
 
 
+def _both(fa, xs, lhs, rhs) -> list:
+    """``lhs == rhs`` for all ``xs``, instantiated whenever either side appears."""
+    return [fa(xs, lhs == rhs, patterns=[lhs]), fa(xs, lhs == rhs, patterns=[rhs])]
+
+
 def _model_le(a: tuple, b: tuple) -> bool:
     return a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2] and all(any(n % m == 0 for n in b[3]) for m in a[3])
 
@@ -347,12 +352,13 @@ class _Z3Axioms:
             fa([x, y], mul(x, y) == mul(y, x), patterns=[mul(x, y)]),
             fa([x, y, z], add(add(x, y), z) == add(x, add(y, z)), patterns=[add(add(x, y), z)]),
             fa([x, y, z], mul(mul(x, y), z) == mul(x, mul(y, z)), patterns=[mul(mul(x, y), z)]),
-            fa([x, y, z], add(mul(x, z), mul(y, z)) == mul(add(x, y), z), patterns=[add(mul(x, z), mul(y, z))]),
-            fa([x, y, z], add(div(x, z), div(y, z)) == div(add(x, y), z), patterns=[add(div(x, z), div(y, z))]),
-            fa([x, y, z], mul(x, div(y, z)) == div(mul(x, y), z), patterns=[mul(x, div(y, z))]),
-            fa([a, x, y], red(a, mul(x, y)) == mul(red(a, x), y), patterns=[red(a, mul(x, y))]),
-            fa([a, x, y], red(a, div(x, y)) == div(red(a, x), y), patterns=[red(a, div(x, y))]),
-            fa([a, x, y], red(a, add(x, y)) == add(red(a, x), red(a, y)), patterns=[red(a, add(x, y))]),
+            # the equations below fire on either side (a candidate may hold the factored or the expanded form)
+            *_both(fa, [x, y, z], add(mul(x, z), mul(y, z)), mul(add(x, y), z)),
+            *_both(fa, [x, y, z], add(div(x, z), div(y, z)), div(add(x, y), z)),
+            *_both(fa, [x, y, z], mul(x, div(y, z)), div(mul(x, y), z)),
+            *_both(fa, [a, x, y], red(a, mul(x, y)), mul(red(a, x), y)),
+            *_both(fa, [a, x, y], red(a, div(x, y)), div(red(a, x), y)),
+            *_both(fa, [a, x, y], red(a, add(x, y)), add(red(a, x), red(a, y))),
             # A_sub
             fa([x], sub(x, x)),
             fa([x, y, z], z3.Implies(z3.And(sub(x, y), sub(y, z)), sub(x, z)),
