@@ -58,6 +58,9 @@ def _target(name):
     ("gated_mlp", sum_(8, mul(x0, x1))),
     ("gated_mlp", fn("silu", sum_(12, mul(x0, x2)))),        # silu on the wrong matmul
     ("rmsnorm_linear", mul(x3, x0)),                         # an input the target does not have
+    ("rmsnorm_linear", add(x0, x1)),                         # a + where the target has none (eps = 0)
+    ("gated_mlp", fn("silu", fn("silu", sum_(12, mul(x0, x1))))),   # silu of silu
+    ("gated_mlp", div(x0, x1)),                              # a / where the target has none
 ])
 def test_negatives_rejected(name, cand):
     for use_z3 in (False, True):
@@ -87,7 +90,7 @@ def test_cache_and_stats():
 
 def test_z3_disabled_and_missing(monkeypatch):
     (t,) = _target("rmsnorm_linear")
-    open_case = add(x0, x1)                   # neither proven by the front nor refuted by the countermodel
+    open_case = mul(x0, x0, x1)               # neither proven by the front nor refuted by the countermodel
     o = SubexprOracle([t], use_z3=False)
     assert not o.front(open_case) and not o.refutes(open_case)
     assert o.admits(open_case) and o.stats["z3_skipped"] == 1       # kept: the verifier guards it
@@ -122,7 +125,7 @@ def test_z3_unknown_keeps():
     pytest.importorskip("z3")
     (t,) = _target("rmsnorm_linear")
     o = SubexprOracle([t], z3_timeout_ms=30)
-    assert o.admits(add(x0, x1))          # not derivable, not refutable by the countermodel: kept
+    assert o.admits(mul(x0, x0, x1))      # not proven, not refutable by the countermodel: kept
     assert o.stats["z3_unknown"] + o.stats["z3_unsat"] == 1 and o.stats["rejected"] == 0
 
 

@@ -12,9 +12,10 @@ axioms A_eq ∪ A_sub. :class:`SubexprOracle` answers that question:
   the target has ``(x·y)/(z·w)``; a ``concat`` of admitted parts.
 * **Countermodel** (also structural): every expression is mapped into a small
   model of the axioms (the inputs it uses, the unary / uninterpreted symbols
-  applied and to which inputs, the pairs of inputs multiplied together, the reduction sizes;
-  ``+``, ``·`` and ``/`` are unions, ``sub`` is inclusion with sizes ordered
-  by divisibility). The model satisfies A_eq and A_sub, so a candidate that is
+  applied and to what, the pairs of inputs multiplied together, the reduction
+  sizes, whether a ``+`` or a ``/`` occurs; ``+``, ``·`` and ``/`` are unions,
+  ``sub`` is inclusion with sizes ordered by divisibility; every A_eq equation
+  holds in it and every A_sub axiom is an inclusion), so a candidate that is
   not below a target there is refuted for certain: exp / silu of something
   when the target has none, a product with an input the target never
   multiplies with, a sum over a size that divides no target sum.
@@ -191,8 +192,8 @@ class SubexprOracle:
 
     def model(self, e: Expr) -> tuple:
         """``e`` in the countermodel: (inputs, symbols applied (each with its
-        argument's inputs and input pairs), multiplied input pairs, reduction
-        sizes, inputs still exposed to a product). A unary or
+        argument's model value), multiplied input pairs, reduction sizes, inputs
+        still exposed to a product, whether a ``+`` / a ``/`` occurs). A unary or
         uninterpreted symbol hides its inputs from later products (no A_eq
         axiom looks inside it); sums pass them through (``sum(a, x)·y = sum(a, x·y)``)."""
         got = self._model.get(e)
@@ -201,22 +202,24 @@ class SubexprOracle:
         op = e.op
         empty = frozenset()
         if op == "var":
-            m = (frozenset({e.attr}), empty, empty, empty, frozenset({e.attr}))
+            m = (frozenset({e.attr}), empty, empty, empty, frozenset({e.attr}), empty)
         elif op == "const":
-            m = (empty, empty, empty, empty, empty)
+            m = (empty,) * 6
         else:
             parts = [self.model(a) for a in e.args]
-            S, T, M, D, P = (frozenset().union(*(p[i] for p in parts)) for i in range(5))
+            S, T, M, D, P, F = (frozenset().union(*(p[i] for p in parts)) for i in range(6))
             if op in ("mul", "div"):
                 for i, p in enumerate(parts):
                     for q in parts[i + 1:]:
                         M |= {(min(a, b), max(a, b)) for a in p[4] for b in q[4]}
+            if op in ("add", "div"):
+                F |= {op}
             elif op == "sum":
                 D |= {e.attr}
-            elif op in ("fn", "sym"):       # the symbol, with the inputs and products of its argument
-                T |= {(e.attr if op == "fn" else e.attr[0], S, M)}
+            elif op in ("fn", "sym"):       # the symbol, with its argument's whole model value
+                T |= {(e.attr if op == "fn" else e.attr[0], tuple(parts))}
                 P = empty
-            m = (S, T, M, D, P)
+            m = (S, T, M, D, P, F)
         self._model[e] = m
         return m
 
@@ -277,7 +280,8 @@ def _both(fa, xs, lhs, rhs) -> list:
 
 
 def _model_le(a: tuple, b: tuple) -> bool:
-    return a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2] and all(any(n % m == 0 for n in b[3]) for m in a[3])
+    return (a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2] and a[5] <= b[5]
+            and all(any(n % m == 0 for n in b[3]) for m in a[3]))
 
 
 class _Z3Axioms:
