@@ -61,6 +61,7 @@ def _target(name):
     ("rmsnorm_linear", add(x0, x1)),                         # a + where the target has none (eps = 0)
     ("gated_mlp", fn("silu", fn("silu", sum_(12, mul(x0, x1))))),   # silu of silu
     ("gated_mlp", div(x0, x1)),                              # a / where the target has none
+    ("rmsnorm_linear", div(x2, x0)),                         # X as a bare denominator (it is under sqrt)
 ])
 def test_negatives_rejected(name, cand):
     for use_z3 in (False, True):

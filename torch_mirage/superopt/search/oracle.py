@@ -13,12 +13,17 @@ axioms A_eq ∪ A_sub. :class:`SubexprOracle` answers that question:
 * **Countermodel** (also structural): every expression is mapped into a small
   model of the axioms (the inputs it uses, the unary / uninterpreted symbols
   applied and to what, the pairs of inputs multiplied together, the reduction
-  sizes, whether a ``+`` or a ``/`` occurs; ``+``, ``·`` and ``/`` are unions,
+  sizes, whether a ``+`` or a ``/`` occurs, which inputs are divided by
+  outside any symbol; ``+``, ``·`` and ``/`` are unions,
   ``sub`` is inclusion with sizes ordered by divisibility; every A_eq equation
   holds in it and every A_sub axiom is an inclusion), so a candidate that is
   not below a target there is refuted for certain: exp / silu of something
   when the target has none, a product with an input the target never
-  multiplies with, a sum over a size that divides no target sum.
+  multiplies with, a sum over a size that divides no target sum. (Limit: the
+  denominator component is computed on normal forms, where ``x/(a/b)`` is
+  already ``(x·b)/a``; a candidate that is a quotient ``a/b`` and a target
+  that divides by it is the one shape where it may refute too much. T1 checks
+  every library prefix against it.)
 * **Z3** decides what both leave open: the paper's axioms over an
   uninterpreted sort (quantified A_sub and A_eq, the size lemma grounded on
   the concrete sizes of the query), query ``¬ ∨_O sub(E, E_O)``; ``unsat`` =
@@ -193,7 +198,8 @@ class SubexprOracle:
     def model(self, e: Expr) -> tuple:
         """``e`` in the countermodel: (inputs, symbols applied (each with its
         argument's model value), multiplied input pairs, reduction sizes, inputs
-        still exposed to a product, whether a ``+`` / a ``/`` occurs). A unary or
+        still exposed to a product, whether a ``+`` / a ``/`` occurs, inputs
+        exposed in a denominator). A unary or
         uninterpreted symbol hides its inputs from later products (no A_eq
         axiom looks inside it); sums pass them through (``sum(a, x)·y = sum(a, x·y)``)."""
         got = self._model.get(e)
@@ -202,12 +208,14 @@ class SubexprOracle:
         op = e.op
         empty = frozenset()
         if op == "var":
-            m = (frozenset({e.attr}), empty, empty, empty, frozenset({e.attr}), empty)
+            m = (frozenset({e.attr}), empty, empty, empty, frozenset({e.attr}), empty, empty)
         elif op == "const":
-            m = (empty,) * 6
+            m = (empty,) * 7
         else:
             parts = [self.model(a) for a in e.args]
-            S, T, M, D, P, F = (frozenset().union(*(p[i] for p in parts)) for i in range(6))
+            S, T, M, D, P, F, Q = (frozenset().union(*(p[i] for p in parts)) for i in range(7))
+            if op == "div":
+                Q |= parts[1][4]
             if op in ("mul", "div"):
                 for i, p in enumerate(parts):
                     for q in parts[i + 1:]:
@@ -219,7 +227,7 @@ class SubexprOracle:
             elif op in ("fn", "sym"):       # the symbol, with its argument's whole model value
                 T |= {(e.attr if op == "fn" else e.attr[0], tuple(parts))}
                 P = empty
-            m = (S, T, M, D, P, F)
+            m = (S, T, M, D, P, F, Q)
         self._model[e] = m
         return m
 
@@ -280,7 +288,7 @@ def _both(fa, xs, lhs, rhs) -> list:
 
 
 def _model_le(a: tuple, b: tuple) -> bool:
-    return (a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2] and a[5] <= b[5]
+    return (a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2] and a[5] <= b[5] and a[6] <= b[6]
             and all(any(n % m == 0 for n in b[3]) for m in a[3]))
 
 
