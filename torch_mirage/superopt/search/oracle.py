@@ -30,9 +30,11 @@ axioms A_eq ∪ A_sub. :class:`SubexprOracle` answers that question:
   keep, ``sat`` = prune; a per-query timeout and a total Z3-time cap.
   ``unknown``, a timeout, an error or a missing z3 keep the candidate and are
   counted (the verifier guards correctness either way).
-* With ``use_z3=False`` (or z3 missing) misses that the countermodel does not
-  refute are kept. ``strict=True`` prunes every candidate that is not proven
-  (Mirage's own policy: its ``unknown`` meant pruned); faster, less complete.
+* ``strict`` prunes every candidate that is not proven (Mirage's own policy:
+  its ``unknown`` meant pruned). It defaults to ``not use_z3``: with Z3 off the
+  front decides alone (deterministic, fast); with Z3 on, an unknown or a
+  missing z3 keeps the candidate. ``use_z3=False, strict=False`` keeps every
+  candidate the countermodel does not refute.
 
 Every answer is cached in memory by expression; ``disk_cache`` (a
 :class:`~torch_mirage.cache.DiskCache`) keeps Z3's answers across runs, keyed
@@ -94,10 +96,10 @@ class SubexprOracle:
     """Is a candidate expression an abstract subexpression of one of ``targets``?"""
 
     def __init__(self, targets: Sequence[Expr], *, use_z3: bool = True, z3_timeout_ms: int = 200,
-                 z3_total_s: float = 10.0, strict: bool = False, disk_cache=None):
+                 z3_total_s: float = 10.0, strict: bool | None = None, disk_cache=None):
         self.targets = list(targets)
         self.use_z3 = use_z3
-        self.strict = strict
+        self.strict = (not use_z3) if strict is None else bool(strict)
         self.z3_timeout_ms = int(z3_timeout_ms)
         self.z3_total_s = float(z3_total_s)
         self.z3_seconds = 0.0
