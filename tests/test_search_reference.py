@@ -152,3 +152,32 @@ def test_qknorm_attention_and_ntrans_refs_give_the_library_expressions():
     assert ref.exprs == graph_exprs(L.ntrans(4, 6, eps=EPS))
     (out,) = execute(ref.graph, xs)
     assert_close(out, L.ntrans_ref(*xs, eps=EPS))
+
+
+def _repeat_kv(x, n):                  # HF's repeat_kv
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+def gqa_a(q, k, v):
+    n = q.shape[1] // k.shape[1]
+    return torch.softmax(q @ _repeat_kv(k, n).transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ _repeat_kv(v, n)
+
+
+def gqa_b(q, k, v):                    # query heads grouped per KV head: no repeat at all
+    b, h, sq, d = q.shape
+    hk = k.shape[1]
+    qg = q.reshape(b, hk, (h // hk) * sq, d)
+    o = torch.softmax(qg @ k.transpose(-1, -2) * d ** -0.5, -1) @ v
+    return o.reshape(b, h, sq, d)
+
+
+@pytest.mark.parametrize("fn", [gqa_a, gqa_b])
+def test_gqa_forms(fn):
+    b, h, hk, sq, kv, d = 1, 4, 2, 4, 8, 4
+    xs = [torch.randn(b, h, sq, d), torch.randn(b, hk, kv, d), torch.randn(b, hk, kv, d)]
+    ref, graph = _reference(fn, xs)
+    assert isinstance(ref, Reference), str(ref)
+    (out,) = execute(ref.graph, xs)
+    assert_close(out, fn(*xs))
+    assert ref.exprs == graph_exprs(L.gqa_flashattention(b, h, sq, kv, d, forloop_range=2))

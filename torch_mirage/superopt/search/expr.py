@@ -275,8 +275,10 @@ def sym(name: str, args: Sequence[Expr], attr=None) -> Expr:
 
 
 def concat(dim_from_end: int, parts: Sequence[Expr], sizes: Sequence[int]) -> Expr:
-    """Concatenation along ``dim_from_end`` (negative) of parts of the given extents."""
-    if len(parts) == 1:
+    """Concatenation along ``dim_from_end`` (negative) of parts of the given extents; copies of one
+    tensor (a broadcast made explicit, e.g. GQA's repeated K/V heads) are that tensor, as
+    partitioning is abstracted away."""
+    if all(p is parts[0] for p in parts):      # copies of one tensor (a materialised broadcast): abstractly it
         return parts[0]
     return _mk("concat", tuple(parts), ("concat", int(dim_from_end), tuple(int(s) for s in sizes)))
 

@@ -10,8 +10,8 @@ shapes and dtypes and why.
 
 Mapping: mm / bmm / addmm → matmul (+ bias); ``permute`` / ``t`` of the last
 two dims (``nn.Linear``'s weight) → transpose; view / reshape / squeeze /
-unsqueeze → reshape; expand → broadcasting (kept only where operands
-broadcast); add / sub / mul / div with tensors or scalars → add / sub / mul /
+unsqueeze → reshape; expand → broadcasting, made explicit by concatenated
+copies only where a reshape needs it (GQA's ``repeat_kv``); clone → nothing; add / sub / mul / div with tensors or scalars → add / sub / mul /
 div / scalar_add / scalar_mul; pow 2 / 0.5 / -0.5 → square / sqrt / rsqrt;
 rsqrt / sqrt / exp / silu / neg; Inductor's decomposed SiLU
 ``a / (1 + exp(-a))`` and ``a · sigmoid(a)`` → silu; sum / mean / amax over dims → reduce ops
@@ -182,12 +182,29 @@ def _needed(nodes, outs, fused) -> set[int]:
     return need
 
 
-def _reshape(g: KernelBuilder, t: Tensor, shape, node) -> Tensor:
+def _materialise(g: KernelBuilder, t: Tensor, shape, node) -> Tensor:
+    """``t`` (kept unexpanded) broadcast to ``shape`` explicitly: copies concatenated
+    along each broadcast dim (GQA's ``repeat_kv`` before its reshape)."""
+    shape = tuple(int(s) for s in shape)
+    xs = tuple(t.shape)
+    pad = (1,) * (len(shape) - len(xs)) + xs
+    if len(xs) > len(shape) or any(a != b and a != 1 for a, b in zip(pad, shape)):
+        raise _Decline(node, "operand does not broadcast to its traced shape", f"{xs} -> {shape}")
+    if pad != xs:
+        t = g.reshape(t, shape=pad)
+    for i, (a, b) in enumerate(zip(pad, shape)):
+        if a != b:
+            t = g.concat([t] * b, dim=i)
+    return t
+
+
+def _reshape(g: KernelBuilder, t: Tensor, shape, node, src_shape=None) -> Tensor:
     shape = tuple(int(s) for s in shape)
     if tuple(t.shape) == shape:
         return t
+    if math.prod(t.shape) != math.prod(shape) and src_shape is not None:
+        t = _materialise(g, t, src_shape, node)
     if math.prod(t.shape) != math.prod(shape):
-        # an expanded operand (kept unexpanded) reshaped: only dims of size 1 may differ
         raise _Decline(node, "reshape of a broadcast tensor", f"{tuple(t.shape)} -> {shape}")
     return g.reshape(t, shape=shape)
 
@@ -220,7 +237,8 @@ def _lower(g: KernelBuilder, n, env: dict, ref: Reference) -> None:
             ref.upcast = True
         if not out.meta.dtype.is_floating_point:
             raise _Decline(n, f"cast to {_dt(out.meta.dtype)}", "only float casts are tracked")
-        ref.casts.append(n)
+        if out.meta.dtype != args[0].meta.dtype:
+            ref.casts.append(n)
         put(src)
         return
     if name in ("add", "sub", "mul", "div"):
@@ -302,7 +320,7 @@ def _lower(g: KernelBuilder, n, env: dict, ref: Reference) -> None:
             raise _Decline(n, f"permute {perm}", "only a swap of the last two dims is a μGraph op")
         return
     if name in ("view", "squeeze", "unsqueeze"):
-        put(_reshape(g, arg(0), out.meta.shape, n))
+        put(_reshape(g, arg(0), out.meta.shape, n, args[0].meta.shape))
         return
     if name == "expand":
         x = arg(0)
