@@ -9,6 +9,7 @@ import pytest
 
 from torch_mirage.cache import DiskCache
 from torch_mirage.superopt import library as L
+from torch_mirage.superopt.builder import fuse_thread_graphs
 from torch_mirage.superopt.search.expr import add, const, div, fn, graph_exprs, mul, sub_exprs, sum_, var
 from torch_mirage.superopt.search.oracle import SubexprOracle
 
@@ -23,6 +24,8 @@ LIBRARY = {
     "ntrans": lambda: L.ntrans(4, 6),
     "gqa_flashattention": lambda: L.gqa_flashattention(1, 2, 4, 8, 4, forloop_range=2),
     "qknorm_attention": lambda: L.qknorm_attention(1, 2, 4, 8, 4, forloop_range=2),
+    "gated_mlp_threads": lambda: fuse_thread_graphs(L.gated_mlp(4, 12, 8, grid=2, forloop_range=3)),
+    "ntrans_threads": lambda: fuse_thread_graphs(L.ntrans(4, 6)),
     "gqa_flashdecoding": lambda: L.gqa_flashdecoding(1, 2, 4, 8, 4, splits=2, forloop_range=2, q_blocks=1,
                                                      combine_q_blocks=1),
 }
