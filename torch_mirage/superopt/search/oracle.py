@@ -58,10 +58,13 @@ _COUNTS: dict = {}
 
 
 def _counts(e: Expr) -> dict:
-    """Multiplicities of ``e``'s factors (memoised per hash-consed term)."""
+    """Multiplicities of ``e``'s non-constant factors (memoised per hash-consed
+    term). Constants are units here: the normal form folds them (``c·(1/z)``
+    and ``x·(1/z)`` print as ``c/z``, ``x/z``), so ``rsqrt(s) = 1/sqrt(s)`` or a
+    ``scalar_mul`` is a part of any product or quotient with the same other factors."""
     c = _COUNTS.get(e)
     if c is None:
-        c = _COUNTS[e] = Counter(e.args if e.op == "mul" else (e,))
+        c = _COUNTS[e] = Counter(a for a in (e.args if e.op == "mul" else (e,)) if a.op != "const")
     return c
 
 
@@ -81,7 +84,7 @@ def _le(small: Expr, big: Expr) -> bool:
 
 def _lin_part(x: Expr, y: Expr) -> bool:
     """``x`` is a multiplicative part of ``y``: y = x·u or y = (x·u)/(d·w) with x = n/d."""
-    if x is y:
+    if x is y or x.op == "const":
         return True
     if y.op == "mul":
         return _le(x, y)
