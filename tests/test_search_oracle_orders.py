@@ -1,7 +1,9 @@
 """Theorem 1 beyond the library's own op orders: μGraphs that compute the same
 math in other orders a generator reaches (kernel ops only, rsqrt first and the
-normalised X fed to the matmul, x² summed per tile then accumulated, the softmax
-division before or after the PV matmul, LoRA split over two kernels) match eager,
+normalised X fed to the matmul, the norm weight after the division, the
+predefined rms_norm op, x² summed per tile then accumulated with an rsqrt
+epilogue, the softmax division before or after the PV matmul, LoRA over two
+kernels or two accumulators) match eager,
 have the expression of the user's reference (search/reference.py), and every one
 of their prefixes is admitted by the front-only oracle (strict: a miss would prune)."""
 import math
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from tests.conftest import assert_close
 from torch_mirage.superopt.executor import execute
 from torch_mirage.superopt.library import PHI, new_kernel_graph, new_threadblock_graph
-from torch_mirage.superopt.search.expr import graph_exprs, sub_exprs
+from torch_mirage.superopt.search.expr import const, div, fn, graph_exprs, mul, sub_exprs, sum_, var
 from torch_mirage.superopt.search.oracle import SubexprOracle
 from torch_mirage.superopt.search.reference import Reference, reference_of
 from torch_mirage.superopt.verify import lower_callable
@@ -76,6 +78,34 @@ def rms_tile_sums():
     return g
 
 
+def rms_weight_after():
+    g = new_kernel_graph()
+    X, G, W = _rms_inputs(g)
+    r = g.sqrt(g.scalar_add(g.reduce_mean(g.square(X), dim=1), value=EPS))
+    g.mark_output(g.matmul(g.mul(g.div(X, r), G), W))
+    return g
+
+
+def rms_norm_op():
+    g = new_kernel_graph()
+    X, G, W = _rms_inputs(g)
+    g.mark_output(g.matmul(g.mul(g.rms_norm(X, eps=EPS), G), W))
+    return g
+
+
+def rms_tile_sums_rsqrt():
+    g = new_kernel_graph()
+    X, G, W = _rms_inputs(g)
+    tb = new_threadblock_graph((2,), 3)
+    tX, tG, tW = tb.new_input(X, imap=(PHI,), fmap=1), tb.new_input(G, imap=(PHI,), fmap=0), \
+        tb.new_input(W, imap=(1,), fmap=0)
+    acc = tb.forloop_accum(tb.matmul(tb.mul(tX, tG), tW), "sum")
+    ms = tb.forloop_accum(tb.reduce_sum(tb.square(tX), dim=1), "sum")
+    tb.new_output(tb.mul(acc, tb.rsqrt(tb.scalar_add(tb.scalar_mul(ms, value=1 / K), value=EPS))), omap=(1,))
+    g.mark_output(g.customized([X, G, W], tb)[0])
+    return g
+
+
 def mlp_kernel_ops():
     g = new_kernel_graph()
     X, W1, W3 = g.new_input((M, K), F32), g.new_input((K, N), F32), g.new_input((K, N), F32)
@@ -90,6 +120,18 @@ def lora_two_kernels():
     tX, tW = tb.new_input(X, imap=(PHI,), fmap=1), tb.new_input(W, imap=(1,), fmap=0)
     tb.new_output(tb.forloop_accum(tb.matmul(tX, tW), "sum"), omap=(1,))
     g.mark_output(g.add(g.matmul(g.matmul(X, A), Bm), g.customized([X, W], tb)[0]))
+    return g
+
+
+def lora_two_accumulators():
+    g = new_kernel_graph()
+    X, W, A, Bm = (g.new_input(s, F32) for s in ((M, K), (K, N), (K, R), (R, N)))
+    tb = new_threadblock_graph((2,), 3)
+    tX, tW, tA, tB = tb.new_input(X, imap=(PHI,), fmap=1), tb.new_input(W, imap=(1,), fmap=0), \
+        tb.new_input(A, imap=(PHI,), fmap=0), tb.new_input(Bm, imap=(1,), fmap=PHI)
+    y = tb.add(tb.forloop_accum(tb.matmul(tX, tW), "sum"), tb.forloop_accum(tb.matmul(tb.matmul(tX, tA), tB), "sum"))
+    tb.new_output(y, omap=(1,))
+    g.mark_output(g.customized([X, W, A, Bm], tb)[0])
     return g
 
 
@@ -110,8 +152,12 @@ CASES = {
     "rms_kernel_ops_mean": (lambda: rms_kernel_ops(True), RMS),
     "rms_rsqrt_first": (rms_rsqrt_first, RMS),
     "rms_tile_sums": (rms_tile_sums, RMS),
+    "rms_weight_after": (rms_weight_after, RMS),
+    "rms_norm_op": (rms_norm_op, RMS),
+    "rms_tile_sums_rsqrt": (rms_tile_sums_rsqrt, RMS),
     "mlp_kernel_ops": (mlp_kernel_ops, (mlp_ref, [(M, K), (K, N), (K, N)])),
     "lora_two_kernels": (lora_two_kernels, (lora_ref, [(M, K), (K, N), (K, R), (R, N)])),
+    "lora_two_accumulators": (lora_two_accumulators, (lora_ref, [(M, K), (K, N), (K, R), (R, N)])),
     "attention_div_last": (lambda: att_kernel_ops(True), ATT),
     "attention_div_first": (lambda: att_kernel_ops(False), ATT),
 }
@@ -132,3 +178,12 @@ def test_other_orders_match_and_every_prefix_is_admitted(name):
     assert [o.equivalent(e) for e in graph_exprs(g)] == [0]
     missed = [str(e) for e in sub_exprs(g) if not o.admits(e)]
     assert not missed, f"{name}: prefixes pruned against {ref.exprs[0]}: {missed}"
+
+
+def test_only_the_unit_numerator_is_free():
+    """1/sqrt(s) is a part of (x·u)/sqrt(s); a constant the target never has is not."""
+    x0, x1, x2 = (var(i) for i in range(3))
+    s = fn("sqrt", sum_(12, mul(x0, x0)))
+    o = SubexprOracle([sum_(12, div(mul(x0, x1, x2), s))], use_z3=False)
+    assert o.front(div(const(1), s)) and o.front(mul(x0, div(const(1), s)))
+    assert not o.front(div(const(3), s)) and not o.front(mul(const(3), x0, x1))

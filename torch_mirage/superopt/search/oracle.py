@@ -47,7 +47,7 @@ import time
 from collections import Counter
 from typing import Sequence
 
-from .expr import Expr, sibling_key
+from .expr import ONE, Expr, sibling_key
 
 log = logging.getLogger("torch_mirage")
 
@@ -58,13 +58,10 @@ _COUNTS: dict = {}
 
 
 def _counts(e: Expr) -> dict:
-    """Multiplicities of ``e``'s non-constant factors (memoised per hash-consed
-    term). Constants are units here: the normal form folds them (``c·(1/z)``
-    and ``x·(1/z)`` print as ``c/z``, ``x/z``), so ``rsqrt(s) = 1/sqrt(s)`` or a
-    ``scalar_mul`` is a part of any product or quotient with the same other factors."""
+    """Multiplicities of ``e``'s factors (memoised per hash-consed term)."""
     c = _COUNTS.get(e)
     if c is None:
-        c = _COUNTS[e] = Counter(a for a in (e.args if e.op == "mul" else (e,)) if a.op != "const")
+        c = _COUNTS[e] = Counter(e.args if e.op == "mul" else (e,))
     return c
 
 
@@ -83,8 +80,10 @@ def _le(small: Expr, big: Expr) -> bool:
 
 
 def _lin_part(x: Expr, y: Expr) -> bool:
-    """``x`` is a multiplicative part of ``y``: y = x·u or y = (x·u)/(d·w) with x = n/d."""
-    if x is y or x.op == "const":
+    """``x`` is a multiplicative part of ``y``: y = x·u or y = (x·u)/(d·w) with x = n/d.
+    The numerator 1 is a part of every numerator: the normal form folds ``x·(1/z)``
+    to ``x/z``, so ``rsqrt(s) = 1/sqrt(s)`` is a part of ``(x·u)/sqrt(s)``."""
+    if x is y or x is ONE:
         return True
     if y.op == "mul":
         return _le(x, y)
