@@ -187,3 +187,30 @@ def test_only_the_unit_numerator_is_free():
     o = SubexprOracle([sum_(12, div(mul(x0, x1, x2), s))], use_z3=False)
     assert o.front(div(const(1), s)) and o.front(mul(x0, div(const(1), s)))
     assert not o.front(div(const(3), s)) and not o.front(mul(const(3), x0, x1))
+
+
+def test_distributed_ntrans_prefixes_need_z3():
+    """nTrans with α distributed (α·rms(H) + α·X + X): equal under A_eq's
+    distributivity, which the normal form does not apply, so the front misses
+    its prefixes (front-only pruning drops them) and Z3 proves each one (strict:
+    only a proof keeps it). The complete graph is not ``equivalent`` by normal
+    form; its undistributed twin is (and has fewer ops)."""
+    pytest.importorskip("z3")
+    from torch_mirage.superopt import library as L
+    g = new_kernel_graph()
+    Hh, X, Al = (g.new_input((4, 6), F32) for _ in range(3))
+    inner = g.add(g.add(g.mul(Al, g.rms_norm(Hh, eps=EPS)), g.mul(Al, X)), X)
+    g.mark_output(g.rms_norm(inner, eps=EPS))
+    g = g.build()
+    fn = lambda h, x, al: L.ntrans_ref(h, x, al, eps=EPS)  # noqa: E731
+    xs = [torch.randn(4, 6) for _ in range(3)]
+    assert_close(execute(g, xs)[0], fn(*xs))
+    cap = lower_callable(fn, xs)
+    ref = reference_of(cap.nodes, cap)
+    front_only = SubexprOracle(ref.exprs, use_z3=False)
+    with_z3 = SubexprOracle(ref.exprs, use_z3=True, strict=True, z3_timeout_ms=3000)
+    prefixes = list(dict.fromkeys(sub_exprs(g)))
+    missed = [e for e in prefixes if not front_only.admits(e)]
+    assert missed and not any(front_only.refutes(e) for e in missed)
+    assert all(with_z3.admits(e) for e in prefixes)
+    assert with_z3.stats["z3_unsat"] == len(missed) and with_z3.stats["z3_unknown"] == 0
