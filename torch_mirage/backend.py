@@ -17,10 +17,12 @@ from functorch.compile import min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 
 from . import config as config_mod
+from . import failures
 from .cache import DiskCache
 from .partition.region import Claimer, Reason
+from .failures import Failure
 from .pipeline import CompileContext, WholeGraphToInductor, compile_graph, wrap_cuda_graph
-from .report import GraphReport, Report
+from .report import GraphReport, RegionReport, Report
 from .runtime.choose import FasterOf, writes_in_place
 
 log = logging.getLogger("torch_mirage")
@@ -77,23 +79,38 @@ class MirageBackend:
         )
         first_graph = len(self.report.graphs)
         try:
-            compiled = compiler(gm, example_inputs)
+            with failures.stage("capture"):
+                compiled = compiler(gm, example_inputs)
         except WholeGraphToInductor as whole:
-            return self._inductor_whole_graph(gm, example_inputs, cfg, whole)
+            return self._inductor_whole_graph(gm, example_inputs, cfg, self.report.graphs[-1], whole)
         except Exception as e:
             if cfg.strict:
                 raise
-            # AOTAutograd itself failed (our inner compilers never raise outside strict mode)
-            log.warning("torch_mirage: capturing a graph of %d ops failed (%s: %s); the graph runs through "
-                        "Inductor's own torch.compile path. Set MIRAGE_STRICT=1 to raise instead.",
-                        sum(n.op == "call_function" for n in gm.graph.nodes), type(e).__name__, e)
+            # AOTAutograd itself failed (our inner compilers never raise outside strict mode): the Dynamo graph
+            # replaces whatever this call reported
+            del self.report.graphs[first_graph:]
+            report = self.report.new_graph("dynamo")
+            failure = Failure(failures.stage_of(e, "capture"), _dynamo_summary(gm), failures.describe_error(e), "")
+            report.fallback_error = f"{failure.stage} stage: {failure.error}"
+            report.regions = [RegionReport(_dynamo_ops(gm), cfg.fallback, Reason.COMPILE_ERROR.value,
+                                           report.fallback_error)]
+            whole = WholeGraphToInductor(f"the {failure.stage} stage failed", (), failure)
             if cfg.fallback == "inductor":
-                from torch._inductor.compile_fx import compile_fx
-                return compile_fx(gm, example_inputs)
+                return self._inductor_whole_graph(gm, example_inputs, cfg, report, whole)
+            failure.outcome = "the graph runs eagerly (MIRAGE_FALLBACK=eager)"
+            log.warning("%s", failures.format_failure(failure, f"Dynamo graph {report.index}"))
             return gm.forward
         graphs = self.report.graphs[first_graph:]
         if len(graphs) == 1 and _timed_against_inductor(graphs[0], cfg):
-            return self._faster_of_mirage_and_inductor(gm, example_inputs, cfg, compiled, graphs[0])
+            try:
+                with failures.stage("whole-graph timing"):
+                    return self._faster_of_mirage_and_inductor(gm, example_inputs, cfg, compiled, graphs[0])
+            except Exception as e:
+                if cfg.strict:
+                    raise
+                failure = Failure("whole-graph timing", _dynamo_summary(gm), failures.describe_error(e),
+                                  "mirage's compile runs without being timed against Inductor's")
+                log.warning("%s", failures.format_failure(failure, f"{graphs[0].kind} graph {graphs[0].index}"))
         return compiled
 
     def _inductor_compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: config_mod.Config,
@@ -106,21 +123,41 @@ class MirageBackend:
             return compile_fx(gm, example_inputs, config_patches=patches)
 
     def _inductor_whole_graph(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: config_mod.Config,
-                              whole: WholeGraphToInductor) -> Any:
-        """Inductor's own compile of the Dynamo graph, in our CUDA-graph wrapper where capture is safe."""
-        report = self.report.graphs[-1]
+                              report: GraphReport, whole: WholeGraphToInductor) -> Any:
+        """Inductor's own compile of the Dynamo graph, in our CUDA-graph wrapper where capture is safe; eager
+        only when Inductor fails too. A mirage failure that sent the graph here (``whole.failure``) is logged
+        once, with where the graph went."""
+        context = f"{report.kind} graph {report.index}"
         try:
             compiled = self._inductor_compile(gm, example_inputs, cfg, report)
         except Exception as e:
             if cfg.strict:
                 raise
-            log.warning("torch_mirage: Inductor could not compile the graph (%s: %s); running it eagerly.",
-                        type(e).__name__, e)
-            report.fallback_error = f"{type(e).__name__}: {e}"
+            error = failures.describe_error(e)
+            if whole.failure is not None:
+                whole.failure.outcome = f"Inductor could not compile the graph either ({error}), so it runs eagerly"
+                log.warning("%s", failures.format_failure(whole.failure, context))
+            else:
+                log.warning("torch_mirage: Inductor could not compile %s (%s), so it runs eagerly. %s", context,
+                            error, failures.STRICT_HINT)
+            report.fallback_error = report.fallback_error or error
             for region in report.regions:
                 region.compiled_by = "eager"
             return gm.forward
-        return _in_cuda_graph(compiled, whole.cuda_graph_blocker, whole.static_input_indices, cfg, report)
+        if whole.failure is not None:
+            whole.failure.outcome = "the whole graph runs through Inductor's compile_fx instead"
+            log.warning("%s", failures.format_failure(whole.failure, context))
+        try:
+            with failures.stage("cuda graph"):
+                return _in_cuda_graph(compiled, whole.cuda_graph_blocker, whole.static_input_indices, cfg, report)
+        except Exception as e:
+            if cfg.strict:
+                raise
+            report.cuda_graph, report.cuda_graph_reason = False, f"cuda graph stage failed: {failures.describe_error(e)}"
+            log.warning("%s", failures.format_failure(Failure(
+                "cuda graph", _dynamo_summary(gm), failures.describe_error(e),
+                "Inductor's compile runs without our CUDA graph"), context))
+            return compiled
 
     def _faster_of_mirage_and_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                                        cfg: config_mod.Config, mirage: Any, report: GraphReport) -> Any:
@@ -185,6 +222,23 @@ def _choice_recorder(report: GraphReport):
                 if r.compiled_by == "mirage":
                     r.compiled_by, r.reason, r.detail = "inductor", Reason.SLOWER_THAN_INDUCTOR.value, detail
     return record
+
+
+def _dynamo_ops(gm: torch.fx.GraphModule) -> list[str]:
+    return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
+            if n.op in ("call_function", "call_method", "call_module")]
+
+
+def _dynamo_summary(gm: torch.fx.GraphModule, limit: int = 6) -> str:
+    """The Dynamo graph's first ops with their result dtypes and shapes, for a warning."""
+    parts = []
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method", "call_module") and len(parts) < limit:
+            val = n.meta.get("example_value")
+            meta = f" {str(val.dtype).replace('torch.', '')}{list(val.shape)}" if isinstance(val, torch.Tensor) else ""
+            parts.append(f"{getattr(n.target, '__name__', n.target)}{meta}")
+    more = len(_dynamo_ops(gm)) - len(parts)
+    return "[" + ", ".join(parts) + (f", +{more} more" if more > 0 else "") + "]"
 
 
 def mirage_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
