@@ -14,7 +14,7 @@ import contextlib
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 log = logging.getLogger("torch_mirage")
 
@@ -41,11 +41,19 @@ def stage_of(error: BaseException, default: str = "unknown") -> str:
     return getattr(error, _STAGE_ATTR, None) or default
 
 
-def describe_error(error: BaseException, limit: int = 300) -> str:
-    """``Type: message`` on one line, cut to ``limit`` characters."""
+def describe_error(error: BaseException | str, limit: int = 300) -> str:
+    """``Type: message`` (or a problem described in words) on one line, cut to ``limit`` characters."""
     text = " ".join(str(error).split())
-    text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    if isinstance(error, BaseException):
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def nodes_summary(nodes: Sequence[Any], limit: int = 4) -> str:
+    """IR nodes with their input shapes and dtypes (``Node.describe``), the first ``limit`` of them."""
+    parts = [n.describe() for n in nodes[:limit]]
+    more = len(nodes) - len(parts)
+    return "[" + ", ".join(parts) + (f", +{more} more" if more > 0 else "") + "]"
 
 
 def _shape_of(message: str) -> str:
@@ -68,8 +76,9 @@ class FailureLog:
         self.context = context      # e.g. "inference graph 0"
         self._groups: dict[tuple[str, str, str], list] = {}
 
-    def add(self, stage_name: str, where: str, error: BaseException, outcome: str) -> None:
-        key = (stage_name, type(error).__name__, _shape_of(str(error)))
+    def add(self, stage_name: str, where: str, error: BaseException | str, outcome: str) -> None:
+        kind = type(error).__name__ if isinstance(error, BaseException) else ""
+        key = (stage_name, kind, _shape_of(str(error)))
         group = self._groups.setdefault(key, [Failure(stage_name, where, describe_error(error), outcome), 0])
         group[1] += 1
 
@@ -89,7 +98,7 @@ def format_failure(f: Failure, context: str, count: int = 1) -> str:
             f"{STRICT_HINT}")
 
 
-def note(ctx: Any, stage_name: str, where: str, error: BaseException, outcome: str) -> None:
+def note(ctx: Any, stage_name: str, where: str, error: BaseException | str, outcome: str) -> None:
     """Record a failure that changes what runs in the compile ``ctx`` belongs to (its ``failures`` log), or
     log it at once where there is none (a claimer called outside the pipeline)."""
     failures = getattr(ctx, "failures", None)
