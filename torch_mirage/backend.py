@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any, Sequence
 
 import torch
@@ -28,11 +29,23 @@ from .runtime.choose import FasterOf, writes_in_place
 log = logging.getLogger("torch_mirage")
 
 
-def _configure_logging(level: str) -> None:
-    log.setLevel(level)
-    if not log.handlers and not logging.getLogger().handlers:
+class _OwnHandler(logging.StreamHandler):
+    """The stderr handler the backend adds when nobody configured logging."""
+
+
+def _configure_logging(level: str, explicit: bool) -> None:
+    """The ``torch_mirage`` logger's level: ``MIRAGE_LOG_LEVEL`` (or ``options={'log_level': ...}``) when given;
+    otherwise a level already set on the logger stays (``TORCH_LOGS="+torch_mirage"``,
+    ``torch._logging.set_logs(modules=...)`` or the application's own), and an unset logger gets ``level``."""
+    if explicit or log.level == logging.NOTSET:
+        log.setLevel(level)
+    own = [h for h in log.handlers if isinstance(h, _OwnHandler)]
+    if len(own) < len(log.handlers) or logging.getLogger().handlers:
+        for h in own:   # someone else prints our records now (torch._logging, the application): not twice
+            log.removeHandler(h)
+    elif not own:
         # nobody configured logging: print ours to stderr (an application's own handlers take precedence)
-        handler = logging.StreamHandler()
+        handler = _OwnHandler()
         handler.setFormatter(logging.Formatter("[%(name)s %(levelname)s] %(message)s"))
         log.addHandler(handler)
 
@@ -60,7 +73,8 @@ class MirageBackend:
             raise ValueError(f"torch_mirage: mode={kwargs['mode']!r} is not supported; use options={{...}} "
                              f"(known keys: {[f for f in config_mod.Config.__dataclass_fields__]})")
         cfg = config_mod.load(options)
-        _configure_logging(cfg.log_level)
+        _configure_logging(cfg.log_level, explicit=bool({"log_level", "mirage.log_level"} & set(options))
+                           or config_mod.env_name("log_level") in os.environ)
         cache = DiskCache(cfg.cache_dir) if cfg.cache else None
 
         def inner(kind: str, graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
