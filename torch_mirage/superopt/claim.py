@@ -353,6 +353,8 @@ def _compiled(workload: library.Workload, dims: tuple, dtype: str, constants: di
             kgraph = workload.build(*dims, dtype=dtype, **constants)
             return workload, kgraph, compile_ugraph(kgraph, examples, cache=cache)
     except Exception as e:   # a μGraph that does not build or compile for these shapes: not used
+        if getattr(getattr(ctx, "config", None), "strict", False):
+            raise
         note(ctx, "search/build", f"μGraph {workload.name}{dims} {dtype}", e,
              "that μGraph is not used (its region goes to the other claimers and Inductor)")
         return None
