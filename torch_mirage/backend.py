@@ -108,7 +108,7 @@ class MirageBackend:
             report.fallback_error = f"{failure.stage} stage: {failure.error}"
             report.regions = [RegionReport(_dynamo_ops(gm), cfg.fallback, Reason.COMPILE_ERROR.value,
                                            report.fallback_error)]
-            whole = WholeGraphToInductor(f"the {failure.stage} stage failed", (), failure)
+            whole = WholeGraphToInductor(f"the {failure.stage} stage failed", (), failure=failure)
             if cfg.fallback == "inductor":
                 return self._inductor_whole_graph(gm, example_inputs, cfg, report, whole)
             failure.outcome = "the graph runs eagerly (MIRAGE_FALLBACK=eager)"

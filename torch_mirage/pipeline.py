@@ -41,7 +41,7 @@ class WholeGraphToInductor(Exception):
     stages failed (``failure``): the backend then hands the original Dynamo graph to Inductor's own
     ``compile_fx``, so the result is exactly Inductor's."""
 
-    def __init__(self, cuda_graph_blocker: str | None, static_input_indices: Sequence[int],
+    def __init__(self, cuda_graph_blocker: str | None, static_input_indices: Sequence[int], *,
                  failure: Failure | None = None):
         super().__init__("no mirage region: whole graph to Inductor" if failure is None else
                          f"the {failure.stage} stage failed: whole graph to Inductor")
@@ -204,7 +204,7 @@ def _after_failure(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
         report.regions = [RegionReport(ops, "inductor", Reason.COMPILE_ERROR.value, report.fallback_error)]
         report.whole_graph_to_inductor = True
         raise WholeGraphToInductor(_blocker_after(failure, gm, example_inputs, report.kind),
-                                   ctx.static_input_indices, failure) from error
+                                   ctx.static_input_indices, failure=failure) from error
     fn, compiled_by, failure.outcome = _fallback(gm, ctx)
     report.regions = [RegionReport(ops, compiled_by, Reason.COMPILE_ERROR.value, report.fallback_error)]
     log.warning("%s", format_failure(failure, f"{report.kind} graph {report.index}"))
