@@ -206,3 +206,28 @@ def test_stage_tags_the_innermost_stage():
             _raise()
     assert failures.stage_of(info.value) == "inner"
     assert failures.stage_of(ValueError()) == "unknown"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stage", ["lower", "measure", "cuda graph"])
+def test_gpu_failing_stage_runs_inductor_in_our_cuda_graph_unless_that_failed(stage, monkeypatch, caplog,
+                                                                              compile_fx_calls):
+    """On a GPU the real measure stage runs (keep_faster raises here); Inductor's compile_fx of the graph is
+    captured in our CUDA graph, except when the CUDA-graph stage itself was what failed."""
+    if stage == "measure":
+        monkeypatch.setattr(pipeline, "keep_faster", _raise)
+    else:
+        STAGES[stage][0](monkeypatch)
+    compiled, report = _compile(softmax_plus_one, {"cuda_graphs": True})
+    x = torch.randn(64, 256, device="cuda", dtype=torch.float16)
+    with caplog.at_level(logging.WARNING, logger="torch_mirage"):
+        for _ in range(3):
+            assert_close(compiled(x), softmax_plus_one(x))
+    (warning,) = _stage_warnings(caplog)
+    assert f"the {stage} stage failed" in warning and "float16" in warning and compile_fx_calls
+    graph = report.graphs[-1]
+    if stage == "cuda graph":
+        assert not graph.cuda_graph and "cuda graph stage failed" in graph.cuda_graph_reason
+    else:
+        assert graph.cuda_graph, graph.cuda_graph_reason
