@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..capture.ir import Graph, Node, Value
+from ..failures import note, stage
 from ..partition.region import Reason, Region, is_convex
 from . import library
 
@@ -345,7 +346,6 @@ def _compiled(workload: library.Workload, dims: tuple, dtype: str, constants: di
               cache: Any, ctx: Any = None) -> tuple | None:
     """``(workload, kernel graph, compiled μGraph)`` at these dims, or None (a warning, grouped per compile)
     when it does not build."""
-    from ..failures import note, stage
     from .compile import compile_ugraph
 
     try:
