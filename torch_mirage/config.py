@@ -143,7 +143,7 @@ def _parse(f: dataclasses.Field, raw: Any, where: str) -> Any:
 
 
 def _validate(f: dataclasses.Field, value: Any, where: str) -> None:
-    choices, check = f.metadata["choices"], f.metadata["check"]
+    choices, check = f.metadata.get("choices", ()), f.metadata.get("check")
     if choices and value not in choices:
         raise ConfigError(f"torch_mirage config: {where} is not one of {', '.join(map(repr, choices))}")
     if check is not None and not check.ok(value):
@@ -190,7 +190,7 @@ def describe() -> str:
     lines = ["| variable | `options=` key | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(Config):
         default = "~/.cache/torch_mirage" if f.name == "cache_dir" else repr(f.default)
-        check = f.metadata["check"]
+        check = f.metadata.get("check")
         doc = f.metadata["doc"] + (f" Must be {check.text}." if check is not None else "")
         lines.append(f"| `{env_name(f.name)}` | `{f.name}` | `{default}` | {doc} |")
     return "\n".join(lines)
