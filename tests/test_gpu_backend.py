@@ -298,3 +298,36 @@ def test_library_ugraphs_on_the_gpu(dtype):
             assert claimed[0].info["ugraph"] == min(us, key=us.get), str(report)
         if claimed[0].compiled_by == "inductor":
             assert "slower" in claimed[0].reason, str(report)
+
+
+class _CachedAttention(torch.nn.Module):
+    """A decode step as HF models with a static cache write it: SDPA (dropout 0) over a KV-cache buffer updated
+    in place with ``index_copy_``, a step counter buffer incremented in place, and a trace-time scalar constant."""
+
+    def __init__(self, heads=4, d=32, length=64):
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(1, heads, length, d, device="cuda"))
+        self.register_buffer("v_cache", torch.zeros(1, heads, length, d, device="cuda"))
+        self.register_buffer("steps", torch.zeros((), device="cuda"))
+
+    def forward(self, q, k, v, pos):
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        self.steps.add_(1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, self.k_cache, self.v_cache)
+        return out * torch.tensor(0.5), self.steps.clone()
+
+
+@pytest.mark.gpu
+def test_sdpa_kv_cache_and_cpu_constant_run_in_a_cuda_graph():
+    report = torch_mirage.Report()
+    model, ref = _CachedAttention(), _CachedAttention()
+    compiled = torch.compile(model, backend=torch_mirage.MirageBackend(report=report))
+    for step in range(5):
+        q, k, v = (torch.randn(1, 4, 1, 32, device="cuda") for _ in range(3))
+        pos = torch.tensor([step], device="cuda")
+        (out, steps), (want, want_steps) = compiled(q, k, v, pos), ref(q, k, v, pos)
+        assert_close(out, want)
+        assert steps.item() == want_steps.item() == step + 1     # the counter moved once per call
+    assert_close(model.k_cache, ref.k_cache)
+    assert report.graphs and all(g.cuda_graph for g in report.graphs), [g.cuda_graph_reason for g in report.graphs]

@@ -163,7 +163,12 @@ class MirageBackend:
             log.warning("%s", failures.format_failure(whole.failure, context))
         try:
             with failures.stage("cuda graph"):
-                return _in_cuda_graph(compiled, whole.cuda_graph_blocker, whole.static_input_indices, cfg, report)
+                blocker = whole.cuda_graph_blocker
+                if blocker is None and whole.mutated_input_indices and len(example_inputs) != report.num_inputs:
+                    # the writes are known by the ATen graph's input positions, which differ from this graph's here
+                    blocker = "input mutation (the written inputs cannot be matched to the graph's own inputs)"
+                return _in_cuda_graph(compiled, blocker, whole.static_input_indices, cfg, report,
+                                      whole.mutated_input_indices)
         except Exception as e:
             if cfg.strict:
                 raise
@@ -214,12 +219,13 @@ def _timed_against_inductor(report: GraphReport, cfg: config_mod.Config) -> bool
 
 
 def _in_cuda_graph(compiled: Any, blocker: str | None, static_input_indices: Sequence[int], cfg: config_mod.Config,
-                   report: GraphReport) -> Any:
+                   report: GraphReport, mutated_input_indices: Sequence[int] = ()) -> Any:
     """An unboxed ``compiled(*args)`` in our CUDA-graph wrapper where capture is allowed."""
     if blocker is not None or not cfg.cuda_graphs:
         wrap_cuda_graph(None, blocker, (), cfg, report)   # records the reason only
         return compiled
-    boxed = wrap_cuda_graph(lambda args: compiled(*args), None, static_input_indices, cfg, report)
+    boxed = wrap_cuda_graph(lambda args: compiled(*args), None, static_input_indices, cfg, report,
+                            mutated_input_indices)
     return lambda *args: boxed(list(args))
 
 

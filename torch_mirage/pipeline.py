@@ -41,12 +41,13 @@ class WholeGraphToInductor(Exception):
     stages failed (``failure``): the backend then hands the original Dynamo graph to Inductor's own
     ``compile_fx``, so the result is exactly Inductor's."""
 
-    def __init__(self, cuda_graph_blocker: str | None, static_input_indices: Sequence[int], *,
-                 failure: Failure | None = None):
+    def __init__(self, cuda_graph_blocker: str | None, static_input_indices: Sequence[int],
+                 mutated_input_indices: Sequence[int] = (), *, failure: Failure | None = None):
         super().__init__("no mirage region: whole graph to Inductor" if failure is None else
                          f"the {failure.stage} stage failed: whole graph to Inductor")
         self.cuda_graph_blocker = cuda_graph_blocker
         self.static_input_indices = tuple(static_input_indices)
+        self.mutated_input_indices = tuple(mutated_input_indices)
         self.failure = failure
 
 
@@ -174,7 +175,8 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
     if (config.fallback == "inductor" and report.kind in ("inference", "forward")
             and not any(r.compiled_by == "mirage" for r in regions)):
         report.whole_graph_to_inductor = True
-        raise WholeGraphToInductor(cuda_graph_blocker(gm, example_inputs, report.kind), ctx.static_input_indices)
+        raise WholeGraphToInductor(cuda_graph_blocker(gm, example_inputs, report.kind, ctx.static_input_indices),
+                                   ctx.static_input_indices, mutated_inputs(gm))
     with ctx.stage("assemble"):
         fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode)
         report.mutated_inputs = mutated_inputs(gm)
@@ -266,12 +268,12 @@ def inductor_whole_aten_graph(gm: fx.GraphModule, inductor_mode: str = "default"
 
 
 def _maybe_cuda_graph(fn: Any, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Any:
-    return wrap_cuda_graph(fn, cuda_graph_blocker(gm, example_inputs, ctx.report.kind), ctx.static_input_indices,
-                           ctx.config, ctx.report)
+    return wrap_cuda_graph(fn, cuda_graph_blocker(gm, example_inputs, ctx.report.kind, ctx.static_input_indices),
+                           ctx.static_input_indices, ctx.config, ctx.report, mutated_inputs(gm))
 
 
 def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence[int], config: Config,
-                    report: GraphReport) -> Any:
+                    report: GraphReport, mutated_input_indices: Sequence[int] = ()) -> Any:
     """``fn`` (boxed) inside a :class:`CudaGraphRunner` when capture is allowed; the reason in the report."""
     if not config.cuda_graphs:
         report.cuda_graph_reason = "disabled (MIRAGE_CUDA_GRAPHS=0)"
@@ -281,7 +283,8 @@ def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence
             def on_disable(why: str) -> None:
                 report.cuda_graph, report.cuda_graph_reason = False, why
 
-            runner = CudaGraphRunner(fn, static_input_indices, on_disable=on_disable)
+            runner = CudaGraphRunner(fn, static_input_indices, on_disable=on_disable,
+                                     mutated_input_indices=mutated_input_indices)
             return _boxed(runner)
         report.cuda_graph_reason = blocker
     log.debug("torch_mirage: %s graph %d runs without a CUDA graph: %s", report.kind, report.index,

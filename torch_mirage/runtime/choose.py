@@ -109,18 +109,29 @@ def is_timeable(gm: torch.fx.GraphModule, example_inputs: list) -> bool:
     return not any(draws_random_numbers(n) for n in gm.graph.nodes)
 
 
+# arguments that switch an op's randomness off: (name, the value at which the op draws no random numbers)
+_RANDOMNESS_OFF = (("dropout_p", 0.0), ("p", 0.0), ("train", False))
+
+
 def draws_random_numbers(node: torch.fx.Node) -> bool:
-    """Whether an op advances the RNG: a seeded op, unless its only randomness is dropout and ``dropout_p`` is 0
-    (attention at inference: ``scaled_dot_product_attention`` is tagged seeded for its dropout)."""
+    """Whether an op advances the RNG: a random-tagged op (``nondeterministic_seeded``) unless an argument
+    switches its randomness off — ``dropout_p = 0`` (every aten SDPA variant is tagged for its dropout),
+    dropout's ``p = 0`` or ``train=False``."""
     if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
         return False
-    schema = node.target._schema
-    for position, arg in enumerate(schema.arguments):
-        if arg.name == "dropout_p":
-            value = node.args[position] if position < len(node.args) else node.kwargs.get("dropout_p",
-                                                                                          arg.default_value)
-            return not (isinstance(value, (int, float)) and value == 0)
-    return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return True
+    values = {}
+    for i, spec in enumerate(schema.arguments):
+        if i < len(node.args):
+            values[spec.name] = node.args[i]
+        elif spec.name in node.kwargs:
+            values[spec.name] = node.kwargs[spec.name]
+        elif spec.has_default_value():
+            values[spec.name] = spec.default_value
+    return not any(isinstance(values.get(name), (bool, int, float)) and values[name] == off
+                   for name, off in _RANDOMNESS_OFF)
 
 
 def mutated_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:

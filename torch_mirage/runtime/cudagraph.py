@@ -14,14 +14,23 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .choose import draws_random_numbers
+
 log = logging.getLogger("torch_mirage")
 
 _HOST_SYNC = {"aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default",
               "aten.equal.default", "aten._assert_async.msg"}
 
 
-def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kind: str) -> str | None:
-    """Why this ATen graph cannot be captured, or ``None`` when it can."""
+def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kind: str,
+                       static_input_indices: Sequence[int] = ()) -> str | None:
+    """Why this ATen graph cannot be captured, or ``None`` when it can.
+
+    What inference makes safe is allowed: an op tagged random whose randomness is switched off by its
+    arguments (SDPA at ``dropout_p = 0``, ``native_dropout`` with ``train=False``), 0-dim CPU tensors that are
+    trace-time constants (their value is baked into the capture, as it never changes), and writes to inputs
+    whose storage is stable (parameters, buffers, a static KV cache: ``static_input_indices``), which the
+    replayed graph performs in place on that same storage."""
     if kind != "inference":
         return f"{kind} graph: capture only for inference graphs"
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
@@ -29,32 +38,49 @@ def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
         return "dynamic shapes (symbolic sizes among the inputs)"
     if not tensors or any(t.device.type != "cuda" for t in tensors):
         return "inputs not all CUDA tensors"
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    static = {placeholders[i] for i in static_input_indices if 0 <= i < len(placeholders)}
+    constant = _constant_nodes(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         name = str(node.target)
         if name in _HOST_SYNC:
             return f"host sync ({name})"
-        tags = getattr(node.target, "tags", ())
-        if torch.Tag.nondeterministic_seeded in tags:
+        if draws_random_numbers(node):
             return f"random op ({name})"
-        if name.endswith("copy_.default") and any(a.op == "placeholder" for a in node.args if isinstance(a, torch.fx.Node)):
-            return f"input mutation ({name})"
+        if name.endswith("copy_.default") and isinstance(node.args[0], torch.fx.Node) \
+                and node.args[0].op == "placeholder" and node.args[0] not in static:
+            return f"input mutation ({name} into {node.args[0].name}, an input whose address is not stable)"
         val = node.meta.get("val")
         for v in (val if isinstance(val, (tuple, list)) else [val]):
-            if isinstance(v, torch.Tensor) and v.device.type != "cuda":
+            if isinstance(v, torch.Tensor) and v.device.type != "cuda" and not (node in constant and v.dim() == 0):
                 return f"CPU tensor produced by {name}"
     return None
+
+
+def _constant_nodes(gm: torch.fx.GraphModule) -> set:
+    """Nodes whose value depends on no graph input: trace-time constants (``get_attr`` tensors and what is
+    computed from them alone, e.g. ``lift_fresh_copy`` of a ``torch.tensor(...)`` made while tracing)."""
+    constant: set = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            constant.add(node)
+        elif (node.op == "call_function" and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+              and all(a in constant for a in node.all_input_nodes)):
+            constant.add(node)
+    return constant
 
 
 class CudaGraphRunner:
     """Boxed callable: ``runner(list_of_args) -> list_of_outputs``."""
 
     def __init__(self, fn: Callable[[list], Any], static_input_indices: Sequence[int] = (), warmup: int = 2,
-                 on_disable: Callable[[str], None] | None = None):
+                 on_disable: Callable[[str], None] | None = None, mutated_input_indices: Sequence[int] = ()):
         self.fn = fn
         self.on_disable = on_disable
         self.static_idx = set(static_input_indices)  # parameters and buffers: read in place
+        self.mutated_idx = tuple(mutated_input_indices)  # inputs the graph writes (in place, on stable storage)
         self.warmup = warmup
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_inputs: list[Any] = []
@@ -64,12 +90,19 @@ class CudaGraphRunner:
     def _capture(self, args: list) -> None:
         self.static_inputs = [a if (i in self.static_idx or not isinstance(a, torch.Tensor)) else a.clone()
                               for i, a in enumerate(args)]
+        # the warm-up runs write the inputs the graph mutates (a KV cache, a counter): save them first and put
+        # them back after, so the caller's state changes once, by the replay that follows the capture
+        saved = [(self.static_inputs[i], self.static_inputs[i].clone()) for i in self.mutated_idx
+                 if i < len(self.static_inputs) and isinstance(self.static_inputs[i], torch.Tensor)]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(self.warmup):   # Triton JIT and autotuning happen here, outside capture
                 self.fn(list(self.static_inputs))
+            for dst, copy in saved:
+                dst.copy_(copy)
         torch.cuda.current_stream().wait_stream(stream)
+        del saved
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.static_outputs = self.fn(list(self.static_inputs))
