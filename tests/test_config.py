@@ -1,3 +1,5 @@
+import logging
+
 import pytest
 import torch
 
@@ -54,3 +56,107 @@ def test_options_reach_the_backend():
     x = torch.randn(8)
     torch.testing.assert_close(fn(x), torch.sin(x) * 2)
     assert report.regions and all(r.compiled_by == "eager" for r in report.regions)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad values through both channels: the error names the variable or the options= key, and what is allowed
+
+BAD_VALUES = [
+    ("verify_trials", "-5", -5, "must be >= 0"),
+    ("verify_trials", "many", "many", "is not an int"),
+    ("verify_error_bound", "-1", -1.0, "strictly between 0 and 1"),
+    ("verify_error_bound", "nan", float("nan"), "strictly between 0 and 1"),
+    ("verify_error_bound", "1", 1.0, "strictly between 0 and 1"),
+    ("min_region_us", "-3", -3.0, "must be >= 0"),
+    ("min_region_us", "nan", float("nan"), "must be >= 0"),
+    ("cache_dir", "", "", "non-empty path"),
+    ("cache_dir", "  ", "  ", "non-empty path"),
+    ("stitch", "maybe", "maybe", "not a boolean"),
+    ("fallback", "tvm", "tvm", "'inductor', 'eager'"),
+    ("log_level", "loud", "loud", "'DEBUG', 'INFO', 'WARNING', 'ERROR'"),
+]
+
+
+@pytest.mark.parametrize("name,env_value,option_value,says", BAD_VALUES)
+def test_bad_value_through_the_environment_names_the_variable(name, env_value, option_value, says):
+    with pytest.raises(config.ConfigError) as info:
+        config.load(environ={config.env_name(name): env_value})
+    message = str(info.value)
+    assert f"{config.env_name(name)}={env_value!r}" in message and says in message, message
+    assert "options=" not in message
+
+
+@pytest.mark.parametrize("name,env_value,option_value,says", BAD_VALUES)
+def test_bad_value_through_options_names_the_key(name, env_value, option_value, says):
+    with pytest.raises(config.ConfigError) as info:
+        config.load({name: option_value}, environ={})
+    message = str(info.value)
+    assert f"options={{{name!r}: " in message and says in message, message
+    assert "MIRAGE_" not in message
+
+
+def test_good_edge_values_are_accepted():
+    cfg = config.load({"verify_trials": 0, "min_region_us": 0, "verify_error_bound": 0.5}, environ={})
+    assert (cfg.verify_trials, cfg.min_region_us, cfg.verify_error_bound) == (0, 0.0, 0.5)
+
+
+def test_every_range_is_checked_by_the_dataclass_too():
+    with pytest.raises(config.ConfigError, match="verify_trials=-1"):
+        config.load(environ={}).replace(verify_trials=-1)
+
+
+def test_unknown_variable_warns_once_with_the_closest_knob(caplog):
+    environ = {"MIRAGE_STICH": "0", "MIRAGE_BUILD_CSRC": "0", "MIRAGE_STITCH": "1"}
+    with caplog.at_level(logging.WARNING, logger="torch_mirage"):
+        config.load(environ=environ)
+        config.load(environ=environ)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "MIRAGE_STICH " in lines[0] and "did you mean MIRAGE_STITCH?" in lines[0], lines
+
+
+def test_new_fields_are_knobs_with_their_checks_at_once(monkeypatch, caplog):
+    """A knob added to Config (as the search's budget will be) is read, range-checked, and known to the
+    unknown-variable warning, with no list to update."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Extended(config.Config):
+        search_budget_s_test: float = config._knob(30.0, "test knob", check=config.at_least(0))
+
+    monkeypatch.setattr(config, "Config", Extended)
+    with caplog.at_level(logging.WARNING, logger="torch_mirage"):
+        cfg = config.load(environ={"MIRAGE_SEARCH_BUDGET_S_TEST": "5", "MIRAGE_SEARCH_BUDGT_S_TEST": "1"})
+    assert cfg.search_budget_s_test == 5.0
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "MIRAGE_SEARCH_BUDGT_S_TEST" in line and "did you mean MIRAGE_SEARCH_BUDGET_S_TEST?" in line
+    with pytest.raises(config.ConfigError, match="MIRAGE_SEARCH_BUDGET_S_TEST='-1'"):
+        config.load(environ={"MIRAGE_SEARCH_BUDGET_S_TEST": "-1"})
+    assert "`MIRAGE_SEARCH_BUDGET_S_TEST` | `search_budget_s_test` | `30.0` | test knob Must be >= 0." in \
+        config.describe()
+
+
+def test_unknown_option_suggests_the_closest():
+    with pytest.raises(KeyError, match="did you mean 'stitch'"):
+        config.load({"stich": True}, environ={})
+
+
+def test_registered_with_torch_logging_and_mirage_log_level_wins(monkeypatch):
+    from torch._logging._internal import log_registry
+
+    from torch_mirage.backend import _configure_logging
+
+    assert log_registry.is_log("torch_mirage")
+    log = logging.getLogger("torch_mirage")
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    try:
+        torch._logging.set_logs(modules={"torch_mirage": logging.DEBUG})   # what TORCH_LOGS=+torch_mirage does
+        assert log.level == logging.DEBUG
+        _configure_logging("WARNING", explicit=False)     # no MIRAGE_LOG_LEVEL: TORCH_LOGS' level stays
+        assert log.level == logging.DEBUG
+        _configure_logging("ERROR", explicit=True)        # MIRAGE_LOG_LEVEL given: it wins
+        assert log.level == logging.ERROR
+    finally:
+        torch._logging.set_logs()
+        log.setLevel(logging.NOTSET)
+        _configure_logging("WARNING", explicit=False)
+    assert log.level == logging.WARNING

@@ -13,6 +13,20 @@ from .report import Report, explain
 __all__ = ["__version__", "config", "explain", "Report", "MirageBackend"]
 
 
+def _register_with_torch_logging() -> None:
+    """Make the ``torch_mirage`` logger one of torch's registered logs: ``TORCH_LOGS="+torch_mirage"`` (DEBUG),
+    ``TORCH_LOGS="torch_mirage"`` (INFO) and ``torch._logging.set_logs(modules={"torch_mirage": level})`` set its
+    level and give it torch's handler. ``MIRAGE_LOG_LEVEL``, when set, still wins (see ``backend``)."""
+    try:
+        from torch._logging._internal import register_log   # private; present in torch 2.11 - 2.14
+    except ImportError:
+        return
+    register_log("torch_mirage", "torch_mirage")
+
+
+_register_with_torch_logging()
+
+
 def __getattr__(name):
     if name == "MirageBackend":
         from .backend import MirageBackend

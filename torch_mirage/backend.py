@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any, Sequence
 
 import torch
@@ -17,20 +18,34 @@ from functorch.compile import min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 
 from . import config as config_mod
+from . import failures
 from .cache import DiskCache
 from .partition.region import Claimer, Reason
+from .failures import Failure
 from .pipeline import CompileContext, WholeGraphToInductor, compile_graph, wrap_cuda_graph
-from .report import GraphReport, Report
+from .report import GraphReport, RegionReport, Report
 from .runtime.choose import FasterOf, writes_in_place
 
 log = logging.getLogger("torch_mirage")
 
 
-def _configure_logging(level: str) -> None:
-    log.setLevel(level)
-    if not log.handlers and not logging.getLogger().handlers:
+class _OwnHandler(logging.StreamHandler):
+    """The stderr handler the backend adds when nobody configured logging."""
+
+
+def _configure_logging(level: str, explicit: bool) -> None:
+    """The ``torch_mirage`` logger's level: ``MIRAGE_LOG_LEVEL`` (or ``options={'log_level': ...}``) when given;
+    otherwise a level already set on the logger stays (``TORCH_LOGS="+torch_mirage"``,
+    ``torch._logging.set_logs(modules=...)`` or the application's own), and an unset logger gets ``level``."""
+    if explicit or log.level == logging.NOTSET:
+        log.setLevel(level)
+    own = [h for h in log.handlers if isinstance(h, _OwnHandler)]
+    if len(own) < len(log.handlers) or logging.getLogger().handlers:
+        for h in own:   # someone else prints our records now (torch._logging, the application): not twice
+            log.removeHandler(h)
+    elif not own:
         # nobody configured logging: print ours to stderr (an application's own handlers take precedence)
-        handler = logging.StreamHandler()
+        handler = _OwnHandler()
         handler.setFormatter(logging.Formatter("[%(name)s %(levelname)s] %(message)s"))
         log.addHandler(handler)
 
@@ -58,7 +73,8 @@ class MirageBackend:
             raise ValueError(f"torch_mirage: mode={kwargs['mode']!r} is not supported; use options={{...}} "
                              f"(known keys: {[f for f in config_mod.Config.__dataclass_fields__]})")
         cfg = config_mod.load(options)
-        _configure_logging(cfg.log_level)
+        _configure_logging(cfg.log_level, explicit=bool({"log_level", "mirage.log_level"} & set(options))
+                           or config_mod.env_name("log_level") in os.environ)
         cache = DiskCache(cfg.cache_dir) if cfg.cache else None
 
         def inner(kind: str, graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
@@ -77,23 +93,38 @@ class MirageBackend:
         )
         first_graph = len(self.report.graphs)
         try:
-            compiled = compiler(gm, example_inputs)
+            with failures.stage("capture"):
+                compiled = compiler(gm, example_inputs)
         except WholeGraphToInductor as whole:
-            return self._inductor_whole_graph(gm, example_inputs, cfg, whole)
+            return self._inductor_whole_graph(gm, example_inputs, cfg, self.report.graphs[-1], whole)
         except Exception as e:
             if cfg.strict:
                 raise
-            # AOTAutograd itself failed (our inner compilers never raise outside strict mode)
-            log.warning("torch_mirage: capturing a graph of %d ops failed (%s: %s); the graph runs through "
-                        "Inductor's own torch.compile path. Set MIRAGE_STRICT=1 to raise instead.",
-                        sum(n.op == "call_function" for n in gm.graph.nodes), type(e).__name__, e)
+            # AOTAutograd itself failed (our inner compilers never raise outside strict mode): the Dynamo graph
+            # replaces whatever this call reported
+            del self.report.graphs[first_graph:]
+            report = self.report.new_graph("dynamo")
+            failure = Failure(failures.stage_of(e, "capture"), _dynamo_summary(gm), failures.describe_error(e), "")
+            report.fallback_error = f"{failure.stage} stage: {failure.error}"
+            report.regions = [RegionReport(_dynamo_ops(gm), cfg.fallback, Reason.COMPILE_ERROR.value,
+                                           report.fallback_error)]
+            whole = WholeGraphToInductor(f"the {failure.stage} stage failed", (), failure=failure)
             if cfg.fallback == "inductor":
-                from torch._inductor.compile_fx import compile_fx
-                return compile_fx(gm, example_inputs)
+                return self._inductor_whole_graph(gm, example_inputs, cfg, report, whole)
+            failure.outcome = "the graph runs eagerly (MIRAGE_FALLBACK=eager)"
+            log.warning("%s", failures.format_failure(failure, f"Dynamo graph {report.index}"))
             return gm.forward
         graphs = self.report.graphs[first_graph:]
         if len(graphs) == 1 and _timed_against_inductor(graphs[0], cfg):
-            return self._faster_of_mirage_and_inductor(gm, example_inputs, cfg, compiled, graphs[0])
+            try:
+                with failures.stage("whole-graph timing"):
+                    return self._faster_of_mirage_and_inductor(gm, example_inputs, cfg, compiled, graphs[0])
+            except Exception as e:
+                if cfg.strict:
+                    raise
+                failure = Failure("whole-graph timing", _dynamo_summary(gm), failures.describe_error(e),
+                                  "mirage's compile runs without being timed against Inductor's")
+                log.warning("%s", failures.format_failure(failure, f"{graphs[0].kind} graph {graphs[0].index}"))
         return compiled
 
     def _inductor_compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: config_mod.Config,
@@ -106,26 +137,46 @@ class MirageBackend:
             return compile_fx(gm, example_inputs, config_patches=patches)
 
     def _inductor_whole_graph(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: config_mod.Config,
-                              whole: WholeGraphToInductor) -> Any:
-        """Inductor's own compile of the Dynamo graph, in our CUDA-graph wrapper where capture is safe."""
-        report = self.report.graphs[-1]
+                              report: GraphReport, whole: WholeGraphToInductor) -> Any:
+        """Inductor's own compile of the Dynamo graph, in our CUDA-graph wrapper where capture is safe; eager
+        only when Inductor fails too. A mirage failure that sent the graph here (``whole.failure``) is logged
+        once, with where the graph went."""
+        context = f"{report.kind} graph {report.index}"
         try:
             compiled = self._inductor_compile(gm, example_inputs, cfg, report)
         except Exception as e:
             if cfg.strict:
                 raise
-            log.warning("torch_mirage: Inductor could not compile the graph (%s: %s); running it eagerly.",
-                        type(e).__name__, e)
-            report.fallback_error = f"{type(e).__name__}: {e}"
+            error = failures.describe_error(e)
+            if whole.failure is not None:
+                whole.failure.outcome = f"Inductor could not compile the graph either ({error}), so it runs eagerly"
+                log.warning("%s", failures.format_failure(whole.failure, context))
+            else:
+                log.warning("torch_mirage: Inductor could not compile %s (%s), so it runs eagerly. %s", context,
+                            error, failures.STRICT_HINT)
+            report.fallback_error = report.fallback_error or error
             for region in report.regions:
                 region.compiled_by = "eager"
             return gm.forward
-        blocker = whole.cuda_graph_blocker
-        if blocker is None and whole.mutated_input_indices and len(example_inputs) != report.num_inputs:
-            # the writes are known by the ATen graph's input positions, which differ from this graph's here
-            blocker = "input mutation (the written inputs cannot be matched to the graph's own inputs)"
-        return _in_cuda_graph(compiled, blocker, whole.static_input_indices, cfg, report,
-                              whole.mutated_input_indices)
+        if whole.failure is not None:
+            whole.failure.outcome = "the whole graph runs through Inductor's compile_fx instead"
+            log.warning("%s", failures.format_failure(whole.failure, context))
+        try:
+            with failures.stage("cuda graph"):
+                blocker = whole.cuda_graph_blocker
+                if blocker is None and whole.mutated_input_indices and len(example_inputs) != report.num_inputs:
+                    # the writes are known by the ATen graph's input positions, which differ from this graph's here
+                    blocker = "input mutation (the written inputs cannot be matched to the graph's own inputs)"
+                return _in_cuda_graph(compiled, blocker, whole.static_input_indices, cfg, report,
+                                      whole.mutated_input_indices)
+        except Exception as e:
+            if cfg.strict:
+                raise
+            report.cuda_graph, report.cuda_graph_reason = False, f"cuda graph stage failed: {failures.describe_error(e)}"
+            log.warning("%s", failures.format_failure(Failure(
+                "cuda graph", _dynamo_summary(gm), failures.describe_error(e),
+                "Inductor's compile runs without our CUDA graph"), context))
+            return compiled
 
     def _faster_of_mirage_and_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                                        cfg: config_mod.Config, mirage: Any, report: GraphReport) -> Any:
@@ -191,6 +242,23 @@ def _choice_recorder(report: GraphReport):
                 if r.compiled_by == "mirage":
                     r.compiled_by, r.reason, r.detail = "inductor", Reason.SLOWER_THAN_INDUCTOR.value, detail
     return record
+
+
+def _dynamo_ops(gm: torch.fx.GraphModule) -> list[str]:
+    return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
+            if n.op in ("call_function", "call_method", "call_module")]
+
+
+def _dynamo_summary(gm: torch.fx.GraphModule, limit: int = 6) -> str:
+    """The Dynamo graph's first ops with their result dtypes and shapes, for a warning."""
+    parts = []
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method", "call_module") and len(parts) < limit:
+            val = n.meta.get("example_value")
+            meta = f" {str(val.dtype).replace('torch.', '')}{list(val.shape)}" if isinstance(val, torch.Tensor) else ""
+            parts.append(f"{getattr(n.target, '__name__', n.target)}{meta}")
+    more = len(_dynamo_ops(gm)) - len(parts)
+    return "[" + ", ".join(parts) + (f", +{more} more" if more > 0 else "") + "]"
 
 
 def mirage_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:

@@ -6,6 +6,13 @@ that affect output (:func:`cache_key`). Entries are written atomically (temp
 file + ``os.replace``) with a SHA-256 of the payload in their header, so a
 corrupted or truncated entry is detected, ignored and rewritten, and two
 processes writing the same key at once each leave a whole entry.
+
+Permissions follow the umask, as Inductor's cache does: files are created with
+mode ``0o666`` and directories with ``0o777``, less the process's umask (0644 /
+0755 under the usual 022; a team sharing one cache directory sets umask 002).
+Generated kernel sources live under ``kernels/`` (:mod:`torch_mirage.codegen.loader`),
+named by the hash of their content; one whose bytes no longer match is logged
+once, dropped and rewritten the same way.
 """
 from __future__ import annotations
 
@@ -13,7 +20,8 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
+import secrets
+import threading
 from typing import Any
 
 log = logging.getLogger("torch_mirage")
@@ -91,9 +99,12 @@ class DiskCache:
 
 
 def write_atomic(path: str, data: bytes | str) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
+    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part. The file's mode
+    follows the umask (the temporary file is created with ``0o666`` like any ``open(path, "w")``)."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)

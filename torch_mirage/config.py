@@ -4,20 +4,62 @@
 Every knob is a field of :class:`Config`; its environment variable is
 ``MIRAGE_<FIELD NAME IN CAPITALS>`` and its ``options=`` key is the field name.
 ``print(torch_mirage.config.load())`` shows the effective values.
+
+A field declares its allowed values in its ``_knob`` metadata (``choices``, or a
+range as a :class:`Check`); a value outside them raises :class:`ConfigError`
+naming the channel it came from (``MIRAGE_STITCH='x'`` or
+``options={'stitch': 'x'}``). A ``MIRAGE_*`` variable that is no field's (a
+typo) gets one warning naming the closest knob; ``NON_KNOB_VARIABLES`` lists the
+few the build and the tests read.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+log = logging.getLogger("torch_mirage")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
+# MIRAGE_* variables that are not knobs: read by the build and the test suite, never by the backend
+NON_KNOB_VARIABLES = {
+    "MIRAGE_BUILD_CSRC": "setup.py: 0 skips building the C++ extension",
+    "MIRAGE_UPDATE_GOLDEN": "tests: rewrite the golden copies of generated source",
+    "MIRAGE_LLM_FULL": "tests: run every LLM family, scenario and mode",
+}
 
-def _knob(default: Any, doc: str, *, affects_output: bool = False, choices: tuple = ()) -> Any:
-    return field(default=default, metadata={"doc": doc, "affects_output": affects_output, "choices": choices})
+
+class ConfigError(ValueError):
+    """A knob's value that cannot be used; the message names where it came from (variable or options key)."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """A knob's allowed range: ``ok(value)`` and the words for it (``must be {text}``)."""
+    ok: Callable[[Any], bool]
+    text: str
+
+
+def at_least(low: float) -> Check:
+    return Check(lambda v: v >= low, f">= {low:g}")   # NaN compares False: out of range
+
+
+def strictly_between(low: float, high: float) -> Check:
+    return Check(lambda v: low < v < high, f"strictly between {low:g} and {high:g}")
+
+
+NON_EMPTY = Check(lambda v: bool(v.strip()), "a non-empty path")
+
+
+def _knob(default: Any, doc: str, *, affects_output: bool = False, choices: tuple = (),
+          check: Check | None = None) -> Any:
+    return field(default=default, metadata={"doc": doc, "affects_output": affects_output, "choices": choices,
+                                            "check": check})
 
 
 def _default_cache_dir() -> str:
@@ -27,28 +69,24 @@ def _default_cache_dir() -> str:
 
 @dataclass(frozen=True)
 class Config:
-    cache_dir: str = _knob(_default_cache_dir(), "Directory of the on-disk cache (search results, generated kernels).")
+    cache_dir: str = _knob(_default_cache_dir(), "Directory of the on-disk cache (search results, generated kernels).", check=NON_EMPTY)
     cuda_graphs: bool = _knob(True, "Wrap compiled graphs in CUDA graphs where that is safe. Turn off when the caller captures its own graph.")
     fallback: str = _knob("inductor", "Where everything mirage does not claim goes: 'inductor' or 'eager'.", affects_output=True, choices=("inductor", "eager"))
     inductor_mode: str = _knob("default", "Inductor mode for the fallback: 'default' or 'max-autotune-no-cudagraphs'.", affects_output=True, choices=("default", "max-autotune-no-cudagraphs"))
     strict: bool = _knob(False, "Raise on any internal compile error instead of falling back.")
     log_level: str = _knob("WARNING", "Level of the 'torch_mirage' logger (DEBUG, INFO, WARNING, ERROR).", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    verify_trials: int = _knob(0, "Finite-field verifier trials per candidate; 0 derives the count from verify_error_bound.", affects_output=True)
-    verify_error_bound: float = _knob(1e-12, "Target probability that the verifier accepts a wrong candidate.", affects_output=True)
+    verify_trials: int = _knob(0, "Finite-field verifier trials per candidate; 0 derives the count from verify_error_bound.", affects_output=True, check=at_least(0))
+    verify_error_bound: float = _knob(1e-12, "Target probability that the verifier accepts a wrong candidate.", affects_output=True, check=strictly_between(0, 1))
     stitch: bool = _knob(True, "Claim memory-bound regions with AStitch-style stitch kernels.", affects_output=True)
     ugraph_library: bool = _knob(True, "Claim subgraphs that compute a hand-built μGraph (RMSNorm + Linear: (rms(x)·g)@w; LoRA: x@w + (x@a)@b; gated MLP: silu(x@w1) * (x@w3); unmasked attention, with or without RMS-normed q and k; nTrans) and run the μGraph.", affects_output=True)
-    min_region_us: float = _knob(3.0, "Stitch regions whose memory traffic takes less than this many µs on the device model are left to Inductor, which fuses them with their neighbours.", affects_output=True)
+    min_region_us: float = _knob(3.0, "Stitch regions whose memory traffic takes less than this many µs on the device model are left to Inductor, which fuses them with their neighbours.", affects_output=True, check=at_least(0))
     measure_regions: bool = _knob(True, "On a GPU, time each claimed region against Inductor's version and keep the faster.", affects_output=True)
     check_regions: bool = _knob(True, "Run each mirage kernel once at compile time against eager ATen on random inputs; a mismatch hands the region back to the fallback.", affects_output=True)
     cache: bool = _knob(True, "Read and write the on-disk cache.")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            choices = f.metadata["choices"]
-            value = getattr(self, f.name)
-            if choices and value not in choices:
-                raise ValueError(f"torch_mirage config: {f.name}={value!r} is not one of {choices} "
-                                 f"(set {env_name(f.name)} or options={{'{f.name}': ...}})")
+            _validate(f, getattr(self, f.name), f"{f.name}={getattr(self, f.name)!r}")
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -68,42 +106,82 @@ def env_name(field_name: str) -> str:
     return "MIRAGE_" + field_name.upper()
 
 
-def _parse(f: dataclasses.Field, raw: Any) -> Any:
+def _from_env(name: str, raw: Any) -> str:
+    return f"{env_name(name)}={raw!r}"
+
+
+def _from_options(key: str, raw: Any) -> str:
+    return f"options={{{key!r}: {raw!r}}}"
+
+
+def _parse(f: dataclasses.Field, raw: Any, where: str) -> Any:
+    """``raw`` (a string from the environment, or an ``options=`` value) as the field's type, in range;
+    ``where`` names the channel and value for the error (``MIRAGE_STITCH='x'``, ``options={'stitch': 'x'}``)."""
     kind = type(f.default)
     if not isinstance(raw, str) or kind is str:
         value = raw
     elif kind is bool:
         low = raw.strip().lower()
         if low not in _TRUE | _FALSE:
-            raise ValueError(f"torch_mirage config: {env_name(f.name)}={raw!r} is not a boolean (use 1/0)")
+            raise ConfigError(f"torch_mirage config: {where} is not a boolean (use 1/0, true/false, yes/no, on/off)")
         value = low in _TRUE
     else:
         try:
             value = kind(raw)
         except ValueError:
-            raise ValueError(f"torch_mirage config: {env_name(f.name)}={raw!r} is not a {kind.__name__}") from None
-    if f.name == "log_level":
-        value = str(value).upper()
-    if kind is float and isinstance(value, int):
+            raise ConfigError(f"torch_mirage config: {where} is not a{'n' if kind is int else ''} "
+                              f"{kind.__name__}") from None
+    if f.name == "log_level" and isinstance(value, str):
+        value = value.upper()
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, kind):
-        raise TypeError(f"torch_mirage config: {f.name} wants a {kind.__name__}, got {value!r}")
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ConfigError(f"torch_mirage config: {where}: {f.name} must be a{'n' if kind is int else ''} "
+                          f"{kind.__name__}")
+    _validate(f, value, where)
     return value
 
 
+def _validate(f: dataclasses.Field, value: Any, where: str) -> None:
+    choices, check = f.metadata.get("choices", ()), f.metadata.get("check")
+    if choices and value not in choices:
+        raise ConfigError(f"torch_mirage config: {where} is not one of {', '.join(map(repr, choices))}")
+    if check is not None and not check.ok(value):
+        raise ConfigError(f"torch_mirage config: {where}: {f.name} must be {check.text}")
+
+
+_warned_unknown: set[str] = set()
+
+
+def _warn_unknown_variables(environ: Mapping[str, str], known: set[str]) -> None:
+    """One warning per process for each ``MIRAGE_*`` variable that is no knob (a typo), naming the closest."""
+    for name in sorted(environ):
+        if not name.startswith("MIRAGE_") or name in known or name in NON_KNOB_VARIABLES or name in _warned_unknown:
+            continue
+        _warned_unknown.add(name)
+        close = difflib.get_close_matches(name[len("MIRAGE_"):], sorted(k[len("MIRAGE_"):] for k in known), n=1)
+        hint = f"did you mean MIRAGE_{close[0]}?" if close else "`python -m torch_mirage config` lists the knobs"
+        log.warning("torch_mirage config: %s is not a torch_mirage knob and is ignored; %s", name, hint)
+
+
 def load(options: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Config:
-    """Effective configuration: defaults, then ``MIRAGE_*`` variables, then ``options``."""
+    """Effective configuration: defaults, then ``MIRAGE_*`` variables, then ``options``. A bad value raises
+    :class:`ConfigError` naming its variable or ``options=`` key; an unknown ``MIRAGE_*`` variable is warned
+    about once, an unknown ``options=`` key raises."""
     environ = os.environ if environ is None else environ
     fields = {f.name: f for f in dataclasses.fields(Config)}
+    _warn_unknown_variables(environ, {env_name(name) for name in fields})
     values: dict[str, Any] = {}
     for name, f in fields.items():
         if env_name(name) in environ:
-            values[name] = _parse(f, environ[env_name(name)])
+            values[name] = _parse(f, environ[env_name(name)], _from_env(name, environ[env_name(name)]))
     for key, raw in (options or {}).items():
         name = key[len("mirage."):] if key.startswith("mirage.") else key
         if name not in fields:
-            raise KeyError(f"torch_mirage: unknown option {key!r}; known options: {sorted(fields)}")
-        values[name] = _parse(fields[name], raw)
+            close = difflib.get_close_matches(name, sorted(fields), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise KeyError(f"torch_mirage: unknown option {key!r}; {hint}known options: {sorted(fields)}")
+        values[name] = _parse(fields[name], raw, _from_options(key, raw))
     return Config(**values)
 
 
@@ -112,5 +190,7 @@ def describe() -> str:
     lines = ["| variable | `options=` key | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(Config):
         default = "~/.cache/torch_mirage" if f.name == "cache_dir" else repr(f.default)
-        lines.append(f"| `{env_name(f.name)}` | `{f.name}` | `{default}` | {f.metadata['doc']} |")
+        check = f.metadata.get("check")
+        doc = f.metadata["doc"] + (f" Must be {check.text}." if check is not None else "")
+        lines.append(f"| `{env_name(f.name)}` | `{f.name}` | `{default}` | {doc} |")
     return "\n".join(lines)

@@ -1,15 +1,20 @@
 """The pipeline, top to bottom, for one functional ATen graph.
 
-capture (AOTAutograd, in :mod:`torch_mirage.backend`) → lower → analyse →
-partition (claimers) → assemble (kernels + Inductor for the rest) → CUDA graph.
-Each stage's time lands in the graph's report. Any error inside mirage's own
-stages falls the whole graph back (or raises under ``strict``).
+capture (AOTAutograd, in :mod:`torch_mirage.backend`) → lower → partition
+(claimers; the library claimer's μGraph search/build inside it) → check →
+measure (GPU) → assemble (kernels + Inductor for the rest) → CUDA graph.
+Each stage runs under :meth:`CompileContext.stage`, which records its time in
+the graph's report and tags an exception leaving it with the stage's name.
+Whatever fails inside mirage, the original graph goes to Inductor by a route
+that re-runs none of mirage's stages (:func:`_after_failure`), with one warning
+naming the stage and the ops; ``strict`` raises instead.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -20,6 +25,7 @@ from .capture.ir import Graph, Node, connected_components
 from .capture.lower import lower
 from .capture.ops import OpKind
 from .config import Config
+from .failures import Failure, FailureLog, describe_error, format_failure, stage, stage_of
 from .partition.region import Claimer, Reason, Region, is_convex
 from .report import GraphReport, RegionReport
 from .runtime.assemble import assemble
@@ -31,15 +37,18 @@ log = logging.getLogger("torch_mirage")
 
 
 class WholeGraphToInductor(Exception):
-    """Raised by the forward / inference compile when mirage keeps no region of the graph: the backend then
-    hands the original Dynamo graph to Inductor's own ``compile_fx``, so the result is exactly Inductor's."""
+    """Raised by the forward / inference compile when mirage keeps no region of the graph, or when one of its
+    stages failed (``failure``): the backend then hands the original Dynamo graph to Inductor's own
+    ``compile_fx``, so the result is exactly Inductor's."""
 
     def __init__(self, cuda_graph_blocker: str | None, static_input_indices: Sequence[int],
-                 mutated_input_indices: Sequence[int] = ()):
-        super().__init__("no mirage region: whole graph to Inductor")
+                 mutated_input_indices: Sequence[int] = (), *, failure: Failure | None = None):
+        super().__init__("no mirage region: whole graph to Inductor" if failure is None else
+                         f"the {failure.stage} stage failed: whole graph to Inductor")
         self.cuda_graph_blocker = cuda_graph_blocker
         self.static_input_indices = tuple(static_input_indices)
         self.mutated_input_indices = tuple(mutated_input_indices)
+        self.failure = failure
 
 
 class MirageError(RuntimeError):
@@ -58,6 +67,17 @@ class CompileContext:
     cache: DiskCache | None
     static_input_indices: Sequence[int] = ()
     facts: dict[str, Any] = field(default_factory=dict)   # analysis results, by analysis name
+    failures: FailureLog | None = None   # failures that changed what runs, logged grouped at the end
+
+    def __post_init__(self) -> None:
+        if self.failures is None:
+            self.failures = FailureLog(f"{self.report.kind} graph {self.report.index}")
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """A pipeline stage: its time goes to the report, an exception leaving it names it."""
+        with self.report.stage(name), stage(name):
+            yield
 
 
 def default_claimers(config: Config) -> list[Claimer]:
@@ -116,69 +136,135 @@ def _report_regions(report: GraphReport, regions: Sequence[Region]) -> None:
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
                   claimers: Sequence[Claimer] | None = None) -> Any:
-    """Compile one ATen graph; returns a boxed callable."""
+    """Compile one ATen graph; returns a boxed callable. A failure in any stage hands the graph to
+    Inductor whole (see :func:`_after_failure`), or raises under ``strict``."""
     report, config = ctx.report, ctx.config
     report.num_nodes = sum(n.op == "call_function" for n in gm.graph.nodes)
     report.num_inputs = sum(n.op == "placeholder" for n in gm.graph.nodes)
-    claimers = default_claimers(config) if claimers is None else claimers
     try:
-        with report.stage("lower"):
-            graph = lower(gm, list(example_inputs))
-        with report.stage("partition"):
-            regions = claim_regions(graph, claimers, ctx)
-        if config.check_regions:
-            with report.stage("check"):
-                check_regions(regions, graph, ctx)
-        if config.measure_regions and torch.cuda.is_available():
-            with report.stage("measure"):
-                keep_faster(regions, graph, ctx)
-        _report_regions(report, regions)
-        if (config.fallback == "inductor" and report.kind in ("inference", "forward")
-                and not any(r.compiled_by == "mirage" for r in regions)):
-            report.whole_graph_to_inductor = True
-            raise WholeGraphToInductor(cuda_graph_blocker(gm, example_inputs, report.kind, ctx.static_input_indices),
-                                       ctx.static_input_indices, mutated_inputs(gm))
-        with report.stage("assemble"):
-            fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode)
-        report.mutated_inputs = mutated_inputs(gm)
-        declared = declared_mutations(report.num_inputs)
-        # timed on the first call only when every write is one the timing can save and put back
-        report.timeable = (is_timeable(gm, list(example_inputs)) and declared is not None
-                           and declared <= set(report.mutated_inputs))
+        fn = _mirage_stages(gm, example_inputs, ctx, claimers)
+        with ctx.stage("cuda graph"):
+            return _maybe_cuda_graph(fn, gm, example_inputs, ctx)
     except WholeGraphToInductor:
         raise
     except Exception as e:
         if config.strict:
             raise
-        summary = _graph_summary(gm)
-        log.warning("torch_mirage: compiling %s graph %d failed (%s: %s); graph of %s falls back to %s. "
-                    "Set MIRAGE_STRICT=1 to raise instead.", report.kind, report.index, type(e).__name__, e,
-                    summary, config.fallback)
-        report.fallback_error = f"{type(e).__name__}: {e}"
-        fn = _fallback(gm, example_inputs, ctx)
-    return _maybe_cuda_graph(fn, gm, example_inputs, ctx)
+        return _after_failure(gm, example_inputs, ctx, e)
+    finally:
+        ctx.failures.flush()
 
 
-def _fallback(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Any:
-    """The whole graph through the fallback target; eager when Inductor itself fails."""
+def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
+                   claimers: Sequence[Claimer] | None) -> Any:
+    """lower → partition → check → measure → assemble; raises :class:`WholeGraphToInductor` when mirage keeps
+    no region of a forward / inference graph."""
+    report, config = ctx.report, ctx.config
+    with ctx.stage("lower"):
+        graph = lower(gm, list(example_inputs))
+    with ctx.stage("partition"):
+        claimers = default_claimers(config) if claimers is None else claimers
+        regions = claim_regions(graph, claimers, ctx)
+    if config.check_regions:
+        with ctx.stage("check"):
+            check_regions(regions, graph, ctx)
+    if _measures(config):
+        with ctx.stage("measure"):
+            keep_faster(regions, graph, ctx)
+    _report_regions(report, regions)
+    if (config.fallback == "inductor" and report.kind in ("inference", "forward")
+            and not any(r.compiled_by == "mirage" for r in regions)):
+        report.whole_graph_to_inductor = True
+        raise WholeGraphToInductor(cuda_graph_blocker(gm, example_inputs, report.kind, ctx.static_input_indices),
+                                   ctx.static_input_indices, mutated_inputs(gm))
+    with ctx.stage("assemble"):
+        fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode)
+        report.mutated_inputs = mutated_inputs(gm)
+        declared = declared_mutations(report.num_inputs)
+        # timed on the first call only when every write is one the timing can save and put back
+        report.timeable = (is_timeable(gm, list(example_inputs)) and declared is not None
+                           and declared <= set(report.mutated_inputs))
+    return fn
+
+
+def _measures(config: Config) -> bool:
+    """Whether regions are timed against Inductor: only on a GPU (the timing uses CUDA graphs)."""
+    return config.measure_regions and torch.cuda.is_available()
+
+
+def _after_failure(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext, error: Exception) -> Any:
+    """The graph after a failure inside mirage, independent of the stage that failed (nothing of mirage's is
+    re-run): a forward / inference graph is handed whole to Inductor's own ``compile_fx`` on the Dynamo graph (by
+    :class:`WholeGraphToInductor`; the backend logs the warning once it knows the outcome); a backward graph,
+    whose forward is already compiled, goes through ``regional_inductor`` over the whole ATen graph. Eager only
+    with ``fallback="eager"`` or when Inductor fails too."""
     config, report = ctx.config, ctx.report
-    graph_nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    ops = [str(n.target) for n in graph_nodes]
-    if config.fallback == "inductor":
-        try:
-            with report.stage("inductor"):
-                graph = lower(gm, list(example_inputs))
-                region = Region(list(graph.nodes), "inductor", Reason.COMPILE_ERROR, report.fallback_error or "")
-                fn = assemble(gm, graph, [region], "inductor", config.inductor_mode)
-            report.regions = [RegionReport(ops, "inductor", Reason.COMPILE_ERROR.value, report.fallback_error or "")]
-            return fn
-        except Exception as e:
-            if config.strict:
-                raise
-            log.warning("torch_mirage: Inductor could not compile the fallback graph either (%s: %s); running eager.",
-                        type(e).__name__, e)
-    report.regions = [RegionReport(ops, "eager", Reason.COMPILE_ERROR.value, report.fallback_error or "")]
-    return make_boxed_func(gm)
+    failure = Failure(stage_of(error), _graph_summary(gm), describe_error(error), "")
+    report.fallback_error = f"{failure.stage} stage: {failure.error}"
+    ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    if config.fallback == "inductor" and report.kind in ("inference", "forward"):
+        report.regions = [RegionReport(ops, "inductor", Reason.COMPILE_ERROR.value, report.fallback_error)]
+        report.whole_graph_to_inductor = True
+        raise WholeGraphToInductor(_blocker_after(failure, gm, example_inputs, report.kind),
+                                   ctx.static_input_indices, failure=failure) from error
+    fn, compiled_by, failure.outcome = _fallback(gm, ctx)
+    report.regions = [RegionReport(ops, compiled_by, Reason.COMPILE_ERROR.value, report.fallback_error)]
+    log.warning("%s", format_failure(failure, f"{report.kind} graph {report.index}"))
+    blocker = _blocker_after(failure, gm, example_inputs, report.kind)
+    try:
+        return wrap_cuda_graph(fn, blocker, ctx.static_input_indices, config, report)
+    except Exception as e:   # our CUDA-graph wrapper failed on the fallback too: run it as it is
+        report.cuda_graph, report.cuda_graph_reason = False, f"cuda graph stage failed: {describe_error(e)}"
+        return fn
+
+
+def _blocker_after(failure: Failure, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: str) -> str | None:
+    """Why the fallback of a failed graph is not captured in our CUDA graph (None: it may be)."""
+    if failure.stage == "cuda graph":
+        return f"the cuda graph stage failed ({failure.error})"
+    try:
+        return cuda_graph_blocker(gm, example_inputs, kind)
+    except Exception as e:
+        return f"could not decide whether capture is safe ({describe_error(e)})"
+
+
+def _fallback(gm: fx.GraphModule, ctx: CompileContext) -> tuple[Any, str, str]:
+    """The whole ATen graph through the fallback target, without any of mirage's stages: ``(boxed callable,
+    compiled_by, what the warning says runs)``; eager when Inductor itself fails."""
+    config, report = ctx.config, ctx.report
+    if config.fallback != "inductor":
+        return make_boxed_func(gm), "eager", "the graph runs eagerly (MIRAGE_FALLBACK=eager)"
+    try:
+        with report.stage("inductor"):
+            return (inductor_whole_aten_graph(gm, config.inductor_mode), "inductor",
+                    "the whole graph runs through Inductor instead")
+    except Exception as e:
+        return (make_boxed_func(gm), "eager",
+                f"Inductor could not compile the graph either ({describe_error(e)}), so it runs eagerly")
+
+
+def inductor_whole_aten_graph(gm: fx.GraphModule, inductor_mode: str = "default") -> Any:
+    """Every node of an ATen graph marked for Inductor and compiled by ``regional_inductor`` (the route for a
+    graph inside AOTAutograd, where ``compile_fx`` of the Dynamo graph is no longer possible). A ``copy_`` of an
+    input into an input stays an ATen call: alone it would be a partition without outputs."""
+    from torch.fx.passes.regional_inductor import regional_inductor
+
+    from .runtime.assemble import _INDUCTOR_MODE_CONFIGS
+    from .runtime.inductor_quiet import without_artifact_warning
+
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    for n in graph.nodes:
+        if n.op != "call_function" or (n.target is torch.ops.aten.copy_.default
+                                       and all(a.op == "placeholder" for a in n.all_input_nodes)):
+            continue
+        n.meta["custom"] = dict(n.meta.get("custom") or {}, compile_with_inductor={
+            "inductor_configs": dict(_INDUCTOR_MODE_CONFIGS[inductor_mode]), "inductor_region": 0})
+    copy = fx.GraphModule(gm, graph)
+    example = [n.meta.get("val") for n in copy.graph.nodes if n.op == "placeholder"]
+    with without_artifact_warning():
+        return regional_inductor(copy, *example)
 
 
 def _maybe_cuda_graph(fn: Any, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Any:
@@ -218,7 +304,7 @@ def _graph_summary(gm: fx.GraphModule, limit: int = 6) -> str:
     for n in gm.graph.nodes:
         if n.op == "call_function" and len(parts) < limit:
             val = n.meta.get("val")
-            meta = f"{str(val.dtype).replace('torch.', '')}{list(val.shape)}" if isinstance(val, torch.Tensor) else ""
+            meta = f" {str(val.dtype).replace('torch.', '')}{list(val.shape)}" if isinstance(val, torch.Tensor) else ""
             parts.append(f"{n.target}{meta}")
     more = sum(n.op == "call_function" for n in gm.graph.nodes) - len(parts)
     return "[" + ", ".join(parts) + (f", +{more} more" if more > 0 else "") + "]"

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -23,45 +23,105 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
           "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _list(values: Sequence[str] | None) -> list[str] | None:
-    """Accept both ``--x a b`` and ``--x a,b``."""
+def _list(values: Sequence[list] | None) -> list | None:
+    """``--x a b`` and ``--x a,b`` alike: the per-word lists the argument types return, flattened."""
     if values is None:
         return None
-    return [v for item in values for v in item.split(",") if v]
+    return [v for item in values for v in item]
+
+
+def _names(known: Sequence[str], extra: Sequence[str] = ()) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of names from ``known`` (or ``extra``)."""
+    valid = [*known, *extra]
+
+    def parse(text: str) -> list[str]:
+        names = [n for n in text.split(",") if n]
+        bad = [n for n in names if n not in valid]
+        if bad:
+            raise argparse.ArgumentTypeError(f"invalid choice: {bad[0]!r} (choose from "
+                                             f"{', '.join(map(repr, valid))})")
+        return names
+    return parse
+
+
+def _numbers(kind: type, what: str, low: float, strict: bool = True) -> Callable[[str], list]:
+    """An argparse type: a comma-separated list of ``kind`` values above ``low`` (or at least it)."""
+    def parse(text: str) -> list:
+        out = []
+        for word in (w for w in text.split(",") if w):
+            try:
+                value = kind(word)
+            except ValueError:
+                value = None
+            if value is None or value != value or (value <= low if strict else value < low):
+                raise argparse.ArgumentTypeError(f"invalid value: {word!r} ({what})")
+            out.append(value)
+        return out
+    return parse
+
+
+def _one(parse: Callable[[str], list]) -> Callable[[str], object]:
+    """A single-valued argparse type from a list type."""
+    def one(text: str) -> object:
+        values = parse(text)
+        if len(values) != 1:
+            raise argparse.ArgumentTypeError(f"invalid value: {text!r} (one value)")
+        return values[0]
+    return one
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m torch_mirage bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", nargs="+", help=f"workloads (default: all; --quick: {' '.join(W.QUICK_DEFAULT)}); "
+    p.add_argument("--workloads", nargs="+", type=_names(list(W.WORKLOADS), ["none"]),
+                   help=f"workloads (default: all; --quick: {' '.join(W.QUICK_DEFAULT)}); "
                    f"'none' for none. Known: {' '.join(W.WORKLOADS)}")
-    p.add_argument("--modes", nargs="+", help=f"modes (default: {' '.join(harness.MODES)})")
-    p.add_argument("--batch", nargs="+", help="batch sizes (default: 1 8; --quick: 1)")
-    p.add_argument("--dtype", nargs="+", help="float16 bfloat16 float32 (default: float16 bfloat16; "
-                   "--quick on a CPU: float32)")
-    p.add_argument("--llms", nargs="+", help=f"end-to-end LLMs (default: all; --quick: {' '.join(llm.QUICK_DEFAULT)}); "
+    p.add_argument("--modes", nargs="+", type=_names(list(harness.COMPILERS)),
+                   help=f"modes (default: {' '.join(harness.MODES)})")
+    p.add_argument("--batch", nargs="+", type=_numbers(int, "batch sizes are positive integers, e.g. 1,8", 0),
+                   help="batch sizes (default: 1 8; --quick: 1)")
+    p.add_argument("--dtype", nargs="+", type=_names(list(DTYPES)),
+                   help="float16 bfloat16 float32 (default: float16 bfloat16; --quick on a CPU: float32)")
+    p.add_argument("--llms", nargs="+", type=_names(list(llm.MODELS), ["none"]),
+                   help=f"end-to-end LLMs (default: all; --quick: {' '.join(llm.QUICK_DEFAULT)}); "
                    f"'none' for none. Known: {' '.join(llm.MODELS)}")
-    p.add_argument("--llm-modes", nargs="+", help=f"modes for the LLMs (default: {' '.join(llm.LLM_MODES)})")
-    p.add_argument("--llm-dtype", default="bfloat16", help="dtype of the LLMs (default: bfloat16; --quick on a CPU: float32)")
+    p.add_argument("--llm-modes", nargs="+", type=_names(list(llm.LLM_MODES)),
+                   help=f"modes for the LLMs (default: {' '.join(llm.LLM_MODES)})")
+    p.add_argument("--llm-dtype", default="bfloat16", choices=list(DTYPES),
+                   help="dtype of the LLMs (default: bfloat16; --quick on a CPU: float32)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, correctness only, no timing claims")
     p.add_argument("--out", default="bench-results", help="output directory (default: ./bench-results)")
     p.add_argument("--name", default="results", help="file stem of the outputs (default: results)")
-    p.add_argument("--target-ms", type=float, default=10.0, help="GPU time per timing repeat (default: 10)")
-    p.add_argument("--repeats", type=int, default=7, help="timing repeats; the median is reported (default: 7)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="start no new case or model after this many seconds; the rest is listed as not run")
+    p.add_argument("--target-ms", type=_one(_numbers(float, "a positive number of milliseconds", 0)), default=10.0,
+                   help="GPU time per timing repeat (default: 10)")
+    p.add_argument("--repeats", type=_one(_numbers(int, "a positive integer", 0)), default=7,
+                   help="timing repeats; the median is reported (default: 7)")
+    p.add_argument("--budget-s", type=_one(_numbers(float, "a number of seconds >= 0", 0, strict=False)),
+                   default=None, help="start no new case or model after this many seconds; the rest is listed as not run")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier result files into --out/NAME.* and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="log torch_mirage at INFO")
     return p
 
 
+def _load_merged(p: argparse.ArgumentParser, paths: Sequence[str]) -> list[dict]:
+    docs = []
+    for path in paths:
+        try:
+            docs.append(report.load(path))
+        except (OSError, ValueError) as e:   # missing, unreadable, not JSON, not a benchmark document
+            p.error(f"argument --merge: cannot read {path!r} ({getattr(e, 'strerror', None) or e}); "
+                    f"give result JSON files written by {p.prog}")
+    return docs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
         os.environ["MIRAGE_LOG_LEVEL"] = "INFO"   # the backend sets its logger's level from this knob
     if args.merge:
-        doc = report.merge([report.load(p) for p in args.merge])
+        doc = report.merge(_load_merged(p, args.merge))
         for msg in report.write_all(doc, args.out, args.name):
             print(msg)
         print(report.markdown(doc))
@@ -76,11 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wl_names = _list(args.workloads) or (list(W.QUICK_DEFAULT) if quick else None)
     workloads = [] if wl_names == ["none"] else W.get(wl_names)
     modes = _list(args.modes) or list(harness.MODES)
-    unknown = [m for m in modes if m not in harness.COMPILERS]
-    if unknown:
-        print(f"bench: unknown mode(s) {unknown}; known: {list(harness.COMPILERS)}", file=sys.stderr)
-        return 2
-    batches = [int(b) for b in (_list(args.batch) or (["1"] if quick else ["1", "8"]))]
+    batches = _list(args.batch) or ([1] if quick else [1, 8])
     dtypes = [DTYPES[d] for d in (_list(args.dtype) or (["float32"] if not cuda else ["float16", "bfloat16"]))]
     llm_names = _list(args.llms) or (list(llm.QUICK_DEFAULT) if quick else None)
     llm_specs = [] if llm_names == ["none"] else llm.get(llm_names)

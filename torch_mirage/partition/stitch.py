@@ -26,6 +26,7 @@ import torch
 from ..capture.ir import Graph, Node, Value, connected_components, topo_sorted
 from ..capture.ops import OpKind
 from ..codegen.stitch_triton import build_kernel, node_support, reduction_spec, schedule_facts
+from ..failures import nodes_summary, note
 from .plan import DominantOp, Scheme, StitchLimits, StitchPlan, Strategy, ThreadMapping
 from .region import Reason, Region
 
@@ -498,8 +499,8 @@ class StitchClaimer:
         except Exception as e:  # codegen or import failure: leave the nodes to the fallback
             if ctx is not None and ctx.config.strict:
                 raise
-            log.warning("torch_mirage stitch: generating the kernel for %s failed (%s: %s); left to the fallback",
-                        [n.name for n in compute], type(e).__name__, e)
+            note(ctx, "build", f"the stitch kernel for {nodes_summary(compute)}", e,
+                 "those nodes are left to the fallback")
             return None
         summary = plan.summary()
         region.detail = f"stitch: {summary['thread_mapping']}"

@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..capture.ir import Graph, fingerprint, subgraph
 from ..capture.lower import to_fx
+from ..failures import nodes_summary, note
 from ..partition.region import Reason, Region
 from .inductor_quiet import without_artifact_warning
 
@@ -307,7 +308,7 @@ def check_regions(regions: Sequence[Region], graph: Graph, ctx: Any) -> None:
         if problem is not None:
             if ctx.config.strict:
                 raise RuntimeError(f"torch_mirage: region {region.ops} ({region.claimer}) is wrong: {problem}")
-            log.warning("torch_mirage: %s kernel for %s disagrees with eager (%s); the region falls back to %s",
-                        region.claimer, ", ".join(region.ops[:6]), problem, ctx.config.fallback)
+            note(ctx, "check", f"the {region.claimer} kernel for {nodes_summary(region.nodes)}",
+                 f"disagrees with eager: {problem}", f"the region runs through {ctx.config.fallback}")
             region.compiled_by, region.reason, region.detail = ctx.config.fallback, Reason.COMPILE_ERROR, problem
             region.kernel = None

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..capture.ir import Graph, Node, Value
+from ..failures import note, stage
 from ..partition.region import Reason, Region, is_convex
 from . import library
 
@@ -323,7 +324,8 @@ class LibraryClaimer:
         with unset_fake_temporarily():
             examples = [random_like(m).reshape(s) for m, s in zip(metas, shapes)]
             built = [b for name in (workload.name, *ALTERNATIVES.get(workload.name, ()))
-                     if (b := _compiled(library.WORKLOADS[name], dims, dtype, found.constants, examples, cache))]
+                     if (b := _compiled(library.WORKLOADS[name], dims, dtype, found.constants, examples, cache,
+                                        ctx))]
             if not built:
                 return None
             (chosen, kgraph, compiled), times = _fastest(built, examples, cache)
@@ -341,15 +343,20 @@ class LibraryClaimer:
 
 
 def _compiled(workload: library.Workload, dims: tuple, dtype: str, constants: dict, examples: list,
-              cache: Any) -> tuple | None:
-    """``(workload, kernel graph, compiled μGraph)`` at these dims, or None (logged) when it does not build."""
+              cache: Any, ctx: Any = None) -> tuple | None:
+    """``(workload, kernel graph, compiled μGraph)`` at these dims, or None (a warning, grouped per compile)
+    when it does not build."""
     from .compile import compile_ugraph
 
     try:
-        kgraph = workload.build(*dims, dtype=dtype, **constants)
-        return workload, kgraph, compile_ugraph(kgraph, examples, cache=cache)
+        with stage("search/build"):
+            kgraph = workload.build(*dims, dtype=dtype, **constants)
+            return workload, kgraph, compile_ugraph(kgraph, examples, cache=cache)
     except Exception as e:   # a μGraph that does not build or compile for these shapes: not used
-        log.info("torch_mirage: μGraph %s%s not used (%s: %s)", workload.name, dims, type(e).__name__, e)
+        if getattr(getattr(ctx, "config", None), "strict", False):
+            raise
+        note(ctx, "search/build", f"μGraph {workload.name}{dims} {dtype}", e,
+             "that μGraph is not used (its region goes to the other claimers and Inductor)")
         return None
 
 
