@@ -120,7 +120,8 @@ class MirageBackend:
             for region in report.regions:
                 region.compiled_by = "eager"
             return gm.forward
-        return _in_cuda_graph(compiled, whole.cuda_graph_blocker, whole.static_input_indices, cfg, report)
+        return _in_cuda_graph(compiled, whole.cuda_graph_blocker, whole.static_input_indices, cfg, report,
+                              whole.mutated_input_indices)
 
     def _faster_of_mirage_and_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                                        cfg: config_mod.Config, mirage: Any, report: GraphReport) -> Any:
@@ -147,7 +148,8 @@ class MirageBackend:
             log.info("torch_mirage: graph %d: %s", report.index, report.untimed_reason)
             return mirage
         blocker = None if report.cuda_graph else (report.cuda_graph_reason or "not captured")
-        inductor = _in_cuda_graph(inductor, blocker, static, cfg, GraphReport(report.index, report.kind))
+        mutated = tuple(i - len(lifted) for i in positions if i >= len(lifted))
+        inductor = _in_cuda_graph(inductor, blocker, static, cfg, GraphReport(report.index, report.kind), mutated)
         return FasterOf({"mirage": mirage, "inductor": inductor}, _choice_recorder(report), written,
                         in_callers_graph=not cfg.cuda_graphs)
 
@@ -163,12 +165,13 @@ def _timed_against_inductor(report: GraphReport, cfg: config_mod.Config) -> bool
 
 
 def _in_cuda_graph(compiled: Any, blocker: str | None, static_input_indices: Sequence[int], cfg: config_mod.Config,
-                   report: GraphReport) -> Any:
+                   report: GraphReport, mutated_input_indices: Sequence[int] = ()) -> Any:
     """An unboxed ``compiled(*args)`` in our CUDA-graph wrapper where capture is allowed."""
     if blocker is not None or not cfg.cuda_graphs:
         wrap_cuda_graph(None, blocker, (), cfg, report)   # records the reason only
         return compiled
-    boxed = wrap_cuda_graph(lambda args: compiled(*args), None, static_input_indices, cfg, report)
+    boxed = wrap_cuda_graph(lambda args: compiled(*args), None, static_input_indices, cfg, report,
+                            mutated_input_indices)
     return lambda *args: boxed(list(args))
 
 

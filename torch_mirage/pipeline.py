@@ -34,10 +34,12 @@ class WholeGraphToInductor(Exception):
     """Raised by the forward / inference compile when mirage keeps no region of the graph: the backend then
     hands the original Dynamo graph to Inductor's own ``compile_fx``, so the result is exactly Inductor's."""
 
-    def __init__(self, cuda_graph_blocker: str | None, static_input_indices: Sequence[int]):
+    def __init__(self, cuda_graph_blocker: str | None, static_input_indices: Sequence[int],
+                 mutated_input_indices: Sequence[int] = ()):
         super().__init__("no mirage region: whole graph to Inductor")
         self.cuda_graph_blocker = cuda_graph_blocker
         self.static_input_indices = tuple(static_input_indices)
+        self.mutated_input_indices = tuple(mutated_input_indices)
 
 
 class MirageError(RuntimeError):
@@ -134,7 +136,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
         if (config.fallback == "inductor" and report.kind in ("inference", "forward")
                 and not any(r.compiled_by == "mirage" for r in regions)):
             report.whole_graph_to_inductor = True
-            raise WholeGraphToInductor(cuda_graph_blocker(gm, example_inputs, report.kind), ctx.static_input_indices)
+            raise WholeGraphToInductor(cuda_graph_blocker(gm, example_inputs, report.kind), ctx.static_input_indices,
+                                       mutated_inputs(gm))
         with report.stage("assemble"):
             fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode)
         report.mutated_inputs = mutated_inputs(gm)
@@ -180,12 +183,13 @@ def _fallback(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileCon
 
 def _maybe_cuda_graph(fn: Any, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Any:
     return wrap_cuda_graph(fn, cuda_graph_blocker(gm, example_inputs, ctx.report.kind), ctx.static_input_indices,
-                           ctx.config, ctx.report)
+                           ctx.config, ctx.report, mutated_inputs(gm))
 
 
 def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence[int], config: Config,
-                    report: GraphReport) -> Any:
-    """``fn`` (boxed) inside a :class:`CudaGraphRunner` when capture is allowed; the reason in the report."""
+                    report: GraphReport, mutated_input_indices: Sequence[int] = ()) -> Any:
+    """``fn`` (boxed) inside a :class:`CudaGraphRunner` when capture is allowed; the reason in the report.
+    Static inputs (parameters, buffers, KV caches) are captured in place; written user inputs are copied back."""
     if not config.cuda_graphs:
         report.cuda_graph_reason = "disabled (MIRAGE_CUDA_GRAPHS=0)"
     else:
@@ -194,7 +198,8 @@ def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence
             def on_disable(why: str) -> None:
                 report.cuda_graph, report.cuda_graph_reason = False, why
 
-            runner = CudaGraphRunner(fn, static_input_indices, on_disable=on_disable)
+            runner = CudaGraphRunner(fn, static_input_indices, on_disable=on_disable,
+                                     mutated_input_indices=mutated_input_indices)
             return _boxed(runner)
         report.cuda_graph_reason = blocker
     log.debug("torch_mirage: %s graph %d runs without a CUDA graph: %s", report.kind, report.index,

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .cudagraph import draws_random_numbers  # noqa: F401  (the rule lives with the CUDA-graph rules)
 from .measure import alternating_medians, cuda_graph_timing, plain_timing, timing_input_sets
 
 log = logging.getLogger("torch_mirage")
@@ -107,20 +108,6 @@ def is_timeable(gm: torch.fx.GraphModule, example_inputs: list) -> bool:
     if any(isinstance(x, torch.SymInt) for x in example_inputs):
         return False
     return not any(draws_random_numbers(n) for n in gm.graph.nodes)
-
-
-def draws_random_numbers(node: torch.fx.Node) -> bool:
-    """Whether an op advances the RNG: a seeded op, unless its only randomness is dropout and ``dropout_p`` is 0
-    (attention at inference: ``scaled_dot_product_attention`` is tagged seeded for its dropout)."""
-    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-        return False
-    schema = node.target._schema
-    for position, arg in enumerate(schema.arguments):
-        if arg.name == "dropout_p":
-            value = node.args[position] if position < len(node.args) else node.kwargs.get("dropout_p",
-                                                                                          arg.default_value)
-            return not (isinstance(value, (int, float)) and value == 0)
-    return True
 
 
 def mutated_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:

@@ -20,6 +20,61 @@ _HOST_SYNC = {"aten._local_scalar_dense.default", "aten.item.default", "aten.non
               "aten.equal.default", "aten._assert_async.msg"}
 
 
+def _arg(node: torch.fx.Node, name: str) -> Any:
+    """The value of a node's schema argument ``name`` (positional, keyword, or the schema's default)."""
+    for position, spec in enumerate(node.target._schema.arguments):
+        if spec.name == name:
+            if position < len(node.args):
+                return node.args[position]
+            return node.kwargs.get(name, spec.default_value)
+    raise KeyError(name)
+
+
+def _is_zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+def draws_random_numbers(node: torch.fx.Node) -> bool:
+    """Whether an op really advances the RNG. Ops tagged ``nondeterministic_seeded`` count, except where their
+    only randomness is a dropout that is off: attention (every ``scaled_dot_product_*attention*`` variant) at
+    ``dropout_p == 0``, and ``dropout`` / ``native_dropout`` with ``train=False`` or ``p == 0`` (inference)."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    names = {spec.name for spec in node.target._schema.arguments}
+    if "dropout_p" in names:
+        return not _is_zero(_arg(node, "dropout_p"))
+    if node.target._schema.name in ("aten::native_dropout", "aten::dropout") and {"p", "train"} <= names:
+        return not (_arg(node, "train") is False or _is_zero(_arg(node, "p")))
+    return True
+
+
+def op_blocker(node: torch.fx.Node, device_type: str = "cuda") -> str | None:
+    """Why one node of an inference ATen graph cannot be replayed from a CUDA graph, or ``None``: a host sync,
+    real randomness (a replay would repeat the captured numbers), a write into a graph input that is not
+    reapplied, or a tensor made on another device than ``device_type``."""
+    if node.op != "call_function":
+        return None
+    name = str(node.target)
+    if name in _HOST_SYNC:
+        return f"host sync ({name})"
+    if draws_random_numbers(node):
+        return f"random op ({name})"
+    val = node.meta.get("val")
+    for v in (val if isinstance(val, (tuple, list)) else [val]):
+        if isinstance(v, torch.Tensor) and v.device.type != device_type:
+            return f"{v.device.type.upper()} tensor produced by {name}"
+    return None
+
+
+def graph_blocker(gm: torch.fx.GraphModule, device_type: str = "cuda") -> str | None:
+    """The first node's :func:`op_blocker` reason, or ``None`` when every node may be captured."""
+    for node in gm.graph.nodes:
+        why = op_blocker(node, device_type)
+        if why is not None:
+            return why
+    return None
+
+
 def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kind: str) -> str | None:
     """Why this ATen graph cannot be captured, or ``None`` when it can."""
     if kind != "inference":
@@ -29,51 +84,60 @@ def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
         return "dynamic shapes (symbolic sizes among the inputs)"
     if not tensors or any(t.device.type != "cuda" for t in tensors):
         return "inputs not all CUDA tensors"
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = str(node.target)
-        if name in _HOST_SYNC:
-            return f"host sync ({name})"
-        tags = getattr(node.target, "tags", ())
-        if torch.Tag.nondeterministic_seeded in tags:
-            return f"random op ({name})"
-        if name.endswith("copy_.default") and any(a.op == "placeholder" for a in node.args if isinstance(a, torch.fx.Node)):
-            return f"input mutation ({name})"
-        val = node.meta.get("val")
-        for v in (val if isinstance(val, (tuple, list)) else [val]):
-            if isinstance(v, torch.Tensor) and v.device.type != "cuda":
-                return f"CPU tensor produced by {name}"
-    return None
+    return graph_blocker(gm, "cuda")
 
 
 class CudaGraphRunner:
-    """Boxed callable: ``runner(list_of_args) -> list_of_outputs``."""
+    """Boxed callable: ``runner(list_of_args) -> list_of_outputs``.
+
+    Inputs at ``static_input_indices`` (parameters, buffers, persistent KV caches: AOTAutograd's static inputs)
+    are captured in place, as Inductor's CUDA-graph trees do: no copy per call, and a graph that writes one (a KV
+    cache update) writes the caller's tensor itself. Should such an input's storage move (``model.to``,
+    ``load_state_dict``), the graph is recorded again on the new storage rather than replayed on stale memory.
+    Every other tensor input is copied into a static buffer before each replay, and those among
+    ``mutated_input_indices`` are copied back after it, so the caller sees the write. Warm-up runs happen on the
+    real in-place inputs: what they write is saved first and put back after each, so the caller's state changes
+    once per call.
+    """
 
     def __init__(self, fn: Callable[[list], Any], static_input_indices: Sequence[int] = (), warmup: int = 2,
-                 on_disable: Callable[[str], None] | None = None):
+                 on_disable: Callable[[str], None] | None = None, mutated_input_indices: Sequence[int] = ()):
         self.fn = fn
         self.on_disable = on_disable
-        self.static_idx = set(static_input_indices)  # parameters and buffers: read in place
+        self.static_idx = set(static_input_indices)
+        self.mutated_idx = set(mutated_input_indices)
         self.warmup = warmup
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_inputs: list[Any] = []
         self.static_outputs: Any = None
         self.disabled_reason: str | None = None
+        self.recordings = 0
+
+    def copied_inputs(self, args: Sequence[Any]) -> list[int]:
+        """Positions of the inputs copied into static buffers on each replay (tensors not captured in place)."""
+        return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in self.static_idx]
 
     def _capture(self, args: list) -> None:
-        self.static_inputs = [a if (i in self.static_idx or not isinstance(a, torch.Tensor)) else a.clone()
-                              for i, a in enumerate(args)]
+        copied = set(self.copied_inputs(args))
+        self.static_inputs = [a.clone() if i in copied else a for i, a in enumerate(args)]
+        in_place_writes = [(a, a.clone()) for i, a in enumerate(args) if i in self.mutated_idx and i not in copied]
+
+        def restore() -> None:
+            for t, saved in in_place_writes:
+                t.copy_(saved)
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(self.warmup):   # Triton JIT and autotuning happen here, outside capture
                 self.fn(list(self.static_inputs))
+                restore()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.static_outputs = self.fn(list(self.static_inputs))
         self.graph = graph
+        self.recordings += 1
 
     def __call__(self, args: list) -> Any:
         if self.disabled_reason is not None or torch.cuda.is_current_stream_capturing():
@@ -90,6 +154,7 @@ class CudaGraphRunner:
                     self.on_disable(self.disabled_reason)
                 self.graph = None
                 return self.fn(args)
+        copy_back = []
         for i, (src, dst) in enumerate(zip(args, self.static_inputs)):
             if not isinstance(src, torch.Tensor):
                 if src != dst:
@@ -99,10 +164,14 @@ class CudaGraphRunner:
             if src.data_ptr() == dst.data_ptr():
                 continue
             if i in self.static_idx:
-                # a parameter moved (e.g. model.to / load_state_dict): re-capture on the new storage
+                # an input captured in place moved: record again on the new storage, never replay stale memory
                 self.graph = None
                 return self(args)
             dst.copy_(src)
-        args.clear()
+            if i in self.mutated_idx:
+                copy_back.append((src, dst))
         self.graph.replay()
+        for src, dst in copy_back:
+            src.copy_(dst)
+        args.clear()
         return [o.clone() if isinstance(o, torch.Tensor) else o for o in self.static_outputs]

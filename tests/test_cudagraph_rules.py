@@ -1,0 +1,124 @@
+"""The CUDA-graph safety rules on hand-built ATen FX graphs (no GPU needed for the rules themselves)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+from torch_mirage.runtime.cudagraph import draws_random_numbers, graph_blocker, op_blocker
+
+aten = torch.ops.aten
+
+
+def _graph(op, *args, **kwargs) -> tuple[fx.GraphModule, fx.Node]:
+    """One call of ``op`` on tensor placeholders (each ``"T"`` in ``args`` becomes one); meta vals on CPU."""
+    g = fx.Graph()
+    real = []
+    call_args = []
+    for a in args:
+        if isinstance(a, str) and a.startswith("T"):
+            t = torch.randn(1, 2, 8, 4)
+            real.append(t)
+            node = g.placeholder(f"x{len(real)}")
+            node.meta["val"] = t
+            call_args.append(node)
+        else:
+            call_args.append(a)
+    node = g.call_function(op, tuple(call_args), kwargs)
+    node.meta["val"] = op(*[r if isinstance(c, fx.Node) else c for c, r in
+                            zip(call_args, _fill(call_args, real))], **kwargs)
+    g.output(node)
+    return fx.GraphModule(torch.nn.Module(), g), node
+
+
+def _fill(call_args, real):
+    it = iter(real)
+    return [next(it) if isinstance(c, fx.Node) else c for c in call_args]
+
+
+SDPA_VARIANTS = [
+    (aten.scaled_dot_product_attention.default, ("T", "T", "T", None, 0.0, True)),
+    (aten._scaled_dot_product_flash_attention_for_cpu.default, ("T", "T", "T", 0.0, True)),
+]
+
+
+@pytest.mark.parametrize("op,args", SDPA_VARIANTS, ids=lambda x: str(x) if not isinstance(x, tuple) else "")
+def test_attention_at_dropout_zero_is_capturable(op, args):
+    gm, node = _graph(op, *args)
+    assert not draws_random_numbers(node)
+    assert op_blocker(node, "cpu") is None and graph_blocker(gm, "cpu") is None
+
+
+@pytest.mark.parametrize("op", [aten._scaled_dot_product_flash_attention.default,
+                                aten._scaled_dot_product_efficient_attention.default,
+                                aten._scaled_dot_product_cudnn_attention.default,
+                                aten._scaled_dot_product_flash_attention_for_cpu.default,
+                                aten.scaled_dot_product_attention.default], ids=str)
+@pytest.mark.parametrize("p", [0.0, 0, 0.1])
+def test_every_attention_variant_reads_dropout_p(op, p):
+    """CUDA-only variants cannot run here: the rule reads the schema, so a node is built without meta."""
+    g = fx.Graph()
+    q, k, v = (g.placeholder(n) for n in "qkv")
+    node = g.call_function(op, (q, k, v), {"dropout_p": p})
+    assert draws_random_numbers(node) == (p != 0)
+    why = op_blocker(node, "cpu")
+    assert (why is None) == (p == 0)
+    if p:
+        assert str(op) in why and why.startswith("random op")
+
+
+@pytest.mark.parametrize("p,train,random", [(0.5, False, False), (0.0, True, False), (0.5, True, True),
+                                            (0.5, None, True)])
+def test_native_dropout_in_eval_is_capturable(p, train, random):
+    gm, node = _graph(aten.native_dropout.default, "T", p, train)
+    assert draws_random_numbers(node) == random
+    why = graph_blocker(gm, "cpu")
+    assert (why is not None) == random
+    if random:
+        assert "aten.native_dropout.default" in why
+
+
+def test_dropout_train_flag_positional_and_keyword():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    assert not draws_random_numbers(g.call_function(aten.dropout.default, (x, 0.3, False)))
+    assert not draws_random_numbers(g.call_function(aten.dropout.default, (x,), {"p": 0.3, "train": False}))
+    assert draws_random_numbers(g.call_function(aten.dropout.default, (x, 0.3, True)))
+
+
+@pytest.mark.parametrize("op,args", [(aten.rand.default, ([2, 3],)), (aten.randn.default, ([2, 3],)),
+                                     (aten.bernoulli.p, ("T", 0.5)), (aten.rand_like.default, ("T",))],
+                         ids=lambda x: str(x) if not isinstance(x, tuple) else "")
+def test_real_randomness_is_refused_naming_the_op(op, args):
+    gm, node = _graph(op, *args)
+    assert draws_random_numbers(node)
+    assert graph_blocker(gm, "cpu") == f"random op ({op})"
+
+
+def test_host_sync_and_foreign_device_are_refused():
+    gm, node = _graph(aten._local_scalar_dense.default, "T")
+    assert graph_blocker(gm, "cpu") == "host sync (aten._local_scalar_dense.default)"
+    gm, node = _graph(aten.relu.default, "T")
+    assert graph_blocker(gm, "cpu") is None
+    assert graph_blocker(gm, "cuda") == "CPU tensor produced by aten.relu.default"
+
+
+def test_traced_eval_model_with_dropout_and_attention_is_capturable():
+    """The real graph AOTAutograd hands the backend for an eval-mode block with dropout and SDPA."""
+    from torch_mirage.testing.aten import trace_aten
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = torch.nn.Dropout(0.1)
+
+        def forward(self, q, k, v):
+            attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.drop(attn) * 2
+
+    block = Block().eval()
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    gm = trace_aten(block, q, k, v)
+    assert graph_blocker(gm, "cpu") is None
+    noisy = trace_aten(lambda q, k, v: q + torch.rand_like(q) * k * v, q, k, v)
+    assert graph_blocker(noisy, "cpu").startswith("random op (aten.")
