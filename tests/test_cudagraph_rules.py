@@ -122,3 +122,72 @@ def test_traced_eval_model_with_dropout_and_attention_is_capturable():
     assert graph_blocker(gm, "cpu") is None
     noisy = trace_aten(lambda q, k, v: q + torch.rand_like(q) * k * v, q, k, v)
     assert graph_blocker(noisy, "cpu").startswith("random op (aten.")
+
+
+def _constant_fn(x):
+    return torch.where(x > 0, x, torch.tensor(-3.0)) * torch.tensor(2.0).to(x.device)
+
+
+def test_trace_time_constants_move_to_the_inputs_device():
+    """Simulated with inputs on the meta device (as they would be on CUDA): the attributes move, what is computed
+    from them alone follows, the blocker that named ``aten.lift_fresh_copy`` is gone and the graph runs there."""
+    from torch_mirage.runtime.cudagraph import input_device, move_constants_to_device
+    from torch_mirage.testing.aten import trace_aten
+
+    x = torch.randn(2, 4, device="meta")
+    gm = trace_aten(_constant_fn, x)
+    assert graph_blocker(gm, "meta") == "CPU tensor produced by aten.lift_fresh_copy.default"
+    assert input_device([x, 3]) == torch.device("meta") and input_device([torch.randn(2)]) is None
+    moved = move_constants_to_device(gm, "meta")
+    assert sorted(moved) == ["_tensor_constant0", "_tensor_constant1"]
+    assert all(getattr(gm, name).device.type == "meta" for name in moved)
+    assert graph_blocker(gm, "meta") is None
+    out = gm(x)[0]
+    assert out.device.type == "meta" and out.shape == x.shape
+
+
+def test_moving_constants_to_their_own_device_changes_nothing():
+    from torch_mirage.runtime.cudagraph import move_constants_to_device
+
+    from torch_mirage.testing.aten import trace_aten
+
+    x = torch.randn(2, 4)
+    gm = trace_aten(_constant_fn, x)
+    assert move_constants_to_device(gm, "cpu") == []
+    torch.testing.assert_close(gm(x)[0], _constant_fn(x))
+
+
+def test_constant_read_on_the_host_stays_put():
+    """A constant that reaches ``.item()`` stays on the CPU (on the device the read would be a sync); the other
+    one moves."""
+    from torch_mirage.runtime.cudagraph import move_constants_to_device
+
+    root = torch.nn.Module()
+    root.c0, root.c1 = torch.tensor(3.0), torch.tensor(1.0)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    scalar = g.call_function(aten._local_scalar_dense.default, (g.get_attr("c0"),))
+    lifted = g.call_function(aten.lift_fresh_copy.default, (g.get_attr("c1"),))
+    g.output((g.call_function(aten.add.Tensor, (g.call_function(aten.mul.Tensor, (x, scalar)), lifted)),))
+    gm = fx.GraphModule(root, g)
+    assert move_constants_to_device(gm, "meta") == ["c1"]
+    assert gm.c0.device.type == "cpu" and gm.c1.device.type == "meta"
+    assert graph_blocker(gm, "meta") == "host sync (aten._local_scalar_dense.default)"
+
+
+@pytest.mark.gpu
+def test_model_with_a_cpu_constant_runs_in_a_cuda_graph():
+    from torch_mirage.backend import MirageBackend
+
+    def fn(x):
+        return torch.where(x > 0, x, torch.tensor(-3.0)) * 2 + 1
+
+    backend = MirageBackend()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend)
+    x = torch.randn(64, 256, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), fn(x))
+    graph = backend.report.graphs[-1]
+    assert graph.cuda_graph, graph.cuda_graph_reason

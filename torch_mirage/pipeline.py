@@ -23,7 +23,7 @@ from .config import Config
 from .partition.region import Claimer, Reason, Region, is_convex
 from .report import GraphReport, RegionReport
 from .runtime.assemble import assemble
-from .runtime.cudagraph import CudaGraphRunner, cuda_graph_blocker
+from .runtime.cudagraph import CudaGraphRunner, cuda_graph_blocker, input_device, move_constants_to_device
 from .runtime.choose import declared_mutations, is_timeable, mutated_inputs
 from .runtime.measure import check_regions, keep_faster
 
@@ -121,6 +121,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
     report.num_nodes = sum(n.op == "call_function" for n in gm.graph.nodes)
     report.num_inputs = sum(n.op == "placeholder" for n in gm.graph.nodes)
     claimers = default_claimers(config) if claimers is None else claimers
+    if report.kind == "inference" and (device := input_device(example_inputs)) is not None:
+        move_constants_to_device(gm, device)   # once, before anything reads the constants
     try:
         with report.stage("lower"):
             graph = lower(gm, list(example_inputs))

@@ -75,6 +75,91 @@ def graph_blocker(gm: torch.fx.GraphModule, device_type: str = "cuda") -> str | 
     return None
 
 
+def _on_device(val: Any, device: torch.device) -> Any:
+    """``val`` (a node's ``meta['val']``) as if made on ``device``: same shape, strides and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(val, (tuple, list)):
+        return type(val)(_on_device(v, device) for v in val)
+    if isinstance(val, FakeTensor):
+        meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+        return FakeTensor(val.fake_mode, meta, device)
+    if isinstance(val, torch.Tensor):
+        return val.to(device)
+    return val
+
+
+def move_constants_to_device(gm: torch.fx.GraphModule, device: torch.device | str) -> list[str]:
+    """Move trace-time constants (``_tensor_constant*`` attributes: ``torch.tensor(...)`` in a model, lifted by
+    AOTAutograd with ``aten.lift_fresh_copy``) that live on another device to ``device``, once, at compile time,
+    so a CUDA graph need not refuse the graph for them. What is computed from constants alone follows them (its
+    ``meta['val']`` moves too); an op that names its own device keeps it. A constant that reaches a host read
+    (``.item()``) stays where it is: moving it would make that read a device sync. Returns the attributes moved.
+    """
+    device = torch.device(device)
+    derived: set[torch.fx.Node] = set()
+    candidates: dict[torch.fx.Node, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = _attribute(gm, node.target)
+            if (isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+                    and value.device != device):
+                candidates[node] = value
+                derived.add(node)
+        elif node.op == "call_function":
+            inputs = [a for a in node.all_input_nodes]
+            if inputs and all(a in derived for a in inputs):
+                derived.add(node)
+    blocked = {n for n in derived if n.op == "call_function" and str(n.target) in _HOST_SYNC}
+    keep = set()
+    for node in blocked:   # every constant upstream of a host read stays put
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n not in keep:
+                keep.add(n)
+                stack.extend(a for a in n.all_input_nodes if a in derived)
+    moved = []
+    for node in gm.graph.nodes:
+        if node not in derived or node in keep:
+            continue
+        if node in candidates:
+            _set_attribute(gm, node.target, candidates[node].to(device))
+            moved.append(node.target)
+        elif "device" in node.kwargs:
+            continue
+        if "val" in node.meta:
+            node.meta["val"] = _on_device(node.meta["val"], device)
+    if moved:
+        gm.recompile()
+        log.debug("torch_mirage: trace-time constants moved to %s: %s", device, ", ".join(moved))
+    return moved
+
+
+def _attribute(gm: torch.nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _set_attribute(gm: torch.nn.Module, target: str, value: torch.Tensor) -> None:
+    *path, name = target.split(".")
+    owner: Any = gm
+    for part in path:
+        owner = getattr(owner, part)
+    if name in getattr(owner, "_buffers", {}):
+        owner._buffers[name] = value
+    else:
+        setattr(owner, name, value)
+
+
+def input_device(example_inputs: Sequence[Any]) -> torch.device | None:
+    """The one non-CPU device every tensor input lives on, or ``None``."""
+    devices = {x.device for x in example_inputs if isinstance(x, torch.Tensor)}
+    return next(iter(devices)) if len(devices) == 1 and next(iter(devices)).type != "cpu" else None
+
+
 def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kind: str) -> str | None:
     """Why this ATen graph cannot be captured, or ``None`` when it can."""
     if kind != "inference":
