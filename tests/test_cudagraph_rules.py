@@ -191,3 +191,69 @@ def test_model_with_a_cpu_constant_runs_in_a_cuda_graph():
             torch.testing.assert_close(compiled(x), fn(x))
     graph = backend.report.graphs[-1]
     assert graph.cuda_graph, graph.cuda_graph_reason
+
+
+def test_runner_copies_only_inputs_not_captured_in_place():
+    from torch_mirage.runtime.cudagraph import CudaGraphRunner
+
+    runner = CudaGraphRunner(lambda args: args, static_input_indices=(0, 1), mutated_input_indices=(1, 2))
+    weight, cache, x = torch.randn(4), torch.zeros(4), torch.randn(4)
+    assert runner.copied_inputs([weight, cache, x, 3]) == [2]
+    assert CudaGraphRunner(lambda args: args).copied_inputs([weight, cache, x, 3]) == [0, 1, 2]
+
+
+@pytest.mark.gpu
+def test_static_inputs_in_place_writes_once_and_rerecords_when_moved():
+    from torch_mirage.runtime.cudagraph import CudaGraphRunner
+
+    def fn(args):   # reads a weight, writes a cache (static) and a user input (copied)
+        weight, cache, x = args
+        cache.add_(1)
+        x.mul_(2)
+        return [x * weight + cache]
+
+    weight, cache = torch.randn(8, device="cuda"), torch.zeros(8, device="cuda")
+    runner = CudaGraphRunner(fn, static_input_indices=(0, 1), mutated_input_indices=(1, 2))
+    x = torch.randn(8, device="cuda")
+    x0 = x.clone()
+    out = runner([weight, cache, x])[0]
+    assert runner.graph is not None and runner.recordings == 1
+    torch.testing.assert_close(cache, torch.ones(8, device="cuda"))   # warm-ups put back: one write per call
+    torch.testing.assert_close(x, x0 * 2)                              # the copied input's write reaches the caller
+    torch.testing.assert_close(out, x0 * 2 * weight + 1)
+    out = runner([weight, cache, x])[0]
+    torch.testing.assert_close(cache, torch.full((8,), 2.0, device="cuda"))
+    torch.testing.assert_close(out, x0 * 4 * weight + 2)
+    assert runner.static_inputs[1].data_ptr() == cache.data_ptr()     # captured in place, never copied
+    moved = weight.clone() + 1                                         # a "static" input at a new address
+    out = runner([moved, cache, x])[0]
+    assert runner.recordings == 2
+    torch.testing.assert_close(out, x0 * 8 * moved + 3)
+
+
+@pytest.mark.gpu
+def test_compiled_module_with_a_kv_cache_buffer_is_captured_and_matches_eager():
+    from torch_mirage.backend import MirageBackend
+
+    class Cached(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64)
+            self.register_buffer("cache", torch.zeros(4, 16, 64))
+
+        def forward(self, x, pos):
+            self.cache.index_copy_(1, pos, self.proj(x))
+            return torch.softmax(self.cache.sum(1), -1) * 2
+
+    eager, model = Cached().cuda(), Cached().cuda()
+    model.load_state_dict(eager.state_dict())
+    backend = MirageBackend()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for step in range(4):
+            x, pos = torch.randn(4, 1, 64, device="cuda"), torch.tensor([step], device="cuda")
+            torch.testing.assert_close(compiled(x, pos), eager(x, pos))
+            torch.testing.assert_close(model.cache, eager.cache)
+    graph = backend.report.graphs[-1]
+    assert graph.cuda_graph, graph.cuda_graph_reason
