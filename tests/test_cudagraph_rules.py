@@ -257,3 +257,21 @@ def test_compiled_module_with_a_kv_cache_buffer_is_captured_and_matches_eager():
             torch.testing.assert_close(model.cache, eager.cache)
     graph = backend.report.graphs[-1]
     assert graph.cuda_graph, graph.cuda_graph_reason
+
+
+def test_boolean_operators_are_not_state_writes():
+    """``mask_a & mask_b`` in a Dynamo graph is ``operator.and_``: not in place (HF attention masks use it)."""
+    import operator
+
+    from torch_mirage.runtime.choose import writes_in_place
+
+    def dynamo_graph(op, *extra):
+        g = fx.Graph()
+        a, b = g.placeholder("a"), g.placeholder("b")
+        g.output(g.call_function(op, (a, *extra, b)))
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    assert not writes_in_place(dynamo_graph(operator.and_))
+    assert not writes_in_place(dynamo_graph(operator.or_))
+    assert writes_in_place(dynamo_graph(operator.iand))
+    assert writes_in_place(dynamo_graph(operator.setitem, 0))

@@ -147,13 +147,20 @@ def writes_in_place(gm: torch.fx.GraphModule) -> bool:
     """Whether a Dynamo graph has an in-place op (``x.add_(...)``, ``x[i] = v``, ``out=``): it writes to state."""
     import operator
 
+    in_place_operators = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+                          operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+                          operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
     for n in gm.graph.nodes:
         if n.op == "call_method" and n.target.endswith("_") and not n.target.endswith("__"):
             return True
         if n.op == "call_function":
             name = getattr(n.target, "__name__", "")
-            if n.target in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv):
+            if n.target in in_place_operators:
                 return True
+            # ``operator.and_`` / ``or_`` / ``not_`` are not in place: the trailing ``_`` means in place only for
+            # torch's own functions (``torch.relu_``, ``Tensor.add_``)
+            if getattr(n.target, "__module__", None) in ("_operator", "operator"):
+                continue
             if "out" in n.kwargs or (name.endswith("_") and not name.endswith("__")):
                 return True
             schema = getattr(n.target, "_schema", None)
