@@ -275,3 +275,76 @@ def test_boolean_operators_are_not_state_writes():
     assert not writes_in_place(dynamo_graph(operator.or_))
     assert writes_in_place(dynamo_graph(operator.iand))
     assert writes_in_place(dynamo_graph(operator.setitem, 0))
+
+
+@pytest.mark.gpu
+def test_a_graph_that_cannot_be_timed_keeps_inductors_compile():
+    """Random numbers make re-running the graph for timing change the caller's RNG: mirage's version cannot be
+    shown to be no slower, so Inductor's compile is what runs, and the report says why."""
+    from torch_mirage.backend import MirageBackend
+
+    def fn(x):
+        return torch.softmax(x * 2 + 1, dim=-1) * torch.rand_like(x).ge(0).to(x.dtype)
+
+    backend = MirageBackend()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend)
+    x = torch.randn(64, 1024, device="cuda")
+    torch.testing.assert_close(compiled(x), fn(x))
+    graph = backend.report.graphs[-1]
+    if graph.untimed_reason:   # mirage claimed a region: it must not be kept untimed
+        assert graph.choice == "inductor"
+        assert all(r.compiled_by != "mirage" for r in graph.regions)
+        assert "kept Inductor's compile" in str(backend.report)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return torch.softmax(self.proj(x) * 2 + 1, -1) * x.sigmoid()
+
+
+def _serve(sizes, dynamic=None, mark=False, options=None):
+    """Compile a block with mirage, call it at each batch size (eager-checked); returns the report."""
+    from torch_mirage.backend import MirageBackend
+    from torch_mirage.report import Report
+
+    torch.manual_seed(0)
+    block, report = _Block(), Report()
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=MirageBackend(options, report=report), dynamic=dynamic)
+    with torch.no_grad():
+        for n in sizes:
+            x = torch.randn(n, 32)
+            if mark:
+                torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), block(x), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    return report
+
+
+def test_a_new_size_recompiles_at_most_once_by_default():
+    """Default torch.compile: the first size is static; a second size gives one symbolic graph for all later
+    sizes (Dynamo's automatic dynamic shapes), never a graph per call."""
+    report = _serve([8, 16, 24, 8, 40, 16])
+    assert len(report.graphs) == 2
+    assert report.graphs[1].cuda_graph_reason.startswith("dynamic shapes")
+
+
+def test_static_serving_compiles_one_graph_per_size():
+    report = _serve([8, 16, 8, 16, 8], dynamic=False)
+    assert len(report.graphs) == 2
+
+
+def test_mark_dynamic_runs_correctly_with_one_log_line(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="torch_mirage"):
+        report = _serve([8, 13, 21], mark=True, options={"log_level": "INFO"})
+    assert len(report.graphs) == 1
+    lines = [r.getMessage() for r in caplog.records if "symbolic sizes" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "dynamic=False" in lines[0]

@@ -204,6 +204,13 @@ def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence
                                      mutated_input_indices=mutated_input_indices)
             return _boxed(runner)
         report.cuda_graph_reason = blocker
+    if blocker is not None and blocker.startswith("dynamic shapes"):
+        # the one line a serving user sees for a symbolic-size graph: what runs it, and the way to static graphs
+        ran = ("mirage's static parts and Inductor" if any(r.compiled_by == "mirage" for r in report.regions)
+               else "Inductor")
+        log.info("torch_mirage: %s graph %d has symbolic sizes: %s runs it, without a CUDA graph; compile with "
+                 "dynamic=False for one static, captured graph per size", report.kind, report.index, ran)
+        return fn
     log.debug("torch_mirage: %s graph %d runs without a CUDA graph: %s", report.kind, report.index,
               report.cuda_graph_reason)
     return fn

@@ -2,7 +2,7 @@
 
 Each model is built from its ``transformers`` config with random weights (nothing is downloaded): 4 layers,
 hidden 1024, bf16 on a GPU (2 layers, hidden 64, fp32 with ``tiny``, the size the CPU tests use). For each
-attention implementation (``sdpa``, the default, and ``eager``) and each compile mode it runs
+attention implementation (``default``, what transformers picks — ``sdpa`` where the model has it — and ``eager``) and each compile mode it runs
 
 - a prefill forward (batch 4 × 256 tokens; logits checked against eager's, and their max error against an fp32
   eager reference of the same weights), and
@@ -33,7 +33,7 @@ from .harness import _free, _short, mirage_summary, rel_error
 
 SCHEMA = "torch_mirage.bench.models/1"
 MODES = ("eager", "inductor", "reduce-overhead", "max-autotune", "mirage")
-ATTN = ("sdpa", "eager")
+ATTN = ("default", "eager")   # default: what transformers picks (sdpa where the model supports it)
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}   # relative, logits vs eager
 MISSING = "transformers is not installed: the model bench needs it (pip install 'torch-mirage[bench]')"
 
@@ -105,12 +105,14 @@ def get(names: Sequence[str] | None) -> list[HFModel]:
 
 
 def build(spec: HFModel, attn: str, dtype: torch.dtype, device: torch.device | str, tiny: bool, seed: int = 0):
-    """The model in eval mode, random weights from ``seed``, attention implementation ``attn``."""
+    """The model in eval mode, random weights from ``seed``, attention implementation ``attn`` (``"default"``:
+    the one transformers picks, ``sdpa`` where the model supports it)."""
     import transformers
 
     config = getattr(transformers, spec.config_cls)(**(spec.tiny if tiny else spec.config))
     torch.manual_seed(seed)
-    model = getattr(transformers, spec.model_cls)._from_config(config, attn_implementation=attn)
+    extra = {} if attn == "default" else {"attn_implementation": attn}
+    model = getattr(transformers, spec.model_cls)._from_config(config, **extra)
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -159,7 +161,15 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
     """One model with one attention implementation through every mode. Returns its JSON record."""
     from ..report import Report
 
-    model = build(spec, attn, dtype, device, tiny)
+    record: dict = {"model": spec.name, "attn": attn, "dtype": str(dtype).replace("torch.", ""),
+                    "batch": batch, "tokens": tokens, "new_tokens": new_tokens if spec.causal else 0, "modes": {}}
+    try:
+        model = build(spec, attn, dtype, device, tiny)
+    except ValueError as e:   # e.g. gemma2 has no sdpa path in transformers 5.x
+        record["skipped"] = _short(e, 200)
+        log(f"  {spec.name:8s} {attn:5s} skipped: {record['skipped']}")
+        return record
+    record["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, vocab, (batch, tokens), generator=gen).to(device)
@@ -168,8 +178,6 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
         ref32 = forward_logits(copy.deepcopy(model).float(), spec)(ids).float()
         eager_logits = forward_logits(model, spec)(ids).float()
         eager_tokens = greedy_generate(model, prompt, new_tokens) if spec.causal else None
-    record: dict = {"model": spec.name, "attn": attn, "dtype": str(dtype).replace("torch.", ""),
-                    "batch": batch, "tokens": tokens, "new_tokens": new_tokens if spec.causal else 0, "modes": {}}
     for mode in modes:
         report = Report() if mode == "mirage" else None
         res: dict = {"status": "ok"}
@@ -259,12 +267,18 @@ def markdown(doc: dict) -> str:
              f"{doc['settings']['new_tokens']} greedy tokens with a static cache.", ""]
     if not doc["timing"]:
         lines += ["Correctness only: no timing claims.", ""]
+    if doc.get("not_run"):
+        lines += [f"Not run (time budget): {', '.join(doc['not_run'])}.", ""]
     modes = doc["settings"]["modes"]
     head = ["model", "attn"] + [f"{m} prefill µs" for m in modes] + [f"{m} µs/tok" for m in modes] + [
         "mirage ÷ RO prefill", "mirage ÷ best prefill", "mirage ÷ RO token", "max err vs fp32 (mirage / inductor)",
         "mirage CUDA graph"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in doc["models"]:
+        if r.get("skipped"):
+            lines.append("| " + " | ".join([r["model"], r["attn"], f"skipped: {r['skipped']}"]
+                                           + [""] * (len(head) - 3)) + " |")
+            continue
         ms = r["modes"]
 
         def cell(mode: str, key: str) -> str:
@@ -326,15 +340,16 @@ def plot(doc: dict, path: str) -> str | None:
     return None
 
 
-def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequence[str] = MODES,
+def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequence[str] | None = None,
         attns: Sequence[str] = ATTN, tiny: bool | None = None, batch: int | None = None, tokens: int | None = None,
-        new_tokens: int | None = None, repeats: int = 5) -> dict:
+        new_tokens: int | None = None, repeats: int = 5, budget_s: float | None = None) -> dict:
     """The whole bench; writes ``out/stem.{json,md,png}`` and returns the document."""
     from .report import environment, write_json
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     tiny = (not cuda) if tiny is None else tiny
+    modes = list(modes or (MODES if cuda else ("eager", "inductor", "mirage")))   # CPU: correctness only
     dtype = torch.float32 if tiny else torch.bfloat16
     batch, tokens = batch or (2 if tiny else 4), tokens or (16 if tiny else 256)
     new_tokens = new_tokens or (4 if tiny else 32)
@@ -346,11 +361,17 @@ def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequ
                         "dtype": str(dtype).replace("torch.", ""), "batch": batch, "tokens": tokens,
                         "new_tokens": new_tokens, "tiny": tiny, "repeats": repeats},
            "models": []}
+    start = time.monotonic()
     for spec in specs:
         for attn in attns:
+            if budget_s is not None and time.monotonic() - start > budget_s:
+                doc.setdefault("not_run", []).append(f"{spec.name} attn={attn}")
+                print(f"{spec.name} attn={attn}: not run (--budget-s {budget_s:.0f} spent)", flush=True)
+                continue
             print(f"{spec.name} attn={attn}", flush=True)
             doc["models"].append(run_case(spec, attn, modes, dtype, device, tiny, batch, tokens, new_tokens, timing))
             write_json(doc, os.path.join(out, f"{stem}.json"))   # partial results survive a time limit
+    write_json(doc, os.path.join(out, f"{stem}.json"))
     with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write(markdown(doc))
     why = plot(doc, os.path.join(out, f"{stem}.png"))
@@ -364,11 +385,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m torch_mirage.bench.models", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=None, help=f"comma-separated (known: {','.join(MODELS)}; "
                                                   f"GPU default: {','.join(GPU_DEFAULT)})")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated (default: {','.join(MODES)})")
-    p.add_argument("--attn", default=",".join(ATTN), help="attention implementations (default: sdpa,eager)")
+    p.add_argument("--modes", default=None, help=f"comma-separated (default: {','.join(MODES)}; "
+                                                 "on a CPU eager,inductor,mirage)")
+    p.add_argument("--attn", default=",".join(ATTN), help="attention implementations (default: default,eager; "
+                                                          "'default' is what transformers picks)")
     p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, fp32: correctness only")
     p.add_argument("--batch", type=int), p.add_argument("--tokens", type=int), p.add_argument("--new-tokens", type=int)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--budget-s", type=float, default=None, help="start no new case after this many seconds")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench-results")
     p.add_argument("--name", default="models")
     args = p.parse_args(argv)
@@ -377,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     split = lambda s: [x for x in s.split(",") if x] if s else None
     run(split(args.models), args.out, args.name, split(args.modes), split(args.attn), args.tiny or None,
-        args.batch, args.tokens, args.new_tokens, args.repeats)
+        args.batch, args.tokens, args.new_tokens, args.repeats, args.budget_s)
     return 0
 
 
