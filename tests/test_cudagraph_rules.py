@@ -229,6 +229,13 @@ def test_static_inputs_in_place_writes_once_and_rerecords_when_moved():
     out = runner([moved, cache, x])[0]
     assert runner.recordings == 2
     torch.testing.assert_close(out, x0 * 8 * moved + 3)
+    again = moved + 1                                                  # moves twice: copied from now on
+    out = runner([again, cache, x])[0]
+    assert runner.recordings == 3 and 0 not in runner.static_idx
+    torch.testing.assert_close(out, x0 * 16 * again + 4)
+    out = runner([moved, cache, x])[0]                                 # copied in: no new recording
+    assert runner.recordings == 3
+    torch.testing.assert_close(out, x0 * 32 * moved + 5)
 
 
 @pytest.mark.gpu

@@ -178,7 +178,8 @@ class CudaGraphRunner:
     Inputs at ``static_input_indices`` (parameters, buffers, persistent KV caches: AOTAutograd's static inputs)
     are captured in place, as Inductor's CUDA-graph trees do: no copy per call, and a graph that writes one (a KV
     cache update) writes the caller's tensor itself. Should such an input's storage move (``model.to``,
-    ``load_state_dict``), the graph is recorded again on the new storage rather than replayed on stale memory.
+    ``load_state_dict``), the graph is recorded again on the new storage rather than replayed on stale memory; one
+    that moves again is copied like a user input from then on (recorded once more).
     Every other tensor input is copied into a static buffer before each replay, and those among
     ``mutated_input_indices`` are copied back after it, so the caller sees the write. Warm-up runs happen on the
     real in-place inputs: what they write is saved first and put back after each, so the caller's state changes
@@ -197,6 +198,7 @@ class CudaGraphRunner:
         self.static_outputs: Any = None
         self.disabled_reason: str | None = None
         self.recordings = 0
+        self.moved: set[int] = set()   # static inputs seen at a second address
 
     def copied_inputs(self, args: Sequence[Any]) -> list[int]:
         """Positions of the inputs copied into static buffers on each replay (tensors not captured in place)."""
@@ -249,7 +251,12 @@ class CudaGraphRunner:
             if src.data_ptr() == dst.data_ptr():
                 continue
             if i in self.static_idx:
-                # an input captured in place moved: record again on the new storage, never replay stale memory
+                # an input captured in place moved: record again on the new storage, never replay stale memory;
+                # one that moves a second time is not stable after all, and is copied like a user input from then on
+                if i in self.moved:
+                    self.static_idx.discard(i)
+                    log.debug("torch_mirage: input %d moved twice; copied into the CUDA graph from now on", i)
+                self.moved.add(i)
                 self.graph = None
                 return self(args)
             dst.copy_(src)
