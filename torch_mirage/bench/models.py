@@ -123,10 +123,11 @@ def forward_logits(model, spec: HFModel) -> Callable[[torch.Tensor], torch.Tenso
 
 
 def greedy_generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Greedy decoding of exactly ``new_tokens`` tokens with a static KV cache."""
+    """Greedy decoding of exactly ``new_tokens`` tokens with a static KV cache. ``disable_compile``: on CUDA with a
+    static cache transformers would otherwise compile the forward itself, and eager would not be eager."""
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-                          pad_token_id=0)
+                          pad_token_id=0, disable_compile=True)
 
 
 def compile_forward(model, mode: str, report: Any = None) -> None:
