@@ -76,3 +76,22 @@ def test_tokens_match_stops_at_the_first_difference():
     ref = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])
     got = torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4]])
     assert M._tokens_match(got, ref) == pytest.approx((4 + 1) / 8)
+
+
+def test_report_derives_speedups_over_reduce_overhead_and_best_inductor():
+    modes = {"eager": {"status": "ok", "prefill_us": 900.0, "us_per_token": 90.0},
+             "inductor": {"status": "ok", "prefill_us": 600.0, "us_per_token": 80.0},
+             "reduce-overhead": {"status": "ok", "prefill_us": 500.0, "us_per_token": 40.0},
+             "max-autotune": {"status": "error", "prefill_us": 100.0},
+             "mirage": {"status": "ok", "prefill_us": 400.0, "us_per_token": 50.0, "max_err_vs_fp32": 0.01}}
+    derived = M._derived(modes)
+    assert derived["prefill_us_speedup_vs_reduce_overhead"] == pytest.approx(1.25)
+    assert derived["prefill_us_best_inductor"] == 500.0   # a failed mode's time does not count
+    assert derived["us_per_token_speedup_vs_best_inductor"] == pytest.approx(0.8)
+    doc = {"env": {"device": "H100", "torch": "2.13"}, "timing": True,
+           "settings": {"dtype": "bfloat16", "batch": 4, "tokens": 256, "new_tokens": 16, "modes": list(modes)},
+           "models": [dict({"model": "llama", "attn": "default", "modes": modes}, **derived),
+                      {"model": "gemma2", "attn": "sdpa", "skipped": "no sdpa", "modes": {}}]}
+    text = M.markdown(doc)
+    assert "Geomean prefill speedup of mirage over reduce-overhead: 1.25× over 1 cases." in text
+    assert "skipped: no sdpa" in text
