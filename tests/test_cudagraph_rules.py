@@ -355,3 +355,24 @@ def test_mark_dynamic_runs_correctly_with_one_log_line(caplog):
     lines = [r.getMessage() for r in caplog.records if "symbolic sizes" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "dynamic=False" in lines[0]
+
+
+def test_an_explicit_device_ends_what_follows_a_moved_constant():
+    """``c.to("cpu") + 1`` stays on the CPU after ``c`` moves: only what is computed from constants without naming
+    a device follows them."""
+    from torch_mirage.runtime.cudagraph import move_constants_to_device
+
+    root = torch.nn.Module()
+    root.c = torch.tensor([1.0, 2.0])
+    g = fx.Graph()
+    const = g.get_attr("c")
+    lifted = g.call_function(aten.lift_fresh_copy.default, (const,))
+    on_cpu = g.call_function(aten._to_copy.default, (lifted,), {"device": torch.device("cpu")})
+    plus = g.call_function(aten.add.Tensor, (on_cpu, 1))
+    for node, val in ((const, root.c), (lifted, root.c), (on_cpu, root.c), (plus, root.c + 1)):
+        node.meta["val"] = val
+    g.output((plus,))
+    gm = fx.GraphModule(root, g)
+    assert move_constants_to_device(gm, "meta") == ["c"]
+    assert lifted.meta["val"].device.type == "meta"
+    assert on_cpu.meta["val"].device.type == "cpu" and plus.meta["val"].device.type == "cpu"

@@ -106,8 +106,8 @@ def move_constants_to_device(gm: torch.fx.GraphModule, device: torch.device | st
                     and value.device != device):
                 candidates[node] = value
                 derived.add(node)
-        elif node.op == "call_function":
-            inputs = [a for a in node.all_input_nodes]
+        elif node.op == "call_function" and "device" not in node.kwargs:   # an explicit device ends the chain
+            inputs = node.all_input_nodes
             if inputs and all(a in derived for a in inputs):
                 derived.add(node)
     blocked = {n for n in derived if n.op == "call_function" and str(n.target) in _HOST_SYNC}
@@ -126,8 +126,6 @@ def move_constants_to_device(gm: torch.fx.GraphModule, device: torch.device | st
         if node in candidates:
             _set_attribute(gm, node.target, candidates[node].to(device))
             moved.append(node.target)
-        elif "device" in node.kwargs:
-            continue
         if "val" in node.meta:
             node.meta["val"] = _on_device(node.meta["val"], device)
     if moved:
