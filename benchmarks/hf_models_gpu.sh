@@ -20,7 +20,7 @@ case "$PART" in
   quick)
     "$PY" -m pytest tests/test_cudagraph_rules.py -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUTDIR/hf_models_gpu_tests.log" || true
     "$PY" -m torch_mirage.bench.models --models llama,gemma2,gpt2,bert --attn default \
-      --modes eager,inductor,reduce-overhead,mirage --new-tokens 16 --budget-s "${BUDGET_S:-330}" \
+      --modes eager,inductor,reduce-overhead,mirage --new-tokens 16 --budget-s "${BUDGET_S:-240}" \
       --out "$OUTDIR" --name hf_models 2>&1 | tee "$OUTDIR/hf_models.log"
     ;;
   full)
