@@ -7,8 +7,8 @@ captures its own), in the order A B B A so that clock and temperature drift favo
 faster one for every later call, dropping the other. Tensors the graph writes (inputs, or tensors on modules
 and other objects) are saved first and copied back before every timing run and after the last, so each run
 sees the caller's state and the state changes once, by the real call. Graphs that write state we cannot
-name, and graphs with random ops (re-running them would advance the caller's RNG), are not timed: mirage's
-version is kept there.
+name, and graphs with random ops (re-running them would advance the caller's RNG), are not timed: the backend
+keeps Inductor's compile there, never a version it could not time.
 """
 from __future__ import annotations
 

@@ -56,13 +56,16 @@ def op_blocker(node: torch.fx.Node, device_type: str = "cuda") -> str | None:
         return None
     name = str(node.target)
     if name in _HOST_SYNC:
-        return f"host sync ({name})"
+        return (f"host sync ({name}): the graph reads a tensor's value on the host; keep such reads (.item(), "
+                f"data-dependent shapes) outside the compiled region")
     if draws_random_numbers(node):
-        return f"random op ({name})"
+        return (f"random op ({name}): a replay would repeat the captured random numbers; model.eval() turns "
+                f"dropout off, attention needs dropout_p=0")
     val = node.meta.get("val")
     for v in (val if isinstance(val, (tuple, list)) else [val]):
         if isinstance(v, torch.Tensor) and v.device.type != device_type:
-            return f"{v.device.type.upper()} tensor produced by {name}"
+            return (f"{v.device.type.upper()} tensor produced by {name}: move that input or tensor to the "
+                    f"{device_type} device")
     return None
 
 
