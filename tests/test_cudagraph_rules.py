@@ -1,109 +1,379 @@
-"""CUDA-graph safety rules (runtime/cudagraph.cuda_graph_blocker, runtime/choose.draws_random_numbers).
+"""The CUDA-graph safety rules on hand-built ATen FX graphs (no GPU needed for the rules themselves)."""
+from __future__ import annotations
 
-Graphs are traced on the CPU and their values re-labelled as CUDA fake tensors, so the rules are tested
-without a GPU; tests/test_gpu_backend.py runs the captured graphs for real.
-"""
 import pytest
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 
-from torch_mirage.runtime.choose import draws_random_numbers
-from torch_mirage.runtime.cudagraph import cuda_graph_blocker
+from torch_mirage.runtime.cudagraph import draws_random_numbers, graph_blocker, op_blocker
 
 aten = torch.ops.aten
-_FAKE = FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def _cuda(t: torch.Tensor) -> torch.Tensor:
-    with _FAKE:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
+def _graph(op, *args, **kwargs) -> tuple[fx.GraphModule, fx.Node]:
+    """One call of ``op`` on tensor placeholders (each ``"T"`` in ``args`` becomes one); meta vals on CPU."""
+    g = fx.Graph()
+    real = []
+    call_args = []
+    for a in args:
+        if isinstance(a, str) and a.startswith("T"):
+            t = torch.randn(1, 2, 8, 4)
+            real.append(t)
+            node = g.placeholder(f"x{len(real)}")
+            node.meta["val"] = t
+            call_args.append(node)
+        else:
+            call_args.append(a)
+    node = g.call_function(op, tuple(call_args), kwargs)
+    node.meta["val"] = op(*[r if isinstance(c, fx.Node) else c for c, r in
+                            zip(call_args, _fill(call_args, real))], **kwargs)
+    g.output(node)
+    return fx.GraphModule(torch.nn.Module(), g), node
 
 
-def traced_on_cuda(fn, *inputs, keep_cpu=()):
-    """``fn`` traced to ATen on the CPU, every tensor value re-labelled CUDA except the nodes named in
-    ``keep_cpu`` (prefixes); returns the graph and CUDA fake example inputs."""
-    gm = make_fx(fn, tracing_mode="fake")(*inputs)
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if not any(node.name.startswith(k) for k in keep_cpu):
-            relabel = lambda v: _cuda(v) if isinstance(v, torch.Tensor) else v
-            node.meta["val"] = type(val)(map(relabel, val)) if isinstance(val, (tuple, list)) else relabel(val)
-    return gm, [_cuda(x) for x in inputs]
+def _fill(call_args, real):
+    it = iter(real)
+    return [next(it) if isinstance(c, fx.Node) else c for c in call_args]
 
 
-def _node(target, *args, **kwargs) -> fx.Node:
+SDPA_VARIANTS = [
+    (aten.scaled_dot_product_attention.default, ("T", "T", "T", None, 0.0, True)),
+    (aten._scaled_dot_product_flash_attention_for_cpu.default, ("T", "T", "T", 0.0, True)),
+]
+
+
+@pytest.mark.parametrize("op,args", SDPA_VARIANTS, ids=lambda x: str(x) if not isinstance(x, tuple) else "")
+def test_attention_at_dropout_zero_is_capturable(op, args):
+    gm, node = _graph(op, *args)
+    assert not draws_random_numbers(node)
+    assert op_blocker(node, "cpu") is None and graph_blocker(gm, "cpu") is None
+
+
+@pytest.mark.parametrize("op", [aten._scaled_dot_product_flash_attention.default,
+                                aten._scaled_dot_product_efficient_attention.default,
+                                aten._scaled_dot_product_cudnn_attention.default,
+                                aten._scaled_dot_product_flash_attention_for_cpu.default,
+                                aten.scaled_dot_product_attention.default], ids=str)
+@pytest.mark.parametrize("p", [0.0, 0, 0.1])
+def test_every_attention_variant_reads_dropout_p(op, p):
+    """CUDA-only variants cannot run here: the rule reads the schema, so a node is built without meta."""
+    g = fx.Graph()
+    q, k, v = (g.placeholder(n) for n in "qkv")
+    node = g.call_function(op, (q, k, v), {"dropout_p": p})
+    assert draws_random_numbers(node) == (p != 0)
+    why = op_blocker(node, "cpu")
+    assert (why is None) == (p == 0)
+    if p:
+        assert str(op) in why and why.startswith("random op")
+
+
+@pytest.mark.parametrize("p,train,random", [(0.5, False, False), (0.0, True, False), (0.5, True, True),
+                                            (0.5, None, True)])
+def test_native_dropout_in_eval_is_capturable(p, train, random):
+    gm, node = _graph(aten.native_dropout.default, "T", p, train)
+    assert draws_random_numbers(node) == random
+    why = graph_blocker(gm, "cpu")
+    assert (why is not None) == random
+    if random:
+        assert "aten.native_dropout.default" in why
+
+
+def test_dropout_train_flag_positional_and_keyword():
     g = fx.Graph()
     x = g.placeholder("x")
-    return g.call_function(target, tuple(x if a == "x" else a for a in args), kwargs)
+    assert not draws_random_numbers(g.call_function(aten.dropout.default, (x, 0.3, False)))
+    assert not draws_random_numbers(g.call_function(aten.dropout.default, (x,), {"p": 0.3, "train": False}))
+    assert draws_random_numbers(g.call_function(aten.dropout.default, (x, 0.3, True)))
 
 
-@pytest.mark.parametrize("target,args,kwargs,random", [
-    (aten._scaled_dot_product_flash_attention.default, ("x", "x", "x"), {}, False),
-    (aten._scaled_dot_product_flash_attention.default, ("x", "x", "x", 0.1), {}, True),
-    (aten._scaled_dot_product_efficient_attention.default, ("x", "x", "x", None, False), {}, False),
-    (aten._scaled_dot_product_efficient_attention.default, ("x", "x", "x", None, False, 0.2), {}, True),
-    (aten._scaled_dot_product_cudnn_attention.default, ("x", "x", "x", None, False, 0.0, True), {}, False),
-    (aten._scaled_dot_product_flash_attention_for_cpu.default, ("x", "x", "x"), {"dropout_p": 0.0}, False),
-    (aten.native_dropout.default, ("x", 0.5, False), {}, False),
-    (aten.native_dropout.default, ("x", 0.5, True), {}, True),
-    (aten.native_dropout.default, ("x", 0.0, True), {}, False),
-    (aten.bernoulli.p, ("x", 0.5), {}, True),
-    (aten.rand.default, ([4],), {}, True),
-    (aten.randn_like.default, ("x",), {}, True),
-    (aten.sin.default, ("x",), {}, False),
-])
-def test_randomness_rules(target, args, kwargs, random):
-    assert draws_random_numbers(_node(target, *args, **kwargs)) is random
+@pytest.mark.parametrize("op,args", [(aten.rand.default, ([2, 3],)), (aten.randn.default, ([2, 3],)),
+                                     (aten.bernoulli.p, ("T", 0.5)), (aten.rand_like.default, ("T",))],
+                         ids=lambda x: str(x) if not isinstance(x, tuple) else "")
+def test_real_randomness_is_refused_naming_the_op(op, args):
+    gm, node = _graph(op, *args)
+    assert draws_random_numbers(node)
+    why = graph_blocker(gm, "cpu")
+    assert why.startswith(f"random op ({op}): ") and "model.eval()" in why
 
 
-def test_sdpa_at_dropout_zero_is_captured():
-    q = torch.randn(1, 2, 8, 4)
-    gm, inputs = traced_on_cuda(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, q, q)
-    assert any("scaled_dot_product" in str(n.target) for n in gm.graph.nodes)
-    assert cuda_graph_blocker(gm, inputs, "inference") is None
+def test_host_sync_and_foreign_device_are_refused():
+    gm, node = _graph(aten._local_scalar_dense.default, "T")
+    assert graph_blocker(gm, "cpu").startswith("host sync (aten._local_scalar_dense.default): ")
+    gm, node = _graph(aten.relu.default, "T")
+    assert graph_blocker(gm, "cpu") is None
+    assert graph_blocker(gm, "cuda").startswith("CPU tensor produced by aten.relu.default: ")
 
 
-def test_real_randomness_is_refused_with_the_op_named():
-    gm, inputs = traced_on_cuda(lambda x: torch.rand_like(x) + x, torch.randn(8))
-    why = cuda_graph_blocker(gm, inputs, "inference")
-    assert why is not None and why.startswith("random op") and "rand" in why
+def test_traced_eval_model_with_dropout_and_attention_is_capturable():
+    """The real graph AOTAutograd hands the backend for an eval-mode block with dropout and SDPA."""
+    from torch_mirage.testing.aten import trace_aten
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = torch.nn.Dropout(0.1)
+
+        def forward(self, q, k, v):
+            attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.drop(attn) * 2
+
+    block = Block().eval()
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    gm = trace_aten(block, q, k, v)
+    assert graph_blocker(gm, "cpu") is None
+    noisy = trace_aten(lambda q, k, v: q + torch.rand_like(q) * k * v, q, k, v)
+    assert graph_blocker(noisy, "cpu").startswith("random op (aten.")
 
 
-def test_trace_time_scalar_constant_on_cpu_is_allowed():
+def _constant_fn(x):
+    return torch.where(x > 0, x, torch.tensor(-3.0)) * torch.tensor(2.0).to(x.device)
+
+
+def test_trace_time_constants_move_to_the_inputs_device():
+    """Simulated with inputs on the meta device (as they would be on CUDA): the attributes move, what is computed
+    from them alone follows, the blocker that named ``aten.lift_fresh_copy`` is gone and the graph runs there."""
+    from torch_mirage.runtime.cudagraph import input_device, move_constants_to_device
+    from torch_mirage.testing.aten import trace_aten
+
+    x = torch.randn(2, 4, device="meta")
+    gm = trace_aten(_constant_fn, x)
+    assert graph_blocker(gm, "meta").startswith("CPU tensor produced by aten.lift_fresh_copy.default: ")
+    assert input_device([x, 3]) == torch.device("meta") and input_device([torch.randn(2)]) is None
+    moved = move_constants_to_device(gm, "meta")
+    assert sorted(moved) == ["_tensor_constant0", "_tensor_constant1"]
+    assert all(getattr(gm, name).device.type == "meta" for name in moved)
+    assert graph_blocker(gm, "meta") is None
+    out = gm(x)[0]
+    assert out.device.type == "meta" and out.shape == x.shape
+
+
+def test_moving_constants_to_their_own_device_changes_nothing():
+    from torch_mirage.runtime.cudagraph import move_constants_to_device
+
+    from torch_mirage.testing.aten import trace_aten
+
+    x = torch.randn(2, 4)
+    gm = trace_aten(_constant_fn, x)
+    assert move_constants_to_device(gm, "cpu") == []
+    torch.testing.assert_close(gm(x)[0], _constant_fn(x))
+
+
+def test_constant_read_on_the_host_stays_put():
+    """A constant that reaches ``.item()`` stays on the CPU (on the device the read would be a sync); the other
+    one moves."""
+    from torch_mirage.runtime.cudagraph import move_constants_to_device
+
+    root = torch.nn.Module()
+    root.c0, root.c1 = torch.tensor(3.0), torch.tensor(1.0)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    scalar = g.call_function(aten._local_scalar_dense.default, (g.get_attr("c0"),))
+    lifted = g.call_function(aten.lift_fresh_copy.default, (g.get_attr("c1"),))
+    g.output((g.call_function(aten.add.Tensor, (g.call_function(aten.mul.Tensor, (x, scalar)), lifted)),))
+    gm = fx.GraphModule(root, g)
+    assert move_constants_to_device(gm, "meta") == ["c1"]
+    assert gm.c0.device.type == "cpu" and gm.c1.device.type == "meta"
+    assert graph_blocker(gm, "meta").startswith("host sync (aten._local_scalar_dense.default): ")
+
+
+@pytest.mark.gpu
+def test_model_with_a_cpu_constant_runs_in_a_cuda_graph():
+    from torch_mirage.backend import MirageBackend
+
     def fn(x):
-        return x * torch.tensor(2.0)          # lift_fresh_copy of a CPU constant made while tracing
-    gm, inputs = traced_on_cuda(fn, torch.randn(8), keep_cpu=("_tensor_constant", "lift_fresh"))
-    assert any(n.op == "get_attr" for n in gm.graph.nodes)
-    assert cuda_graph_blocker(gm, inputs, "inference") is None
+        return torch.where(x > 0, x, torch.tensor(-3.0)) * 2 + 1
+
+    backend = MirageBackend()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend)
+    x = torch.randn(64, 256, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), fn(x))
+    graph = backend.report.graphs[-1]
+    assert graph.cuda_graph, graph.cuda_graph_reason
 
 
-def test_cpu_values_computed_from_inputs_still_block():
-    gm, inputs = traced_on_cuda(lambda x: x.sum() * 2, torch.randn(8), keep_cpu=("sum",))
-    assert "CPU tensor produced by aten.sum" in cuda_graph_blocker(gm, inputs, "inference")
+def test_runner_copies_only_inputs_not_captured_in_place():
+    from torch_mirage.runtime.cudagraph import CudaGraphRunner
+
+    runner = CudaGraphRunner(lambda args: args, static_input_indices=(0, 1), mutated_input_indices=(1, 2))
+    weight, cache, x = torch.randn(4), torch.zeros(4), torch.randn(4)
+    assert runner.copied_inputs([weight, cache, x, 3]) == [2]
+    assert CudaGraphRunner(lambda args: args).copied_inputs([weight, cache, x, 3]) == [0, 1, 2]
 
 
-def test_non_scalar_cpu_constant_blocks():
-    gm, inputs = traced_on_cuda(lambda x: x + torch.tensor([1.0, 2.0]).sum(), torch.randn(8),
-                                keep_cpu=("_tensor_constant", "lift_fresh"))
-    assert "CPU tensor produced by aten.lift_fresh_copy" in cuda_graph_blocker(gm, inputs, "inference")
+@pytest.mark.gpu
+def test_static_inputs_in_place_writes_once_and_rerecords_when_moved():
+    from torch_mirage.runtime.cudagraph import CudaGraphRunner
+
+    def fn(args):   # reads a weight, writes a cache (static) and a user input (copied)
+        weight, cache, x = args
+        cache.add_(1)
+        x.mul_(2)
+        return [x * weight + cache]
+
+    weight, cache = torch.randn(8, device="cuda"), torch.zeros(8, device="cuda")
+    runner = CudaGraphRunner(fn, static_input_indices=(0, 1), mutated_input_indices=(1, 2))
+    x = torch.randn(8, device="cuda")
+    x0 = x.clone()
+    out = runner([weight, cache, x])[0]
+    assert runner.graph is not None and runner.recordings == 1
+    torch.testing.assert_close(cache, torch.ones(8, device="cuda"))   # warm-ups put back: one write per call
+    torch.testing.assert_close(x, x0 * 2)                              # the copied input's write reaches the caller
+    torch.testing.assert_close(out, x0 * 2 * weight + 1)
+    out = runner([weight, cache, x])[0]
+    torch.testing.assert_close(cache, torch.full((8,), 2.0, device="cuda"))
+    torch.testing.assert_close(out, x0 * 4 * weight + 2)
+    assert runner.static_inputs[1].data_ptr() == cache.data_ptr()     # captured in place, never copied
+    moved = weight.clone() + 1                                         # a "static" input at a new address
+    out = runner([moved, cache, x])[0]
+    assert runner.recordings == 2
+    torch.testing.assert_close(out, x0 * 8 * moved + 3)
+    again = moved + 1                                                  # moves twice: copied from now on
+    out = runner([again, cache, x])[0]
+    assert runner.recordings == 3 and 0 not in runner.static_idx
+    torch.testing.assert_close(out, x0 * 16 * again + 4)
+    out = runner([moved, cache, x])[0]                                 # copied in: no new recording
+    assert runner.recordings == 3
+    torch.testing.assert_close(out, x0 * 32 * moved + 5)
 
 
-def test_writes_to_stable_inputs_are_captured_in_place_others_block():
-    def fn(x, cache):
-        cache.copy_(x * 2)
-        return cache + 1
-    gm, inputs = traced_on_cuda(fn, torch.randn(8), torch.zeros(8))
-    assert any(str(n.target) == "aten.copy_.default" for n in gm.graph.nodes)
-    why = cuda_graph_blocker(gm, inputs, "inference")
-    assert why is not None and why.startswith("input mutation") and "not stable" in why
-    assert cuda_graph_blocker(gm, inputs, "inference", static_input_indices=(1,)) is None
-    assert cuda_graph_blocker(gm, inputs, "inference", static_input_indices=(0,)) is not None
+@pytest.mark.gpu
+def test_compiled_module_with_a_kv_cache_buffer_is_captured_and_matches_eager():
+    from torch_mirage.backend import MirageBackend
+
+    class Cached(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64)
+            self.register_buffer("cache", torch.zeros(4, 16, 64))
+
+        def forward(self, x, pos):
+            self.cache.index_copy_(1, pos, self.proj(x))
+            return torch.softmax(self.cache.sum(1), -1) * 2
+
+    eager, model = Cached().cuda(), Cached().cuda()
+    model.load_state_dict(eager.state_dict())
+    backend = MirageBackend()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for step in range(4):
+            x, pos = torch.randn(4, 1, 64, device="cuda"), torch.tensor([step], device="cuda")
+            torch.testing.assert_close(compiled(x, pos), eager(x, pos))
+            torch.testing.assert_close(model.cache, eager.cache)
+    graph = backend.report.graphs[-1]
+    assert graph.cuda_graph, graph.cuda_graph_reason
 
 
-def test_training_graphs_and_cpu_inputs_are_refused():
-    gm, inputs = traced_on_cuda(lambda x: x.sin(), torch.randn(8))
-    assert cuda_graph_blocker(gm, inputs, "forward").startswith("forward graph")
-    assert cuda_graph_blocker(gm, [torch.randn(8)], "inference") == "inputs not all CUDA tensors"
+def test_boolean_operators_are_not_state_writes():
+    """``mask_a & mask_b`` in a Dynamo graph is ``operator.and_``: not in place (HF attention masks use it)."""
+    import operator
+
+    from torch_mirage.runtime.choose import writes_in_place
+
+    def dynamo_graph(op, *extra):
+        g = fx.Graph()
+        a, b = g.placeholder("a"), g.placeholder("b")
+        g.output(g.call_function(op, (a, *extra, b)))
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    assert not writes_in_place(dynamo_graph(operator.and_))
+    assert not writes_in_place(dynamo_graph(operator.or_))
+    assert writes_in_place(dynamo_graph(operator.iand))
+    assert writes_in_place(dynamo_graph(operator.setitem, 0))
+
+
+@pytest.mark.gpu
+def test_a_graph_that_cannot_be_timed_keeps_inductors_compile():
+    """Random numbers make re-running the graph for timing change the caller's RNG: mirage's version cannot be
+    shown to be no slower, so Inductor's compile is what runs, and the report says why."""
+    from torch_mirage.backend import MirageBackend
+
+    def fn(x):
+        return torch.softmax(x * 2 + 1, dim=-1) * torch.rand_like(x).ge(0).to(x.dtype)
+
+    backend = MirageBackend()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend)
+    x = torch.randn(64, 1024, device="cuda")
+    torch.testing.assert_close(compiled(x), fn(x))
+    graph = backend.report.graphs[-1]
+    if graph.untimed_reason:   # mirage claimed a region: it must not be kept untimed
+        assert graph.choice == "inductor"
+        assert all(r.compiled_by != "mirage" for r in graph.regions)
+        assert "kept Inductor's compile" in str(backend.report)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return torch.softmax(self.proj(x) * 2 + 1, -1) * x.sigmoid()
+
+
+def _serve(sizes, dynamic=None, mark=False, options=None):
+    """Compile a block with mirage, call it at each batch size (eager-checked); returns the report."""
+    from torch_mirage.backend import MirageBackend
+    from torch_mirage.report import Report
+
+    torch.manual_seed(0)
+    block, report = _Block(), Report()
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=MirageBackend(options, report=report), dynamic=dynamic)
+    with torch.no_grad():
+        for n in sizes:
+            x = torch.randn(n, 32)
+            if mark:
+                torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), block(x), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    return report
+
+
+def test_a_new_size_recompiles_at_most_once_by_default():
+    """Default torch.compile: the first size is static; a second size gives one symbolic graph for all later
+    sizes (Dynamo's automatic dynamic shapes), never a graph per call."""
+    report = _serve([8, 16, 24, 8, 40, 16])
+    assert len(report.graphs) == 2
+    assert report.graphs[1].cuda_graph_reason.startswith("dynamic shapes")
+
+
+def test_static_serving_compiles_one_graph_per_size():
+    report = _serve([8, 16, 8, 16, 8], dynamic=False)
+    assert len(report.graphs) == 2
+
+
+def test_mark_dynamic_runs_correctly_with_one_log_line(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="torch_mirage"):
+        report = _serve([8, 13, 21], mark=True, options={"log_level": "INFO"})
+    assert len(report.graphs) == 1
+    lines = [r.getMessage() for r in caplog.records if "symbolic sizes" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "dynamic=False" in lines[0]
+
+
+def test_an_explicit_device_ends_what_follows_a_moved_constant():
+    """``c.to("cpu") + 1`` stays on the CPU after ``c`` moves: only what is computed from constants without naming
+    a device follows them."""
+    from torch_mirage.runtime.cudagraph import move_constants_to_device
+
+    root = torch.nn.Module()
+    root.c = torch.tensor([1.0, 2.0])
+    g = fx.Graph()
+    const = g.get_attr("c")
+    lifted = g.call_function(aten.lift_fresh_copy.default, (const,))
+    on_cpu = g.call_function(aten._to_copy.default, (lifted,), {"device": torch.device("cpu")})
+    plus = g.call_function(aten.add.Tensor, (on_cpu, 1))
+    for node, val in ((const, root.c), (lifted, root.c), (on_cpu, root.c), (plus, root.c + 1)):
+        node.meta["val"] = val
+    g.output((plus,))
+    gm = fx.GraphModule(root, g)
+    assert move_constants_to_device(gm, "meta") == ["c"]
+    assert lifted.meta["val"].device.type == "meta"
+    assert on_cpu.meta["val"].device.type == "cpu" and plus.meta["val"].device.type == "cpu"

@@ -125,7 +125,44 @@ class MirageBackend:
                 failure = Failure("whole-graph timing", _dynamo_summary(gm), failures.describe_error(e),
                                   "mirage's compile runs without being timed against Inductor's")
                 log.warning("%s", failures.format_failure(failure, f"{graphs[0].kind} graph {graphs[0].index}"))
+        if len(graphs) == 1 and graphs[0].untimed_reason:
+            try:
+                with failures.stage("untimed graph to Inductor"):
+                    return self._untimed_to_inductor(gm, example_inputs, cfg, compiled, graphs[0])
+            except Exception as e:
+                if cfg.strict:
+                    raise
+                failure = Failure("untimed graph to Inductor", _dynamo_summary(gm), failures.describe_error(e),
+                                  "mirage's compile runs without being timed against Inductor's")
+                log.warning("%s", failures.format_failure(failure, f"{graphs[0].kind} graph {graphs[0].index}"))
         return compiled
+
+    def _untimed_to_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: config_mod.Config,
+                             mirage: Any, report: GraphReport) -> Any:
+        """Mirage's version could not be timed against Inductor's: never keep a version not shown to be no
+        slower, so the graph runs as ``backend="inductor"`` would run it (in our CUDA graph where allowed)."""
+        lifted = len(dict(gm.named_parameters(remove_duplicate=False))) + len(dict(gm.named_buffers(remove_duplicate=False)))
+        aligned = report.num_inputs == lifted + len(example_inputs)
+        static = tuple(i - lifted for i in _static_input_indices() if i >= lifted) if aligned else ()
+        mutated = tuple(i - lifted for i in report.mutated_inputs if i >= lifted) if aligned else ()
+        blocker = (None if report.cuda_graph else (report.cuda_graph_reason or "not captured")) if aligned else \
+            "inputs not aligned with the ATen graph's"
+        try:
+            inductor = self._inductor_compile(gm, example_inputs, cfg, report)
+        except Exception as e:
+            if cfg.strict:
+                raise
+            log.info("torch_mirage: graph %d: Inductor could not compile it (%s: %s); mirage's version kept untimed",
+                     report.index, type(e).__name__, e)
+            return mirage
+        report.choice = "inductor"
+        detail = f"not timed ({report.untimed_reason}): Inductor's compile kept"
+        for r in report.regions:
+            if r.compiled_by == "mirage":
+                r.compiled_by, r.reason, r.detail = "inductor", Reason.SLOWER_THAN_INDUCTOR.value, detail
+        log.info("torch_mirage: graph %d %s", report.index, detail)
+        report.cuda_graph, report.cuda_graph_reason = False, ""
+        return _in_cuda_graph(inductor, blocker, static, cfg, report, mutated)
 
     def _inductor_compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: config_mod.Config,
                           report: GraphReport) -> Any:
@@ -190,8 +227,7 @@ class MirageBackend:
             # writes we cannot name (inputs deduplicated by AOTAutograd, or a write the ATen graph does not show):
             # re-running the graph for timing could change the caller's state, so mirage's version is kept
             report.untimed_reason = "it writes state the timing could not save and restore"
-            log.info("torch_mirage: graph %d %s", report.index, report.untimed_reason)
-            return mirage
+            return self._untimed_to_inductor(gm, example_inputs, cfg, mirage, report)
         static = tuple(i - len(lifted) for i in _static_input_indices() if i >= len(lifted)) if aligned else ()
         written = lambda args: [[*lifted, *args][i] for i in positions]
         try:
@@ -203,7 +239,8 @@ class MirageBackend:
             log.info("torch_mirage: graph %d: %s", report.index, report.untimed_reason)
             return mirage
         blocker = None if report.cuda_graph else (report.cuda_graph_reason or "not captured")
-        inductor = _in_cuda_graph(inductor, blocker, static, cfg, GraphReport(report.index, report.kind))
+        mutated = tuple(i - len(lifted) for i in positions if i >= len(lifted))
+        inductor = _in_cuda_graph(inductor, blocker, static, cfg, GraphReport(report.index, report.kind), mutated)
         return FasterOf({"mirage": mirage, "inductor": inductor}, _choice_recorder(report), written,
                         in_callers_graph=not cfg.cuda_graphs)
 

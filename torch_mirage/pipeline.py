@@ -29,7 +29,7 @@ from .failures import Failure, FailureLog, describe_error, format_failure, stage
 from .partition.region import Claimer, Reason, Region, is_convex
 from .report import GraphReport, RegionReport
 from .runtime.assemble import assemble
-from .runtime.cudagraph import CudaGraphRunner, cuda_graph_blocker
+from .runtime.cudagraph import CudaGraphRunner, cuda_graph_blocker, input_device, move_constants_to_device
 from .runtime.choose import declared_mutations, is_timeable, mutated_inputs
 from .runtime.measure import check_regions, keep_faster
 
@@ -161,6 +161,8 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
     no region of a forward / inference graph."""
     report, config = ctx.report, ctx.config
     with ctx.stage("lower"):
+        if report.kind == "inference" and (device := input_device(example_inputs)) is not None:
+            move_constants_to_device(gm, device)   # once, before anything reads the constants
         graph = lower(gm, list(example_inputs))
     with ctx.stage("partition"):
         claimers = default_claimers(config) if claimers is None else claimers
@@ -175,7 +177,7 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
     if (config.fallback == "inductor" and report.kind in ("inference", "forward")
             and not any(r.compiled_by == "mirage" for r in regions)):
         report.whole_graph_to_inductor = True
-        raise WholeGraphToInductor(cuda_graph_blocker(gm, example_inputs, report.kind, ctx.static_input_indices),
+        raise WholeGraphToInductor(cuda_graph_blocker(gm, example_inputs, report.kind),
                                    ctx.static_input_indices, mutated_inputs(gm))
     with ctx.stage("assemble"):
         fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode)
@@ -206,13 +208,13 @@ def _after_failure(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
         report.regions = [RegionReport(ops, "inductor", Reason.COMPILE_ERROR.value, report.fallback_error)]
         report.whole_graph_to_inductor = True
         raise WholeGraphToInductor(_blocker_after(failure, gm, example_inputs, report.kind),
-                                   ctx.static_input_indices, failure=failure) from error
+                                   ctx.static_input_indices, mutated_inputs(gm), failure=failure) from error
     fn, compiled_by, failure.outcome = _fallback(gm, ctx)
     report.regions = [RegionReport(ops, compiled_by, Reason.COMPILE_ERROR.value, report.fallback_error)]
     log.warning("%s", format_failure(failure, f"{report.kind} graph {report.index}"))
     blocker = _blocker_after(failure, gm, example_inputs, report.kind)
     try:
-        return wrap_cuda_graph(fn, blocker, ctx.static_input_indices, config, report)
+        return wrap_cuda_graph(fn, blocker, ctx.static_input_indices, config, report, mutated_inputs(gm))
     except Exception as e:   # our CUDA-graph wrapper failed on the fallback too: run it as it is
         report.cuda_graph, report.cuda_graph_reason = False, f"cuda graph stage failed: {describe_error(e)}"
         return fn
@@ -268,13 +270,14 @@ def inductor_whole_aten_graph(gm: fx.GraphModule, inductor_mode: str = "default"
 
 
 def _maybe_cuda_graph(fn: Any, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Any:
-    return wrap_cuda_graph(fn, cuda_graph_blocker(gm, example_inputs, ctx.report.kind, ctx.static_input_indices),
-                           ctx.static_input_indices, ctx.config, ctx.report, mutated_inputs(gm))
+    return wrap_cuda_graph(fn, cuda_graph_blocker(gm, example_inputs, ctx.report.kind), ctx.static_input_indices,
+                           ctx.config, ctx.report, mutated_inputs(gm))
 
 
 def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence[int], config: Config,
                     report: GraphReport, mutated_input_indices: Sequence[int] = ()) -> Any:
-    """``fn`` (boxed) inside a :class:`CudaGraphRunner` when capture is allowed; the reason in the report."""
+    """``fn`` (boxed) inside a :class:`CudaGraphRunner` when capture is allowed; the reason in the report.
+    Static inputs (parameters, buffers, KV caches) are captured in place; written user inputs are copied back."""
     if not config.cuda_graphs:
         report.cuda_graph_reason = "disabled (MIRAGE_CUDA_GRAPHS=0)"
     else:
@@ -287,6 +290,13 @@ def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence
                                      mutated_input_indices=mutated_input_indices)
             return _boxed(runner)
         report.cuda_graph_reason = blocker
+    if blocker is not None and blocker.startswith("dynamic shapes"):
+        # the one line a serving user sees for a symbolic-size graph: what runs it, and the way to static graphs
+        ran = ("mirage's static parts and Inductor" if any(r.compiled_by == "mirage" for r in report.regions)
+               else "Inductor")
+        log.info("torch_mirage: %s graph %d has symbolic sizes: %s runs it, without a CUDA graph; compile with "
+                 "dynamic=False for one static, captured graph per size", report.kind, report.index, ran)
+        return fn
     log.debug("torch_mirage: %s graph %d runs without a CUDA graph: %s", report.kind, report.index,
               report.cuda_graph_reason)
     return fn

@@ -45,7 +45,7 @@ class GraphReport:
     timeable: bool = False                  # may be re-run on real inputs (CUDA, static shapes, no random ops)
     choice: str | None = None            # "mirage" | "inductor": the faster version of the whole graph, timed
     choice_times_us: dict[str, float] = field(default_factory=dict)
-    untimed_reason: str = ""             # why mirage's version was kept without timing it against Inductor
+    untimed_reason: str = ""             # why mirage's version could not be timed against Inductor's
     stage_times_ms: dict[str, float] = field(default_factory=dict)
 
     @contextlib.contextmanager
@@ -69,7 +69,8 @@ class GraphReport:
             times = ", ".join(f"{k} {v:.1f} µs" for k, v in self.choice_times_us.items())
             lines.append(f"  timed against Inductor's compile of the whole graph on first call: kept {self.choice} ({times})")
         if self.untimed_reason:
-            lines.append(f"  kept mirage's version without timing it against Inductor: {self.untimed_reason}")
+            kept = "Inductor's compile" if self.choice == "inductor" else "mirage's version"
+            lines.append(f"  not timed against Inductor ({self.untimed_reason}): kept {kept}")
         if self.fallback_error:
             lines.append(f"  fell back: {self.fallback_error}")
         lines += [r.row() for r in self.regions]

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import harness, llm, report
+from . import harness, llm, models, report
 from . import workloads as W
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -89,6 +89,10 @@ def parser() -> argparse.ArgumentParser:
                    help=f"modes for the LLMs (default: {' '.join(llm.LLM_MODES)})")
     p.add_argument("--llm-dtype", default="bfloat16", choices=list(DTYPES),
                    help="dtype of the LLMs (default: bfloat16; --quick on a CPU: float32)")
+    p.add_argument("--models", nargs="+", type=_names(list(models.MODELS)),
+                   help="Hugging Face models from configs, end to end (prefill and greedy generate; its own modes: "
+                   f"eager inductor reduce-overhead max-autotune mirage). Known: {' '.join(models.MODELS)}; "
+                   "writes --out/models.*")
     p.add_argument("--quick", action="store_true", help="tiny shapes, correctness only, no timing claims")
     p.add_argument("--out", default="bench-results", help="output directory (default: ./bench-results)")
     p.add_argument("--name", default="results", help="file stem of the outputs (default: results)")
@@ -125,6 +129,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for msg in report.write_all(doc, args.out, args.name):
             print(msg)
         print(report.markdown(doc))
+        return 0
+    if args.models:
+        if not models.available():
+            print(f"bench: {models.MISSING}", file=sys.stderr)
+            return 2
+        models.run(_list(args.models), args.out, "models" if args.name == "results" else args.name,
+                   tiny=True if args.quick else None)
         return 0
     cuda = torch.cuda.is_available()
     if not cuda and not args.quick:

@@ -7,8 +7,8 @@ captures its own), in the order A B B A so that clock and temperature drift favo
 faster one for every later call, dropping the other. Tensors the graph writes (inputs, or tensors on modules
 and other objects) are saved first and copied back before every timing run and after the last, so each run
 sees the caller's state and the state changes once, by the real call. Graphs that write state we cannot
-name, and graphs with random ops (re-running them would advance the caller's RNG), are not timed: mirage's
-version is kept there.
+name, and graphs with random ops (re-running them would advance the caller's RNG), are not timed: the backend
+keeps Inductor's compile there, never a version it could not time.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .cudagraph import draws_random_numbers  # noqa: F401  (the rule lives with the CUDA-graph rules)
 from .measure import alternating_medians, cuda_graph_timing, plain_timing, timing_input_sets
 
 log = logging.getLogger("torch_mirage")
@@ -109,31 +110,6 @@ def is_timeable(gm: torch.fx.GraphModule, example_inputs: list) -> bool:
     return not any(draws_random_numbers(n) for n in gm.graph.nodes)
 
 
-# arguments that switch an op's randomness off: (name, the value at which the op draws no random numbers)
-_RANDOMNESS_OFF = (("dropout_p", 0.0), ("p", 0.0), ("train", False))
-
-
-def draws_random_numbers(node: torch.fx.Node) -> bool:
-    """Whether an op advances the RNG: a random-tagged op (``nondeterministic_seeded``) unless an argument
-    switches its randomness off — ``dropout_p = 0`` (every aten SDPA variant is tagged for its dropout),
-    dropout's ``p = 0`` or ``train=False``."""
-    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-        return False
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return True
-    values = {}
-    for i, spec in enumerate(schema.arguments):
-        if i < len(node.args):
-            values[spec.name] = node.args[i]
-        elif spec.name in node.kwargs:
-            values[spec.name] = node.kwargs[spec.name]
-        elif spec.has_default_value():
-            values[spec.name] = spec.default_value
-    return not any(isinstance(values.get(name), (bool, int, float)) and values[name] == off
-                   for name, off in _RANDOMNESS_OFF)
-
-
 def mutated_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
     """Positions of the placeholders an ATen graph writes to, directly or through views of them."""
     index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
@@ -171,13 +147,20 @@ def writes_in_place(gm: torch.fx.GraphModule) -> bool:
     """Whether a Dynamo graph has an in-place op (``x.add_(...)``, ``x[i] = v``, ``out=``): it writes to state."""
     import operator
 
+    in_place_operators = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+                          operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+                          operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
     for n in gm.graph.nodes:
         if n.op == "call_method" and n.target.endswith("_") and not n.target.endswith("__"):
             return True
         if n.op == "call_function":
             name = getattr(n.target, "__name__", "")
-            if n.target in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv):
+            if n.target in in_place_operators:
                 return True
+            # ``operator.and_`` / ``or_`` / ``not_`` are not in place: the trailing ``_`` means in place only for
+            # torch's own functions (``torch.relu_``, ``Tensor.add_``)
+            if getattr(n.target, "__module__", None) in ("_operator", "operator"):
+                continue
             if "out" in n.kwargs or (name.endswith("_") and not name.endswith("__")):
                 return True
             schema = getattr(n.target, "_schema", None)

@@ -14,23 +14,155 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .choose import draws_random_numbers
-
 log = logging.getLogger("torch_mirage")
 
 _HOST_SYNC = {"aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default",
               "aten.equal.default", "aten._assert_async.msg"}
 
 
-def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kind: str,
-                       static_input_indices: Sequence[int] = ()) -> str | None:
-    """Why this ATen graph cannot be captured, or ``None`` when it can.
+def _arg(node: torch.fx.Node, name: str) -> Any:
+    """The value of a node's schema argument ``name`` (positional, keyword, or the schema's default)."""
+    for position, spec in enumerate(node.target._schema.arguments):
+        if spec.name == name:
+            if position < len(node.args):
+                return node.args[position]
+            return node.kwargs.get(name, spec.default_value)
+    raise KeyError(name)
 
-    What inference makes safe is allowed: an op tagged random whose randomness is switched off by its
-    arguments (SDPA at ``dropout_p = 0``, ``native_dropout`` with ``train=False``), 0-dim CPU tensors that are
-    trace-time constants (their value is baked into the capture, as it never changes), and writes to inputs
-    whose storage is stable (parameters, buffers, a static KV cache: ``static_input_indices``), which the
-    replayed graph performs in place on that same storage."""
+
+def _is_zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+def draws_random_numbers(node: torch.fx.Node) -> bool:
+    """Whether an op really advances the RNG. Ops tagged ``nondeterministic_seeded`` count, except where their
+    only randomness is a dropout that is off: attention (every ``scaled_dot_product_*attention*`` variant) at
+    ``dropout_p == 0``, and ``dropout`` / ``native_dropout`` with ``train=False`` or ``p == 0`` (inference)."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    names = {spec.name for spec in node.target._schema.arguments}
+    if "dropout_p" in names:
+        return not _is_zero(_arg(node, "dropout_p"))
+    if node.target._schema.name in ("aten::native_dropout", "aten::dropout") and {"p", "train"} <= names:
+        return not (_arg(node, "train") is False or _is_zero(_arg(node, "p")))
+    return True
+
+
+def op_blocker(node: torch.fx.Node, device_type: str = "cuda") -> str | None:
+    """Why one node of an inference ATen graph cannot be replayed from a CUDA graph, or ``None``: a host sync,
+    real randomness (a replay would repeat the captured numbers), a write into a graph input that is not
+    reapplied, or a tensor made on another device than ``device_type``."""
+    if node.op != "call_function":
+        return None
+    name = str(node.target)
+    if name in _HOST_SYNC:
+        return (f"host sync ({name}): the graph reads a tensor's value on the host; keep such reads (.item(), "
+                f"data-dependent shapes) outside the compiled region")
+    if draws_random_numbers(node):
+        return (f"random op ({name}): a replay would repeat the captured random numbers; model.eval() turns "
+                f"dropout off, attention needs dropout_p=0")
+    val = node.meta.get("val")
+    for v in (val if isinstance(val, (tuple, list)) else [val]):
+        if isinstance(v, torch.Tensor) and v.device.type != device_type:
+            return (f"{v.device.type.upper()} tensor produced by {name}: move that input or tensor to the "
+                    f"{device_type} device")
+    return None
+
+
+def graph_blocker(gm: torch.fx.GraphModule, device_type: str = "cuda") -> str | None:
+    """The first node's :func:`op_blocker` reason, or ``None`` when every node may be captured."""
+    for node in gm.graph.nodes:
+        why = op_blocker(node, device_type)
+        if why is not None:
+            return why
+    return None
+
+
+def _on_device(val: Any, device: torch.device) -> Any:
+    """``val`` (a node's ``meta['val']``) as if made on ``device``: same shape, strides and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(val, (tuple, list)):
+        return type(val)(_on_device(v, device) for v in val)
+    if isinstance(val, FakeTensor):
+        meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+        return FakeTensor(val.fake_mode, meta, device)
+    if isinstance(val, torch.Tensor):
+        return val.to(device)
+    return val
+
+
+def move_constants_to_device(gm: torch.fx.GraphModule, device: torch.device | str) -> list[str]:
+    """Move trace-time constants (``_tensor_constant*`` attributes: ``torch.tensor(...)`` in a model, lifted by
+    AOTAutograd with ``aten.lift_fresh_copy``) that live on another device to ``device``, once, at compile time,
+    so a CUDA graph need not refuse the graph for them. What is computed from constants alone follows them (its
+    ``meta['val']`` moves too); an op that names its own device keeps it. A constant that reaches a host read
+    (``.item()``) stays where it is: moving it would make that read a device sync. Returns the attributes moved.
+    """
+    device = torch.device(device)
+    derived: set[torch.fx.Node] = set()
+    candidates: dict[torch.fx.Node, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = _attribute(gm, node.target)
+            if (isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+                    and value.device != device):
+                candidates[node] = value
+                derived.add(node)
+        elif node.op == "call_function" and "device" not in node.kwargs:   # an explicit device ends the chain
+            inputs = node.all_input_nodes
+            if inputs and all(a in derived for a in inputs):
+                derived.add(node)
+    blocked = {n for n in derived if n.op == "call_function" and str(n.target) in _HOST_SYNC}
+    keep = set()
+    for node in blocked:   # every constant upstream of a host read stays put
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n not in keep:
+                keep.add(n)
+                stack.extend(a for a in n.all_input_nodes if a in derived)
+    moved = []
+    for node in gm.graph.nodes:
+        if node not in derived or node in keep:
+            continue
+        if node in candidates:
+            _set_attribute(gm, node.target, candidates[node].to(device))
+            moved.append(node.target)
+        if "val" in node.meta:
+            node.meta["val"] = _on_device(node.meta["val"], device)
+    if moved:
+        gm.recompile()
+        log.debug("torch_mirage: trace-time constants moved to %s: %s", device, ", ".join(moved))
+    return moved
+
+
+def _attribute(gm: torch.nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _set_attribute(gm: torch.nn.Module, target: str, value: torch.Tensor) -> None:
+    *path, name = target.split(".")
+    owner: Any = gm
+    for part in path:
+        owner = getattr(owner, part)
+    if name in getattr(owner, "_buffers", {}):
+        owner._buffers[name] = value
+    else:
+        setattr(owner, name, value)
+
+
+def input_device(example_inputs: Sequence[Any]) -> torch.device | None:
+    """The one non-CPU device every tensor input lives on, or ``None``."""
+    devices = {x.device for x in example_inputs if isinstance(x, torch.Tensor)}
+    return next(iter(devices)) if len(devices) == 1 and next(iter(devices)).type != "cpu" else None
+
+
+def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kind: str) -> str | None:
+    """Why this ATen graph cannot be captured, or ``None`` when it can."""
     if kind != "inference":
         return f"{kind} graph: capture only for inference graphs"
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
@@ -38,75 +170,62 @@ def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
         return "dynamic shapes (symbolic sizes among the inputs)"
     if not tensors or any(t.device.type != "cuda" for t in tensors):
         return "inputs not all CUDA tensors"
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    static = {placeholders[i] for i in static_input_indices if 0 <= i < len(placeholders)}
-    constant = _constant_nodes(gm)
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = str(node.target)
-        if name in _HOST_SYNC:
-            return f"host sync ({name})"
-        if draws_random_numbers(node):
-            return f"random op ({name})"
-        if name.endswith("copy_.default") and isinstance(node.args[0], torch.fx.Node) \
-                and node.args[0].op == "placeholder" and node.args[0] not in static:
-            return f"input mutation ({name} into {node.args[0].name}, an input whose address is not stable)"
-        val = node.meta.get("val")
-        for v in (val if isinstance(val, (tuple, list)) else [val]):
-            if isinstance(v, torch.Tensor) and v.device.type != "cuda" and not (node in constant and v.dim() == 0):
-                return f"CPU tensor produced by {name}"
-    return None
-
-
-def _constant_nodes(gm: torch.fx.GraphModule) -> set:
-    """Nodes whose value depends on no graph input: trace-time constants (``get_attr`` tensors and what is
-    computed from them alone, e.g. ``lift_fresh_copy`` of a ``torch.tensor(...)`` made while tracing)."""
-    constant: set = set()
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            constant.add(node)
-        elif (node.op == "call_function" and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
-              and all(a in constant for a in node.all_input_nodes)):
-            constant.add(node)
-    return constant
+    return graph_blocker(gm, "cuda")
 
 
 class CudaGraphRunner:
-    """Boxed callable: ``runner(list_of_args) -> list_of_outputs``."""
+    """Boxed callable: ``runner(list_of_args) -> list_of_outputs``.
+
+    Inputs at ``static_input_indices`` (parameters, buffers, persistent KV caches: AOTAutograd's static inputs)
+    are captured in place, as Inductor's CUDA-graph trees do: no copy per call, and a graph that writes one (a KV
+    cache update) writes the caller's tensor itself. Should such an input's storage move (``model.to``,
+    ``load_state_dict``), the graph is recorded again on the new storage rather than replayed on stale memory; one
+    that moves again is copied like a user input from then on (recorded once more).
+    Every other tensor input is copied into a static buffer before each replay, and those among
+    ``mutated_input_indices`` are copied back after it, so the caller sees the write. Warm-up runs happen on the
+    real in-place inputs: what they write is saved first and put back after each, so the caller's state changes
+    once per call.
+    """
 
     def __init__(self, fn: Callable[[list], Any], static_input_indices: Sequence[int] = (), warmup: int = 2,
                  on_disable: Callable[[str], None] | None = None, mutated_input_indices: Sequence[int] = ()):
         self.fn = fn
         self.on_disable = on_disable
-        self.static_idx = set(static_input_indices)  # parameters and buffers: read in place
-        self.mutated_idx = tuple(mutated_input_indices)  # inputs the graph writes (in place, on stable storage)
+        self.static_idx = set(static_input_indices)
+        self.mutated_idx = set(mutated_input_indices)
         self.warmup = warmup
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_inputs: list[Any] = []
         self.static_outputs: Any = None
         self.disabled_reason: str | None = None
+        self.recordings = 0
+        self.moved: set[int] = set()   # static inputs seen at a second address
+
+    def copied_inputs(self, args: Sequence[Any]) -> list[int]:
+        """Positions of the inputs copied into static buffers on each replay (tensors not captured in place)."""
+        return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in self.static_idx]
 
     def _capture(self, args: list) -> None:
-        self.static_inputs = [a if (i in self.static_idx or not isinstance(a, torch.Tensor)) else a.clone()
-                              for i, a in enumerate(args)]
-        # the warm-up runs write the inputs the graph mutates (a KV cache, a counter): save them first and put
-        # them back after, so the caller's state changes once, by the replay that follows the capture
-        saved = [(self.static_inputs[i], self.static_inputs[i].clone()) for i in self.mutated_idx
-                 if i < len(self.static_inputs) and isinstance(self.static_inputs[i], torch.Tensor)]
+        copied = set(self.copied_inputs(args))
+        self.static_inputs = [a.clone() if i in copied else a for i, a in enumerate(args)]
+        in_place_writes = [(a, a.clone()) for i, a in enumerate(args) if i in self.mutated_idx and i not in copied]
+
+        def restore() -> None:
+            for t, saved in in_place_writes:
+                t.copy_(saved)
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(self.warmup):   # Triton JIT and autotuning happen here, outside capture
                 self.fn(list(self.static_inputs))
-            for dst, copy in saved:
-                dst.copy_(copy)
+                restore()
         torch.cuda.current_stream().wait_stream(stream)
-        del saved
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.static_outputs = self.fn(list(self.static_inputs))
         self.graph = graph
+        self.recordings += 1
 
     def __call__(self, args: list) -> Any:
         if self.disabled_reason is not None or torch.cuda.is_current_stream_capturing():
@@ -123,6 +242,7 @@ class CudaGraphRunner:
                     self.on_disable(self.disabled_reason)
                 self.graph = None
                 return self.fn(args)
+        copy_back = []
         for i, (src, dst) in enumerate(zip(args, self.static_inputs)):
             if not isinstance(src, torch.Tensor):
                 if src != dst:
@@ -132,10 +252,19 @@ class CudaGraphRunner:
             if src.data_ptr() == dst.data_ptr():
                 continue
             if i in self.static_idx:
-                # a parameter moved (e.g. model.to / load_state_dict): re-capture on the new storage
+                # an input captured in place moved: record again on the new storage, never replay stale memory;
+                # one that moves a second time is not stable after all, and is copied like a user input from then on
+                if i in self.moved:
+                    self.static_idx.discard(i)
+                    log.debug("torch_mirage: input %d moved twice; copied into the CUDA graph from now on", i)
+                self.moved.add(i)
                 self.graph = None
                 return self(args)
             dst.copy_(src)
-        args.clear()
+            if i in self.mutated_idx:
+                copy_back.append((src, dst))
         self.graph.replay()
+        for src, dst in copy_back:
+            src.copy_(dst)
+        args.clear()
         return [o.clone() if isinstance(o, torch.Tensor) else o for o in self.static_outputs]

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Hugging Face models on one GPU (issue 18): mirage against eager and Inductor's modes, plus the gpu-marked tests.
+#
+#   benchmarks/hf_models_gpu.sh quick   # ≈8 min: gpu tests, then llama,gemma2,gpt2,bert, default attention,
+#                                       # eager/inductor/reduce-overhead/mirage, prefill 4×256 + 16 greedy tokens
+#   benchmarks/hf_models_gpu.sh full MODELS [ATTN]   # every mode incl. max-autotune (one 10-min command per
+#                                                    # model or two), e.g. full qwen2,mistral default,eager
+#
+# Writes $OUT/hf_models*.{json,md,png,log} (benchmarks/results/raw/ without $OUT); the JSON is rewritten after
+# every case and no new case starts after BUDGET_S seconds, so a run cut short still leaves its results.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+OUTDIR=${OUT:-benchmarks/results/raw}
+mkdir -p "$OUTDIR"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+PART=${1:-quick}
+case "$PART" in
+  quick)
+    "$PY" -m pytest tests/test_cudagraph_rules.py -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUTDIR/hf_models_gpu_tests.log" || true
+    "$PY" -m torch_mirage.bench.models --models llama,gemma2,gpt2,bert --attn default \
+      --modes eager,inductor,reduce-overhead,mirage --new-tokens 16 --budget-s "${BUDGET_S:-240}" \
+      --out "$OUTDIR" --name hf_models 2>&1 | tee "$OUTDIR/hf_models.log"
+    ;;
+  full)
+    MODELS=${2:?usage: $0 full MODELS [ATTN]}
+    "$PY" -m torch_mirage.bench.models --models "$MODELS" --attn "${3:-default,eager}" \
+      --budget-s "${BUDGET_S:-420}" --out "$OUTDIR" --name "hf_models_${MODELS//,/_}" 2>&1 \
+      | tee "$OUTDIR/hf_models_${MODELS//,/_}.log"
+    ;;
+  *) echo "usage: $0 quick | full MODELS [ATTN]" >&2; exit 2 ;;
+esac

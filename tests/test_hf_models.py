@@ -1,0 +1,97 @@
+"""Hugging Face models at tiny sizes (2 layers, hidden 64, fp32) through ``backend="mirage"``: eager-equal
+prefill logits and greedy ``generate`` with a static KV cache; the bench's model builder and its CLI entry."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from torch_mirage.bench import models as M   # noqa: E402
+from torch_mirage.report import Report      # noqa: E402
+
+
+def _ids(vocab: int, shape=(2, 12), seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _forward_equal(name: str, attn: str) -> Report:
+    spec = M.MODELS[name]
+    model = M.build(spec, attn, torch.float32, "cpu", tiny=True)
+    ids = _ids(model.config.vocab_size)
+    with torch.no_grad():
+        expected = M.forward_logits(model, spec)(ids)
+        report = Report()
+        M.compile_forward(model, "mirage", report)
+        try:
+            got = M.forward_logits(model, spec)(ids)
+            fresh = _ids(model.config.vocab_size, seed=1)   # same shape, new tokens: no recompile, still equal
+            got_fresh = M.forward_logits(model, spec)(fresh)
+        finally:
+            M.compile_forward(model, "eager")
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_fresh, M.forward_logits(model, spec)(fresh), rtol=1e-4, atol=1e-4)
+    assert report.graphs, "mirage compiled nothing"
+    return report
+
+
+@pytest.mark.parametrize("name,attn", [("llama", "default"), ("bert", "default")])
+def test_prefill_logits_equal_eager(name, attn):
+    _forward_equal(name, attn)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,attn", [("qwen2", "default"), ("mistral", "default"), ("phi3", "default"), ("gpt2", "default"),
+                                       ("opt", "default"), ("gemma2", "eager"), ("llama", "eager")])
+def test_prefill_logits_equal_eager_all_models(name, attn):
+    _forward_equal(name, attn)
+
+
+@pytest.mark.parametrize("name", ["llama"])
+def test_greedy_generate_with_static_cache_equals_eager(name):
+    spec = M.MODELS[name]
+    model = M.build(spec, "default", torch.float32, "cpu", tiny=True)
+    prompt = _ids(model.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        expected = M.greedy_generate(model, prompt, 3)
+        M.compile_forward(model, "mirage", Report())
+        try:
+            got = M.greedy_generate(model, prompt, 3)
+        finally:
+            M.compile_forward(model, "eager")
+    assert got.shape == (2, 9)
+    assert torch.equal(got, expected), (got, expected)
+
+
+def test_builder_covers_the_issue_model_set_and_rejects_unknown_names():
+    assert {"llama", "qwen2", "mistral", "gemma2", "phi3", "gpt2", "bert", "opt"} <= set(M.MODELS)
+    for spec in M.MODELS.values():
+        assert spec.config.get("num_hidden_layers", spec.config.get("n_layer")) == 4
+        assert spec.config.get("hidden_size", spec.config.get("n_embd")) == 1024
+    with pytest.raises(ValueError, match="unknown model"):
+        M.get(["llama", "gpt5"])
+
+
+def test_tokens_match_stops_at_the_first_difference():
+    ref = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])
+    got = torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4]])
+    assert M._tokens_match(got, ref) == pytest.approx((4 + 1) / 8)
+
+
+def test_report_derives_speedups_over_reduce_overhead_and_best_inductor():
+    modes = {"eager": {"status": "ok", "prefill_us": 900.0, "us_per_token": 90.0},
+             "inductor": {"status": "ok", "prefill_us": 600.0, "us_per_token": 80.0},
+             "reduce-overhead": {"status": "ok", "prefill_us": 500.0, "us_per_token": 40.0},
+             "max-autotune": {"status": "error", "prefill_us": 100.0},
+             "mirage": {"status": "ok", "prefill_us": 400.0, "us_per_token": 50.0, "max_err_vs_fp32": 0.01}}
+    derived = M._derived(modes)
+    assert derived["prefill_us_speedup_vs_reduce_overhead"] == pytest.approx(1.25)
+    assert derived["prefill_us_best_inductor"] == 500.0   # a failed mode's time does not count
+    assert derived["us_per_token_speedup_vs_best_inductor"] == pytest.approx(0.8)
+    doc = {"env": {"device": "H100", "torch": "2.13"}, "timing": True,
+           "settings": {"dtype": "bfloat16", "batch": 4, "tokens": 256, "new_tokens": 16, "modes": list(modes)},
+           "models": [dict({"model": "llama", "attn": "default", "modes": modes}, **derived),
+                      {"model": "gemma2", "attn": "sdpa", "skipped": "no sdpa", "modes": {}}]}
+    text = M.markdown(doc)
+    assert "Geomean prefill speedup of mirage over reduce-overhead: 1.25× over 1 cases." in text
+    assert "skipped: no sdpa" in text

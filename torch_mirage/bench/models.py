@@ -1,0 +1,410 @@
+"""Real Hugging Face models end to end: ``python -m torch_mirage bench --models llama,gemma2,gpt2,bert``.
+
+Each model is built from its ``transformers`` config with random weights (nothing is downloaded): 4 layers,
+hidden 1024, bf16 on a GPU (2 layers, hidden 64, fp32 with ``tiny``, the size the CPU tests use). For each
+attention implementation (``default``, what transformers picks — ``sdpa`` where the model has it — and ``eager``) and each compile mode it runs
+
+- a prefill forward (batch 4 × 256 tokens; logits checked against eager's, and their max error against an fp32
+  eager reference of the same weights), and
+- for causal LMs, greedy ``generate`` with a static KV cache (``cache_implementation="static"``): the tokens are
+  checked against eager's; the time per generated token is the whole call's time over the new tokens.
+
+Modes: eager, Inductor default, ``reduce-overhead`` (Inductor with CUDA graphs), ``max-autotune`` and mirage, all
+compiled with ``dynamic=False``: one graph per input shape (the prefill and the decode step), which is the
+serving policy README's "CUDA graphs" section states. Mirage's report (regions kept, CUDA graph or the op that
+prevents it, what the first-call timing against Inductor kept) is recorded per case. Writes ``NAME.json``,
+``NAME.md`` and ``NAME.png`` (speedup of mirage over reduce-overhead) like the workload bench.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..runtime.measure import plain_timing
+from .harness import _free, _short, mirage_summary, rel_error
+
+SCHEMA = "torch_mirage.bench.models/1"
+MODES = ("eager", "inductor", "reduce-overhead", "max-autotune", "mirage")
+ATTN = ("default", "eager")   # default: what transformers picks (sdpa where the model supports it)
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}   # relative, logits vs eager
+MISSING = "transformers is not installed: the model bench needs it (pip install 'torch-mirage[bench]')"
+
+
+@dataclass(frozen=True)
+class HFModel:
+    name: str
+    config_cls: str
+    model_cls: str
+    config: dict          # the bench size
+    tiny: dict            # the CPU test size
+    causal: bool = True   # has ``generate``
+
+
+def _llama_like(**extra: Any) -> tuple[dict, dict]:
+    small = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                 num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+    return dict(small, **extra), dict(tiny, **extra)
+
+
+def _spec(name: str, config_cls: str, model_cls: str, sizes: tuple[dict, dict], causal: bool = True) -> HFModel:
+    return HFModel(name, config_cls, model_cls, sizes[0], sizes[1], causal)
+
+
+MODELS: dict[str, HFModel] = {m.name: m for m in [
+    _spec("llama", "LlamaConfig", "LlamaForCausalLM", _llama_like()),
+    _spec("qwen2", "Qwen2Config", "Qwen2ForCausalLM", _llama_like(use_sliding_window=False)),
+    _spec("mistral", "MistralConfig", "MistralForCausalLM", _llama_like(sliding_window=None)),
+    HFModel("gemma2", "Gemma2Config", "Gemma2ForCausalLM",
+            dict(_llama_like()[0], head_dim=64, query_pre_attn_scalar=64, sliding_window=4096,
+                 attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+            dict(_llama_like()[1], head_dim=16, query_pre_attn_scalar=16, sliding_window=256,
+                 attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+    _spec("phi3", "Phi3Config", "Phi3ForCausalLM", _llama_like(pad_token_id=0)),
+    HFModel("gpt2", "GPT2Config", "GPT2LMHeadModel",
+            dict(n_embd=1024, n_layer=4, n_head=16, n_positions=2048, vocab_size=32000),
+            dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=256)),
+    HFModel("bert", "BertConfig", "BertForMaskedLM",
+            dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=16,
+                 vocab_size=32000, max_position_embeddings=512),
+            dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 vocab_size=256, max_position_embeddings=256), causal=False),
+    HFModel("opt", "OPTConfig", "OPTForCausalLM",
+            dict(hidden_size=1024, ffn_dim=4096, num_hidden_layers=4, num_attention_heads=16, vocab_size=32000,
+                 word_embed_proj_dim=1024, max_position_embeddings=2048),
+            dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
+                 word_embed_proj_dim=64, max_position_embeddings=256)),
+]}
+GPU_DEFAULT = ("llama", "gemma2", "gpt2", "bert")
+
+
+def available() -> bool:
+    try:
+        import transformers  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def get(names: Sequence[str] | None) -> list[HFModel]:
+    if not names:
+        return list(MODELS.values())
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        raise ValueError(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    return [MODELS[n] for n in names]
+
+
+def build(spec: HFModel, attn: str, dtype: torch.dtype, device: torch.device | str, tiny: bool, seed: int = 0):
+    """The model in eval mode, random weights from ``seed``, attention implementation ``attn`` (``"default"``:
+    the one transformers picks, ``sdpa`` where the model supports it)."""
+    import transformers
+
+    config = getattr(transformers, spec.config_cls)(**(spec.tiny if tiny else spec.config))
+    torch.manual_seed(seed)
+    extra = {} if attn == "default" else {"attn_implementation": attn}
+    model = getattr(transformers, spec.model_cls)._from_config(config, **extra)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def forward_logits(model, spec: HFModel) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The prefill call: logits of every position, no KV cache."""
+    extra = {"use_cache": False} if spec.causal else {}
+    return lambda ids: model(input_ids=ids, **extra).logits
+
+
+def greedy_generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy decoding of exactly ``new_tokens`` tokens with a static KV cache. ``disable_compile``: on CUDA with a
+    static cache transformers would otherwise compile the forward itself, and eager would not be eager."""
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+                          pad_token_id=0, disable_compile=True)
+
+
+def compile_forward(model, mode: str, report: Any = None) -> None:
+    """Replace ``model.forward`` by its compile under ``mode`` (``eager``: unchanged). ``generate`` calls
+    ``model.forward``, so both the prefill and the decode steps run compiled."""
+    torch._dynamo.reset()
+    if "forward" in model.__dict__:
+        del model.forward   # back to the class's forward
+    if mode == "eager":
+        return
+    if mode == "mirage":
+        from ..backend import MirageBackend
+        model.forward = torch.compile(model.forward, backend=MirageBackend(report=report), dynamic=False)
+    elif mode == "inductor":
+        model.forward = torch.compile(model.forward, dynamic=False)
+    elif mode in ("reduce-overhead", "max-autotune"):
+        model.forward = torch.compile(model.forward, mode=mode, dynamic=False)
+    else:
+        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+
+
+def _timed(fn: Callable[[], Any], timing: dict | None) -> float | None:
+    """Median µs of ``fn()`` launched from Python (CUDA-graph replays included where the mode records them)."""
+    if timing is None:
+        return None
+    return plain_timing(lambda: fn(), [], target_ms=timing["target_ms"], repeats=timing["repeats"])["us"]
+
+
+def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype, device: torch.device,
+             tiny: bool, batch: int, tokens: int, new_tokens: int, timing: dict | None,
+             log: Callable[[str], None] = print) -> dict:
+    """One model with one attention implementation through every mode. Returns its JSON record."""
+    from ..report import Report
+
+    record: dict = {"model": spec.name, "attn": attn, "dtype": str(dtype).replace("torch.", ""),
+                    "batch": batch, "tokens": tokens, "new_tokens": new_tokens if spec.causal else 0, "modes": {}}
+    try:
+        model = build(spec, attn, dtype, device, tiny)
+    except ValueError as e:   # e.g. gemma2 has no sdpa path in transformers 5.x
+        record["skipped"] = _short(e, 200)
+        log(f"  {spec.name:8s} {attn:5s} skipped: {record['skipped']}")
+        return record
+    record["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (batch, tokens), generator=gen).to(device)
+    prompt = ids[:, : max(4, tokens // 4)]
+    with torch.no_grad():
+        ref32 = forward_logits(copy.deepcopy(model).float(), spec)(ids).float()
+        eager_logits = forward_logits(model, spec)(ids).float()
+        eager_tokens = greedy_generate(model, prompt, new_tokens) if spec.causal else None
+    for mode in modes:
+        report = Report() if mode == "mirage" else None
+        res: dict = {"status": "ok"}
+        try:
+            compile_forward(model, mode, report)
+            fwd = forward_logits(model, spec)
+            with torch.no_grad():
+                start = time.perf_counter()
+                logits = fwd(ids).float().clone()
+                logits = fwd(ids).float().clone()   # a replay where the mode records a CUDA graph
+                res["compile_s"] = round(time.perf_counter() - start, 2)
+                res["rel_err_vs_eager"] = rel_error(logits, eager_logits)
+                res["max_err_vs_fp32"] = float((logits - ref32).abs().max())
+                res["prefill_us"] = _timed(lambda: fwd(ids), timing)
+                if spec.causal:
+                    toks = greedy_generate(model, prompt, new_tokens)
+                    res["tokens_match"] = _tokens_match(toks, eager_tokens)
+                    us = _timed(lambda: greedy_generate(model, prompt, new_tokens), timing)
+                    res["us_per_token"] = us / new_tokens if us is not None else None
+            if not math.isfinite(res["rel_err_vs_eager"]) or res["rel_err_vs_eager"] > TOLERANCE[dtype]:
+                res["status"] = "mismatch"
+            if report is not None:
+                res["mirage"] = dict(mirage_summary({"report": report}) or {}, cuda_graphs=[
+                    {"graph": g.index, "kind": g.kind, "captured": bool(g.cuda_graph), "reason": g.cuda_graph_reason}
+                    for g in report.graphs])
+        except Exception as e:   # one mode failing does not stop the others
+            res = {"status": "error", "error": _short(e)}
+        finally:
+            compile_forward(model, "eager")
+            _free()
+        record["modes"][mode] = res
+        log(_line(spec, attn, mode, res))
+    record.update(_derived(record["modes"]))
+    del model
+    _free()
+    return record
+
+
+def _tokens_match(tokens: torch.Tensor, ref: torch.Tensor) -> float:
+    """The fraction of generated positions equal to eager's, up to each row's first difference (after a different
+    token the rest is a different continuation, not a further error)."""
+    same = (tokens == ref).int().cumprod(dim=1)
+    return float(same.float().mean())
+
+
+def _derived(modes: dict) -> dict:
+    """Speedups of mirage over reduce-overhead and over the best Inductor mode, per forward and per token."""
+    def best(key: str) -> float | None:
+        times = [m.get(key) for name, m in modes.items() if name in ("inductor", "reduce-overhead", "max-autotune")
+                 and m.get("status") == "ok" and m.get(key)]
+        return min(times) if times else None
+
+    out = {}
+    mirage = modes.get("mirage", {})
+    for key in ("prefill_us", "us_per_token"):
+        ours = mirage.get(key) if mirage.get("status") == "ok" else None
+        ro = modes.get("reduce-overhead", {})
+        ro_t = ro.get(key) if ro.get("status") == "ok" else None
+        b = best(key)
+        out[f"{key}_best_inductor"] = b
+        out[f"{key}_speedup_vs_reduce_overhead"] = ro_t / ours if ours and ro_t else None
+        out[f"{key}_speedup_vs_best_inductor"] = b / ours if ours and b else None
+    return out
+
+
+def _line(spec: HFModel, attn: str, mode: str, res: dict) -> str:
+    if res["status"] == "error":
+        return f"  {spec.name:8s} {attn:5s} {mode:16s} error: {res['error'][:200]}"
+    parts = [f"{res['status']:8s}", f"rel err {res['rel_err_vs_eager']:.1e}", f"vs fp32 {res['max_err_vs_fp32']:.2e}"]
+    if res.get("prefill_us") is not None:
+        parts.append(f"prefill {res['prefill_us']:.0f} µs")
+    if res.get("us_per_token") is not None:
+        parts.append(f"{res['us_per_token']:.0f} µs/token")
+    if "tokens_match" in res:
+        parts.append(f"tokens {res['tokens_match']:.0%}")
+    graphs = res.get("mirage", {}).get("cuda_graphs", [])
+    if graphs:
+        parts.append("CUDA graph " + ", ".join("yes" if g["captured"] else f"no ({g['reason']})" for g in graphs))
+    return f"  {spec.name:8s} {attn:5s} {mode:16s} " + "  ".join(parts)
+
+
+def markdown(doc: dict) -> str:
+    env = doc["env"]
+    lines = [f"# torch-mirage on Hugging Face models — {env['device']}", "",
+             f"torch {env['torch']}, transformers {env.get('transformers')}, {doc['settings']['dtype']}, "
+             f"batch {doc['settings']['batch']} × {doc['settings']['tokens']} tokens prefill, "
+             f"{doc['settings']['new_tokens']} greedy tokens with a static cache.", ""]
+    if not doc["timing"]:
+        lines += ["Correctness only: no timing claims.", ""]
+    if doc.get("not_run"):
+        lines += [f"Not run (time budget): {', '.join(doc['not_run'])}.", ""]
+    modes = doc["settings"]["modes"]
+    head = ["model", "attn"] + [f"{m} prefill µs" for m in modes] + [f"{m} µs/tok" for m in modes] + [
+        "mirage ÷ RO prefill", "mirage ÷ best prefill", "mirage ÷ RO token", "max err vs fp32 (mirage / inductor)",
+        "mirage CUDA graph"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in doc["models"]:
+        if r.get("skipped"):
+            lines.append("| " + " | ".join([r["model"], r["attn"], f"skipped: {r['skipped']}"]
+                                           + [""] * (len(head) - 3)) + " |")
+            continue
+        ms = r["modes"]
+
+        def cell(mode: str, key: str) -> str:
+            m = ms.get(mode, {})
+            if m.get("status") == "error":
+                return "error"
+            v = m.get(key)
+            mark = "" if m.get("status") == "ok" else " ✗"
+            return (f"{v:.0f}" if v is not None else "–") + mark
+
+        def ratio(key: str) -> str:
+            v = r.get(key)
+            return f"{1 / v:.2f}× time ({v:.2f}× speed)" if v else "–"
+
+        mir = ms.get("mirage", {})
+        ind = ms.get("inductor", {})
+        errs = f"{mir.get('max_err_vs_fp32', float('nan')):.2e} / {ind.get('max_err_vs_fp32', float('nan')):.2e}"
+        graphs = mir.get("mirage", {}).get("cuda_graphs", [])
+        cg = "; ".join("yes" if g["captured"] else f"no: {g['reason']}" for g in graphs) or "–"
+        lines.append("| " + " | ".join([r["model"], r["attn"]] + [cell(m, "prefill_us") for m in modes]
+                                       + [cell(m, "us_per_token") for m in modes]
+                                       + [ratio("prefill_us_speedup_vs_reduce_overhead"),
+                                          ratio("prefill_us_speedup_vs_best_inductor"),
+                                          ratio("us_per_token_speedup_vs_reduce_overhead"), errs, cg]) + " |")
+    speed = [r["prefill_us_speedup_vs_reduce_overhead"] for r in doc["models"]
+             if r.get("prefill_us_speedup_vs_reduce_overhead")]
+    if speed:
+        geo = math.exp(sum(math.log(s) for s in speed) / len(speed))
+        lines += ["", f"Geomean prefill speedup of mirage over reduce-overhead: {geo:.2f}× over {len(speed)} cases."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict, path: str) -> str | None:
+    rows = [r for r in doc["models"] if r.get("prefill_us_speedup_vs_reduce_overhead")]
+    if not doc["timing"] or not rows:
+        return "no plot: no case has both a mirage and a reduce-overhead time"
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    labels = [f"{r['model']} {r['attn']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, max(3, 0.35 * len(rows) + 1.5)))
+    y = list(range(len(rows)))
+    pre = [r["prefill_us_speedup_vs_reduce_overhead"] for r in rows]
+    tok = [r.get("us_per_token_speedup_vs_reduce_overhead") or 0 for r in rows]
+    ax.barh([i - 0.2 for i in y], pre, height=0.4, label="prefill", color="tab:blue")
+    ax.barh([i + 0.2 for i in y], tok, height=0.4, label="per generated token", color="tab:orange")
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup of mirage over Inductor reduce-overhead (×)")
+    ax.legend()
+    fig.suptitle(f"torch-mirage on HF models, {doc['env']['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequence[str] | None = None,
+        attns: Sequence[str] = ATTN, tiny: bool | None = None, batch: int | None = None, tokens: int | None = None,
+        new_tokens: int | None = None, repeats: int = 5, budget_s: float | None = None) -> dict:
+    """The whole bench; writes ``out/stem.{json,md,png}`` and returns the document."""
+    from .report import environment, write_json
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    tiny = (not cuda) if tiny is None else tiny
+    modes = list(modes or (MODES if cuda else ("eager", "inductor", "mirage")))   # CPU: correctness only
+    dtype = torch.float32 if tiny else torch.bfloat16
+    batch, tokens = batch or (2 if tiny else 4), tokens or (16 if tiny else 256)
+    new_tokens = new_tokens or (4 if tiny else 32)
+    timing = {"repeats": repeats, "target_ms": 50.0} if cuda and not tiny else None
+    specs = get(names or (list(GPU_DEFAULT) if cuda else ["llama"]))
+    doc = {"schema": SCHEMA, "timing": timing is not None,
+           "env": environment(torch.cuda.get_device_name() if cuda else "cpu"),
+           "settings": {"models": [s.name for s in specs], "modes": list(modes), "attn": list(attns),
+                        "dtype": str(dtype).replace("torch.", ""), "batch": batch, "tokens": tokens,
+                        "new_tokens": new_tokens, "tiny": tiny, "repeats": repeats},
+           "models": []}
+    start = time.monotonic()
+    for spec in specs:
+        for attn in attns:
+            if budget_s is not None and time.monotonic() - start > budget_s:
+                doc.setdefault("not_run", []).append(f"{spec.name} attn={attn}")
+                print(f"{spec.name} attn={attn}: not run (--budget-s {budget_s:.0f} spent)", flush=True)
+                continue
+            print(f"{spec.name} attn={attn}", flush=True)
+            doc["models"].append(run_case(spec, attn, modes, dtype, device, tiny, batch, tokens, new_tokens, timing))
+            write_json(doc, os.path.join(out, f"{stem}.json"))   # partial results survive a time limit
+    write_json(doc, os.path.join(out, f"{stem}.json"))
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(markdown(doc))
+    why = plot(doc, os.path.join(out, f"{stem}.png"))
+    if why:
+        print(why)
+    print(f"wrote {os.path.join(out, stem)}.{{json,md}}")
+    return doc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m torch_mirage.bench.models", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=None, help=f"comma-separated (known: {','.join(MODELS)}; "
+                                                  f"GPU default: {','.join(GPU_DEFAULT)})")
+    p.add_argument("--modes", default=None, help=f"comma-separated (default: {','.join(MODES)}; "
+                                                 "on a CPU eager,inductor,mirage)")
+    p.add_argument("--attn", default=",".join(ATTN), help="attention implementations (default: default,eager; "
+                                                          "'default' is what transformers picks)")
+    p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, fp32: correctness only")
+    p.add_argument("--batch", type=int), p.add_argument("--tokens", type=int), p.add_argument("--new-tokens", type=int)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--budget-s", type=float, default=None, help="start no new case after this many seconds")
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench-results")
+    p.add_argument("--name", default="models")
+    args = p.parse_args(argv)
+    if not available():
+        print(MISSING)
+        return 2
+    split = lambda s: [x for x in s.split(",") if x] if s else None
+    run(split(args.models), args.out, args.name, split(args.modes), split(args.attn), args.tiny or None,
+        args.batch, args.tokens, args.new_tokens, args.repeats, args.budget_s)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
