@@ -58,7 +58,7 @@ def test_admits_is_called_and_prunes():
         calls.append(e)
         return e != "reject"
 
-    def expr_of(op, args, ctx):       # a stand-in expression: the op name
+    def expr_of(op, args, ctx, in_shapes):       # a stand-in expression: the op name
         return ("reject" if op.name in ("silu", "exp", "sqrt") else op.name,)
 
     st = GenStats()

@@ -178,11 +178,12 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         s = inputs[i][0]
         return [None] + [d for d in range(len(s)) if s[d] % probe_range == 0 and s[d] > 1]
 
-    def push(kind, ins, attrs, op_objs_final):
-        """Append value of ``op_objs_final`` (the last block op emitted for this skeleton op)."""
-        op = op_objs_final
+    def push(kind, ins, attrs, op):
+        """Append the value of block op ``op`` (for matmul_t: its matmul) unless it is a duplicate
+        value or ``admits`` rejects its expression."""
         if expr_of is not None:
-            e = key = expr_of(op, [st.exprs[i] for i in ins], ctx)[0]   # transpose: identity
+            e = key = expr_of(op, [st.exprs[i] for i in ins], ctx,      # transpose: identity
+                              in_shapes=[st.shapes[i] for i in ins])[0]
         else:
             e, key = None, (kind, ins, attrs)
         stats.generated += 1
@@ -310,7 +311,9 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                 op = make_op("iterator", [], [], [], dict(index=i, shape=s, dtype=d, imap=(None,), fmap=f), ctx=ctx)
             except MuGraphError:
                 continue
-            e = expr_of(op, [], ctx)[0] if expr_of is not None else None
+            e = None
+            if expr_of is not None:     # an iterator's expression is its kernel input's, var(i)
+                e = expr_of(make_op("input", [], [], [], dict(index=i, shape=s, dtype=d)), [], ctx, in_shapes=[])[0]
             st.shapes.append(op.shapes[0]); st.dtypes.append(d); st.flags.append(0)
             st.exprs.append(e); st.uses.append(0)
             st.keys.add(e if expr_of is not None else ("iterator", i))
