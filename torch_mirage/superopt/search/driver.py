@@ -27,7 +27,7 @@ from ..ugraph import KernelGraph
 from ..validate import nbytes
 from ..verify import verify
 from . import expr as E
-from .generate import GenStats, Skeleton, enumerate_skeletons
+from .generate import KIND_ORDER, GenStats, Skeleton, enumerate_skeletons
 from .schedule import schedules
 
 log = logging.getLogger("torch_mirage")
@@ -96,7 +96,7 @@ def _eps_values(target: KernelGraph | None) -> tuple[float, ...]:
     return tuple(sorted(found)) or (0.0,)
 
 
-def _make_oracle(targets, prune: bool):
+def _make_oracle(targets, prune: bool, oracle_kwargs: dict):
     if not prune:
         return (lambda e: True), None
     try:
@@ -104,8 +104,17 @@ def _make_oracle(targets, prune: bool):
     except ImportError:
         log.warning("μGraph search: search/oracle.py is missing; searching without abstract-expression pruning")
         return (lambda e: True), None
-    o = SubexprOracle(targets)
+    o = SubexprOracle(targets, **oracle_kwargs)
     return o.admits, o
+
+
+def op_kinds(targets) -> tuple[str, ...]:
+    """The body-op kinds to enumerate. ``concat`` only when a target adds two reductions (the concat
+    identity Σa·b + Σc·d = Σ(a‖c)·(b‖d), LoRA's form): concats of admitted parts are always admitted,
+    so they would otherwise multiply the search space for nothing."""
+    two_sums = any(t.op == "add" and sum(a.op == "sum" for a in t.args) >= 2
+                   for e in targets for t in e.subterms())
+    return tuple(k for k in KIND_ORDER if k != "concat" or two_sums)
 
 
 def _cost(g: KernelGraph) -> tuple:
@@ -138,7 +147,8 @@ def _seed_graphs(inputs, out_shapes) -> list[KernelGraph]:
 def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | None = None, seeds: bool = False,
            *, reference: Callable | KernelGraph | None = None, out_shapes: Sequence | None = None,
            out_dtypes: Sequence | None = None, max_ops: int = 8, tile: int = 64, prune: bool = True,
-           extra_candidates: Sequence[KernelGraph] = (), verify_kwargs: dict | None = None) -> SearchResult:
+           extra_candidates: Sequence[KernelGraph] = (), verify_kwargs: dict | None = None,
+           oracle_kwargs: dict | None = None) -> SearchResult:
     """Search for a verified one-kernel μGraph equal to ``target``.
 
     ``target``: a reference :class:`KernelGraph` (pre-defined ops; its outputs give the target
@@ -149,6 +159,8 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     the hand-built library's μGraphs first (verified like any candidate). ``prune``: abstract-
     expression pruning (off: every op is kept; the candidate set is the same, only slower).
     ``extra_candidates``: μGraphs verified before the search (tests plant wrong ones here).
+    ``oracle_kwargs``: passed to :class:`~.oracle.SubexprOracle` (e.g. ``use_z3=False``: the
+    structural front decides alone).
     """
     from ...config import load
     t0 = time.monotonic()
@@ -204,7 +216,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         src = "seed" if not any(g is x for x in extra_candidates) else "given"
         check(g, None, src)
 
-    admits, oracle = _make_oracle(targets, prune)
+    admits, oracle = _make_oracle(targets, prune, dict(oracle_kwargs or {}))
     if oracle is not None:
         is_target = lambda es: [oracle.equivalent(e) for e in es] == list(range(len(targets)))  # noqa: E731
     else:
@@ -217,7 +229,8 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         gs = GenStats()
         for skel, _ in enumerate_skeletons(inputs, out_shapes, max_ops=depth, exact_ops=True,
                                            probe_range=probe_range(inputs), eps_values=eps, admits=admits,
-                                           is_target=is_target, stats=gs, deadline=deadline):
+                                           is_target=is_target, stats=gs, deadline=deadline,
+                                           kinds=op_kinds(targets)):
             for _, graph in schedules(skel, inputs, out_shapes, tile=tile, out_dtypes=out_dtypes):
                 stats.schedules += 1
                 if check(graph, skel, "search"):

@@ -50,11 +50,12 @@ class SkelOp:
 
 def _rank(kind: str, inputs: tuple, attrs: tuple) -> tuple:
     """Mirage's canonical rank: operand indices (a proper prefix is smaller), then the op kind."""
-    return (inputs, _KIND_ORDER.index(kind), tuple((k, -1 if v is None else v) for k, v in attrs))
+    return (inputs, _KIND_INDEX[kind], tuple((k, -1 if v is None else v) for k, v in attrs))
 
 
-_KIND_ORDER = ("silu", "exp", "sqrt", "rms_norm", "add", "mul", "div", "matmul", "matmul_t", "concat",
+KIND_ORDER = ("silu", "exp", "sqrt", "rms_norm", "add", "mul", "div", "matmul", "matmul_t", "concat",
                "acc_sum", "acc_rms")
+_KIND_INDEX = {k: i for i, k in enumerate(KIND_ORDER)}
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                         admits: Callable = lambda e: True, is_target: Callable | None = None,
                         expr_of: Callable | None | str = "auto", stats: GenStats | None = None,
                         deadline: float | None = None, fmap_choices: Sequence | None = None,
-                        kinds: Sequence[str] = _KIND_ORDER) -> Iterator[tuple[Skeleton, tuple]]:
+                        kinds: Sequence[str] = KIND_ORDER) -> Iterator[tuple[Skeleton, tuple]]:
     """Yield ``(skeleton, output expressions)`` for every complete block graph of at most ``max_ops``
     body ops (exactly, with ``exact_ops``) over kernel inputs ``inputs`` ((shape, dtype) each) whose
     saved tensors have shapes ``out_shapes`` and, when ``is_target`` is given, whose output
@@ -171,6 +172,8 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
     ctx = Ctx((1,), probe_range)
     st = _State()
     kinds = set(kinds)
+    op_memo: dict = {}        # (kind, attrs, operand shapes, dtypes) -> block op (None: shapes do not fit)
+    expr_memo: dict = {}      # (kind, attrs, operand exprs, shapes) -> expression
 
     def fmaps_of(i):
         if fmap_choices is not None:
@@ -182,8 +185,11 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         """Append the value of block op ``op`` (for matmul_t: its matmul) unless it is a duplicate
         value or ``admits`` rejects its expression."""
         if expr_of is not None:
-            e = key = expr_of(op, [st.exprs[i] for i in ins], ctx,      # transpose: identity
-                              in_shapes=[st.shapes[i] for i in ins])[0]
+            args, shapes = tuple(st.exprs[i] for i in ins), tuple(st.shapes[i] for i in ins)
+            mk = (kind, attrs, args, shapes)
+            e = key = expr_memo.get(mk)
+            if e is None:       # transpose (of matmul_t) is the identity
+                e = key = expr_memo[mk] = expr_of(op, list(args), ctx, in_shapes=list(shapes))[0]
         else:
             e, key = None, (kind, ins, attrs)
         stats.generated += 1
@@ -213,11 +219,17 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         """The block op for a skeleton op on values ``ins`` (None if shapes do not fit)."""
         sh = [st.shapes[i] for i in ins]
         dt = [st.dtypes[i] for i in ins]
+        mk = (kind, attrs, tuple(sh), tuple(dt))
+        if mk not in op_memo:
+            op_memo[mk] = _make(kind, attrs, sh, dt)
+        return op_memo[mk]
+
+    def _make(kind, attrs, sh, dt):
         try:
             if kind == "matmul_t":
                 t = make_op("transpose", [Ref(0)], [sh[1]], [dt[1]], ctx=ctx)
                 return make_op("matmul", [Ref(0), Ref(1)], [sh[0], t.shapes[0]], [dt[0], t.dtypes[0]], ctx=ctx)
-            return make_op(kind, [Ref(k) for k in range(len(ins))], sh, dt, dict(attrs), ctx=ctx)
+            return make_op(kind, [Ref(k) for k in range(len(sh))], sh, dt, dict(attrs), ctx=ctx)
         except MuGraphError:
             return None
 
