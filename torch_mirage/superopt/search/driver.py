@@ -148,7 +148,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
            *, reference: Callable | KernelGraph | None = None, out_shapes: Sequence | None = None,
            out_dtypes: Sequence | None = None, max_ops: int = 8, tile: int = 64, prune: bool = True,
            extra_candidates: Sequence[KernelGraph] = (), verify_kwargs: dict | None = None,
-           oracle_kwargs: dict | None = None) -> SearchResult:
+           oracle_kwargs: dict | None = None, probe: bool = True) -> SearchResult:
     """Search for a verified one-kernel μGraph equal to ``target``.
 
     ``target``: a reference :class:`KernelGraph` (pre-defined ops; its outputs give the target
@@ -160,7 +160,8 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     expression pruning (off: every op is kept; the candidate set is the same, only slower).
     ``extra_candidates``: μGraphs verified before the search (tests plant wrong ones here).
     ``oracle_kwargs``: passed to :class:`~.oracle.SubexprOracle` (e.g. ``use_z3=False``: the
-    structural front decides alone).
+    structural front decides alone). ``probe``: run each schedule once in fp64 against the reference
+    before the (slower) verifier, to drop wrong imaps cheaply.
     """
     from ...config import load
     t0 = time.monotonic()
@@ -194,13 +195,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     verified: list[tuple[tuple, KernelGraph, Skeleton | None, str, str]] = []
 
     def check(graph: KernelGraph, skel, source) -> bool:
-        try:
-            got = execute(graph, probe_in)
-        except Exception as e:  # noqa: BLE001 - a candidate that cannot run is rejected
-            log.debug("μGraph search: candidate does not run: %s", e)
-            stats.rejected_by_probe += 1
-            return False
-        if not _close(got, ref_out):
+        if probe and not probe_ok(graph):
             stats.rejected_by_probe += 1
             return False
         verdict = verify(graph, reference, examples, **vkw)
@@ -211,6 +206,14 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         stats.verified += 1
         verified.append((_cost(graph), graph, skel, source, verdict.reason))
         return True
+
+    def probe_ok(graph: KernelGraph) -> bool:
+        try:
+            got = execute(graph, probe_in)
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot run is rejected
+            log.debug("μGraph search: candidate does not run: %s", e)
+            return False
+        return _close(got, ref_out)
 
     for g in list(extra_candidates) + (_seed_graphs(inputs, out_shapes) if seeds else []):
         src = "seed" if not any(g is x for x in extra_candidates) else "given"
