@@ -18,6 +18,10 @@ Normal form (the constructors produce it; Mirage's A_eq read as rewrite rules):
 * Division is one ``div(numerator, denominator)`` per product:
   ``x/z·y = (x·y)/z``, ``x/(y/z) = (x·z)/y``, ``(x/y)/z = x/(y·z)``;
   constant denominators become constant factors; ``x/z + y/z = (x+y)/z``.
+* ``max`` (non-LAX) is an uninterpreted ``reduce_max`` symbol whose nested
+  sizes merge; ``acc_online_softmax(s, v)`` ends as ``(m, l, o)`` with
+  ``m = max_n(s)``, ``l = sum(n, exp(s - m))``, ``o = sum(n, exp(s - m)·v)``, so
+  FlashAttention's ``o / l`` equals a plain ``softmax(s) @ v``.
 * ``sub(x, y) = x + (-1)·y``; ``rsqrt(x) = 1/sqrt(x)``; ``square(x) = x·x``;
   ``mean_n(x) = (1/n)·sum(n, x)``; ``rms_n(x) = sqrt((1/n)·sum(n, x·x) + eps)``
   and ``rms_norm(x) = x / rms_n(x)``, so both the accumulator ``acc_rms`` and a
@@ -126,11 +130,17 @@ def _mk(op: str, args: tuple = (), attr=None) -> Expr:
 
 # ------------------------------------------------------------------ constructors
 def _num(c) -> Fraction:
-    """Constants as exact fractions; a float that is a short fraction (1/3 from
-    ``1 / n``) becomes that fraction, so 1/n written two ways folds alike."""
+    """Constants as exact fractions; a float within fp32 rounding of a short
+    fraction (1/3 from ``1 / n``, eps = 1e-6 read back from fp32) becomes that
+    fraction, so a constant written two ways folds alike."""
+    if isinstance(c, float):            # fp32's 7 significant digits: 1e-6 and its fp32 rounding fold alike
+        c = float(f"{c:.7g}")
     f = Fraction(c)
-    g = f.limit_denominator(1 << 20)
-    return g if abs(g - f) <= abs(f) * 1e-12 else f
+    for limit in (1 << 12, 1 << 24):     # the shortest fraction within fp32 rounding
+        g = f.limit_denominator(limit)
+        if abs(g - f) <= abs(f) * 1e-6:
+            return g
+    return f
 
 
 def var(i: int) -> Expr:
@@ -265,8 +275,10 @@ def sym(name: str, args: Sequence[Expr], attr=None) -> Expr:
 
 
 def concat(dim_from_end: int, parts: Sequence[Expr], sizes: Sequence[int]) -> Expr:
-    """Concatenation along ``dim_from_end`` (negative) of parts of the given extents."""
-    if len(parts) == 1:
+    """Concatenation along ``dim_from_end`` (negative) of parts of the given extents; copies of one
+    tensor (a broadcast made explicit, e.g. GQA's repeated K/V heads) are that tensor, as
+    partitioning is abstracted away."""
+    if all(p is parts[0] for p in parts):      # copies of one tensor (a materialised broadcast): abstractly it
         return parts[0]
     return _mk("concat", tuple(parts), ("concat", int(dim_from_end), tuple(int(s) for s in sizes)))
 
@@ -276,6 +288,16 @@ def matmul(a: Expr, b: Expr, k: int) -> Expr:
     if a.op == "concat" and b.op == "concat" and a.attr[1] == -1 and b.attr[1] == -2 and a.attr[2] == b.attr[2]:
         return add(*(matmul(x, y, s) for x, y, s in zip(a.args, b.args, a.attr[2])))
     return sum_(k, mul(a, b))
+
+
+def max_(n: int, x: Expr) -> Expr:
+    """A max over ``n`` terms (non-LAX: an uninterpreted symbol); max of maxes merges like sums."""
+    n = int(n)
+    if n == 1:
+        return x
+    if x.op == "sym" and x.attr[0] == "reduce_max":
+        return max_(n * x.attr[1], x.args[0])
+    return sym("reduce_max", (x,), n)
 
 
 def sqrt(x: Expr) -> Expr:
@@ -353,9 +375,9 @@ def expr_of_op(op: Op, args: Sequence[Expr], ctx: Ctx = Ctx(), *, in_shapes: Seq
         return tuple(block_exprs(op.body, args))
     if name == "thread":
         return tuple(_walk(op.body, args)[r] for r in op.body.outputs)
-    if name == "acc_online_softmax" or (name not in _SIZED):
+    if name not in _SIZED:
         outs = max(1, len(op.shapes))
-        return tuple(sym(name, args, (i, _attr_key(at))) for i in range(outs))
+        return tuple(sym(name, args, ("out", i, _attr_key(at))) for i in range(outs))
     shapes = _need_shapes(op, in_shapes)
     s0 = shapes[0]
     if name == "matmul":
@@ -375,11 +397,23 @@ def expr_of_op(op: Op, args: Sequence[Expr], ctx: Ctx = Ctx(), *, in_shapes: Seq
         return (mean(n, x),)
     if name == "acc_rms":
         return (rms(n, x, at.get("eps") or 0.0),)
-    return (sym(name, args, n),)                 # reduce_max, acc_max: non-LAX
+    if name == "acc_online_softmax":            # what the rescaled running values end as
+        n = ctx.forloop_range * s0[-1]
+        m = max_(n, x)
+        e = fn("exp", sub(x, m))
+        return (m, sum_(n, e), matmul(e, args[1], n))
+    return (max_(n, x),)                         # reduce_max, acc_max: non-LAX
 
 
 _SIZED = {"matmul", "concat", "rms_norm", "reduce_sum", "reduce_mean", "reduce_max",
-          "acc_sum", "acc_mean", "acc_rms", "acc_max"}
+          "acc_sum", "acc_mean", "acc_rms", "acc_max", "acc_online_softmax"}
+
+
+def sibling_key(e: Expr):
+    """For output ``i`` of a multi-output uninterpreted op: what its sibling outputs share, else None."""
+    if e.op == "sym" and isinstance(e.attr[1], tuple) and len(e.attr[1]) == 3 and e.attr[1][0] == "out":
+        return (e.attr[0], e.args, e.attr[1][2])
+    return None
 
 
 def _attr_key(at) -> tuple:

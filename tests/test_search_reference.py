@@ -1,0 +1,183 @@
+"""search/reference.py: captured regions (several ways a user writes RMSNorm+Linear,
+gated MLP and LoRA, nn.Linear's transposed weight included) lower to plain
+μGraphs that match eager, and their target expressions equal the library μGraph's."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import assert_close
+from torch_mirage.superopt import library as L
+from torch_mirage.superopt.executor import execute
+from torch_mirage.superopt.search.expr import graph_exprs
+from torch_mirage.superopt.search.reference import Decline, Reference, reference_of
+from torch_mirage.superopt.verify import lower_callable
+
+M, K, N, R, EPS = 6, 12, 8, 2, 1e-6
+
+
+def rms_a(x, g, w):                    # x * rsqrt(mean(x²) + eps) * g @ w   (w: (k, n))
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * g) @ w
+
+
+def rms_b(x, g, wt):                   # F.rms_norm then F.linear (w: (n, k), transposed)
+    return F.linear(F.rms_norm(x, (x.shape[-1],), g, EPS), wt)
+
+
+def rms_c(x, g, wt):                   # x / sqrt(sum(x·x)/k + eps), weight applied first, nn.Linear layout
+    return ((g * x) / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + EPS)) @ wt.t()
+
+
+def rms_d(x, g, w):                    # HF style: fp32 upcast, cast back, weight after
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    return (g * h.to(x.dtype)) @ w
+
+
+def mlp_a(x, w1, w3):
+    return F.silu(x @ w1) * (x @ w3)
+
+
+def mlp_b(x, w1t, w3t):                # nn.Linear weights
+    return F.linear(x, w3t) * F.silu(F.linear(x, w1t))
+
+
+def mlp_c(x, w1, w3):                  # silu written out: a · sigmoid(a) is not a kernel op -> via silu of 3D x
+    return (F.silu(torch.matmul(x.unsqueeze(0), w1)) * torch.matmul(x.unsqueeze(0), w3)).squeeze(0)
+
+
+def lora_a(x, w, a, b):
+    return x @ w + (x @ a) @ b
+
+
+def lora_b(x, wt, at, bt):             # three nn.Linear layouts, the adapter added first
+    return F.linear(F.linear(x, at), bt) + F.linear(x, wt)
+
+
+def lora_c(x, w, a, b):                # scaled adapter folded into b beforehand by the user: x@w + x@a@b
+    return torch.addmm(x @ w, x @ a, b)
+
+
+def _inputs(kind, transposed, dtype=torch.float32):
+    shapes = {"rms": [(M, K), (K,), (K, N)], "mlp": [(M, K), (K, N), (K, N)],
+              "lora": [(M, K), (K, N), (K, R), (R, N)]}[kind]
+    xs = [torch.randn(s, dtype=dtype) / (s[0] ** 0.5 if len(s) == 2 and s != shapes[0] else 1) for s in shapes]
+    if transposed:                       # weights in nn.Linear's (out, in) layout
+        xs = [xs[0]] + [x.t().contiguous() if x.dim() == 2 else x for x in xs[1:]]
+    return xs
+
+
+FORMS = [("rms", rms_a, False), ("rms", rms_b, True), ("rms", rms_c, True), ("rms", rms_d, False),
+         ("mlp", mlp_a, False), ("mlp", mlp_b, True), ("mlp", mlp_c, False),
+         ("lora", lora_a, False), ("lora", lora_b, True), ("lora", lora_c, False)]
+
+LIB = {"rms": lambda: L.rmsnorm_linear(M, K, N, eps=EPS, grid=2, forloop_range=3),
+       "mlp": lambda: L.gated_mlp(M, K, N, grid=2, forloop_range=3),
+       "lora": lambda: L.lora(M, K, N, R, grid=2, forloop_range=3)}
+
+
+def _reference(fn, xs):
+    graph = lower_callable(fn, xs)
+    return reference_of(graph.nodes, graph), graph
+
+
+@pytest.mark.parametrize("kind, fn, transposed", FORMS, ids=[f.__name__ for _, f, _ in FORMS])
+def test_reference_matches_eager_and_the_library(kind, fn, transposed):
+    xs = _inputs(kind, transposed)
+    ref, graph = _reference(fn, xs)
+    assert isinstance(ref, Reference), str(ref)
+    assert all(op.name not in ("customized",) for op in ref.graph.ops)
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    ins = [xs[pos[id(v)]] for v in ref.inputs]
+    (out,) = execute(ref.graph, ins)
+    assert_close(out, fn(*xs))
+    # the target expression is the library μGraph's (same math, any of the user's forms)
+    assert ref.exprs == graph_exprs(LIB[kind]()), (fn.__name__, [str(e) for e in ref.exprs])
+
+
+def test_upcast_is_recorded_and_fp16_runs():
+    xs = _inputs("rms", False, torch.float16)
+    ref, graph = _reference(rms_d, xs)
+    assert isinstance(ref, Reference) and ref.upcast and ref.dtype == "float16" and ref.casts
+    (out,) = execute(ref.graph, [x.float() for x in xs])
+    assert_close(out, rms_d(*[x.float() for x in xs]))
+
+
+def test_declines_name_the_op():
+    xs = [torch.randn(M, K), torch.randn(K, N)]
+    ref, _ = _reference(lambda x, w: torch.tanh(x) @ w, xs)
+    assert isinstance(ref, Decline) and "tanh" in str(ref)
+    ref, _ = _reference(lambda x, w: x.pow(3) @ w, xs)
+    assert isinstance(ref, Decline) and "pow" in ref.reason and "3" in ref.reason
+    ref, _ = _reference(lambda x: x.permute(1, 0, 2).exp(), [torch.randn(2, 3, 4)])
+    assert isinstance(ref, Decline) and "permute" in ref.reason
+
+
+def att_a(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+def att_b(q, k, v):                    # scale folded into q, F.softmax
+    return F.softmax((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1), dim=-1) @ v
+
+
+def att_c(q, k, v):                    # softmax written out
+    s = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    return (p / p.sum(-1, keepdim=True)) @ v
+
+
+@pytest.mark.parametrize("fn", [att_a, att_b, att_c])
+def test_attention_forms_give_flashattention(fn):
+    b, h, sq, kv, d = 1, 2, 4, 8, 4
+    xs = [torch.randn(b, h, sq, d), torch.randn(b, h, kv, d), torch.randn(b, h, kv, d)]
+    ref, graph = _reference(fn, xs)
+    assert isinstance(ref, Reference), str(ref)
+    (out,) = execute(ref.graph, xs)
+    assert_close(out, fn(*xs))
+    assert ref.exprs == graph_exprs(L.gqa_flashattention(b, h, sq, kv, d, forloop_range=2))
+
+
+def test_qknorm_attention_and_ntrans_refs_give_the_library_expressions():
+    b, h, sq, kv, d = 1, 2, 4, 8, 4
+    xs = [torch.randn(b, h, sq, d), torch.randn(b, h, kv, d), torch.randn(b, h, kv, d), torch.randn(d),
+          torch.randn(d)]
+    ref, _ = _reference(lambda q, k, v, gq, gk: L.qknorm_attention_ref(q, k, v, gq, gk, eps=EPS), xs)
+    assert isinstance(ref, Reference), str(ref)
+    assert ref.exprs == graph_exprs(L.qknorm_attention(b, h, sq, kv, d, eps=EPS, forloop_range=2))
+    xs = [torch.randn(4, 6) for _ in range(3)]
+    ref, _ = _reference(lambda hh, x, al: L.ntrans_ref(hh, x, al, eps=EPS), xs)
+    assert isinstance(ref, Reference), str(ref)
+    assert ref.exprs == graph_exprs(L.ntrans(4, 6, eps=EPS))
+    (out,) = execute(ref.graph, xs)
+    assert_close(out, L.ntrans_ref(*xs, eps=EPS))
+
+
+def _repeat_kv(x, n):                  # HF's repeat_kv
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+def gqa_a(q, k, v):
+    n = q.shape[1] // k.shape[1]
+    return torch.softmax(q @ _repeat_kv(k, n).transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ _repeat_kv(v, n)
+
+
+def gqa_b(q, k, v):                    # query heads grouped per KV head: no repeat at all
+    b, h, sq, d = q.shape
+    hk = k.shape[1]
+    qg = q.reshape(b, hk, (h // hk) * sq, d)
+    o = torch.softmax(qg @ k.transpose(-1, -2) * d ** -0.5, -1) @ v
+    return o.reshape(b, h, sq, d)
+
+
+@pytest.mark.parametrize("fn", [gqa_a, gqa_b])
+def test_gqa_forms(fn):
+    b, h, hk, sq, kv, d = 1, 4, 2, 4, 8, 4
+    xs = [torch.randn(b, h, sq, d), torch.randn(b, hk, kv, d), torch.randn(b, hk, kv, d)]
+    ref, graph = _reference(fn, xs)
+    assert isinstance(ref, Reference), str(ref)
+    (out,) = execute(ref.graph, xs)
+    assert_close(out, fn(*xs))
+    assert ref.exprs == graph_exprs(L.gqa_flashattention(b, h, sq, kv, d, forloop_range=2))

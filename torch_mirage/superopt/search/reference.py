@@ -1,0 +1,334 @@
+"""The reference program of a captured region (SEARCH.md §6.1): capture IR → plain μGraph.
+
+:func:`reference_of` lowers a region's nodes (functional ATen after Inductor's
+decompositions, as :mod:`torch_mirage.capture` produces it) into a
+:class:`~..ugraph.KernelGraph` of pre-defined kernel ops only (matmul,
+elementwise, reductions, layout) and computes the target expressions of its
+outputs (:mod:`.expr`), which the generator searches for and the oracle prunes
+against. What cannot be lowered gives a :class:`Decline` naming the node, its
+shapes and dtypes and why.
+
+Mapping: mm / bmm / addmm → matmul (+ bias); ``permute`` / ``t`` of the last
+two dims (``nn.Linear``'s weight) → transpose; view / reshape / squeeze /
+unsqueeze → reshape; expand → broadcasting, made explicit by concatenated
+copies only where a reshape needs it (GQA's ``repeat_kv``); clone → nothing; add / sub / mul / div with tensors or scalars → add / sub / mul /
+div / scalar_add / scalar_mul; pow 2 / 0.5 / -0.5 → square / sqrt / rsqrt;
+rsqrt / sqrt / exp / silu / neg; Inductor's decomposed SiLU
+``a / (1 + exp(-a))`` and ``a · sigmoid(a)`` → silu; sum / mean / amax over dims → reduce ops
+(then a reshape when ``keepdim`` is false). Only nodes that an output needs are lowered. dtype casts are not ops: the
+computation is tracked in its float dtype and an fp32 upcast is recorded in
+``Reference.upcast``. In-place ATen forms (``add_``) lower like their
+functional forms.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..builder import KernelBuilder, Tensor, new_kernel_graph
+from ..ugraph import KernelGraph, MuGraphError
+from .expr import Expr, graph_exprs
+
+
+@dataclass
+class Reference:
+    graph: KernelGraph          # pre-defined kernel ops only; input i = inputs[i]
+    inputs: list                # capture.ir.Value, bound to graph inputs in order
+    outputs: list               # capture.ir.Value, in graph output order
+    exprs: list[Expr]           # target expressions of the outputs
+    dtype: str                  # the region's float dtype (its first float input's)
+    upcast: bool = False        # the region computes (part of) itself in fp32
+    casts: list = field(default_factory=list)   # the cast nodes folded away
+
+
+@dataclass
+class Decline:
+    node: object                # the capture.ir.Node that could not be lowered (None: the region itself)
+    reason: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        where = self.node.describe() if self.node is not None and hasattr(self.node, "describe") else "region"
+        return f"{where}: {self.reason}" + (f" ({self.detail})" if self.detail else "")
+
+
+class _Decline(Exception):
+    def __init__(self, node, reason, detail=""):
+        super().__init__(reason)
+        self.decline = Decline(node, reason, detail)
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _is_value(a) -> bool:
+    return hasattr(a, "meta") and hasattr(a, "producer")
+
+
+_INPLACE = re.compile(r"^aten\.(\w+?)_\.(\w+)$")
+_UNARY = {"exp": "exp", "sqrt": "sqrt", "rsqrt": "rsqrt", "silu": "silu", "neg": "neg"}
+
+
+def _op_name(node) -> str:
+    """The capture op name; an opaque in-place ATen form maps to its functional op."""
+    name = node.op.name
+    if name == "opaque":
+        m = _INPLACE.match(node.target_name)
+        if m:
+            return {"add": "add", "sub": "sub", "mul": "mul", "div": "div"}.get(m.group(1), "opaque")
+    return name
+
+
+def region_io(nodes: Sequence, graph) -> tuple[list, list]:
+    """The region's input values (used, not produced inside; in graph order) and
+    output values (produced inside, used outside or returned)."""
+    inside = {id(n) for n in nodes}
+    produced = {id(v) for n in nodes for v in n.outputs}
+    order = {id(v): i for i, v in enumerate(graph.values())}
+    ins: dict[int, object] = {}
+    for n in nodes:
+        for v in n.inputs:
+            if id(v) not in produced and v.is_tensor:
+                ins.setdefault(id(v), v)
+    returned = {id(v) for v in graph.output_values}
+    outs = [v for n in nodes for v in n.outputs
+            if v.is_tensor and (id(v) in returned or any(id(u) not in inside for u in v.users))]
+    return sorted(ins.values(), key=lambda v: order.get(id(v), 0)), outs
+
+
+def reference_of(nodes: Sequence, graph) -> Reference | Decline:
+    """The plain μGraph and target expressions of the region ``nodes`` of ``graph``."""
+    ins, outs = region_io(nodes, graph)
+    if not outs:
+        return Decline(None, "the region has no outputs")
+    floats = [v for v in ins if v.meta.dtype.is_floating_point]
+    if not floats:
+        return Decline(None, "the region has no floating-point input")
+    if any(not v.meta.is_static for v in ins):
+        return Decline(None, "dynamic shapes", ", ".join(str(v.meta) for v in ins))
+    fused = _silu_patterns(nodes)
+    needed = _needed(nodes, outs, fused)
+    g = new_kernel_graph()
+    env: dict[int, Tensor] = {id(v): g.new_input(v.meta.shape, _dt(v.meta.dtype)) for v in ins}
+    ref = Reference(graph=None, inputs=list(ins), outputs=list(outs), exprs=[], dtype=_dt(floats[0].meta.dtype))
+    try:
+        for n in nodes:
+            if id(n) not in needed:
+                continue
+            if id(n) in fused:
+                a = fused[id(n)]
+                env[id(n.outputs[0])] = g.silu(env[id(a)])
+                continue
+            _lower(g, n, env, ref)
+        for v in outs:
+            t = env[id(v)]
+            if tuple(t.shape) != tuple(v.meta.shape):
+                t = _reshape(g, t, v.meta.shape, v.producer)
+            g.mark_output(t)
+        ref.graph = g.build()
+    except _Decline as d:
+        return d.decline
+    except MuGraphError as e:
+        return Decline(None, "the lowered program is not a valid μGraph", str(e))
+    ref.exprs = graph_exprs(ref.graph)
+    return ref
+
+
+def _producer(v, name: str):
+    n = getattr(v, "producer", None)
+    return n if n is not None and _op_name(n) == name else None
+
+
+def _silu_patterns(nodes) -> dict[int, object]:
+    """Nodes that compute ``silu(a)`` in decomposed form -> ``a``:
+    ``div(a, add(exp(neg(a)), 1))`` and ``mul(sigmoid(a), a)``."""
+    out = {}
+    for n in nodes:
+        name = _op_name(n)
+        if name == "div" and len(n.args) == 2 and all(_is_value(x) for x in n.args):
+            a, d = n.args
+            add_n = _producer(d, "add")
+            if add_n is None or len(add_n.args) != 2 or _scalar(add_n.args[1]) != 1.0:
+                continue
+            exp_n = _producer(add_n.args[0], "exp")
+            neg_n = _producer(exp_n.args[0], "neg") if exp_n is not None else None
+            if neg_n is not None and neg_n.args[0] is a:
+                out[id(n)] = a
+        elif name == "mul" and len(n.args) == 2 and all(_is_value(x) for x in n.args):
+            for s_, a in (n.args, n.args[::-1]):
+                sig = _producer(s_, "sigmoid")
+                if sig is not None and sig.args[0] is a:
+                    out[id(n)] = a
+    return out
+
+
+def _needed(nodes, outs, fused) -> set[int]:
+    """The region nodes the outputs depend on (a fused SiLU depends on its operand only)."""
+    inside = {id(n) for n in nodes}
+    need: set[int] = set()
+    stack = [v.producer for v in outs]
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) not in inside or id(n) in need:
+            continue
+        need.add(id(n))
+        deps = [fused[id(n)]] if id(n) in fused else n.inputs
+        stack.extend(v.producer for v in deps)
+    return need
+
+
+def _materialise(g: KernelBuilder, t: Tensor, shape, node) -> Tensor:
+    """``t`` (kept unexpanded) broadcast to ``shape`` explicitly: copies concatenated
+    along each broadcast dim (GQA's ``repeat_kv`` before its reshape)."""
+    shape = tuple(int(s) for s in shape)
+    xs = tuple(t.shape)
+    pad = (1,) * (len(shape) - len(xs)) + xs
+    if len(xs) > len(shape) or any(a != b and a != 1 for a, b in zip(pad, shape)):
+        raise _Decline(node, "operand does not broadcast to its traced shape", f"{xs} -> {shape}")
+    if pad != xs:
+        t = g.reshape(t, shape=pad)
+    for i, (a, b) in enumerate(zip(pad, shape)):
+        if a != b:
+            t = g.concat([t] * b, dim=i)
+    return t
+
+
+def _reshape(g: KernelBuilder, t: Tensor, shape, node, src_shape=None) -> Tensor:
+    shape = tuple(int(s) for s in shape)
+    if tuple(t.shape) == shape:
+        return t
+    if math.prod(t.shape) != math.prod(shape) and src_shape is not None:
+        t = _materialise(g, t, src_shape, node)
+    if math.prod(t.shape) != math.prod(shape):
+        raise _Decline(node, "reshape of a broadcast tensor", f"{tuple(t.shape)} -> {shape}")
+    return g.reshape(t, shape=shape)
+
+
+def _scalar(a) -> float | None:
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        return float(a)
+    return None
+
+
+def _lower(g: KernelBuilder, n, env: dict, ref: Reference) -> None:
+    name = _op_name(n)
+    out = n.outputs[0] if n.outputs else None
+    args = n.args
+
+    def arg(i):
+        a = args[i]
+        if _is_value(a):
+            if id(a) not in env:
+                raise _Decline(n, "operand not computed in the region", repr(a))
+            return env[id(a)]
+        return a
+
+    def put(t: Tensor):
+        env[id(out)] = t
+
+    if name in ("to_dtype", "copy"):
+        src = arg(0)
+        if out.meta.dtype == torch.float32 and src.dtype != "float32":
+            ref.upcast = True
+        if not out.meta.dtype.is_floating_point:
+            raise _Decline(n, f"cast to {_dt(out.meta.dtype)}", "only float casts are tracked")
+        if out.meta.dtype != args[0].meta.dtype:
+            ref.casts.append(n)
+        put(src)
+        return
+    if name in ("add", "sub", "mul", "div"):
+        if n.kwargs.get("alpha", 1) != 1 or (len(args) > 2 and args[2] != 1):
+            raise _Decline(n, f"{name} with alpha", "write it as a separate mul")
+        a, b = arg(0), arg(1)
+        if "rsub" in n.target_name:
+            a, b = b, a
+        sa, sb = _scalar(a), _scalar(b)
+        if sa is None and sb is None:
+            put(getattr(g, name)(a, b))
+        elif sb is not None:
+            if name == "add":
+                put(g.scalar_add(a, value=sb))
+            elif name == "sub":
+                put(g.scalar_add(a, value=-sb))
+            elif name == "mul":
+                put(g.scalar_mul(a, value=sb))
+            elif sb != 0:
+                put(g.scalar_mul(a, value=1.0 / sb))
+            else:
+                raise _Decline(n, "division by the constant 0")
+        elif name == "add":
+            put(g.scalar_add(b, value=sa))
+        elif name == "mul":
+            put(g.scalar_mul(b, value=sa))
+        elif name == "sub":
+            put(g.scalar_add(g.neg(b), value=sa))
+        else:
+            raise _Decline(n, "a scalar divided by a tensor", "no reciprocal kernel op")
+        return
+    if name in _UNARY:
+        put(getattr(g, _UNARY[name])(arg(0)))
+        return
+    if name == "pow":
+        e = _scalar(args[1])
+        op = {2.0: "square", 0.5: "sqrt", -0.5: "rsqrt", 1.0: None}.get(e, "?") if e is not None else "?"
+        if op == "?":
+            raise _Decline(n, f"pow with exponent {args[1]!r}", "only 2, 0.5, -0.5 lower to kernel ops")
+        put(arg(0) if op is None else getattr(g, op)(arg(0)))
+        return
+    if name in ("sum", "mean", "amax"):
+        x = arg(0)
+        rank = len(x.shape)
+        dims = args[1] if len(args) > 1 and args[1] is not None else n.kwargs.get("dim", list(range(rank)))
+        dims = [dims] if isinstance(dims, int) else list(dims) or list(range(rank))
+        op = {"sum": "reduce_sum", "mean": "reduce_mean", "amax": "reduce_max"}[name]
+        for d in sorted({d % rank for d in dims}):
+            x = getattr(g, op)(x, dim=d)
+        if n.kwargs.get("dtype") not in (None, torch.float32) or (len(args) > 3 and args[3] is not None):
+            raise _Decline(n, f"{name} with a dtype argument")
+        put(_reshape(g, x, out.meta.shape, n))
+        return
+    if name == "matmul":
+        if "addmm" in n.target_name or "baddbmm" in n.target_name:
+            bias, a, b = arg(0), arg(1), arg(2)
+            if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+                raise _Decline(n, "addmm with beta / alpha")
+            put(g.add(g.matmul(a, b), bias))
+        else:
+            put(g.matmul(arg(0), arg(1)))
+        return
+    if name == "permute":
+        x = arg(0)
+        rank = len(x.shape)
+        if "aten.t." in n.target_name:
+            perm = [1, 0] if rank == 2 else [0]
+        elif "transpose" in n.target_name:
+            perm = list(range(rank))
+            d0, d1 = args[1] % rank, args[2] % rank
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+        else:
+            perm = [p % rank for p in args[1]]
+        if perm == list(range(rank)):
+            put(x)
+        elif rank >= 2 and perm == list(range(rank - 2)) + [rank - 1, rank - 2]:
+            put(g.transpose(x))
+        else:
+            raise _Decline(n, f"permute {perm}", "only a swap of the last two dims is a μGraph op")
+        return
+    if name in ("view", "squeeze", "unsqueeze"):
+        put(_reshape(g, arg(0), out.meta.shape, n, args[0].meta.shape))
+        return
+    if name == "expand":
+        x = arg(0)
+        shape = tuple(out.meta.shape)
+        xs = tuple(x.shape)
+        pad = (1,) * (len(shape) - len(xs)) + xs
+        if any(a != b and a != 1 for a, b in zip(pad, shape)):
+            raise _Decline(n, "expand that is not a broadcast", f"{xs} -> {shape}")
+        put(x)         # kept unexpanded: elementwise ops and matmul broadcast it
+        return
+    raise _Decline(n, f"op {name} has no μGraph kernel op", n.target_name)
