@@ -77,6 +77,22 @@ def test_rediscovers_gated_mlp():
     assert_close(y, L.gated_mlp_ref(x, w1, w3))
 
 
+def test_rediscovers_lora():
+    """x@w + (x@a)@b: found through Mirage's concat-then-matmul macro, (x ‖ x·a) @ (w ‖ b) per K tile."""
+    g = new_kernel_graph()
+    X, W, A, B = (g.new_input(s, "float32") for s in ((M, K), (K, N), (K, 4), (4, N)))
+    g.mark_output(g.add(g.matmul(g.matmul(X, A), B), g.matmul(X, W)))
+    ref = g.build()
+    r = search(ref, _specs(ref), budget_s=20, tile=8, oracle_kwargs=FRONT)
+    assert r.best is not None, r.reason
+    assert _one_kernel(r.best)
+    body = next(op.body for op in r.best.ops if op.name == "customized")
+    assert [op.name for op in body.ops].count("concat") == 2
+    x, w, a, b = torch.randn(M, K), torch.randn(K, N), torch.randn(K, 4), torch.randn(4, N)
+    (y,) = execute(r.best, [x, w, a, b])
+    assert_close(y, L.lora_ref(x, w, a, b))
+
+
 def _wrong_gated_mlp():
     """silu on the wrong product: silu(x@w3)·(x@w1)."""
     g = new_kernel_graph()

@@ -37,8 +37,10 @@ COMMUTATIVE = ("add", "mul")
 
 @dataclass(frozen=True)
 class SkelOp:
-    """One body op of a skeleton: ``kind`` is a block op name or ``matmul_t`` (matmul with the second
-    operand transposed: a transpose and a matmul in the block graph); ``inputs`` are value indices."""
+    """One body op of a skeleton: ``kind`` is a block op name, ``matmul_t`` (matmul with the second
+    operand transposed: a transpose and a matmul in the block graph) or ``concat_matmul`` (Mirage's
+    LoRA macro: (a ‖ b) @ (c ‖ d), concatenated along a's last and c's second-to-last dim: two
+    concats and a matmul); ``inputs`` are value indices."""
     kind: str
     inputs: tuple
     attrs: tuple = ()          # sorted (name, value) pairs
@@ -54,7 +56,7 @@ def _rank(kind: str, inputs: tuple, attrs: tuple) -> tuple:
 
 
 KIND_ORDER = ("silu", "exp", "sqrt", "rms_norm", "add", "mul", "div", "matmul", "matmul_t", "concat",
-               "acc_sum", "acc_rms")
+              "concat_matmul", "acc_sum", "acc_rms")
 _KIND_INDEX = {k: i for i, k in enumerate(KIND_ORDER)}
 
 
@@ -107,6 +109,9 @@ def build_block(skel: Skeleton, inputs: Sequence, *, grid=(1,), forloop_range=No
         at = dict(op.attrs)
         if op.kind == "matmul_t":
             vals.append(tb.matmul(xs[0], tb.transpose(xs[1])))
+        elif op.kind == "concat_matmul":
+            a, b, c, d = xs
+            vals.append(tb.matmul(tb.concat([a, b], dim=len(a.shape) - 1), tb.concat([c, d], dim=len(c.shape) - 2)))
         elif op.kind == "concat":
             vals.append(tb.concat(xs, **at))
         else:
@@ -189,7 +194,14 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
             mk = (kind, attrs, args, shapes)
             e = key = expr_memo.get(mk)
             if e is None:       # transpose (of matmul_t) is the identity
-                e = key = expr_memo[mk] = expr_of(op, list(args), ctx, in_shapes=list(shapes))[0]
+                if kind == "concat_matmul":
+                    c1, c2, mm = op
+                    e1 = expr_of(c1, list(args[:2]), ctx, in_shapes=list(shapes[:2]))[0]
+                    e2 = expr_of(c2, list(args[2:]), ctx, in_shapes=list(shapes[2:]))[0]
+                    e = expr_of(mm, [e1, e2], ctx, in_shapes=[c1.shapes[0], c2.shapes[0]])[0]
+                else:
+                    e = expr_of(op, list(args), ctx, in_shapes=list(shapes))[0]
+                key = expr_memo[mk] = e
         else:
             e, key = None, (kind, ins, attrs)
         stats.generated += 1
@@ -200,7 +212,8 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
             stats.pruned += 1
             return False
         flag = 1 if kind.startswith("acc_") else st.flags[ins[0]]
-        st.shapes.append(op.shapes[0]); st.dtypes.append(op.dtypes[0]); st.flags.append(flag)
+        last = op[-1] if isinstance(op, tuple) else op
+        st.shapes.append(last.shapes[0]); st.dtypes.append(last.dtypes[0]); st.flags.append(flag)
         st.exprs.append(e); st.uses.append(0); st.keys.add(key)
         st.ops.append(SkelOp(kind, ins, attrs))
         for i in ins:
@@ -226,6 +239,12 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
 
     def _make(kind, attrs, sh, dt):
         try:
+            if kind == "concat_matmul":
+                r = [Ref(0), Ref(1)]
+                c1 = make_op("concat", r, sh[:2], dt[:2], dict(dim=len(sh[0]) - 1), ctx=ctx)
+                c2 = make_op("concat", r, sh[2:], dt[2:], dict(dim=len(sh[2]) - 2), ctx=ctx)
+                return (c1, c2, make_op("matmul", r, [c1.shapes[0], c2.shapes[0]], [c1.dtypes[0], c2.dtypes[0]],
+                                        ctx=ctx))
             if kind == "matmul_t":
                 t = make_op("transpose", [Ref(0)], [sh[1]], [dt[1]], ctx=ctx)
                 return make_op("matmul", [Ref(0), Ref(1)], [sh[0], t.shapes[0]], [dt[0], t.dtypes[0]], ctx=ctx)
@@ -260,8 +279,23 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                     out.append(("matmul", (i, j), ()))
                 if "matmul_t" in kinds and len(st.shapes[j]) >= 2:
                     out.append(("matmul_t", (i, j), ()))
+        if "concat_matmul" in kinds:
+            out += concat_matmuls()
         out = [m for m in out if _rank(*m) > last_rank]
         out.sort(key=lambda m: _rank(*m))
+        return out
+
+    def concat_matmuls():
+        """Operand quadruples (a, b, c, d) of (a ‖ b) @ (c ‖ d) whose shapes fit, a != b, c != d."""
+        n, sh, out = len(st.shapes), st.shapes, []
+        for a, b in itertools.permutations(range(n), 2):
+            if st.flags[a] != st.flags[b] or len(sh[a]) < 2 or sh[a][:-1] != sh[b][:-1]:
+                continue
+            inner = sh[a][-1] + sh[b][-1]
+            for c, d in itertools.permutations(range(n), 2):
+                if (st.flags[c] == st.flags[a] == st.flags[d] and len(sh[c]) == len(sh[d]) >= 2
+                        and sh[c][-1] == sh[d][-1] and sh[c][-2] + sh[d][-2] == inner):
+                    out.append(("concat_matmul", (a, b, c, d), ()))
         return out
 
     def unconsumed():
