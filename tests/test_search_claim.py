@@ -1,0 +1,36 @@
+"""The search claimer: with the library claimer off, a region around a matmul runs a searched μGraph."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_mirage
+from conftest import assert_close
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+pytest.importorskip("torch_mirage.superopt.search.oracle")
+
+
+def gated_mlp(x, w1, w3):
+    return F.silu(x @ w1) * (x @ w3)
+
+
+def rmsnorm_linear(x, g, w):
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * g) @ w
+
+
+@pytest.mark.parametrize("fn,shapes", [(gated_mlp, [(4, 32), (32, 24), (32, 24)]),
+                                       (rmsnorm_linear, [(4, 32), (32,), (32, 24)])], ids=["gated_mlp", "rmsnorm"])
+def test_search_claims_a_fused_region(fn, shapes):
+    report = torch_mirage.Report()
+    opts = dict(ugraph_library=False, stitch=False, search=True, search_budget_s=25.0, measure_regions=False)
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(options=opts, report=report))
+    xs = [torch.randn(s) for s in shapes]
+    assert_close(compiled(*xs), fn(*xs))
+    searched = [r for r in report.regions if r.claimer == "ugraph-search"]
+    assert len(searched) == 1, [(r.claimer, r.ops) for r in report.regions]
+    assert searched[0].info["verified"] >= 1
+    xs = [torch.randn(s) for s in shapes]          # fresh inputs
+    assert_close(compiled(*xs), fn(*xs))
