@@ -181,3 +181,56 @@ def test_gqa_forms(fn):
     (out,) = execute(ref.graph, xs)
     assert_close(out, fn(*xs))
     assert ref.exprs == graph_exprs(L.gqa_flashattention(b, h, sq, kv, d, forloop_range=2))
+
+
+class _HFRMSNorm(torch.nn.Module):     # LlamaRMSNorm's forward
+    def __init__(self, d, eps=EPS):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(d))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class _NormProj(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.proj = _HFRMSNorm(K), torch.nn.Linear(K, N, bias=False)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+class _GateUp(torch.nn.Module):        # LlamaMLP without its down projection
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(K, N, bias=False), torch.nn.Linear(K, N, bias=False)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+
+
+@pytest.mark.parametrize("module, kind", [(_NormProj, "rms"), (_GateUp, "mlp")])
+def test_hf_style_modules(module, kind):
+    """Modules with their parameters lifted to inputs (as Dynamo captures them)."""
+    m = module()
+    names = [n for n, _ in m.named_parameters()]
+    params = [p.detach() for _, p in m.named_parameters()]
+
+    def fn(x, *ps):
+        return torch.func.functional_call(m, dict(zip(names, ps)), (x,))
+
+    xs = [torch.randn(2, M // 2, K)] + params
+    ref, graph = _reference(fn, xs)
+    assert isinstance(ref, Reference), str(ref)
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    (out,) = execute(ref.graph, [xs[pos[id(v)]] for v in ref.inputs])
+    with torch.no_grad():
+        assert_close(out, m(xs[0]))
+    assert ref.exprs == graph_exprs(LIB[kind]())

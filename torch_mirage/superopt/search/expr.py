@@ -328,7 +328,7 @@ def _need_shapes(op: Op, in_shapes) -> list:
     return [tuple(s) for s in in_shapes]
 
 
-def _dim_size(op: Op, shape: tuple, dim) -> int:
+def _dim_size(shape: tuple, dim) -> int:
     if not shape:
         return 1
     return shape[dim % len(shape)]
@@ -388,9 +388,9 @@ def expr_of_op(op: Op, args: Sequence[Expr], ctx: Ctx = Ctx(), *, in_shapes: Seq
     if name == "rms_norm":
         return (rms_norm(s0[-1], x, at.get("eps") or 0.0),)
     if name in ("reduce_sum", "reduce_mean", "reduce_max"):
-        n = _dim_size(op, s0, at["dim"])
+        n = _dim_size(s0, at["dim"])
     else:                                       # for-loop accumulators
-        n = ctx.forloop_range * (1 if at.get("dim") is None else _dim_size(op, s0, at["dim"]))
+        n = ctx.forloop_range * (1 if at.get("dim") is None else _dim_size(s0, at["dim"]))
     if name in ("reduce_sum", "acc_sum"):
         return (sum_(n, x),)
     if name in ("reduce_mean", "acc_mean"):

@@ -47,7 +47,7 @@ import time
 from collections import Counter
 from typing import Sequence
 
-from .expr import Expr, sibling_key
+from .expr import ONE, Expr, sibling_key
 
 log = logging.getLogger("torch_mirage")
 
@@ -80,8 +80,10 @@ def _le(small: Expr, big: Expr) -> bool:
 
 
 def _lin_part(x: Expr, y: Expr) -> bool:
-    """``x`` is a multiplicative part of ``y``: y = x·u or y = (x·u)/(d·w) with x = n/d."""
-    if x is y:
+    """``x`` is a multiplicative part of ``y``: y = x·u or y = (x·u)/(d·w) with x = n/d.
+    The numerator 1 is a part of every numerator: the normal form folds ``x·(1/z)``
+    to ``x/z``, so ``rsqrt(s) = 1/sqrt(s)`` is a part of ``(x·u)/sqrt(s)``."""
+    if x is y or x is ONE:
         return True
     if y.op == "mul":
         return _le(x, y)
