@@ -33,6 +33,11 @@ from .schedule import schedules
 log = logging.getLogger("torch_mirage")
 
 PROBE_TOL = 1e-6       # fp64 probe: a wrong imap / fmap is off by O(1)
+# The oracle's policy in the search: the structural front first, Z3 on its misses (at most 3 s of Z3 per
+# search), and what is not proven is pruned (Mirage's own policy: its `unknown` meant pruned). Measured on
+# RMSNorm+Linear (2,4,32)x(32,24) with eps: this finds the fused μGraph in 11.8 s with a 10 s Z3 cap, while
+# keeping unproven misses (strict=False) had not found it after 40 s. The verifier guards correctness either way.
+DEFAULT_ORACLE = dict(use_z3=True, strict=True, z3_total_s=3.0)
 
 
 @dataclass
@@ -160,8 +165,8 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     the hand-built library's μGraphs first (verified like any candidate). ``prune``: abstract-
     expression pruning (off: every op is kept; the candidate set is the same, only slower).
     ``extra_candidates``: μGraphs verified before the search (tests plant wrong ones here).
-    ``oracle_kwargs``: passed to :class:`~.oracle.SubexprOracle` (e.g. ``use_z3=False``: the
-    structural front decides alone). ``probe``: run each schedule once in fp64 against the reference
+    ``oracle_kwargs``: passed to :class:`~.oracle.SubexprOracle` over :data:`DEFAULT_ORACLE` (e.g.
+    ``use_z3=False``: the structural front decides alone). ``probe``: run each schedule once in fp64 against the reference
     before the (slower) verifier, to drop wrong imaps cheaply.
     """
     from ...config import load
@@ -220,7 +225,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         src = "seed" if not any(g is x for x in extra_candidates) else "given"
         check(g, None, src)
 
-    admits, oracle = _make_oracle(targets, prune, dict(oracle_kwargs or {}))
+    admits, oracle = _make_oracle(targets, prune, {**DEFAULT_ORACLE, **(oracle_kwargs or {})})
     if oracle is not None:
         is_target = lambda es: [oracle.equivalent(e) for e in es] == list(range(len(targets)))  # noqa: E731
     else:
@@ -252,7 +257,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         log.info("μGraph search: nothing found (%s); %s", why, stats.as_dict())
         return SearchResult(None, stats, reason=why)
     cost, best, skel, source, reason = min(verified, key=lambda v: v[0])
-    log.info("μGraph search: %s μGraph with %d block ops in %.2f s (%s)", source, cost[0], stats.seconds, reason)
+    log.info("μGraph search: %s μGraph (%d block-graph ops) in %.2f s (%s)", source, cost[0], stats.seconds, reason)
     return SearchResult(best, stats, skel, source, reason)
 
 
