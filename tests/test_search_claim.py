@@ -21,8 +21,22 @@ def rmsnorm_linear(x, g, w):
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * g) @ w
 
 
+def linear_gated_mlp(x, w1, w3):
+    """nn.Linear-style weights (out, in): the search needs a transposed matmul."""
+    return F.silu(F.linear(x, w1)) * F.linear(x, w3)
+
+
+def rmsnorm_linear_3d(x, g, w):
+    """(batch, seq, k) input, fp32 upcast and eps: HF's RMSNorm then a matmul flattened to 2-d by the trace."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * g) @ w
+
+
 @pytest.mark.parametrize("fn,shapes", [(gated_mlp, [(4, 32), (32, 24), (32, 24)]),
-                                       (rmsnorm_linear, [(4, 32), (32,), (32, 24)])], ids=["gated_mlp", "rmsnorm"])
+                                       (linear_gated_mlp, [(4, 32), (24, 32), (24, 32)]),
+                                       (rmsnorm_linear, [(4, 32), (32,), (32, 24)]),
+                                       (rmsnorm_linear_3d, [(2, 4, 32), (32,), (32, 24)])],
+                         ids=["gated_mlp", "linear_gated_mlp", "rmsnorm", "rmsnorm_3d_eps"])
 def test_search_claims_a_fused_region(fn, shapes):
     report = torch_mirage.Report()
     opts = dict(ugraph_library=False, stitch=False, search=True, search_budget_s=25.0, measure_regions=False)

@@ -2,8 +2,8 @@
 
 For each free matmul node (last first) the claimer grows a region: producers whose every result is
 read only inside the region (elementwise, reductions, layout: a norm before the matmul, a transposed
-weight), and, while the region has one result read by free elementwise nodes, those readers (a gate
-after the matmul). The region's reference program (:func:`.reference.reference_of`) is searched
+weight), and, while the region has one result read by free elementwise or layout nodes, those readers
+(a gate after the matmul, the view of a flattened matmul back to (batch, seq, n)). The region's reference program (:func:`.reference.reference_of`) is searched
 (:func:`.driver.search`, seeds off, the ``search_budget_s`` budget); a verified μGraph is compiled
 (``compile_ugraph``) and becomes the region's kernel. A region that does not lower, or for which the
 search finds nothing within its budget, is left to the next claimers. Behind the ``search`` knob.
@@ -22,6 +22,7 @@ from ...partition.region import Reason, Region, is_convex
 log = logging.getLogger("torch_mirage")
 
 GROW = {OpKind.ELEMENTWISE, OpKind.REDUCTION, OpKind.LAYOUT, OpKind.MATMUL}
+FORWARD = {OpKind.ELEMENTWISE, OpKind.LAYOUT}     # a gate after the matmul; the view back to (b, s, n)
 MAX_NODES = 32
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -121,7 +122,7 @@ def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES) -> list:
                 if id(v) in returned or any(id(u) not in inside for u in v.users)]
         if len(outs) == 1 and id(outs[0]) not in returned:
             users = [u for u in outs[0].users if id(u) not in inside]
-            if users and all(id(u) in free_ids and u.op.kind is OpKind.ELEMENTWISE for u in users):
+            if users and all(id(u) in free_ids and u.op.kind in FORWARD for u in users):
                 for u in users:
                     inside[id(u)] = u
                 changed = True

@@ -3,8 +3,9 @@
 A :class:`~.generate.Skeleton` fixes which tensor dim each iterator's for-loop walks; this module
 chooses the numbers Mirage's ``dim_strategy`` enumerates: the for-loop range (a common divisor of
 the fmapped dims, tiles near ``tile`` elements), a 1-D grid over one output dim (``blocks(size,
-tile)`` blocks, the saver's omap maps the grid to it) and each iterator's imap (φ or one of its
-dims that is not its fmap and divides by the grid). Every schedule yielded is a valid μGraph
+tile)`` blocks, the saver's omap maps the grid to it; a rank-3 output's leading batch dim gets a
+second grid dim) and each iterator's imap (φ or one of its dims that is not its fmap and divides by
+the grid). Every schedule yielded is a valid μGraph
 (``validate.problems`` is empty) whose outputs have the target's shapes; which imaps compute the
 right function is for the caller's checks (the float probe and the verifier in :mod:`.driver`).
 """
@@ -39,12 +40,21 @@ def grids(out_shapes: Sequence, tile: int) -> list[tuple[int, int]]:
     at most ``tile``; (None, 1) = one block."""
     shape = out_shapes[0]
     out = []
-    for d in reversed(range(len(shape))):
+    for d in reversed(range(1 if len(shape) == 3 else 0, len(shape))):   # rank 3: dim 0 is the batch grid dim
         if all(len(s) == len(shape) and s[d] == shape[d] for s in out_shapes):
             g = blocks(shape[d], tile)
             if g > 1:
                 out.append((d, g))
     return out + [(None, 1)]
+
+
+def _batch_dim(out_shapes, inputs, fmaps):
+    """For rank-3 outputs (batch, rows, cols): (batch size, per-input imap entry: 0 for the inputs of the
+    output's rank with that leading size and no for-loop over it, else φ); None otherwise."""
+    shape = out_shapes[0]
+    if len(shape) != 3 or shape[0] == 1 or any(len(s) != 3 or s[0] != shape[0] for s in out_shapes):
+        return None
+    return shape[0], [0 if len(s) == 3 and s[0] == shape[0] and f != 0 else None for (s, _), f in zip(inputs, fmaps)]
 
 
 def schedules(skel: Skeleton, inputs: Sequence, out_shapes: Sequence, *, tile: int = 64,
@@ -61,10 +71,15 @@ def schedules(skel: Skeleton, inputs: Sequence, out_shapes: Sequence, *, tile: i
                 opts = [None] if g == 1 else \
                     [d for d in range(len(shape)) if d != f and shape[d] % g == 0 and shape[d] > 1] + [None]
                 options.append([(d,) for d in opts])
+            batch = _batch_dim(out_shapes, inputs, skel.fmaps)
             for imaps in itertools.product(*options):
                 if g > 1 and all(m == (None,) for m in imaps):
                     continue      # every block would compute the same tile
-                sched = dict(grid=(g,), forloop_range=frange, imaps=list(imaps), omap=(odim,),
+                grid, omap = (g,), (odim,)
+                if batch is not None:     # a second grid dim walks the leading (batch) dim: 2-d tiles per block
+                    b, maps = batch
+                    grid, omap, imaps = (g, b), (odim, 0), tuple(m + (bm,) for m, bm in zip(imaps, maps))
+                sched = dict(grid=grid, forloop_range=frange, imaps=list(imaps), omap=omap,
                              out_dtypes=list(out_dtypes) if out_dtypes else None)
                 try:
                     graph = to_kernel_graph(skel, inputs, **sched)
