@@ -48,3 +48,17 @@ def test_search_claims_a_fused_region(fn, shapes):
     assert searched[0].info["verified"] >= 1
     xs = [torch.randn(s) for s in shapes]          # fresh inputs
     assert_close(compiled(*xs), fn(*xs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_search_claims_on_gpu(dtype):
+    """fp16 / bf16 on the GPU at model-like shapes: claimed by the search within the default budget, matches eager."""
+    report = torch_mirage.Report()
+    opts = dict(ugraph_library=False, stitch=False, search=True)
+    compiled = torch.compile(gated_mlp, backend=torch_mirage.MirageBackend(options=opts, report=report))
+    xs = [torch.randn(s, device="cuda", dtype=dtype) * s[0] ** -0.5 for s in [(16, 1024), (1024, 1024), (1024, 1024)]]
+    assert_close(compiled(*xs), gated_mlp(*xs))
+    searched = [r for r in report.regions if r.claimer == "ugraph-search"]
+    assert len(searched) == 1 and searched[0].info["search_s"] < 30.0

@@ -72,3 +72,24 @@ def test_deadline_stops_the_search():
     st = GenStats()
     list(enumerate_skeletons(INS, [(4, 6)], max_ops=6, stats=st, expr_of=None, deadline=time.monotonic() + 0.2))
     assert st.timed_out
+
+
+def test_schedules_split_the_reduction_and_an_output_dim():
+    from torch_mirage.superopt.search.generate import SkelOp, Skeleton
+    from torch_mirage.superopt.search.schedule import schedules
+
+    ins = [((4, 32), "float32"), ((32, 24), "float32")]
+    skel = Skeleton((1, 0), (SkelOp("matmul", (0, 1)), SkelOp("acc_sum", (2,), (("dim", None),))), (3,), 2)
+    got = list(schedules(skel, ins, [(4, 24)], tile=8))
+    assert got
+    for sched, g in got:
+        assert problems(g) == []
+    first = got[0][0]
+    assert first["forloop_range"] == 4 and first["grid"] == (3,) and first["omap"] == (1,)
+    assert first["imaps"] == [(None,), (1,)]          # X replicated, W split along N
+    # rank-3 outputs: a second grid dim walks the batch
+    ins3 = [((2, 4, 32), "float32"), ((32, 24), "float32")]
+    skel3 = Skeleton((2, 0), skel.ops, (3,), 2)
+    sched3, g3 = next(iter(schedules(skel3, ins3, [(2, 4, 24)], tile=8)))
+    assert sched3["grid"] == (3, 2) and sched3["omap"] == (2, 0) and sched3["imaps"][0][1] == 0
+    assert problems(g3) == []
