@@ -7,12 +7,16 @@ a sum over each divisor of a target's sum size, exp / silu / sqrt of each; at mo
 is queried. Measured per target: µs per uncached front query, per countermodel
 query, per cached ``admits``; how many queries the front admits / the countermodel refutes / leave
 open; and Z3 (``z3_admits``, per-query timeout) on the open ones and on the target's own prefixes:
-unsat (proven) / sat (refuted) / unknown counts and ms per query. Prints a table and one JSON line
-(also written to ``$OUT/search_oracle_cost.json`` when ``OUT`` is set).
+unsat (proven) / sat (refuted) / unknown counts and ms per query; and µs per first-time expression
+construction of the one-step candidates (the generator's ``expr_of_op`` work). ``--gc-freeze`` calls
+``gc.freeze()`` after the imports: with torch's heap, CPython's full collections (triggered as the
+hash-consing table grows) cost ~200 ms each, which dominates construction unless frozen. Prints a
+table and one JSON line (also written to ``$OUT/search_oracle_cost.json`` when ``OUT`` is set).
 
-    python benchmarks/search_oracle_cost.py [--z3-timeout-ms 200] [--z3-queries 8]
+    python benchmarks/search_oracle_cost.py [--z3-timeout-ms 200] [--z3-queries 8] [--gc-freeze]
 """
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -69,7 +73,10 @@ def main() -> None:
     ap.add_argument("--z3-timeout-ms", type=int, default=200)
     ap.add_argument("--z3-queries", type=int, default=8, help="Z3 queries per target and kind (0: no Z3)")
     ap.add_argument("--step", type=int, default=3000, help="one-step candidates per target, at most")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the imports")
     args = ap.parse_args()
+    if args.gc_freeze:
+        gc.freeze()
     graphs = {k: f() for k, f in WORKLOADS.items()}
     own = {k: list(dict.fromkeys(sub_exprs(g))) for k, g in graphs.items()}
     prefixes = list(dict.fromkeys(e for k in graphs for e in own[k]))
@@ -77,7 +84,10 @@ def main() -> None:
     for name, g in graphs.items():
         targets = graph_exprs(g)
         o = SubexprOracle(targets, use_z3=False)
-        queries = prefixes + _step([e for e in prefixes if o.front(e)], targets, args.step)
+        t0 = time.perf_counter()
+        step = _step([e for e in prefixes if o.front(e)], targets, args.step)
+        build_us = (time.perf_counter() - t0) / max(1, len(step)) * 1e6   # 3 constructions per binary pair
+        queries = prefixes + step
         o = SubexprOracle(targets, use_z3=False)
         front_us = _us(o.front, queries)
         model_us = _us(o.refutes, queries)          # uncached: the model memo holds only the targets
@@ -88,7 +98,7 @@ def main() -> None:
             o.admits(e)
         cached_us = _us(o.admits, queries)
         row = {"queries": len(queries), "front_us": round(front_us, 2), "countermodel_us": round(model_us, 2),
-               "cached_us": round(cached_us, 2), "front_admits": len(admitted), "refuted": len(refuted),
+               "cached_us": round(cached_us, 2), "build_us": round(build_us, 2), "front_admits": len(admitted), "refuted": len(refuted),
                "open": len(open_), "own_prefixes_admitted": sum(o.front(e) for e in own[name]),
                "own_prefixes": len(own[name])}
         if args.z3_queries:
@@ -99,11 +109,11 @@ def main() -> None:
         z = row.get("z3_open", {})
         zp = row.get("z3_own_prefixes", {})
         print(f"{name:20s} q={row['queries']:4d} front {row['front_us']:6.2f}µs model {row['countermodel_us']:6.2f}µs "
-              f"cached {row['cached_us']:5.2f}µs | admit {len(admitted):4d} refuted {len(refuted):4d} open "
+              f"cached {row['cached_us']:5.2f}µs build {row['build_us']:6.1f}µs | admit {len(admitted):4d} refuted {len(refuted):4d} open "
               f"{len(open_):4d} | Z3 open u/s/? {z.get('unsat')}/{z.get('sat')}/{z.get('unknown')} "
               f"{z.get('ms_median')}ms | Z3 own u/s/? {zp.get('unsat')}/{zp.get('sat')}/{zp.get('unknown')} "
               f"{zp.get('ms_median')}ms", flush=True)
-    out = {"z3_timeout_ms": args.z3_timeout_ms, "targets": rows}
+    out = {"z3_timeout_ms": args.z3_timeout_ms, "gc_freeze": args.gc_freeze, "targets": rows}
     print(json.dumps(out))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "search_oracle_cost.json"), "w") as f:

@@ -2,7 +2,7 @@
 math in other orders a generator reaches (kernel ops only, rsqrt first and the
 normalised X fed to the matmul, the norm weight after the division, the
 predefined rms_norm op, x² summed per tile then accumulated with an rsqrt
-epilogue, the softmax division before or after the PV matmul, LoRA over two
+epilogue, x² averaged per tile then by acc_mean, the softmax division before or after the PV matmul, LoRA over two
 kernels or two accumulators) match eager,
 have the expression of the user's reference (search/reference.py), and every one
 of their prefixes is admitted by the front-only oracle (strict: a miss would prune)."""
@@ -106,6 +106,19 @@ def rms_tile_sums_rsqrt():
     return g
 
 
+def rms_tile_means():
+    g = new_kernel_graph()
+    X, G, W = _rms_inputs(g)
+    tb = new_threadblock_graph((2,), 3)
+    tX, tG, tW = tb.new_input(X, imap=(PHI,), fmap=1), tb.new_input(G, imap=(PHI,), fmap=0), \
+        tb.new_input(W, imap=(1,), fmap=0)
+    acc = tb.forloop_accum(tb.matmul(tb.mul(tX, tG), tW), "sum")
+    ms = tb.forloop_accum(tb.reduce_mean(tb.square(tX), dim=1), "mean")      # sum(4, x²/4), then /3 per step
+    tb.new_output(tb.div(acc, tb.sqrt(tb.scalar_add(ms, value=EPS))), omap=(1,))
+    g.mark_output(g.customized([X, G, W], tb)[0])
+    return g
+
+
 def mlp_kernel_ops():
     g = new_kernel_graph()
     X, W1, W3 = g.new_input((M, K), F32), g.new_input((K, N), F32), g.new_input((K, N), F32)
@@ -155,6 +168,7 @@ CASES = {
     "rms_weight_after": (rms_weight_after, RMS),
     "rms_norm_op": (rms_norm_op, RMS),
     "rms_tile_sums_rsqrt": (rms_tile_sums_rsqrt, RMS),
+    "rms_tile_means": (rms_tile_means, RMS),
     "mlp_kernel_ops": (mlp_kernel_ops, (mlp_ref, [(M, K), (K, N), (K, N)])),
     "lora_two_kernels": (lora_two_kernels, (lora_ref, [(M, K), (K, N), (K, R), (R, N)])),
     "lora_two_accumulators": (lora_two_accumulators, (lora_ref, [(M, K), (K, N), (K, R), (R, N)])),
@@ -180,10 +194,40 @@ def test_other_orders_match_and_every_prefix_is_admitted(name):
     assert not missed, f"{name}: prefixes pruned against {ref.exprs[0]}: {missed}"
 
 
-def test_only_the_unit_numerator_is_free():
-    """1/sqrt(s) is a part of (x·u)/sqrt(s); a constant the target never has is not."""
+def test_only_reciprocal_integer_constants_are_free():
+    """1/sqrt(s) is a part of (x·u)/sqrt(s) and a tile mean sum(4, x·x/4) of sum(12, x·x);
+    a constant the target never has (3, 2/3, 7/10) is not."""
     x0, x1, x2 = (var(i) for i in range(3))
     s = fn("sqrt", sum_(12, mul(x0, x0)))
     o = SubexprOracle([sum_(12, div(mul(x0, x1, x2), s))], use_z3=False)
     assert o.front(div(const(1), s)) and o.front(mul(x0, div(const(1), s)))
-    assert not o.front(div(const(3), s)) and not o.front(mul(const(3), x0, x1))
+    assert o.front(sum_(4, mul(const(0.25), x0, x0)))
+    for c in (3, 2 / 3, 0.7):
+        assert not o.front(div(const(c), s)) and not o.front(mul(const(c), x0, x1))
+
+
+def test_distributed_ntrans_prefixes_need_z3():
+    """nTrans with α distributed (α·rms(H) + α·X + X): equal under A_eq's
+    distributivity, which the normal form does not apply, so the front misses
+    its prefixes (front-only pruning drops them) and Z3 proves each one (strict:
+    only a proof keeps it). The complete graph is not ``equivalent`` by normal
+    form; its undistributed twin is (and has fewer ops)."""
+    pytest.importorskip("z3")
+    from torch_mirage.superopt import library as L
+    g = new_kernel_graph()
+    Hh, X, Al = (g.new_input((4, 6), F32) for _ in range(3))
+    inner = g.add(g.add(g.mul(Al, g.rms_norm(Hh, eps=EPS)), g.mul(Al, X)), X)
+    g.mark_output(g.rms_norm(inner, eps=EPS))
+    g = g.build()
+    fn = lambda h, x, al: L.ntrans_ref(h, x, al, eps=EPS)  # noqa: E731
+    xs = [torch.randn(4, 6) for _ in range(3)]
+    assert_close(execute(g, xs)[0], fn(*xs))
+    cap = lower_callable(fn, xs)
+    ref = reference_of(cap.nodes, cap)
+    front_only = SubexprOracle(ref.exprs, use_z3=False)
+    with_z3 = SubexprOracle(ref.exprs, use_z3=True, strict=True, z3_timeout_ms=3000)
+    prefixes = list(dict.fromkeys(sub_exprs(g)))
+    missed = [e for e in prefixes if not front_only.admits(e)]
+    assert missed and not any(front_only.refutes(e) for e in missed)
+    assert all(with_z3.admits(e) for e in prefixes)
+    assert with_z3.stats["z3_unsat"] == len(missed) and with_z3.stats["z3_unknown"] == 0

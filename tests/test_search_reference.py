@@ -234,3 +234,49 @@ def test_hf_style_modules(module, kind):
     with torch.no_grad():
         assert_close(out, m(xs[0]))
     assert ref.exprs == graph_exprs(LIB[kind]())
+
+
+def _sdpa_gqa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def _repeat_kv_attention(q, k, v):     # HF's repeat_kv (expand + reshape), then softmax attention
+    b, hkv, s, d = k.shape
+    g = q.shape[1] // hkv
+    k, v = (t[:, :, None].expand(b, hkv, g, s, d).reshape(b, hkv * g, s, d) for t in (k, v))
+    return att_a(q, k, v)
+
+
+@pytest.mark.parametrize("fn, hq", [
+    (lambda q, k, v: F.scaled_dot_product_attention(q, k, v), 2),
+    (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5), 2),
+    (_sdpa_gqa, 4),
+])
+def test_sdpa_lowers_to_its_softmax_decomposition(fn, hq):
+    """F.scaled_dot_product_attention (an opaque ATen op in the capture) lowers to
+    softmax(q·kᵀ·scale) @ v: the FlashAttention μGraph's expression, GQA heads repeated
+    as HF's repeat_kv does; it matches eager."""
+    b, hkv, sq, kv, d = 1, 2, 4, 8, 4
+    xs = [torch.randn(b, hq, sq, d), torch.randn(b, hkv, kv, d), torch.randn(b, hkv, kv, d)]
+    ref, graph = _reference(fn, xs)
+    assert isinstance(ref, Reference), str(ref)
+    assert any("scaled_dot_product" in n.target_name for n in graph.nodes)     # the ATen op itself, not decomposed
+    (out,) = execute(ref.graph, xs)
+    assert_close(out, fn(*xs))
+    if hq == hkv:
+        assert ref.exprs == graph_exprs(L.gqa_flashattention(b, hq, sq, kv, d, forloop_range=2))
+    else:
+        twin, _ = _reference(_repeat_kv_attention, xs)
+        assert isinstance(twin, Reference), str(twin)
+        assert ref.exprs == twin.exprs
+        assert_close(execute(twin.graph, xs)[0], out)
+
+
+@pytest.mark.parametrize("fn, what", [
+    (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, is_causal=True), "causal"),
+    (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), "mask"),
+])
+def test_sdpa_declines_masks(fn, what):
+    xs = [torch.randn(1, 2, 4, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(4, 8)]
+    ref, _ = _reference(fn, xs)
+    assert isinstance(ref, Decline) and what in ref.reason and "scaled_dot_product" in str(ref), str(ref)

@@ -47,7 +47,7 @@ import time
 from collections import Counter
 from typing import Sequence
 
-from .expr import ONE, Expr, sibling_key
+from .expr import Expr, sibling_key
 
 log = logging.getLogger("torch_mirage")
 
@@ -58,11 +58,19 @@ _COUNTS: dict = {}
 
 
 def _counts(e: Expr) -> dict:
-    """Multiplicities of ``e``'s factors (memoised per hash-consed term)."""
+    """Multiplicities of ``e``'s factors but free constants (memoised per hash-consed term)."""
     c = _COUNTS.get(e)
     if c is None:
-        c = _COUNTS[e] = Counter(e.args if e.op == "mul" else (e,))
+        c = _COUNTS[e] = Counter(a for a in (e.args if e.op == "mul" else (e,)) if not _free_const(a))
     return c
+
+
+def _free_const(e: Expr) -> bool:
+    """A constant 1/d (d a positive integer): the unit numerator of ``rsqrt(s) = 1/sqrt(s)``
+    (the normal form folds ``x·(1/z)`` to ``x/z``) or a tile mean's 1/d that an
+    ``acc_mean`` completes to the target's 1/n (``sum(4, x/4)`` inside ``sum(12, x/12)``).
+    Other constants (eps, a foreign ``scalar_mul``) must occur in the target."""
+    return e.op == "const" and e.attr.numerator == 1 and e.attr.denominator >= 1
 
 
 def _factors(e: Expr) -> tuple:
@@ -81,9 +89,8 @@ def _le(small: Expr, big: Expr) -> bool:
 
 def _lin_part(x: Expr, y: Expr) -> bool:
     """``x`` is a multiplicative part of ``y``: y = x·u or y = (x·u)/(d·w) with x = n/d.
-    The numerator 1 is a part of every numerator: the normal form folds ``x·(1/z)``
-    to ``x/z``, so ``rsqrt(s) = 1/sqrt(s)`` is a part of ``(x·u)/sqrt(s)``."""
-    if x is y or x is ONE:
+    Free constants (:func:`_free_const`) are a part of everything."""
+    if x is y or _free_const(x):
         return True
     if y.op == "mul":
         return _le(x, y)

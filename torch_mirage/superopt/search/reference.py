@@ -15,7 +15,8 @@ copies only where a reshape needs it (GQA's ``repeat_kv``); clone → nothing; a
 div / scalar_add / scalar_mul; pow 2 / 0.5 / -0.5 → square / sqrt / rsqrt;
 rsqrt / sqrt / exp / silu / neg; Inductor's decomposed SiLU
 ``a / (1 + exp(-a))`` and ``a · sigmoid(a)`` → silu; sum / mean / amax over dims → reduce ops
-(then a reshape when ``keepdim`` is false). Only nodes that an output needs are lowered. dtype casts are not ops: the
+(then a reshape when ``keepdim`` is false); scaled_dot_product_attention (CPU / flash /
+efficient / cuDNN ATen ops, GQA heads included; no mask, causal or dropout) → its softmax decomposition. Only nodes that an output needs are lowered. dtype casts are not ops: the
 computation is tracked in its float dtype and an fp32 upcast is recorded in
 ``Reference.upcast``. In-place ATen forms (``add_``) lower like their
 functional forms.
@@ -331,4 +332,62 @@ def _lower(g: KernelBuilder, n, env: dict, ref: Reference) -> None:
             raise _Decline(n, "expand that is not a broadcast", f"{xs} -> {shape}")
         put(x)         # kept unexpanded: elementwise ops and matmul broadcast it
         return
+    if name == "opaque" and _sdpa_op(n) is not None:
+        put(_lower_sdpa(g, n, arg))
+        return
     raise _Decline(n, f"op {name} has no μGraph kernel op", n.target_name)
+
+
+# scaled_dot_product_attention as traced (the device picks the ATen op): op -> (attn_mask / bias, dropout_p,
+# is_causal) positions; a mask may also come as a keyword.
+_SDPA = {"scaled_dot_product_attention": (3, 4, 5),
+         "_scaled_dot_product_flash_attention_for_cpu": (None, 3, 4),
+         "_scaled_dot_product_flash_attention": (None, 3, 4),
+         "_scaled_dot_product_efficient_attention": (3, 5, 6),
+         "_scaled_dot_product_cudnn_attention": (3, 5, 6)}
+
+
+def _sdpa_op(n):
+    parts = n.target_name.split(".")
+    return _SDPA.get(parts[1]) if len(parts) > 2 and parts[0] == "aten" else None
+
+
+def _lower_sdpa(g: KernelBuilder, n, arg) -> Tensor:
+    """``softmax(q·kᵀ·scale) @ v`` in kernel ops (the decomposition Inductor gives
+    ``torch.softmax``), GQA's grouped heads made explicit (kv head ``i`` serves
+    query heads ``i·g … i·g + g - 1``). Masks, causal masking and dropout have no
+    μGraph op and decline."""
+    mask_at, drop_at, causal_at = _sdpa_op(n)
+
+    def pos(i, default=None):
+        return n.args[i] if i is not None and len(n.args) > i else default
+
+    mask = pos(mask_at) or n.kwargs.get("attn_mask") or n.kwargs.get("attn_bias")
+    if mask is not None:
+        raise _Decline(n, "attention with a mask", "an additive / boolean mask has no μGraph op")
+    if pos(causal_at, False) or n.kwargs.get("is_causal"):
+        raise _Decline(n, "causal attention", "is_causal needs a position mask, which has no μGraph op")
+    if (pos(drop_at, 0.0) or n.kwargs.get("dropout_p") or 0.0) != 0.0:
+        raise _Decline(n, "attention with dropout")
+    q, k, v = arg(0), arg(1), arg(2)
+    if len(q.shape) < 3 or len(k.shape) != len(q.shape) or len(v.shape) != len(q.shape):
+        raise _Decline(n, "attention operands of rank < 3 or of different ranks",
+                       f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq != hkv:
+        if hkv == 0 or hq % hkv or v.shape[-3] != hkv:
+            raise _Decline(n, "attention heads that do not group", f"{hq} query heads, {hkv} kv heads")
+        k, v = (_repeat_heads(g, t, hq // hkv, n) for t in (k, v))
+    scale = n.kwargs.get("scale")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    last = len(q.shape) - 1
+    s = g.scalar_mul(g.matmul(q, g.transpose(k)), value=scale)
+    e = g.exp(g.sub(s, g.reduce_max(s, dim=last)))
+    return g.matmul(g.div(e, g.reduce_sum(e, dim=last)), v)
+
+
+def _repeat_heads(g: KernelBuilder, t: Tensor, group: int, node) -> Tensor:
+    """(…, h, s, d) -> (…, h·group, s, d), each head repeated ``group`` times in place (``repeat_kv``)."""
+    *lead, h, s, d = t.shape
+    t = _materialise(g, g.reshape(t, shape=(*lead, h, 1, s, d)), (*lead, h, group, s, d), node)
+    return g.reshape(t, shape=(*lead, h * group, s, d))
