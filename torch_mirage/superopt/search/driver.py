@@ -9,8 +9,8 @@ verifies each with :func:`~torch_mirage.superopt.verify.verify` (finite-field te
 error bound, then the float test). Only a verified μGraph is ever returned. Deepening stops after the
 first depth that yields a verified μGraph, or at the deadline (the best verified so far is kept).
 
-Workers: the search runs in one process today; ``search_workers`` (MIRAGE_SEARCH_WORKERS) is read
-but values above 1 are not used yet.
+Workers: the search runs in one process today; the ``search_workers`` knob (MIRAGE_SEARCH_WORKERS,
+default 1) is reserved for the multiprocessing step and not read yet.
 """
 from __future__ import annotations
 
