@@ -151,3 +151,33 @@ def test_pruning_cuts_states_with_the_same_result():
     assert on.best is not None and off.best is not None
     assert on.best.hash() == off.best.hash()
     assert on.stats.generated * 5 < off.stats.generated
+
+
+def test_disk_cache_warm_and_corrupted(tmp_path):
+    """A verified result is cached: the warm search returns it at once; a corrupted entry is ignored and rewritten."""
+    from torch_mirage.cache import DiskCache
+    cache = DiskCache(str(tmp_path), "search")
+    ref = _gated_mlp()
+    cold = search(ref, _specs(ref), budget_s=20, tile=8, oracle_kwargs=FRONT, cache=cache)
+    assert cold.best is not None and cold.source == "search"
+    (entry,) = list(tmp_path.rglob("*.bin"))
+    t = time.monotonic()
+    warm = search(ref, _specs(ref), budget_s=20, tile=8, oracle_kwargs=FRONT, cache=cache)
+    assert time.monotonic() - t < 1.0
+    assert warm.source == "cache" and warm.stats.generated == 0 and warm.best.hash() == cold.best.hash()
+    x, w1, w3 = torch.randn(M, K), torch.randn(K, N), torch.randn(K, N)
+    assert_close(execute(warm.best, [x, w1, w3])[0], L.gated_mlp_ref(x, w1, w3))
+    good = cache.get_json(entry.stem)["graph"]
+    # a truncated entry (checksum mismatch) and a well-formed entry holding no valid μGraph are both misses
+    for bad in ("truncated", None):
+        if bad is None:
+            cache.put_json(entry.stem, {"graph": {"level": "kernel", "ops": [], "outputs": [[7, 0]]}})
+        else:
+            entry.write_bytes(entry.read_bytes()[:40])
+        again = search(ref, _specs(ref), budget_s=20, tile=8, oracle_kwargs=FRONT, cache=cache)
+        assert again.source == "search" and again.best.hash() == cold.best.hash()
+        assert cache.get_json(entry.stem)["graph"] == good       # rewritten
+    # another shape is another key
+    other = search(ref, [((2 * M, K), "float32"), ((K, N), "float32"), ((K, N), "float32")], budget_s=0.0,
+                   cache=cache)
+    assert other.best is None

@@ -154,7 +154,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
            *, reference: Callable | KernelGraph | None = None, out_shapes: Sequence | None = None,
            out_dtypes: Sequence | None = None, max_ops: int = 8, tile: int = 64, prune: bool = True,
            extra_candidates: Sequence[KernelGraph] = (), verify_kwargs: dict | None = None,
-           oracle_kwargs: dict | None = None, probe: bool = True) -> SearchResult:
+           oracle_kwargs: dict | None = None, probe: bool = True, cache=None) -> SearchResult:
     """Search for a verified one-kernel μGraph equal to ``target``.
 
     ``target``: a reference :class:`KernelGraph` (pre-defined ops; its outputs give the target
@@ -167,7 +167,11 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     ``extra_candidates``: μGraphs verified before the search (tests plant wrong ones here).
     ``oracle_kwargs``: passed to :class:`~.oracle.SubexprOracle` over :data:`DEFAULT_ORACLE` (e.g.
     ``use_z3=False``: the structural front decides alone). ``probe``: run each schedule once in fp64 against the reference
-    before the (slower) verifier, to drop wrong imaps cheaply.
+    before the (slower) verifier, to drop wrong imaps cheaply. ``cache``: a
+    :class:`~torch_mirage.cache.DiskCache`; a verified result is stored under the canonical hash of the
+    target with the input shapes / dtypes and the search settings (and the library versions), and a
+    later search for the same target returns it without searching (``source`` "cache"). A corrupted or
+    unreadable entry is ignored and rewritten.
     """
     from ...config import load
     t0 = time.monotonic()
@@ -193,6 +197,14 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         return SearchResult(None, stats, reason="budget 0")
     deadline = t0 + budget_s
     vkw = dict(verify_kwargs or {})
+    key = _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, max_ops, tile) \
+        if cache is not None and not extra_candidates else None
+    if key is not None:
+        hit = _cache_get(cache, key)
+        if hit is not None:
+            stats.seconds = time.monotonic() - t0
+            log.info("μGraph search: cached μGraph (%.3f s)", stats.seconds)
+            return SearchResult(hit, stats, source="cache", reason="cached verified μGraph")
 
     gen = torch.Generator().manual_seed(0)
     probe_in = [torch.randn(s, generator=gen, dtype=torch.float64) for s, _ in inputs]
@@ -257,8 +269,35 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         log.info("μGraph search: nothing found (%s); %s", why, stats.as_dict())
         return SearchResult(None, stats, reason=why)
     cost, best, skel, source, reason = min(verified, key=lambda v: v[0])
+    if key is not None:
+        cache.put_json(key, {"graph": best.to_dict(), "source": source, "stats": stats.as_dict()})
     log.info("μGraph search: %s μGraph (%d block-graph ops) in %.2f s (%s)", source, cost[0], stats.seconds, reason)
     return SearchResult(best, stats, skel, source, reason)
+
+
+def _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, max_ops, tile) -> str:
+    from ...cache import cache_key
+    tgt = target.hash() if isinstance(target, KernelGraph) else [str(e) for e in targets]
+    return cache_key(kind="ugraph-search", target=tgt, inputs=[[list(s), d] for s, d in inputs],
+                     out_shapes=[list(s) for s in out_shapes], out_dtypes=list(out_dtypes or []),
+                     seeds=seeds, max_ops=max_ops, tile=tile)
+
+
+def _cache_get(cache, key: str) -> KernelGraph | None:
+    """The cached μGraph, or None when absent or unusable (then the search runs and rewrites it)."""
+    from ..ugraph import from_dict
+    from ..validate import validate
+    entry = cache.get_json(key)
+    if entry is None:
+        return None
+    try:
+        g = from_dict(entry["graph"])
+        validate(g)
+        return g
+    except Exception as e:  # noqa: BLE001 - a bad entry is a miss, never an error
+        log.warning("μGraph search: cache entry %s unusable (%s: %s); searching again", key[:16],
+                    type(e).__name__, e)
+        return None
 
 
 def _run(program, xs) -> list[torch.Tensor]:
