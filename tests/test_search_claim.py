@@ -32,20 +32,28 @@ def rmsnorm_linear_3d(x, g, w):
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * g) @ w
 
 
-@pytest.mark.parametrize("fn,shapes", [(gated_mlp, [(4, 32), (32, 24), (32, 24)]),
+def lora(x, w, a, b):
+    return x @ w + (x @ a) @ b
+
+
+@pytest.mark.parametrize("fn,shapes", [(lora, [(4, 32), (32, 24), (32, 8), (8, 24)]),
+                                       (gated_mlp, [(4, 32), (32, 24), (32, 24)]),
                                        (linear_gated_mlp, [(4, 32), (24, 32), (24, 32)]),
                                        (rmsnorm_linear, [(4, 32), (32,), (32, 24)]),
                                        (rmsnorm_linear_3d, [(2, 4, 32), (32,), (32, 24)])],
-                         ids=["gated_mlp", "linear_gated_mlp", "rmsnorm", "rmsnorm_3d_eps"])
+                         ids=["lora", "gated_mlp", "linear_gated_mlp", "rmsnorm", "rmsnorm_3d_eps"])
 def test_search_claims_a_fused_region(fn, shapes):
     report = torch_mirage.Report()
-    opts = dict(ugraph_library=False, stitch=False, search=True, search_budget_s=25.0, measure_regions=False)
+    opts = dict(ugraph_library=False, stitch=False, search=True, search_budget_s=25.0, measure_regions=False,
+                cache=False)       # a fresh search each run (the driver tests cover the cache)
     compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(options=opts, report=report))
     xs = [torch.randn(s) for s in shapes]
     assert_close(compiled(*xs), fn(*xs))
     searched = [r for r in report.regions if r.claimer == "ugraph-search"]
     assert len(searched) == 1, [(r.claimer, r.ops) for r in report.regions]
-    assert searched[0].info["verified"] >= 1
+    info = searched[0].info
+    assert info["verified"] >= 1 and info["source"] == "search"
+    assert "customized" in info["ugraph"] and "acc_sum" in info["ugraph"]   # the chosen μGraph, printed
     xs = [torch.randn(s) for s in shapes]          # fresh inputs
     assert_close(compiled(*xs), fn(*xs))
 

@@ -181,3 +181,4 @@ def test_disk_cache_warm_and_corrupted(tmp_path):
     other = search(ref, [((2 * M, K), "float32"), ((K, N), "float32"), ((K, N), "float32")], budget_s=0.0,
                    cache=cache)
     assert other.best is None
+

@@ -72,7 +72,7 @@ class SearchClaimer:
         budget = self.budget_s if self.budget_s is not None else (config.search_budget_s if config else None)
         specs = [(tuple(m.shape), DTYPES[m.dtype]) for m in metas]
         with unset_fake_temporarily():      # the search runs real tensors (probe, verifier)
-            result = search(ref.graph, specs, budget_s=budget)
+            result = search(ref.graph, specs, budget_s=budget, cache=getattr(ctx, "cache", None))
             if result.best is None:
                 log.info("torch_mirage: μGraph search found nothing for %d nodes (%s)", len(nodes), result.reason)
                 return None
@@ -97,8 +97,10 @@ class SearchClaimer:
 
         region.kernel = kernel
         region.info = {"source": result.source, "generated": s.generated, "pruned": s.pruned,
+                       "candidates": s.candidates, "rejected_by_probe": s.rejected_by_probe,
                        "rejected_by_verifier": s.rejected_by_verifier, "verified": s.verified,
-                       "search_s": round(s.seconds, 2), "ugraph_hash": result.best.hash()[:16]}
+                       "search_s": round(s.seconds, 2), "ugraph_hash": result.best.hash()[:16],
+                       "ugraph": str(result.best)}
         return region
 
 
