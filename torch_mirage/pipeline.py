@@ -85,7 +85,10 @@ def default_claimers(config: Config) -> list[Claimer]:
     from .partition.stitch import StitchClaimer
     from .superopt.claim import LibraryClaimer
 
-    return ([LibraryClaimer()] if config.ugraph_library else []) + ([StitchClaimer()] if config.stitch else [])
+    from .superopt.search.claimer import SearchClaimer
+
+    return ([LibraryClaimer()] if config.ugraph_library else []) + ([SearchClaimer()] if config.search else []) \
+        + ([StitchClaimer()] if config.stitch else [])
 
 
 def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext) -> list[Region]:

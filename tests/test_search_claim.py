@@ -1,0 +1,72 @@
+"""The search claimer: with the library claimer off, a region around a matmul runs a searched μGraph."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_mirage
+from conftest import assert_close
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+pytest.importorskip("torch_mirage.superopt.search.oracle")
+
+
+def gated_mlp(x, w1, w3):
+    return F.silu(x @ w1) * (x @ w3)
+
+
+def rmsnorm_linear(x, g, w):
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * g) @ w
+
+
+def linear_gated_mlp(x, w1, w3):
+    """nn.Linear-style weights (out, in): the search needs a transposed matmul."""
+    return F.silu(F.linear(x, w1)) * F.linear(x, w3)
+
+
+def rmsnorm_linear_3d(x, g, w):
+    """(batch, seq, k) input, fp32 upcast and eps: HF's RMSNorm then a matmul flattened to 2-d by the trace."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * g) @ w
+
+
+def lora(x, w, a, b):
+    return x @ w + (x @ a) @ b
+
+
+@pytest.mark.parametrize("fn,shapes", [(lora, [(4, 32), (32, 24), (32, 8), (8, 24)]),
+                                       (gated_mlp, [(4, 32), (32, 24), (32, 24)]),
+                                       (linear_gated_mlp, [(4, 32), (24, 32), (24, 32)]),
+                                       (rmsnorm_linear, [(4, 32), (32,), (32, 24)]),
+                                       (rmsnorm_linear_3d, [(2, 4, 32), (32,), (32, 24)])],
+                         ids=["lora", "gated_mlp", "linear_gated_mlp", "rmsnorm", "rmsnorm_3d_eps"])
+def test_search_claims_a_fused_region(fn, shapes):
+    report = torch_mirage.Report()
+    opts = dict(ugraph_library=False, stitch=False, search=True, search_budget_s=25.0, measure_regions=False,
+                cache=False)       # a fresh search each run (the driver tests cover the cache)
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(options=opts, report=report))
+    xs = [torch.randn(s) for s in shapes]
+    assert_close(compiled(*xs), fn(*xs))
+    searched = [r for r in report.regions if r.claimer == "ugraph-search"]
+    assert len(searched) == 1, [(r.claimer, r.ops) for r in report.regions]
+    info = searched[0].info
+    assert info["verified"] >= 1 and info["source"] == "search"
+    assert "customized" in info["ugraph"] and "acc_sum" in info["ugraph"]   # the chosen μGraph, printed
+    xs = [torch.randn(s) for s in shapes]          # fresh inputs
+    assert_close(compiled(*xs), fn(*xs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_search_claims_on_gpu(dtype):
+    """fp16 / bf16 on the GPU at model-like shapes: claimed by the search within the default budget, matches eager."""
+    report = torch_mirage.Report()
+    opts = dict(ugraph_library=False, stitch=False, search=True)
+    compiled = torch.compile(gated_mlp, backend=torch_mirage.MirageBackend(options=opts, report=report))
+    xs = [torch.randn(s, device="cuda", dtype=dtype) * s[0] ** -0.5 for s in [(16, 1024), (1024, 1024), (1024, 1024)]]
+    assert_close(compiled(*xs), gated_mlp(*xs))
+    searched = [r for r in report.regions if r.claimer == "ugraph-search"]
+    assert len(searched) == 1 and searched[0].info["search_s"] < 30.0

@@ -1,0 +1,320 @@
+"""The search driver: iterative deepening over block-op count, anytime, every result verified.
+
+``search(target, inputs, budget_s)`` looks for one graph-defined kernel op computing ``target`` (a
+reference μGraph of pre-defined kernel ops, or its output expressions plus a reference program).
+Per depth d = 1, 2, ... it enumerates the skeletons of exactly d block ops whose output
+expressions equal the target's (:mod:`.generate`, pruned by the abstract-subexpression oracle),
+instantiates their schedules (:mod:`.schedule`), filters them with a cheap fp64 probe run and then
+verifies each with :func:`~torch_mirage.superopt.verify.verify` (finite-field test to the configured
+error bound, then the float test). Only a verified μGraph is ever returned. Deepening stops after the
+first depth that yields a verified μGraph, or at the deadline (the best verified so far is kept).
+
+Workers: the search runs in one process today; the ``search_workers`` knob (MIRAGE_SEARCH_WORKERS,
+default 1) is reserved for the multiprocessing step and not read yet.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..executor import execute
+from ..ugraph import KernelGraph
+from ..validate import nbytes
+from ..verify import verify
+from . import expr as E
+from .generate import KIND_ORDER, GenStats, Skeleton, enumerate_skeletons
+from .schedule import schedules
+
+log = logging.getLogger("torch_mirage")
+
+PROBE_TOL = 1e-6       # fp64 probe: a wrong imap / fmap is off by O(1)
+# The oracle's policy in the search: the structural front first, Z3 on its misses (at most 3 s of Z3 per
+# search), and what is not proven is pruned (Mirage's own policy: its `unknown` meant pruned). Measured on
+# RMSNorm+Linear (2,4,32)x(32,24) with eps: this finds the fused μGraph in 11.8 s with a 10 s Z3 cap, while
+# keeping unproven misses (strict=False) had not found it after 40 s. The verifier guards correctness either way.
+DEFAULT_ORACLE = dict(use_z3=True, strict=True, z3_total_s=3.0)
+
+
+@dataclass
+class SearchStats:
+    generated: int = 0              # block ops created by the generator
+    pruned: int = 0                 # rejected by the abstract-subexpression oracle
+    duplicates: int = 0             # dropped as duplicate values
+    candidates: int = 0             # complete skeletons whose expressions equal the target
+    schedules: int = 0              # valid schedule instantiations tried
+    rejected_by_probe: int = 0      # schedules whose fp64 probe run differs from the reference
+    rejected_by_verifier: int = 0   # rejected by verify() (finite-field or float test)
+    verified: int = 0
+    depth: int = 0                  # deepest block-op count searched
+    timed_out: bool = False
+    seconds: float = 0.0
+    oracle: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class SearchResult:
+    best: KernelGraph | None
+    stats: SearchStats
+    skeleton: Skeleton | None = None
+    source: str = ""                # "search" or "seed"
+    reason: str = ""                # the winning verdict, or why nothing was found
+
+
+def _specs(inputs) -> list[tuple[tuple, str]]:
+    out = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            out.append((tuple(x.shape), str(x.dtype).removeprefix("torch.")))
+        else:
+            s, d = x
+            out.append((tuple(s), str(d).removeprefix("torch.")))
+    return out
+
+
+def probe_range(inputs: Sequence) -> int:
+    """The probe for-loop range of skeleton search: the smallest prime dividing the most input dims."""
+    dims = [d for s, _ in inputs for d in s if d > 1]
+    best, count = 2, -1
+    for p in (2, 3, 5, 7, 11, 13):
+        c = sum(d % p == 0 for d in dims)
+        if c > count:
+            best, count = p, c
+    return best
+
+
+def _eps_values(target: KernelGraph | None) -> tuple[float, ...]:
+    """The eps constants a norm in the target may use (rms_norm / acc_rms attrs, scalar_add values)."""
+    found = set()
+    for op in (target.ops if target is not None else ()):
+        if op.attrs.get("eps") is not None:
+            found.add(float(op.attrs["eps"]))
+        if op.name == "scalar_add" and abs(op.attrs["value"]) < 1e-2:
+            found.add(float(op.attrs["value"]))
+    return tuple(sorted(found)) or (0.0,)
+
+
+def _make_oracle(targets, prune: bool, oracle_kwargs: dict):
+    if not prune:
+        return (lambda e: True), None
+    try:
+        from .oracle import SubexprOracle
+    except ImportError:
+        log.warning("μGraph search: search/oracle.py is missing; searching without abstract-expression pruning")
+        return (lambda e: True), None
+    o = SubexprOracle(targets, **oracle_kwargs)
+    return o.admits, o
+
+
+def op_kinds(targets) -> tuple[str, ...]:
+    """The body-op kinds to enumerate. A free ``concat`` is not enumerated (concats of admitted parts
+    are admitted, so they multiply the space: LoRA at depth 5 did not finish in 60 s); Mirage's LoRA
+    macro ``concat_matmul`` is, when a target adds two reductions (the concat identity
+    Σa·b + Σc·d = Σ(a‖c)·(b‖d))."""
+    two_sums = any(t.op == "add" and sum(a.op == "sum" for a in t.args) >= 2
+                   for e in targets for t in e.subterms())
+    return tuple(k for k in KIND_ORDER if k != "concat" and (k != "concat_matmul" or two_sums))
+
+
+def _cost(g: KernelGraph) -> tuple:
+    """Fewest block ops, then fewest shared-memory bytes per block (a stand-in for the cost model)."""
+    body = next(op.body for op in g.ops if op.name == "customized")
+    return (len(body.ops), sum(nbytes(s, d) for op in body.ops for s, d in zip(op.shapes, op.dtypes)))
+
+
+def _seed_graphs(inputs, out_shapes) -> list[KernelGraph]:
+    """The hand-built library's μGraphs whose input shapes fit (seeds; still verified)."""
+    from .. import library as L
+    shapes = [s for s, _ in inputs]
+    dt = inputs[0][1]
+    out = []
+    try:
+        if len(shapes) == 3 and len(shapes[0]) == 2 and len(shapes[1]) == 1:
+            (m, k), (n,) = shapes[0], shapes[2][1:]
+            out.append(L.rmsnorm_linear(m, k, n, dtype=dt))
+        if len(shapes) == 3 and len(shapes[1]) == 2 and shapes[1] == shapes[2]:
+            (m, k), n = shapes[0], shapes[1][1]
+            out.append(L.gated_mlp(m, k, n, dtype=dt))
+        if len(shapes) == 4:
+            (m, k), (_, n), (_, r) = shapes[0], shapes[1], shapes[2]
+            out.append(L.lora(m, k, n, r, dtype=dt))
+    except Exception as e:  # noqa: BLE001 - a seed that does not build is no seed
+        log.debug("μGraph search: a seed did not build: %s", e)
+    return [g for g in out if [tuple(s) for op in g.ops if op.name == "customized" for s in op.shapes] == out_shapes]
+
+
+def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | None = None, seeds: bool = False,
+           *, reference: Callable | KernelGraph | None = None, out_shapes: Sequence | None = None,
+           out_dtypes: Sequence | None = None, max_ops: int = 8, tile: int = 64, prune: bool = True,
+           extra_candidates: Sequence[KernelGraph] = (), verify_kwargs: dict | None = None,
+           oracle_kwargs: dict | None = None, probe: bool = True, cache=None) -> SearchResult:
+    """Search for a verified one-kernel μGraph equal to ``target``.
+
+    ``target``: a reference :class:`KernelGraph` (pre-defined ops; its outputs give the target
+    expressions, shapes and dtypes, and it is the program candidates are verified against), or a
+    sequence of target :class:`~.expr.Expr` (then ``reference``, ``out_shapes`` are required).
+    ``inputs``: tensors or (shape, dtype) pairs, in input-index order. ``budget_s``: wall-clock
+    budget (default: the ``search_budget_s`` knob); 0 returns no graph at once. ``seeds``: also try
+    the hand-built library's μGraphs first (verified like any candidate). ``prune``: abstract-
+    expression pruning (off: every op is kept; the candidate set is the same, only slower).
+    ``extra_candidates``: μGraphs verified before the search (tests plant wrong ones here).
+    ``oracle_kwargs``: passed to :class:`~.oracle.SubexprOracle` over :data:`DEFAULT_ORACLE` (e.g.
+    ``use_z3=False``: the structural front decides alone). ``probe``: run each schedule once in fp64 against the reference
+    before the (slower) verifier, to drop wrong imaps cheaply. ``cache``: a
+    :class:`~torch_mirage.cache.DiskCache`; a verified result is stored under the canonical hash of the
+    target with the input shapes / dtypes and the search settings (and the library versions), and a
+    later search for the same target returns it without searching (``source`` "cache"). A corrupted or
+    unreadable entry is ignored and rewritten.
+    """
+    from ...config import load
+    t0 = time.monotonic()
+    budget_s = load().search_budget_s if budget_s is None else budget_s
+    stats = SearchStats()
+    inputs = _specs(inputs)
+    if isinstance(target, KernelGraph):
+        targets = E.graph_exprs(target)
+        reference = target if reference is None else reference
+        outs = [target.ops[r[0]] for r in target.outputs]
+        out_shapes = out_shapes or [o.shapes[r[1]] for o, r in zip(outs, target.outputs)]
+        out_dtypes = out_dtypes or [o.dtypes[r[1]] for o, r in zip(outs, target.outputs)]
+        eps = _eps_values(target)
+    else:
+        targets = list(target)
+        if reference is None or out_shapes is None:
+            raise ValueError("search: with target expressions, pass reference= (a program to verify against) "
+                             "and out_shapes=")
+        eps = (0.0,)
+    out_shapes = [tuple(s) for s in out_shapes]
+    if budget_s <= 0:
+        log.info("μGraph search: budget %.3g s, no search", budget_s)
+        return SearchResult(None, stats, reason="budget 0")
+    deadline = t0 + budget_s
+    vkw = dict(verify_kwargs or {})
+    key = _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, max_ops, tile) \
+        if cache is not None and not extra_candidates else None
+    if key is not None:
+        hit = _cache_get(cache, key)
+        if hit is not None:
+            stats.seconds = time.monotonic() - t0
+            log.info("μGraph search: cached μGraph (%.3f s)", stats.seconds)
+            return SearchResult(hit, stats, source="cache", reason="cached verified μGraph")
+
+    gen = torch.Generator().manual_seed(0)
+    probe_in = [torch.randn(s, generator=gen, dtype=torch.float64) for s, _ in inputs]
+    ref_out = _run(reference, probe_in)
+    examples = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in inputs]
+    verified: list[tuple[tuple, KernelGraph, Skeleton | None, str, str]] = []
+
+    def check(graph: KernelGraph, skel, source) -> bool:
+        if probe and not probe_ok(graph):
+            stats.rejected_by_probe += 1
+            return False
+        verdict = verify(graph, reference, examples, **vkw)
+        if not verdict:
+            stats.rejected_by_verifier += 1
+            log.debug("μGraph search: verifier rejects a candidate: %s", verdict.reason)
+            return False
+        stats.verified += 1
+        verified.append((_cost(graph), graph, skel, source, verdict.reason))
+        return True
+
+    def probe_ok(graph: KernelGraph) -> bool:
+        try:
+            got = execute(graph, probe_in)
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot run is rejected
+            log.debug("μGraph search: candidate does not run: %s", e)
+            return False
+        return _close(got, ref_out)
+
+    for g in list(extra_candidates) + (_seed_graphs(inputs, out_shapes) if seeds else []):
+        src = "seed" if not any(g is x for x in extra_candidates) else "given"
+        check(g, None, src)
+
+    admits, oracle = _make_oracle(targets, prune, {**DEFAULT_ORACLE, **(oracle_kwargs or {})})
+    if oracle is not None:
+        is_target = lambda es: [oracle.equivalent(e) for e in es] == list(range(len(targets)))  # noqa: E731
+    else:
+        is_target = lambda es: list(es) == list(targets)  # noqa: E731 - hash-consed normal forms
+
+    for depth in range(1, max_ops + 1):
+        if verified or time.monotonic() > deadline:
+            break
+        stats.depth = depth
+        gs = GenStats()
+        for skel, _ in enumerate_skeletons(inputs, out_shapes, max_ops=depth, exact_ops=True,
+                                           probe_range=probe_range(inputs), eps_values=eps, admits=admits,
+                                           is_target=is_target, stats=gs, deadline=deadline,
+                                           kinds=op_kinds(targets)):
+            for _, graph in schedules(skel, inputs, out_shapes, tile=tile, out_dtypes=out_dtypes):
+                stats.schedules += 1
+                if check(graph, skel, "search"):
+                    break
+                if time.monotonic() > deadline:
+                    break
+        for k in ("generated", "pruned", "duplicates", "candidates"):
+            setattr(stats, k, getattr(stats, k) + getattr(gs, k))
+        stats.timed_out |= gs.timed_out or time.monotonic() > deadline
+    stats.seconds = time.monotonic() - t0
+    if oracle is not None:
+        stats.oracle = dict(oracle.stats)
+    if not verified:
+        why = "deadline" if stats.timed_out else f"no verified μGraph within {max_ops} block ops"
+        log.info("μGraph search: nothing found (%s); %s", why, stats.as_dict())
+        return SearchResult(None, stats, reason=why)
+    cost, best, skel, source, reason = min(verified, key=lambda v: v[0])
+    if key is not None:
+        cache.put_json(key, {"graph": best.to_dict(), "source": source, "stats": stats.as_dict()})
+    log.info("μGraph search: %s μGraph (%d block-graph ops) in %.2f s (%s)", source, cost[0], stats.seconds, reason)
+    return SearchResult(best, stats, skel, source, reason)
+
+
+def _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, max_ops, tile) -> str:
+    from ...cache import cache_key
+    tgt = target.hash() if isinstance(target, KernelGraph) else [str(e) for e in targets]
+    return cache_key(kind="ugraph-search", target=tgt, inputs=[[list(s), d] for s, d in inputs],
+                     out_shapes=[list(s) for s in out_shapes], out_dtypes=list(out_dtypes or []),
+                     seeds=seeds, max_ops=max_ops, tile=tile)
+
+
+def _cache_get(cache, key: str) -> KernelGraph | None:
+    """The cached μGraph, or None when absent or unusable (then the search runs and rewrites it)."""
+    from ..ugraph import from_dict
+    from ..validate import validate
+    entry = cache.get_json(key)
+    if entry is None:
+        return None
+    try:
+        g = from_dict(entry["graph"])
+        validate(g)
+        return g
+    except Exception as e:  # noqa: BLE001 - a bad entry is a miss, never an error
+        log.warning("μGraph search: cache entry %s unusable (%s: %s); searching again", key[:16],
+                    type(e).__name__, e)
+        return None
+
+
+def _run(program, xs) -> list[torch.Tensor]:
+    if isinstance(program, KernelGraph):
+        return list(execute(program, xs))
+    with torch.no_grad():
+        out = program(*xs)
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _close(got, ref) -> bool:
+    if len(got) != len(ref):
+        return False
+    for a, b in zip(got, ref):
+        if tuple(a.shape) != tuple(b.shape):
+            return False
+        scale = b.abs().max().item() or 1.0
+        if not math.isfinite(scale) or (a.double() - b.double()).abs().max().item() > PROBE_TOL * scale:
+            return False
+    return True
