@@ -369,9 +369,8 @@ def find_attention(graph: Graph, nodes: Sequence[Node] | None = None) -> list[At
             spec.nodes = list({id(x): x for x in spec.nodes}.values())
         if not ids <= allowed or ids & taken:
             continue
-        inner_escapes = any(
-            w is not spec.output and (id(w) in outputs or any(id(u) not in ids for u in w.users))
-            for x in spec.nodes for w in x.outputs if not (spec.form != "eager" and w is not spec.output and not w.users))
+        inner_escapes = any(w is not spec.output and (id(w) in outputs or any(id(u) not in ids for u in w.users))
+                            for x in spec.nodes for w in x.outputs)
         if inner_escapes:
             continue
         order = {id(x): i for i, x in enumerate(graph.nodes)}
