@@ -87,6 +87,10 @@ def _op(v: Any) -> str | None:
 
 
 def _scalar(a: Any) -> float | None:
+    """A Python number, or the fill of a ``full`` tensor of one element (``masked_fill``'s value after
+    decomposition)."""
+    if isinstance(a, Value) and _op(a) == "full" and (a.meta is None or a.meta.numel == 1):
+        a = next((x for x in reversed(a.producer.args) if isinstance(x, (int, float))), None)
     return float(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else None
 
 
@@ -178,7 +182,7 @@ def _softmax_input(p: Value, seen: list[Node]) -> Value | None:
 def _data_arg(n: Node) -> Value | None:
     """The score operand of a node on the chain from the scores to the softmax (``where``'s non-fill side)."""
     if n.op.name == "where":
-        a = n.args[1] if isinstance(n.args[1], Value) else n.args[2]
+        a = n.args[2] if _scalar(n.args[1]) is not None else n.args[1]
     else:
         a = n.args[0] if n.args else None
     return a if isinstance(a, Value) else None
@@ -215,12 +219,15 @@ def _scores(x: Value, s: Value, seen: list[Node]) -> dict | None:
             m = n.args[0]
             if m.meta is None or m.meta.dtype is not torch.bool:
                 return None
-            if isinstance(n.args[1], Value):       # where(keep, s, fill)
+            if _scalar(n.args[1]) is None:         # where(keep, s, fill)
                 fill, keep = _scalar(n.args[2]), True
             else:                                  # where(masked, fill, s): masked_fill
                 fill, keep = _scalar(n.args[1]), False
             if fill is None:
                 return None
+            fill_arg = n.args[2] if keep else n.args[1]
+            if isinstance(fill_arg, Value):        # a full() constant: part of the region
+                chain.append(fill_arg.producer)
             out.update(mask="bool" if keep else "bool_inverted", mask_value=m, bool_fill=fill)
         else:
             return None
