@@ -58,19 +58,16 @@ class CompileContext:
     facts: dict[str, Any] = field(default_factory=dict)   # analysis results, by analysis name
 
 
-DEFAULT_LIBRARY = ("rmsnorm_linear", "lora", "gated_mlp", "qknorm_attention", "ntrans")
-
-
 def default_claimers(config: Config) -> list[Claimer]:
     """Claiming passes in priority order (earlier passes see the graph first)."""
     from .partition.stitch import StitchClaimer
     from .superopt.attention_claim import AttentionClaimer
-    from .superopt.claim import LibraryClaimer
+    from .superopt.claim import DEFAULT_WORKLOADS, LibraryClaimer
 
     # QK-norm attention (norms + attention in one μGraph) is matched before the attention claimer takes the
     # attention alone; the rest of the library after it
     library = ([LibraryClaimer(("qknorm_attention",)), AttentionClaimer(),
-                LibraryClaimer([w for w in DEFAULT_LIBRARY if w != "qknorm_attention"])]
+                LibraryClaimer([w for w in DEFAULT_WORKLOADS if w != "qknorm_attention"])]
                if config.ugraph_library else [])
     return library + ([StitchClaimer()] if config.stitch else [])
 

@@ -9,9 +9,9 @@ online softmax. Rows whose keys are all masked (padding) get what the form gives
 the decomposed softmax NaN for ``-inf`` masks, and a uniform average for the finite ``finfo.min`` masks HF builds —
 which is what the clamped mask gives by itself.
 
-Where few query rows would leave FlashAttention's grid small (decode) the split-KV seed is compiled as well and
-on a GPU the faster runs (the library claimer's timing, :func:`.claim._fastest`). The backend then checks the
-region against eager ATen on random inputs, as for every region.
+Where KV is long enough to split, the split-KV seed is compiled as well and on a GPU the faster runs (the library
+claimer's timing, :func:`.claim._fastest`): it fills the SMs where few query rows — decode — leave FlashAttention's
+grid small. The backend then checks the region against eager ATen on random inputs, as for every region.
 """
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ from ..analysis.attention import AttentionSpec, find_attention
 from ..capture.ir import Graph, Node
 from ..partition.region import Reason, Region, is_convex
 from .attention_seeds import SEEDS
+from .library import blocks
 
 log = logging.getLogger("torch_mirage")
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 MASK_FLOOR = -1e30        # masked scores: finite, so an all-masked tile keeps exp(s - m) defined
-DECODE_ROWS = 64          # packed query rows at or below which the split-KV seed is also tried
+SPLIT_KV = 256            # KV length per split of the split-KV seed's default schedule (4 tiles of 64)
 
 
 def additive_mask(spec: AttentionSpec, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -112,7 +113,7 @@ class AttentionClaimer:
 
         dtype = DTYPES[spec.dtype]
         rows = spec.group * spec.sq
-        names = ["flash_attention"] + (["flash_decoding"] if rows <= DECODE_ROWS and spec.skv >= 256 else [])
+        names = ["flash_attention"] + (["flash_decoding"] if blocks(spec.skv, SPLIT_KV) > 1 else [])
         cache = getattr(ctx, "cache", None)
         with unset_fake_temporarily():
             q, k, v = (random_like(x.meta) for x in (spec.q, spec.k, spec.v))
