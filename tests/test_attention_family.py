@@ -193,3 +193,21 @@ def test_seeds_with_softcap_and_fully_masked_tiles(seed):
     out = compile_ugraph(g, [q, k, v, m])(q, k, v, m)[0]
     ref = torch.softmax(torch.tanh(q @ k.transpose(-1, -2) * 0.3 / 4.0) * 4.0 + m, -1) @ v
     assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("cap", [4.0, 50.0])
+def test_softcap_seed_verifies_with_tanh_uninterpreted(cap):
+    """tanh is an uninterpreted function in the finite-field test: the soft-capped, masked seed is accepted
+    against the eager program and a wrong cap multiplier is rejected by the field test itself."""
+    from torch_mirage.superopt.verify import verify
+
+    g = flash_attention(1, 2, 4, 8, 16, scale=0.25, softcap=cap, masked=True, dtype="float32", forloop_range=2)
+
+    def ref(q, k, v, m, mult=cap):
+        return torch.softmax(torch.tanh(q @ k.transpose(-1, -2) * 0.25 / cap) * mult + m, -1) @ v
+
+    xs = [torch.randn(1, 2, 4, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.zeros(1, 2, 4, 8)]
+    good = verify(g, ref, xs)
+    assert good.equivalent and good.error_bound is not None and "finite-field test passed" in good.reason, good.reason
+    bad = verify(g, lambda q, k, v, m: ref(q, k, v, m, cap * 1.01), xs)
+    assert not bad.equivalent and bad.reason.startswith("finite-field test rejects"), bad.reason
