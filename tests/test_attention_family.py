@@ -180,14 +180,16 @@ def test_attention_with_inner_value_read_elsewhere_is_not_claimed():
 
 # ------------------------------------------------------------------ seeds
 @pytest.mark.parametrize("seed", [flash_attention, flash_decoding])
-def test_seeds_with_softcap_and_fully_masked_tiles(seed):
-    """Both seeds against torch: soft-cap, a mask with whole KV tiles (and a whole split) masked at the clamp
-    value the claimer uses, GQA-packed rows."""
-    b, hk, rows, skv, d = 1, 2, 6, 24, 16
+@pytest.mark.parametrize("shared", [False, True])
+def test_seeds_with_softcap_and_fully_masked_tiles(seed, shared):
+    """Both seeds against torch: soft-cap, a mask (per batch row and KV head, or one shared by all) with whole KV
+    tiles (and a whole split) masked at the clamp value the claimer uses, GQA-packed rows."""
+    b, hk, rows, skv, d = 2, 2, 6, 24, 16
     schedule = dict(q_blocks=2, forloop_range=3) if seed is flash_attention else dict(splits=3, forloop_range=2)
-    g = seed(b, hk, rows, skv, d, scale=0.3, softcap=4.0, masked=True, dtype="float32", **schedule)
+    mb, mh = (1, 1) if shared else (b, hk)
+    g = seed(b, hk, rows, skv, d, scale=0.3, softcap=4.0, mask=(mb, mh), dtype="float32", **schedule)
     q, k, v = torch.randn(b, hk, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
-    m = torch.zeros(b, hk, rows, skv)
+    m = torch.zeros(mb, mh, rows, skv)
     m[..., 8:16] = -1e30                  # the middle split / tiles: every key masked
     m[..., 1, 20:] = -1e30
     out = compile_ugraph(g, [q, k, v, m])(q, k, v, m)[0]
@@ -201,7 +203,7 @@ def test_softcap_seed_verifies_with_tanh_uninterpreted(cap):
     against the eager program and a wrong cap multiplier is rejected by the field test itself."""
     from torch_mirage.superopt.verify import verify
 
-    g = flash_attention(1, 2, 4, 8, 16, scale=0.25, softcap=cap, masked=True, dtype="float32", forloop_range=2)
+    g = flash_attention(1, 2, 4, 8, 16, scale=0.25, softcap=cap, mask=(1, 2), dtype="float32", forloop_range=2)
 
     def ref(q, k, v, m, mult=cap):
         return torch.softmax(torch.tanh(q @ k.transpose(-1, -2) * 0.25 / cap) * mult + m, -1) @ v
