@@ -352,10 +352,20 @@ def find_attention(graph: Graph, nodes: Sequence[Node] | None = None) -> list[At
     """Every attention region among ``nodes`` (default: the whole graph) whose inner values nothing else reads."""
     from .properties import analyze_values
 
-    try:
-        values = analyze_values(graph.nodes)
-    except Exception:   # a value analysis that fails only loses the mask's structure
-        values = None
+    class _Values(dict):
+        """The graph's value properties, computed on the first look-up (only masked regions need them)."""
+        ready = False
+
+        def get(self, key, default=None):
+            if not self.ready:
+                self.ready = True
+                try:
+                    self.update(analyze_values(graph.nodes))
+                except Exception:   # a value analysis that fails only loses the mask's structure
+                    pass
+            return super().get(key, default)
+
+    values = _Values()
     pool = list(graph.nodes if nodes is None else nodes)
     allowed = {id(n) for n in pool}
     outputs = {id(v) for v in graph.output_values}
