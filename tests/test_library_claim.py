@@ -50,8 +50,6 @@ ATTENTION_SHAPES = [(2, 2, 16, 16), (2, 2, 64, 16), (2, 2, 64, 16)]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("name,fn,shapes", [
-    ("gqa_flashattention", attention, ATTENTION_SHAPES),
-    ("gqa_flashattention", attention_fp32_softmax, ATTENTION_SHAPES),
     ("lora", lora, [(24, 40), (40, 56), (40, 8), (8, 56)]),
     ("gated_mlp", gated_mlp, [(24, 40), (40, 56), (40, 56)]),
     ("lora", lora, [(7, 33), (33, 17), (33, 3), (3, 17)]),          # odd sizes: tiles of any divisor
@@ -68,10 +66,26 @@ def test_library_program_runs_its_ugraph(name, fn, shapes, dtype):
     assert region.info["dims"] == list(dims_from_shapes(library.WORKLOADS[name], ugraph_shapes(name, shapes)))
 
 
-@pytest.mark.parametrize("fa_us,fd_us,chosen", [(2.0, 1.0, "gqa_flashdecoding"), (1.0, 2.0, "gqa_flashattention")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fn", [attention, attention_fp32_softmax])
+def test_attention_forms_go_to_the_attention_claimer(fn, dtype):
+    """Plain attention is claimed by analysis (superopt/attention_claim.py) ahead of the library."""
+    compiled, report = _compile(fn)
+    xs = _inputs(ATTENTION_SHAPES, dtype)
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).to(dtype), dtype)
+    assert not _library_regions(report), str(report)
+    (region,) = [r for r in report.regions if r.claimer == "attention"]
+    assert region.compiled_by == "mirage" and region.info["ugraph"] == "flash_attention", str(report)
+
+
+ATTENTION_LONG_KV = [(2, 2, 16, 16), (2, 2, 512, 16), (2, 2, 512, 16)]
+
+
+@pytest.mark.parametrize("fa_us,fd_us,chosen", [(2.0, 1.0, "flash_decoding"), (1.0, 2.0, "flash_attention")])
 def test_attention_runs_the_faster_of_its_ugraphs(monkeypatch, fa_us, fd_us, chosen):
-    """Attention has two μGraphs (FlashAttention-style and split-KV FlashDecoding): both are compiled, the one
-    that times faster runs (timing is faked here: the interpreter has no CUDA graphs), and either matches eager."""
+    """Attention over a KV long enough to split has two seeds (FlashAttention and split-KV FlashDecoding): both
+    are compiled, the one that times faster runs (timing is faked here: the interpreter has no CUDA graphs), and
+    either matches eager."""
     from torch_mirage.superopt import claim
 
     first_seen: dict[int, float] = {}   # A B B A: the first μGraph timed is FlashAttention's
@@ -84,11 +98,11 @@ def test_attention_runs_the_faster_of_its_ugraphs(monkeypatch, fa_us, fd_us, cho
     monkeypatch.setattr(claim, "_timing_sets", lambda examples: [examples])
     monkeypatch.setattr(claim, "_time_ugraph", fake_samples)
     compiled, report = _compile(attention)
-    xs = _inputs(ATTENTION_SHAPES, torch.float32)
+    xs = _inputs(ATTENTION_LONG_KV, torch.float32)
     assert_close(compiled(*xs), attention(*[x.double() for x in xs]).float())
-    (region,) = _library_regions(report)
+    (region,) = [r for r in report.regions if r.claimer == "attention"]
     assert region.info["ugraph"] == chosen and chosen in region.detail, str(report)
-    assert region.info["ugraph_us"] == {"gqa_flashattention": fa_us, "gqa_flashdecoding": fd_us}
+    assert region.info["ugraph_us"] == {"flash_attention": fa_us, "flash_decoding": fd_us}
 
 
 def test_programs_that_differ_are_not_claimed():

@@ -232,3 +232,45 @@ def test_tuned_kernels_on_gpu(name, dims, sched, dtype):
     (got,) = compile_ugraph(g, xs, limit=2)(*xs)
     want = library.WORKLOADS[name].reference(*[x.double() for x in xs])
     assert _rel(got, want) < (1e-2 if dtype is torch.float16 else 3e-2)
+
+
+def _softcap_masked_reference(q, k, v, m, scale, cap):
+    s = torch.tanh(q.double() @ k.double().transpose(-1, -2) * scale / cap) * cap + m.double()
+    return torch.softmax(s, -1) @ v.double()
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_attention_seed_with_tanh_and_mask_iterator_splits(split, tmp_path):
+    """The soft-capped, masked FlashAttention seed (tanh lowered through sigmoid; a mask iterator walking KV next
+    to K, shared by every head) run whole and split over KV with the codegen's combine."""
+    from torch_mirage.superopt.attention_seeds import flash_attention
+
+    b, hk, rows, skv, d = 1, 2, 8, 32, 16
+    g = flash_attention(b, hk, rows, skv, d, scale=0.25, softcap=3.0, mask=(1, 1), dtype="float16",
+                        mask_dtype="float32", q_blocks=2, forloop_range=4)
+    (op,) = [o for o in g.ops if o.name == "customized"]
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(s, generator=gen).half() for s in ((b, hk, rows, d), (b, hk, skv, d), (b, hk, skv, d)))
+    m = torch.zeros(1, 1, rows, skv)
+    m[..., 16:] = -1e30                      # the second half of KV (one split) masked for every row
+    run = BlockLauncher(op.body, LaunchConfig((hk, b, 2), 4, split), [4, 4, 4, 4], str(tmp_path))
+    assert "tl.sigmoid(2.0 *" in run.source and (run.combine_fn is not None) == (split > 1)
+    (got,) = run(q, k, v, m)
+    assert _rel(got, _softcap_masked_reference(q, k, v, m, 0.25, 3.0)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("seed", ["flash_attention", "flash_decoding"])
+def test_attention_seeds_tuned_on_gpu(seed, dtype):
+    from torch_mirage.superopt.attention_seeds import SEEDS
+
+    b, hk, rows, skv, d = 2, 8, 4 if seed == "flash_decoding" else 256, 4096, 128
+    g = SEEDS[seed](b, hk, rows, skv, d, scale=d ** -0.5, softcap=50.0, mask=(1, 1),
+                    dtype={torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype], mask_dtype="float32")
+    q, k, v = (torch.randn(s, device="cuda", dtype=dtype) for s in ((b, hk, rows, d), (b, hk, skv, d), (b, hk, skv, d)))
+    m = torch.zeros(1, 1, rows, skv, device="cuda")
+    m[..., 3000:] = -1e30
+    (got,) = compile_ugraph(g, [q, k, v, m], limit=2)(q, k, v, m)
+    assert _rel(got, _softcap_masked_reference(q, k, v, m, d ** -0.5, 50.0)) < (1e-2 if dtype is torch.float16 else 3e-2)

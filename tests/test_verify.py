@@ -180,12 +180,20 @@ def test_float_test_rejects_unsafe_softmax_the_field_cannot_see():
 
 def test_non_lax_program_gets_float_test_only():
     def ref(x):
-        return torch.tanh(x) * 2
+        return torch.erf(x) * 2
 
-    v = verify(lambda x: 2 * torch.tanh(x), ref, [r(3, 5)])
+    v = verify(lambda x: 2 * torch.erf(x), ref, [r(3, 5)])
     assert v.equivalent and v.error_bound is None and "float test only" in v.reason
-    bad = verify(lambda x: 2 * torch.tanh(x) + 1e-3, ref, [r(3, 5)])
+    bad = verify(lambda x: 2 * torch.erf(x) + 1e-3, ref, [r(3, 5)])
     assert not bad.equivalent and bad.reason.startswith("float test")
+
+
+def test_tanh_is_an_uninterpreted_function_in_the_field():
+    """tanh (attention's soft-cap) gets the field test: equal arguments compare equal, others do not."""
+    v = verify(lambda x: 2 * torch.tanh(x), lambda x: torch.tanh(x) * 2, [r(3, 5)])
+    assert v.equivalent and v.error_bound is not None, v.reason
+    bad = verify(lambda x: torch.tanh(x * 1.5), lambda x: torch.tanh(x) * 1.5, [r(3, 5)])
+    assert not bad.equivalent and bad.reason.startswith("finite-field test rejects"), bad.reason
 
 
 def test_trials_follow_the_target_bound():

@@ -83,12 +83,17 @@ class CompileContext:
 def default_claimers(config: Config) -> list[Claimer]:
     """Claiming passes in priority order (earlier passes see the graph first)."""
     from .partition.stitch import StitchClaimer
-    from .superopt.claim import LibraryClaimer
+    from .superopt.attention_claim import AttentionClaimer
+    from .superopt.claim import DEFAULT_WORKLOADS, LibraryClaimer
 
     from .superopt.search.claimer import SearchClaimer
 
-    return ([LibraryClaimer()] if config.ugraph_library else []) + ([SearchClaimer()] if config.search else []) \
-        + ([StitchClaimer()] if config.stitch else [])
+    # QK-norm attention (norms + attention in one μGraph) is matched before the attention claimer takes the
+    # attention alone; the rest of the library after it; the search after the library, stitching last
+    library = ([LibraryClaimer(("qknorm_attention",)), AttentionClaimer(),
+                LibraryClaimer([w for w in DEFAULT_WORKLOADS if w != "qknorm_attention"])]
+               if config.ugraph_library else [])
+    return library + ([SearchClaimer()] if config.search else []) + ([StitchClaimer()] if config.stitch else [])
 
 
 def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext) -> list[Region]:

@@ -302,6 +302,59 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
              quick=dict(D=64, HD=16, H=4, KV=2, I=96, T=64), mutates=(5, 6)),
 ]}
 
+# ---------------------------------------------------------------------------------------------
+# Reference columns for the attention workloads: what a user would write instead (fused SDPA, flex_attention with
+# a tanh soft-cap score_mod and a causal block mask). Each takes the workload's inputs; ``same`` says whether it
+# computes the workload's (first) output — SDPA has no soft-cap and no column sums, so it is a speed reference only.
+
+
+@dataclass(frozen=True)
+class Reference:
+    label: str
+    make: Callable[[], Callable]    # -> fn(*workload inputs); built per case (flex compiles, caches block masks)
+    same: bool
+
+
+def sdpa_causal(q, k, v, *_):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def sdpa_plain(q, k, v, *_):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def flex(softcap: float | None = None, causal: bool = True, gqa: bool = False) -> Callable:
+    """Compiled flex_attention with ``softcap·tanh(s/softcap)`` as score_mod and a causal block mask (made once
+    per shape and device, outside the timed call)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    masks: dict = {}
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+
+    def causal_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def run(q, k, v, *_):
+        key = (q.shape[-2], k.shape[-2], q.device)
+        if causal and key not in masks:
+            masks[key] = create_block_mask(causal_mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
+        return compiled(q, k, v, score_mod=score_mod if softcap else None, block_mask=masks.get(key),
+                        enable_gqa=gqa)
+    return run
+
+
+REFERENCES: dict[str, tuple[Reference, ...]] = {
+    "gemma2_softcap": (Reference("flex(softcap+causal)", lambda: flex(50.0), True),
+                       Reference("sdpa(causal, no softcap)", lambda: sdpa_causal, False)),
+    "h2o_core": (Reference("sdpa(causal, P·V only)", lambda: sdpa_causal, False),
+                 Reference("flex(causal, P·V only)", lambda: flex(None), False)),
+    "gqa": (Reference("sdpa", lambda: sdpa_plain, True), Reference("flex", lambda: flex(None, causal=False), True)),
+}
+
+
 # --quick's default set: a matmul prologue, a masked softmax, attention, a whole decoder layer
 QUICK_DEFAULT = ("rmsnorm_linear", "bert_softmax", "gqa", "llama_layer_decode")
 

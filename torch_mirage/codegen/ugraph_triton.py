@@ -44,6 +44,7 @@ COMBINABLE = {"acc_sum", "acc_mean", "acc_rms", "acc_max", "acc_online_softmax"}
 ELEMENTWISE = {
     "add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "div": "{0} / {1}",
     "exp": "tl.exp({0})", "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})", "silu": "{0} * tl.sigmoid({0})",
+    "tanh": "(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)",
     "neg": "-{0}", "square": "{0} * {0}", "scalar_mul": "{0} * {value}", "scalar_add": "{0} + {value}",
 }
 # reductions: (Triton reducer, fill for padded elements)

@@ -71,6 +71,10 @@ class Arith(abc.ABC):
         """Elementwise ``x * sigmoid(x)``."""
 
     @abc.abstractmethod
+    def tanh(self, x: Tensor) -> Tensor:
+        """Elementwise hyperbolic tangent (finite field: an uninterpreted function)."""
+
+    @abc.abstractmethod
     def neg(self, x: Tensor) -> Tensor:
         """Elementwise ``-x``."""
 
@@ -221,6 +225,9 @@ class TorchArith(Arith):
 
     def silu(self, x):
         return torch.nn.functional.silu(x)
+
+    def tanh(self, x):
+        return torch.tanh(x)
 
     def neg(self, x):
         return -x

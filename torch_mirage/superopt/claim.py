@@ -9,7 +9,7 @@ whose kernel is the μGraph compiled for those shapes. The backend then checks t
 random inputs and, on a GPU, times it against Inductor's version of the same region, as for every region.
 
 This finds a μGraph only where the user wrote the program in one of the forms ``PROGRAMS`` lists (``x @ w +
-(x @ a) @ b``; attention with its softmax in fp32); the search of a later stage generalises it. A constant the
+(x @ a) @ b``; QK-norm attention with its softmax in fp32); the search of a later stage generalises it. A constant the
 shapes do not fix (an RMS norm's eps) is read from the user's graph where the program, traced with a sentinel in
 its place, has it; the exact pass then requires every occurrence to agree, since a different eps would pass a
 numerics check while computing something else.
@@ -67,7 +67,6 @@ PROGRAMS: dict[str, tuple[Callable, ...]] = {
     "lora": (library.lora_ref,),
     "gated_mlp": (library.gated_mlp_ref,),
     "qknorm_attention": (library.qknorm_attention_ref, qknorm_attention_fp32),
-    "gqa_flashattention": (library.attention_ref, attention_softmax_fp32),
     "ntrans": (library.ntrans_ref, ntrans_norms_fp32),
 }
 # keyword constants a program and its μGraph take that the shapes do not fix: read from the user's graph where
@@ -75,9 +74,9 @@ PROGRAMS: dict[str, tuple[Callable, ...]] = {
 CONSTANTS: dict[str, tuple[str, ...]] = {"ntrans": ("eps",), "rmsnorm_linear": ("eps",), "qknorm_attention": ("eps",)}
 _SENTINELS = (1.2345678e-5, 2.3456789e-5)
 DEFAULT_WORKLOADS = tuple(PROGRAMS)
-# other μGraphs of the same program, inputs and dims: each is compiled, and on a GPU the fastest runs (split-KV
-# FlashDecoding fills the SMs where few query rows leave FlashAttention's grid small, and loses where many do)
-ALTERNATIVES: dict[str, tuple[str, ...]] = {"gqa_flashattention": ("gqa_flashdecoding",)}
+# other μGraphs of the same program, inputs and dims: each is compiled, and on a GPU the fastest runs (attention
+# itself, masked or not, is claimed by analysis: superopt/attention_claim.py, which times its own seeds)
+ALTERNATIVES: dict[str, tuple[str, ...]] = {}
 # the μGraph input whose rows may come with leading dims — a (batch, seq, k) activation for an (m, k) one — and
 # then the output carries the same leading dims (the matmul ``x @ w`` of a 3-D x is view → mm → view in ATen)
 BATCHED_INPUT = {"lora": 0, "gated_mlp": 0, "rmsnorm_linear": 0}

@@ -4,7 +4,7 @@ One handler per op name of :mod:`torch_mirage.capture.ops` (:data:`HANDLERS`): L
 :class:`~.finite_field.FiniteFieldArith`, layout ops re-run their ATen overload on the
 :class:`~.finite_field.FieldTensor` (they only move elements), ``where`` selects with a boolean
 condition that is program *data* (a bool input, the same on both sides of a comparison). Ops without
-a handler (tanh, erf, comparisons of field values, clamp ...) raise :class:`~.finite_field.NotLAX`:
+a handler (erf, comparisons of field values, clamp ...) raise :class:`~.finite_field.NotLAX`:
 such programs get only the float test.
 """
 from __future__ import annotations
@@ -162,6 +162,7 @@ HANDLERS: dict[str, Handler] = {
     "add": _add, "sub": _sub, "mul": _binary("mul"), "div": _div,
     "neg": _unary("neg"), "reciprocal": _unary("inverse"), "exp": _unary("exp"), "exp2": _unary("exp2"),
     "sqrt": _unary("sqrt"), "rsqrt": _unary("rsqrt"), "pow": _pow, "silu": _unary("silu"),
+    "tanh": _unary("tanh"),
     "sigmoid": _unary("sigmoid"), "to_dtype": _to_dtype, "copy": lambda A, n, a, k: a[0],
     "sum": _sum, "mean": _mean, "amax": _amax, "maximum": _maximum, "matmul": _matmul,
     "view": _layout, "permute": _layout, "expand": _layout, "unsqueeze": _layout, "squeeze": _layout,

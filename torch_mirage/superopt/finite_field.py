@@ -372,6 +372,7 @@ def per_trial_bound(a: Deg, b: Deg, f: FieldParams, zero_risk: float = 0.0) -> T
 
 
 # ------------------------------------------------------------------ the tensor
+_TANH_SALT = 0.8660254037844386   # √3/2: any constant no program adds before a sqrt
 _ARITH_NAMES = frozenset("""add sub mul div true_divide floor_divide matmul mm bmm exp sqrt rsqrt neg pow
 sum mean amax amin max min maximum minimum sigmoid tanh square reciprocal remainder fmod
 __add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__
@@ -745,6 +746,14 @@ class FiniteFieldArith(Arith):
 
     def rsqrt(self, x):
         return self.inverse(self.sqrt(x))
+
+    def tanh(self, x):
+        """An uninterpreted function: the keyed hash of ``x`` shifted by a fixed odd constant, so that it is
+        not sqrt's hash of the same value; both programs must apply it to equal values to compare equal."""
+        x = self.lift(x)
+        if bool(self.split(x)[2].any()):
+            raise NotLAX("tanh of -inf")
+        return self._hash(self.add(x, self.constant(_TANH_SALT)))
 
     def silu(self, x):
         return self.div(x, self.add(1, self.exp(self.neg(x))))

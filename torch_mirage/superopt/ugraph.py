@@ -285,6 +285,7 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
            dtype=_dt_attr),
     OpSpec("saver", "io", 1, frozenset({B}), _saver, attrs=("index", "omap", "dtype"), dtype=lambda *a: ()),
     *(_ew(n, 1) for n in ("exp", "sqrt", "rsqrt", "silu", "neg", "square")),
+    _ew("tanh", 1, lax=False),
     _ew("scalar_mul", 1, ("value",)),
     _ew("scalar_add", 1, ("value",)),
     *(_ew(n, 2) for n in ("add", "sub", "mul", "div")),

@@ -1,0 +1,246 @@
+"""Attention as a family: masked, soft-capped, GQA and decode attention found by analysis in HF eager code, SDPA
+and hand-written forms, run by the attention seed μGraphs (Triton interpreter on CPU), eager-equal."""
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_mirage
+from helpers import assert_close
+from torch_mirage.superopt.attention_seeds import flash_attention, flash_decoding
+from torch_mirage.superopt.compile import compile_ugraph
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+# ------------------------------------------------------------------ forms
+def repeat_kv(x, n_rep):
+    """HF's repeat_kv: (b, hk, s, d) -> (b, hk·n_rep, s, d)."""
+    b, hk, s, d = x.shape
+    if n_rep == 1:
+        return x
+    return x[:, :, None, :, :].expand(b, hk, n_rep, s, d).reshape(b, hk * n_rep, s, d)
+
+
+def hf_eager_attention(q, k, v, mask, scaling, softcap=None):
+    """HF's eager_attention_forward (gemma2 style when ``softcap`` is set): matmul, soft-cap, additive mask,
+    softmax in fp32, dropout p=0, matmul."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    w = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
+    if mask is not None:
+        w = w + mask[:, :, :, : k.shape[-2]]
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    w = F.dropout(w, p=0.0, training=False)
+    return torch.matmul(w, v).transpose(1, 2).contiguous()
+
+
+def hf_mask(b, sq, skv, dtype, window=None, pad=None):
+    """An HF-style 4-D additive mask (finfo.min where masked): causal, optionally a sliding window and left
+    padding of ``pad`` keys per batch row (whose own query rows are then fully masked)."""
+    i = torch.arange(sq)[:, None] + (skv - sq)
+    j = torch.arange(skv)[None, :]
+    keep = (j <= i).expand(b, 1, sq, skv).clone()
+    if window is not None:
+        keep &= (i - j < window)
+    if pad is not None:
+        for r, p in enumerate(pad):
+            keep[r, :, :, :p] = False
+    return torch.zeros(b, 1, sq, skv, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def _compile(fn):
+    report = torch_mirage.Report()
+    return torch.compile(fn, backend=torch_mirage.MirageBackend(options={"min_region_us": 0}, report=report)), report
+
+
+def _attention_regions(report):
+    return [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
+
+
+def _qkv(b, h, hk, sq, skv, d, dtype):
+    return (torch.randn(b, h, sq, d, dtype=dtype), torch.randn(b, hk, skv, d, dtype=dtype),
+            torch.randn(b, hk, skv, d, dtype=dtype))
+
+
+def _check(fn, args, dtype, expect=1):
+    torch._dynamo.reset()
+    compiled, report = _compile(fn)
+    out = compiled(*args)
+    ref = fn(*[a.double() if a.is_floating_point() else a for a in args])
+    regions = _attention_regions(report)
+    assert len(regions) == expect, str(report)
+    if torch.isnan(ref).any():
+        assert torch.equal(torch.isnan(out), torch.isnan(ref)), "NaN where eager has none (or the reverse)"
+        out, ref = out.nan_to_num(), ref.nan_to_num()
+    assert_close(out, ref.to(out.dtype), dtype)
+    return regions
+
+
+# ------------------------------------------------------------------ HF eager
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", ["causal", "padding", "window", "softcap", "gqa_decode"])
+def test_hf_eager_forms_are_claimed(case, dtype):
+    b, h, hk, sq, skv, d = 2, 4, 2, 8, 8, 16
+    window = pad = softcap = None
+    if case == "padding":
+        pad = (0, 3)
+    elif case == "window":
+        window = 3
+    elif case == "softcap":
+        softcap = 5.0
+    elif case == "gqa_decode":
+        sq, skv = 2, 24
+    q, k, v = _qkv(b, h, hk, sq, skv, d, dtype)
+    mask = hf_mask(b, sq, skv, dtype, window=window, pad=pad)
+
+    def f(q, k, v, mask):
+        return hf_eager_attention(q, k, v, mask, d ** -0.5, softcap)
+
+    (region,) = _check(f, (q, k, v, mask), dtype)
+    info = region.info["attention"]
+    assert "eager" in info and "hk=2" in info and ("softcap=5" in info) == (case == "softcap"), info
+
+
+# ------------------------------------------------------------------ SDPA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", ["plain", "causal", "bool", "bool_empty_rows", "float", "gqa", "scale"])
+def test_sdpa_forms_are_claimed(case, dtype):
+    b, h, hk, sq, skv, d = 1, 4, 4, 8, 16, 16
+    kw = {}
+    if case == "causal":
+        kw["is_causal"] = True
+        skv = sq
+    elif case == "gqa":
+        hk, kw["enable_gqa"], kw["is_causal"] = 2, True, True
+        skv = sq
+    elif case == "scale":
+        kw["scale"] = 0.3
+    q, k, v = _qkv(b, h, hk, sq, skv, d, dtype)
+    args = [q, k, v]
+    if case.startswith("bool"):
+        m = torch.rand(b, 1, sq, skv) > 0.4
+        m[..., 0] = True
+        if case == "bool_empty_rows":
+            m[:, :, 2] = False            # padding: a query row with no key; SDPA returns zeros there
+        args.append(m)
+    elif case == "float":
+        args.append(torch.randn(b, h, sq, skv, dtype=dtype))
+
+    def f(q, k, v, *mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None, **kw)
+
+    (region,) = _check(f, tuple(args), dtype)
+    assert "scaled_dot_product" in region.info["attention"]
+
+
+# ------------------------------------------------------------------ hand-written
+def test_hand_written_causal_attention_from_index_comparisons():
+    """Scale on q, the transpose spelled with permute, a causal mask from arange comparisons (its value property
+    names it causal), masked_fill with -inf, softmax in the input dtype."""
+    def f(q, k, v):
+        n = q.shape[-2]
+        i = torch.arange(n, device=q.device)
+        s = (q * q.shape[-1] ** -0.5) @ k.permute(0, 1, 3, 2)
+        s = s.masked_fill(i[None, :] > i[:, None], float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+    (region,) = _check(f, _qkv(1, 2, 2, 8, 8, 16, torch.float32), torch.float32)
+    assert "mask=bool_inverted(causal)" in region.info["attention"], region.info
+
+
+def test_hand_written_padding_with_minus_inf_keeps_eager_nans():
+    """Fully masked rows under a -inf additive mask are NaN in eager's decomposed softmax: the same NaN, and
+    numbers everywhere else."""
+    def f(q, k, v, mask):
+        return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask, dim=-1) @ v
+
+    q, k, v = _qkv(1, 2, 2, 4, 8, 16, torch.float32)
+    mask = torch.zeros(1, 1, 4, 8)
+    mask[..., 5:] = float("-inf")
+    mask[..., 1, :] = float("-inf")
+    _check(f, (q, k, v, mask), torch.float32)
+
+
+def test_attention_with_inner_value_read_elsewhere_is_not_claimed():
+    def f(q, k, v):
+        p = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+        return p @ v, p.sum()
+
+    torch._dynamo.reset()
+    compiled, report = _compile(f)
+    compiled(*_qkv(1, 2, 2, 4, 4, 8, torch.float32))
+    assert not _attention_regions(report), str(report)
+
+
+# ------------------------------------------------------------------ seeds
+@pytest.mark.parametrize("seed", [flash_attention, flash_decoding])
+@pytest.mark.parametrize("shared", [False, True])
+def test_seeds_with_softcap_and_fully_masked_tiles(seed, shared):
+    """Both seeds against torch: soft-cap, a mask (per batch row and KV head, or one shared by all) with whole KV
+    tiles (and a whole split) masked at the clamp value the claimer uses, GQA-packed rows."""
+    b, hk, rows, skv, d = 2, 2, 6, 24, 16
+    schedule = dict(q_blocks=2, forloop_range=3) if seed is flash_attention else dict(splits=3, forloop_range=2)
+    mb, mh = (1, 1) if shared else (b, hk)
+    g = seed(b, hk, rows, skv, d, scale=0.3, softcap=4.0, mask=(mb, mh), dtype="float32", **schedule)
+    q, k, v = torch.randn(b, hk, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
+    m = torch.zeros(mb, mh, rows, skv)
+    m[..., 8:16] = -1e30                  # the middle split / tiles: every key masked
+    m[..., 1, 20:] = -1e30
+    out = compile_ugraph(g, [q, k, v, m])(q, k, v, m)[0]
+    ref = torch.softmax(torch.tanh(q @ k.transpose(-1, -2) * 0.3 / 4.0) * 4.0 + m, -1) @ v
+    assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("cap", [4.0, 50.0])
+def test_softcap_seed_verifies_with_tanh_uninterpreted(cap):
+    """tanh is an uninterpreted function in the finite-field test: the soft-capped, masked seed is accepted
+    against the eager program and a wrong cap multiplier is rejected by the field test itself."""
+    from torch_mirage.superopt.verify import verify
+
+    g = flash_attention(1, 2, 4, 8, 16, scale=0.25, softcap=cap, mask=(1, 2), dtype="float32", forloop_range=2)
+
+    def ref(q, k, v, m, mult=cap):
+        return torch.softmax(torch.tanh(q @ k.transpose(-1, -2) * 0.25 / cap) * mult + m, -1) @ v
+
+    xs = [torch.randn(1, 2, 4, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.zeros(1, 2, 4, 8)]
+    good = verify(g, ref, xs)
+    assert good.equivalent and good.error_bound is not None and "finite-field test passed" in good.reason, good.reason
+    bad = verify(g, lambda q, k, v, m: ref(q, k, v, m, cap * 1.01), xs)
+    assert not bad.equivalent and bad.reason.startswith("finite-field test rejects"), bad.reason
+
+
+@pytest.mark.parametrize("form", ["eager", "sdpa"])
+def test_decode_over_a_long_cache_can_run_split_kv(monkeypatch, form):
+    """One new token, GQA heads, a padded static cache (additive mask shared by the heads) long enough to split:
+    both seeds compile, and with split-KV timed faster (faked: the interpreter has no CUDA graphs) it runs and
+    matches eager."""
+    from torch_mirage.superopt import claim
+
+    first_seen: dict[int, float] = {}
+
+    def fake_samples(compiled, sets):
+        if id(compiled) not in first_seen:                                  # FlashAttention is timed first
+            first_seen[id(compiled)] = (2.0, 1.0)[len(first_seen)]
+        return [first_seen[id(compiled)]]
+
+    monkeypatch.setattr(claim, "_timing_sets", lambda examples: [examples])
+    monkeypatch.setattr(claim, "_time_ugraph", fake_samples)
+    b, h, hk, skv, d = 1, 4, 2, 512, 16
+    q, k, v = _qkv(b, h, hk, 1, skv, d, torch.float32)
+    mask = torch.zeros(b, 1, 1, skv)
+    mask[..., 300:] = float("-inf")             # cache slots not written yet: a whole split masked
+
+    def eager(q, k, v, mask):
+        return hf_eager_attention(q, k, v, mask, d ** -0.5)
+
+    def sdpa(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    (region,) = _check(eager if form == "eager" else sdpa, (q, k, v, mask), torch.float32)
+    assert region.info["ugraph"] == "flash_decoding", region.info

@@ -1,0 +1,397 @@
+"""Attention regions found by analysis of what a subgraph computes, not by its written form.
+
+An attention region is ``softmax(mask(softcap(scale · Q Kᵀ))) · V`` wherever it appears in an ATen graph:
+
+* from the decomposed eager form — a batched matmul ``Q·Kᵀ`` (any view / expand / permute spelling of the
+  transpose; K and V optionally repeated per query-head group by HF's ``repeat_kv``: unsqueeze → expand → clone →
+  view), scalar ``mul`` / ``div`` anywhere before the soft-cap (``q*scale``, ``s*scale``, ``s/√d``), an optional
+  soft-cap ``tanh(s/c)·c``, an optional mask (an additive float tensor, or a bool tensor through ``where``), the
+  softmax decomposed into ``amax / sub / exp / sum / div`` with any casts around it, then ``P·V``;
+* from the fused SDPA ATen ops (``_scaled_dot_product_{flash,efficient,cudnn}_attention``,
+  ``_scaled_dot_product_flash_attention_for_cpu``, ``scaled_dot_product_attention``) with their ``attn_mask`` /
+  ``is_causal`` / ``scale`` / GQA (fewer K/V heads) arguments.
+
+:func:`find_attention` returns one :class:`AttentionSpec` per region found: its shape parameters, scale, soft-cap,
+mask (kind and the value that carries it), the capture-IR nodes it covers and the values it reads. A mask tensor's
+value property (:mod:`.properties`) names its structure (causal triangle / sliding window) where it is computed from
+index comparisons in the same graph.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ..capture.ir import Graph, Node, Value
+
+# layout ops that move no arithmetic: followed through when looking for a region's operands
+_PASS = {"view", "expand", "copy", "unsqueeze", "to_dtype", "squeeze"}
+SDPA_TARGETS = {
+    "aten._scaled_dot_product_flash_attention.default": ("dropout_p", "is_causal", None),
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": ("dropout_p", "is_causal", None),
+    "aten._scaled_dot_product_efficient_attention.default": ("attn_mask", None, "dropout_p", "is_causal"),
+    "aten._scaled_dot_product_cudnn_attention.default": ("attn_mask", None, "dropout_p", "is_causal"),
+    "aten.scaled_dot_product_attention.default": ("attn_mask", "dropout_p", "is_causal", "scale"),
+}
+
+
+@dataclass
+class AttentionSpec:
+    """One attention region: ``softmax(mask(softcap(scale · Q Kᵀ))) · V``, Q (b, h, sq, d), K/V (b, hk, skv, d)."""
+    b: int
+    h: int
+    hk: int
+    sq: int
+    skv: int
+    d: int
+    scale: float
+    softcap: float | None = None
+    mask: str = "none"              # none | causal | additive | bool
+    mask_structure: str = ""        # what the mask tensor's value property shows: "causal", "window(w)", ""
+    mask_value: Value | None = None
+    bool_fill: float | None = None  # bool masks: the score where the mask is False
+    dtype: torch.dtype = torch.float16
+    form: str = "eager"             # eager | the SDPA op's name
+    q: Value | None = None
+    k: Value | None = None
+    v: Value | None = None
+    output: Value | None = None
+    nodes: list[Node] = field(default_factory=list)
+    extra_outputs: tuple = ()       # e.g. column sums of P (not found yet: the region's P must not escape)
+
+    @property
+    def group(self) -> int:
+        return self.h // self.hk
+
+    @property
+    def inputs(self) -> list[Value]:
+        return [self.q, self.k, self.v] + ([self.mask_value] if self.mask_value is not None else [])
+
+    def describe(self) -> str:
+        parts = [f"b={self.b} h={self.h} hk={self.hk} sq={self.sq} skv={self.skv} d={self.d} scale={self.scale:.4g}"]
+        if self.softcap is not None:
+            parts.append(f"softcap={self.softcap:g}")
+        if self.mask != "none":
+            parts.append(f"mask={self.mask}" + (f"({self.mask_structure})" if self.mask_structure else ""))
+        return f"{self.form}: " + " ".join(parts)
+
+
+def _shape(v: Any) -> tuple | None:
+    return tuple(v.meta.shape) if isinstance(v, Value) and v.meta is not None else None
+
+
+def _op(v: Any) -> str | None:
+    return v.producer.op.name if isinstance(v, Value) and v.producer is not None else None
+
+
+def _scalar(a: Any) -> float | None:
+    """A Python number, or the fill of a ``full`` tensor of one element (``masked_fill``'s value after
+    decomposition)."""
+    if isinstance(a, Value) and _op(a) == "full" and (a.meta is None or a.meta.numel == 1):
+        a = next((x for x in reversed(a.producer.args) if isinstance(x, (int, float))), None)
+    return float(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else None
+
+
+def _back(v: Value, seen: list[Node], ops: set[str] = _PASS) -> Value:
+    """``v`` followed back through arithmetic-free ops (recorded in ``seen``)."""
+    while _op(v) in ops:
+        seen.append(v.producer)
+        v = v.producer.args[0]
+    return v
+
+
+def _unrepeat(v: Value, seen: list[Node]) -> Value:
+    """K or V before HF's ``repeat_kv`` (unsqueeze(2) → expand → clone → view(b, hk·g, s, d)), else ``v``."""
+    trail: list[Node] = []
+    x = v
+    if _op(x) != "view":
+        return v
+    trail.append(x.producer)
+    x = x.producer.args[0]
+    while _op(x) in ("copy", "expand"):
+        trail.append(x.producer)
+        x = x.producer.args[0]
+    if _op(x) != "unsqueeze" or len(_shape(x) or ()) != 5:
+        return v
+    trail.append(x.producer)
+    src = x.producer.args[0]
+    b, hk, s, d = _shape(src)
+    if _shape(x) != (b, hk, 1, s, d) or _shape(v)[0] != b or _shape(v)[1] % hk or _shape(v)[2:] != (s, d):
+        return v
+    seen.extend(trail)
+    return src
+
+
+def _to_4d(v: Value, seen: list[Node]) -> Value:
+    """A bmm operand followed back through the views that fold its batch dims, to its 4-D form (no-op
+    expands and copies skipped)."""
+    while _op(v) == "view" and len(_shape(v)) != 4:
+        seen.append(v.producer)
+        v = v.producer.args[0]
+    while _op(v) in ("expand", "copy") and _shape(v.producer.args[0]) == _shape(v):
+        seen.append(v.producer)
+        v = v.producer.args[0]
+    return v
+
+
+def _operand(v: Value, seen: list[Node], transposed: bool) -> tuple[Value, float] | None:
+    """The 4-D (b, heads, s, d) tensor behind a bmm operand, with any scalar factor applied to it."""
+    x = _to_4d(v, seen)
+    if transposed:
+        if _op(x) != "permute" or list(x.producer.args[1]) not in ([0, 1, 3, 2], [0, 1, -1, -2]):
+            return None
+        seen.append(x.producer)
+        x = _to_4d(x.producer.args[0], seen)
+    factor = 1.0
+    while _op(x) in ("mul", "div", "to_dtype") and (_op(x) == "to_dtype" or _scalar(x.producer.args[1]) is not None):
+        n = x.producer
+        if n.op.name == "mul":
+            factor *= _scalar(n.args[1])
+        elif n.op.name == "div":
+            factor /= _scalar(n.args[1])
+        seen.append(n)
+        x = n.args[0]
+    x = _unrepeat(x, seen)
+    return (x, factor) if len(_shape(x) or ()) == 4 else None
+
+
+def _softmax_input(p: Value, seen: list[Node]) -> Value | None:
+    """The scores ``x`` of ``p = exp(x - amax(x)) / sum(exp(x - amax(x)))`` over the last dim (casts allowed)."""
+    p = _back(p, seen, {"to_dtype", "copy"})
+    if _op(p) != "div":
+        return None
+    div = p.producer
+    e, total = div.args[0], div.args[1]
+    if _op(e) != "exp" or _op(total) != "sum" or total.producer.args[0] is not e:
+        return None
+    dims = list(total.producer.args[1])
+    if dims not in ([-1], [len(_shape(e)) - 1]):
+        return None
+    sub = e.producer.args[0]
+    if _op(sub) != "sub" or _op(sub.producer.args[1]) != "amax":
+        return None
+    x = sub.producer.args[0]
+    if sub.producer.args[1].producer.args[0] is not x:
+        return None
+    seen.extend([div, total.producer, e.producer, sub.producer, sub.producer.args[1].producer])
+    return x
+
+
+def _data_arg(n: Node) -> Value | None:
+    """The score operand of a node on the chain from the scores to the softmax (``where``'s non-fill side)."""
+    if n.op.name == "where":
+        a = n.args[2] if _scalar(n.args[1]) is not None else n.args[1]
+    else:
+        a = n.args[0] if n.args else None
+    return a if isinstance(a, Value) else None
+
+
+def _scores(x: Value, s: Value, seen: list[Node]) -> dict | None:
+    """The chain from the raw scores ``s`` to the softmax input ``x``: scale, soft-cap, mask."""
+    chain: list[Node] = []
+    y = x
+    while y is not s:
+        if y.producer is None:
+            return None
+        chain.append(y.producer)
+        y = _data_arg(y.producer)
+        if y is None:
+            return None
+    pre, post, cap_seen, out = 1.0, 1.0, False, {"mask": "none"}
+    for n in reversed(chain):
+        name = n.op.name
+        a1 = n.args[1] if len(n.args) > 1 else None
+        if name == "to_dtype" or name == "copy":
+            pass
+        elif name in ("mul", "div") and _scalar(a1) is not None and out["mask"] == "none":
+            f = _scalar(a1) if name == "mul" else 1.0 / _scalar(a1)
+            if cap_seen:
+                post *= f
+            else:
+                pre *= f
+        elif name == "tanh" and not cap_seen and out["mask"] == "none":
+            cap_seen = True
+        elif name == "add" and isinstance(a1, Value) and out["mask"] == "none":
+            out.update(mask="additive", mask_value=a1)
+        elif name == "where" and out["mask"] == "none" and isinstance(n.args[0], Value):
+            m = n.args[0]
+            if m.meta is None or m.meta.dtype is not torch.bool:
+                return None
+            if _scalar(n.args[1]) is None:         # where(keep, s, fill)
+                fill, keep = _scalar(n.args[2]), True
+            else:                                  # where(masked, fill, s): masked_fill
+                fill, keep = _scalar(n.args[1]), False
+            if fill is None:
+                return None
+            fill_arg = n.args[2] if keep else n.args[1]
+            if isinstance(fill_arg, Value):        # a full() constant: part of the region
+                chain.append(fill_arg.producer)
+            out.update(mask="bool" if keep else "bool_inverted", mask_value=m, bool_fill=fill)
+        else:
+            return None
+    seen.extend(chain)
+    if cap_seen:
+        out.update(softcap=post, scale=pre * post)
+    else:
+        out.update(softcap=None, scale=pre)
+    return out
+
+
+def _mask_structure(mask: Value, values: dict | None) -> str:
+    """What the mask's value property shows: ``causal`` (a triangle on the last two dims), ``window(w)``."""
+    if values is None:
+        return ""
+    p = values.get(id(mask))
+    if p is None or not p.known or p.expr is None:
+        return ""
+    terms = dict(p.expr.terms)
+    if p.is_triangle and set(terms) == {-1, -2}:
+        return "causal" if p.expr.const in (0, -1) else f"diagonal({p.expr.const})"
+    return str(p)
+
+
+def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
+    """The eager attention whose ``P·V`` bmm is ``pv``."""
+    seen: list[Node] = [pv]
+    p_in, v_in = pv.args[0], pv.args[1]
+    if len(_shape(p_in) or ()) != 3:
+        return None
+    p = _back(p_in, seen, {"view", "expand", "copy"})
+    x = _softmax_input(p, seen)
+    if x is None:
+        return None
+    # the raw scores: x followed back through the chain to a view of a bmm
+    y, hops = x, 0
+    while y.producer is not None and not (_op(y) == "view" and _op(y.producer.args[0]) == "matmul") and hops < 16:
+        y = _data_arg(y.producer)
+        hops += 1
+        if y is None:
+            return None
+    if _op(y) != "view":
+        return None
+    qk = y.producer.args[0].producer
+    scores = _scores(x, y, seen)
+    if scores is None:
+        return None
+    seen.extend([y.producer, qk])
+    q = _operand(qk.args[0], seen, False)
+    k = _operand(qk.args[1], seen, True)
+    vv = _operand(v_in, seen, False)
+    if q is None or k is None or vv is None or vv[1] != 1.0:
+        return None
+    (qv, qf), (kv, kf), vv = q, k, vv[0]
+    b, h, sq, d = _shape(qv)
+    _, hk, skv, dk = _shape(kv)
+    if dk != d or _shape(vv) != (b, hk, skv, d) or _shape(kv)[0] != b or h % hk:
+        return None
+    out = pv.outputs[0]
+    # the output: (b·h, sq, d) viewed back to (b, h, sq, d)
+    if len(out.users) == 1 and out.users[0].op.name == "view" and _shape(out.users[0].outputs[0]) == (b, h, sq, d):
+        seen.append(out.users[0])
+        out = out.users[0].outputs[0]
+    else:
+        return None
+    mask_value = scores.get("mask_value")
+    spec = AttentionSpec(b, h, hk, sq, skv, d, scores["scale"] * qf * kf, scores["softcap"],
+                         scores["mask"], "", mask_value, scores.get("bool_fill"), qv.meta.dtype, "eager",
+                         qv, kv, vv, out, seen)
+    if mask_value is not None:
+        ms = _shape(mask_value)
+        if len(ms) > 4 or any(a not in (1, e) for a, e in zip(ms[::-1], (skv, sq, h, b))):
+            return None
+        spec.mask_structure = _mask_structure(mask_value, values)
+    return spec
+
+
+def _bind(node: Node, names: Sequence[str | None]) -> dict:
+    got = dict(node.kwargs)
+    for name, a in zip(names, node.args[3:]):
+        if name is not None:
+            got.setdefault(name, a)
+    return got
+
+
+def _sdpa_at(node: Node, values: dict | None) -> AttentionSpec | None:
+    """The attention of an SDPA ATen op (its first output; the others must be unread)."""
+    names = SDPA_TARGETS.get(node.target_name)
+    if names is None:
+        return None
+    q, k, v = node.args[:3]
+    if not all(len(_shape(t) or ()) == 4 for t in (q, k, v)):
+        return None
+    kw = _bind(node, names)
+    mask = kw.get("attn_mask", kw.get("attn_bias"))
+    if float(kw.get("dropout_p", 0.0) or 0.0) != 0.0:
+        return None
+    if any(o.users for o in node.outputs[1:]):
+        return None
+    b, h, sq, d = _shape(q)
+    _, hk, skv, _ = _shape(k)
+    if _shape(k)[0] != b or _shape(v) != _shape(k) or h % hk:
+        return None
+    scale = kw.get("scale")
+    spec = AttentionSpec(b, h, hk, sq, skv, d, float(scale) if scale is not None else 1.0 / math.sqrt(d),
+                         dtype=q.meta.dtype, form=node.target_name.split(".")[1], q=q, k=k, v=v,
+                         output=node.outputs[0], nodes=[node])
+    if kw.get("is_causal"):
+        if mask is not None:
+            return None
+        spec.mask, spec.mask_structure = "causal", "causal"
+    elif isinstance(mask, Value):
+        spec.mask = "bool" if mask.meta.dtype is torch.bool else "additive"
+        spec.mask_value = mask
+        if spec.mask == "bool":
+            spec.bool_fill = float("-inf")
+        spec.mask_structure = _mask_structure(mask, values)
+    return spec
+
+
+def find_attention(graph: Graph, nodes: Sequence[Node] | None = None) -> list[AttentionSpec]:
+    """Every attention region among ``nodes`` (default: the whole graph) whose inner values nothing else reads."""
+    from .properties import analyze_values
+
+    class _Values(dict):
+        """The graph's value properties, computed on the first look-up (only masked regions need them)."""
+        ready = False
+
+        def get(self, key, default=None):
+            if not self.ready:
+                self.ready = True
+                try:
+                    self.update(analyze_values(graph.nodes))
+                except Exception:   # a value analysis that fails only loses the mask's structure
+                    pass
+            return super().get(key, default)
+
+    values = _Values()
+    pool = list(graph.nodes if nodes is None else nodes)
+    allowed = {id(n) for n in pool}
+    outputs = {id(v) for v in graph.output_values}
+    found: list[AttentionSpec] = []
+    taken: set[int] = set()
+    for n in pool:
+        if id(n) in taken:
+            continue
+        try:
+            spec = _sdpa_at(n, values) if n.target_name in SDPA_TARGETS else (
+                _eager_at(n, values) if n.op.name == "matmul" else None)
+        except (AttributeError, IndexError, TypeError, ValueError):   # a shape this analysis does not read
+            spec = None
+        if spec is None:
+            continue
+        ids = {id(x) for x in spec.nodes}
+        if len(ids) != len(spec.nodes):
+            spec.nodes = list({id(x): x for x in spec.nodes}.values())
+        if not ids <= allowed or ids & taken:
+            continue
+        inner_escapes = any(w is not spec.output and (id(w) in outputs or any(id(u) not in ids for u in w.users))
+                            for x in spec.nodes for w in x.outputs)
+        if inner_escapes:
+            continue
+        order = {id(x): i for i, x in enumerate(graph.nodes)}
+        spec.nodes.sort(key=lambda x: order[id(x)])
+        taken |= ids
+        found.append(spec)
+    return found
