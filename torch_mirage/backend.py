@@ -286,16 +286,9 @@ def _dynamo_ops(gm: torch.fx.GraphModule) -> list[str]:
             if n.op in ("call_function", "call_method", "call_module")]
 
 
-def _dynamo_summary(gm: torch.fx.GraphModule, limit: int = 6) -> str:
-    """The Dynamo graph's first ops with their result dtypes and shapes, for a warning."""
-    parts = []
-    for n in gm.graph.nodes:
-        if n.op in ("call_function", "call_method", "call_module") and len(parts) < limit:
-            val = n.meta.get("example_value")
-            meta = f" {str(val.dtype).replace('torch.', '')}{list(val.shape)}" if isinstance(val, torch.Tensor) else ""
-            parts.append(f"{getattr(n.target, '__name__', n.target)}{meta}")
-    more = len(_dynamo_ops(gm)) - len(parts)
-    return "[" + ", ".join(parts) + (f", +{more} more" if more > 0 else "") + "]"
+def _dynamo_summary(gm: torch.fx.GraphModule) -> str:
+    """The Dynamo graph's first ops and its inputs, typed, for a warning."""
+    return failures.fx_graph_summary(gm, "example_value")
 
 
 def mirage_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:

@@ -56,6 +56,24 @@ def nodes_summary(nodes: Sequence[Any], limit: int = 4) -> str:
     return "[" + ", ".join(parts) + (f", +{more} more" if more > 0 else "") + "]"
 
 
+def fx_graph_summary(gm: Any, meta_key: str = "val", limit: int = 6) -> str:
+    """An FX graph for a warning: its first ``limit`` ops with result dtypes and shapes, then its tensor inputs
+    (``meta_key``: ``"val"`` in an ATen graph, ``"example_value"`` in a Dynamo graph)."""
+    def typed(n: Any) -> str:
+        val = n.meta.get(meta_key)
+        return f" {str(val.dtype).replace('torch.', '')}{list(val.shape)}" if hasattr(val, "dtype") else ""
+
+    ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    def name(n: Any) -> str:   # ATen ops by their full name (aten.amax.default), Python callables by theirs
+        return str(n.target) if hasattr(n.target, "_schema") else str(getattr(n.target, "__name__", n.target))
+
+    parts = [name(n) + typed(n) for n in ops[:limit]]
+    more = f", +{len(ops) - limit} more" if len(ops) > limit else ""
+    inputs = [typed(n).strip() for n in gm.graph.nodes if n.op == "placeholder" and typed(n)]
+    shown = ", ".join(inputs[:limit]) + (f", +{len(inputs) - limit} more" if len(inputs) > limit else "")
+    return "[" + ", ".join(parts) + more + "]" + (f" on inputs {shown}" if inputs else "")
+
+
 def _shape_of(message: str) -> str:
     """The message with numbers masked, so failures that differ only in sizes group together."""
     return re.sub(r"\d+", "#", message)

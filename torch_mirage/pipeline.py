@@ -25,7 +25,7 @@ from .capture.ir import Graph, Node, connected_components
 from .capture.lower import lower
 from .capture.ops import OpKind
 from .config import Config
-from .failures import Failure, FailureLog, describe_error, format_failure, stage, stage_of
+from .failures import Failure, FailureLog, describe_error, format_failure, fx_graph_summary, stage, stage_of
 from .partition.region import Claimer, Reason, Region, is_convex
 from .report import GraphReport, RegionReport
 from .runtime.assemble import assemble
@@ -209,7 +209,7 @@ def _after_failure(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
     whose forward is already compiled, goes through ``regional_inductor`` over the whole ATen graph. Eager only
     with ``fallback="eager"`` or when Inductor fails too."""
     config, report = ctx.config, ctx.report
-    failure = Failure(stage_of(error), _graph_summary(gm), describe_error(error), "")
+    failure = Failure(stage_of(error), fx_graph_summary(gm), describe_error(error), "")
     report.fallback_error = f"{failure.stage} stage: {failure.error}"
     ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     if config.fallback == "inductor" and report.kind in ("inference", "forward"):
@@ -315,14 +315,3 @@ def _boxed(fn: Any) -> Any:
         return fn(args)
     run._boxed_call = True
     return run
-
-
-def _graph_summary(gm: fx.GraphModule, limit: int = 6) -> str:
-    parts = []
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and len(parts) < limit:
-            val = n.meta.get("val")
-            meta = f" {str(val.dtype).replace('torch.', '')}{list(val.shape)}" if isinstance(val, torch.Tensor) else ""
-            parts.append(f"{n.target}{meta}")
-    more = sum(n.op == "call_function" for n in gm.graph.nodes) - len(parts)
-    return "[" + ", ".join(parts) + (f", +{more} more" if more > 0 else "") + "]"

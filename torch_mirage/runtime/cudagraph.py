@@ -13,6 +13,7 @@ import logging
 from typing import Any, Callable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 log = logging.getLogger("torch_mirage")
 
@@ -127,7 +128,8 @@ def move_constants_to_device(gm: torch.fx.GraphModule, device: torch.device | st
         if node not in derived or node in keep:
             continue
         if node in candidates:
-            _set_attribute(gm, node.target, candidates[node].to(device))
+            with unset_fake_temporarily():   # AOTAutograd compiles under a fake mode: make a real tensor
+                _set_attribute(gm, node.target, candidates[node].to(device))
             moved.append(node.target)
         if "val" in node.meta:
             node.meta["val"] = _on_device(node.meta["val"], device)
