@@ -47,12 +47,17 @@ def main() -> int:
         m = torch.zeros(1, 1, rows, skv, device="cuda")
         m[..., args.masked_from:] = -1e30
         want = reference(q, k, v, m, d ** -0.5, 50.0)
-        (op,) = [o for o in g.ops if o.name == "customized"]
+        kernels = [o for o in g.ops if o.name != "input"]
+        if len(kernels) != 1 or kernels[0].name != "customized":
+            print(f"{seed}: skipped (not one graph-defined kernel over the inputs: {[o.name for o in kernels]})")
+            continue
+        op = kernels[0]
         n_sm = torch.cuda.get_device_properties(0).multi_processor_count
         for cfg in candidates(op.body, n_sm, args.limit):
             try:
                 run = BlockLauncher(op.body, cfg, [4, 4, 4, 4], out_dir, f"{seed}_check")
-                (got,) = run(q, k, v, m)
+                ws = [torch.zeros(shape, dtype=dt, device="cuda") for shape, dt in run.ws_specs]
+                (got,) = run(q, k, v, m, workspaces=ws)
                 torch.cuda.synchronize()
             except Exception as e:   # a config that does not compile (shared memory, registers) is not wrong
                 print(f"{seed} {cfg}: not built ({type(e).__name__}: {str(e)[:80]})")
@@ -63,6 +68,11 @@ def main() -> int:
             bad += not ok
             print(f"{seed} {cfg}: {'ok' if ok else 'WRONG'} rel.err {err:.2e} finite={finite} "
                   f"nan rows={int(got.isnan().any(-1).sum())} source={getattr(run, 'path', '?')}")
+            if not finite and ws:   # which split's partial results (running max, sum, P·V) are not finite
+                for j, (t, n) in enumerate(zip(ws, run.kernel.workspaces)):
+                    per_split = (~torch.isfinite(t.view(-1, cfg.split, n))).sum(dim=(0, 2)).tolist()
+                    print(f"    workspace {j}: non-finite entries per split {per_split}; "
+                          f"min {float(t[torch.isfinite(t)].min()) if torch.isfinite(t).any() else 'none'}")
     return 1 if bad else 0
 
 

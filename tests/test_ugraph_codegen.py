@@ -274,3 +274,16 @@ def test_attention_seeds_tuned_on_gpu(seed, dtype):
     m[..., 3000:] = -1e30
     (got,) = compile_ugraph(g, [q, k, v, m], limit=2)(q, k, v, m)
     assert _rel(got, _softcap_masked_reference(q, k, v, m, d ** -0.5, 50.0)) < (1e-2 if dtype is torch.float16 else 3e-2)
+
+
+def test_a_config_with_nan_where_the_reference_has_numbers_disagrees():
+    """A re-tiling that produces NaN (seen on an H100: split-KV attention with a fully masked split) must never
+    pass the agreement check of ``launch.choose``; NaN where both have NaN (a fully masked row) still agrees."""
+    want = torch.randn(8, 16)
+    bad = want.clone()
+    bad[3, 5] = float("nan")
+    assert launch._rel_err(bad, want) == float("inf")
+    assert launch._rel_err(want + 1e-7, want) < 1e-5
+    both = want.clone()
+    both[2] = float("nan")
+    assert launch._rel_err(both, both.clone()) == 0.0

@@ -242,7 +242,13 @@ def _product(choices):
 
 # ------------------------------------------------------------------ choosing
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    """Relative error of ``a`` against ``b`` over their finite entries; ``inf`` where one is finite and the other
+    is not (a NaN never compares below a tolerance: a config producing NaN where the reference has numbers
+    disagrees with it)."""
+    finite = torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), finite):
+        return float("inf")
+    a, b = a.double()[finite], b.double()[finite]
     return float((a - b).norm() / (b.norm() + 1e-30))
 
 
