@@ -95,3 +95,42 @@ def test_report_derives_speedups_over_reduce_overhead_and_best_inductor():
     text = M.markdown(doc)
     assert "Geomean prefill speedup of mirage over reduce-overhead: 1.25× over 1 cases." in text
     assert "skipped: no sdpa" in text
+
+
+def test_runs_of_one_model_each_merge_into_one_document(tmp_path):
+    """hf_models_gpu.sh runs each model in its own process; the merged document holds every model's record."""
+    import json
+
+    def doc(name, **extra):
+        return dict({"schema": M.SCHEMA, "timing": False, "env": {"device": "cpu", "torch": "2.13", "triton": "3.7"},
+                     "settings": {"models": [name], "modes": ["eager"], "dtype": "float32", "batch": 1,
+                                  "tokens": 4, "new_tokens": 1},
+                     "models": [{"model": name, "attn": "default", "modes": {"eager": {"status": "ok"}}}]}, **extra)
+
+    paths = []
+    for name, extra in (("llama", {}), ("gpt2", {"not_run": ["bert attn=default"]})):
+        paths.append(str(tmp_path / f"{name}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(doc(name, **extra), f)
+    merged = M.merge(paths, str(tmp_path), "all")
+    assert [m["model"] for m in merged["models"]] == ["llama", "gpt2"] == merged["settings"]["models"]
+    assert merged["not_run"] == ["bert attn=default"]
+    assert json.load(open(tmp_path / "all.json"))["models"] == merged["models"]
+    with open(paths[0], "w") as f:
+        json.dump({"schema": "other"}, f)
+    with pytest.raises(ValueError, match="not a torch_mirage.bench.models"):
+        M.merge(paths, str(tmp_path), "all")
+
+
+def test_cuda_graph_modes_start_a_step_and_clone_the_logits(monkeypatch):
+    """generate keeps the logits past the next forward: Inductor's CUDA-graph modes must not hand it graph memory."""
+    steps = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
+    logits = torch.randn(2, 3)
+
+    class Out(dict):
+        logits = property(lambda self: self["logits"])
+
+    forward = M._step_per_call(lambda x: Out(logits=logits))
+    out = forward(1)
+    assert steps == [1] and torch.equal(out.logits, logits) and out.logits.data_ptr() != logits.data_ptr()

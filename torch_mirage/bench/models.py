@@ -144,9 +144,23 @@ def compile_forward(model, mode: str, report: Any = None) -> None:
     elif mode == "inductor":
         model.forward = torch.compile(model.forward, dynamic=False)
     elif mode in ("reduce-overhead", "max-autotune"):
-        model.forward = torch.compile(model.forward, mode=mode, dynamic=False)
+        model.forward = _step_per_call(torch.compile(model.forward, mode=mode, dynamic=False))
     else:
         raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+
+
+def _step_per_call(compiled: Callable) -> Callable:
+    """Inductor's CUDA-graph modes as ``generate`` needs them: each call starts a new CUDA-graph step, and the
+    logits (which ``generate`` keeps past the next call) are cloned out of the graph's memory, as PyTorch's
+    documentation asks of outputs that outlive a replay. Without it the second decode step fails with
+    "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run"."""
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        torch.compiler.cudagraph_mark_step_begin()
+        out = compiled(*args, **kwargs)
+        if getattr(out, "logits", None) is not None:
+            out["logits"] = out.logits.clone()
+        return out
+    return forward
 
 
 def _timed(fn: Callable[[], Any], timing: dict | None) -> float | None:
@@ -382,6 +396,30 @@ def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequ
     return doc
 
 
+def merge(paths: Sequence[str], out: str, stem: str) -> dict:
+    """One document from several runs (e.g. one process per model, so that a crash loses one model only):
+    their ``models`` and ``not_run`` concatenated under the first run's settings and environment."""
+    from .report import write_json
+
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        if doc.get("schema") != SCHEMA:
+            raise ValueError(f"{path}: not a {SCHEMA} document")
+        docs.append(doc)
+    if not docs:
+        raise ValueError("nothing to merge")
+    merged = dict(docs[0], models=[m for d in docs for m in d["models"]],
+                  not_run=[n for d in docs for n in d.get("not_run", [])])
+    merged["settings"] = dict(merged["settings"], models=[m["model"] for m in merged["models"]])
+    write_json(merged, os.path.join(out, f"{stem}.json"))
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(markdown(merged))
+    plot(merged, os.path.join(out, f"{stem}.png"))
+    return merged
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m torch_mirage.bench.models", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=None, help=f"comma-separated (known: {','.join(MODELS)}; "
@@ -396,7 +434,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=None, help="start no new case after this many seconds")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench-results")
     p.add_argument("--name", default="models")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier runs into --out/NAME.{json,md} and exit")
     args = p.parse_args(argv)
+    if args.merge:
+        print(markdown(merge(args.merge, args.out, args.name)))
+        return 0
     if not available():
         print(MISSING)
         return 2

@@ -398,7 +398,10 @@ def _online_softmax_update(e: _Emitter, states: list[Val], s: Val, v: Val) -> No
                   natural=sm.pshape[:last] + (1,))
     mn = e.assign("m", f"tl.maximum({m.name}, {mt.name})", m.shape, natural=m.pshape)
     alpha = e.assign("a", f"tl.math.exp2({m.name} - {mn.name})", m.shape, natural=m.pshape)
-    p = e.assign("p", f"tl.math.exp2({sm.name} - {mn.name})", s.shape, natural=s.pshape)
+    # s - m <= 0, but the GPU compiler contracts ``s = x * log2e`` into ``fma(x, log2e, -m)``: at a masked
+    # score (-1e30, an additive mask) that leaves the product's rounding error, ~1e22, and exp2 of it is inf
+    # (NaN after the combine; seen on an H100 with a fully masked KV split). Clamped, such a tile gives p <= 1.
+    p = e.assign("p", f"tl.math.exp2(tl.minimum({sm.name} - {mn.name}, 0.0))", s.shape, natural=s.pshape)
     e.line(f"{l.name} = {l.name} * {alpha.name} + tl.sum({p.name}, axis={last}, keep_dims=True)")
     scaled = e.assign("o", f"{o.name} * {alpha.name}", o.shape, natural=o.pshape)
     new_o = e.matmul(p, v, o.shape, acc=scaled)
