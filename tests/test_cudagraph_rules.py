@@ -377,3 +377,12 @@ def test_an_explicit_device_ends_what_follows_a_moved_constant():
     assert move_constants_to_device(gm, "meta") == ["c"]
     assert lifted.meta["val"].device.type == "meta"
     assert on_cpu.meta["val"].device.type == "cpu" and plus.meta["val"].device.type == "cpu"
+
+
+def test_a_cpu_input_is_named_with_its_shape_and_the_way_out():
+    from torch_mirage.runtime.cudagraph import cuda_graph_blocker
+
+    gm = torch.fx.symbolic_trace(lambda x, pos: x + pos)
+    why = cuda_graph_blocker(gm, [torch.randn(2, 3), torch.arange(3)], "inference")
+    assert why.startswith("inputs not all CUDA tensors: input 0 (x) is a CPU float32[2, 3]")
+    assert "create it on the GPU" in why

@@ -170,8 +170,15 @@ def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     if any(not isinstance(x, (torch.Tensor, int, float, bool)) or isinstance(x, torch.SymInt) for x in example_inputs):
         return "dynamic shapes (symbolic sizes among the inputs)"
-    if not tensors or any(t.device.type != "cuda" for t in tensors):
-        return "inputs not all CUDA tensors"
+    if not tensors:
+        return "inputs not all CUDA tensors (no tensor input)"
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, t in enumerate(example_inputs):
+        if isinstance(t, torch.Tensor) and t.device.type != "cuda":
+            name = f" ({names[i]})" if i < len(names) else ""
+            return (f"inputs not all CUDA tensors: input {i}{name} is a {t.device.type.upper()} "
+                    f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}; create it on the GPU (e.g. a "
+                    f"cache_position or mask tensor passed to the model)")
     return graph_blocker(gm, "cuda")
 
 
