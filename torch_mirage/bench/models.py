@@ -125,9 +125,37 @@ def forward_logits(model, spec: HFModel) -> Callable[[torch.Tensor], torch.Tenso
 def greedy_generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """Greedy decoding of exactly ``new_tokens`` tokens with a static KV cache. ``disable_compile``: on CUDA with a
     static cache transformers would otherwise compile the forward itself, and eager would not be eager."""
+    cache = static_cache(model, ids.shape[0], ids.shape[1] + new_tokens, ids.device)
+    if cache is not None:
+        cache.reset()   # the same storage for every call (zeroed in place), as a serving loop keeps it
+    kwargs = {"past_key_values": cache} if cache is not None else {"cache_implementation": "static"}
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-                          pad_token_id=0, disable_compile=True)
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, disable_compile=True,
+                          **kwargs)
+
+
+def static_cache(model, batch: int, length: int, device: torch.device):
+    """A ``StaticCache`` allocated before the first (compiled) forward, as transformers' docs build one for
+    ``torch.compile``: allocated eagerly, its tensors are marked static addresses, so compiled graphs (Inductor's
+    CUDA-graph trees, mirage's runner) update them in place. Left to generate, the cache is allocated lazily inside
+    the compiled prefill, where transformers skips ``mark_static_address``; Inductor's reduce-overhead then skipped
+    its CUDA graphs for "mutated inputs" and failed or crashed inside ``generate`` on the H100 (torch 2.11).
+    One cache per model, batch and length, reused by every call (a new one per call would move the static
+    addresses and make every CUDA graph re-record). ``None`` where this transformers has no early initialisation."""
+    from transformers import StaticCache
+
+    caches = model.__dict__.setdefault("_bench_static_caches", {})
+    if (batch, length) in caches:
+        return caches[batch, length]
+    cfg = model.config.get_text_config(decoder=True)
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    if not hasattr(cache, "early_initialization"):
+        return None
+    cache.early_initialization(batch, heads, head_dim, model.dtype, device)
+    caches[batch, length] = cache
+    return cache
 
 
 def compile_forward(model, mode: str, report: Any = None) -> None:
