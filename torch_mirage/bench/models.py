@@ -30,6 +30,7 @@ import torch
 
 from ..runtime.measure import plain_timing
 from .harness import _free, _short, mirage_summary, rel_error
+from .report import environment, pyplot, write_json
 
 SCHEMA = "torch_mirage.bench.models/1"
 MODES = ("eager", "inductor", "reduce-overhead", "max-autotune", "mirage")
@@ -358,12 +359,9 @@ def plot(doc: dict, path: str) -> str | None:
     rows = [r for r in doc["models"] if r.get("prefill_us_speedup_vs_reduce_overhead")]
     if not doc["timing"] or not rows:
         return "no plot: no case has both a mirage and a reduce-overhead time"
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    plt = pyplot()
+    if isinstance(plt, str):
+        return plt
     labels = [f"{r['model']} {r['attn']}" for r in rows]
     fig, ax = plt.subplots(figsize=(8, max(3, 0.35 * len(rows) + 1.5)))
     y = list(range(len(rows)))
@@ -387,8 +385,6 @@ def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequ
         attns: Sequence[str] = ATTN, tiny: bool | None = None, batch: int | None = None, tokens: int | None = None,
         new_tokens: int | None = None, repeats: int = 5, budget_s: float | None = None) -> dict:
     """The whole bench; writes ``out/stem.{json,md,png}`` and returns the document."""
-    from .report import environment, write_json
-
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     tiny = (not cuda) if tiny is None else tiny
@@ -427,8 +423,6 @@ def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequ
 def merge(paths: Sequence[str], out: str, stem: str) -> dict:
     """One document from several runs (e.g. one process per model, so that a crash loses one model only):
     their ``models`` and ``not_run`` concatenated under the first run's settings and environment."""
-    from .report import write_json
-
     docs = []
     for path in paths:
         with open(path) as f:
