@@ -185,8 +185,11 @@ def test_candidates_include_the_weight_streaming_schedule_for_decode(rows):
     bg = next(o for o in library.rmsnorm_linear(rows, 4096, 4096, dtype="float16").ops if o.name == "customized").body
     cands = launch.candidates(bg, n_sm=132)
     stream = [c for c in cands if (c.num_warps, c.num_stages) == launch.STREAM_PIPELINE]
-    assert stream == [launch.LaunchConfig((128,), 16, 1, *launch.STREAM_PIPELINE)]
+    assert stream == [launch.LaunchConfig((128,), 16, 1, *launch.STREAM_PIPELINE),
+                      launch.LaunchConfig((128,), 16, 1, *launch.STREAM_PIPELINE, prologue=True)]
     assert retile(bg, stream[0].grid, stream[0].forloop_range) is not None
+    gated = next(o for o in library.gated_mlp(rows, 4096, 4096, dtype="float16").ops if o.name == "customized").body
+    assert not any(c.prologue for c in launch.candidates(gated, n_sm=132))   # no matmul-free accumulator there
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -195,12 +198,17 @@ def test_weight_streaming_schedule_matches_eager(rows, tmp_path):
     m, k, n = rows, 256, 96
     g = library.rmsnorm_linear(m, k, n, dtype="float32")
     bg = next(o for o in g.ops if o.name == "customized").body
-    (cfg,) = [c for c in launch.candidates(bg, n_sm=12) if (c.num_warps, c.num_stages) == launch.STREAM_PIPELINE]
-    assert cfg.split == 1 and math.prod(cfg.grid) <= 12 and cfg.forloop_range >= launch.DEEP_LOOP
+    stream = [c for c in launch.candidates(bg, n_sm=12) if (c.num_warps, c.num_stages) == launch.STREAM_PIPELINE]
+    assert [c.prologue for c in stream] == [False, True]
     xs = _inputs("rmsnorm_linear", (m, k, n), torch.float32, seed=2)
-    (got,) = BlockLauncher(bg, cfg, [x.dim() for x in xs], str(tmp_path))(*xs)
     want = library.WORKLOADS["rmsnorm_linear"].reference(*[x.double() for x in xs])
-    assert _rel(got, want) < 1e-5
+    for cfg in stream:
+        assert cfg.split == 1 and math.prod(cfg.grid) <= 12 and cfg.forloop_range >= launch.DEEP_LOOP
+        run = BlockLauncher(bg, cfg, [x.dim() for x in xs], str(tmp_path))
+        # loop fission: the sum of squares walks K in a loop of its own, the dot loop holds no reduction
+        assert run.source.count("for it in tl.range") == (2 if cfg.prologue else 1)
+        (got,) = run(*xs)
+        assert _rel(got, want) < 1e-5
 
 
 def test_streaming_pick_needs_one_wave_and_a_long_loop():

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..superopt.ugraph import BlockGraph, Ctx, MuGraphError, ThreadGraph, make_op
-from .ugraph_triton import ELEMENTWISE, _saved, padded, strip
+from .ugraph_triton import ELEMENTWISE, _saved, padded, prologue_accumulators, strip
 
 log = logging.getLogger("torch_mirage")
 
@@ -55,6 +55,7 @@ class LaunchConfig:
     split: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    prologue: bool = False    # matmul-free accumulators in a for-loop of their own (ugraph_triton.prologue_accumulators)
 
     def to_json(self) -> dict:
         return {**asdict(self), "grid": list(self.grid)}
@@ -238,6 +239,8 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
     stream = streaming_pick(scored, n_sm)
     if stream is not None:
         configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE))
+        if prologue_accumulators(bg):   # the norm's sum of squares out of the dot loop: the stream stays pure
+            configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE, prologue=True))
     return configs
 
 
