@@ -182,6 +182,21 @@ def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     return graph_blocker(gm, "cuda")
 
 
+def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every ``(dst, src)`` pair, in one fused launch where torch can (``_foreach_copy_``):
+    a decode step copies its few small user inputs (ids, positions, cache positions) into the graph's buffers,
+    one launch each before (H100 profile, 11-25: 5 extra launches per HF llama decode step)."""
+    if len(pairs) > 1:
+        dsts, srcs = zip(*pairs)
+        try:
+            torch._foreach_copy_(list(dsts), list(srcs))
+            return
+        except (AttributeError, RuntimeError, TypeError):   # an older torch, or pairs it cannot fuse
+            pass
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
 class CudaGraphRunner:
     """Boxed callable: ``runner(list_of_args) -> list_of_outputs``.
 
@@ -251,7 +266,7 @@ class CudaGraphRunner:
                     self.on_disable(self.disabled_reason)
                 self.graph = None
                 return self.fn(args)
-        copy_back = []
+        copy_in, copy_back = [], []
         for i, (src, dst) in enumerate(zip(args, self.static_inputs)):
             if not isinstance(src, torch.Tensor):
                 if src != dst:
@@ -269,11 +284,11 @@ class CudaGraphRunner:
                 self.moved.add(i)
                 self.graph = None
                 return self(args)
-            dst.copy_(src)
+            copy_in.append((dst, src))
             if i in self.mutated_idx:
                 copy_back.append((src, dst))
+        copy_all(copy_in)
         self.graph.replay()
-        for src, dst in copy_back:
-            src.copy_(dst)
+        copy_all(copy_back)
         args.clear()
         return [o.clone() if isinstance(o, torch.Tensor) else o for o in self.static_outputs]
