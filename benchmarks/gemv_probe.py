@@ -32,7 +32,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torch_mirage.runtime.measure import cuda_graph_time_us  # noqa: E402
+from torch_mirage.timing import cuda_graph_time_us  # noqa: E402
 
 
 @triton.jit

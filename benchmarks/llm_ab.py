@@ -15,7 +15,7 @@ import torch
 
 from torch_mirage.bench import llm
 from torch_mirage.bench.harness import COMPILERS, time_in_cuda_graph
-from torch_mirage.runtime.measure import alternating_medians
+from torch_mirage.timing import alternating_medians
 
 
 def main() -> None:

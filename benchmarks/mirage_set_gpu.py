@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torch_mirage.cache import DiskCache  # noqa: E402
-from torch_mirage.runtime.measure import cuda_graph_time_us, rotated_input_sets  # noqa: E402
+from torch_mirage.timing import cuda_graph_time_us, rotated_input_sets  # noqa: E402
 from torch_mirage.superopt import library  # noqa: E402
 from torch_mirage.superopt.compile import compile_ugraph  # noqa: E402
 

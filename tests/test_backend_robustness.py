@@ -386,7 +386,7 @@ def test_inductor_artifact_warning_is_filtered_only_while_we_compile(caplog):
 
 
 def test_rotated_input_sets_copy_only_what_l2_needs():
-    from torch_mirage.runtime.measure import rotated_input_sets
+    from torch_mirage.timing import rotated_input_sets
 
     x, y = torch.randn(256), torch.randn(256)           # 2 KiB a set against a 64 KiB "L2": 96 sets, capped
     sets = rotated_input_sets([x, y, 3], l2_bytes=64 * 1024, max_sets=8)
@@ -399,7 +399,7 @@ def test_rotated_input_sets_copy_only_what_l2_needs():
 
 def test_timing_input_sets_copy_only_what_a_copy_keeps_the_same():
     """A caller's arguments are rotated only when copies are the same input: dense, unaliased tensors."""
-    from torch_mirage.runtime.measure import timing_input_sets
+    from torch_mirage.timing import timing_input_sets
 
     x, w = torch.randn(64, 8), torch.randn(8, 16).t()    # a transposed weight keeps its strides in the copies
     sets = timing_input_sets([x, w, 2.0], l2_bytes=4 * 1024)
@@ -411,7 +411,7 @@ def test_timing_input_sets_copy_only_what_a_copy_keeps_the_same():
 
 def test_alternating_medians_order_and_failures():
     """A B C C B A; a candidate whose timing raises is dropped and reported, or its error propagates."""
-    from torch_mirage.runtime.measure import alternating_medians
+    from torch_mirage.timing import alternating_medians
 
     order, errors = [], []
 

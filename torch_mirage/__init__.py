@@ -8,7 +8,7 @@ Public API: the backend (registered by entry point), :mod:`torch_mirage.config`,
 """
 from ._version import __version__
 from . import config
-from .report import Report, explain
+from .report import Report
 
 __all__ = ["__version__", "config", "explain", "Report", "MirageBackend"]
 
@@ -28,7 +28,13 @@ _register_with_torch_logging()
 
 
 def __getattr__(name):
+    # the backend (and explain, which needs it) import torch._dynamo / Inductor: loaded on first use, so
+    # ``import torch_mirage`` (the entry point, the CLI, config) stays light
     if name == "MirageBackend":
         from .backend import MirageBackend
         return MirageBackend
+    if name == "explain":
+        from .explain import explain
+        globals()["explain"] = explain   # the function, not the submodule the import just bound to this name
+        return explain
     raise AttributeError(name)

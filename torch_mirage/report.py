@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 
 @dataclass
@@ -94,18 +94,3 @@ class Report:
         mirage = sum(r.compiled_by == "mirage" for r in self.regions)
         head = f"torch_mirage report: {len(self.graphs)} graphs, {len(self.regions)} regions ({mirage} compiled by mirage)"
         return "\n".join([head] + [str(g) for g in self.graphs])
-
-
-def explain(fn: Callable, *inputs: Any, options: dict | None = None, **kwinputs: Any) -> Report:
-    """Compile ``fn`` with ``backend="mirage"``, run it once on ``inputs`` and report what was done.
-
-    ``fn`` may be a module or a function. ``options`` are torch_mirage config keys.
-    """
-    import torch
-
-    from .backend import MirageBackend
-
-    report = Report()
-    compiled = torch.compile(fn, backend=MirageBackend(options=options, report=report))
-    compiled(*inputs, **kwinputs)
-    return report

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..runtime.measure import cuda_graph_timing, plain_timing
+from ..timing import cuda_graph_timing, plain_timing
 from . import workloads as W
 
 log = logging.getLogger("torch_mirage")

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..runtime.measure import alternating_medians, plain_timing
+from ..timing import alternating_medians, plain_timing
 from .harness import COMPILERS, _free, _short, mirage_summary, rel_error, time_in_cuda_graph
 
 CONTEXT = 4096          # static cache slots

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..runtime.measure import plain_timing
+from ..timing import plain_timing
 from .harness import _free, _short, mirage_summary, rel_error
 from .report import environment, pyplot, write_json
 

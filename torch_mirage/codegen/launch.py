@@ -24,6 +24,7 @@ import torch
 
 from ..superopt.ugraph import BlockGraph, Ctx, MuGraphError, ThreadGraph, make_op
 from .ugraph_triton import ELEMENTWISE, _saved, padded, prologue_accumulators, strip
+from ..timing import cuda_graph_time_us, rotated_input_sets
 
 log = logging.getLogger("torch_mirage")
 
@@ -287,8 +288,6 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
         hit = cache.get_json(key)
         if hit is not None:
             return LaunchConfig.from_json(hit)
-    from ..runtime.measure import rotated_input_sets
-
     props = torch.cuda.get_device_properties(inputs[0].device)
     n_sm = props.multi_processor_count
     sets = rotated_input_sets(inputs, props.L2_cache_size, max_sets=16)
@@ -328,8 +327,6 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
 
 def _time_us(run: Callable, inputs: Sequence[torch.Tensor], sets: Sequence[Sequence[torch.Tensor]]) -> float:
     """µs per call of ``run`` replayed in a CUDA graph over ``sets``; ``do_bench`` where capture fails."""
-    from ..runtime.measure import cuda_graph_time_us
-
     try:
         return cuda_graph_time_us(run, sets, replays=10, repeats=3)
     except Exception as e:   # not capturable: time it launched from Python, and say so

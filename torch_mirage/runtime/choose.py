@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .cudagraph import draws_random_numbers  # noqa: F401  (the rule lives with the CUDA-graph rules)
-from .measure import alternating_medians, cuda_graph_timing, plain_timing, timing_input_sets
+from ..timing import alternating_medians, cuda_graph_timing, plain_timing, timing_input_sets
 
 log = logging.getLogger("torch_mirage")
 

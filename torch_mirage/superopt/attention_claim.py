@@ -28,6 +28,7 @@ from ..capture.ir import Graph, Node
 from ..partition.region import Reason, Region, is_convex
 from .attention_seeds import SEEDS
 from .library import blocks
+from ..timing import random_like
 
 log = logging.getLogger("torch_mirage")
 
@@ -126,7 +127,6 @@ class AttentionClaimer:
     def _region(self, spec: AttentionSpec, ctx: Any) -> Region | None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        from ..runtime.measure import random_like
         from .claim import _fastest
         from .compile import compile_ugraph
 

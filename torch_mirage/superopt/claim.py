@@ -29,6 +29,7 @@ from ..failures import note, stage
 from ..partition.region import Reason, Region, is_convex
 from . import library
 from .validate import InvalidMuGraph
+from ..timing import alternating_medians, cuda_graph_timing, random_like, rotated_input_sets
 
 log = logging.getLogger("torch_mirage")
 
@@ -313,8 +314,6 @@ class LibraryClaimer:
     def _region(self, workload: library.Workload, graph: Graph, found: Match, ctx: Any) -> Region | None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        from ..runtime.measure import random_like
-
         metas = [v.meta for v in found.inputs]
         shapes = ugraph_shapes(workload.name, [tuple(m.shape) for m in metas])
         dims = found.dims
@@ -374,8 +373,6 @@ def _not_built(workload: library.Workload, dims: tuple, dtype: str, ctx: Any, e:
 
 def _timing_sets(examples: list) -> list | None:
     """Copies of ``examples`` rotated past L2 for timing on CUDA; None off CUDA (nothing is timed there)."""
-    from ..runtime.measure import rotated_input_sets
-
     if examples[0].device.type != "cuda":
         return None
     return rotated_input_sets(examples, torch.cuda.get_device_properties(examples[0].device).L2_cache_size)
@@ -383,16 +380,12 @@ def _timing_sets(examples: list) -> list | None:
 
 def _time_ugraph(compiled: Callable, sets: list) -> list[float]:
     """Per-call µs samples of a compiled μGraph replayed in a CUDA graph over ``sets``."""
-    from ..runtime.measure import cuda_graph_timing
-
     return cuda_graph_timing(compiled, sets, replays=20, repeats=3)["samples"]
 
 
 def _fastest(built: list[tuple], examples: list, cache: Any) -> tuple[tuple, dict[str, float]]:
     """The fastest of several compiled μGraphs of one program (the first where none can be timed), with the
     times; a choice made once per kernel-graph set and device is read back from ``cache``."""
-    from ..runtime.measure import alternating_medians
-
     if len(built) == 1:
         return built[0], {}
     key = None

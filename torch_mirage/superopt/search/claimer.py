@@ -18,6 +18,7 @@ import torch
 
 from ...capture.ops import OpKind
 from ...partition.region import Reason, Region, is_convex
+from ...timing import random_like
 
 log = logging.getLogger("torch_mirage")
 
@@ -53,7 +54,6 @@ class SearchClaimer:
     def _region(self, graph, nodes: list, ctx: Any) -> Region | None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        from ...runtime.measure import random_like
         from ..compile import compile_ugraph
         from .driver import search
         from .reference import Decline, reference_of

@@ -1,0 +1,138 @@
+"""Timing and test data on a device: µs per call of a function replayed in a CUDA graph over input sets rotated
+past L2 (or launched from Python), medians of alternating halves, and random inputs shaped like a tensor meta.
+The one home of "how long does this take" for the tuner (codegen.launch), the claimers, the region and
+whole-graph guards (runtime) and the bench; it depends on nothing else of the package."""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+def random_like(meta, device=None) -> torch.Tensor:
+    """Real-valued test data for a TensorMeta: normal floats, small non-negative ints, random bools."""
+    device = device or meta.device
+    shape, dtype = tuple(meta.shape), meta.dtype
+    if dtype.is_floating_point:
+        t = torch.randn(shape, device=device, dtype=torch.float32).to(dtype)
+    elif dtype == torch.bool:
+        t = torch.rand(shape, device=device) > 0.5
+    else:
+        t = torch.randint(0, 8, shape, device=device, dtype=dtype)
+    if not meta.is_contiguous and all(s > 0 for s in shape):
+        t = torch.empty_strided(shape, meta.stride, device=device, dtype=dtype).copy_(t)
+    return t
+
+
+def _repeated_timing(run_once: Callable[[], Any], calls_per_run: int, replays: int | None, target_ms: float | None,
+                     repeats: int) -> dict:
+    """Time ``run_once`` ``replays`` times per repeat (or as often as fills ``target_ms``): µs per call."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    run_once()
+    if replays is None:
+        start.record()
+        run_once()
+        end.record()
+        end.synchronize()
+        replays = max(1, math.ceil((target_ms or 10.0) / max(start.elapsed_time(end), 1e-3)))
+    per_call = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(replays):
+            run_once()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) * 1e3 / (replays * calls_per_run))
+    return {"us": statistics.median(per_call), "us_min": min(per_call), "us_max": max(per_call),
+            "replays": replays, "repeats": repeats, "sets": calls_per_run, "samples": per_call}
+
+
+def cuda_graph_timing(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], *, replays: int | None = None,
+                      target_ms: float | None = None, repeats: int = 5) -> dict:
+    """µs per call of ``fn`` in one CUDA graph that calls it once per input set (warmed up on a side stream, so
+    compilation and autotuning happen before capture), replayed ``replays`` times per repeat or for about
+    ``target_ms``; median, min and max over the repeats."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for inputs in input_sets:
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for inputs in input_sets:
+            fn(*inputs)
+    try:
+        return _repeated_timing(graph.replay, len(input_sets), replays, target_ms, repeats)
+    finally:
+        del graph
+
+
+def plain_timing(fn: Callable[..., Any], inputs: Sequence[Any], *, replays: int | None = None,
+                 target_ms: float = 10.0, repeats: int = 5) -> dict:
+    """µs per call of ``fn(*inputs)`` launched from Python, no CUDA graph (for what cannot be captured, and for
+    calls long enough that launching does not count)."""
+    return _repeated_timing(lambda: fn(*inputs), 1, replays, target_ms, repeats)
+
+
+def alternating_medians(names: Sequence[str], time_half: Callable[[str], list[float]],
+                        on_error: Callable[[str, Exception], None] | None = None) -> dict[str, float]:
+    """Median µs per call of each named candidate, timed in the order A B … B A by ``time_half(name)`` (which
+    returns per-call samples): the GPU's clock and temperature drift between back-to-back timings, and each
+    candidate then meets the drift alike. A candidate whose timing raises is dropped when ``on_error`` is given
+    (and told), else the error propagates."""
+    samples: dict[str, list[float] | None] = {name: [] for name in names}
+    for name in [*names, *reversed(names)]:
+        if samples[name] is None:
+            continue
+        try:
+            samples[name] += time_half(name)
+        except Exception as e:
+            if on_error is None:
+                raise
+            on_error(name, e)
+            samples[name] = None
+    return {name: statistics.median(got) for name, got in samples.items() if got}
+
+
+def cuda_graph_time_us(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], replays: int = 20,
+                       repeats: int = 5) -> float:
+    """Median µs per call of :func:`cuda_graph_timing`."""
+    return cuda_graph_timing(fn, input_sets, replays=replays, repeats=repeats)["us"]
+
+
+def rotated_input_sets(inputs: Sequence[Any], l2_bytes: int, max_sets: int = 64) -> list[list[Any]]:
+    """Enough copies of ``inputs`` that one pass over them touches more than 3× L2 (one set, not copied twice,
+    when it is that large by itself: a 2 GiB logits region needs no second copy)."""
+    nbytes = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor)) or 1
+    count = max(1, min(max_sets, -(-3 * l2_bytes // nbytes)))
+    if count == 1:
+        return [list(inputs)]   # the inputs themselves: no copy of a set that large
+    return [[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs] for _ in range(count)]
+
+
+def timing_input_sets(args: Sequence[Any], l2_bytes: int) -> list[list[Any]]:
+    """:func:`rotated_input_sets` of a caller's real arguments where a copy is the same input to the callee:
+    every tensor dense and non-overlapping (``clone`` keeps its strides) and no two sharing storage (a copy
+    would break the aliasing). Otherwise, or without the memory for the copies, the arguments themselves."""
+    tensors = [t for t in args if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    if len(storages) != len(tensors) or not all(_dense(t) for t in tensors):
+        return [list(args)]
+    try:
+        return rotated_input_sets(args, l2_bytes)
+    except torch.cuda.OutOfMemoryError:
+        return [list(args)]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory once in some order of dims (what ``clone`` reproduces)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
