@@ -86,8 +86,12 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, causal: torch
 
 
 def _seed_kwargs(spec: AttentionSpec, dtype: str, mask_shape: tuple | None) -> dict:
+    """The seed's parameters; a mask whose value property bounds the visible keys (causal, sliding window) gives
+    the for-loop band: each query block visits only the key tiles it can see."""
+    band = (spec.sq, *spec.mask_band) if spec.mask_band is not None and os.environ.get("MIRAGE_ATTN_BAND", "1") != "0" \
+        else None
     return dict(scale=spec.scale, softcap=spec.softcap, mask=mask_shape, dtype=dtype,
-                mask_dtype=DTYPES[mask_dtype(spec)])
+                mask_dtype=DTYPES[mask_dtype(spec)], band=band)
 
 
 class AttentionClaimer:

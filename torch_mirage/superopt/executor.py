@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from .arith import Arith, TorchArith
-from .ugraph import BlockGraph, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph
+from .ugraph import BlockGraph, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph, band_range
 
 log = logging.getLogger("torch_mirage")
 
@@ -120,6 +120,15 @@ def _acc_count(bg: BlockGraph, op: Op, x_shape) -> int:
     return bg.forloop_range
 
 
+def _identity_state(op: Op, st) -> tuple:
+    """An online-softmax state that has seen no key: m = -inf, l = 0, o = 0 (a block whose for-loop band is
+    empty)."""
+    if op.name != "acc_online_softmax" or not all(isinstance(x, torch.Tensor) and x.is_floating_point() for x in st):
+        raise ExecutionError(f"an empty for-loop band under {op.name} or non-real arithmetic")
+    m, l, o = st
+    return torch.full_like(m, float("-inf")), torch.zeros_like(l), torch.zeros_like(o)
+
+
 def run_block(bg: BlockGraph, kernel_inputs: list, arith: Arith) -> list:
     """Run one graph-defined kernel op: every block of the grid, every iteration."""
     body, epilogue = bg.phases()
@@ -129,7 +138,9 @@ def run_block(bg: BlockGraph, kernel_inputs: list, arith: Arith) -> list:
     written: list = [None] * len(savers)
     for block in itertools.product(*(range(n) for n in bg.grid)):
         state: dict[int, object] = {}
-        for it in range(bg.forloop_range):
+        lo, hi = band_range(bg, block)
+        for it in list(range(lo, hi)) or ([0] if bg.forloop_band is not None else []):
+            empty = lo >= hi                # no visible key tile: iteration 0 only gives the states' shapes
             def load(op, it=it):
                 x = kernel_inputs[op.attrs["index"]]
                 return [x[tile_slices(x.shape, op.attrs["imap"], op.attrs["fmap"], bg.grid, block,
@@ -139,6 +150,8 @@ def run_block(bg: BlockGraph, kernel_inputs: list, arith: Arith) -> list:
                 op = bg.ops[i]
                 xs = [env[Ref(*r)] for r in op.inputs]
                 state[i] = getattr(arith, op.spec.arith)(state.get(i), *xs, **op.attrs)
+                if empty:
+                    state[i] = _identity_state(op, state[i])
                 state[(i, "n")] = _acc_count(bg, op, xs[0].shape)
         env = {}
         for i in accs:
