@@ -50,10 +50,6 @@ class AttentionSpec:
     softcap: float | None = None
     mask: str = "none"              # none | causal | additive | bool
     mask_structure: str = ""        # what the mask tensor's value property shows: "causal", "window(w)", ""
-    # where the mask's value property bounds the keys a query sees: (offset, window): query i sees key j only if
-    # j <= i + offset (and j > i + offset - window); None where nothing is known. Attention seeds skip the key
-    # tiles outside (``forloop_band``); the mask is still applied inside.
-    mask_band: tuple | None = None
     mask_value: Value | None = None
     bool_fill: float | None = None  # bool masks: the score where the mask is False
     dtype: torch.dtype = torch.float16
@@ -64,6 +60,10 @@ class AttentionSpec:
     output: Value | None = None
     nodes: list[Node] = field(default_factory=list)
     extra_outputs: tuple = ()       # e.g. column sums of P (not found yet: the region's P must not escape)
+    # where the mask's value property bounds the keys a query sees: (offset, window): query i sees key j only if
+    # j <= i + offset (and j > i + offset - window); None where nothing is known. Attention seeds skip the key
+    # tiles outside (``forloop_band``); the mask is still applied inside.
+    mask_band: tuple | None = None
 
     @property
     def group(self) -> int:
