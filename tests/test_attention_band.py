@@ -155,3 +155,16 @@ def test_gpu_causal_band_softcap(window):
     q, k, v = (torch.randn(1, 8, n, 128, device="cuda", dtype=dtype) for _ in range(3))
     (region,) = _check(f, (q, k, v), dtype)
     assert _band(region) == (0, window), region.info
+
+
+@interp
+@pytest.mark.parametrize("window", [None, 6])
+def test_bench_gemma2_softcap_with_mask_made_in_graph(window):
+    """The bench's gemma2 workload (soft-cap, additive mask) with the causal / window mask made in the graph."""
+    from torch_mirage.bench import workloads as W
+
+    def f(q, k, v):
+        return W.gemma2_softcap(q, k, v, _inmask(q.shape[-2], q.shape[-2], window, q.dtype, q.device))
+
+    (region,) = _check(f, _qkv(1, 2, 2, 16, 16, 16, torch.float16), torch.float16)
+    assert _band(region) == (0, window) and "softcap=50" in region.info["attention"], region.info
