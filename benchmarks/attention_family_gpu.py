@@ -5,7 +5,7 @@ Cases (issue 16's targets): gemma2_softcap (causal + tanh soft-cap, H=32, d=128)
 Llama-3-8B heads (32 q / 8 KV, d=128) written as HF eager (repeat_kv + additive mask) and as SDPA (enable_gqa).
 The ``*_inmask`` cases build the causal (or sliding-window) mask inside the compiled function from index
 comparisons, as HF models do, so its value property gives mirage's attention seeds a for-loop band (entirely masked
-key tiles are never visited); ``mirage_noband`` is the same compile with ``MIRAGE_ATTN_BAND=0``. A mask passed in as
+key tiles are never visited); ``mirage_noband`` is the same compile with ``options={"attention_band": False}``. A mask passed in as
 an input (gemma2_1k / 8k, h2o) has unknown values and gets no band. Each implementation is checked against an fp32 reference (relative Frobenius error) and timed with
 ``triton.testing.do_bench`` (median ms, L2 flushed); every case runs in its own try/except so one failure only
 loses its row. Prints a table; writes JSON to ``$OUT/attention_family.json`` when ``$OUT`` is set.
@@ -127,26 +127,6 @@ def bench_ms(fn):
     return do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-def _without_band(f):
-    """``f`` compiled (on its first call) with the attention band off (``MIRAGE_ATTN_BAND=0``)."""
-    state = {"first": True}
-
-    def run(*args):
-        if not state["first"]:
-            return f(*args)
-        old = os.environ.get("MIRAGE_ATTN_BAND")
-        os.environ["MIRAGE_ATTN_BAND"] = "0"
-        try:
-            return f(*args)
-        finally:
-            state["first"] = False
-            if old is None:
-                os.environ.pop("MIRAGE_ATTN_BAND")
-            else:
-                os.environ["MIRAGE_ATTN_BAND"] = old
-    return run
-
-
 def run_case(name, make, dtype, results):
     fn, inputs, refs = make()
     ref = fn(*[x.float() for x in inputs])
@@ -155,7 +135,8 @@ def run_case(name, make, dtype, results):
     report = torch_mirage.Report()
     impls["mirage"] = torch.compile(fn, backend=torch_mirage.MirageBackend(report=report), dynamic=False)
     if name.endswith("_inmask") or name.startswith("sdpa_causal"):
-        impls["mirage_noband"] = _without_band(torch.compile(fn, backend=torch_mirage.MirageBackend(), dynamic=False))
+        impls["mirage_noband"] = torch.compile(fn, backend=torch_mirage.MirageBackend(options={"attention_band": False}),
+                                               dynamic=False)
     impls.update({label: f for label, (f, _) in refs.items()})
     row = {"case": name, "dtype": str(dtype).replace("torch.", ""), "shapes": [list(x.shape) for x in inputs]}
     for impl, f in impls.items():

@@ -24,7 +24,10 @@ def _band(region):
     if "band=" not in info:
         return None
     off, _, w = info.split("band=")[1].split()[0].partition(",w")
-    return int(off), int(w) if w else None
+    band = (int(off), int(w) if w else None)
+    used = region.info.get("forloop_band")
+    assert used is not None and tuple(used[4:]) == band, region.info     # the seed ran with it
+    return band
 
 
 def _inmask(sq, skv, window=None, dtype=torch.float32, device="cpu"):
@@ -168,3 +171,21 @@ def test_bench_gemma2_softcap_with_mask_made_in_graph(window):
 
     (region,) = _check(f, _qkv(1, 2, 2, 16, 16, 16, torch.float16), torch.float16)
     assert _band(region) == (0, window) and "softcap=50" in region.info["attention"], region.info
+
+
+@interp
+def test_attention_band_knob_off():
+    """``options={"attention_band": False}``: the same region, no band (the bench's mirage_noband column)."""
+    import torch_mirage
+    from test_attention_family import _attention_regions
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    torch._dynamo.reset()
+    report = torch_mirage.Report()
+    backend = torch_mirage.MirageBackend(options={"min_region_us": 0, "attention_band": False}, report=report)
+    args = _qkv(1, 2, 2, 16, 16, 16, torch.float32)
+    assert_close(torch.compile(f, backend=backend)(*args), f(*args), torch.float32)
+    (region,) = _attention_regions(report)
+    assert "band=0" in region.info["attention"] and "forloop_band" not in region.info, region.info
