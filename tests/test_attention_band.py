@@ -26,7 +26,7 @@ def _band(region):
     off, _, w = info.split("band=")[1].split()[0].partition(",w")
     band = (int(off), int(w) if w else None)
     used = region.info.get("forloop_band")
-    assert used is not None and tuple(used[4:]) == band, region.info     # the seed ran with it
+    assert used is not None and tuple(used[4:6]) == band and used[6] == 3, region.info     # the seed ran with it
     return band
 
 
@@ -100,8 +100,9 @@ def test_mask_as_input_or_with_padding_gets_no_band():
 
 
 @interp
+@pytest.mark.parametrize("zero", [False, True])
 @pytest.mark.parametrize("seed", ["flash", "split"])
-def test_seed_band_skips_masked_tiles_and_empty_splits(seed):
+def test_seed_band_skips_masked_tiles_and_empty_splits(seed, zero):
     """The seeds with a band: the loop in the source is bounded per block; a split that a query block cannot see
     saves neutral partials (m = -inf, l = o = 0) and the combine gives no NaN; the executor runs the same band."""
     b, hk, g, sq, skv, d, off = 1, 2, 2, 8, 32, 16, 24
@@ -110,10 +111,10 @@ def test_seed_band_skips_masked_tiles_and_empty_splits(seed):
     m = torch.zeros(sq, skv).masked_fill(torch.arange(skv)[None] > i, -1e30).repeat(g, 1)[None, None]
     if seed == "flash":
         kg = flash_attention(b, hk, rows, skv, d, scale=0.3, softcap=5.0, mask=(1, 1), dtype="float32",
-                             q_blocks=4, forloop_range=4, band=(sq, off, None))
+                             q_blocks=4, forloop_range=4, band=(sq, off, None, zero))
     else:
         kg = flash_decoding(b, hk, rows, skv, d, scale=0.3, softcap=5.0, mask=(1, 1), dtype="float32",
-                            splits=4, forloop_range=2, q_blocks=2, band=(sq, off, None))
+                            splits=4, forloop_range=2, q_blocks=2, band=(sq, off, None, zero))
     q, k, v = torch.randn(b, hk, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
     c = compile_ugraph(kg, [q, k, v, m])
     out = c(q, k, v, m)[0]
@@ -122,7 +123,12 @@ def test_seed_band_skips_masked_tiles_and_empty_splits(seed):
     assert_close(out, ref, torch.float32)
     src = "\n".join(map(str, c.sources))
     assert "tl.range(0, band_hi" in src and "band_p0" in src, src
+    assert ("> band_p0 + 24)" in src) == zero, src          # the mask is loaded only on partly seen tiles
     assert_close(execute(kg, [q, k, v, m])[0], ref, torch.float32)
+    if zero:    # the band's meaning, not the mask's: a bias on fully seen tiles is not read, by both runners
+        bias = m + 0.5 * (m == 0)
+        assert_close(c(q, k, v, bias)[0], execute(kg, [q, k, v, bias])[0], torch.float32)
+        assert not torch.allclose(c(q, k, v, bias)[0], ref)
     bg = next(op.body for op in kg.ops if isinstance(op.body, BlockGraph))
     if seed == "split":       # query rows 0..7 (positions 0..7) see keys <= 31: all splits; the band is per block
         assert band_range(bg, (0, 0, 0)) == (0, 2)

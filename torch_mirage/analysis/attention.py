@@ -64,6 +64,7 @@ class AttentionSpec:
     # j <= i + offset (and j > i + offset - window); None where nothing is known. Attention seeds skip the key
     # tiles outside (``forloop_band``); the mask is still applied inside.
     mask_band: tuple | None = None
+    mask_zero_visible: bool = False  # the mask (as the seed adds it) is 0 wherever the band sees
 
     @property
     def group(self) -> int:
@@ -311,6 +312,28 @@ def _visible_preds(v: Value, values: dict, keep: bool, depth: int = 0) -> list |
     return None
 
 
+def _visible_zero(v: Value, values: dict, depth: int = 0) -> bool:
+    """Whether an additive mask is 0 wherever it is not at its masked floor (HF's ``where(keep, 0, min)``)."""
+    from .properties import ValueKind
+
+    if depth > 16 or not isinstance(v, Value):
+        return False
+    p = values.get(id(v))
+    if p is not None and p.kind is ValueKind.PIECEWISE:
+        sides = [x for x in (p.inside, p.outside) if x is not None and x.is_constant]
+        if len(sides) == 2 and {(_is_floor(x.fill), x.fill == 0) for x in sides} == {(True, False), (False, True)}:
+            return True
+    n = v.producer
+    if n is None:
+        return False
+    if n.op.name in _BAND_PASS and isinstance(n.args[0], Value):
+        return _visible_zero(n.args[0], values, depth + 1)
+    if n.op.name == "where" and len(n.args) == 3:
+        a, b = _scalar(n.args[1]), _scalar(n.args[2])
+        return (a == 0.0 and _is_floor(b)) or (_is_floor(a) and b == 0.0)
+    return False
+
+
 def _mask_band(mask: Value, values: dict | None, kind: str, sq: int, skv: int) -> tuple | None:
     """The (offset, window) band of :attr:`AttentionSpec.mask_band` read off the mask's value properties: the
     mask is exactly ``j <= i + offset`` (and ``j > i + offset - window``) and every query row sees a key (so the
@@ -388,6 +411,8 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
             return None
         spec.mask_structure = _mask_structure(mask_value, values)
         spec.mask_band = _mask_band(mask_value, values, spec.mask, sq, skv)
+        spec.mask_zero_visible = spec.mask_band is not None and (
+            spec.mask != "additive" or _visible_zero(mask_value, values))
     return spec
 
 
@@ -424,7 +449,7 @@ def _sdpa_at(node: Node, values: dict | None) -> AttentionSpec | None:
     if kw.get("is_causal"):
         if mask is not None:
             return None
-        spec.mask, spec.mask_structure, spec.mask_band = "causal", "causal", (0, None)
+        spec.mask, spec.mask_structure, spec.mask_band, spec.mask_zero_visible = "causal", "causal", (0, None), True
     elif isinstance(mask, Value):
         spec.mask = "bool" if mask.meta.dtype is torch.bool else "additive"
         spec.mask_value = mask
@@ -432,6 +457,8 @@ def _sdpa_at(node: Node, values: dict | None) -> AttentionSpec | None:
             spec.bool_fill = float("-inf")
         spec.mask_structure = _mask_structure(mask, values)
         spec.mask_band = _mask_band(mask, values, spec.mask, sq, skv)
+        spec.mask_zero_visible = spec.mask_band is not None and (
+            spec.mask != "additive" or _visible_zero(mask, values))
     return spec
 
 

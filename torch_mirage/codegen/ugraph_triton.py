@@ -209,6 +209,9 @@ class _Emitter:
             starts.append(" + ".join(parts) or "0")
         p = f"in{a['index']}"
         offs, mask = self.offsets(p, full, tile, starts)
+        if it is not None and getattr(self, "band_need", None) and a["index"] == self.band_zero:
+            need = self.band_need.format(it=it)          # a tile every row sees whole is 0: not loaded
+            mask = f"({mask}) & ({need})" if mask else f"({need})"
         extra = f", mask={mask}, other=0.0" if mask else ""
         return self.assign("x", f"tl.load({p}_ptr + {offs}{extra})", strip(tile)[0], a["dtype"])
 
@@ -622,6 +625,11 @@ def _band_bounds(e: _Emitter, bg: BlockGraph, lo: str, hi: str) -> tuple[str, st
         e.line(f"band_p1 = {period - 1}")
     e.line("band_kb = " + (" + ".join(f"pid_{g} * {n}" for g, n in b["k_starts"]) or "0"))
     e.line(f"band_hi = tl.minimum({hi}, tl.maximum(band_p1 + {off + t} - band_kb, 0) // {t})")
+    if b["zero_input"] is not None:     # the tile is loaded unless every row sees every key of it
+        e.band_zero = b["zero_input"]
+        e.band_need = f"(band_kb + {{it}} * {t} + {t - 1} > band_p0 + {off})"
+        if b["window"] is not None:
+            e.band_need += f" | (band_kb + {{it}} * {t} < band_p1 + {off - b['window'] + 1})"
     if b["window"] is None:
         return lo, "band_hi"
     e.line(f"band_lo = tl.maximum({lo}, tl.maximum(band_p0 + {off - b['window'] + 1} - band_kb, 0) // {t})")

@@ -88,7 +88,7 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, causal: torch
 def _seed_kwargs(spec: AttentionSpec, dtype: str, mask_shape: tuple | None, use_band: bool = True) -> dict:
     """The seed's parameters; a mask whose value property bounds the visible keys (causal, sliding window) gives
     the for-loop band: each query block visits only the key tiles it can see (config ``attention_band``)."""
-    band = (spec.sq, *spec.mask_band) if spec.mask_band is not None and use_band else None
+    band = (spec.sq, *spec.mask_band, spec.mask_zero_visible) if spec.mask_band is not None and use_band else None
     return dict(scale=spec.scale, softcap=spec.softcap, mask=mask_shape, dtype=dtype,
                 mask_dtype=DTYPES[mask_dtype(spec)], band=band)
 

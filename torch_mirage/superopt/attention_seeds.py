@@ -16,7 +16,8 @@ KV with K; the claimer turns bool masks and ``is_causal`` into that form. Both g
 Where the mask's value property shows a causal / sliding-window structure, ``band = (period, offset, window)``
 sets the block graph's ``forloop_band`` (:func:`~.ugraph.band_range`): query row ``r`` (position ``r % period``)
 sees key ``k`` iff ``k <= pos + offset`` (and ``k > pos + offset - window``), so each row block's for-loop runs
-only over the key tiles it can see; the mask is still added on every visited tile (the diagonal ones need it). A
+only over the key tiles it can see; the mask is added on the visited tiles that some row sees only in part (the
+diagonal ones) and, where the mask's visible part is 0 (``band[3]``), not loaded on the tiles every row sees. A
 split of the split-KV seed that a row block cannot see runs no iteration and saves m = -inf, l = 0, o = 0, which
 the combine weighs by ``exp(-inf) = 0``.
 """
@@ -29,10 +30,14 @@ from .ugraph import KernelGraph
 PHI = None
 
 
-def _band(tb, band, q_input: int, q_dim: int, k_input: int) -> None:
+def _band(tb, band, q_input: int, q_dim: int, k_input: int, mask_input: int | None) -> None:
+    """``band = (period, offset, window[, zero_mask])``: ``zero_mask`` — the mask is 0 wherever the band
+    sees (its visible part), so a tile every row sees whole is not loaded."""
     if band is not None:
-        period, offset, window = band
-        tb.forloop_band = (q_input, q_dim, k_input, int(period), int(offset), None if window is None else int(window))
+        period, offset, window, *zero = band
+        z = mask_input if zero and zero[0] else None
+        tb.forloop_band = (q_input, q_dim, k_input, int(period), int(offset), None if window is None else int(window),
+                           z)
 
 
 def _scores(tb, tQ, tK, scale: float, softcap: float | None, tMask):
@@ -55,7 +60,7 @@ def flash_attention(b: int, hk: int, rows: int, skv: int, d: int, *, scale: floa
     masked = mask is not None
     M = g.new_input((*mask, rows, skv), mask_dtype) if masked else None
     tb = new_threadblock_graph((hk, b, q_blocks), forloop_range)
-    _band(tb, band, 0, 2, 1)
+    _band(tb, band, 0, 2, 1, 3 if masked else None)
     tQ = tb.new_input(Q, imap=(1, 0, 2), fmap=PHI)
     tK = tb.new_input(K, imap=(1, 0, PHI), fmap=2)
     tV = tb.new_input(V, imap=(1, 0, PHI), fmap=2)
@@ -90,7 +95,7 @@ def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float
     K3, V3 = g.reshape(K, shape=(bh, skv, d)), g.reshape(V, shape=(bh, skv, d))
     M4 = g.reshape(M, shape=(mask[0] * mask[1], 1, rows, skv)) if masked else None
     tb = new_threadblock_graph((bh, q_blocks, splits), forloop_range)
-    _band(tb, band, 0, 2, 1)
+    _band(tb, band, 0, 2, 1, 3 if masked else None)
     tQ = tb.new_input(Q4, imap=(0, 2, PHI), fmap=PHI)
     tK = tb.new_input(K3, imap=(0, PHI, 1), fmap=1)
     tV = tb.new_input(V3, imap=(0, PHI, 1), fmap=1)

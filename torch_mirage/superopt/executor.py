@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from .arith import Arith, TorchArith
-from .ugraph import BlockGraph, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph, band_range
+from .ugraph import BlockGraph, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph, band_full, band_range
 
 log = logging.getLogger("torch_mirage")
 
@@ -136,6 +136,7 @@ def run_block(bg: BlockGraph, kernel_inputs: list, arith: Arith) -> list:
     savers = {bg.ops[i].attrs["index"]: i for i in epilogue if bg.ops[i].name == "saver"}
     outs: list = [None] * len(savers)
     written: list = [None] * len(savers)
+    zero = bg.forloop_band[6] if bg.forloop_band is not None and len(bg.forloop_band) > 6 else None
     for block in itertools.product(*(range(n) for n in bg.grid)):
         state: dict[int, object] = {}
         lo, hi = band_range(bg, block)
@@ -143,8 +144,11 @@ def run_block(bg: BlockGraph, kernel_inputs: list, arith: Arith) -> list:
             empty = lo >= hi                # no visible key tile: iteration 0 only gives the states' shapes
             def load(op, it=it):
                 x = kernel_inputs[op.attrs["index"]]
-                return [x[tile_slices(x.shape, op.attrs["imap"], op.attrs["fmap"], bg.grid, block,
-                                      bg.forloop_range, it)]]
+                tile = x[tile_slices(x.shape, op.attrs["imap"], op.attrs["fmap"], bg.grid, block,
+                                     bg.forloop_range, it)]
+                if zero is not None and op.attrs["index"] == zero and band_full(bg, block, it):
+                    tile = arith.zeros(tuple(tile.shape), like=tile)      # the band says: 0, not loaded
+                return [tile]
             env = _run_ops(bg, [i for i in body if i not in accs], {}, arith, load)
             for i in accs:
                 op = bg.ops[i]

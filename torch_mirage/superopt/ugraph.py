@@ -521,7 +521,7 @@ class BlockGraph(Graph):
         return body, [i for i in range(len(self.ops)) if i not in set(body)]
 
 
-BAND_FIELDS = ("q_input", "q_dim", "k_input", "period", "offset", "window")
+BAND_FIELDS = ("q_input", "q_dim", "k_input", "period", "offset", "window", "zero_input")
 
 
 def band_geometry(bg: BlockGraph) -> dict:
@@ -530,7 +530,9 @@ def band_geometry(bg: BlockGraph) -> dict:
     start, from the grid dims that map to ``q_dim``); a row's query position is its index modulo ``period``
     (queries of several heads packed into rows); the keys of iteration ``it`` are the tile of iterator
     ``k_input`` along its ``fmap`` dim. Key ``k`` is visible from query ``p`` iff ``k <= p + offset`` and, with a
-    ``window``, ``k > p + offset - window``. Raises MuGraphError when the band does not fit the graph."""
+    ``window``, ``k > p + offset - window``. ``zero_input`` (or None): an iterator (walked by the loop) whose
+    tiles are all 0 where every row of the block sees every key of the tile (an additive mask's visible part):
+    those tiles are not loaded. Raises MuGraphError when the band does not fit the graph."""
     if len(bg.forloop_band) != len(BAND_FIELDS):
         raise MuGraphError(f"forloop_band {bg.forloop_band}: need {BAND_FIELDS}")
     b = dict(zip(BAND_FIELDS, bg.forloop_band))
@@ -539,6 +541,9 @@ def band_geometry(bg: BlockGraph) -> dict:
     if q is None or k is None or k.attrs["fmap"] is None or q.attrs["fmap"] == b["q_dim"]:
         raise MuGraphError(f"forloop_band {bg.forloop_band}: needs a query iterator not walked by the loop "
                            "along q_dim and a key iterator walked by it")
+    z = b["zero_input"]
+    if z is not None and (z not in its or its[z].attrs["fmap"] is None):
+        raise MuGraphError(f"forloop_band {bg.forloop_band}: zero_input {z} is no iterator walked by the loop")
     if b["period"] < 1 or (b["window"] is not None and b["window"] < 1):
         raise MuGraphError(f"forloop_band {bg.forloop_band}: period and window must be >= 1")
     qd, kd = b["q_dim"], k.attrs["fmap"]
@@ -550,6 +555,24 @@ def band_geometry(bg: BlockGraph) -> dict:
     return b
 
 
+def _band_rows(b: dict, block: tuple) -> tuple[int, int, int]:
+    """(first, last query position, first key) of block ``block`` under band geometry ``b``."""
+    start = sum(block[g] * e for g, e in b["q_starts"])
+    rows, period = b["q_rows"], b["period"]
+    p0, p1 = ((start % period, start % period + rows - 1) if period % rows == 0 else (0, period - 1))
+    return p0, p1, sum(block[g] * e for g, e in b["k_starts"])
+
+
+def band_full(bg: BlockGraph, block: tuple, it: int) -> bool:
+    """Whether every query row of block ``block`` sees every key of iteration ``it``'s tile (the band's
+    ``zero_input`` tile is 0 there and is not loaded)."""
+    b = band_geometry(bg)
+    p0, p1, kb = _band_rows(b, block)
+    k0 = kb + it * b["k_tile"]
+    k1 = k0 + b["k_tile"] - 1
+    return k1 <= p0 + b["offset"] and (b["window"] is None or k0 >= p1 + b["offset"] - b["window"] + 1)
+
+
 def band_range(bg: BlockGraph, block: tuple, lo: int = 0, hi: int | None = None) -> tuple[int, int]:
     """The iterations ``[lo, hi)`` of the for-loop that block ``block`` runs: those whose key tile holds a key
     visible from one of the block's query rows (the others are entirely masked and never visited). The Triton
@@ -559,10 +582,8 @@ def band_range(bg: BlockGraph, block: tuple, lo: int = 0, hi: int | None = None)
     if bg.forloop_band is None:
         return lo, hi
     b = band_geometry(bg)
-    start = sum(block[g] * e for g, e in b["q_starts"])
-    rows, period, t = b["q_rows"], b["period"], b["k_tile"]
-    p0, p1 = ((start % period, start % period + rows - 1) if period % rows == 0 else (0, period - 1))
-    kb = sum(block[g] * e for g, e in b["k_starts"])
+    t = b["k_tile"]
+    p0, p1, kb = _band_rows(b, block)
     hi = min(hi, max(p1 + b["offset"] - kb + t, 0) // t)
     if b["window"] is not None:
         lo = max(lo, max(p0 + b["offset"] - b["window"] + 1 - kb, 0) // t)
