@@ -195,3 +195,26 @@ def test_attention_band_knob_off():
     assert_close(torch.compile(f, backend=backend)(*args), f(*args), torch.float32)
     (region,) = _attention_regions(report)
     assert "band=0" in region.info["attention"] and "forloop_band" not in region.info, region.info
+
+
+@interp
+@pytest.mark.parametrize("grid,loop,split", [((2, 1, 4), 8, 2), ((2, 1, 2), 4, 4), ((2, 1, 1), 2, 1)])
+def test_band_under_other_launch_configs(grid, loop, split):
+    """A banded block graph re-tiled (other row blocks / key tiles) and split over KV by the launcher (split-K
+    partials of a block that sees none of a split: m = -inf, l = o = 0, folded without NaN): eager-equal."""
+    from torch_mirage.codegen.launch import LaunchConfig
+    from torch_mirage.config import load
+    from torch_mirage.superopt.compile import BlockLauncher
+
+    b, hk, g, sq, skv, d, off, w = 1, 2, 2, 8, 32, 16, 24, 6
+    i = torch.arange(sq)[:, None] + off
+    j = torch.arange(skv)[None]
+    m = torch.zeros(sq, skv).masked_fill((j > i) | (j <= i - w), -1e30).repeat(g, 1)[None, None]
+    kg = flash_attention(b, hk, g * sq, skv, d, scale=0.3, mask=(1, 1), dtype="float32", band=(sq, off, w, True))
+    bg = next(op.body for op in kg.ops if isinstance(op.body, BlockGraph))
+    q, k, v = torch.randn(b, hk, g * sq, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
+    launcher = BlockLauncher(bg, LaunchConfig(grid, loop, split), [4, 4, 4, 4], load().cache_dir)
+    (out,) = launcher(q, k, v, m)
+    ref = torch.softmax(q @ k.transpose(-1, -2) * 0.3 + m, -1) @ v
+    assert torch.isfinite(out).all()
+    assert_close(out, ref, torch.float32)
