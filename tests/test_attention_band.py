@@ -228,3 +228,27 @@ def test_band_under_other_launch_configs(grid, loop, split):
     ref = torch.softmax(q @ k.transpose(-1, -2) * 0.3 + m, -1) @ v
     assert torch.isfinite(out).all()
     assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("seed,band", [("flash", (8, 0, None, True)), ("flash", (8, 0, 3, False)),
+                                       ("split", (4, 28, None, True)), ("split", (2, 0, None, False))])
+def test_banded_seeds_verify(seed, band):
+    """The verifier draws masks that satisfy the band (its precondition: exactly the band where the mask's
+    visible part is 0, random keys inside it otherwise): banded seeds pass both tests, a wrong scale does not."""
+    from torch_mirage.superopt.verify import verify
+
+    def ref(q, k, v, mask, scale=0.25):
+        return torch.softmax(q @ k.transpose(-1, -2) * scale + mask, -1) @ v
+
+    if seed == "flash":
+        g = flash_attention(1, 2, 8, 8, 16, scale=0.25, mask=(1, 2), dtype="float32", forloop_range=2, q_blocks=2,
+                            band=band)
+        xs = [torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.zeros(1, 2, 8, 8)]
+    else:
+        g = flash_decoding(1, 2, 4, 32, 16, scale=0.25, mask=(1, 1), dtype="float32", splits=4, forloop_range=2,
+                           band=band)
+        xs = [torch.randn(1, 2, 4, 16), torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16), torch.zeros(1, 1, 4, 32)]
+    good = verify(g, ref, xs)
+    assert good.equivalent and "finite-field test passed" in good.reason, good.reason
+    bad = verify(g, lambda q, k, v, mask: ref(q, k, v, mask, 0.26), xs)
+    assert not bad.equivalent, bad.reason

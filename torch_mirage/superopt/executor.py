@@ -120,13 +120,14 @@ def _acc_count(bg: BlockGraph, op: Op, x_shape) -> int:
     return bg.forloop_range
 
 
-def _identity_state(op: Op, st) -> tuple:
+def _identity_state(op: Op, st, arith: Arith) -> tuple:
     """An online-softmax state that has seen no key: m = -inf, l = 0, o = 0 (a block whose for-loop band is
     empty)."""
-    if op.name != "acc_online_softmax" or not all(isinstance(x, torch.Tensor) and x.is_floating_point() for x in st):
-        raise ExecutionError(f"an empty for-loop band under {op.name} or non-real arithmetic")
+    if op.name != "acc_online_softmax":
+        raise ExecutionError(f"an empty for-loop band under {op.name}")
     m, l, o = st
-    return torch.full_like(m, float("-inf")), torch.zeros_like(l), torch.zeros_like(o)
+    return (arith.full(tuple(m.shape), float("-inf"), like=m), arith.zeros(tuple(l.shape), like=l),
+            arith.zeros(tuple(o.shape), like=o))
 
 
 def run_block(bg: BlockGraph, kernel_inputs: list, arith: Arith) -> list:
@@ -155,7 +156,7 @@ def run_block(bg: BlockGraph, kernel_inputs: list, arith: Arith) -> list:
                 xs = [env[Ref(*r)] for r in op.inputs]
                 state[i] = getattr(arith, op.spec.arith)(state.get(i), *xs, **op.attrs)
                 if empty:
-                    state[i] = _identity_state(op, state[i])
+                    state[i] = _identity_state(op, state[i], arith)
                 state[(i, "n")] = _acc_count(bg, op, xs[0].shape)
         env = {}
         for i in accs:
