@@ -377,3 +377,25 @@ def test_an_explicit_device_ends_what_follows_a_moved_constant():
     assert move_constants_to_device(gm, "meta") == ["c"]
     assert lifted.meta["val"].device.type == "meta"
     assert on_cpu.meta["val"].device.type == "cpu" and plus.meta["val"].device.type == "cpu"
+
+
+def test_a_cpu_input_is_named_with_its_shape_and_the_way_out():
+    from torch_mirage.runtime.cudagraph import cuda_graph_blocker
+
+    gm = torch.fx.symbolic_trace(lambda x, pos: x + pos)
+    why = cuda_graph_blocker(gm, [torch.randn(2, 3), torch.arange(3)], "inference")
+    assert why.startswith("inputs not all CUDA tensors: input 0 (x) is a CPU float32[2, 3]")
+    assert "create it on the GPU" in why
+
+
+def test_copy_all_copies_every_pair_fused_or_not():
+    from torch_mirage.runtime.cudagraph import copy_all
+
+    srcs = [torch.randn(3), torch.arange(4), torch.randn(2, 2).t()]     # float, int, a non-contiguous view
+    dsts = [torch.empty(3), torch.empty(4, dtype=torch.int64), torch.empty(2, 2)]
+    copy_all(list(zip(dsts, srcs)))
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    one = torch.empty(3)
+    copy_all([(one, srcs[0])])
+    copy_all([])
+    assert torch.equal(one, srcs[0])

@@ -233,3 +233,27 @@ def test_gpu_failing_stage_runs_inductor_in_our_cuda_graph_unless_that_failed(st
         assert not graph.cuda_graph and "cuda graph stage failed" in graph.cuda_graph_reason
     else:
         assert graph.cuda_graph, graph.cuda_graph_reason
+
+
+def test_a_ugraph_too_large_for_block_memory_declines_without_a_warning(monkeypatch, caplog):
+    """A library μGraph whose tiles need more than one SM's memory at the model's sizes (gated_mlp at hidden 1024
+    on the H100) is a decline, not a failure: no warning, even under strict."""
+    import torch_mirage.superopt.compile as superopt_compile
+    from torch_mirage.superopt.claim import _compiled
+    from torch_mirage.superopt import library
+    from torch_mirage.superopt.validate import InvalidMuGraph
+
+    def too_large(*args, **kwargs):
+        raise InvalidMuGraph(["kernel graph op 3 (customized) body: its tensors need 1458176 bytes of block-level "
+                              "memory, capacity 232448"])
+
+    monkeypatch.setattr(superopt_compile, "compile_ugraph", too_large)
+
+    class Strict:
+        config = type("C", (), {"strict": True})()
+
+    workload = library.WORKLOADS["gated_mlp"]
+    with caplog.at_level(logging.INFO, logger="torch_mirage"):
+        assert _compiled(workload, (4, 8, 16), "float32", {}, [], None, Strict()) is None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("does not fit block memory" in r.getMessage() for r in caplog.records)

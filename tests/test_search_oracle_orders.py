@@ -53,13 +53,17 @@ def rms_kernel_ops(mean: bool):
     return g
 
 
+def _rms_tiles(X, G, W):
+    """A block graph over a (2,) grid with 3 for-loop steps, iterating X and G along K and W's columns per block."""
+    tb = new_threadblock_graph((2,), 3)
+    return tb, tb.new_input(X, imap=(PHI,), fmap=1), tb.new_input(G, imap=(PHI,), fmap=0), tb.new_input(W, imap=(1,), fmap=0)
+
+
 def rms_rsqrt_first():
     g = new_kernel_graph()
     X, G, W = _rms_inputs(g)
     Xn = g.mul(X, g.rsqrt(g.scalar_add(g.reduce_mean(g.mul(X, X), dim=1), value=EPS)))
-    tb = new_threadblock_graph((2,), 3)
-    tX, tG, tW = tb.new_input(Xn, imap=(PHI,), fmap=1), tb.new_input(G, imap=(PHI,), fmap=0), \
-        tb.new_input(W, imap=(1,), fmap=0)
+    tb, tX, tG, tW = _rms_tiles(Xn, G, W)
     tb.new_output(tb.forloop_accum(tb.matmul(tb.mul(tX, tG), tW), "sum"), omap=(1,))
     g.mark_output(g.customized([Xn, G, W], tb)[0])
     return g
@@ -68,9 +72,7 @@ def rms_rsqrt_first():
 def rms_tile_sums():
     g = new_kernel_graph()
     X, G, W = _rms_inputs(g)
-    tb = new_threadblock_graph((2,), 3)
-    tX, tG, tW = tb.new_input(X, imap=(PHI,), fmap=1), tb.new_input(G, imap=(PHI,), fmap=0), \
-        tb.new_input(W, imap=(1,), fmap=0)
+    tb, tX, tG, tW = _rms_tiles(X, G, W)
     acc = tb.forloop_accum(tb.matmul(tb.mul(tG, tX), tW), "sum")
     ss = tb.forloop_accum(tb.reduce_sum(tb.mul(tX, tX), dim=1), "sum")
     tb.new_output(tb.div(acc, tb.sqrt(tb.scalar_add(tb.scalar_mul(ss, value=1 / K), value=EPS))), omap=(1,))
@@ -96,9 +98,7 @@ def rms_norm_op():
 def rms_tile_sums_rsqrt():
     g = new_kernel_graph()
     X, G, W = _rms_inputs(g)
-    tb = new_threadblock_graph((2,), 3)
-    tX, tG, tW = tb.new_input(X, imap=(PHI,), fmap=1), tb.new_input(G, imap=(PHI,), fmap=0), \
-        tb.new_input(W, imap=(1,), fmap=0)
+    tb, tX, tG, tW = _rms_tiles(X, G, W)
     acc = tb.forloop_accum(tb.matmul(tb.mul(tX, tG), tW), "sum")
     ms = tb.forloop_accum(tb.reduce_sum(tb.square(tX), dim=1), "sum")
     tb.new_output(tb.mul(acc, tb.rsqrt(tb.scalar_add(tb.scalar_mul(ms, value=1 / K), value=EPS))), omap=(1,))
@@ -109,9 +109,7 @@ def rms_tile_sums_rsqrt():
 def rms_tile_means():
     g = new_kernel_graph()
     X, G, W = _rms_inputs(g)
-    tb = new_threadblock_graph((2,), 3)
-    tX, tG, tW = tb.new_input(X, imap=(PHI,), fmap=1), tb.new_input(G, imap=(PHI,), fmap=0), \
-        tb.new_input(W, imap=(1,), fmap=0)
+    tb, tX, tG, tW = _rms_tiles(X, G, W)
     acc = tb.forloop_accum(tb.matmul(tb.mul(tX, tG), tW), "sum")
     ms = tb.forloop_accum(tb.reduce_mean(tb.square(tX), dim=1), "mean")      # sum(4, x²/4), then /3 per step
     tb.new_output(tb.div(acc, tb.sqrt(tb.scalar_add(ms, value=EPS))), omap=(1,))

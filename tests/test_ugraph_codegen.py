@@ -153,7 +153,7 @@ def test_choose_on_cpu_is_the_graphs_own_schedule():
     assert cfg == launch.default_config(bg)
     cands = launch.candidates(bg, n_sm=132)
     assert cands[0].grid == bg.grid and all(retile(bg, c.grid, c.forloop_range) is not None for c in cands)
-    assert 2 <= len(cands) <= 21
+    assert 2 <= len(cands) <= 22
 
 
 def test_candidates_include_more_programs_per_sm():
@@ -176,6 +176,45 @@ def test_candidates_try_a_deep_pipeline_on_long_loops_only():
     assert all(c.forloop_range // c.split >= launch.DEEP_LOOP for c in deep)
     short = [c for c in cands if c.forloop_range // c.split < launch.DEEP_LOOP]
     assert all((c.num_warps, c.num_stages) in launch.WARPS_STAGES for c in short)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_candidates_include_the_weight_streaming_schedule_for_decode(rows):
+    """A decode GEMV (rows <= 16, K = N = 4096): one wave of programs over N (128 tiles of 32 columns on 132 SMs),
+    no split and no combine, 16 steps of 256 along K, 4 warps / 5 stages — the probe's 14.2 µs schedule."""
+    bg = next(o for o in library.rmsnorm_linear(rows, 4096, 4096, dtype="float16").ops if o.name == "customized").body
+    cands = launch.candidates(bg, n_sm=132)
+    stream = [c for c in cands if (c.num_warps, c.num_stages) == launch.STREAM_PIPELINE]
+    assert stream == [launch.LaunchConfig((128,), 16, 1, *launch.STREAM_PIPELINE),
+                      launch.LaunchConfig((128,), 16, 1, *launch.STREAM_PIPELINE, prologue=True)]
+    assert retile(bg, stream[0].grid, stream[0].forloop_range) is not None
+    gated = next(o for o in library.gated_mlp(rows, 4096, 4096, dtype="float16").ops if o.name == "customized").body
+    assert not any(c.prologue for c in launch.candidates(gated, n_sm=132))   # no matmul-free accumulator there
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_weight_streaming_schedule_matches_eager(rows, tmp_path):
+    """The streaming re-tiling (picked for a 12-SM device at interpreter-sized shapes) run in the interpreter."""
+    m, k, n = rows, 256, 96
+    g = library.rmsnorm_linear(m, k, n, dtype="float32")
+    bg = next(o for o in g.ops if o.name == "customized").body
+    stream = [c for c in launch.candidates(bg, n_sm=12) if (c.num_warps, c.num_stages) == launch.STREAM_PIPELINE]
+    assert [c.prologue for c in stream] == [False, True]
+    xs = _inputs("rmsnorm_linear", (m, k, n), torch.float32, seed=2)
+    want = library.WORKLOADS["rmsnorm_linear"].reference(*[x.double() for x in xs])
+    for cfg in stream:
+        assert cfg.split == 1 and math.prod(cfg.grid) <= 12 and cfg.forloop_range >= launch.DEEP_LOOP
+        run = BlockLauncher(bg, cfg, [x.dim() for x in xs], str(tmp_path))
+        # loop fission: the sum of squares walks K in a loop of its own, the dot loop holds no reduction
+        assert run.source.count("for it in tl.range") == (2 if cfg.prologue else 1)
+        (got,) = run(*xs)
+        assert _rel(got, want) < 1e-5
+
+
+def test_streaming_pick_needs_one_wave_and_a_long_loop():
+    scored = [(1.0, (256,), 16, 1), (2.0, (64,), 32, 1), (3.0, (128,), 4, 1), (4.0, (128,), 32, 2)]
+    assert launch.streaming_pick(scored, n_sm=132) == ((64,), 32)
+    assert launch.streaming_pick([(1.0, (128,), 4, 1)], n_sm=132) is None
 
 
 def test_memory_plan_shares_only_disjoint_lifetimes():

@@ -115,26 +115,22 @@ class MirageBackend:
             log.warning("%s", failures.format_failure(failure, f"Dynamo graph {report.index}"))
             return gm.forward
         graphs = self.report.graphs[first_graph:]
-        if len(graphs) == 1 and _timed_against_inductor(graphs[0], cfg):
-            try:
-                with failures.stage("whole-graph timing"):
-                    return self._faster_of_mirage_and_inductor(gm, example_inputs, cfg, compiled, graphs[0])
-            except Exception as e:
-                if cfg.strict:
-                    raise
-                failure = Failure("whole-graph timing", _dynamo_summary(gm), failures.describe_error(e),
-                                  "mirage's compile runs without being timed against Inductor's")
-                log.warning("%s", failures.format_failure(failure, f"{graphs[0].kind} graph {graphs[0].index}"))
-        if len(graphs) == 1 and graphs[0].untimed_reason:
-            try:
-                with failures.stage("untimed graph to Inductor"):
-                    return self._untimed_to_inductor(gm, example_inputs, cfg, compiled, graphs[0])
-            except Exception as e:
-                if cfg.strict:
-                    raise
-                failure = Failure("untimed graph to Inductor", _dynamo_summary(gm), failures.describe_error(e),
-                                  "mirage's compile runs without being timed against Inductor's")
-                log.warning("%s", failures.format_failure(failure, f"{graphs[0].kind} graph {graphs[0].index}"))
+        if len(graphs) == 1:
+            graph = graphs[0]
+            # timed against Inductor's compile on the first call, or (when it cannot be timed) Inductor's kept
+            step = (("whole-graph timing", self._faster_of_mirage_and_inductor) if _timed_against_inductor(graph, cfg)
+                    else ("untimed graph to Inductor", self._untimed_to_inductor) if graph.untimed_reason else None)
+            if step is not None:
+                name, decide = step
+                try:
+                    with failures.stage(name):
+                        return decide(gm, example_inputs, cfg, compiled, graph)
+                except Exception as e:
+                    if cfg.strict:
+                        raise
+                    failure = Failure(name, _dynamo_summary(gm), failures.describe_error(e),
+                                      "mirage's compile runs without being timed against Inductor's")
+                    log.warning("%s", failures.format_failure(failure, f"{graph.kind} graph {graph.index}"))
         return compiled
 
     def _untimed_to_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: config_mod.Config,

@@ -30,6 +30,7 @@ import torch
 
 from ..runtime.measure import plain_timing
 from .harness import _free, _short, mirage_summary, rel_error
+from .report import environment, pyplot, write_json
 
 SCHEMA = "torch_mirage.bench.models/1"
 MODES = ("eager", "inductor", "reduce-overhead", "max-autotune", "mirage")
@@ -125,9 +126,37 @@ def forward_logits(model, spec: HFModel) -> Callable[[torch.Tensor], torch.Tenso
 def greedy_generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """Greedy decoding of exactly ``new_tokens`` tokens with a static KV cache. ``disable_compile``: on CUDA with a
     static cache transformers would otherwise compile the forward itself, and eager would not be eager."""
+    cache = static_cache(model, ids.shape[0], ids.shape[1] + new_tokens, ids.device)
+    if cache is not None:
+        cache.reset()   # the same storage for every call (zeroed in place), as a serving loop keeps it
+    kwargs = {"past_key_values": cache} if cache is not None else {"cache_implementation": "static"}
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-                          pad_token_id=0, disable_compile=True)
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, disable_compile=True,
+                          **kwargs)
+
+
+def static_cache(model, batch: int, length: int, device: torch.device):
+    """A ``StaticCache`` allocated before the first (compiled) forward, as transformers' docs build one for
+    ``torch.compile``: allocated eagerly, its tensors are marked static addresses, so compiled graphs (Inductor's
+    CUDA-graph trees, mirage's runner) update them in place. Left to generate, the cache is allocated lazily inside
+    the compiled prefill, where transformers skips ``mark_static_address``; Inductor's reduce-overhead then skipped
+    its CUDA graphs for "mutated inputs" and failed or crashed inside ``generate`` on the H100 (torch 2.11).
+    One cache per model, batch and length, reused by every call (a new one per call would move the static
+    addresses and make every CUDA graph re-record). ``None`` where this transformers has no early initialisation."""
+    from transformers import StaticCache
+
+    caches = model.__dict__.setdefault("_bench_static_caches", {})
+    if (batch, length) in caches:
+        return caches[batch, length]
+    cfg = model.config.get_text_config(decoder=True)
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    if not hasattr(cache, "early_initialization"):
+        return None
+    cache.early_initialization(batch, heads, head_dim, model.dtype, device)
+    caches[batch, length] = cache
+    return cache
 
 
 def compile_forward(model, mode: str, report: Any = None) -> None:
@@ -330,12 +359,9 @@ def plot(doc: dict, path: str) -> str | None:
     rows = [r for r in doc["models"] if r.get("prefill_us_speedup_vs_reduce_overhead")]
     if not doc["timing"] or not rows:
         return "no plot: no case has both a mirage and a reduce-overhead time"
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    plt = pyplot()
+    if isinstance(plt, str):
+        return plt
     labels = [f"{r['model']} {r['attn']}" for r in rows]
     fig, ax = plt.subplots(figsize=(8, max(3, 0.35 * len(rows) + 1.5)))
     y = list(range(len(rows)))
@@ -359,8 +385,6 @@ def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequ
         attns: Sequence[str] = ATTN, tiny: bool | None = None, batch: int | None = None, tokens: int | None = None,
         new_tokens: int | None = None, repeats: int = 5, budget_s: float | None = None) -> dict:
     """The whole bench; writes ``out/stem.{json,md,png}`` and returns the document."""
-    from .report import environment, write_json
-
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     tiny = (not cuda) if tiny is None else tiny
@@ -399,8 +423,6 @@ def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequ
 def merge(paths: Sequence[str], out: str, stem: str) -> dict:
     """One document from several runs (e.g. one process per model, so that a crash loses one model only):
     their ``models`` and ``not_run`` concatenated under the first run's settings and environment."""
-    from .report import write_json
-
     docs = []
     for path in paths:
         with open(path) as f:

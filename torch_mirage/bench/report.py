@@ -185,6 +185,17 @@ def _modes(cases: Sequence[dict]) -> list[str]:
 # Plot
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, or why there is no plot."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    return plt
+
+
 def plot(doc: dict, path: str) -> str | None:
     """Speedup over best Inductor and fraction of floor, per case. Returns why not, or None."""
     if not doc["timing"]:
@@ -192,12 +203,9 @@ def plot(doc: dict, path: str) -> str | None:
     rows = [c for c in doc["cases"] if c["speedup_vs_best_inductor"] is not None]
     if not rows:
         return "no plot: no case has both a mirage and an Inductor time"
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    plt = pyplot()
+    if isinstance(plt, str):
+        return plt
     labels = [f"{c['workload']} b{c['batch']} {c['dtype'].replace('float', 'f').replace('bfloat', 'bf')}" for c in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, max(4, 0.28 * len(rows) + 1.5)), sharey=True)
     y = list(range(len(rows)))

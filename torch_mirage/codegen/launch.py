@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..superopt.ugraph import BlockGraph, Ctx, MuGraphError, ThreadGraph, make_op
-from .ugraph_triton import ELEMENTWISE, _saved, padded, strip
+from .ugraph_triton import ELEMENTWISE, _saved, padded, prologue_accumulators, strip
 
 log = logging.getLogger("torch_mirage")
 
@@ -35,6 +35,10 @@ WARPS_STAGES = ((4, 3), (8, 4))
 # 2026-11-24: gated MLP 8×4096×4096 fp16 at 4 warps / 6 stages 25.1 µs, 0.89 of copy, against 28.0 at 4 / 3)
 DEEP_PIPELINE = (4, 6)
 DEEP_LOOP = 8                  # for-loop steps per program from which DEEP_PIPELINE is tried too
+# one wave of programs, no split and no combine, the widest K tile that keeps DEEP_LOOP steps, 4 warps / 5 stages:
+# the weight-streaming schedule of decode GEMVs (H100 probe, 11-25: 1-16 rows x 4096 x 4096 fp16 in 14.2 µs,
+# 0.86 of copy, against 16.1 for the split-K + combine schedule the estimate ranked first)
+STREAM_PIPELINE = (4, 5)
 PROBE_WAVES = (2, 4)           # programs per SM of the extra candidates :func:`candidates` always adds
 MAX_TILE = 128 * 128           # elements any block tile may hold (registers of one program)
 MAX_STAGE_BYTES = 48 * 1024    # bytes one for-loop iteration loads (x num_stages must fit shared memory)
@@ -51,6 +55,7 @@ class LaunchConfig:
     split: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    prologue: bool = False    # matmul-free accumulators in a for-loop of their own (ugraph_triton.prologue_accumulators)
 
     def to_json(self) -> dict:
         return {**asdict(self), "grid": list(self.grid)}
@@ -229,8 +234,24 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
         probe = next(((g, f, s) for _, g, f, s in scored if math.prod(g) * s >= waves * n_sm), None)
         if probe is not None and probe not in picks:
             picks.append(probe)
-    return [LaunchConfig(g, f, s, w, st) for g, f, s in picks
-            for w, st in (*WARPS_STAGES, *([DEEP_PIPELINE] if f // s >= DEEP_LOOP else []))]
+    configs = [LaunchConfig(g, f, s, w, st) for g, f, s in picks
+               for w, st in (*WARPS_STAGES, *([DEEP_PIPELINE] if f // s >= DEEP_LOOP else []))]
+    stream = streaming_pick(scored, n_sm)
+    if stream is not None:
+        configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE))
+        if prologue_accumulators(bg):   # the norm's sum of squares out of the dot loop: the stream stays pure
+            configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE, prologue=True))
+    return configs
+
+
+def streaming_pick(scored: Sequence[tuple], n_sm: int) -> tuple | None:
+    """``(grid, forloop_range)`` of the weight-streaming schedule among the scored re-tilings: no split, the most
+    programs that still fit one wave (``<= n_sm``), then the fewest for-loop steps that are still at least
+    ``DEEP_LOOP`` (the widest K tile the pipeline keeps in flight); None where no re-tiling qualifies."""
+    fits = [(g, f) for _, g, f, s in scored if s == 1 and math.prod(g) <= n_sm and f >= DEEP_LOOP]
+    if not fits:
+        return None
+    return max(fits, key=lambda gf: (math.prod(gf[0]), -gf[1]))
 
 
 def _product(choices):
@@ -261,7 +282,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     from ..cache import cache_key
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs",
-                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS])   # a wider search re-tunes
+                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE])   # a wider search re-tunes
     if cache is not None:
         hit = cache.get_json(key)
         if hit is not None:

@@ -526,11 +526,36 @@ def _epilogue(e: _Emitter, bg: BlockGraph, epi: list[int], env: dict) -> None:
             env[Ref(i, j)] = v
 
 
+def _ancestors(bg: BlockGraph, roots) -> set[int]:
+    """Op indices ``roots`` depend on, themselves included."""
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        i = stack.pop()
+        if i not in seen:
+            seen.add(i)
+            stack.extend(r[0] for r in bg.ops[i].inputs)
+    return seen
+
+
+def prologue_accumulators(bg: BlockGraph) -> list[int]:
+    """Accumulators a separate for-loop before the main one can compute: those with no matmul in their chain
+    (an RMSNorm's sum of squares over X's row) in a block graph whose other accumulators do hold one. Walking
+    them in their own loop keeps the main loop a pure ``tl.dot`` stream whose weight loads pipeline (H100 probe,
+    11-25: a sum of squares inside the dot loop took a 1 x 4096 x 4096 GEMV from 14.2 to 28.5 µs)."""
+    accs = [i for i, op in enumerate(bg.ops) if op.spec.kind == "accum"]
+    has_dot = {i: any(bg.ops[j].name == "matmul" for j in _ancestors(bg, [i])) for i in accs}
+    if not any(has_dot.values()):
+        return []
+    return [i for i in accs if not has_dot[i]]
+
+
 def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", split: int = 1,
-                      combine: BlockGraph | None = None) -> BlockKernel:
+                      combine: BlockGraph | None = None, prologue: bool = False) -> BlockKernel:
     """Triton source for one graph-defined op. ``in_ranks``: rank of each kernel input (its strides are
     arguments). ``combine``: the re-tiling of ``bg`` whose grid the combine kernel runs on (split > 1;
-    default ``bg``'s own grid)."""
+    default ``bg``'s own grid). ``prologue``: the :func:`prologue_accumulators` walk the for-loop range in a
+    loop of their own before the main loop (loop fission; the same sums in the same order)."""
     if bg.forloop_range % split:
         raise CodegenError(f"μGraph codegen: split {split} does not divide forloop_range {bg.forloop_range}")
     body, epi = bg.phases()
@@ -578,17 +603,20 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
         lo, hi = _band_bounds(e, bg, lo, hi)
     emit_ops([i for i in compute if not var[i]], None)
     states = {i: _acc_init(e, bg.ops[i]) for i in accs}
-    if loop:
-        e.line(f"for it in tl.range({lo}, {hi}, num_stages=NUM_STAGES):")
-        e.indent += 1
-    emit_ops([i for i in compute if var[i]], "it" if loop else lo)
-    for i in order_by_depth(bg, accs):
-        op = bg.ops[i]
-        mm = next((m for m, a in fused.items() if a == i), None)
-        pair = tuple(env[Ref(*r)] for r in bg.ops[mm].inputs) if mm is not None else None
-        _acc_update(e, op, states[i], [env[Ref(*r)] for r in op.inputs] if mm is None else [], pair)
-    if loop:
-        e.indent -= 1
+    first = prologue_accumulators(bg) if prologue and loop else []
+    for group in ([first, [i for i in accs if i not in first]] if first else [accs]):
+        needed = _ancestors(bg, group)
+        if loop:
+            e.line(f"for it in tl.range({lo}, {hi}, num_stages=NUM_STAGES):")
+            e.indent += 1
+        emit_ops([i for i in compute if var[i] and i in needed], "it" if loop else lo)
+        for i in order_by_depth(bg, group):
+            op = bg.ops[i]
+            mm = next((m for m, a in fused.items() if a == i), None)
+            pair = tuple(env[Ref(*r)] for r in bg.ops[mm].inputs) if mm is not None else None
+            _acc_update(e, op, states[i], [env[Ref(*r)] for r in op.inputs] if mm is None else [], pair)
+        if loop:
+            e.indent -= 1
     head = _header(name, bg, n_inputs, in_ranks, [] if split > 1 else out_ranks, len(ws), loop)
     outputs = [(_saved(bg, s), s.attrs["dtype"]) for s in savers]
     if split > 1:

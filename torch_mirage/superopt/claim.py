@@ -28,6 +28,7 @@ from ..capture.ir import Graph, Node, Value
 from ..failures import note, stage
 from ..partition.region import Reason, Region, is_convex
 from . import library
+from .validate import InvalidMuGraph
 
 log = logging.getLogger("torch_mirage")
 
@@ -351,12 +352,24 @@ def _compiled(workload: library.Workload, dims: tuple, dtype: str, constants: di
         with stage("search/build"):
             kgraph = workload.build(*dims, dtype=dtype, **constants)
             return workload, kgraph, compile_ugraph(kgraph, examples, cache=cache)
-    except Exception as e:   # a μGraph that does not build or compile for these shapes: not used
-        if getattr(getattr(ctx, "config", None), "strict", False):
-            raise
-        note(ctx, "search/build", f"μGraph {workload.name}{dims} {dtype}", e,
-             "that μGraph is not used (its region goes to the other claimers and Inductor)")
+    except InvalidMuGraph as e:
+        if not all("block-level memory" in p for p in e.problems):
+            return _not_built(workload, dims, dtype, ctx, e)
+        # its tiles do not fit one SM's memory at these sizes: a decline, expected for large shapes, not a failure
+        log.info("torch_mirage: μGraph %s%s %s does not fit block memory at these sizes; not used",
+                 workload.name, dims, dtype)
         return None
+    except Exception as e:   # a μGraph that does not build or compile for these shapes: not used
+        return _not_built(workload, dims, dtype, ctx, e)
+
+
+def _not_built(workload: library.Workload, dims: tuple, dtype: str, ctx: Any, e: Exception) -> None:
+    """A μGraph that failed to build or compile: one grouped warning (raised under strict)."""
+    if getattr(getattr(ctx, "config", None), "strict", False):
+        raise e
+    note(ctx, "search/build", f"μGraph {workload.name}{dims} {dtype}", e,
+         "that μGraph is not used (its region goes to the other claimers and Inductor)")
+    return None
 
 
 def _timing_sets(examples: list) -> list | None:

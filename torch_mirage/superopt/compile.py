@@ -51,7 +51,7 @@ class BlockLauncher:
                                f"forloop_range {bg.forloop_range})")
         self.config = config
         self.kernel: BlockKernel = emit_block_kernel(tiled, list(in_ranks), name, config.split,
-                                                     combine_tiling(tiled, config.split))
+                                                     combine_tiling(tiled, config.split), config.prologue)
         self.source = module_source([self.kernel])
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
         self.fn = getattr(module, self.kernel.name)
