@@ -3,7 +3,10 @@
 Cases (issue 16's targets): gemma2_softcap (causal + tanh soft-cap, H=32, d=128) at n=1024 and 8192, h2o_core
 (causal + column sums of P) at n=1024, gqa (bench shapes) at b=1 and 8, and decode over a 4k KV cache with
 Llama-3-8B heads (32 q / 8 KV, d=128) written as HF eager (repeat_kv + additive mask) and as SDPA (enable_gqa).
-Each implementation is checked against an fp32 reference (relative Frobenius error) and timed with
+The ``*_inmask`` cases build the causal (or sliding-window) mask inside the compiled function from index
+comparisons, as HF models do, so its value property gives mirage's attention seeds a for-loop band (entirely masked
+key tiles are never visited); ``mirage_noband`` is the same compile with ``options={"attention_band": False}``. A mask passed in as
+an input (gemma2_1k / 8k, h2o) has unknown values and gets no band. Each implementation is checked against an fp32 reference (relative Frobenius error) and timed with
 ``triton.testing.do_bench`` (median ms, L2 flushed); every case runs in its own try/except so one failure only
 loses its row. Prints a table; writes JSON to ``$OUT/attention_family.json`` when ``$OUT`` is set.
 
@@ -32,6 +35,29 @@ TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 def _causal_additive(n, dtype, device):
     return torch.full((n, n), float("-inf"), device=device).triu(1).view(1, 1, n, n).to(dtype)
+
+
+def _inmask(n, window, dtype, device):
+    """A causal (sliding-window) additive mask made from index comparisons inside the compiled graph."""
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    keep = j <= i
+    if window is not None:
+        keep = keep & (j > i - window)
+    low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
+    return torch.where(keep, torch.zeros((), dtype=dtype, device=device), low)[None, None]
+
+
+def gemma2_inmask(q, k, v):
+    return W.gemma2_softcap(q, k, v, _inmask(q.shape[-2], None, q.dtype, q.device))
+
+
+def gemma2_window_inmask(q, k, v):
+    return W.gemma2_softcap(q, k, v, _inmask(q.shape[-2], 1024, q.dtype, q.device))
+
+
+def sdpa_is_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def repeat_kv(x, n_rep):
@@ -73,6 +99,11 @@ def cases(dtype, device):
 
     yield "gemma2_1k", lambda: (W.gemma2_softcap, attn_inputs(32, 1024, 128), refs("gemma2_softcap"))
     yield "gemma2_8k", lambda: (W.gemma2_softcap, attn_inputs(32, 8192, 128), refs("gemma2_softcap"))
+    for n, tag in ((1024, "1k"), (8192, "8k")):
+        yield f"gemma2_{tag}_inmask", (lambda n=n: (gemma2_inmask, attn_inputs(32, n, 128)[:3],
+                                                    refs("gemma2_softcap")))
+    yield "gemma2_8k_window_inmask", lambda: (gemma2_window_inmask, attn_inputs(32, 8192, 128)[:3], {})
+    yield "sdpa_causal_8k", lambda: (sdpa_is_causal, attn_inputs(32, 8192, 128)[:3], {})
     yield "h2o_1k", lambda: (W.h2o_core, attn_inputs(32, 1024, 128), refs("h2o_core"))
     for b in (1, 8):
         yield f"gqa_b{b}", (lambda b=b: (W.gqa, [randn(b, 2, 256, 64), randn(b, 2, 4096, 64), randn(b, 2, 4096, 64)],
@@ -103,6 +134,9 @@ def run_case(name, make, dtype, results):
     same = {label: s for label, (_, s) in refs.items()}
     report = torch_mirage.Report()
     impls["mirage"] = torch.compile(fn, backend=torch_mirage.MirageBackend(report=report), dynamic=False)
+    if name.endswith("_inmask") or name.startswith("sdpa_causal"):
+        impls["mirage_noband"] = torch.compile(fn, backend=torch_mirage.MirageBackend(options={"attention_band": False}),
+                                               dynamic=False)
     impls.update({label: f for label, (f, _) in refs.items()})
     row = {"case": name, "dtype": str(dtype).replace("torch.", ""), "shapes": [list(x.shape) for x in inputs]}
     for impl, f in impls.items():

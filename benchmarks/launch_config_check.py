@@ -6,6 +6,10 @@ soft-cap and an additive mask, and names the configs whose output is non-finite 
 their generated Triton source. Prints one line per config; exits 1 when any config is wrong.
 
     python benchmarks/launch_config_check.py [--seed flash_decoding] [--dtype float16] [--limit 8]
+        [--band causal|window]
+
+``--band``: the seeds with a for-loop band (masked-tile skipping) and a mask that is exactly that band (bottom-right
+causal, offset skv - rows, or a 1024-key sliding window: most KV splits of a decode row are then empty).
 """
 from __future__ import annotations
 
@@ -34,18 +38,26 @@ def main() -> int:
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--masked-from", type=int, default=3000, help="keys from here on get -1e30 (default 3000)")
+    ap.add_argument("--band", choices=["none", "causal", "window"], default="none")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     out_dir = os.environ.get("OUT") or tempfile.mkdtemp()
     bad = 0
     for seed in args.seed:
         b, hk, rows, skv, d = 2, 8, 4 if seed == "flash_decoding" else 256, 4096, 128
+        window = 1024 if args.band == "window" else None
+        band = None if args.band == "none" else (rows, skv - rows, window, True)
         g = SEEDS[seed](b, hk, rows, skv, d, scale=d ** -0.5, softcap=50.0, mask=(1, 1), dtype=args.dtype,
-                        mask_dtype="float32")
+                        mask_dtype="float32", band=band)
         q, k, v = (torch.randn(s, device="cuda", dtype=dtype)
                    for s in ((b, hk, rows, d), (b, hk, skv, d), (b, hk, skv, d)))
         m = torch.zeros(1, 1, rows, skv, device="cuda")
-        m[..., args.masked_from:] = -1e30
+        if band is None:
+            m[..., args.masked_from:] = -1e30
+        else:
+            i = torch.arange(rows, device="cuda")[:, None] + skv - rows
+            j = torch.arange(skv, device="cuda")[None, :]
+            m[..., (j > i) | ((j <= i - window) if window else torch.zeros_like(j > i))] = -1e30
         want = reference(q, k, v, m, d ** -0.5, 50.0)
         kernels = [o for o in g.ops if o.name != "input"]
         if len(kernels) != 1 or kernels[0].name != "customized":
@@ -66,7 +78,7 @@ def main() -> int:
             err = float((got.double() - want).norm() / want.norm()) if finite else float("nan")
             ok = finite and err < (1e-2 if dtype is torch.float16 else 3e-2)
             bad += not ok
-            print(f"{seed} {cfg}: {'ok' if ok else 'WRONG'} rel.err {err:.2e} finite={finite} "
+            print(f"{seed} band={args.band} {cfg}: {'ok' if ok else 'WRONG'} rel.err {err:.2e} finite={finite} "
                   f"nan rows={int(got.isnan().any(-1).sum())} source={getattr(run, 'path', '?')}")
             if not finite and ws:   # which split's partial results (running max, sum, P·V) are not finite
                 for j, (t, n) in enumerate(zip(ws, run.kernel.workspaces)):

@@ -83,6 +83,7 @@ class Config:
     measure_regions: bool = _knob(True, "On a GPU, time each claimed region against Inductor's version and keep the faster.", affects_output=True)
     check_regions: bool = _knob(True, "Run each mirage kernel once at compile time against eager ATen on random inputs; a mismatch hands the region back to the fallback.", affects_output=True)
     cache: bool = _knob(True, "Read and write the on-disk cache.")
+    attention_band: bool = _knob(True, "Attention whose mask's value property is causal or a sliding window visits only the key tiles a query block can see (the block graph's forloop_band).", affects_output=True)
     search: bool = _knob(False, "Claim regions around a matmul with a μGraph found by the μGraph search (seeds off, verified; up to search_budget_s per region), after the μGraph library claimer.", affects_output=True)
     search_budget_s: float = _knob(30.0, "Wall-clock budget in seconds of one μGraph search (anytime: the best verified μGraph found by then is kept; 0 = no search).", affects_output=True)
     search_workers: int = _knob(1, "Worker processes of the μGraph search; the search runs in one process today, so values above 1 are not used yet.")

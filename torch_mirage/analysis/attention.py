@@ -60,6 +60,11 @@ class AttentionSpec:
     output: Value | None = None
     nodes: list[Node] = field(default_factory=list)
     extra_outputs: tuple = ()       # e.g. column sums of P (not found yet: the region's P must not escape)
+    # where the mask's value property bounds the keys a query sees: (offset, window): query i sees key j only if
+    # j <= i + offset (and j > i + offset - window); None where nothing is known. Attention seeds skip the key
+    # tiles outside (``forloop_band``); the mask is still applied inside.
+    mask_band: tuple | None = None
+    mask_zero_visible: bool = False  # the mask (as the seed adds it) is 0 wherever the band sees
 
     @property
     def group(self) -> int:
@@ -75,6 +80,8 @@ class AttentionSpec:
             parts.append(f"softcap={self.softcap:g}")
         if self.mask != "none":
             parts.append(f"mask={self.mask}" + (f"({self.mask_structure})" if self.mask_structure else ""))
+        if self.mask_band is not None:
+            parts.append(f"band={self.mask_band[0]}" + (f",w{self.mask_band[1]}" if self.mask_band[1] else ""))
         return f"{self.form}: " + " ".join(parts)
 
 
@@ -252,6 +259,107 @@ def _mask_structure(mask: Value, values: dict | None) -> str:
     return str(p)
 
 
+_BAND_PASS = {"view", "expand", "unsqueeze", "to_dtype", "copy", "slice", "squeeze"}
+_AND = {"bitwise_and", "logical_and", "mul"}
+_OR = {"bitwise_or", "logical_or"}
+_NOT = {"bitwise_not", "logical_not"}
+
+
+def _is_floor(x: Any) -> bool:
+    """A masked score: exp of it (minus a row max) is 0 in fp32 — fp16's finfo.min (HF masks) and below."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x <= -6e4
+
+
+def _visible_preds(v: Value, values: dict, keep: bool, depth: int = 0) -> list | None:
+    """Affine predicates ``e(i, j) >= 0`` (dims from the right: -1 key, -2 query) that every visible score of
+    mask ``v`` satisfies: ``keep`` — a bool mask True where visible (else True where masked), or an additive
+    mask (``keep`` True) whose masked part is a constant at or below -1e30. Read off the value properties, through
+    ``&`` / ``|`` / ``~``, ``where`` with constant sides and layout ops keeping the last two dims; None where the
+    visible part is not exactly such a conjunction (a padding mask joined in: then a row may be fully masked, where
+    eager's answer depends on every key)."""
+    from .properties import Affine, ValueKind
+
+    if depth > 16 or not isinstance(v, Value):
+        return None
+    p = values.get(id(v))
+    is_bool = v.meta is not None and v.meta.dtype is torch.bool
+    if p is not None and p.known and p.expr is not None:
+        if p.kind is ValueKind.MASK and is_bool:
+            return [p.expr if keep else p.expr.scaled(-1).plus(Affine((), -1))]
+        if p.kind is ValueKind.PIECEWISE and not is_bool:
+            for side in (p.inside, p.outside):
+                if side is not None and side.is_constant and _is_floor(side.fill):
+                    masked = p.constant_where(side.fill)          # masked where masked >= 0
+                    if masked is not None:
+                        return [masked.scaled(-1).plus(Affine((), -1))]
+    n = v.producer
+    if n is None:
+        return None
+    name = n.op.name
+    if name in _BAND_PASS and isinstance(n.args[0], Value) and (_shape(n.args[0]) or ())[-2:] == _shape(v)[-2:]:
+        return _visible_preds(n.args[0], values, keep, depth + 1)
+    if name in _NOT and is_bool:
+        return _visible_preds(n.args[0], values, not keep, depth + 1)
+    if is_bool and ((name in _AND and keep) or (name in _OR and not keep)):
+        parts = [_visible_preds(a, values, keep, depth + 1) for a in n.args[:2]]
+        return None if None in parts else [e for x in parts for e in x]
+    if name == "where" and not is_bool and len(n.args) == 3:
+        a, b = _scalar(n.args[1]), _scalar(n.args[2])
+        if a == 0.0 and _is_floor(b):
+            return _visible_preds(n.args[0], values, True, depth + 1)
+        if _is_floor(a) and b == 0.0:
+            return _visible_preds(n.args[0], values, False, depth + 1)
+    return None
+
+
+def _visible_zero(v: Value, values: dict, depth: int = 0) -> bool:
+    """Whether an additive mask is 0 wherever it is not at its masked floor (HF's ``where(keep, 0, min)``)."""
+    from .properties import ValueKind
+
+    if depth > 16 or not isinstance(v, Value):
+        return False
+    p = values.get(id(v))
+    if p is not None and p.kind is ValueKind.PIECEWISE:
+        sides = [x for x in (p.inside, p.outside) if x is not None and x.is_constant]
+        if len(sides) == 2 and {(_is_floor(x.fill), x.fill == 0) for x in sides} == {(True, False), (False, True)}:
+            return True
+    n = v.producer
+    if n is None:
+        return False
+    if n.op.name in _BAND_PASS and isinstance(n.args[0], Value):
+        return _visible_zero(n.args[0], values, depth + 1)
+    if n.op.name == "where" and len(n.args) == 3:
+        a, b = _scalar(n.args[1]), _scalar(n.args[2])
+        return (a == 0.0 and _is_floor(b)) or (_is_floor(a) and b == 0.0)
+    return False
+
+
+def _mask_band(mask: Value, values: dict | None, kind: str, sq: int, skv: int) -> tuple | None:
+    """The (offset, window) band of :attr:`AttentionSpec.mask_band` read off the mask's value properties: the
+    mask is exactly ``j <= i + offset`` (and ``j > i + offset - window``) and every query row sees a key (so the
+    skipped tiles are ones eager gives weight 0)."""
+    if values is None or len(_shape(mask) or ()) < 2 or _shape(mask)[-2] != sq:
+        return None
+    preds = _visible_preds(mask, values, kind != "bool_inverted")
+    if not preds:
+        return None
+    hi = lo = None
+    for e in preds:
+        t = dict(e.terms)
+        if t == {-1: -1, -2: 1}:                   # i - j + c >= 0: j <= i + c
+            hi = e.const if hi is None else min(hi, e.const)
+        elif t == {-1: 1, -2: -1}:                 # j - i + c >= 0: j >= i - c
+            lo = -e.const if lo is None else max(lo, -e.const)
+        else:
+            return None
+    if hi is None or hi < 0:                       # row 0 sees no key
+        return None
+    window = None if lo is None else hi - lo + 1   # j > i + hi - window  <=>  j >= i + lo
+    if window is not None and (window < 1 or sq - 1 + lo > skv - 1):   # a row whose window holds no key
+        return None
+    return hi, window
+
+
 def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     """The eager attention whose ``P·V`` bmm is ``pv``."""
     seen: list[Node] = [pv]
@@ -302,6 +410,9 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
         if len(ms) > 4 or any(a not in (1, e) for a, e in zip(ms[::-1], (skv, sq, h, b))):
             return None
         spec.mask_structure = _mask_structure(mask_value, values)
+        spec.mask_band = _mask_band(mask_value, values, spec.mask, sq, skv)
+        spec.mask_zero_visible = spec.mask_band is not None and (
+            spec.mask != "additive" or _visible_zero(mask_value, values))
     return spec
 
 
@@ -338,13 +449,16 @@ def _sdpa_at(node: Node, values: dict | None) -> AttentionSpec | None:
     if kw.get("is_causal"):
         if mask is not None:
             return None
-        spec.mask, spec.mask_structure = "causal", "causal"
+        spec.mask, spec.mask_structure, spec.mask_band, spec.mask_zero_visible = "causal", "causal", (0, None), True
     elif isinstance(mask, Value):
         spec.mask = "bool" if mask.meta.dtype is torch.bool else "additive"
         spec.mask_value = mask
         if spec.mask == "bool":
             spec.bool_fill = float("-inf")
         spec.mask_structure = _mask_structure(mask, values)
+        spec.mask_band = _mask_band(mask, values, spec.mask, sq, skv)
+        spec.mask_zero_visible = spec.mask_band is not None and (
+            spec.mask != "additive" or _visible_zero(mask, values))
     return spec
 
 

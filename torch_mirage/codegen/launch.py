@@ -100,7 +100,7 @@ def retile(bg: BlockGraph, grid: Sequence[int], forloop_range: int) -> BlockGrap
             ops.append(make_op(op.name, op.inputs, shapes, dtypes, dict(op.attrs), body, ctx))
     except MuGraphError:
         return None
-    new = BlockGraph(ops=tuple(ops), grid=grid, forloop_range=int(forloop_range))
+    new = BlockGraph(ops=tuple(ops), grid=grid, forloop_range=int(forloop_range), forloop_band=bg.forloop_band)
     if [_saved(new, s) for s in new.savers] != [_saved(bg, s) for s in bg.savers]:
         return None
     return new

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..superopt.ugraph import BlockGraph, Graph, MuGraphError, Op, Ref
+from ..superopt.ugraph import BlockGraph, Graph, MuGraphError, Op, Ref, band_geometry
 
 TL = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32"}
 HALF = ("float16", "bfloat16")
@@ -209,6 +209,9 @@ class _Emitter:
             starts.append(" + ".join(parts) or "0")
         p = f"in{a['index']}"
         offs, mask = self.offsets(p, full, tile, starts)
+        if it is not None and getattr(self, "band_need", None) and a["index"] == self.band_zero:
+            need = self.band_need.format(it=it)          # a tile every row sees whole is 0: not loaded
+            mask = f"({mask}) & ({need})" if mask else f"({need})"
         extra = f", mask={mask}, other=0.0" if mask else ""
         return self.assign("x", f"tl.load({p}_ptr + {offs}{extra})", strip(tile)[0], a["dtype"])
 
@@ -428,8 +431,10 @@ def _combine(e: _Emitter, op: Op, states: list[Val], others: list[Val]) -> None:
         return
     (m, l, o), (m2, l2, o2) = states, others          # raw partial states: m in log2 units
     mn = e.assign("m", f"tl.maximum({m.name}, {m2.name})", m.shape)
-    a1 = e.assign("a", f"tl.math.exp2({m.name} - {mn.name})", m.shape)
-    a2 = e.assign("a", f"tl.math.exp2({m2.name} - {mn.name})", m.shape)
+    # two partials that saw no key (an empty for-loop band: m = -inf, l = o = 0) stay empty, not NaN
+    safe = e.assign("m", f"tl.where({mn.name} == float(\"-inf\"), 0.0, {mn.name})", m.shape)
+    a1 = e.assign("a", f"tl.math.exp2({m.name} - {safe.name})", m.shape)
+    a2 = e.assign("a", f"tl.math.exp2({m2.name} - {safe.name})", m.shape)
     e.line(f"{l.name} = {l.name} * {a1.name} + {l2.name} * {a2.name}")
     e.line(f"{o.name} = {o.name} * {a1.name} + {o2.name} * {a2.name}")
     e.line(f"{m.name} = {mn.name}")
@@ -592,13 +597,17 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
                 env[Ref(i, j)] = v
 
     lo = f"split * {per}" if split > 1 else "0"
+    hi = f"{lo} + {per}" if split > 1 else f"{per}"
+    if bg.forloop_band is not None:     # per-block loop bounds: entirely masked key tiles are never visited
+        loop = True
+        lo, hi = _band_bounds(e, bg, lo, hi)
     emit_ops([i for i in compute if not var[i]], None)
     states = {i: _acc_init(e, bg.ops[i]) for i in accs}
     first = prologue_accumulators(bg) if prologue and loop else []
     for group in ([first, [i for i in accs if i not in first]] if first else [accs]):
         needed = _ancestors(bg, group)
         if loop:
-            e.line(f"for it in tl.range({lo}, {lo + ' + ' if split > 1 else ''}{per}, num_stages=NUM_STAGES):")
+            e.line(f"for it in tl.range({lo}, {hi}, num_stages=NUM_STAGES):")
             e.indent += 1
         emit_ops([i for i in compute if var[i] and i in needed], "it" if loop else lo)
         for i in order_by_depth(bg, group):
@@ -627,6 +636,32 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
             env[Ref(i, j)] = v
     _epilogue(e, bg, epi, env)
     return BlockKernel(_finish(e, head), name, None, tuple(bg.grid), 1, [], outputs, loop)
+
+
+def _band_bounds(e: _Emitter, bg: BlockGraph, lo: str, hi: str) -> tuple[str, str]:
+    """The block's loop bounds under ``bg.forloop_band`` (the arithmetic of :func:`~..superopt.ugraph.band_range`
+    on program ids): the first and one past the last iteration whose key tile holds a key visible from one of
+    the block's query rows, within ``[lo, hi)`` (a split's share of the loop)."""
+    b = band_geometry(bg)
+    start = " + ".join(f"pid_{g} * {n}" for g, n in b["q_starts"]) or "0"
+    rows, period, t, off = b["q_rows"], b["period"], b["k_tile"], b["offset"]
+    if period % rows == 0:
+        e.line(f"band_p0 = ({start}) % {period}")
+        e.line(f"band_p1 = band_p0 + {rows - 1}")
+    else:                               # rows of several query positions' residues: the whole period
+        e.line("band_p0 = 0")
+        e.line(f"band_p1 = {period - 1}")
+    e.line("band_kb = " + (" + ".join(f"pid_{g} * {n}" for g, n in b["k_starts"]) or "0"))
+    e.line(f"band_hi = tl.minimum({hi}, tl.maximum(band_p1 + {off + t} - band_kb, 0) // {t})")
+    if b["zero_input"] is not None:     # the tile is loaded unless every row sees every key of it
+        e.band_zero = b["zero_input"]
+        e.band_need = f"(band_kb + {{it}} * {t} + {t - 1} > band_p0 + {off})"
+        if b["window"] is not None:
+            e.band_need += f" | (band_kb + {{it}} * {t} < band_p1 + {off - b['window'] + 1})"
+    if b["window"] is None:
+        return lo, "band_hi"
+    e.line(f"band_lo = tl.maximum({lo}, tl.maximum(band_p0 + {off - b['window'] + 1} - band_kb, 0) // {t})")
+    return "band_lo", "band_hi"
 
 
 def _saved(bg: BlockGraph, s: Op) -> tuple:

@@ -86,9 +86,12 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, causal: torch
     return out.reshape(b, h, sq, d)
 
 
-def _seed_kwargs(spec: AttentionSpec, dtype: str, mask_shape: tuple | None) -> dict:
+def _seed_kwargs(spec: AttentionSpec, dtype: str, mask_shape: tuple | None, use_band: bool = True) -> dict:
+    """The seed's parameters; a mask whose value property bounds the visible keys (causal, sliding window) gives
+    the for-loop band: each query block visits only the key tiles it can see (config ``attention_band``)."""
+    band = (spec.sq, *spec.mask_band, spec.mask_zero_visible) if spec.mask_band is not None and use_band else None
     return dict(scale=spec.scale, softcap=spec.softcap, mask=mask_shape, dtype=dtype,
-                mask_dtype=DTYPES[mask_dtype(spec)])
+                mask_dtype=DTYPES[mask_dtype(spec)], band=band)
 
 
 class AttentionClaimer:
@@ -132,6 +135,7 @@ class AttentionClaimer:
 
         dtype = DTYPES[spec.dtype]
         rows = spec.group * spec.sq
+        use_band = getattr(getattr(ctx, "config", None), "attention_band", True)
         names = ["flash_attention"] + (["flash_decoding"] if blocks(spec.skv, SPLIT_KV) > 1 else [])
         cache = getattr(ctx, "cache", None)
         with unset_fake_temporarily():
@@ -148,7 +152,8 @@ class AttentionClaimer:
             built = []
             for name in names:
                 try:
-                    kg = SEEDS[name](spec.b, spec.hk, rows, spec.skv, spec.d, **_seed_kwargs(spec, dtype, mask_shape))
+                    kg = SEEDS[name](spec.b, spec.hk, rows, spec.skv, spec.d,
+                                     **_seed_kwargs(spec, dtype, mask_shape, use_band))
                     built.append((SimpleNamespace(name=name), kg, compile_ugraph(kg, ex, cache=cache)))
                 except Exception as e:   # a seed that does not build for these shapes: not used
                     log.info("torch_mirage: attention seed %s for %s not used (%s: %s)", name, spec.describe(),
@@ -172,6 +177,9 @@ class AttentionClaimer:
         region.kernel = kernel
         region.info = {"ugraph": chosen.name, "attention": spec.describe(), "dtype": dtype,
                        "ugraph_hash": kgraph.hash()[:16]}
+        bands = [op.body.forloop_band for op in kgraph.ops if getattr(op.body, "forloop_band", None) is not None]
+        if bands:
+            region.info["forloop_band"] = list(bands[0])
         if times:
             region.info["ugraph_us"] = {n: round(us, 2) for n, us in times.items()}
         return region

@@ -154,7 +154,8 @@ class BlockBuilder(_Builder):
                 raise MuGraphError("customized: a block-graph input iterates a tensor not passed as input")
             self.ops = [op if op.name != "iterator" else
                         _with_index(op, order[op.attrs["index"]]) for op in self.ops]
-        return BlockGraph(ops=tuple(self.ops), grid=self.grid, forloop_range=self.forloop_range)
+        return BlockGraph(ops=tuple(self.ops), grid=self.grid, forloop_range=self.forloop_range,
+                          forloop_band=getattr(self, "forloop_band", None))
 
 
 def _with_index(op: Op, index: int) -> Op:

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from .arith import Arith, TorchArith
-from .ugraph import BlockGraph, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph
+from .ugraph import BlockGraph, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph, band_full, band_range
 
 log = logging.getLogger("torch_mirage")
 
@@ -120,6 +120,16 @@ def _acc_count(bg: BlockGraph, op: Op, x_shape) -> int:
     return bg.forloop_range
 
 
+def _identity_state(op: Op, st, arith: Arith) -> tuple:
+    """An online-softmax state that has seen no key: m = -inf, l = 0, o = 0 (a block whose for-loop band is
+    empty)."""
+    if op.name != "acc_online_softmax":
+        raise ExecutionError(f"an empty for-loop band under {op.name}")
+    m, l, o = st
+    return (arith.full(tuple(m.shape), float("-inf"), like=m), arith.zeros(tuple(l.shape), like=l),
+            arith.zeros(tuple(o.shape), like=o))
+
+
 def run_block(bg: BlockGraph, kernel_inputs: list, arith: Arith) -> list:
     """Run one graph-defined kernel op: every block of the grid, every iteration."""
     body, epilogue = bg.phases()
@@ -127,18 +137,26 @@ def run_block(bg: BlockGraph, kernel_inputs: list, arith: Arith) -> list:
     savers = {bg.ops[i].attrs["index"]: i for i in epilogue if bg.ops[i].name == "saver"}
     outs: list = [None] * len(savers)
     written: list = [None] * len(savers)
+    zero = bg.forloop_band[6] if bg.forloop_band is not None and len(bg.forloop_band) > 6 else None
     for block in itertools.product(*(range(n) for n in bg.grid)):
         state: dict[int, object] = {}
-        for it in range(bg.forloop_range):
+        lo, hi = band_range(bg, block)
+        for it in list(range(lo, hi)) or ([0] if bg.forloop_band is not None else []):
+            empty = lo >= hi                # no visible key tile: iteration 0 only gives the states' shapes
             def load(op, it=it):
                 x = kernel_inputs[op.attrs["index"]]
-                return [x[tile_slices(x.shape, op.attrs["imap"], op.attrs["fmap"], bg.grid, block,
-                                      bg.forloop_range, it)]]
+                tile = x[tile_slices(x.shape, op.attrs["imap"], op.attrs["fmap"], bg.grid, block,
+                                     bg.forloop_range, it)]
+                if zero is not None and op.attrs["index"] == zero and band_full(bg, block, it):
+                    tile = arith.zeros(tuple(tile.shape), like=tile)      # the band says: 0, not loaded
+                return [tile]
             env = _run_ops(bg, [i for i in body if i not in accs], {}, arith, load)
             for i in accs:
                 op = bg.ops[i]
                 xs = [env[Ref(*r)] for r in op.inputs]
                 state[i] = getattr(arith, op.spec.arith)(state.get(i), *xs, **op.attrs)
+                if empty:
+                    state[i] = _identity_state(op, state[i], arith)
                 state[(i, "n")] = _acc_count(bg, op, xs[0].shape)
         env = {}
         for i in accs:

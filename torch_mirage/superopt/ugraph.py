@@ -482,12 +482,17 @@ class BlockGraph(Graph):
     level: ClassVar[str] = B
     grid: tuple = (1,)
     forloop_range: int = 1
+    # a band of the for-loop range per block (see :func:`band_range`); None: every block runs the whole loop
+    forloop_band: tuple | None = None
 
     def ctx(self, body=None) -> Ctx:
         return Ctx(tuple(self.grid), self.forloop_range, body)
 
     def header(self) -> dict:
-        return {"level": self.level, "grid": list(self.grid), "forloop_range": self.forloop_range}
+        h = {"level": self.level, "grid": list(self.grid), "forloop_range": self.forloop_range}
+        if self.forloop_band is not None:       # absent when unused: canonical JSON / hashes stay as they were
+            h["forloop_band"] = list(self.forloop_band)
+        return h
 
     @property
     def savers(self) -> list[Op]:
@@ -514,6 +519,75 @@ class BlockGraph(Graph):
         counts = self.accum_counts()
         body = [i for i, op in enumerate(self.ops) if op.spec.kind == "accum" or counts[i][0] == {0}]
         return body, [i for i in range(len(self.ops)) if i not in set(body)]
+
+
+BAND_FIELDS = ("q_input", "q_dim", "k_input", "period", "offset", "window", "zero_input")
+
+
+def band_geometry(bg: BlockGraph) -> dict:
+    """What the for-loop band ``bg.forloop_band = (q_input, q_dim, k_input, period, offset, window)`` reads
+    off the block graph: the query rows of a block are the tile of iterator ``q_input`` along ``q_dim`` (its
+    start, from the grid dims that map to ``q_dim``); a row's query position is its index modulo ``period``
+    (queries of several heads packed into rows); the keys of iteration ``it`` are the tile of iterator
+    ``k_input`` along its ``fmap`` dim. Key ``k`` is visible from query ``p`` iff ``k <= p + offset`` and, with a
+    ``window``, ``k > p + offset - window``. ``zero_input`` (or None): an iterator (walked by the loop) whose
+    tiles are all 0 where every row of the block sees every key of the tile (an additive mask's visible part):
+    those tiles are not loaded. Raises MuGraphError when the band does not fit the graph."""
+    if len(bg.forloop_band) != len(BAND_FIELDS):
+        raise MuGraphError(f"forloop_band {bg.forloop_band}: need {BAND_FIELDS}")
+    b = dict(zip(BAND_FIELDS, bg.forloop_band))
+    its = {op.attrs["index"]: op for op in bg.ops if op.name == "iterator"}
+    q, k = its.get(b["q_input"]), its.get(b["k_input"])
+    if q is None or k is None or k.attrs["fmap"] is None or q.attrs["fmap"] == b["q_dim"]:
+        raise MuGraphError(f"forloop_band {bg.forloop_band}: needs a query iterator not walked by the loop "
+                           "along q_dim and a key iterator walked by it")
+    z = b["zero_input"]
+    if z is not None and (z not in its or its[z].attrs["fmap"] is None):
+        raise MuGraphError(f"forloop_band {bg.forloop_band}: zero_input {z} is no iterator walked by the loop")
+    if b["period"] < 1 or (b["window"] is not None and b["window"] < 1):
+        raise MuGraphError(f"forloop_band {bg.forloop_band}: period and window must be >= 1")
+    qd, kd = b["q_dim"], k.attrs["fmap"]
+    b.update(
+        q_rows=q.shapes[0][qd],
+        q_starts=[(g, q.attrs["shape"][qd] // bg.grid[g]) for g, m in enumerate(q.attrs["imap"]) if m == qd],
+        k_tile=k.shapes[0][kd],
+        k_starts=[(g, k.attrs["shape"][kd] // bg.grid[g]) for g, m in enumerate(k.attrs["imap"]) if m == kd])
+    return b
+
+
+def _band_rows(b: dict, block: tuple) -> tuple[int, int, int]:
+    """(first, last query position, first key) of block ``block`` under band geometry ``b``."""
+    start = sum(block[g] * e for g, e in b["q_starts"])
+    rows, period = b["q_rows"], b["period"]
+    p0, p1 = ((start % period, start % period + rows - 1) if period % rows == 0 else (0, period - 1))
+    return p0, p1, sum(block[g] * e for g, e in b["k_starts"])
+
+
+def band_full(bg: BlockGraph, block: tuple, it: int) -> bool:
+    """Whether every query row of block ``block`` sees every key of iteration ``it``'s tile (the band's
+    ``zero_input`` tile is 0 there and is not loaded)."""
+    b = band_geometry(bg)
+    p0, p1, kb = _band_rows(b, block)
+    k0 = kb + it * b["k_tile"]
+    k1 = k0 + b["k_tile"] - 1
+    return k1 <= p0 + b["offset"] and (b["window"] is None or k0 >= p1 + b["offset"] - b["window"] + 1)
+
+
+def band_range(bg: BlockGraph, block: tuple, lo: int = 0, hi: int | None = None) -> tuple[int, int]:
+    """The iterations ``[lo, hi)`` of the for-loop that block ``block`` runs: those whose key tile holds a key
+    visible from one of the block's query rows (the others are entirely masked and never visited). The Triton
+    codegen emits the same arithmetic (``ugraph_triton._band_bounds``); an empty range leaves the block's
+    accumulators at their identities (online softmax: m = -inf, l = 0, o = 0)."""
+    hi = bg.forloop_range if hi is None else hi
+    if bg.forloop_band is None:
+        return lo, hi
+    b = band_geometry(bg)
+    t = b["k_tile"]
+    p0, p1, kb = _band_rows(b, block)
+    hi = min(hi, max(p1 + b["offset"] - kb + t, 0) // t)
+    if b["window"] is not None:
+        lo = max(lo, max(p0 + b["offset"] - b["window"] + 1 - kb, 0) // t)
+    return lo, hi
 
 
 @dataclass(frozen=True)
@@ -576,6 +650,8 @@ def from_dict(d: dict) -> Graph:
                    tuple(tuple(s) for s in o["shapes"]), tuple(o["dtypes"]),
                    from_dict(o["body"]) if "body" in o else None) for o in d["ops"])
     extra = {"grid": tuple(d["grid"]), "forloop_range": d["forloop_range"]} if cls is BlockGraph else {}
+    if cls is BlockGraph and d.get("forloop_band") is not None:
+        extra["forloop_band"] = tuple(d["forloop_band"])
     return cls(ops=ops, outputs=tuple(Ref(*r) for r in d["outputs"]), **extra)
 
 

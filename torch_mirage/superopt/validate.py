@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from .ugraph import B, K, T, BlockGraph, Graph, KernelGraph, MuGraphError, Ref, spec
+from .ugraph import B, K, T, BlockGraph, Graph, KernelGraph, MuGraphError, Ref, band_geometry, spec
 
 SMEM_BYTES = 227 * 1024
 REGS_BYTES = 64 * 1024 * 4          # 64K 32-bit registers per SM
@@ -62,6 +62,14 @@ def _structure(g: Graph, where: str) -> list[str]:
     out = []
     if isinstance(g, BlockGraph) and (not 1 <= len(g.grid) <= 3 or min(g.grid) < 1 or g.forloop_range < 1):
         out.append(f"{where}: grid {tuple(g.grid)} / forloop_range {g.forloop_range} invalid (1-3 dims, all >= 1)")
+    if isinstance(g, BlockGraph) and g.forloop_band is not None:
+        try:
+            band_geometry(g)
+        except MuGraphError as e:
+            out.append(f"{where}: {e}")
+        if any(op.name.startswith("acc_") and op.name != "acc_online_softmax" for op in g.ops):
+            out.append(f"{where}: forloop_band needs online-softmax accumulators only (skipped tiles are "
+                       "entirely masked scores, which only the softmax ignores)")
     for i, op in enumerate(g.ops):
         try:
             s = spec(op.name)

@@ -168,9 +168,36 @@ def _bool_mask(shape, rng: torch.Generator) -> torch.Tensor:
     return keep
 
 
-def _random_inputs(example_inputs, masks, rng, value, masked) -> list:
+def band_of(program) -> tuple | None:
+    """The for-loop band of a μGraph's block graph (:func:`~.ugraph.band_range`), None without one."""
+    for op in getattr(program, "ops", ()) if _is_ugraph(program) else ():
+        band = getattr(op.body, "forloop_band", None)
+        if band is not None:
+            return band
+    return None
+
+
+def _band_mask(shape, band: tuple, keep: torch.Tensor) -> torch.Tensor:
+    """``keep`` (random, over (..., rows, keys)) inside the band only, with each row's last visible key kept:
+    the band is a precondition on the mask (the claimer reads it off the mask's value property), so the random
+    masks both tests draw satisfy it."""
+    period, offset, window = band[3], band[4], band[5]
+    rows, keys = shape[-2], shape[-1]
+    pos = torch.arange(rows)[:, None] % period
+    j = torch.arange(keys)[None, :]
+    inside = j <= pos + offset
+    if window is not None:
+        inside &= j > pos + offset - window
+    if len(band) > 6 and band[6] is not None:   # the mask is 0 wherever the band sees: exactly the band
+        return inside.expand(keep.shape).clone()
+    diag = j == (pos + offset).clamp(max=keys - 1)
+    return (keep & inside) | (diag & inside)
+
+
+def _random_inputs(example_inputs, masks, rng, value, masked, band: tuple | None = None) -> list:
     """Fresh inputs shaped like ``example_inputs``: bool tensors become random masks, float mask inputs
-    ``masked(keep)``, other float tensors ``value(shape)``; everything else is passed through."""
+    ``masked(keep)`` (inside ``band`` where the candidate has one), other float tensors ``value(shape)``;
+    everything else is passed through."""
     out = []
     for x, is_mask in zip(example_inputs, masks):
         if not isinstance(x, torch.Tensor) or not (x.dtype is torch.bool or x.is_floating_point()):
@@ -178,21 +205,28 @@ def _random_inputs(example_inputs, masks, rng, value, masked) -> list:
         elif x.dtype is torch.bool:
             out.append(_bool_mask(x.shape, rng))
         elif is_mask:
-            out.append(masked(_bool_mask(x.shape, rng)))
+            keep = _bool_mask(x.shape, rng)
+            if band is not None and x.dim() >= 2:
+                keep = _band_mask(x.shape, band, keep)
+            out.append(masked(keep))
         else:
             out.append(value(x.shape))
     return out
 
 
-def field_inputs(example_inputs, masks, arith: FiniteFieldArith, rng) -> list:
+def field_inputs(example_inputs, masks, arith: FiniteFieldArith, rng, band: tuple | None = None) -> list:
     return _random_inputs(example_inputs, masks, rng, arith.random,
-                          lambda keep: torch.where(keep, arith.zeros(keep.shape), arith.full(keep.shape, float("-inf"))))
+                          lambda keep: torch.where(keep, arith.zeros(keep.shape), arith.full(keep.shape, float("-inf"))),
+                          band)
 
 
-def float_inputs(example_inputs, masks, scale: float, rng) -> list:
+def float_inputs(example_inputs, masks, scale: float, rng, band: tuple | None = None) -> list:
     return _random_inputs(example_inputs, masks, rng,
                           lambda shape: torch.randn(shape, generator=rng, dtype=torch.float64) * scale,
-                          lambda keep: torch.where(keep, 0.0, float("-inf")).double())
+                          # under a band, masked scores at the claimer's finite floor: a tile some row sees
+                          # none of keeps the fp64 online softmax defined (exp(-1e30 - m) is exactly 0)
+                          lambda keep: torch.where(keep, 0.0, -1e30 if band is not None else float("-inf")).double(),
+                          band)
 
 
 # ------------------------------------------------------------------ the two tests
@@ -222,7 +256,7 @@ def field_test(cand: _Side, ref: _Side, example_inputs, masks, *, target: float,
     while t < needed:
         for _attempt in range(4):
             arith = FiniteFieldArith(field, rng)
-            ins = field_inputs(example_inputs, masks, arith, rng)
+            ins = field_inputs(example_inputs, masks, arith, rng, band_of(cand.program) or band_of(ref.program))
             try:
                 c, r = cand.run_field(ins, arith), ref.run_field(ins, arith)
             except NotLAX as e:
@@ -268,7 +302,7 @@ def float_test(cand: _Side, ref: _Side, example_inputs, masks, rng) -> tuple[flo
     worst = 0.0
     scales = list(FLOAT_SCALES) + ([1.0] if any(masks) or _has_bool(example_inputs) else [])
     for k, scale in enumerate(scales):
-        ins = float_inputs(example_inputs, masks, scale, rng)
+        ins = float_inputs(example_inputs, masks, scale, rng, band_of(cand.program) or band_of(ref.program))
         try:
             c, r = cand.run_float(ins), ref.run_float(ins)
         except Exception as e:  # noqa: BLE001 - a crash on real inputs is a rejection
