@@ -85,7 +85,7 @@ class Config:
     cache: bool = _knob(True, "Read and write the on-disk cache.")
     search: bool = _knob(False, "Claim regions around a matmul with a μGraph found by the μGraph search (seeds off, verified; up to search_budget_s per region), after the μGraph library claimer.", affects_output=True)
     search_budget_s: float = _knob(30.0, "Wall-clock budget in seconds of one μGraph search (anytime: the best verified μGraph found by then is kept; 0 = no search).", affects_output=True)
-    search_workers: int = _knob(1, "Worker processes of the μGraph search; the search runs in one process today, so values above 1 are not used yet.")
+    search_workers: int = _knob(1, "Worker processes of the μGraph search (spawned; first-level DFS branches dealt round-robin; 1 = in-process). On the 2-core CPU 2 workers were slower than 1 (spawn/import and per-worker oracle caches), so the default stays 1.")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
