@@ -9,13 +9,20 @@ verifies each with :func:`~torch_mirage.superopt.verify.verify` (finite-field te
 error bound, then the float test). Only a verified μGraph is ever returned. Deepening stops after the
 first depth that yields a verified μGraph, or at the deadline (the best verified so far is kept).
 
-Workers: the search runs in one process today; the ``search_workers`` knob (MIRAGE_SEARCH_WORKERS,
-default 1) is reserved for the multiprocessing step and not read yet.
+Workers: with ``search_workers`` (MIRAGE_SEARCH_WORKERS) > 1 the first level of the canonical DFS (the
+iterators' fmap choice x the first body op, numbered in DFS order) is dealt round-robin to that many
+spawned processes, each running the same generator + oracle + probe + verify over its share under the
+shared deadline. Every verified μGraph carries (cost, DFS position), and the minimum is kept, so the
+choice equals the one-process search's whenever every share finishes the winning depth before the
+deadline. A worker that dies loses its share (logged); the others' results are still used.
 """
 from __future__ import annotations
 
 import logging
 import math
+import multiprocessing as mp
+import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -154,7 +161,8 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
            *, reference: Callable | KernelGraph | None = None, out_shapes: Sequence | None = None,
            out_dtypes: Sequence | None = None, max_ops: int = 8, tile: int = 64, prune: bool = True,
            extra_candidates: Sequence[KernelGraph] = (), verify_kwargs: dict | None = None,
-           oracle_kwargs: dict | None = None, probe: bool = True, cache=None) -> SearchResult:
+           oracle_kwargs: dict | None = None, probe: bool = True, cache=None,
+           workers: int | None = None) -> SearchResult:
     """Search for a verified one-kernel μGraph equal to ``target``.
 
     ``target``: a reference :class:`KernelGraph` (pre-defined ops; its outputs give the target
@@ -171,7 +179,9 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     :class:`~torch_mirage.cache.DiskCache`; a verified result is stored under the canonical hash of the
     target with the input shapes / dtypes and the search settings (and the library versions), and a
     later search for the same target returns it without searching (``source`` "cache"). A corrupted or
-    unreadable entry is ignored and rewritten.
+    unreadable entry is ignored and rewritten. ``workers`` (default: the ``search_workers`` knob): worker
+    processes; above 1 the first-level DFS branches are dealt round-robin to spawned workers (see
+    :func:`_search_parallel`); 1 searches in this process.
     """
     from ...config import load
     t0 = time.monotonic()
@@ -206,69 +216,29 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
             log.info("μGraph search: cached μGraph (%.3f s)", stats.seconds)
             return SearchResult(hit, stats, source="cache", reason="cached verified μGraph")
 
-    gen = torch.Generator().manual_seed(0)
-    probe_in = [torch.randn(s, generator=gen, dtype=torch.float64) for s, _ in inputs]
-    ref_out = _run(reference, probe_in)
-    examples = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in inputs]
-    verified: list[tuple[tuple, KernelGraph, Skeleton | None, str, str]] = []
-
-    def check(graph: KernelGraph, skel, source) -> bool:
-        if probe and not probe_ok(graph):
-            stats.rejected_by_probe += 1
-            return False
-        verdict = verify(graph, reference, examples, **vkw)
-        if not verdict:
-            stats.rejected_by_verifier += 1
-            log.debug("μGraph search: verifier rejects a candidate: %s", verdict.reason)
-            return False
-        stats.verified += 1
-        verified.append((_cost(graph), graph, skel, source, verdict.reason))
-        return True
-
-    def probe_ok(graph: KernelGraph) -> bool:
+    workers = load().search_workers if workers is None else workers
+    job = dict(targets=targets, reference=reference, inputs=inputs, out_shapes=out_shapes, out_dtypes=out_dtypes,
+               eps=eps, max_ops=max_ops, tile=tile, prune=prune, vkw=vkw, probe=probe,
+               oracle_kwargs={**DEFAULT_ORACLE, **(oracle_kwargs or {})}, seeds=seeds,
+               extra=list(extra_candidates))
+    if workers > 1:
         try:
-            got = execute(graph, probe_in)
-        except Exception as e:  # noqa: BLE001 - a candidate that cannot run is rejected
-            log.debug("μGraph search: candidate does not run: %s", e)
-            return False
-        return _close(got, ref_out)
-
-    for g in list(extra_candidates) + (_seed_graphs(inputs, out_shapes) if seeds else []):
-        src = "seed" if not any(g is x for x in extra_candidates) else "given"
-        check(g, None, src)
-
-    admits, oracle = _make_oracle(targets, prune, {**DEFAULT_ORACLE, **(oracle_kwargs or {})})
-    if oracle is not None:
-        is_target = lambda es: [oracle.equivalent(e) for e in es] == list(range(len(targets)))  # noqa: E731
+            pickle.dumps(job)
+        except Exception as e:  # noqa: BLE001 - e.g. a lambda reference: search in this process
+            log.info("μGraph search: the job does not pickle (%s); searching in one process", e)
+            workers = 1
+    if workers <= 1:
+        verified, st, oracle_stats = _search_share(job, (0, 1), deadline)
+        _merge_stats(stats, st)
+        stats.oracle = oracle_stats
     else:
-        is_target = lambda es: list(es) == list(targets)  # noqa: E731 - hash-consed normal forms
-
-    for depth in range(1, max_ops + 1):
-        if verified or time.monotonic() > deadline:
-            break
-        stats.depth = depth
-        gs = GenStats()
-        for skel, _ in enumerate_skeletons(inputs, out_shapes, max_ops=depth, exact_ops=True,
-                                           probe_range=probe_range(inputs), eps_values=eps, admits=admits,
-                                           is_target=is_target, stats=gs, deadline=deadline,
-                                           kinds=op_kinds(targets)):
-            for _, graph in schedules(skel, inputs, out_shapes, tile=tile, out_dtypes=out_dtypes):
-                stats.schedules += 1
-                if check(graph, skel, "search"):
-                    break
-                if time.monotonic() > deadline:
-                    break
-        for k in ("generated", "pruned", "duplicates", "candidates"):
-            setattr(stats, k, getattr(stats, k) + getattr(gs, k))
-        stats.timed_out |= gs.timed_out or time.monotonic() > deadline
+        verified = _search_parallel(job, workers, deadline, stats)
     stats.seconds = time.monotonic() - t0
-    if oracle is not None:
-        stats.oracle = dict(oracle.stats)
     if not verified:
         why = "deadline" if stats.timed_out else f"no verified μGraph within {max_ops} block ops"
         log.info("μGraph search: nothing found (%s); %s", why, stats.as_dict())
         return SearchResult(None, stats, reason=why)
-    cost, best, skel, source, reason = min(verified, key=lambda v: v[0])
+    cost, _, best, skel, source, reason = min(verified, key=lambda v: v[:2])
     if key is not None:
         cache.put_json(key, {"graph": best.to_dict(), "source": source, "stats": stats.as_dict()})
     log.info("μGraph search: %s μGraph (%d block-graph ops) in %.2f s (%s)", source, cost[0], stats.seconds, reason)
@@ -318,3 +288,172 @@ def _close(got, ref) -> bool:
         if not math.isfinite(scale) or (a.double() - b.double()).abs().max().item() > PROBE_TOL * scale:
             return False
     return True
+
+
+def _merge_stats(stats: SearchStats, st: dict) -> None:
+    for k in ("generated", "pruned", "duplicates", "candidates", "schedules", "rejected_by_probe",
+              "rejected_by_verifier", "verified"):
+        setattr(stats, k, getattr(stats, k) + st.get(k, 0))
+    stats.depth = max(stats.depth, st.get("depth", 0))
+    stats.timed_out |= bool(st.get("timed_out"))
+
+
+def _search_share(job: dict, share: tuple[int, int], deadline: float, found_depth=None):
+    """Iterative deepening over one share of the first-level branches. Returns (verified, stats dict,
+    oracle stats); each verified entry is (cost, DFS position, graph, skeleton, source, reason)."""
+    stats = SearchStats()
+    inputs, out_shapes, out_dtypes = job["inputs"], job["out_shapes"], job["out_dtypes"]
+    reference, vkw, targets = job["reference"], job["vkw"], job["targets"]
+    gen = torch.Generator().manual_seed(0)
+    probe_in = [torch.randn(s, generator=gen, dtype=torch.float64) for s, _ in inputs]
+    ref_out = _run(reference, probe_in)
+    examples = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in inputs]
+    verified: list = []
+    pos = [0]
+
+    def check(graph: KernelGraph, skel, source, where) -> bool:
+        if job["probe"] and not probe_ok(graph):
+            stats.rejected_by_probe += 1
+            return False
+        verdict = verify(graph, reference, examples, **vkw)
+        if not verdict:
+            stats.rejected_by_verifier += 1
+            log.debug("μGraph search: verifier rejects a candidate: %s", verdict.reason)
+            return False
+        stats.verified += 1
+        verified.append((_cost(graph), where, graph, skel, source, verdict.reason))
+        return True
+
+    def probe_ok(graph: KernelGraph) -> bool:
+        try:
+            got = execute(graph, probe_in)
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot run is rejected
+            log.debug("μGraph search: candidate does not run: %s", e)
+            return False
+        return _close(got, ref_out)
+
+    if share[0] == 0:       # given and seed μGraphs: checked once, by the first share, ahead of the search
+        extra = job["extra"]
+        for i, g in enumerate(list(extra) + (_seed_graphs(inputs, out_shapes) if job["seeds"] else [])):
+            check(g, None, "given" if i < len(extra) else "seed", (-1, i))
+
+    admits, oracle = _make_oracle(targets, job["prune"], job["oracle_kwargs"])
+    if oracle is not None:
+        is_target = lambda es: [oracle.equivalent(e) for e in es] == list(range(len(targets)))  # noqa: E731
+    else:
+        is_target = lambda es: list(es) == list(targets)  # noqa: E731 - hash-consed normal forms
+
+    for depth in range(1, job["max_ops"] + 1):
+        if verified or time.monotonic() > deadline:
+            break
+        if found_depth is not None and 0 < found_depth.value < depth:
+            break       # another worker found a μGraph at a shallower depth: deeper ones cost more
+        stats.depth = depth
+        gs = GenStats()
+        for skel, _ in enumerate_skeletons(inputs, out_shapes, max_ops=depth, exact_ops=True,
+                                           probe_range=probe_range(inputs), eps_values=job["eps"], admits=admits,
+                                           is_target=is_target, stats=gs, deadline=deadline,
+                                           kinds=op_kinds(targets), share=share):
+            pos[0] += 1
+            for _, graph in schedules(skel, inputs, out_shapes, tile=job["tile"], out_dtypes=out_dtypes):
+                stats.schedules += 1
+                if check(graph, skel, "search", (depth, gs.branch, pos[0])):
+                    break
+                if time.monotonic() > deadline:
+                    break
+        for k in ("generated", "pruned", "duplicates", "candidates"):
+            setattr(stats, k, getattr(stats, k) + getattr(gs, k))
+        stats.timed_out |= gs.timed_out or time.monotonic() > deadline
+        if verified and found_depth is not None:
+            with found_depth.get_lock():
+                if found_depth.value == 0 or depth < found_depth.value:
+                    found_depth.value = depth
+    return verified, stats.as_dict(), (dict(oracle.stats) if oracle is not None else {})
+
+
+CRASH_ENV = "MIRAGE_SEARCH_TEST_CRASH_WORKER"   # tests: the worker of this index dies (os._exit) at start
+
+
+def _worker_main(conn, job, share, deadline, found_depth) -> None:
+    try:
+        if os.environ.get(CRASH_ENV, "") == str(share[0]):
+            os._exit(3)
+        verified, st, ostats = _search_share(job, share, deadline, found_depth)
+        conn.send(("ok", [(c, w, g.to_dict(), sk, src, r) for c, w, g, sk, src, r in verified], st, ostats))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which logs and drops the share
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}", {}, {}))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        conn.close()
+
+
+GRACE_S = 10.0      # past the deadline, a worker gets this long to finish the verify it is in
+
+
+def _search_parallel(job: dict, workers: int, deadline: float, stats: SearchStats) -> list:
+    """Deal the first-level branches round-robin to ``workers`` spawned processes (fork is unsafe
+    with torch's threads) and merge their verified μGraphs. A worker that dies or raises loses its
+    share (logged); one still running at deadline + GRACE_S is terminated."""
+    from multiprocessing.connection import wait
+    from ..ugraph import from_dict
+    ctx = mp.get_context("spawn")
+    found_depth = ctx.Value("i", 0)
+    # spawned children import torch_mirage: make sure they import this same package
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    old_pp = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = pkg_root + (os.pathsep + old_pp if old_pp else "")
+    procs = {}
+    try:
+        for k in range(workers):
+            r, w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker_main, args=(w, job, (k, workers), deadline, found_depth), daemon=True)
+            p.start()
+            w.close()
+            procs[r] = (k, p)
+    finally:
+        if old_pp is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_pp
+    verified: list = []
+    oracle_stats: dict = {}
+    lost = []
+    while procs:
+        left = deadline + GRACE_S - time.monotonic()
+        ready = wait(list(procs), timeout=max(0.0, left))
+        if not ready:
+            for r, (k, p) in procs.items():
+                log.warning("μGraph search: worker %d/%d still running past the deadline; terminated, its share "
+                            "is lost", k, workers)
+                p.terminate()
+                lost.append(k)
+                r.close()
+            stats.timed_out = True
+            break
+        for r in ready:
+            k, p = procs.pop(r)
+            try:
+                msg = r.recv()
+            except (EOFError, OSError):
+                p.join(1.0)
+                log.warning("μGraph search: worker %d/%d died (exit code %s); its share is lost", k, workers,
+                            p.exitcode)
+                lost.append(k)
+                continue
+            finally:
+                r.close()
+            p.join(1.0)
+            kind, payload, st, ostats = msg
+            if kind != "ok":
+                log.warning("μGraph search: worker %d/%d failed (%s); its share is lost", k, workers, payload)
+                lost.append(k)
+                continue
+            _merge_stats(stats, st)
+            for key, v in ostats.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    oracle_stats[key] = oracle_stats.get(key, 0) + v
+            verified.extend((c, w, from_dict(g), sk, src, why) for c, w, g, sk, src, why in payload)
+    stats.oracle = dict(oracle_stats, workers=workers, lost_workers=sorted(lost))
+    return verified

@@ -86,6 +86,7 @@ class GenStats:
     complete: int = 0           # complete graphs reached
     candidates: int = 0         # complete graphs whose expressions match the target
     timed_out: bool = False
+    branch: int = -1            # index of the current first-level branch (fmap choice x first op), DFS order
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -162,12 +163,15 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                         admits: Callable = lambda e: True, is_target: Callable | None = None,
                         expr_of: Callable | None | str = "auto", stats: GenStats | None = None,
                         deadline: float | None = None, fmap_choices: Sequence | None = None,
-                        kinds: Sequence[str] = KIND_ORDER) -> Iterator[tuple[Skeleton, tuple]]:
+                        kinds: Sequence[str] = KIND_ORDER,
+                        share: tuple[int, int] = (0, 1)) -> Iterator[tuple[Skeleton, tuple]]:
     """Yield ``(skeleton, output expressions)`` for every complete block graph of at most ``max_ops``
     body ops (exactly, with ``exact_ops``) over kernel inputs ``inputs`` ((shape, dtype) each) whose
     saved tensors have shapes ``out_shapes`` and, when ``is_target`` is given, whose output
     expressions it accepts. ``deadline``: a ``time.monotonic()`` value; past it the DFS stops and
-    ``stats.timed_out`` is set."""
+    ``stats.timed_out`` is set. ``share``: ``(k, n)`` enumerates only the first-level branches (the
+    iterators' fmap choice and the first body op, numbered in DFS order) whose index is k mod n, for
+    splitting the search among n workers; ``stats.branch`` is the index of the branch being expanded."""
     stats = stats if stats is not None else GenStats()
     if expr_of == "auto":
         expr_of = _default_expr_of()
@@ -322,6 +326,7 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         return found
 
     fm: list = []
+    branch = [-1]
 
     def dfs(last_rank, n_ops):
         if deadline is not None and time.monotonic() > deadline:
@@ -337,6 +342,11 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         if len(unconsumed()) - (max_ops - n_ops) > n_out:
             return
         for kind, ins, attrs in moves(last_rank):
+            if n_ops == 0:
+                branch[0] += 1
+                if branch[0] % share[1] != share[0]:
+                    continue
+                stats.branch = branch[0]
             op = make(kind, ins, attrs)
             if op is None:
                 continue
