@@ -8,7 +8,7 @@ Public API: the backend (registered by entry point), :mod:`torch_mirage.config`,
 """
 from ._version import __version__
 from . import config
-from .report import Report, explain
+from .report import Report
 
 __all__ = ["__version__", "config", "explain", "Report", "MirageBackend"]
 
@@ -31,4 +31,7 @@ def __getattr__(name):
     if name == "MirageBackend":
         from .backend import MirageBackend
         return MirageBackend
+    if name == "explain":
+        from .explainer import explain
+        return explain
     raise AttributeError(name)

@@ -1,4 +1,4 @@
-"""What the backend did, for people: :class:`Report` and :func:`explain`.
+"""What the backend did, for people: :class:`Report`, plain data (:func:`torch_mirage.explain` fills one).
 
 Every graph the backend compiles appends a :class:`GraphReport`: its regions
 (ops, who compiled them, why), whether it runs in a CUDA graph and why not,
@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 
 @dataclass
@@ -95,17 +95,3 @@ class Report:
         head = f"torch_mirage report: {len(self.graphs)} graphs, {len(self.regions)} regions ({mirage} compiled by mirage)"
         return "\n".join([head] + [str(g) for g in self.graphs])
 
-
-def explain(fn: Callable, *inputs: Any, options: dict | None = None, **kwinputs: Any) -> Report:
-    """Compile ``fn`` with ``backend="mirage"``, run it once on ``inputs`` and report what was done.
-
-    ``fn`` may be a module or a function. ``options`` are torch_mirage config keys.
-    """
-    import torch
-
-    from .backend import MirageBackend
-
-    report = Report()
-    compiled = torch.compile(fn, backend=MirageBackend(options=options, report=report))
-    compiled(*inputs, **kwinputs)
-    return report
