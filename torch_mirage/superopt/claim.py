@@ -24,9 +24,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..cache import cache_key
 from ..capture.ir import Graph, Node, Value
+from ..capture.lower import lower
 from ..failures import note, stage
 from ..partition.region import Reason, Region, is_convex
+from ..runtime.measure import alternating_medians, cuda_graph_timing, random_like, rotated_input_sets
 from . import library
 
 log = logging.getLogger("torch_mirage")
@@ -128,8 +131,6 @@ def program_graph(name: str, form: int, shapes: tuple, dtype: torch.dtype, const
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import make_fx
-
-    from ..capture.lower import lower
 
     # meta tensors traced as they are ("real" mode): no fake mode of its own that could pick up the symbolic
     # shapes of the compile this runs inside, so every size in the program is a plain int
@@ -312,8 +313,6 @@ class LibraryClaimer:
     def _region(self, workload: library.Workload, graph: Graph, found: Match, ctx: Any) -> Region | None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        from ..runtime.measure import random_like
-
         metas = [v.meta for v in found.inputs]
         shapes = ugraph_shapes(workload.name, [tuple(m.shape) for m in metas])
         dims = found.dims
@@ -361,8 +360,6 @@ def _compiled(workload: library.Workload, dims: tuple, dtype: str, constants: di
 
 def _timing_sets(examples: list) -> list | None:
     """Copies of ``examples`` rotated past L2 for timing on CUDA; None off CUDA (nothing is timed there)."""
-    from ..runtime.measure import rotated_input_sets
-
     if examples[0].device.type != "cuda":
         return None
     return rotated_input_sets(examples, torch.cuda.get_device_properties(examples[0].device).L2_cache_size)
@@ -370,21 +367,16 @@ def _timing_sets(examples: list) -> list | None:
 
 def _time_ugraph(compiled: Callable, sets: list) -> list[float]:
     """Per-call µs samples of a compiled μGraph replayed in a CUDA graph over ``sets``."""
-    from ..runtime.measure import cuda_graph_timing
-
     return cuda_graph_timing(compiled, sets, replays=20, repeats=3)["samples"]
 
 
 def _fastest(built: list[tuple], examples: list, cache: Any) -> tuple[tuple, dict[str, float]]:
     """The fastest of several compiled μGraphs of one program (the first where none can be timed), with the
     times; a choice made once per kernel-graph set and device is read back from ``cache``."""
-    from ..runtime.measure import alternating_medians
-
     if len(built) == 1:
         return built[0], {}
     key = None
     if cache is not None and examples[0].device.type == "cuda":
-        from ..cache import cache_key
         key = cache_key(kind="ugraph-alternatives", graphs=[k.hash() for _, k, _ in built],
                         device=torch.cuda.get_device_name(examples[0].device))
         hit = cache.get_json(key)

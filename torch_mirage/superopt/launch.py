@@ -22,8 +22,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..superopt.ugraph import BlockGraph, Ctx, MuGraphError, ThreadGraph, make_op
-from .ugraph_triton import ELEMENTWISE, _saved, padded, strip
+from ..cache import cache_key
+from ..codegen.ugraph_triton import ELEMENTWISE, _saved, padded, strip
+from ..runtime.measure import cuda_graph_time_us, rotated_input_sets
+from ..ugraph import BlockGraph, Ctx, MuGraphError, ThreadGraph, make_op
 
 log = logging.getLogger("torch_mirage")
 
@@ -258,7 +260,6 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     base = default_config(bg)
     if not inputs or inputs[0].device.type != "cuda":
         return base
-    from ..cache import cache_key
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs",
                     space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS])   # a wider search re-tunes
@@ -266,8 +267,6 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
         hit = cache.get_json(key)
         if hit is not None:
             return LaunchConfig.from_json(hit)
-    from ..runtime.measure import rotated_input_sets
-
     props = torch.cuda.get_device_properties(inputs[0].device)
     n_sm = props.multi_processor_count
     sets = rotated_input_sets(inputs, props.L2_cache_size, max_sets=16)
@@ -307,8 +306,6 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
 
 def _time_us(run: Callable, inputs: Sequence[torch.Tensor], sets: Sequence[Sequence[torch.Tensor]]) -> float:
     """µs per call of ``run`` replayed in a CUDA graph over ``sets``; ``do_bench`` where capture fails."""
-    from ..runtime.measure import cuda_graph_time_us
-
     try:
         return cuda_graph_time_us(run, sets, replays=10, repeats=3)
     except Exception as e:   # not capturable: time it launched from Python, and say so
