@@ -34,7 +34,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torch_mirage.codegen.launch import LaunchConfig  # noqa: E402
+from torch_mirage.superopt.launch import LaunchConfig  # noqa: E402
 from torch_mirage.codegen.loader import load_source  # noqa: E402
 from torch_mirage.timing import cuda_graph_time_us, rotated_input_sets  # noqa: E402
 from torch_mirage.superopt import library  # noqa: E402

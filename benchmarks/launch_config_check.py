@@ -1,6 +1,6 @@
 """Every launch config of an attention seed, run on the GPU and checked against an fp64 reference.
 
-``codegen.launch.choose`` compares candidate configs with the first one that ran; this script instead checks
+``superopt.launch.choose`` compares candidate configs with the first one that ran; this script instead checks
 each candidate (the μGraph's own schedule and its re-tilings, split-KV included) against fp64 attention with
 soft-cap and an additive mask, and names the configs whose output is non-finite or wrong, with the path of
 their generated Triton source. Prints one line per config; exits 1 when any config is wrong.
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from torch_mirage.codegen.launch import candidates  # noqa: E402
+from torch_mirage.superopt.launch import candidates  # noqa: E402
 from torch_mirage.superopt.attention_seeds import SEEDS  # noqa: E402
 from torch_mirage.superopt.compile import BlockLauncher  # noqa: E402
 

@@ -101,7 +101,7 @@ def rel_error(out, ref):
 def long_row_sweep(do_bench, copy_gbps: float, cache_dir: str, on_chip_only: bool = False) -> list[dict]:
     """The long-row kernels (4096 x 32768 fp16) at the default mapping, looped at every chunk size and warp count
     (skipped with ``on_chip_only``), and whole rows on chip at 8 / 16 / 32 warps: which mapping is best."""
-    from torch_mirage.partition.plan import StitchLimits
+    from torch_mirage.codegen.stitch_plan import StitchLimits
 
     rows = []
     cases = {k: v for k, v in extra_workloads(torch.float16, "cuda").items()

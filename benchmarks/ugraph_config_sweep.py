@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mirage_set_gpu import make_inputs, rel_error  # noqa: E402  (this directory)
-from torch_mirage.codegen.launch import LaunchConfig, candidates, choose  # noqa: E402
+from torch_mirage.superopt.launch import LaunchConfig, candidates, choose  # noqa: E402
 from torch_mirage.timing import cuda_graph_time_us, rotated_input_sets  # noqa: E402
 from torch_mirage.superopt import library  # noqa: E402
 from torch_mirage.superopt.compile import BlockLauncher  # noqa: E402

@@ -212,7 +212,7 @@ def test_attention_band_knob_off():
 def test_band_under_other_launch_configs(grid, loop, split):
     """A banded block graph re-tiled (other row blocks / key tiles) and split over KV by the launcher (split-K
     partials of a block that sees none of a split: m = -inf, l = o = 0, folded without NaN): eager-equal."""
-    from torch_mirage.codegen.launch import LaunchConfig
+    from torch_mirage.superopt.launch import LaunchConfig
     from torch_mirage.config import load
     from torch_mirage.superopt.compile import BlockLauncher
 

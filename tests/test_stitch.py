@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_mirage.capture.ops import OpKind
-from torch_mirage.partition.plan import Scheme, StitchLimits, Strategy
+from torch_mirage.codegen.stitch_plan import Scheme, StitchLimits, Strategy
 from torch_mirage.partition.region import is_convex
 from torch_mirage.partition.stitch import StitchClaimer, _acyclic, choose_mapping
 from torch_mirage.pipeline import CompileContext

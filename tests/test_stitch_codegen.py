@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from helpers import assert_close
 from torch_mirage.testing.functions import (bert_softmax, bias_gelu, bias_residual_layernorm, layer_norm,
                                             padding_mask, rmsnorm, softmax)
-from torch_mirage.partition.plan import StitchLimits, Strategy
+from torch_mirage.codegen.stitch_plan import StitchLimits, Strategy
 from torch_mirage.partition.stitch import StitchClaimer
 from torch_mirage.testing.aten import trace_ir
 

@@ -13,8 +13,8 @@ import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
 
-from torch_mirage.codegen import launch  # noqa: E402
-from torch_mirage.codegen.launch import LaunchConfig, retile  # noqa: E402
+from torch_mirage.superopt import launch  # noqa: E402
+from torch_mirage.superopt.launch import LaunchConfig, retile  # noqa: E402
 from torch_mirage.codegen.ugraph_triton import emit_block_kernel, module_source, order_by_depth  # noqa: E402
 from torch_mirage.superopt import builder, library  # noqa: E402
 from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph  # noqa: E402

@@ -27,11 +27,16 @@ from .capture.ops import OpKind
 from .config import Config
 from .failures import Failure, FailureLog, describe_error, format_failure, fx_graph_summary, stage, stage_of
 from .partition.region import Claimer, Reason, Region, is_convex
+from .partition.stitch import StitchClaimer
 from .report import GraphReport, RegionReport
-from .runtime.assemble import assemble
+from .runtime.assemble import _INDUCTOR_MODE_CONFIGS, assemble
 from .runtime.cudagraph import CudaGraphRunner, cuda_graph_blocker, input_device, move_constants_to_device
 from .runtime.choose import declared_mutations, is_timeable, mutated_inputs
+from .runtime.inductor_quiet import without_artifact_warning
 from .runtime.measure import check_regions, keep_faster
+from .superopt.attention_claim import AttentionClaimer
+from .superopt.claim import DEFAULT_WORKLOADS, LibraryClaimer
+from .superopt.search.claimer import SearchClaimer
 
 log = logging.getLogger("torch_mirage")
 
@@ -82,12 +87,6 @@ class CompileContext:
 
 def default_claimers(config: Config) -> list[Claimer]:
     """Claiming passes in priority order (earlier passes see the graph first)."""
-    from .partition.stitch import StitchClaimer
-    from .superopt.attention_claim import AttentionClaimer
-    from .superopt.claim import DEFAULT_WORKLOADS, LibraryClaimer
-
-    from .superopt.search.claimer import SearchClaimer
-
     # QK-norm attention (norms + attention in one μGraph) is matched before the attention claimer takes the
     # attention alone; the rest of the library after it; the search after the library, stitching last
     library = ([LibraryClaimer(("qknorm_attention",)), AttentionClaimer(),
@@ -258,9 +257,6 @@ def inductor_whole_aten_graph(gm: fx.GraphModule, inductor_mode: str = "default"
     graph inside AOTAutograd, where ``compile_fx`` of the Dynamo graph is no longer possible). A ``copy_`` of an
     input into an input stays an ATen call: alone it would be a partition without outputs."""
     from torch.fx.passes.regional_inductor import regional_inductor
-
-    from .runtime.assemble import _INDUCTOR_MODE_CONFIGS
-    from .runtime.inductor_quiet import without_artifact_warning
 
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})

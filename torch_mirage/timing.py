@@ -1,6 +1,6 @@
 """Timing and test data on a device: µs per call of a function replayed in a CUDA graph over input sets rotated
 past L2 (or launched from Python), medians of alternating halves, and random inputs shaped like a tensor meta.
-The one home of "how long does this take" for the tuner (codegen.launch), the claimers, the region and
+The one home of "how long does this take" for the tuner (superopt.launch), the claimers, the region and
 whole-graph guards (runtime) and the bench; it depends on nothing else of the package."""
 from __future__ import annotations
 

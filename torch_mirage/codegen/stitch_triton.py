@@ -32,9 +32,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..capture.ir import Node, Value
+from ..capture.ir import Node, Value, map_values
 from ..capture.ops import OpKind
-from ..partition.plan import StitchPlan, Strategy
+from .stitch_plan import StitchPlan, Strategy
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -665,7 +665,6 @@ def broadcast_strides(t: torch.Tensor, space: Sequence[int]) -> list[int]:
 
 
 def _apply_layout(node: Node, env: dict[int, Any]) -> None:
-    from ..capture.ir import map_values
 
     args, kwargs = map_values((node.args, node.kwargs), lambda v: env[id(v)])
     target = node.target

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..superopt.ugraph import BlockGraph, Graph, MuGraphError, Op, Ref, band_geometry
+from ..ugraph import BlockGraph, Graph, MuGraphError, Op, Ref, band_geometry
 
 TL = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32"}
 HALF = ("float16", "bfloat16")

@@ -10,7 +10,7 @@
 3. View-like layout ops feeding only the group (prologue) or reading only its
    results (epilogue) join it: they run on real tensors around the kernel.
 4. Each group gets dominant ops, a scheme per edge and a thread mapping
-   (:mod:`torch_mirage.partition.plan`), is emitted by
+   (:mod:`torch_mirage.codegen.stitch_plan`), is emitted by
    :mod:`torch_mirage.codegen.stitch_triton`, and becomes a mirage Region.
 Groups that are only layout ops or one cheap elementwise op stay with Inductor.
 """
@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
+from ..analysis.cost import CostModel
+from ..analysis.device import DeviceModel
 from ..capture.ir import Graph, Node, Value, connected_components, topo_sorted
 from ..capture.ops import OpKind
+from ..codegen.stitch_plan import DominantOp, Scheme, StitchLimits, StitchPlan, Strategy, ThreadMapping
 from ..codegen.stitch_triton import build_kernel, node_support, reduction_spec, schedule_facts
 from ..failures import nodes_summary, note
-from .plan import DominantOp, Scheme, StitchLimits, StitchPlan, Strategy, ThreadMapping
 from .region import Reason, Region
 
 log = logging.getLogger("torch_mirage")
@@ -37,29 +38,13 @@ VIEW_OPS = {"view", "permute", "expand", "unsqueeze", "squeeze", "slice"}
 _INT32 = 2 ** 31
 
 
-# ---------------------------------------------------------------- device and cost (other modules, when present)
-
-@dataclass(frozen=True)
-class _Profile:
-    """Published H100 SXM figures, used only until ``analysis.device`` exists."""
-    name: str = "H100 (built-in profile)"
-    sm_count: int = 132
-    smem_per_block: int = 227 * 1024
-
+# ---------------------------------------------------------------- device and cost
 
 def device_model() -> Any:
-    try:
-        from ..analysis.device import DeviceModel
-    except ImportError:
-        return _Profile()
     return DeviceModel.current() if torch.cuda.is_available() else DeviceModel.profile("H100")
 
 
 def predicted_us(nodes: Sequence[Node], graph: Graph, device: Any) -> float | None:
-    try:
-        from ..analysis.cost import CostModel
-    except ImportError:
-        return None
     try:
         return CostModel(device).region_cost(list(nodes), graph).predicted_us
     except Exception as e:  # the report loses one figure; claiming goes on
@@ -69,7 +54,6 @@ def predicted_us(nodes: Sequence[Node], graph: Graph, device: Any) -> float | No
 
 def _memory_us(nodes: Sequence[Node], graph: Graph, device: Any) -> float | None:
     try:
-        from ..analysis.cost import CostModel
         return CostModel(device).region_cost(list(nodes), graph).memory_us
     except Exception:  # no cost model for this region (e.g. symbolic sizes): no size threshold applies
         return None

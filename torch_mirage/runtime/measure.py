@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ..cache import cache_key
 from ..capture.ir import Graph, fingerprint, subgraph
 from ..capture.lower import to_fx
 from ..failures import nodes_summary, note
@@ -46,7 +47,6 @@ def measure_region(region: Region, graph: Graph, ctx: Any) -> RegionTiming:
     sub = subgraph(graph, region.nodes, outs)
     key = None
     if ctx.cache is not None:
-        from ..cache import cache_key
         key = cache_key(kind="region-timing", graph=fingerprint(sub), claimer=region.claimer,
                         device=torch.cuda.get_device_name(), config=ctx.config.output_key())
         hit = ctx.cache.get_json(key)

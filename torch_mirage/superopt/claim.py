@@ -24,9 +24,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..cache import cache_key
 from ..capture.ir import Graph, Node, Value
+from ..capture.lower import lower
 from ..failures import note, stage
 from ..partition.region import Reason, Region, is_convex
+from ..timing import alternating_medians, cuda_graph_timing, random_like, rotated_input_sets
 from . import library
 from .validate import InvalidMuGraph
 from ..timing import alternating_medians, cuda_graph_timing, random_like, rotated_input_sets
@@ -130,8 +133,6 @@ def program_graph(name: str, form: int, shapes: tuple, dtype: torch.dtype, const
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import make_fx
-
-    from ..capture.lower import lower
 
     # meta tensors traced as they are ("real" mode): no fake mode of its own that could pick up the symbolic
     # shapes of the compile this runs inside, so every size in the program is a plain int
@@ -390,7 +391,6 @@ def _fastest(built: list[tuple], examples: list, cache: Any) -> tuple[tuple, dic
         return built[0], {}
     key = None
     if cache is not None and examples[0].device.type == "cuda":
-        from ..cache import cache_key
         key = cache_key(kind="ugraph-alternatives", graphs=[k.hash() for _, k, _ in built],
                         device=torch.cuda.get_device_name(examples[0].device))
         hit = cache.get_json(key)

@@ -1,7 +1,7 @@
 """compile_ugraph: a μGraph → a callable that runs generated Triton kernels.
 
 Kernel ops run in Mirage's depth order. A graph-defined op (``customized``) runs the kernel(s) that
-``codegen.ugraph_triton`` emits for its block graph, with launch parameters from ``codegen.launch``
+``codegen.ugraph_triton`` emits for its block graph, with launch parameters from ``superopt.launch``
 (timed on CUDA, fixed on the CPU interpreter); pre-defined kernel ops (library matmul, elementwise,
 reductions, layout) run as torch calls, as Mirage's kernel-level library ops do.
 
@@ -19,10 +19,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..codegen.launch import LaunchConfig, choose, combine_tiling, default_config, retile
 from ..codegen.loader import load_source
 from ..codegen.ugraph_triton import BlockKernel, CodegenError, emit_block_kernel, module_source, order_by_depth
+from ..config import load
 from .arith import TorchArith
+from .launch import LaunchConfig, choose, combine_tiling, default_config, retile
 from .ugraph import BlockGraph, KernelGraph, Ref
 from .validate import validate
 
@@ -36,7 +37,6 @@ VIEW_OPS = {"reshape", "transpose"}
 def _cache_dir(cache: Any) -> str:
     if cache is not None and hasattr(cache, "root"):
         return os.path.dirname(cache.root)
-    from ..config import load
     return load().cache_dir
 
 

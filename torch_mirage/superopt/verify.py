@@ -43,6 +43,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..capture.lower import lower
+from ..config import load
 from .finite_field import (DEFAULT_FIELD, FieldParams, FieldTensor, FiniteFieldArith, NotLAX, TrialBound,
                            per_trial_bound, raw)
 
@@ -134,8 +136,6 @@ def lower_callable(fn: Callable, example_inputs: Sequence):
     positional order and unused inputs, which Dynamo's capture does not)."""
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
-
-    from ..capture.lower import lower
 
     def positional(*xs):   # hides defaulted keyword parameters from make_fx
         return fn(*xs)
@@ -338,8 +338,6 @@ def verify(candidate, reference, example_inputs: Sequence, *, error_bound: float
     ``verify_error_bound``, ``MIRAGE_VERIFY_ERROR_BOUND``); ``trials``: run exactly this many field trials
     instead (default: ``MIRAGE_VERIFY_TRIALS`` when it is not 0; the achieved bound is reported).
     """
-    from ..config import load
-
     cfg = load()
     target = cfg.verify_error_bound if error_bound is None else error_bound
     trials = (cfg.verify_trials or None) if trials is None else trials

@@ -6,6 +6,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from ..capture.lower import lower
+
 
 def trace_aten(fn: Callable, *inputs: Any) -> fx.GraphModule:
     """The single inference ATen graph AOTAutograd hands the backend for ``fn(*inputs)`` (Inductor decompositions,
@@ -33,6 +35,5 @@ def trace_aten(fn: Callable, *inputs: Any) -> fx.GraphModule:
 
 def trace_ir(fn: Callable, *inputs: Any):
     """``fn`` lowered into the project IR."""
-    from ..capture.lower import lower
 
     return lower(trace_aten(fn, *inputs))

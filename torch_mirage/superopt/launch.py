@@ -22,9 +22,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..superopt.ugraph import BlockGraph, Ctx, MuGraphError, ThreadGraph, make_op
-from .ugraph_triton import ELEMENTWISE, _saved, padded, prologue_accumulators, strip
+from ..cache import cache_key
+from ..codegen.ugraph_triton import ELEMENTWISE, _saved, padded, prologue_accumulators, strip
 from ..timing import cuda_graph_time_us, rotated_input_sets
+from ..ugraph import BlockGraph, Ctx, MuGraphError, ThreadGraph, make_op
 
 log = logging.getLogger("torch_mirage")
 
@@ -280,7 +281,6 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     base = default_config(bg)
     if not inputs or inputs[0].device.type != "cuda":
         return base
-    from ..cache import cache_key
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs",
                     space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE])   # a wider search re-tunes
