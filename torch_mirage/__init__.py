@@ -34,7 +34,6 @@ def __getattr__(name):
         from .backend import MirageBackend
         return MirageBackend
     if name == "explain":
-        from .explain import explain
-        globals()["explain"] = explain   # the function, not the submodule the import just bound to this name
+        from .explainer import explain   # not a submodule named explain: importing it would shadow the function
         return explain
     raise AttributeError(name)
