@@ -24,7 +24,7 @@ the combine weighs by ``exp(-inf) = 0``.
 from __future__ import annotations
 
 from .builder import new_kernel_graph, new_threadblock_graph
-from .library import blocks
+from .library import blocks, split_kv_combine
 from .ugraph import KernelGraph
 
 PHI = None
@@ -104,13 +104,7 @@ def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float
     for t in tb.forloop_accum_online_softmax(_scores(tb, tQ, tK, scale, softcap, tM), tV):
         tb.new_output(t, omap=(0, 2, 1), dtype=acc_dtype)
     Ms, Ls, Os = g.customized([Q4, K3, V3] + ([M4] if masked else []), tb)      # (b·hk, splits, rows, ·)
-    cb = new_threadblock_graph((bh, combine_q_blocks), 1)
-    cm, cl, co = (cb.new_input(x, imap=(0, 2), fmap=PHI) for x in (Ms, Ls, Os))
-    w = cb.exp(cb.sub(cm, cb.reduce_max(cm, dim=1)))
-    num = cb.reduce_sum(cb.mul(w, co), dim=1)
-    den = cb.reduce_sum(cb.mul(w, cl), dim=1)
-    cb.new_output(cb.forloop_accum(cb.div(num, den), "sum"), omap=(0, 2), dtype=dtype)
-    (Y,) = g.customized([Ms, Ls, Os], cb)                                        # (b·hk, 1, rows, d)
+    Y = split_kv_combine(g, Ms, Ls, Os, bh, combine_q_blocks, dtype)            # (b·hk, 1, rows, d)
     g.mark_output(g.reshape(Y, shape=(b, hk, rows, d)))
     return g.build()
 

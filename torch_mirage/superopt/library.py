@@ -186,15 +186,22 @@ def gqa_flashdecoding(b: int, h: int, sq: int, kv: int, d: int, *, dtype: str = 
     for t in _attention_block(tb, tQ, tK, tV, d):      # m, l, o: (1, 1, rows, ·) per block
         tb.new_output(t, omap=(0, 2, 1), dtype=acc_dtype)
     M, L, O = g.customized([Q4, K3, V3], tb)           # (b·h, splits, sq, ·)
-    cb = new_threadblock_graph((b * h, combine_q_blocks), 1)
+    Y = split_kv_combine(g, M, L, O, b * h, combine_q_blocks, dtype)   # (b·h, 1, sq, d)
+    g.mark_output(g.reshape(Y, shape=(b, h, sq, d)))
+    return g.build()
+
+
+def split_kv_combine(g, M, L, O, heads: int, q_blocks: int, dtype: str):
+    """The combine block graph after a split-KV attention kernel: the splits' running maxima ``M``, sums ``L``
+    and unnormalised outputs ``O`` (heads, splits, rows, ·) merged into the normalised output (heads, 1, rows, d)."""
+    cb = new_threadblock_graph((heads, q_blocks), 1)
     cm, cl, co = (cb.new_input(x, imap=(0, 2), fmap=PHI) for x in (M, L, O))
     w = cb.exp(cb.sub(cm, cb.reduce_max(cm, dim=1)))
     num = cb.reduce_sum(cb.mul(w, co), dim=1)
     den = cb.reduce_sum(cb.mul(w, cl), dim=1)
     cb.new_output(cb.forloop_accum(cb.div(num, den), "sum"), omap=(0, 2), dtype=dtype)
-    (Y,) = g.customized([M, L, O], cb)                  # (b·h, 1, sq, d)
-    g.mark_output(g.reshape(Y, shape=(b, h, sq, d)))
-    return g.build()
+    (Y,) = g.customized([M, L, O], cb)
+    return Y
 
 
 # ------------------------------------------------------------------ nTrans
