@@ -45,8 +45,8 @@ def _inject_measure(mp):
 
 
 def _inject_search_build(mp):
-    import torch_mirage.superopt.compile as superopt_compile
-    mp.setattr(superopt_compile, "compile_ugraph", _raise)
+    import torch_mirage.superopt.claim as library_claim
+    mp.setattr(library_claim, "compile_ugraph", _raise)   # the library claimer's build of its μGraphs
 
 
 # stage name -> (how to inject, program, inputs, options)
@@ -238,7 +238,7 @@ def test_gpu_failing_stage_runs_inductor_in_our_cuda_graph_unless_that_failed(st
 def test_a_ugraph_too_large_for_block_memory_declines_without_a_warning(monkeypatch, caplog):
     """A library μGraph whose tiles need more than one SM's memory at the model's sizes (gated_mlp at hidden 1024
     on the H100) is a decline, not a failure: no warning, even under strict."""
-    import torch_mirage.superopt.compile as superopt_compile
+    import torch_mirage.superopt.claim as library_claim
     from torch_mirage.superopt.claim import _compiled
     from torch_mirage.superopt import library
     from torch_mirage.superopt.validate import InvalidMuGraph
@@ -247,7 +247,7 @@ def test_a_ugraph_too_large_for_block_memory_declines_without_a_warning(monkeypa
         raise InvalidMuGraph(["kernel graph op 3 (customized) body: its tensors need 1458176 bytes of block-level "
                               "memory, capacity 232448"])
 
-    monkeypatch.setattr(superopt_compile, "compile_ugraph", too_large)
+    monkeypatch.setattr(library_claim, "compile_ugraph", too_large)
 
     class Strict:
         config = type("C", (), {"strict": True})()

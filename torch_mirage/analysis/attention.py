@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+from .properties import Affine, ValueKind, analyze_values
 
 from ..capture.ir import Graph, Node, Value
 
@@ -277,7 +278,6 @@ def _visible_preds(v: Value, values: dict, keep: bool, depth: int = 0) -> list |
     ``&`` / ``|`` / ``~``, ``where`` with constant sides and layout ops keeping the last two dims; None where the
     visible part is not exactly such a conjunction (a padding mask joined in: then a row may be fully masked, where
     eager's answer depends on every key)."""
-    from .properties import Affine, ValueKind
 
     if depth > 16 or not isinstance(v, Value):
         return None
@@ -314,7 +314,6 @@ def _visible_preds(v: Value, values: dict, keep: bool, depth: int = 0) -> list |
 
 def _visible_zero(v: Value, values: dict, depth: int = 0) -> bool:
     """Whether an additive mask is 0 wherever it is not at its masked floor (HF's ``where(keep, 0, min)``)."""
-    from .properties import ValueKind
 
     if depth > 16 or not isinstance(v, Value):
         return False
@@ -464,7 +463,6 @@ def _sdpa_at(node: Node, values: dict | None) -> AttentionSpec | None:
 
 def find_attention(graph: Graph, nodes: Sequence[Node] | None = None) -> list[AttentionSpec]:
     """Every attention region among ``nodes`` (default: the whole graph) whose inner values nothing else reads."""
-    from .properties import analyze_values
 
     class _Values(dict):
         """The graph's value properties, computed on the first look-up (only masked regions need them)."""

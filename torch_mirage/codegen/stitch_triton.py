@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from .loader import load_source
 
 from ..capture.ir import Node, Value, map_values
 from ..capture.ops import OpKind
@@ -719,7 +720,6 @@ def make_launcher(plan: StitchPlan, inputs: Sequence[Value], jit_fn: Any,
 
 def build_kernel(plan: StitchPlan, inputs: Sequence[Value], cache_dir: str) -> tuple[Callable[..., tuple], str]:
     """Emit, write, import and wrap the region's kernel; returns (launcher, source path)."""
-    from .loader import load_source
 
     source = emit_kernel(plan)
     module, path = load_source(source, cache_dir, prefix="stitch")

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from .inductor_quiet import without_artifact_warning
 from functorch.compile import make_boxed_func
 
 from ..capture.ir import Graph, Value
@@ -199,7 +200,6 @@ def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallba
     if fallback == "inductor" and fb_owner:
         from torch.fx.passes.regional_inductor import regional_inductor
 
-        from .inductor_quiet import without_artifact_warning
 
         example = [n.meta.get("val") for n in new_gm.graph.nodes if n.op == "placeholder"]
         with without_artifact_warning():

@@ -22,6 +22,8 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
+from .compile import compile_ugraph
+from .claim import _fastest
 
 from ..analysis.attention import AttentionSpec, find_attention
 from ..capture.ir import Graph, Node
@@ -130,8 +132,6 @@ class AttentionClaimer:
     def _region(self, spec: AttentionSpec, ctx: Any) -> Region | None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        from .claim import _fastest
-        from .compile import compile_ugraph
 
         dtype = DTYPES[spec.dtype]
         rows = spec.group * spec.sq

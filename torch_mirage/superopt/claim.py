@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+from .compile import compile_ugraph
 
 from ..cache import cache_key
 from ..capture.ir import Graph, Node, Value
@@ -346,7 +347,6 @@ def _compiled(workload: library.Workload, dims: tuple, dtype: str, constants: di
               cache: Any, ctx: Any = None) -> tuple | None:
     """``(workload, kernel graph, compiled μGraph)`` at these dims, or None (a warning, grouped per compile)
     when it does not build."""
-    from .compile import compile_ugraph
 
     try:
         with stage("search/build"):

@@ -15,6 +15,9 @@ import os
 from typing import Any, Sequence
 
 import torch
+from .reference import Decline, reference_of
+from .driver import search
+from ..compile import compile_ugraph
 
 from ...capture.ops import OpKind
 from ...partition.region import Reason, Region, is_convex
@@ -54,9 +57,6 @@ class SearchClaimer:
     def _region(self, graph, nodes: list, ctx: Any) -> Region | None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        from ..compile import compile_ugraph
-        from .driver import search
-        from .reference import Decline, reference_of
 
         ref = reference_of(nodes, graph)
         if isinstance(ref, Decline):

@@ -28,13 +28,16 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+from ...cache import cache_key
+from ...config import load
 
 from ..executor import execute
-from ..ugraph import KernelGraph
-from ..validate import nbytes
+from ..ugraph import KernelGraph, from_dict
+from ..validate import nbytes, validate
 from ..verify import verify
 from . import expr as E
 from .generate import KIND_ORDER, GenStats, Skeleton, enumerate_skeletons
+from .oracle import SubexprOracle
 from .schedule import schedules
 
 log = logging.getLogger("torch_mirage")
@@ -111,11 +114,6 @@ def _eps_values(target: KernelGraph | None) -> tuple[float, ...]:
 def _make_oracle(targets, prune: bool, oracle_kwargs: dict):
     if not prune:
         return (lambda e: True), None
-    try:
-        from .oracle import SubexprOracle
-    except ImportError:
-        log.warning("μGraph search: search/oracle.py is missing; searching without abstract-expression pruning")
-        return (lambda e: True), None
     o = SubexprOracle(targets, **oracle_kwargs)
     return o.admits, o
 
@@ -183,7 +181,6 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     processes; above 1 the first-level DFS branches are dealt round-robin to spawned workers (see
     :func:`_search_parallel`); 1 searches in this process.
     """
-    from ...config import load
     t0 = time.monotonic()
     budget_s = load().search_budget_s if budget_s is None else budget_s
     stats = SearchStats()
@@ -246,7 +243,6 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
 
 
 def _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, max_ops, tile) -> str:
-    from ...cache import cache_key
     tgt = target.hash() if isinstance(target, KernelGraph) else [str(e) for e in targets]
     return cache_key(kind="ugraph-search", target=tgt, inputs=[[list(s), d] for s, d in inputs],
                      out_shapes=[list(s) for s in out_shapes], out_dtypes=list(out_dtypes or []),
@@ -255,8 +251,6 @@ def _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, max_ops, 
 
 def _cache_get(cache, key: str) -> KernelGraph | None:
     """The cached μGraph, or None when absent or unusable (then the search runs and rewrites it)."""
-    from ..ugraph import from_dict
-    from ..validate import validate
     entry = cache.get_json(key)
     if entry is None:
         return None
@@ -397,7 +391,6 @@ def _search_parallel(job: dict, workers: int, deadline: float, stats: SearchStat
     with torch's threads) and merge their verified μGraphs. A worker that dies or raises loses its
     share (logged); one still running at deadline + GRACE_S is terminated."""
     from multiprocessing.connection import wait
-    from ..ugraph import from_dict
     ctx = mp.get_context("spawn")
     found_depth = ctx.Value("i", 0)
     # spawned children import torch_mirage: make sure they import this same package

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import time
+from ...cache import cache_key
 from collections import Counter
 from typing import Sequence
 
@@ -131,7 +132,6 @@ class SubexprOracle:
         self._siblings = {sibling_key(t) for t in by_op.get("sym", [])} - {None}
         self._disk, self._disk_key, self._disk_answers = disk_cache, None, {}
         if disk_cache is not None:
-            from ...cache import cache_key
             self._disk_key = cache_key(kind="subexpr-oracle", rules=RULES_VERSION,
                                        targets=[str(t) for t in self.targets])
             got = disk_cache.get_json(self._disk_key)
