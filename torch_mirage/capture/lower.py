@@ -66,15 +66,34 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
     return obj
 
 
-def to_fx(graph: Graph) -> fx.GraphModule:
-    """The graph as an FX ``GraphModule`` of ATen calls (``meta['val']`` kept)."""
+def _in_float64(args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict]:
+    """``args`` / ``kwargs`` of one call with every floating dtype it names (``dtype=``, the target dtype of
+    ``prims.convert_element_type``) replaced by float64, so that a graph fed float64 inputs stays float64."""
+    up = lambda d: torch.float64 if isinstance(d, torch.dtype) and d.is_floating_point else d
+    if isinstance(kwargs.get("dtype"), torch.dtype):
+        kwargs = {**kwargs, "dtype": up(kwargs["dtype"])}
+    if target is torch.ops.prims.convert_element_type.default:
+        args = (args[0], up(args[1]), *args[2:])
+    return args, kwargs
+
+
+def to_fx(graph: Graph, float64: bool = False) -> fx.GraphModule:
+    """The graph as an FX ``GraphModule`` of ATen calls (``meta['val']`` kept).
+
+    ``float64``: every floating dtype the calls name becomes float64 and floating constants are stored in
+    float64, so the module run on float64 inputs computes the graph's exact reference (casts to fp16 / fp32
+    in the graph, e.g. ``softmax(..., dtype=float32).to(q.dtype)``, would otherwise mix dtypes).
+    """
     g = fx.Graph()
     root = torch.nn.Module()
     env: dict[int, fx.Node] = {}
     for v in graph.inputs:
         name = re.sub(r"\W", "_", v.name)
         if v.name in graph.constants:
-            root.register_buffer(name, v.example)
+            const = v.example
+            if float64 and isinstance(const, torch.Tensor) and const.is_floating_point():
+                const = const.double()
+            root.register_buffer(name, const)
             p = g.get_attr(name)
         else:
             p = g.placeholder(name)
@@ -82,6 +101,8 @@ def to_fx(graph: Graph) -> fx.GraphModule:
         env[id(v)] = p
     for node in graph.nodes:
         args, kwargs = map_values((node.args, node.kwargs), lambda v: env[id(v)])
+        if float64:
+            args, kwargs = _in_float64(tuple(args), dict(kwargs), node.target)
         call = g.call_function(node.target, tuple(args), dict(kwargs))
         call.meta["val"] = pytree.tree_unflatten([v.example for v in node.outputs], node.out_structure)
         if len(node.outputs) == 1 and isinstance(graph.result(node), Value):

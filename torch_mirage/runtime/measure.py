@@ -157,7 +157,7 @@ def numerics_problem(region: Region, graph: Graph) -> str | None:
             continue
         if exact is None:
             with torch.no_grad():
-                exact = program(*[x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                exact = to_fx(sub, float64=True)(*[x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                                   for x in inputs])
         ref = exact[outs.index(v)]
         err, eager_err = _relative_error(g, ref, w), _relative_error(w, ref, w)

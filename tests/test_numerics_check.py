@@ -1,0 +1,55 @@
+"""The check stage's float64 reference: casts written in the graph (``softmax(..., dtype=float32).to(fp16)``)
+must not leave the reference with mixed dtypes."""
+import torch
+import torch.nn.functional as F
+
+from torch_mirage.capture.lower import to_fx
+from torch_mirage.partition.region import Reason, Region
+from torch_mirage.runtime.measure import numerics_problem
+from torch_mirage.testing.aten import trace_ir
+
+
+def _attention(q, k, v):
+    w = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    w = w + torch.full((), -0.5, dtype=q.dtype, device=q.device)
+    return torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _qkv(dtype):
+    return [torch.randn(2, 5, 8, dtype=dtype), torch.randn(2, 6, 8, dtype=dtype), torch.randn(2, 6, 4, dtype=dtype)]
+
+
+def _in_graph_order(graph, tensors):
+    """Dynamo orders a graph's inputs as it meets them: pick each by its (distinct) shape."""
+    by_shape = {tuple(t.shape): t for t in tensors}
+    return [by_shape[tuple(v.example.shape)] for v in graph.inputs]
+
+
+def test_float64_program_of_a_graph_with_casts():
+    graph = trace_ir(_attention, *_qkv(torch.float16))
+    q, k, v = _qkv(torch.float64)
+    (out,) = to_fx(graph, float64=True)(*_in_graph_order(graph, [q, k, v]))
+    w = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5 - 0.5
+    want = torch.matmul(F.softmax(w, dim=-1), v)                 # the same math with no cast
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_check_against_float64_reports_a_wrong_kernel_instead_of_failing():
+    graph = trace_ir(_attention, *_qkv(torch.float16))
+    program = to_fx(graph)
+    torch.manual_seed(torch.seed() % 1000)
+
+    def off_by_five_percent(*inputs):
+        (out,) = program(*inputs)
+        return (out * 1.05,)
+
+    def exact(*inputs):
+        (out,) = to_fx(graph, float64=True)(*[x.double() for x in inputs])
+        return (out.to(torch.float16),)
+
+    region = Region(list(graph.nodes), "mirage", Reason.CLAIMED, kernel=off_by_five_percent)
+    problem = numerics_problem(region, graph)
+    assert problem is not None and "against float64" in problem, problem
+    region.kernel = exact
+    assert numerics_problem(region, graph) is None
