@@ -27,6 +27,7 @@ from .claim import _fastest
 
 from ..analysis.attention import AttentionSpec, find_attention
 from ..capture.ir import Graph, Node
+from ..capture.lower import constant_value
 from ..partition.region import Reason, Region, is_convex
 from .attention_seeds import SEEDS
 from .library import blocks
@@ -108,7 +109,7 @@ class AttentionClaimer:
             if why or not is_convex(graph, spec.nodes):
                 log.info("torch_mirage: attention %s not claimed (%s)", spec.describe(), why or "not convex")
                 continue
-            region = self._region(spec, ctx)
+            region = self._region(spec, graph, ctx)
             if region is not None:
                 regions.append(region)
         return regions
@@ -129,7 +130,7 @@ class AttentionClaimer:
             return "a mask of dynamic shape"
         return ""
 
-    def _region(self, spec: AttentionSpec, ctx: Any) -> Region | None:
+    def _region(self, spec: AttentionSpec, graph: Graph, ctx: Any) -> Region | None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 
@@ -143,7 +144,11 @@ class AttentionClaimer:
             ex = [q.reshape(spec.b, spec.hk, rows, spec.d), k.contiguous(), v.contiguous()]
             mask_shape = causal = None
             if spec.mask != "none":
-                example_mask = (random_like(spec.mask_value.meta) if spec.mask_value is not None else None)
+                example_mask = None
+                if spec.mask_value is not None:   # a mask made from constants: tuned on its real contents (the
+                    example_mask = constant_value(graph, spec.mask_value)   # band's re-tilings skip its tiles)
+                    if example_mask is None:
+                        example_mask = random_like(spec.mask_value.meta)
                 packed = packed_mask(spec, example_mask, q.device).to(mask_dtype(spec))
                 mask_shape = tuple(packed.shape[:2])
                 ex.append(packed)
