@@ -216,6 +216,24 @@ def test_gpu_timing_small(tmp_path):
         assert m["us"] >= 0.5 * case["floor_us"], "faster than the floor: the timing is wrong"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_kernel_count_eager_and_in_a_cuda_graph():
+    """Three elementwise ops launch three kernels, called eagerly or replayed in a CUDA graph (None only where
+    the profiler cannot see inside the graph); a copy is not a kernel."""
+    from torch_mirage.timing import count_device_kernels
+
+    x, y = torch.randn(1 << 16, device="cuda"), torch.empty(1 << 16, device="cuda")
+    fn = lambda x: ((x + 1).exp() * 2,)
+    assert count_device_kernels(fn, x) == 3
+    assert count_device_kernels(lambda: y.copy_(x)) in (0, 1)   # a D2D copy may run as a copy kernel
+    fn(x)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn(x)
+    assert count_device_kernels(g.replay) in (3, None)
+
+
 # ---------------------------------------------------------------------------------------------
 # The LLM driver, on the CPU, against a small stand-in for the two transformers cache APIs it
 # drives: 4.x (a StaticCache writes where the model's cache_position says) and 5.x (each layer

@@ -136,3 +136,24 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def count_device_kernels(fn: Callable[..., Any], *inputs: Any) -> int | None:
+    """How many GPU kernels one call of ``fn(*inputs)`` launches (copies and memsets not counted), read from the
+    profiler's device activity; kernels a CUDA graph replays are counted too where CUPTI reports them. None off
+    CUDA, or where the call launched a CUDA graph and the profiler saw none of its kernels (it cannot tell)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(*inputs)
+        torch.cuda.synchronize()
+    kernels = graph_launches = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels += not e.name.startswith(("Memcpy", "Memset", "[memory]"))
+        elif e.name == "cudaGraphLaunch":
+            graph_launches += 1
+    return None if graph_launches and not kernels else kernels

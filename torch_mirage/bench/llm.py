@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..timing import alternating_medians, plain_timing
+from ..timing import alternating_medians, count_device_kernels, plain_timing
 from .harness import COMPILERS, _free, _short, mirage_summary, rel_error, time_in_cuda_graph
 
 CONTEXT = 4096          # static cache slots
@@ -289,8 +289,11 @@ def run_scenario(spec: LLMSpec, model, config, s: Scenario, quick: bool, dtype: 
     results, steps = {}, {}
     peak = _PeakMemory(device)
     try:
+        layers = dict(spec.config, **(spec.quick if quick else {}))["num_hidden_layers"]
         for mode in modes:
             results[mode], step = _check_mode(case, mode, dtype, peak)
+            if step is not None and device.type == "cuda":
+                results[mode].update(_kernel_count(case, step, layers))
             if step is not None and timing is not None:
                 steps[mode] = step
         if steps:
@@ -406,6 +409,16 @@ def _check_mode(case: _Case, mode: str, dtype: torch.dtype, peak: _PeakMemory) -
     finally:
         res["mirage"] = mirage_summary(info)
         info.clear()
+
+
+def _kernel_count(case: _Case, step: Callable, layers: int) -> dict:
+    """GPU kernels one step launches (issue: few kernels per decoder layer), and per layer: the whole step's count
+    over the model's layers (embedding, final norm and LM head included, so a layer's own share is a little
+    less). None where the profiler could not see inside a CUDA graph."""
+    case.kv.restore()
+    with torch.no_grad():
+        n = count_device_kernels(step, *case.inputs(0))
+    return {"kernels": n, "kernels_per_layer": None if n is None else round(n / layers, 1)}
 
 
 def _time_modes(case: _Case, steps: dict[str, Callable], results: dict[str, dict], timing: dict,

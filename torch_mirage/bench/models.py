@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..timing import plain_timing
+from ..timing import count_device_kernels, plain_timing
 from .harness import _free, _short, mirage_summary, rel_error
 from .report import environment, pyplot, write_json
 
@@ -236,6 +236,10 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
                 res["rel_err_vs_eager"] = rel_error(logits, eager_logits)
                 res["max_err_vs_fp32"] = float((logits - ref32).abs().max())
                 res["prefill_us"] = _timed(lambda: fwd(ids), timing)
+                if device.type == "cuda":   # kernels per layer of a prefill forward (None: hidden in a graph)
+                    n = count_device_kernels(lambda: fwd(ids))
+                    res["prefill_kernels_per_layer"] = (None if n is None else
+                                                        round(n / model.config.num_hidden_layers, 1))
                 if spec.causal:
                     toks = greedy_generate(model, prompt, new_tokens)
                     res["tokens_match"] = _tokens_match(toks, eager_tokens)
@@ -316,7 +320,7 @@ def markdown(doc: dict) -> str:
     modes = doc["settings"]["modes"]
     head = ["model", "attn"] + [f"{m} prefill µs" for m in modes] + [f"{m} µs/tok" for m in modes] + [
         "mirage ÷ RO prefill", "mirage ÷ best prefill", "mirage ÷ RO token", "max err vs fp32 (mirage / inductor)",
-        "mirage CUDA graph"]
+        "prefill kernels / layer (mirage / RO)", "mirage CUDA graph"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in doc["models"]:
         if r.get("skipped"):
@@ -340,13 +344,16 @@ def markdown(doc: dict) -> str:
         mir = ms.get("mirage", {})
         ind = ms.get("inductor", {})
         errs = f"{mir.get('max_err_vs_fp32', float('nan')):.2e} / {ind.get('max_err_vs_fp32', float('nan')):.2e}"
+        kernels = " / ".join(str(ms.get(m, {}).get("prefill_kernels_per_layer") or "–")
+                             for m in ("mirage", "reduce-overhead"))
         graphs = mir.get("mirage", {}).get("cuda_graphs", [])
         cg = "; ".join("yes" if g["captured"] else f"no: {g['reason']}" for g in graphs) or "–"
         lines.append("| " + " | ".join([r["model"], r["attn"]] + [cell(m, "prefill_us") for m in modes]
                                        + [cell(m, "us_per_token") for m in modes]
                                        + [ratio("prefill_us_speedup_vs_reduce_overhead"),
                                           ratio("prefill_us_speedup_vs_best_inductor"),
-                                          ratio("us_per_token_speedup_vs_reduce_overhead"), errs, cg]) + " |")
+                                          ratio("us_per_token_speedup_vs_reduce_overhead"), errs, kernels, cg])
+                     + " |")
     speed = [r["prefill_us_speedup_vs_reduce_overhead"] for r in doc["models"]
              if r.get("prefill_us_speedup_vs_reduce_overhead")]
     if speed:

@@ -159,14 +159,17 @@ def markdown(doc: dict) -> str:
             lines += [f"- {c['workload']} b{c['batch']} {c['dtype']} {m}: {r['error']}" for c, m, r in failures]
     if doc.get("llm"):
         lines += ["", "## End-to-end LLMs (random weights)", "",
-                  "| model | scenario | dtype | mode | ms / step | tokens / s | compile s | peak GiB | status |",
-                  "|---|---|---|---|---:|---:|---:|---:|---|"]
+                  "kernels / layer: GPU kernels one step launches (profiler), over the model's layers.", "",
+                  "| model | scenario | dtype | mode | ms / step | tokens / s | compile s | peak GiB | kernels / layer "
+                  "| status |",
+                  "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
         for r in doc["llm"]:
             for m, x in r["modes"].items():
                 status = "ok" if x["status"] == "ok" else f"{x['status']}: {(x.get('error') or '')[:80]}"
                 lines.append(f"| {r['model']} | {r['scenario']} | {r['dtype']} | {m} | {_num(x.get('ms'), '.3f')} | "
                              f"{_num(x.get('tokens_per_s'), ',.0f')} | {_num(x.get('compile_s'), '.1f')} | "
-                             f"{_num(x.get('peak_gib'), '.2f')} | {status} |")
+                             f"{_num(x.get('peak_gib'), '.2f')} | {_num(x.get('kernels_per_layer'), '.1f')} | "
+                             f"{status} |")
     if doc.get("not_run"):
         lines += ["", "Not run (time budget spent): " + ", ".join(doc["not_run"])]
     for note in doc.get("notes", []):
