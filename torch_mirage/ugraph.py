@@ -28,6 +28,12 @@ from typing import Any, Callable, ClassVar, NamedTuple
 
 K, B, T = "kernel", "block", "thread"
 HALF = {"float16", "bfloat16"}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}
+
+
+def nbytes(shape, dtype: str) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype`` (4 per element for a dtype not in ``ITEMSIZE``)."""
+    return math.prod(shape) * ITEMSIZE.get(dtype, 4)
 
 
 class MuGraphError(ValueError):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..ugraph import BlockGraph, Graph, MuGraphError, Op, Ref, band_geometry
 
@@ -106,10 +107,16 @@ class Val:
     parts: tuple = ()       # a virtual concat: its parts (Vals) and the concat dim in ``shape``
     cat_dim: int = -1
     log2e: bool = False     # holds the op's value times log2(e) (online-softmax scores, see _prescaled)
+    trans: bool = False     # the register tile holds the value transposed (a rank-2 tile, see layout_rules)
 
     @property
     def pshape(self) -> tuple:
         return tuple(padded(e) for e in self.shape)
+
+    @property
+    def phys(self) -> tuple:
+        """The padded shape of the register tile: ``pshape``, its two dims swapped when held transposed."""
+        return self.pshape[::-1] if self.trans else self.pshape
 
 
 @dataclass
@@ -127,12 +134,20 @@ class BlockKernel:
 
 
 class _Emitter:
-    def __init__(self, bg: BlockGraph, n_inputs: int, split: int):
+    def __init__(self, bg: BlockGraph, n_inputs: int, split: int, order=None, transposed=None):
         self.bg, self.split, self.n_inputs = bg, split, n_inputs
         self.lines: list[str] = []
         self.indent = 1
         self.aranges: set[int] = set()
         self.count = 0
+        self.rank = None if order is None else {i: k for k, i in enumerate(order)}
+        rules = layout_rules(bg)
+        self.transposed = rules.default if transposed is None else frozenset(transposed) & rules.flexible
+        self.relabels = {i for i in rules.flexible if bg.ops[i].name == "transpose"}
+        self.need = rules.needs(self.transposed)       # (op, input k) -> the orientation it reads
+        self.readers = rules.readers
+        self.alt: dict[Ref, Val] = {}                  # a value converted to the other orientation
+        self.prescaled = _prescaled(bg)
         dts = [op.attrs["dtype"] for op in bg.iterators]
         for d in dts:
             if d not in TL:
@@ -151,9 +166,9 @@ class _Emitter:
         self.aranges.add(p)
         return f"r{p}"
 
-    def assign(self, base: str, expr: str, shape, dtype: str = "float32", natural=None) -> Val:
-        v = Val(self.fresh(base), tuple(shape), dtype)
-        want = v.pshape
+    def assign(self, base: str, expr: str, shape, dtype: str = "float32", natural=None, trans: bool = False) -> Val:
+        v = Val(self.fresh(base), tuple(shape), dtype, trans=trans)
+        want = v.phys
         if natural is not None and tuple(natural) != want:
             expr = f"tl.reshape({expr}, {want})"
         self.line(f"{v.name} = {expr}")
@@ -162,12 +177,13 @@ class _Emitter:
     def f32(self, v: Val) -> str:
         return v.name if v.dtype == "float32" else f"{v.name}.to(tl.float32)"
 
-    def mask(self, shape) -> str | None:
-        """Validity mask of a block of (stripped) ``shape``: only padded dims are checked."""
+    def mask(self, shape, trans: bool = False) -> str | None:
+        """Validity mask of a block of (stripped) ``shape`` (held transposed: ``trans``): only padded dims are
+        checked."""
         rank, terms = len(shape), []
         for k, e in enumerate(shape):
             if padded(e) != e:
-                terms.append(f"({self.r(padded(e))} < {e}){_expand(rank, k)}")
+                terms.append(f"({self.r(padded(e))} < {e}){_expand(rank, rank - 1 - k if trans else k)}")
         return " & ".join(terms) or None
 
     def masked(self, v: Val, dims, fill: str) -> str:
@@ -182,8 +198,9 @@ class _Emitter:
         return f"tl.where({' & '.join(terms)}, {self.f32(v)}, {fill})"
 
     # -------------------------------------------------------------- memory
-    def offsets(self, prefix: str, full, tile, starts) -> tuple[str, str | None]:
-        """Pointer offsets (and mask) of a tile of kernel tensor ``prefix`` whose dim d starts at ``starts[d]``."""
+    def offsets(self, prefix: str, full, tile, starts, trans: bool = False) -> tuple[str, str | None]:
+        """Pointer offsets (and mask) of a tile of kernel tensor ``prefix`` whose dim d starts at ``starts[d]``;
+        ``trans``: the (rank-2) register tile holds it transposed (loaded as its transpose)."""
         kept, n = strip(tile)
         rank, terms = len(kept), []
         for d in range(len(full)):
@@ -195,10 +212,10 @@ class _Emitter:
             k = d - n
             ar = self.r(padded(tile[d]))
             idx = ar if s == "0" else f"({s} + {ar})"
-            terms.append(f"{idx}{_expand(rank, k)} * {prefix}_s{d}")
-        return " + ".join(terms) or "0", self.mask(kept)
+            terms.append(f"{idx}{_expand(rank, rank - 1 - k if trans else k)} * {prefix}_s{d}")
+        return " + ".join(terms) or "0", self.mask(kept, trans)
 
-    def load_iterator(self, op: Op, it: str | None) -> Val:
+    def load_iterator(self, op: Op, it: str | None, trans: bool = False) -> Val:
         a, bg = op.attrs, self.bg
         full, tile = a["shape"], op.shapes[0]
         starts = []
@@ -208,12 +225,12 @@ class _Emitter:
                 parts.append(f"{it} * {tile[d]}")
             starts.append(" + ".join(parts) or "0")
         p = f"in{a['index']}"
-        offs, mask = self.offsets(p, full, tile, starts)
+        offs, mask = self.offsets(p, full, tile, starts, trans)
         if it is not None and getattr(self, "band_need", None) and a["index"] == self.band_zero:
             need = self.band_need.format(it=it)          # a tile every row sees whole is 0: not loaded
             mask = f"({mask}) & ({need})" if mask else f"({need})"
         extra = f", mask={mask}, other=0.0" if mask else ""
-        return self.assign("x", f"tl.load({p}_ptr + {offs}{extra})", strip(tile)[0], a["dtype"])
+        return self.assign("x", f"tl.load({p}_ptr + {offs}{extra})", strip(tile)[0], a["dtype"], trans=trans)
 
     def store_saver(self, op: Op, v: Val) -> None:
         k, bg = op.attrs["index"], self.bg
@@ -225,6 +242,49 @@ class _Emitter:
         value = self.conform(v, strip(tile)[0])
         extra = f", mask={mask}" if mask else ""
         self.line(f"tl.store(out{k}_ptr + {offs}, {value}.to({TL[op.attrs['dtype']]}){extra})")
+
+    # -------------------------------------------------------------- plan: order and tile orientation
+    def order(self, idx) -> list[int]:
+        """Ops ``idx`` in the plan's order (default: Mirage's depth order)."""
+        if self.rank is None:
+            return order_by_depth(self.bg, idx)
+        return sorted(idx, key=self.rank.__getitem__)
+
+    def arg(self, env: dict, u: int, k: int) -> Val:
+        """Input ``k`` of op ``u`` in the orientation ``u`` reads it."""
+        r = Ref(*self.bg.ops[u].inputs[k])
+        v = env[r]
+        return v if v.trans == self.need.get((u, k), False) else self.alt[r]
+
+    def put(self, env: dict, r: Ref, v: Val) -> None:
+        """Bind op output ``r`` to ``v``; where a consumer reads it in the other orientation, the conversion
+        (``tl.trans``) is emitted here, once, right after the value."""
+        env[r] = v
+        self.alt.pop(r, None)
+        if any(self.need.get((u, k), False) != v.trans for u, k in self.readers.get(r, ())):
+            nat = v.phys[::-1]
+            self.alt[r] = self.assign("v", f"tl.trans({v.name})", v.shape, v.dtype, natural=nat, trans=not v.trans)
+
+    def emit_op(self, i: int, env: dict, it: str | None = None) -> None:
+        """Emit block op ``i`` (``it``: the for-loop index) and bind its outputs: a transposed iterator loads its
+        tile transposed, a transpose between orientations is a relabel (no code)."""
+        op = self.bg.ops[i]
+        trans = i in self.transposed
+        if op.name == "iterator":
+            outs = [self.load_iterator(op, it, trans)]
+        elif i in self.prescaled:
+            x = self.arg(env, i, 0)
+            v = self.assign("v", f"{self.f32(x)} * {float(op.attrs['value']) * LOG2E!r}", strip(op.shapes[0])[0],
+                            natural=x.pshape)
+            v.log2e = True
+            outs = [v]
+        elif i in self.relabels:
+            x = self.arg(env, i, 0)
+            outs = [Val(x.name, strip(op.shapes[0])[0], x.dtype, trans=trans)]
+        else:
+            outs = self.emit(op, [self.arg(env, i, k) for k in range(len(op.inputs))], trans=trans)
+        for j, v in enumerate(outs):
+            self.put(env, Ref(i, j), v)
 
     def conform(self, v: Val, shape) -> str:
         want = tuple(padded(e) for e in shape)
@@ -242,15 +302,16 @@ class _Emitter:
         return " + ".join(terms)
 
     # -------------------------------------------------------------- compute
-    def emit(self, op: Op, xs: list[Val], shapes=None) -> list[Val]:
-        """Emit one compute op of a block or thread graph; returns its output values."""
+    def emit(self, op: Op, xs: list[Val], shapes=None, trans: bool = False) -> list[Val]:
+        """Emit one compute op of a block or thread graph; returns its output values. ``trans``: an elementwise
+        op whose operands are held transposed gives its value transposed."""
         name, a = op.name, op.attrs
         out, n = strip((shapes or op.shapes)[0])
         if name in ELEMENTWISE:
             args = [self.f32(x) for x in xs]
             value = repr(float(a["value"])) if "value" in a else None
             expr = ELEMENTWISE[name].format(*args, value=value)
-            return [self.assign("v", expr, out, natural=_bcast(*(x.pshape for x in xs)))]
+            return [self.assign("v", expr, out, natural=_bcast(*(x.phys for x in xs)), trans=trans)]
         if name == "thread":
             return self.emit_thread(op, xs)
         if name in REDUCERS:
@@ -467,6 +528,71 @@ def _prescaled(bg: BlockGraph) -> set[int]:
     return out
 
 
+@dataclass(frozen=True)
+class LayoutRules:
+    """Which tiles the emitter can hold transposed and what each op input reads.
+
+    ``flexible``: ops whose (one, rank-2) output tile may be held transposed — iterators (the tile is loaded
+    transposed), elementwise ops over rank-2 operands of their own rank (they run on the transposed tiles alike)
+    and transposes of rank-2 tiles (a relabel when the orientations differ). ``rules[(u, k)]``: input ``k`` of op
+    ``u`` is read "same" (in ``u``'s own orientation: a flexible elementwise op), "flip" (the other one: a
+    flexible transpose) or "row" (as the value is: every other op). ``readers[ref]``: the (op, k) reading it."""
+    flexible: frozenset
+    rules: dict
+    readers: dict
+    default: frozenset      # the layout without a plan: the flexible transposes (every tile as computed, each
+                            # transpose a relabel of its input converted by a ``tl.trans`` for its readers)
+
+    def needs(self, transposed) -> dict:
+        """(op, input k) -> whether it reads that input transposed, given the ops whose tiles are transposed."""
+        return {e: (u in transposed) == (rule == "same") for e, rule in self.rules.items()
+                if rule != "row" for u in (e[0],)}
+
+
+def layout_rules(bg: BlockGraph) -> LayoutRules:
+    """The :class:`LayoutRules` of ``bg``'s emitter (the μGraph optimiser's layout choices are drawn from them)."""
+    prescaled = _prescaled(bg)
+
+    def rank2(r) -> bool:
+        return len(strip(bg.shape(r))[0]) == 2 and bg.ops[r[0]].name != "concat"
+
+    flex = set()
+    for i, op in enumerate(bg.ops):
+        if len(op.shapes) != 1 or not rank2(Ref(i, 0)):
+            continue
+        if op.name == "iterator" or op.name == "transpose" and rank2(op.inputs[0]):
+            flex.add(i)
+        elif op.name in ELEMENTWISE and i not in prescaled and \
+                all(rank2(r) and len(bg.shape(r)) == len(op.shapes[0]) for r in op.inputs):
+            flex.add(i)
+    rules, readers = {}, {}
+    for u, op in enumerate(bg.ops):
+        for k, r in enumerate(op.inputs):
+            rules[u, k] = "row" if u not in flex else "flip" if op.name == "transpose" else "same"
+            readers.setdefault(Ref(*r), []).append((u, k))
+    return LayoutRules(frozenset(flex), rules, readers, frozenset(i for i in flex if bg.ops[i].name == "transpose"))
+
+
+class Phases(NamedTuple):
+    """The op groups :func:`emit_block_kernel` writes in sequence: ``invariant`` ops hoisted before the for-loop,
+    the loop's ``variant`` ops, its ``accumulators`` (each ``fused`` matmul runs inside its accumulator's update:
+    matmul -> accumulator) and the ``epilogue`` after the loop (savers included)."""
+    invariant: list
+    variant: list
+    accumulators: list
+    epilogue: list
+    fused: dict
+
+
+def phases(bg: BlockGraph) -> Phases:
+    body, epi = bg.phases()
+    accs = [i for i in body if bg.ops[i].spec.kind == "accum"]
+    fused = _fusable_matmuls(bg)
+    var = _variant(bg)
+    compute = [i for i in body if i not in accs and i not in fused]
+    return Phases([i for i in compute if not var[i]], [i for i in compute if var[i]], accs, epi, fused)
+
+
 def _variant(bg: BlockGraph) -> list[bool]:
     """Which body ops change from one for-loop iteration to the next (the rest are hoisted)."""
     var: list[bool] = []
@@ -517,13 +643,12 @@ def _finish(e: _Emitter, head: list[str]) -> str:
 
 
 def _epilogue(e: _Emitter, bg: BlockGraph, epi: list[int], env: dict) -> None:
-    for i in order_by_depth(bg, epi):
+    for i in e.order(epi):
         op = bg.ops[i]
         if op.name == "saver":
-            e.store_saver(op, env[Ref(*op.inputs[0])])
+            e.store_saver(op, e.arg(env, i, 0))
             continue
-        for j, v in enumerate(e.emit(op, [env[Ref(*r)] for r in op.inputs])):
-            env[Ref(i, j)] = v
+        e.emit_op(i, env)
 
 
 def _ancestors(bg: BlockGraph, roots) -> set[int]:
@@ -551,57 +676,45 @@ def prologue_accumulators(bg: BlockGraph) -> list[int]:
 
 
 def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", split: int = 1,
-                      combine: BlockGraph | None = None, prologue: bool = False) -> BlockKernel:
+                      combine: BlockGraph | None = None, prologue: bool = False, order=None,
+                      transposed=None) -> BlockKernel:
     """Triton source for one graph-defined op. ``in_ranks``: rank of each kernel input (its strides are
     arguments). ``combine``: the re-tiling of ``bg`` whose grid the combine kernel runs on (split > 1;
     default ``bg``'s own grid). ``prologue``: the :func:`prologue_accumulators` walk the for-loop range in a
-    loop of their own before the main loop (loop fission; the same sums in the same order)."""
+    loop of their own before the main loop (loop fission; the same sums in the same order). ``order`` (a
+    topological order of ``bg``'s ops; default: depth order) and ``transposed`` (ops whose tiles are held
+    transposed, see :class:`LayoutRules`; default: its ``default``) are the μGraph optimiser's plan
+    (``superopt.optimise``)."""
     if bg.forloop_range % split:
         raise CodegenError(f"μGraph codegen: split {split} does not divide forloop_range {bg.forloop_range}")
-    body, epi = bg.phases()
-    accs = [i for i in body if bg.ops[i].spec.kind == "accum"]
+    ph = phases(bg)
+    accs, epi, fused = ph.accumulators, ph.epilogue, ph.fused
     for i in accs:
         if bg.ops[i].name not in COMBINABLE:
             raise CodegenError(f"μGraph codegen: accumulator {bg.ops[i].name} is not supported "
                                f"(supported: {sorted(COMBINABLE)})")
-    fused = _fusable_matmuls(bg)
-    prescaled = _prescaled(bg)
-    var = _variant(bg)
     savers = bg.savers
     out_ranks = [len(bg.shape(s.inputs[0])) for s in savers]
     state_shapes = [strip(s)[0] for i in accs for s in bg.ops[i].shapes]
     ws = [math.prod(padded(x) for x in s) for s in state_shapes] if split > 1 else []
     n_inputs = len(in_ranks)
-    e = _Emitter(bg, n_inputs, split)
+    e = _Emitter(bg, n_inputs, split, order, transposed)
     _pids(e, bg.grid, split)
     e.pid_lines = len(e.lines)
     env: dict[Ref, Val] = {}
-    compute = [i for i in body if i not in accs and i not in fused]
     per = bg.forloop_range // split
     loop = per > 1
 
     def emit_ops(idx, it):
-        for i in order_by_depth(bg, idx):
-            op = bg.ops[i]
-            if op.name == "iterator":
-                outs = [e.load_iterator(op, it)]
-            elif i in prescaled:
-                x = env[Ref(*op.inputs[0])]
-                v = e.assign("v", f"{e.f32(x)} * {float(op.attrs['value']) * LOG2E!r}", strip(op.shapes[0])[0],
-                             natural=x.pshape)
-                v.log2e = True
-                outs = [v]
-            else:
-                outs = e.emit(op, [env[Ref(*r)] for r in op.inputs])
-            for j, v in enumerate(outs):
-                env[Ref(i, j)] = v
+        for i in e.order(idx):
+            e.emit_op(i, env, it)
 
     lo = f"split * {per}" if split > 1 else "0"
     hi = f"{lo} + {per}" if split > 1 else f"{per}"
     if bg.forloop_band is not None:     # per-block loop bounds: entirely masked key tiles are never visited
         loop = True
         lo, hi = _band_bounds(e, bg, lo, hi)
-    emit_ops([i for i in compute if not var[i]], None)
+    emit_ops(ph.invariant, None)
     states = {i: _acc_init(e, bg.ops[i]) for i in accs}
     first = prologue_accumulators(bg) if prologue and loop else []
     for group in ([first, [i for i in accs if i not in first]] if first else [accs]):
@@ -609,12 +722,13 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
         if loop:
             e.line(f"for it in tl.range({lo}, {hi}, num_stages=NUM_STAGES):")
             e.indent += 1
-        emit_ops([i for i in compute if var[i] and i in needed], "it" if loop else lo)
-        for i in order_by_depth(bg, group):
+        emit_ops([i for i in ph.variant if i in needed], "it" if loop else lo)
+        for i in e.order(group):
             op = bg.ops[i]
             mm = next((m for m, a in fused.items() if a == i), None)
-            pair = tuple(env[Ref(*r)] for r in bg.ops[mm].inputs) if mm is not None else None
-            _acc_update(e, op, states[i], [env[Ref(*r)] for r in op.inputs] if mm is None else [], pair)
+            pair = tuple(e.arg(env, mm, k) for k in range(2)) if mm is not None else None
+            _acc_update(e, op, states[i], [e.arg(env, i, k) for k in range(len(op.inputs))] if mm is None else [],
+                        pair)
         if loop:
             e.indent -= 1
     head = _header(name, bg, n_inputs, in_ranks, [] if split > 1 else out_ranks, len(ws), loop)
@@ -628,12 +742,12 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
                 j += 1
         source = _finish(e, head)
         fine = combine or bg
-        src = _emit_combine(bg, fine, name + "_combine", accs, epi, out_ranks, ws, split)
+        src = _emit_combine(bg, fine, name + "_combine", accs, epi, out_ranks, ws, split, order, transposed)
         return BlockKernel(source + "\n\n" + src, name, name + "_combine", tuple(bg.grid), split, ws, outputs, loop,
                            tuple(fine.grid))
     for i in accs:
         for j, v in enumerate(_acc_final(e, bg, bg.ops[i], states[i])):
-            env[Ref(i, j)] = v
+            e.put(env, Ref(i, j), v)
     _epilogue(e, bg, epi, env)
     return BlockKernel(_finish(e, head), name, None, tuple(bg.grid), 1, [], outputs, loop)
 
@@ -669,12 +783,13 @@ def _saved(bg: BlockGraph, s: Op) -> tuple:
     return tuple(t * math.prod(bg.grid[g] for g, m in enumerate(s.attrs["omap"]) if m == d) for d, t in enumerate(tile))
 
 
-def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ranks, ws, split: int) -> str:
+def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ranks, ws, split: int, order=None,
+                  transposed=None) -> str:
     """The kernel after a split op: fold the ``split`` partial states, finals, epilogue, savers. It runs on
     ``fine``'s grid (``bg``'s, or one dim of it multiplied: see ``launch.combine_tiling``); a program there
     reads its chunk of the states its program of ``bg`` wrote."""
     ratio = tuple(f // c for f, c in zip(fine.grid, bg.grid))
-    e = _Emitter(fine, 0, 1)
+    e = _Emitter(fine, 0, 1, order, transposed)
     _pids(e, fine.grid, 1)
     for g, r in enumerate(ratio):
         if r > 1:
@@ -700,7 +815,7 @@ def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ra
         _combine(e, op, states, others)
         e.indent -= 1
         for n, v in enumerate(_acc_final(e, bg, op, states)):
-            env[Ref(i, n)] = v
+            e.put(env, Ref(i, n), v)
     _epilogue(e, fine, epi, env)
     params = [p for j, r in enumerate(out_ranks) for p in [f"out{j}_ptr"] + [f"out{j}_s{d}" for d in range(r)]]
     params += [f"ws{j}_ptr" for j in range(len(ws))]

@@ -2,7 +2,8 @@
 
 Kernel ops run in Mirage's depth order. A graph-defined op (``customized``) runs the kernel(s) that
 ``codegen.ugraph_triton`` emits for its block graph, with launch parameters from ``superopt.launch``
-(timed on CUDA, fixed on the CPU interpreter); pre-defined kernel ops (library matmul, elementwise,
+(timed on CUDA, fixed on the CPU interpreter) and the μGraph optimiser's plan of each re-tiling
+(``superopt.optimise``: tile layouts, op order); pre-defined kernel ops (library matmul, elementwise,
 reductions, layout) run as torch calls, as Mirage's kernel-level library ops do.
 
 Memory planning: every kernel tensor that is neither a graph output nor a view of one — the outputs of
@@ -24,8 +25,9 @@ from ..codegen.ugraph_triton import BlockKernel, CodegenError, emit_block_kernel
 from ..config import load
 from .arith import TorchArith
 from .launch import LaunchConfig, choose, combine_tiling, default_config, retile
+from .optimise import plan_block
 from .ugraph import BlockGraph, KernelGraph, Ref
-from .validate import validate
+from .validate import SMEM_BYTES, validate
 
 log = logging.getLogger("torch_mirage")
 
@@ -50,8 +52,10 @@ class BlockLauncher:
             raise CodegenError(f"launch config {config} does not re-tile the block graph (grid {bg.grid}, "
                                f"forloop_range {bg.forloop_range})")
         self.config = config
+        self.plan = plan_block(tiled, SMEM_BYTES)
         self.kernel: BlockKernel = emit_block_kernel(tiled, list(in_ranks), name, config.split,
-                                                     combine_tiling(tiled, config.split), config.prologue)
+                                                     combine_tiling(tiled, config.split), config.prologue,
+                                                     self.plan.order, self.plan.transposed)
         self.source = module_source([self.kernel])
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
         self.fn = getattr(module, self.kernel.name)

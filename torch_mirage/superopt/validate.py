@@ -14,24 +14,18 @@ model passes in.
 """
 from __future__ import annotations
 
-import math
-
-from .ugraph import B, K, T, BlockGraph, Graph, KernelGraph, MuGraphError, Ref, band_geometry, spec
+from .optimise import memory_problem
+from .ugraph import ITEMSIZE, B, K, T, BlockGraph, Graph, KernelGraph, MuGraphError, Ref, band_geometry, nbytes, spec
 
 SMEM_BYTES = 227 * 1024
 REGS_BYTES = 64 * 1024 * 4          # 64K 32-bit registers per SM
 DMEM_BYTES = 80 * 1024 ** 3
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}
 
 
 class InvalidMuGraph(MuGraphError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("invalid μGraph:\n  " + "\n  ".join(problems))
-
-
-def nbytes(shape, dtype: str) -> int:
-    return math.prod(shape) * ITEMSIZE.get(dtype, 4)
 
 
 def validate(graph: Graph, *, smem_bytes: int = SMEM_BYTES, regs_bytes: int = REGS_BYTES,
@@ -54,6 +48,8 @@ def _check(g: Graph, caps: dict, where: str) -> list[str]:
     out += _shapes(g, caps, where)
     if isinstance(g, BlockGraph):
         out += _block(g, where)
+        if out:
+            return out   # the memory plan of a block graph is meaningless on broken shapes or paths
     out += _memory(g, caps, where)
     return out
 
@@ -142,7 +138,11 @@ def _memory(g: Graph, caps: dict, where: str) -> list[str]:
     """Definition 2.1 (2): the graph's tensors fit its level's memory. A thread
     op's inner tensors live in registers (checked in its body), only its
     outputs take shared memory; a block graph's kernel tensors stay in device
-    memory, its tiles are counted."""
+    memory, its tiles are counted where they live at once (the μGraph
+    optimiser's shared-memory plan, :func:`.optimise.memory_problem`)."""
+    if isinstance(g, BlockGraph):
+        found = memory_problem(g, caps[B])
+        return [f"{where}: {found}"] if found else []
     total = sum(nbytes(s, d) for op in g.ops for s, d in zip(op.shapes, op.dtypes))
     cap = caps[g.level]
     if total > cap:
