@@ -7,8 +7,9 @@ probe schedule: grid (1,) and a probe for-loop range ``probe_range`` > 1, so tha
 as a shape mismatch or a different reduction size in the abstract expression.
 
 Canonical form (Mirage §4.1): every value has an index (iterators first, then one per body op); each
-op has the rank (operand indices, op kind); a new op's rank must be strictly greater than the previous
-op's, so every DAG is produced in exactly one order. Commutative binary ops take operands i <= j only,
+op has the rank (operand indices newest first, op kind, operands); a new op's rank must be strictly
+greater than the previous op's, so every DAG is produced in exactly one order (an op ranks above the
+ops whose values it reads). Commutative binary ops take operands i <= j only,
 and an op whose abstract expression equals an existing value's (a duplicate value) is dropped.
 
 Def. 2.1 (3), the accumulator discipline: every value carries a flag, 0 before the for-loop
@@ -51,8 +52,12 @@ class SkelOp:
 
 
 def _rank(kind: str, inputs: tuple, attrs: tuple) -> tuple:
-    """Mirage's canonical rank: operand indices (a proper prefix is smaller), then the op kind."""
-    return (inputs, _KIND_INDEX[kind], tuple((k, -1 if v is None else v) for k, v in attrs))
+    """Mirage's canonical rank: the operand indices newest first (a proper prefix is smaller), the op kind,
+    then the operands in order (a non-commutative op's). Newest first makes an op that reads a value rank
+    above the op that made it, so every DAG has exactly one increasing order (``add(v1, v5)`` may follow
+    ``mul(v2, v4)``: its rank starts with 5)."""
+    return (tuple(sorted(inputs, reverse=True)), _KIND_INDEX[kind], inputs,
+            tuple((k, -1 if v is None else v) for k, v in attrs))
 
 
 KIND_ORDER = ("silu", "exp", "sqrt", "rms_norm", "add", "mul", "div", "matmul", "matmul_t", "concat",
@@ -146,7 +151,8 @@ class _State:
     flags: list = field(default_factory=list)
     exprs: list = field(default_factory=list)
     uses: list = field(default_factory=list)
-    keys: set = field(default_factory=set)      # duplicate detection: exprs (or structural keys)
+    keys: set = field(default_factory=set)      # duplicate detection: (expr, is accumulator) or structural keys
+    key_of: list = field(default_factory=list)  # each body op's key, in op order
     ops: list = field(default_factory=list)
 
 
@@ -178,7 +184,8 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
     inputs = [(tuple(s), d) for s, d in inputs]
     out_shapes = [tuple(s) for s in out_shapes]
     n_in, n_out = len(inputs), len(out_shapes)
-    ctx = Ctx((1,), probe_range)
+    probe_ctx, whole_ctx = Ctx((1,), probe_range), Ctx((1,), 1)
+    ctx = probe_ctx         # whole_ctx once the iterators have no for-loop dim (see iterators())
     st = _State()
     kinds = set(kinds)
     op_memo: dict = {}        # (kind, attrs, operand shapes, dtypes) -> block op (None: shapes do not fit)
@@ -195,8 +202,8 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         value or ``admits`` rejects its expression."""
         if expr_of is not None:
             args, shapes = tuple(st.exprs[i] for i in ins), tuple(st.shapes[i] for i in ins)
-            mk = (kind, attrs, args, shapes)
-            e = key = expr_memo.get(mk)
+            mk = (kind, attrs, args, shapes, ctx.forloop_range)
+            e = expr_memo.get(mk)
             if e is None:       # transpose (of matmul_t) is the identity
                 if kind == "concat_matmul":
                     c1, c2, mm = op
@@ -205,7 +212,8 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                     e = expr_of(mm, [e1, e2], ctx, in_shapes=[c1.shapes[0], c2.shapes[0]])[0]
                 else:
                     e = expr_of(op, list(args), ctx, in_shapes=list(shapes))[0]
-                key = expr_memo[mk] = e
+                expr_memo[mk] = e
+            key = (e, kind.startswith("acc_"))
         else:
             e, key = None, (kind, ins, attrs)
         stats.generated += 1
@@ -218,7 +226,7 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         flag = 1 if kind.startswith("acc_") else st.flags[ins[0]]
         last = op[-1] if isinstance(op, tuple) else op
         st.shapes.append(last.shapes[0]); st.dtypes.append(last.dtypes[0]); st.flags.append(flag)
-        st.exprs.append(e); st.uses.append(0); st.keys.add(key)
+        st.exprs.append(e); st.uses.append(0); st.keys.add(key); st.key_of.append(key)
         st.ops.append(SkelOp(kind, ins, attrs))
         for i in ins:
             st.uses[i] += 1
@@ -228,15 +236,14 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         sk = st.ops.pop()
         for i in sk.inputs:
             st.uses[i] -= 1
-        st.shapes.pop(); st.dtypes.pop(); st.flags.pop(); st.uses.pop()
-        e = st.exprs.pop()
-        st.keys.discard(e if expr_of is not None else (sk.kind, sk.inputs, sk.attrs))
+        st.shapes.pop(); st.dtypes.pop(); st.flags.pop(); st.uses.pop(); st.exprs.pop()
+        st.keys.discard(st.key_of.pop())
 
     def make(kind, ins, attrs):
         """The block op for a skeleton op on values ``ins`` (None if shapes do not fit)."""
         sh = [st.shapes[i] for i in ins]
         dt = [st.dtypes[i] for i in ins]
-        mk = (kind, attrs, tuple(sh), tuple(dt))
+        mk = (kind, attrs, tuple(sh), tuple(dt), ctx.forloop_range)
         if mk not in op_memo:
             op_memo[mk] = _make(kind, attrs, sh, dt)
         return op_memo[mk]
@@ -358,8 +365,12 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                 return
 
     def iterators(i):
+        nonlocal ctx
         if i == n_in:
-            yield from dfs(((), -1, ()), 0)
+            # no for-loop dim: the loop runs once (whole rows per block), so an accumulator is the identity
+            ctx = whole_ctx if all(f is None for f in fm) else probe_ctx
+            yield from dfs(((), -1, (), ()), 0)
+            ctx = probe_ctx
             return
         s, d = inputs[i]
         for f in fmaps_of(i):
@@ -372,12 +383,12 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                 e = expr_of(make_op("input", [], [], [], dict(index=i, shape=s, dtype=d)), [], ctx, in_shapes=[])[0]
             st.shapes.append(op.shapes[0]); st.dtypes.append(d); st.flags.append(0)
             st.exprs.append(e); st.uses.append(0)
-            st.keys.add(e if expr_of is not None else ("iterator", i))
+            st.keys.add((e, False) if expr_of is not None else ("iterator", i))
             fm.append(f)
             yield from iterators(i + 1)
             fm.pop()
             st.shapes.pop(); st.dtypes.pop(); st.flags.pop(); st.exprs.pop(); st.uses.pop()
-            st.keys.discard(e if expr_of is not None else ("iterator", i))
+            st.keys.discard((e, False) if expr_of is not None else ("iterator", i))
             if stats.timed_out:
                 return
 
