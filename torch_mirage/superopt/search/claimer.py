@@ -1,9 +1,12 @@
-"""The search claimer: regions around a matmul run the μGraph that the search finds for them.
+"""The search claimer: regions around a matmul, and reduction chains, run the μGraph that the search finds.
 
 For each free matmul node (last first) the claimer grows a region: producers whose every result is
 read only inside the region (elementwise, reductions, layout: a norm before the matmul, a transposed
 weight), and, while the region has one result read by free elementwise or layout nodes, those readers
-(a gate after the matmul, the view of a flattened matmul back to (batch, seq, n)). The region's reference program (:func:`.reference.reference_of`) is searched
+(a gate after the matmul, the view of a flattened matmul back to (batch, seq, n)). Then each free
+reduction node (last first) anchors a reduction chain the same way without matmuls (nTrans'
+``rms(α·(rms(H)+X)+X)``, a norm with its residual add); the nodes of a chain whose search found
+nothing anchor no second search. The region's reference program (:func:`.reference.reference_of`) is searched
 (:func:`.driver.search`, seeds off, the ``search_budget_s`` budget); a verified μGraph is compiled
 (``compile_ugraph``) and becomes the region's kernel. A region that does not lower, or for which the
 search finds nothing within its budget, is left to the next claimers. Behind the ``search`` knob.
@@ -26,6 +29,7 @@ from ...timing import random_like
 log = logging.getLogger("torch_mirage")
 
 GROW = {OpKind.ELEMENTWISE, OpKind.REDUCTION, OpKind.LAYOUT, OpKind.MATMUL}
+CHAIN = GROW - {OpKind.MATMUL}                     # a reduction chain: row reductions and elementwise ops
 FORWARD = {OpKind.ELEMENTWISE, OpKind.LAYOUT}     # a gate after the matmul; the view back to (b, s, n)
 MAX_NODES = 32
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -42,12 +46,20 @@ class SearchClaimer:
         free_ids = {id(n) for n in free}
         order = {id(n): i for i, n in enumerate(graph.nodes)}
         regions = []
-        for anchor in reversed(list(free)):
-            if id(anchor) not in free_ids or anchor.op.kind is not OpKind.MATMUL:
+        last_first = list(reversed(list(free)))
+        anchors = [n for n in last_first if n.op.kind is OpKind.MATMUL] + \
+            [n for n in last_first if n.op.kind is OpKind.REDUCTION]
+        searched: set = set()       # nodes of reduction chains already searched
+        for anchor in anchors:
+            if id(anchor) not in free_ids or id(anchor) in searched:
                 continue
-            nodes = sorted(grow(graph, anchor, free_ids, self.max_nodes), key=lambda n: order[id(n)])
+            chain = anchor.op.kind is OpKind.REDUCTION
+            nodes = sorted(grow(graph, anchor, free_ids, self.max_nodes, CHAIN if chain else GROW),
+                           key=lambda n: order[id(n)])
             if not is_convex(graph, nodes):
                 continue
+            if chain:
+                searched |= {id(n) for n in nodes}
             region = self._region(graph, nodes, ctx)
             if region is not None:
                 free_ids -= {id(n) for n in nodes}
@@ -104,8 +116,8 @@ class SearchClaimer:
         return region
 
 
-def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES) -> list:
-    """The region around ``anchor``: see the module docstring."""
+def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW) -> list:
+    """The region around ``anchor``, taking producers of the op ``kinds``: see the module docstring."""
     inside = {id(anchor): anchor}
     returned = {id(v) for v in graph.output_values}
     changed = True
@@ -114,7 +126,7 @@ def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES) -> list:
         for n in list(inside.values()):
             for v in n.inputs:
                 p = getattr(v, "producer", None)
-                if p is None or id(p) in inside or id(p) not in free_ids or p.op.kind not in GROW:
+                if p is None or id(p) in inside or id(p) not in free_ids or p.op.kind not in kinds:
                     continue
                 if all(id(u) in inside for w in p.outputs for u in w.users) and \
                         not any(id(w) in returned for w in p.outputs):

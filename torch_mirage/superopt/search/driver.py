@@ -128,6 +128,12 @@ def op_kinds(targets) -> tuple[str, ...]:
     return tuple(k for k in KIND_ORDER if k != "concat" and (k != "concat_matmul" or two_sums))
 
 
+def _reduction_chain(target) -> bool:
+    """A reference program without a matmul (a norm chain): its skeletons may keep whole rows in a block
+    (no for-loop; a norm reads its row twice). A matmul's reduced dim is walked by the for-loop."""
+    return isinstance(target, KernelGraph) and not any(op.name == "matmul" for op in target.ops)
+
+
 def _cost(g: KernelGraph) -> tuple:
     """Fewest block ops, then fewest shared-memory bytes per block (a stand-in for the cost model)."""
     body = next(op.body for op in g.ops if op.name == "customized")
@@ -217,7 +223,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     job = dict(targets=targets, reference=reference, inputs=inputs, out_shapes=out_shapes, out_dtypes=out_dtypes,
                eps=eps, max_ops=max_ops, tile=tile, prune=prune, vkw=vkw, probe=probe,
                oracle_kwargs={**DEFAULT_ORACLE, **(oracle_kwargs or {})}, seeds=seeds,
-               extra=list(extra_candidates))
+               extra=list(extra_candidates), whole_rows=_reduction_chain(target))
     if workers > 1:
         try:
             pickle.dumps(job)
@@ -347,7 +353,8 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
         for skel, _ in enumerate_skeletons(inputs, out_shapes, max_ops=depth, exact_ops=True,
                                            probe_range=probe_range(inputs), eps_values=job["eps"], admits=admits,
                                            is_target=is_target, stats=gs, deadline=deadline,
-                                           kinds=op_kinds(targets), share=share):
+                                           kinds=op_kinds(targets), whole_rows=job.get("whole_rows", False),
+                                           share=share):
             pos[0] += 1
             for _, graph in schedules(skel, inputs, out_shapes, tile=job["tile"], out_dtypes=out_dtypes):
                 stats.schedules += 1

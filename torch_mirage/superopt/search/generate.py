@@ -169,7 +169,7 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                         admits: Callable = lambda e: True, is_target: Callable | None = None,
                         expr_of: Callable | None | str = "auto", stats: GenStats | None = None,
                         deadline: float | None = None, fmap_choices: Sequence | None = None,
-                        kinds: Sequence[str] = KIND_ORDER,
+                        kinds: Sequence[str] = KIND_ORDER, whole_rows: bool = True,
                         share: tuple[int, int] = (0, 1)) -> Iterator[tuple[Skeleton, tuple]]:
     """Yield ``(skeleton, output expressions)`` for every complete block graph of at most ``max_ops``
     body ops (exactly, with ``exact_ops``) over kernel inputs ``inputs`` ((shape, dtype) each) whose
@@ -177,7 +177,9 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
     expressions it accepts. ``deadline``: a ``time.monotonic()`` value; past it the DFS stops and
     ``stats.timed_out`` is set. ``share``: ``(k, n)`` enumerates only the first-level branches (the
     iterators' fmap choice and the first body op, numbered in DFS order) whose index is k mod n, for
-    splitting the search among n workers; ``stats.branch`` is the index of the branch being expanded."""
+    splitting the search among n workers; ``stats.branch`` is the index of the branch being expanded.
+    ``whole_rows``: a skeleton whose iterators have no for-loop dim runs its loop once (each block holds
+    whole rows, an accumulator is the identity: a norm chain); off, it is probed like the others."""
     stats = stats if stats is not None else GenStats()
     if expr_of == "auto":
         expr_of = _default_expr_of()
@@ -368,7 +370,7 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         nonlocal ctx
         if i == n_in:
             # no for-loop dim: the loop runs once (whole rows per block), so an accumulator is the identity
-            ctx = whole_ctx if all(f is None for f in fm) else probe_ctx
+            ctx = whole_ctx if whole_rows and all(f is None for f in fm) else probe_ctx
             yield from dfs(((), -1, (), ()), 0)
             ctx = probe_ctx
             return

@@ -35,17 +35,20 @@ def forloop_ranges(skel: Skeleton, inputs: Sequence, tile: int) -> list[int]:
     return [best] + [d for d in (skel.probe_range,) if d != best and d in common]
 
 
-def grids(out_shapes: Sequence, tile: int) -> list[tuple[int, int]]:
+def grids(out_shapes: Sequence, tile: int, rows: bool = False) -> list[tuple[int, int]]:
     """(output dim, blocks) pairs: every output dim of size > 1 (last dim first) split into tiles of
-    at most ``tile``; (None, 1) = one block."""
+    at most ``tile``; (None, 1) = one block. ``rows`` (whole rows per block, no for-loop): then also one
+    row per block along each leading dim, for rows too long for ``tile`` of them to fit a block."""
     shape = out_shapes[0]
-    out = []
+    out, fine = [], []
     for d in reversed(range(1 if len(shape) == 3 else 0, len(shape))):   # rank 3: dim 0 is the batch grid dim
         if all(len(s) == len(shape) and s[d] == shape[d] for s in out_shapes):
             g = blocks(shape[d], tile)
             if g > 1:
                 out.append((d, g))
-    return out + [(None, 1)]
+            if rows and d < len(shape) - 1 and shape[d] > g:
+                fine.append((d, shape[d]))
+    return out + [(None, 1)] + fine
 
 
 def _batch_dim(out_shapes, inputs, fmaps):
@@ -65,7 +68,7 @@ def schedules(skel: Skeleton, inputs: Sequence, out_shapes: Sequence, *, tile: i
     out_shapes = [tuple(s) for s in out_shapes]
     n = 0
     for frange in forloop_ranges(skel, inputs, tile):
-        for odim, g in grids(out_shapes, tile):
+        for odim, g in grids(out_shapes, tile, rows=frange == 1 and all(f is None for f in skel.fmaps)):
             options = []
             for (shape, _), f in zip(inputs, skel.fmaps):
                 opts = [None] if g == 1 else \
