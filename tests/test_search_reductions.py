@@ -7,10 +7,14 @@ import torch.nn.functional as F
 
 import torch_mirage
 from conftest import assert_close
+from torch_mirage.superopt import library as L
+from torch_mirage.superopt.builder import new_kernel_graph, new_threadblock_graph
+from torch_mirage.superopt.executor import execute
+from torch_mirage.superopt.search.driver import search
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
 pytest.importorskip("torch_mirage.superopt.search.oracle")
+interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                      reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
 
 EPS = 1e-6
 
@@ -75,6 +79,7 @@ def _claimed(fn, shapes, budget=25.0):
     return searched[0]
 
 
+@interpreter_only
 @pytest.mark.parametrize("fn", [ntrans_rsqrt, ntrans_div_sqrt, ntrans_f_rms_norm],
                          ids=["rsqrt_mean", "div_sqrt_sum", "F_rms_norm"])
 def test_search_claims_ntrans(fn):
@@ -84,6 +89,64 @@ def test_search_claims_ntrans(fn):
     assert info["ugraph"].count("rms_norm") == 2, info["ugraph"]     # one kernel: both norms in one block graph
 
 
+@interpreter_only
 def test_search_claims_hf_residual_rmsnorm():
     region = _claimed(ResidualNorm(32), [(2, 4, 32), (2, 4, 32)])
     assert region.info["verified"] >= 1 and "rms_norm" in region.info["ugraph"]
+
+
+# ------------------------------------------------------------------ the driver on nTrans' reference μGraph
+M, N = 4, 32
+FRONT = dict(use_z3=False)     # the structural front decides alone: deterministic and fast
+
+
+def _ntrans_ref(rms):
+    g = new_kernel_graph()
+    H, X, A = (g.new_input((M, N), "float32") for _ in range(3))
+    g.mark_output(rms(g, g.add(g.mul(A, g.add(rms(g, H), X)), X)))
+    return g.build()
+
+
+def _rms_mean_rsqrt(g, x):
+    return g.mul(x, g.rsqrt(g.reduce_mean(g.square(x), dim=1)))
+
+
+def _rms_sum_div_sqrt(g, x):
+    return g.div(x, g.sqrt(g.scalar_mul(g.reduce_sum(g.mul(x, x), dim=1), value=1.0 / N)))
+
+
+def _wrong_ntrans():
+    """A near miss: the second residual add is missing, rms(α·(rms(H)+X))."""
+    g = new_kernel_graph()
+    H, X, Al = (g.new_input((M, N), "float32") for _ in range(3))
+    tb = new_threadblock_graph((1,), 1)
+    tH, tX, tA = (tb.new_input(t, imap=(None,), fmap=None) for t in (H, X, Al))
+    tb.new_output(tb.forloop_accum(tb.rms_norm(tb.mul(tA, tb.add(tb.rms_norm(tH), tX))), "sum"), omap=(None,))
+    (Y,) = g.customized([H, X, Al], tb)
+    g.mark_output(Y)
+    return g.build()
+
+
+@pytest.mark.parametrize("rms", [_rms_mean_rsqrt, _rms_sum_div_sqrt], ids=["mean_rsqrt", "sum_div_sqrt"])
+def test_driver_finds_ntrans_whole_rows(rms):
+    """One block graph, no for-loop (whole rows per block), both norms as block ops; eager-equal."""
+    ref = _ntrans_ref(rms)
+    r = search(ref, [((M, N), "float32")] * 3, budget_s=20, oracle_kwargs=FRONT, workers=1)
+    assert r.best is not None, r.reason
+    assert [op.name for op in r.best.ops if op.name != "input"] == ["customized"]
+    body = next(op.body for op in r.best.ops if op.name == "customized")
+    assert body.forloop_range == 1 and [op.name for op in body.ops].count("rms_norm") == 2
+    h, x, a = torch.randn(M, N), torch.randn(M, N), torch.rand(M, N)
+    (y,) = execute(r.best, [h, x, a])
+    assert_close(y, L.ntrans_ref(h, x, a))
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_planted_wrong_ntrans_is_rejected(probe):
+    ref, wrong = _ntrans_ref(_rms_mean_rsqrt), _wrong_ntrans()
+    kw = dict(budget_s=20, oracle_kwargs=FRONT, probe=probe, workers=1)
+    clean = search(ref, [((M, N), "float32")] * 3, **kw)
+    r = search(ref, [((M, N), "float32")] * 3, extra_candidates=[wrong], **kw)
+    assert r.best is not None and r.best.hash() == clean.best.hash() != wrong.hash() and r.source == "search"
+    rejected = "rejected_by_probe" if probe else "rejected_by_verifier"
+    assert getattr(r.stats, rejected) == getattr(clean.stats, rejected) + 1      # the plant, and only it
