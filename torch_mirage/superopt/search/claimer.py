@@ -6,7 +6,8 @@ weight), and, while the region has one result read by free elementwise or layout
 (a gate after the matmul, the view of a flattened matmul back to (batch, seq, n)). Then each free
 reduction node (last first) anchors a reduction chain the same way without matmuls (nTrans'
 ``rms(α·(rms(H)+X)+X)``, a norm with its residual add); the nodes of a chain whose search found
-nothing anchor no second search. The region's reference program (:func:`.reference.reference_of`) is searched
+nothing anchor no second search; a chain also grows forward from a row statistic (a mean, a variance) to
+the ops that apply it (LayerNorm's centring and scaling). The region's reference program (:func:`.reference.reference_of`) is searched
 (:func:`.driver.search`, seeds off, the ``search_budget_s`` budget); a verified μGraph is compiled
 (``compile_ugraph``) and becomes the region's kernel. A region that does not lower, or for which the
 search finds nothing within its budget, is left to the next claimers. Behind the ``search`` knob.
@@ -14,6 +15,7 @@ search finds nothing within its budget, is left to the next claimers. Behind the
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any, Sequence
 
@@ -120,6 +122,7 @@ def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW) -
     """The region around ``anchor``, taking producers of the op ``kinds``: see the module docstring."""
     inside = {id(anchor): anchor}
     returned = {id(v) for v in graph.output_values}
+    rows = max((_numel(v) for v in anchor.inputs if getattr(v, "is_tensor", False)), default=0)
     changed = True
     while changed and len(inside) < max_nodes:
         changed = False
@@ -134,10 +137,17 @@ def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW) -
                     changed = True
         outs = [v for n in inside.values() for v in n.outputs
                 if id(v) in returned or any(id(u) not in inside for u in v.users)]
-        if len(outs) == 1 and id(outs[0]) not in returned:
-            users = [u for u in outs[0].users if id(u) not in inside]
-            if users and all(id(u) in free_ids and u.op.kind in FORWARD for u in users):
+        forward = outs if len(outs) == 1 else []
+        if kinds is CHAIN:      # a row statistic (mean, variance) goes on to where it is applied to the rows
+            forward = forward + [v for v in outs if _numel(v) < rows and v not in forward]
+        for v in forward:
+            users = [u for u in v.users if id(u) not in inside]
+            if id(v) not in returned and users and all(id(u) in free_ids and u.op.kind in FORWARD for u in users):
                 for u in users:
                     inside[id(u)] = u
                 changed = True
     return list(inside.values())
+
+
+def _numel(v) -> int:
+    return math.prod(v.meta.shape) if v.is_tensor else 0

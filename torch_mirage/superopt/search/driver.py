@@ -122,10 +122,20 @@ def op_kinds(targets) -> tuple[str, ...]:
     """The body-op kinds to enumerate. A free ``concat`` is not enumerated (concats of admitted parts
     are admitted, so they multiply the space: LoRA at depth 5 did not finish in 60 s); Mirage's LoRA
     macro ``concat_matmul`` is, when a target adds two reductions (the concat identity
-    Σa·b + Σc·d = Σ(a‖c)·(b‖d))."""
+    Σa·b + Σc·d = Σ(a‖c)·(b‖d)); a block row mean and ``sub`` are, when a target centres a row (LayerNorm)."""
     two_sums = any(t.op == "add" and sum(a.op == "sum" for a in t.args) >= 2
                    for e in targets for t in e.subterms())
-    return tuple(k for k in KIND_ORDER if k != "concat" and (k != "concat_matmul" or two_sums))
+    centred = any(_centred(t) for e in targets for t in e.subterms())
+    return tuple(k for k in KIND_ORDER if k != "concat" and (k != "concat_matmul" or two_sums)
+                 and (k not in ("sub", "reduce_mean") or centred))
+
+
+def _centred(t) -> bool:
+    """``x - mean(x)`` (LayerNorm's centring): an add of a term with a negative factor over a sum."""
+    def negative(a):
+        return a.op == "mul" and any(f.op == "const" and f.attr < 0 for f in a.args)
+    return t.op == "add" and any((negative(a) and any(s.op == "sum" for s in a.subterms()))
+                                 or (a.op == "sum" and negative(a.args[0])) for a in t.args)
 
 
 def _reduction_chain(target) -> bool:

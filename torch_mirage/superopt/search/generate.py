@@ -60,8 +60,8 @@ def _rank(kind: str, inputs: tuple, attrs: tuple) -> tuple:
             tuple((k, -1 if v is None else v) for k, v in attrs))
 
 
-KIND_ORDER = ("silu", "exp", "sqrt", "rms_norm", "add", "mul", "div", "matmul", "matmul_t", "concat",
-              "concat_matmul", "acc_sum", "acc_rms")
+KIND_ORDER = ("silu", "exp", "sqrt", "rms_norm", "reduce_mean", "add", "mul", "div", "sub", "matmul", "matmul_t",
+              "concat", "concat_matmul", "acc_sum", "acc_rms")
 _KIND_INDEX = {k: i for i, k in enumerate(KIND_ORDER)}
 
 
@@ -273,6 +273,8 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                 out += [(k, (i,), ()) for k in UNARY if k in kinds]
             if "rms_norm" in kinds and len(st.shapes[i]) >= 1:
                 out += [("rms_norm", (i,), (("eps", e),)) for e in eps_values]
+            if "reduce_mean" in kinds and len(st.shapes[i]) >= 1 and st.shapes[i][-1] > 1:
+                out.append(("reduce_mean", (i,), (("dim", len(st.shapes[i]) - 1),)))   # a row's mean in the block
             if st.flags[i] == 0:
                 if "acc_sum" in kinds:
                     out += [("acc_sum", (i,), (("dim", None),)), ("acc_sum", (i,), (("dim", len(st.shapes[i]) - 1),))]
@@ -284,8 +286,7 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                 if i <= j:
                     out += [(k, (i, j), ()) for k in COMMUTATIVE if k in kinds]
                 if i != j:
-                    if "div" in kinds:
-                        out.append(("div", (i, j), ()))
+                    out += [(k, (i, j), ()) for k in ("div", "sub") if k in kinds]
                     if "concat" in kinds and len(st.shapes[i]) == len(st.shapes[j]):
                         out += [("concat", (i, j), (("dim", d),)) for d in range(len(st.shapes[i]))]
                 if "matmul" in kinds:

@@ -293,6 +293,9 @@ def _lower(g: KernelBuilder, n, env: dict, ref: Reference) -> None:
             raise _Decline(n, f"{name} with a dtype argument")
         put(_reshape(g, x, out.meta.shape, n))
         return
+    if name == "var_mean":
+        _lower_var_mean(g, n, arg(0), env)
+        return
     if name == "matmul":
         if "addmm" in n.target_name or "baddbmm" in n.target_name:
             bias, a, b = arg(0), arg(1), arg(2)
@@ -336,6 +339,28 @@ def _lower(g: KernelBuilder, n, env: dict, ref: Reference) -> None:
         put(_lower_sdpa(g, n, arg))
         return
     raise _Decline(n, f"op {name} has no μGraph kernel op", n.target_name)
+
+
+def _lower_var_mean(g: KernelBuilder, n, x: Tensor, env: dict) -> None:
+    """``var_mean(x, dims, correction)`` (LayerNorm's decomposition; ``prims.var`` gives the variance only):
+    ``mean = reduce_mean(x)``, ``var = reduce_sum((x - mean)²) / (count - correction)``."""
+    rank = len(x.shape)
+    dims = n.args[1] if len(n.args) > 1 and n.args[1] is not None else n.kwargs.get("dim", list(range(rank)))
+    dims = sorted({d % rank for d in ([dims] if isinstance(dims, int) else list(dims) or range(rank))})
+    corr = n.args[2] if "prims.var" in n.target_name and len(n.args) > 2 else n.kwargs.get("correction")
+    corr = 1.0 if corr is None else float(corr)
+    count = math.prod(x.shape[d] for d in dims)
+    if count <= corr:
+        raise _Decline(n, f"variance of {count} elements with correction {corr:g}", "divides by zero")
+    mean = x
+    for d in dims:
+        mean = g.reduce_mean(mean, dim=d)
+    sq = g.square(g.sub(x, mean))
+    for d in dims:
+        sq = g.reduce_sum(sq, dim=d)
+    var = g.scalar_mul(sq, value=1.0 / (count - corr))
+    for v, t in zip(n.outputs, (var, mean)):
+        env[id(v)] = _reshape(g, t, v.meta.shape, n)
 
 
 # scaled_dot_product_attention as traced (the device picks the ATen op): op -> (attn_mask / bias, dropout_p,
