@@ -150,3 +150,40 @@ def test_planted_wrong_ntrans_is_rejected(probe):
     assert r.best is not None and r.best.hash() == clean.best.hash() != wrong.hash() and r.source == "search"
     rejected = "rejected_by_probe" if probe else "rejected_by_verifier"
     assert getattr(r.stats, rejected) == getattr(clean.stats, rejected) + 1      # the plant, and only it
+
+
+# ------------------------------------------------------------------ LayerNorm chains with a residual add
+def layernorm_f(x, residual, w, b):
+    return F.layer_norm(x + residual, (x.shape[-1],), w, b, eps=1e-5)
+
+
+def layernorm_by_hand(x, residual, w, b):
+    """Centred, variance as a mean of squares, divided by its root, weight and bias after."""
+    h = x + residual
+    c = h - h.mean(-1, keepdim=True)
+    return c / torch.sqrt((c * c).mean(-1, keepdim=True) + 1e-5) * w + b
+
+
+class PreNormResidual(torch.nn.Module):
+    """``nn.LayerNorm`` over a residual stream, on (batch, seq, hidden) inputs."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(n)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x, residual):
+        return self.norm(residual + x)
+
+
+@interpreter_only
+@pytest.mark.parametrize("fn,shapes", [(layernorm_f, [(4, 32), (4, 32), (32,), (32,)]),
+                                       (layernorm_by_hand, [(4, 32), (4, 32), (32,), (32,)]),
+                                       (PreNormResidual(32), [(2, 4, 32), (2, 4, 32)])],
+                         ids=["F_layer_norm", "by_hand", "nn_LayerNorm_3d"])
+def test_search_claims_residual_layernorm(fn, shapes):
+    region = _claimed(fn, shapes)
+    assert region.info["verified"] >= 1 and region.info["source"] == "search"
+    assert "reduce_mean" in region.info["ugraph"] and "rms_norm" in region.info["ugraph"]
