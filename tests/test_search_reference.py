@@ -269,3 +269,22 @@ def test_sdpa_declines_masks(fn, what):
     xs = [torch.randn(1, 2, 4, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(4, 8)]
     ref, _ = _reference(fn, xs)
     assert isinstance(ref, Decline) and what in ref.reason and "scaled_dot_product" in str(ref), str(ref)
+
+
+def _layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5)
+
+
+def _var_mean_unbiased(x, w, b):       # torch.var_mean's default correction (1), keepdim=False
+    var, mean = torch.var_mean(x, dim=-1)
+    return (x - mean[:, None]) * torch.rsqrt(var[:, None] + 1e-5) * w + b
+
+
+@pytest.mark.parametrize("fn", [_layer_norm, _var_mean_unbiased], ids=["layer_norm", "var_mean_unbiased"])
+def test_var_mean_lowers_with_its_correction(fn):
+    xs = [torch.randn(M, K), torch.rand(K) + 0.5, torch.randn(K)]
+    ref, graph = _reference(fn, xs)
+    assert isinstance(ref, Reference), str(ref)
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    (out,) = execute(ref.graph, [xs[pos[id(v)]] for v in ref.inputs])
+    assert_close(out, fn(*xs))

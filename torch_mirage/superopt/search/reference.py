@@ -14,7 +14,8 @@ unsqueeze → reshape; expand → broadcasting, made explicit by concatenated
 copies only where a reshape needs it (GQA's ``repeat_kv``); clone → nothing; add / sub / mul / div with tensors or scalars → add / sub / mul /
 div / scalar_add / scalar_mul; pow 2 / 0.5 / -0.5 → square / sqrt / rsqrt;
 rsqrt / sqrt / exp / silu / neg; Inductor's decomposed SiLU
-``a / (1 + exp(-a))`` and ``a · sigmoid(a)`` → silu; sum / mean / amax over dims → reduce ops
+``a / (1 + exp(-a))`` and ``a · sigmoid(a)`` → silu; sum / mean / amax over dims → reduce ops;
+var_mean (LayerNorm's decomposition) → a mean and the centred mean of squares with its correction
 (then a reshape when ``keepdim`` is false); scaled_dot_product_attention (CPU / flash /
 efficient / cuDNN ATen ops, GQA heads included; no mask, causal or dropout) → its softmax decomposition. Only nodes that an output needs are lowered. dtype casts are not ops: the
 computation is tracked in its float dtype and an fp32 upcast is recorded in
