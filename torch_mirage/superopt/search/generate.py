@@ -23,6 +23,7 @@ Pruning: ``admits(expr) -> bool`` is called on every new op's abstract expressio
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ class SkelOp:
         return _rank(self.kind, self.inputs, self.attrs)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _rank(kind: str, inputs: tuple, attrs: tuple) -> tuple:
     """Mirage's canonical rank: the operand indices newest first (a proper prefix is smaller), the op kind,
     then the operands in order (a non-commutative op's). Newest first makes an op that reads a value rank
@@ -295,9 +297,8 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                     out.append(("matmul_t", (i, j), ()))
         if "concat_matmul" in kinds:
             out += concat_matmuls()
-        out = [m for m in out if _rank(*m) > last_rank]
-        out.sort(key=lambda m: _rank(*m))
-        return out
+        ranked = sorted((r, m) for m in out if (r := _rank(*m)) > last_rank)
+        return [(r, *m) for r, m in ranked]
 
     def concat_matmuls():
         """Operand quadruples (a, b, c, d) of (a ‖ b) @ (c ‖ d) whose shapes fit, a != b, c != d."""
@@ -351,7 +352,7 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         # each op lowers the unconsumed count by at most 1: prune states that cannot finish
         if len(unconsumed()) - (max_ops - n_ops) > n_out:
             return
-        for kind, ins, attrs in moves(last_rank):
+        for rank, kind, ins, attrs in moves(last_rank):
             if n_ops == 0:
                 branch[0] += 1
                 if branch[0] % share[1] != share[0]:
@@ -362,7 +363,7 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                 continue
             if not push(kind, ins, attrs, op):
                 continue
-            yield from dfs(_rank(kind, ins, attrs), n_ops + 1)
+            yield from dfs(rank, n_ops + 1)
             pop()
             if stats.timed_out:
                 return
