@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from .ugraph import B, K, T, BlockGraph, Graph, KernelGraph, MuGraphError, Ref, band_geometry, spec
+from ..ugraph import B, K, T, BlockGraph, Graph, KernelGraph, MuGraphError, Ref, band_geometry, spec
 
 SMEM_BYTES = 227 * 1024
 REGS_BYTES = 64 * 1024 * 4          # 64K 32-bit registers per SM

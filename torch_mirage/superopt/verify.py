@@ -1,7 +1,7 @@
 """Equivalence verifier: the finite-field test of Mirage §5 plus a float test.
 
 ``verify(candidate, reference, example_inputs)`` compares two programs; each side is a μGraph
-(:class:`~.ugraph.KernelGraph`, run by :func:`~.executor.execute`) or a plain PyTorch callable
+(:class:`~torch_mirage.ugraph.KernelGraph`, run by :func:`~.executor.execute`) or a plain PyTorch callable
 (lowered through the capture pipeline, interpreted by :mod:`.ff_interpret`).
 
 * **Finite-field test.** Each trial draws every input element uniformly from Z_p × Z_q, a random
@@ -45,6 +45,7 @@ import torch
 
 from ..capture.lower import lower
 from ..config import load
+from ..ugraph import KernelGraph
 from .finite_field import (DEFAULT_FIELD, FieldParams, FieldTensor, FiniteFieldArith, NotLAX, TrialBound,
                            per_trial_bound, raw)
 
@@ -105,7 +106,6 @@ class _Side:
 
 
 def _is_ugraph(x) -> bool:
-    from .ugraph import KernelGraph
     return isinstance(x, KernelGraph)
 
 
@@ -169,7 +169,7 @@ def _bool_mask(shape, rng: torch.Generator) -> torch.Tensor:
 
 
 def band_of(program) -> tuple | None:
-    """The for-loop band of a μGraph's block graph (:func:`~.ugraph.band_range`), None without one."""
+    """The for-loop band of a μGraph's block graph (:func:`~torch_mirage.ugraph.band_range`), None without one."""
     for op in getattr(program, "ops", ()) if _is_ugraph(program) else ():
         band = getattr(op.body, "forloop_band", None)
         if band is not None:
