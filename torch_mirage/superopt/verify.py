@@ -8,7 +8,7 @@
   q-th root of unity ω for exp, a random λ for ln 2 (exp2), fresh random values for ``max``, and a
   fresh key for the sqrt hash (:mod:`.finite_field`), runs both sides and compares the outputs' Z_p
   components exactly. The per-trial false-accept bound ε comes from the degree / term-count bounds
-  and denominator ids the field values carry (:func:`~.finite_field.per_trial_bound`, which
+  and denominator ids the field values carry (:func:`~.ff_bound.per_trial_bound`, which
   derives it: Schwartz–Zippel on the cleared-denominator difference N1·D2 − N2·D1, each distinct
   denominator counted once — which is what gives softmax(·)@V a finite bound); the number of trials
   t is the least with ε^t ≤ the target ``error_bound`` (Theorem 3), and the verdict reports ε^t.
@@ -46,8 +46,10 @@ import torch
 from ..capture.lower import lower
 from ..config import load
 from ..ugraph import KernelGraph
-from .finite_field import (DEFAULT_FIELD, FieldParams, FieldTensor, FiniteFieldArith, NotLAX, TrialBound,
-                           per_trial_bound, raw)
+from .ff_bound import TrialBound, per_trial_bound
+from .ff_field import DEFAULT_FIELD, FieldParams, NotLAX
+from .ff_tensor import FieldTensor, raw
+from .finite_field import FiniteFieldArith
 
 log = logging.getLogger("torch_mirage")
 
