@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from .properties import Affine, ValueKind, analyze_values
+from .values import Affine, ValueKind, analyze_values
 
 from ..capture.ir import Graph, Node, Value
 

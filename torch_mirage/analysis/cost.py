@@ -24,7 +24,8 @@ from typing import Callable, Iterable, Sequence
 from ..capture.ir import Graph, Node, TensorMeta, Value
 from ..capture.ops import OpKind
 from .device import DeviceModel
-from .properties import ReduceDep, TensorProperties, analyze_properties, matmul_operands, reduction_dims
+from .op_dims import matmul_operands, reduction_dims
+from .properties import ReduceDep, TensorProperties, analyze_properties
 
 # layout ops that only alias their input: no kernel, no bytes of their own
 ALIASING_OPS = frozenset({"view", "permute", "expand", "unsqueeze", "squeeze", "slice", "split"})

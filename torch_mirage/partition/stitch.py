@@ -26,8 +26,10 @@ from ..analysis.cost import CostModel
 from ..analysis.device import DeviceModel
 from ..capture.ir import Graph, Node, Value, connected_components, topo_sorted
 from ..capture.ops import OpKind
+from ..codegen.stitch_launch import build_kernel
+from ..codegen.stitch_ops import node_support, reduction_spec
 from ..codegen.stitch_plan import DominantOp, Scheme, StitchLimits, StitchPlan, Strategy, ThreadMapping
-from ..codegen.stitch_triton import build_kernel, node_support, reduction_spec, schedule_facts
+from ..codegen.stitch_schedule import schedule_facts
 from ..failures import nodes_summary, note
 from .region import Reason, Region
 

@@ -14,7 +14,7 @@ KV with K; the claimer turns bool masks and ``is_causal`` into that form. Both g
 (:mod:`.verify`) and compile (:mod:`.compile`) like the library's.
 
 Where the mask's value property shows a causal / sliding-window structure, ``band = (period, offset, window)``
-sets the block graph's ``forloop_band`` (:func:`~.ugraph.band_range`): query row ``r`` (position ``r % period``)
+sets the block graph's ``forloop_band`` (:func:`~torch_mirage.ugraph.band_range`): query row ``r`` (position ``r % period``)
 sees key ``k`` iff ``k <= pos + offset`` (and ``k > pos + offset - window``), so each row block's for-loop runs
 only over the key tiles it can see; the mask is added on the visited tiles that some row sees only in part (the
 diagonal ones) and, where the mask's visible part is 0 (``band[3]``), not loaded on the tiles every row sees. A
@@ -23,9 +23,9 @@ the combine weighs by ``exp(-inf) = 0``.
 """
 from __future__ import annotations
 
+from ..ugraph import KernelGraph
 from .builder import new_kernel_graph, new_threadblock_graph
 from .library import blocks, split_kv_combine
-from .ugraph import KernelGraph
 
 PHI = None
 

@@ -22,8 +22,8 @@ from typing import Sequence
 
 import torch
 
+from ..ugraph import BlockGraph, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph, band_full, band_range
 from .arith import Arith, TorchArith
-from .ugraph import BlockGraph, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph, band_full, band_range
 
 log = logging.getLogger("torch_mirage")
 

@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..ugraph import KernelGraph
 from .builder import new_kernel_graph, new_threadblock_graph
-from .ugraph import KernelGraph
 
 PHI = None
 

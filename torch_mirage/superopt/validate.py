@@ -14,8 +14,8 @@ model passes in.
 """
 from __future__ import annotations
 
+from ..ugraph import ITEMSIZE, B, K, T, BlockGraph, Graph, KernelGraph, MuGraphError, Ref, band_geometry, nbytes, spec
 from .optimise import memory_problem
-from .ugraph import ITEMSIZE, B, K, T, BlockGraph, Graph, KernelGraph, MuGraphError, Ref, band_geometry, nbytes, spec
 
 SMEM_BYTES = 227 * 1024
 REGS_BYTES = 64 * 1024 * 4          # 64K 32-bit registers per SM

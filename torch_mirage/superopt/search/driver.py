@@ -30,9 +30,9 @@ from typing import Callable, Sequence
 import torch
 from ...cache import cache_key
 from ...config import load
+from ...ugraph import KernelGraph, from_dict
 
 from ..executor import execute
-from ..ugraph import KernelGraph, from_dict
 from ..validate import nbytes, validate
 from ..verify import verify
 from . import expr as E

@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+from ...ugraph import Ctx, KernelGraph, MuGraphError, Ref, make_op
 from ..builder import BlockBuilder, new_kernel_graph
-from ..ugraph import Ctx, KernelGraph, MuGraphError, Ref, make_op
 
 # Body-op kinds in rank order (the second half of an op's rank). Each: (name, arity, block op, attrs)
 UNARY = ("silu", "exp", "sqrt")
