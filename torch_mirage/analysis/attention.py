@@ -13,7 +13,7 @@ An attention region is ``softmax(mask(softcap(scale · Q Kᵀ))) · V`` wherever
 
 :func:`find_attention` returns one :class:`AttentionSpec` per region found: its shape parameters, scale, soft-cap,
 mask (kind and the value that carries it), the capture-IR nodes it covers and the values it reads. A mask tensor's
-value property (:mod:`.properties`) names its structure (causal triangle / sliding window) where it is computed from
+value property (:mod:`.values`) names its structure (causal triangle / sliding window) where it is computed from
 index comparisons in the same graph.
 """
 from __future__ import annotations

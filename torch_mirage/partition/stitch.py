@@ -11,7 +11,7 @@
    results (epilogue) join it: they run on real tensors around the kernel.
 4. Each group gets dominant ops, a scheme per edge and a thread mapping
    (:mod:`torch_mirage.codegen.stitch_plan`), is emitted by
-   :mod:`torch_mirage.codegen.stitch_triton`, and becomes a mirage Region.
+   :mod:`torch_mirage.codegen.stitch_emit` (launched by :mod:`~torch_mirage.codegen.stitch_launch`), and becomes a mirage Region.
 Groups that are only layout ops or one cheap elementwise op stay with Inductor.
 """
 from __future__ import annotations
