@@ -177,7 +177,7 @@ def _column_op(g, Q, K, M, Mx, L, *, group: int, scale: float, softcap: float | 
 def _row_block_op(g, Q, K, V, M, *, group: int, scale: float, softcap: float | None, q_blocks: int) -> list:
     """One kernel for P·V and the column sums where a block holds whole score rows (KV ≤ :data:`ROW_BLOCK_KV`):
     grid (hk, b, row blocks), no for-loop; each block saves its rows' P·V and the column sums of its P, which a
-    kernel-level sum over the row blocks of each head finishes. Row blocks hold rows of one head (``q_blocks``
+    kernel-level sum over the row blocks of each head finishes (where a head has more than one). Row blocks hold rows of one head (``q_blocks``
     a multiple of ``group``). Returns the output (b, hk, rows, d) and the column sums (b, hk·group, skv) fp32."""
     b, hk, rows, d = Q.shape
     skv = K.shape[2]
@@ -194,6 +194,8 @@ def _row_block_op(g, Q, K, V, M, *, group: int, scale: float, softcap: float | N
     tb.new_output(tb.forloop_accum(tb.matmul(p, tV), "sum"), omap=(1, 0, 2))
     tb.new_output(tb.forloop_accum(tb.reduce_sum(p, dim=2), "sum"), omap=(1, 0, 2), dtype="float32")
     O, parts = g.customized([Q, K, V] + ([M] if M is not None else []), tb)    # parts: (b, hk, q_blocks, skv)
+    if q_blocks == group:                      # one block per head: its sums are the head's
+        return [O, g.reshape(parts, shape=(b, hk * group, skv))]
     per_head = g.reshape(parts, shape=(b, hk * group, q_blocks // group, skv))
     return [O, g.reshape(g.reduce_sum(per_head, dim=2), shape=(b, hk * group, skv))]
 
