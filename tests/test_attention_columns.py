@@ -78,10 +78,11 @@ def test_other_readers_of_p_still_block_the_region():
 
 
 # ------------------------------------------------------------------ end to end
-def _run(fn, args):
+def _run(fn, args, **options):
     torch._dynamo.reset()
     report = torch_mirage.Report()
-    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(options={"min_region_us": 0}, report=report))
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(options={"min_region_us": 0, **options},
+                                                                    report=report))
     outs = compiled(*args)
     regions = [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
     return outs, regions, report
@@ -129,34 +130,54 @@ def test_gqa_column_sums_per_query_head(skv, mask_heads, claimed):
 
     mask = _causal(sq, skv, torch.float32, pad=(0, 2)).expand(b, mask_heads, sq, skv).contiguous()
     args = [torch.randn(b, h, sq, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d), mask]
-    outs, regions, report = _run(f, args)
+    outs, regions, report = _run(f, args, fallback="eager")
     assert len(regions) == claimed, str(report)
     if claimed:
         assert "hk=2" in regions[0].info["attention"], regions[0].info
     assert_close(outs, f(*[a.double() for a in args]), torch.float32)
 
 
+@interpreter
+def test_check_stage_compares_the_column_sums(monkeypatch):
+    """The compile-time check runs every output of the region against eager: column sums off by 1% hand the
+    region back to the fallback (eager here: quicker on the CPU than Inductor), naming the output."""
+    from torch_mirage.analysis.attention import ColumnReduction
+
+    right = ColumnReduction.apply
+    monkeypatch.setattr(ColumnReduction, "apply", lambda self, colsum: right(self, colsum) * 1.01)
+    args = [torch.randn(1, 2, 8, 16) for _ in range(3)] + [_causal(8, 8, torch.float32)]
+    outs, regions, report = _run(h2o_core, args, fallback="eager")
+    assert not regions, str(report)
+    (back,) = [r for r in report.regions if r.claimer == "attention"]
+    assert back.compiled_by == "eager" and "output" in back.detail and "relative error" in back.detail, back.detail
+    assert_close(outs, h2o_core(*[a.double() for a in args]), torch.float32)
+
+
 # ------------------------------------------------------------------ the plans as μGraphs
 @pytest.mark.parametrize("kernels", [("flash_stats", "column_sums"), ("row_block",)])
 def test_column_plans_verify(kernels):
     """Both plans are μGraphs the verifier accepts against eager (P·V and the column sums per head), with a
-    soft-cap, GQA-packed rows and a mask; a wrong scale is rejected."""
+    soft-cap, GQA-packed rows and a mask, in both tests (the field test gives no bound: the column sums add
+    fractions of as many denominators as rows); column sums of a wrong scale are rejected by the field test."""
     from torch_mirage.superopt.verify import verify
 
     b, hk, g, sq, skv, d = 1, 2, 2, 8, 8, 16          # two row blocks per head
     kg = attention_column_sums(b, hk, g * sq, skv, d, group=g, kernels=kernels, scale=0.25, softcap=5.0,
                                mask=(1, 1), dtype="float32", tile=4)
 
-    def ref(q, k, v, mask, scale=0.25):
-        p = torch.softmax(torch.tanh(q @ k.transpose(-1, -2) * scale / 5.0) * 5.0 + mask, -1)
-        return p @ v, p.reshape(b, hk * g, sq, skv).sum(2)
+    def probs(q, k, mask, scale):
+        return torch.softmax(torch.tanh(q @ k.transpose(-1, -2) * scale / 5.0) * 5.0 + mask, -1)
+
+    def ref(q, k, v, mask, col_scale=0.25):
+        return probs(q, k, mask, 0.25) @ v, probs(q, k, mask, col_scale).reshape(b, hk * g, sq, skv).sum(2)
 
     xs = [torch.randn(b, hk, g * sq, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d),
           torch.zeros(1, 1, g * sq, skv)]
     good = verify(kg, ref, xs)
-    assert good.equivalent, good.reason
-    bad = verify(kg, lambda *a: ref(*a, scale=0.26), xs)
-    assert not bad.equivalent, bad.reason
+    assert good.equivalent and "finite-field test passed" in good.reason, good.reason
+    bad = verify(kg, lambda *a: ref(*a, col_scale=0.26), xs)
+    assert not bad.equivalent and "output 1" in bad.reason and bad.reason.startswith("finite-field test rejects"), \
+        bad.reason
 
 
 @interpreter

@@ -15,6 +15,11 @@ An attention region is ``softmax(mask(softcap(scale · Q Kᵀ))) · V`` wherever
 mask (kind and the value that carries it), the capture-IR nodes it covers and the values it reads. A mask tensor's
 value property (:mod:`.properties`) names its structure (causal triangle / sliding window) where it is computed from
 index comparisons in the same graph.
+
+An eager region's P may also be read by reductions over the query axis — H2O's accumulated attention per key,
+spelled ``p.sum(-2)``, ``p.transpose(-1, -2).sum(-1)``, an einsum, a mean, summed over heads too: each becomes a
+:class:`ColumnReduction` in :attr:`AttentionSpec.extra_outputs` (its nodes join the region, its value leaves it);
+any other reader of an inner value keeps the region from being found.
 """
 from __future__ import annotations
 

@@ -13,6 +13,13 @@ which is what the clamped mask gives by itself.
 Where KV is long enough to split, the split-KV seed is compiled as well and on a GPU the faster runs (the library
 claimer's timing, :func:`.claim._fastest`): it fills the SMs where few query rows — decode — leave FlashAttention's
 grid small. The backend then checks the region against eager ATen on random inputs, as for every region.
+
+A region whose P is also reduced over the query axis (H2O's column sums, :class:`~..analysis.attention.
+ColumnReduction`) runs one plan for P·V and the column sums per query head: :func:`plan_candidates` costs the
+kernels of :data:`.attention_seeds.PLAN_KERNELS` with the cost model (each as the IR nodes it computes and the
+values it writes), :func:`.plan_select.select_plan` picks the set by a binary linear program, and
+:func:`.attention_seeds.attention_column_sums` builds it as one μGraph; each column reduction is then replayed on
+the (b, h, skv) column sums (a sum over heads, a permute, a mean's factor, the dtype).
 """
 from __future__ import annotations
 

@@ -20,6 +20,13 @@ only over the key tiles it can see; the mask is added on the visited tiles that 
 diagonal ones) and, where the mask's visible part is 0 (``band[3]``), not loaded on the tiles every row sees. A
 split of the split-KV seed that a row block cannot see runs no iteration and saves m = -inf, l = 0, o = 0, which
 the combine weighs by ``exp(-inf) = 0``.
+
+Column sums of P (H2O's accumulated attention per key) need each row's final max and sum, which a single
+online-softmax pass does not have when it meets a key. :func:`attention_column_sums` composes a plan from
+:data:`PLAN_KERNELS`: FlashAttention that also saves its row statistics, then FlashTensor's non-convex column
+kernel (grid over key blocks, the for-loop over query tiles, the scores recomputed and ``exp(s − max)/sum``
+summed over rows); or, for KV up to :data:`ROW_BLOCK_KV`, one row-block kernel that holds whole score rows and
+saves P·V and its rows' column sums. The column kernel applies the mask on every tile (no band).
 """
 from __future__ import annotations
 
@@ -177,8 +184,9 @@ def _column_op(g, Q, K, M, Mx, L, *, group: int, scale: float, softcap: float | 
 def _row_block_op(g, Q, K, V, M, *, group: int, scale: float, softcap: float | None, q_blocks: int) -> list:
     """One kernel for P·V and the column sums where a block holds whole score rows (KV ≤ :data:`ROW_BLOCK_KV`):
     grid (hk, b, row blocks), no for-loop; each block saves its rows' P·V and the column sums of its P, which a
-    kernel-level sum over the row blocks of each head finishes (where a head has more than one). Row blocks hold rows of one head (``q_blocks``
-    a multiple of ``group``). Returns the output (b, hk, rows, d) and the column sums (b, hk·group, skv) fp32."""
+    kernel-level sum over the row blocks of each head finishes (where a head has more than one). Row blocks hold
+    rows of one head (``q_blocks`` a multiple of ``group``). Returns the output (b, hk, rows, d) and the column
+    sums (b, hk·group, skv) fp32."""
     b, hk, rows, d = Q.shape
     skv = K.shape[2]
     if q_blocks % group:
