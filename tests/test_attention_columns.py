@@ -1,5 +1,6 @@
 """H2O's column sums of P (each key's accumulated attention) found in any written form, compiled with P·V from one
 plan (a two-pass FlashTensor plan or one row-block kernel) picked by a binary linear program, eager-equal."""
+import itertools
 import math
 import os
 
@@ -195,6 +196,74 @@ def test_column_plan_kernels_match_torch_with_masked_tiles():
                                    dtype="float32", tile=3 if kernels == ("row_block",) else 6)
         out, col = compile_ugraph(kg, [q, k, v, m])(q, k, v, m)
         assert_close([out, col], [p @ v, p.sum(2)], torch.float32)
+
+
+@interpreter
+@pytest.mark.parametrize("group,sq,skv,offset,window,skips", [
+    (1, 12, 12, 0, None, True), (2, 6, 12, 6, None, False), (1, 12, 12, 0, 5, True), (2, 8, 12, 2, 4, True),
+    (1, 6, 12, 0, None, True)])
+def test_column_pass_walks_only_the_query_tiles_that_see_its_keys(group, sq, skv, offset, window, skips):
+    """Under a causal / sliding-window band (query p sees key k iff k <= p + offset, k > p + offset - window) the
+    column pass's key blocks skip the query tiles that see none of their keys (keys no query sees get 0), compiled
+    and in the executor, equal to torch; the verifier (masks drawn inside the band) accepts the plan."""
+    from torch_mirage.superopt.executor import execute
+    from torch_mirage.superopt.verify import verify
+    from torch_mirage.ugraph import band_range
+
+    b, hk, d, rows = 1, 2, 16, group * sq
+    i, j = torch.arange(sq)[:, None], torch.arange(skv)[None, :]
+    keep = (j <= i + offset) & ((j > i + offset - window) if window else True)
+    m = torch.zeros(sq, skv).masked_fill(~keep, -1e30).repeat(group, 1)[None, None]
+    kg = attention_column_sums(b, hk, rows, skv, d, group=group, kernels=("flash_stats", "column_sums"), scale=0.3,
+                               mask=(1, 1), dtype="float32", tile=4, band=(sq, offset, window, group == 1))
+    column = kg.ops[max(i for i, op in enumerate(kg.ops) if op.name == "customized")].body
+    runs = [hi - lo for lo, hi in (band_range(column, blk) for blk in itertools.product(*map(range, column.grid)))]
+    assert (min(runs) < column.forloop_range) == skips, runs
+    xs = [torch.randn(b, hk, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d), m]
+    p = torch.softmax(xs[0] @ xs[1].transpose(-1, -2) * 0.3 + m, -1)
+    want = [p @ xs[2], p.reshape(b, hk * group, sq, skv).sum(2)]
+    assert_close(list(compile_ugraph(kg, xs)(*xs)), want, torch.float32)
+    assert_close(list(execute(kg, [x.double() for x in xs])), want, torch.float32)
+    if (group, window) == (1, None):
+        def ref(q, k, v, mask):
+            pr = torch.softmax(q @ k.transpose(-1, -2) * 0.3 + mask, -1)
+            return pr @ v, pr.sum(2)
+        assert verify(kg, ref, xs).equivalent
+
+
+@interpreter
+def test_column_sums_under_an_in_graph_causal_mask():
+    """A causal mask from index comparisons (its value property gives the band) with column sums over KV too long
+    for whole rows: the two-pass plan under the band, eager-equal in float64 (the check stage ran it on the mask
+    the graph computes)."""
+    def f(q, k, v):
+        n = q.shape[-2]
+        i = torch.arange(n, device=q.device)
+        s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(i[None, :] > i[:, None], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        return p @ v, p.sum(-2)
+
+    args = [torch.randn(1, 1, 136, 16) for _ in range(3)]
+    outs, regions, report = _run(f, args, fallback="eager")
+    assert len(regions) == 1 and regions[0].info["plan"] == ["flash_stats", "column_sums"], str(report)
+    assert regions[0].info["forloop_band"][3:5] == [136, 0], regions[0].info
+    assert_close(outs, f(*[a.double() for a in args]), torch.float32)
+
+
+@interpreter
+def test_check_stage_feeds_in_graph_masks_as_computed():
+    """A banded attention whose causal mask is computed in the graph skips whole key tiles (136 keys, tiles of
+    34): the compile-time check feeds that mask as the graph computes it (random masks break the band's
+    precondition), so the region stays mirage's."""
+    def f(q, k, v):
+        i = torch.arange(q.shape[-2], device=q.device)
+        s = (q @ k.transpose(-1, -2)).masked_fill(i[None, :] > i[:, None], float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+    args = [torch.randn(1, 1, 136, 16) for _ in range(3)]
+    out, regions, report = _run(f, args, fallback="eager")
+    assert len(regions) == 1 and regions[0].info["forloop_band"][4] == 0, str(report)
+    assert_close(out, f(*[a.double() for a in args]), torch.float32)
 
 
 def test_plan_kernels_must_produce_what_they_need_first():

@@ -125,6 +125,31 @@ def _relative_error(got: torch.Tensor, ref: torch.Tensor, where_finite: torch.Te
     return math.sqrt(diff) / (math.sqrt(norm) or 1.0)
 
 
+def _constant_inputs(graph: Graph, values: Sequence[Any]) -> dict[str, torch.Tensor]:
+    """The real values, by name, of the tensors among ``values`` that the graph computes from no input (a causal
+    mask from ``arange`` comparisons): a region may rely on their structure (an attention band skips the tiles
+    such a mask hides), so the check feeds them as they are, not random."""
+    found = {}
+    for v in values:
+        if v.producer is None or not v.is_tensor:
+            continue
+        nodes, todo, constant = {}, [v.producer], True
+        while todo and constant:
+            n = todo.pop()
+            if id(n) in nodes:
+                continue
+            nodes[id(n)] = n
+            for x in n.inputs:
+                if x.producer is None and x.is_tensor:
+                    constant = False
+                elif x.producer is not None:
+                    todo.append(x.producer)
+        if constant:
+            with torch.no_grad():
+                found[v.name] = to_fx(subgraph(graph, list(nodes.values()), [v]))()[0]
+    return found
+
+
 def numerics_problem(region: Region, graph: Graph) -> str | None:
     """Run the region's kernel and its ATen subgraph on the same random inputs; describe any mismatch.
 
@@ -134,7 +159,9 @@ def numerics_problem(region: Region, graph: Graph) -> str | None:
     """
     outs = region.outputs(graph)
     sub = subgraph(graph, region.nodes, outs)
-    inputs = [random_like(v.meta) if v.meta else v.example for v in sub.inputs]
+    fixed = _constant_inputs(graph, region.inputs)
+    inputs = [fixed[v.name] if v.name in fixed else random_like(v.meta) if v.meta else v.example
+              for v in sub.inputs]
     program = to_fx(sub)
     with torch.no_grad():
         want = program(*inputs)

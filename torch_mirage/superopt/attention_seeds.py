@@ -25,8 +25,8 @@ Column sums of P (H2O's accumulated attention per key) need each row's final max
 online-softmax pass does not have when it meets a key. :func:`attention_column_sums` composes a plan from
 :data:`PLAN_KERNELS`: FlashAttention that also saves its row statistics, then FlashTensor's non-convex column
 kernel (grid over key blocks, the for-loop over query tiles, the scores recomputed and ``exp(s − max)/sum``
-summed over rows); or, for KV up to :data:`ROW_BLOCK_KV`, one row-block kernel that holds whole score rows and
-saves P·V and its rows' column sums. The column kernel applies the mask on every tile (no band).
+summed over rows; under a band, a key block walks only the query tiles that see it); or, for KV up to
+:data:`ROW_BLOCK_KV`, one row-block kernel that holds whole score rows and saves P·V and its rows' column sums.
 """
 from __future__ import annotations
 
@@ -139,13 +139,26 @@ SEEDS = {"flash_attention": flash_attention, "flash_decoding": flash_decoding}
 ROW_BLOCK_KV = 128        # the longest KV whose whole score row one block holds (the row-block kernel)
 
 
+def _column_band(band: tuple | None, sq: int) -> tuple | None:
+    """The attention's ``band = (period, offset, window[, zero])`` for a loop over queries from a block of keys:
+    query ``p`` sees key ``k`` iff ``p >= k − offset`` (and ``p < k − offset + window``), which is the band
+    ``(keys, offset', window')`` of :func:`~.ugraph.band_range` with the roles swapped (a key's position is its
+    index: keys are not packed)."""
+    if band is None:
+        return None
+    _, offset, window, *zero = band
+    off, win = (sq, sq + offset + 1) if window is None else (window - offset - 1, window)
+    return (None, off, win, *zero)
+
+
 def _column_op(g, Q, K, M, Mx, L, *, group: int, scale: float, softcap: float | None, q_tiles: int,
-               k_blocks: int):
+               k_blocks: int, band: tuple | None = None):
     """FlashTensor's non-convex kernel: ``Σ_rows exp(s − max)/sum`` per query head and key, the scores
     recomputed from Q and K with the first pass's row statistics ``Mx``, ``L`` (b, hk, rows, 1). The grid walks
     key blocks, the for-loop a head's query tiles. One query head per KV head: grid (hk, b, key blocks), any
     mask; GQA: grid (b·hk, group, key blocks) over Q seen as (b·hk, group, sq, d), so the mask must be shared
-    by batch rows and KV heads or given for each. Returns (b, hk·group, skv) fp32."""
+    by batch rows and KV heads or given for each. Under the attention's ``band`` (:func:`_column_band`) a key
+    block visits only the query tiles that see one of its keys. Returns (b, hk·group, skv) fp32."""
     b, hk, rows, d = Q.shape
     skv, sq = K.shape[2], rows // group
     if group == 1:
@@ -174,6 +187,8 @@ def _column_op(g, Q, K, M, Mx, L, *, group: int, scale: float, softcap: float | 
             M = g.reshape(M, shape=(M.shape[0] * M.shape[1], group, sq, skv))
             tM = tb.new_input(M, imap=(PHI if shared else 0, 1, 3), fmap=2)
         omap = (0, 1, 3)
+    if (cb := _column_band(band, sq)) is not None:     # iterators: Q 0, K 1, Mx 2, L 3, mask 4
+        _band(tb, (skv, *cb[1:]), 1, 1 if group > 1 else 2, 0, 4 if tM is not None else None)
     p = tb.div(tb.exp(tb.sub(_scores(tb, tQ, tK, scale, softcap, tM), tMx)), tL)
     tb.new_output(tb.forloop_accum(p, "sum", dim=2), omap=omap, dtype="float32")
     ins = [Q, K, Mx, L] + ([M] if M is not None else [])
@@ -219,7 +234,8 @@ def _k_columns(g, env, p):
     sq = p["rows"] // p["group"]
     return {"colsum": _column_op(g, env["q"], env["k"], env.get("mask"), env["row_max"], env["row_sum"],
                                  group=p["group"], scale=p["scale"], softcap=p["softcap"],
-                                 q_tiles=blocks(sq, p["tile"]), k_blocks=blocks(p["skv"], p["tile"]))}
+                                 q_tiles=blocks(sq, p["tile"]), k_blocks=blocks(p["skv"], p["tile"]),
+                                 band=p["band"])}
 
 
 def _k_row_block(g, env, p):
