@@ -110,7 +110,7 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, causal: torch
 
 def _as_meta(t: torch.Tensor, meta) -> torch.Tensor:
     """``t`` with the strides the graph's value has (a copy where they differ)."""
-    if tuple(t.stride()) == tuple(meta.stride):
+    if (meta.is_contiguous and t.is_contiguous()) or tuple(t.stride()) == tuple(meta.stride):
         return t
     return torch.empty_strided(meta.shape, meta.stride, dtype=t.dtype, device=t.device).copy_(t)
 
@@ -121,8 +121,8 @@ def plan_candidates(spec: AttentionSpec, graph: Graph, mask_shape: tuple | None 
     costed by the cost model as the IR nodes it computes and the values it writes: FlashAttention (P·V) with or
     without the row statistics, the column-sum pass (recomputes the scores, reads the statistics; under GQA only
     for a mask shared by batch rows and KV heads or given for each — ``mask_shape``, the packed mask's (bm, hm)),
-    and for short KV the row-block kernel (both outputs; with more than one row block per head, plus their partial sums
-    written and read once and the kernel adding them)."""
+    and for short KV the row-block kernel (both outputs; with more than one row block per head, plus their partial
+    sums written and read once and the kernel adding them)."""
     model = model or CostModel()
     reductions = [x for r in spec.extra_outputs for x in r.nodes]
     skip = {id(x) for x in reductions}
@@ -208,11 +208,12 @@ class AttentionClaimer:
         with unset_fake_temporarily():
             ex, mask_shape, causal = _examples(spec)
             kwargs = _seed_kwargs(spec, dtype, mask_shape, use_band)
+            times: dict = {}
             if spec.extra_outputs:
-                built, times, info = self._column_plan(spec, graph, ex, kwargs, cache)
+                built, info = self._column_plan(spec, graph, ex, kwargs, cache)
             else:
                 names = ["flash_attention"] + (["flash_decoding"] if blocks(spec.skv, SPLIT_KV) > 1 else [])
-                built, times, info = _build_seeds(spec, names, ex, kwargs, cache), {}, {}
+                built, info = _build_seeds(spec, names, ex, kwargs, cache), {}
                 if built:
                     built, times = _fastest(built, ex, cache)
             if not built:
@@ -254,8 +255,8 @@ class AttentionClaimer:
         except Exception as e:   # no plan, or one that does not build for these shapes: left to Inductor
             log.info("torch_mirage: attention plan %s for %s not used (%s: %s)", info.get("plan"), spec.describe(),
                      type(e).__name__, e)
-            return None, {}, info
-        return (SimpleNamespace(name="+".join(names)), kg, compiled), {}, info
+            return None, info
+        return (SimpleNamespace(name="+".join(names)), kg, compiled), info
 
 
 def _examples(spec: AttentionSpec) -> tuple[list, tuple | None, torch.Tensor | None]:
