@@ -22,6 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from torch_mirage.config import load  # noqa: E402
+from torch_mirage.context import CompileContext  # noqa: E402
+from torch_mirage.partition.region import claims  # noqa: E402
 from torch_mirage.partition.stitch import StitchClaimer  # noqa: E402
 from torch_mirage.testing.aten import trace_ir  # noqa: E402
 from torch_mirage.testing.functions import (bert_softmax, bias_gelu, bias_residual_layernorm, layer_norm,  # noqa: E402
@@ -69,7 +72,8 @@ def copy_gbps(do_bench) -> float:
 
 def stitched(fn, inputs, cache_dir, limits=None):
     graph = trace_ir(fn, *inputs)
-    regions = StitchClaimer(limits=limits).claim(graph, list(graph.nodes), None if cache_dir is None else _Ctx(cache_dir))
+    options = {"min_region_us": 0.0, **({} if cache_dir is None else {"cache_dir": cache_dir})}   # every size
+    regions = claims(StitchClaimer(limits=limits).claim(graph, list(graph.nodes), CompileContext.standalone(load(options))))
     if len(regions) != 1 or len(regions[0].nodes) != len(graph.nodes):
         raise RuntimeError(f"expected one region over the graph, got {[r.ops for r in regions]}")
     region = regions[0]
@@ -79,15 +83,6 @@ def stitched(fn, inputs, cache_dir, limits=None):
     by_value = {id(v): t for v, t in zip(graph.inputs, inputs)}
     args = [by_value[id(v)] for v in region.inputs]
     return region, (lambda: region.kernel(*args)[0])
-
-
-class _Ctx:
-    """The two fields of CompileContext the claimer reads."""
-
-    def __init__(self, cache_dir):
-        from torch_mirage.config import load
-        self.config = load({"cache_dir": cache_dir, "min_region_us": 0.0})   # every size: this checks kernels
-        self.facts = {}
 
 
 def rel_error(out, ref):

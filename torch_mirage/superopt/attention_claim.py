@@ -17,9 +17,8 @@ grid small. The backend then checks the region against eager ATen on random inpu
 from __future__ import annotations
 
 import logging
-import os
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from .compile import compile_ugraph
@@ -27,7 +26,8 @@ from .claim import _fastest
 
 from ..analysis.attention import AttentionSpec, find_attention
 from ..capture.ir import Graph, Node
-from ..partition.region import Reason, Region, is_convex
+from ..context import CompileContext, Target
+from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex
 from .attention_seeds import SEEDS
 from .library import blocks
 from ..timing import random_like
@@ -100,44 +100,42 @@ class AttentionClaimer:
     """Claims attention regions (any form :func:`find_attention` reads) and runs an attention seed μGraph."""
     name = "attention"
 
-    def claim(self, graph: Graph, free: Sequence[Node], ctx: Any) -> list[Region]:
-        interpret = os.environ.get("TRITON_INTERPRET") == "1"
-        regions = []
+    def claim(self, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> list[Outcome]:
+        outcomes: list[Outcome] = []
         for spec in find_attention(graph, free):
-            why = self._unsupported(spec, interpret)
-            if why or not is_convex(graph, spec.nodes):
-                log.info("torch_mirage: attention %s not claimed (%s)", spec.describe(), why or "not convex")
+            why = self._unsupported(spec, ctx.target) or (
+                None if is_convex(graph, spec.nodes) else (Reason.NOT_CONVEX, "not convex"))
+            if why is not None:
+                log.info("torch_mirage: attention %s not claimed (%s)", spec.describe(), why[1])
+                outcomes.append(Decline(spec.nodes, *why))
                 continue
-            region = self._region(spec, ctx)
-            if region is not None:
-                regions.append(region)
-        return regions
+            outcomes.append(self._claim(spec, ctx))
+        return outcomes
 
     @staticmethod
-    def _unsupported(spec: AttentionSpec, interpret: bool) -> str:
+    def _unsupported(spec: AttentionSpec, target: Target) -> tuple[Reason, str] | None:
         metas = [x.meta for x in (spec.q, spec.k, spec.v, spec.output)]
         if len({m.dtype for m in metas[:3]}) != 1 or spec.dtype not in DTYPES:
-            return "inputs of mixed or unsupported dtypes"
+            return Reason.UNSUPPORTED_DTYPE, "inputs of mixed or unsupported dtypes"
         if not all(m.is_static for m in metas):
-            return "dynamic shapes"
+            return Reason.DYNAMIC_SHAPE, "dynamic shapes"
         device = metas[0].device.type
-        if device not in ("cuda", "cpu") or (device == "cpu" and not interpret):
-            return f"{device} tensors without Triton's interpreter"
-        if interpret and spec.dtype == torch.bfloat16:
-            return "bf16 in Triton's interpreter"
+        if not target.runs_on(device):
+            return Reason.UNSUPPORTED_DEVICE, f"{device} tensors without Triton's interpreter"
+        if target is Target.INTERPRETER and spec.dtype == torch.bfloat16:
+            return Reason.UNSUPPORTED_DTYPE, "bf16 in Triton's interpreter"
         if spec.mask_value is not None and not (spec.mask_value.meta and spec.mask_value.meta.is_static):
-            return "a mask of dynamic shape"
-        return ""
+            return Reason.DYNAMIC_SHAPE, "a mask of dynamic shape"
+        return None
 
-    def _region(self, spec: AttentionSpec, ctx: Any) -> Region | None:
+    def _claim(self, spec: AttentionSpec, ctx: CompileContext) -> Outcome:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
-
 
         dtype = DTYPES[spec.dtype]
         rows = spec.group * spec.sq
-        use_band = getattr(getattr(ctx, "config", None), "attention_band", True)
+        use_band = ctx.config.attention_band
         names = ["flash_attention"] + (["flash_decoding"] if blocks(spec.skv, SPLIT_KV) > 1 else [])
-        cache = getattr(ctx, "cache", None)
+        cache = ctx.cache
         with unset_fake_temporarily():
             q, k, v = (random_like(x.meta) for x in (spec.q, spec.k, spec.v))
             ex = [q.reshape(spec.b, spec.hk, rows, spec.d), k.contiguous(), v.contiguous()]
@@ -159,11 +157,9 @@ class AttentionClaimer:
                     log.info("torch_mirage: attention seed %s for %s not used (%s: %s)", name, spec.describe(),
                              type(e).__name__, e)
             if not built:
-                return None
+                return Decline(spec.nodes, Reason.NO_KERNEL, f"attention seeds {', '.join(names)} ({spec.describe()})")
             (chosen, kgraph, compiled), times = _fastest(built, ex, cache)
-        region = Region(spec.nodes, "mirage", Reason.CLAIMED, detail=f"attention {chosen.name} ({spec.describe()})",
-                        plan=kgraph)
-        positions = {id(x): i for i, x in enumerate(region.inputs)}
+        positions = {id(x): i for i, x in enumerate(inputs_of(spec.nodes))}
         order = [positions[id(x)] for x in spec.inputs]
         out_meta = spec.output.meta
 
@@ -174,12 +170,10 @@ class AttentionClaimer:
                                           device=out.device).copy_(out)
             return (out,)   # an SDPA op's other outputs (logsumexp, ...) are unread (find_attention checks)
 
-        region.kernel = kernel
-        region.info = {"ugraph": chosen.name, "attention": spec.describe(), "dtype": dtype,
-                       "ugraph_hash": kgraph.hash()[:16]}
+        info = {"ugraph": chosen.name, "attention": spec.describe(), "dtype": dtype, "ugraph_hash": kgraph.hash()[:16]}
         bands = [op.body.forloop_band for op in kgraph.ops if getattr(op.body, "forloop_band", None) is not None]
         if bands:
-            region.info["forloop_band"] = list(bands[0])
+            info["forloop_band"] = list(bands[0])
         if times:
-            region.info["ugraph_us"] = {n: round(us, 2) for n, us in times.items()}
-        return region
+            info["ugraph_us"] = {n: round(us, 2) for n, us in times.items()}
+        return Claim(spec.nodes, kgraph, kernel, detail=f"attention {chosen.name} ({spec.describe()})", info=info)
