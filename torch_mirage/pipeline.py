@@ -18,13 +18,12 @@ import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
 
-from .cache import DiskCache
 from .capture.ir import Graph, Node, connected_components
 from .capture.lower import lower
 from .capture.ops import OpKind
 from .config import Config
 from .context import CompileContext
-from .failures import Failure, FailureLog, describe_error, format_failure, fx_graph_summary, stage, stage_of
+from .failures import Failure, describe_error, format_failure, fx_graph_summary, stage_of
 from .partition.region import Claim, Claimer, Decline, Reason, Region, is_convex
 from .partition.stitch import StitchClaimer
 from .report import DeclineReport, GraphReport, RegionReport

@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ..cache import cache_key
 from ..capture.ir import Graph, fingerprint, subgraph
 from ..capture.lower import to_fx
+from ..context import CompileContext
 from ..failures import nodes_summary, note
 from ..numerics import TOLERANCE, relative_error, same_non_finite, tolerance
 from ..partition.region import Reason, Region
@@ -41,7 +42,7 @@ def _inductor_region(sub: Graph, inputs: Sequence[torch.Tensor], mode: str) -> C
     return lambda *args: compiled(*args)
 
 
-def measure_region(region: Region, graph: Graph, ctx: Any) -> RegionTiming:
+def measure_region(region: Region, graph: Graph, ctx: CompileContext) -> RegionTiming:
     outs = region.outputs(graph)
     sub = subgraph(graph, region.nodes, outs)
     key = None
@@ -62,7 +63,7 @@ def measure_region(region: Region, graph: Graph, ctx: Any) -> RegionTiming:
     return timing
 
 
-def keep_faster(regions: Sequence[Region], graph: Graph, ctx: Any) -> None:
+def keep_faster(regions: Sequence[Region], graph: Graph, ctx: CompileContext) -> None:
     """Hand each mirage region whose kernel measured slower than Inductor's back to the fallback."""
     from tqdm.auto import tqdm
 
@@ -135,7 +136,7 @@ def numerics_problem(region: Region, graph: Graph) -> str | None:
     return None
 
 
-def check_regions(regions: Sequence[Region], graph: Graph, ctx: Any) -> None:
+def check_regions(regions: Sequence[Region], graph: Graph, ctx: CompileContext) -> None:
     """Hand back every mirage region whose kernel disagrees with eager, or fails to run, on random inputs."""
     for region in regions:
         if region.compiled_by != "mirage" or region.kernel is None:
