@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from torch_mirage.config import load  # noqa: E402
 from torch_mirage.context import CompileContext  # noqa: E402
+from torch_mirage.numerics import relative_error  # noqa: E402
 from torch_mirage.partition.region import claims  # noqa: E402
 from torch_mirage.partition.stitch import StitchClaimer  # noqa: E402
 from torch_mirage.testing.aten import trace_ir  # noqa: E402
@@ -86,11 +87,8 @@ def stitched(fn, inputs, cache_dir, limits=None):
 
 
 def rel_error(out, ref):
-    o, r = out.double(), ref.double()
-    same_nan = torch.equal(torch.isnan(o), torch.isnan(r))
-    fin = torch.isfinite(r)
-    err = ((o[fin] - r[fin]).norm() / (r[fin].norm() + 1e-30)).item()
-    return err, same_nan
+    """(relative error over the reference's finite elements, NaN in the same places)."""
+    return relative_error(out, ref, where=ref), torch.equal(torch.isnan(out), torch.isnan(ref))
 
 
 def long_row_sweep(do_bench, copy_gbps: float, cache_dir: str, on_chip_only: bool = False) -> list[dict]:
