@@ -8,6 +8,7 @@ import os, sys, time, json
 os.environ["TRITON_INTERPRET"] = "1"
 import torch, transformers
 from torch_mirage.testing.aten import trace_ir
+from torch_mirage.config import load
 from torch_mirage.context import CompileContext
 from torch_mirage.partition.region import claims
 from torch_mirage.partition.stitch import StitchClaimer
@@ -21,7 +22,7 @@ ids = torch.randint(0, 512, (1, 16))
 with torch.no_grad():
     graph = trace_ir(lambda i: model(i).logits, ids)
 print("nodes", len(graph.nodes))
-ctx = CompileContext.standalone()
+ctx = CompileContext.standalone(load({"min_region_us": 0.0}))   # every group size, as before the threshold
 t = time.perf_counter(); regions = claims(StitchClaimer().claim(graph, list(graph.nodes), ctx)); ts = time.perf_counter() - t
 sig = sorted(sorted(n.name for n in r.nodes) for r in regions)
 # the library claimer without compiling μGraphs: matching only
