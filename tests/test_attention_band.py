@@ -61,6 +61,19 @@ def test_eager_causal_and_window_masks_get_a_band(sq, skv, window, dtype):
 
 
 @interp
+@pytest.mark.parametrize("window", [None, 40])
+def test_band_that_skips_tiles_passes_the_check_on_the_real_mask(window):
+    """n=128: the seed walks two 64-key tiles and the band skips the ones a query block cannot see. The mask made
+    in the graph is a function of constants, so the backend's numeric check (and launch tuning) feed the kernel
+    that mask, not random scores it was not specialised on: the region is claimed, eager-equal."""
+    def f(q, k, v):
+        return _eager(q, k, v, _inmask(q.shape[-2], k.shape[-2], window, q.dtype, q.device))
+
+    (region,) = _check(f, _qkv(1, 1, 1, 128, 128, 16, torch.float16), torch.float16)
+    assert _band(region) == (0, window), region.info
+
+
+@interp
 @pytest.mark.parametrize("sq,skv", [(16, 16), (8, 24)])
 def test_sdpa_is_causal_gets_a_band(sq, skv):
     """SDPA's is_causal (top-left: offset 0, also where sq != skv) and a bool attn_mask from comparisons."""

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .ir import Graph, Value, map_values
+from .ir import Graph, Value, map_values, subgraph
 from .ops import op_for_target
 
 
@@ -115,3 +115,28 @@ def to_fx(graph: Graph, float64: bool = False) -> fx.GraphModule:
     outs = map_values(list(graph.outputs), lambda v: env[id(v)])
     g.output(outs[0] if graph.single_output else tuple(outs))
     return fx.GraphModule(root, g)
+
+
+def constant_value(graph: Graph, value: Value) -> torch.Tensor | None:
+    """``value``'s tensor where the graph computes it from its constants alone (no graph input reaches it: an
+    attention mask built from ``arange`` comparisons, a constant table); None otherwise. A kernel specialised on
+    such a value's properties (the attention band skips the tiles the mask hides) is checked and tuned on this
+    tensor, not on random data."""
+    if value.producer is None:
+        return value.example if value.name in graph.constants and isinstance(value.example, torch.Tensor) else None
+    nodes, stack, seen = [], [value.producer], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        nodes.append(node)
+        for v in node.inputs:
+            if v.producer is not None:
+                stack.append(v.producer)
+            elif v.name not in graph.constants:
+                return None                     # a graph input reaches the value
+    sub = subgraph(graph, nodes, [value])
+    out = to_fx(sub)(*[v.example for v in sub.inputs])
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    return out.to(value.meta.device) if value.meta is not None else out

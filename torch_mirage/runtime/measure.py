@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..cache import cache_key
 from ..capture.ir import Graph, fingerprint, subgraph
-from ..capture.lower import to_fx
+from ..capture.lower import constant_value, to_fx
 from ..context import CompileContext
 from ..failures import nodes_summary, note
 from ..numerics import TOLERANCE, relative_error, same_non_finite, tolerance
@@ -52,7 +52,7 @@ def measure_region(region: Region, graph: Graph, ctx: CompileContext) -> RegionT
         hit = ctx.cache.get_json(key)
         if hit is not None:
             return RegionTiming(**hit)
-    inputs = [random_like(v.meta) if v.meta else v.example for v in sub.inputs]
+    inputs = region_check_inputs(region, graph, sub)
     sets = rotated_input_sets(inputs, torch.cuda.get_device_properties(inputs[0].device).L2_cache_size)
     fns = {"mirage": region.kernel, "inductor": _inductor_region(sub, inputs, ctx.config.inductor_mode)}
     us = alternating_medians(list(fns), lambda name: cuda_graph_timing(fns[name], sets, replays=20,
@@ -93,6 +93,23 @@ def keep_faster(regions: Sequence[Region], graph: Graph, ctx: CompileContext) ->
 _EAGER_SLACK = 3.0   # a kernel may be this many times as far from float64 as eager itself
 
 
+def region_check_inputs(region: Region, graph: Graph, sub: Graph) -> list:
+    """Inputs for ``sub`` (the region as a standalone graph): random tensors shaped as the region's inputs, except
+    values the graph computes from its constants alone (a mask built from ``arange``), which keep their real
+    contents — the kernel may rely on their value properties (:func:`~..capture.lower.constant_value`)."""
+    known = {}
+    for v in region.inputs:
+        if v.meta is not None:
+            try:
+                t = constant_value(graph, v)
+            except Exception:   # a slice that does not run standalone (symbolic sizes): random, as other inputs
+                t = None
+            if t is not None:
+                known[v.name] = t
+    return [known.get(v.name) if v.name in known else random_like(v.meta) if v.meta else v.example
+            for v in sub.inputs]
+
+
 def numerics_problem(region: Region, graph: Graph) -> str | None:
     """Run the region's kernel and its ATen subgraph on the same random inputs; describe any mismatch.
 
@@ -102,7 +119,7 @@ def numerics_problem(region: Region, graph: Graph) -> str | None:
     """
     outs = region.outputs(graph)
     sub = subgraph(graph, region.nodes, outs)
-    inputs = [random_like(v.meta) if v.meta else v.example for v in sub.inputs]
+    inputs = region_check_inputs(region, graph, sub)
     program = to_fx(sub)
     with torch.no_grad():
         want = program(*inputs)

@@ -26,6 +26,7 @@ from .claim import _fastest
 
 from ..analysis.attention import AttentionSpec, find_attention
 from ..capture.ir import Graph, Node
+from ..capture.lower import constant_value
 from ..context import CompileContext, Target
 from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex
 from .attention_seeds import SEEDS
@@ -109,7 +110,7 @@ class AttentionClaimer:
                 log.info("torch_mirage: attention %s not claimed (%s)", spec.describe(), why[1])
                 outcomes.append(Decline(spec.nodes, *why))
                 continue
-            outcomes.append(self._claim(spec, ctx))
+            outcomes.append(self._claim(spec, graph, ctx))
         return outcomes
 
     @staticmethod
@@ -128,7 +129,7 @@ class AttentionClaimer:
             return Reason.DYNAMIC_SHAPE, "a mask of dynamic shape"
         return None
 
-    def _claim(self, spec: AttentionSpec, ctx: CompileContext) -> Outcome:
+    def _claim(self, spec: AttentionSpec, graph: Graph, ctx: CompileContext) -> Outcome:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         dtype = DTYPES[spec.dtype]
@@ -141,7 +142,11 @@ class AttentionClaimer:
             ex = [q.reshape(spec.b, spec.hk, rows, spec.d), k.contiguous(), v.contiguous()]
             mask_shape = causal = None
             if spec.mask != "none":
-                example_mask = (random_like(spec.mask_value.meta) if spec.mask_value is not None else None)
+                example_mask = None
+                if spec.mask_value is not None:   # a mask made from constants: tuned on its real contents (the
+                    example_mask = constant_value(graph, spec.mask_value)   # band's re-tilings skip its tiles)
+                    if example_mask is None:
+                        example_mask = random_like(spec.mask_value.meta)
                 packed = packed_mask(spec, example_mask, q.device).to(mask_dtype(spec))
                 mask_shape = tuple(packed.shape[:2])
                 ex.append(packed)
