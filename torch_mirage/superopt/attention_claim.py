@@ -24,7 +24,6 @@ the (b, h, skv) column sums (a sum over heads, a permute, a mean's factor, the d
 from __future__ import annotations
 
 import logging
-import os
 from types import SimpleNamespace
 from typing import Any, Sequence
 
@@ -36,7 +35,8 @@ from ..analysis.attention import AttentionSpec, find_attention
 from ..analysis.cost import CostModel
 from ..capture.ir import Graph, Node
 from ..capture.lower import constant_value
-from ..partition.region import Reason, Region, is_convex
+from ..context import CompileContext, Target
+from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
 from .attention_seeds import PLAN_KERNELS, ROW_BLOCK_KV, SEEDS, attention_column_sums
 from .library import blocks
 from .plan_select import Candidate, select_plan
@@ -171,41 +171,40 @@ class AttentionClaimer:
     """Claims attention regions (any form :func:`find_attention` reads) and runs an attention seed μGraph."""
     name = "attention"
 
-    def claim(self, graph: Graph, free: Sequence[Node], ctx: Any) -> list[Region]:
-        interpret = os.environ.get("TRITON_INTERPRET") == "1"
-        regions = []
+    def claim(self, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> list[Outcome]:
+        outcomes: list[Outcome] = []
         for spec in find_attention(graph, free):
-            why = self._unsupported(spec, interpret)
-            if why or not is_convex(graph, spec.nodes):
-                log.info("torch_mirage: attention %s not claimed (%s)", spec.describe(), why or "not convex")
+            why = self._unsupported(spec, ctx.target) or (
+                None if is_convex(graph, spec.nodes) else (Reason.NOT_CONVEX, "not convex"))
+            if why is not None:
+                log.info("torch_mirage: attention %s not claimed (%s)", spec.describe(), why[1])
+                outcomes.append(Decline(spec.nodes, *why))
                 continue
-            region = self._region(spec, graph, ctx)
-            if region is not None:
-                regions.append(region)
-        return regions
+            outcomes.append(self._claim(spec, graph, ctx))
+        return outcomes
 
     @staticmethod
-    def _unsupported(spec: AttentionSpec, interpret: bool) -> str:
+    def _unsupported(spec: AttentionSpec, target: Target) -> tuple[Reason, str] | None:
         metas = [x.meta for x in (spec.q, spec.k, spec.v, spec.output)]
         if len({m.dtype for m in metas[:3]}) != 1 or spec.dtype not in DTYPES:
-            return "inputs of mixed or unsupported dtypes"
+            return Reason.UNSUPPORTED_DTYPE, "inputs of mixed or unsupported dtypes"
         if not all(m.is_static for m in metas):
-            return "dynamic shapes"
+            return Reason.DYNAMIC_SHAPE, "dynamic shapes"
         device = metas[0].device.type
-        if device not in ("cuda", "cpu") or (device == "cpu" and not interpret):
-            return f"{device} tensors without Triton's interpreter"
-        if interpret and spec.dtype == torch.bfloat16:
-            return "bf16 in Triton's interpreter"
+        if not target.runs_on(device):
+            return Reason.UNSUPPORTED_DEVICE, f"{device} tensors without Triton's interpreter"
+        if target is Target.INTERPRETER and spec.dtype == torch.bfloat16:
+            return Reason.UNSUPPORTED_DTYPE, "bf16 in Triton's interpreter"
         if spec.mask_value is not None and not (spec.mask_value.meta and spec.mask_value.meta.is_static):
-            return "a mask of dynamic shape"
-        return ""
+            return Reason.DYNAMIC_SHAPE, "a mask of dynamic shape"
+        return None
 
-    def _region(self, spec: AttentionSpec, graph: Graph, ctx: Any) -> Region | None:
+    def _claim(self, spec: AttentionSpec, graph: Graph, ctx: CompileContext) -> Outcome:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         dtype = DTYPES[spec.dtype]
-        use_band = getattr(getattr(ctx, "config", None), "attention_band", True)
-        cache = getattr(ctx, "cache", None)
+        use_band = ctx.config.attention_band
+        cache = ctx.cache
         with unset_fake_temporarily():
             ex, mask_shape, causal = _examples(spec, graph)
             kwargs = _seed_kwargs(spec, dtype, mask_shape, use_band)
@@ -218,14 +217,13 @@ class AttentionClaimer:
                 if built:
                     built, times = _fastest(built, ex, cache)
             if not built:
-                return None
+                what = "the column-sum plan" if spec.extra_outputs else "attention seeds"
+                return Decline(spec.nodes, Reason.NO_KERNEL, f"{what} ({spec.describe()}): none built")
             chosen, kgraph, compiled = built
-        region = Region(spec.nodes, "mirage", Reason.CLAIMED, detail=f"attention {chosen.name} ({spec.describe()})",
-                        plan=kgraph)
-        positions = {id(x): i for i, x in enumerate(region.inputs)}
+        positions = {id(x): i for i, x in enumerate(inputs_of(spec.nodes))}
         order = [positions[id(x)] for x in spec.inputs]
         produced = [spec.output] + [r.value for r in spec.extra_outputs]
-        slots = [next(i for i, p in enumerate(produced) if p is v) for v in region.outputs(graph)]
+        slots = [next(i for i, p in enumerate(produced) if p is v) for v in outputs_of(spec.nodes, graph)]
         metas = [v.meta for v in produced]
 
         def kernel(*ins):
@@ -233,15 +231,14 @@ class AttentionClaimer:
             outs = run_spec(spec, compiled, *[ins[i] for i in order], causal=causal)
             return tuple(_as_meta(outs[i], metas[i]) for i in slots)
 
-        region.kernel = kernel
-        region.info = {"ugraph": chosen.name, "attention": spec.describe(), "dtype": dtype,
-                       "ugraph_hash": kgraph.hash()[:16], **info}
+        info = {"ugraph": chosen.name, "attention": spec.describe(), "dtype": dtype, "ugraph_hash": kgraph.hash()[:16],
+                **info}
         bands = [op.body.forloop_band for op in kgraph.ops if getattr(op.body, "forloop_band", None) is not None]
         if bands:
-            region.info["forloop_band"] = list(bands[0])
+            info["forloop_band"] = list(bands[0])
         if times:
-            region.info["ugraph_us"] = {n: round(us, 2) for n, us in times.items()}
-        return region
+            info["ugraph_us"] = {n: round(us, 2) for n, us in times.items()}
+        return Claim(spec.nodes, kgraph, kernel, detail=f"attention {chosen.name} ({spec.describe()})", info=info)
 
     @staticmethod
     def _column_plan(spec: AttentionSpec, graph: Graph, ex: list, kwargs: dict, cache: Any):
