@@ -1,0 +1,111 @@
+"""The μGraph search with the generator's C++ core (csrc/search_core.cpp) vs its pure-Python path, on the
+CPU, on the search's own test targets (tests/test_search_driver.py, benchmarks/search_pruning_cpu.py; seeds
+off, one process). Each (target, oracle mode) runs ``--repeats`` times per path, the two paths interleaved;
+reports the median seconds of the whole search and of the skeleton generator alone (the same enumeration
+outside the driver, no Z3, no verification), the speed-ups, and whether both paths chose the same μGraph and
+counted the same states. Prints one JSON object; writes ``$OUT/search_native_cpu.json`` when ``$OUT`` is set.
+
+    python benchmarks/search_native_cpu.py [--repeats 3] [--budget 30]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from search_pruning_cpu import M, K, N, TARGETS                     # noqa: E402
+from torch_mirage.superopt.builder import new_kernel_graph           # noqa: E402
+from torch_mirage.superopt.search import driver as D                 # noqa: E402
+from torch_mirage.superopt.search import expr as E                   # noqa: E402
+from torch_mirage.superopt.search import native                      # noqa: E402
+from torch_mirage.superopt.search.generate import GenStats, enumerate_skeletons  # noqa: E402
+from torch_mirage.superopt.search.oracle import SubexprOracle         # noqa: E402
+
+
+def rms_sum_div_sqrt():
+    """RMSNorm+Linear written as (x·g) / sqrt(sum(x²)/k) @ w (tests/test_search_driver.py)."""
+    g = new_kernel_graph()
+    X, G, W = g.new_input((M, K), "float32"), g.new_input((K,), "float32"), g.new_input((K, N), "float32")
+    ms = g.scalar_mul(g.reduce_sum(g.square(X), dim=1), value=1.0 / K)
+    g.mark_output(g.matmul(g.div(g.mul(G, X), g.sqrt(ms)), W))
+    return g.build()
+
+
+def lora():
+    g = new_kernel_graph()
+    X, W, A, B = (g.new_input(s, "float32") for s in ((M, K), (K, N), (K, 4), (4, N)))
+    g.mark_output(g.add(g.matmul(g.matmul(X, A), B), g.matmul(X, W)))
+    return g.build()
+
+
+CASES = dict(TARGETS, rms_sum_div_sqrt=rms_sum_div_sqrt, lora=lora)
+MODES = {"front": dict(use_z3=False), "front+z3": {}}     # the tests' oracle, the driver's default
+
+
+def generator_only(ref, depth: int) -> tuple[float, dict]:
+    """Seconds of the enumeration of depths 1..depth with the structural oracle, and its stats."""
+    specs = [(op.shapes[0], op.dtypes[0]) for op in ref.inputs]
+    targets = E.graph_exprs(ref)
+    outs = [ref.ops[r[0]].shapes[r[1]] for r in ref.outputs]
+    oracle, st = SubexprOracle(targets, use_z3=False), GenStats()
+    t = time.perf_counter()
+    for d in range(1, depth + 1):
+        for _ in enumerate_skeletons(specs, outs, max_ops=d, exact_ops=True, probe_range=D.probe_range(specs),
+                                     eps_values=D._eps_values(ref), admits=oracle.admits, stats=st,
+                                     kinds=D.op_kinds(targets)):
+            pass
+    return time.perf_counter() - t, st.as_dict()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=30.0)
+    args = ap.parse_args(argv)
+    if native.search_core() is None:
+        sys.exit(f"search_native_cpu: the C++ core is not built ({native.why_not()})")
+    out = {"repeats": args.repeats, "budget_s": args.budget, "cpus": os.cpu_count(), "results": {}}
+    for name, make in CASES.items():
+        ref = make()
+        specs = [(op.shapes[0], op.dtypes[0]) for op in ref.inputs]
+        res = {}
+        for mode, okw in MODES.items():
+            runs = {"python": [], "cpp": []}
+            for _ in range(args.repeats):
+                for path in ("python", "cpp"):
+                    native.set_enabled(path == "cpp")
+                    r = D.search(ref, specs, budget_s=args.budget, tile=8, workers=1, oracle_kwargs=okw)
+                    runs[path].append((r.stats.seconds, r.best.hash() if r.best else None, r.stats.generated))
+            native.set_enabled(True)
+            med = {p: statistics.median(s for s, _, _ in v) for p, v in runs.items()}
+            res[mode] = {"python_s": round(med["python"], 3), "cpp_s": round(med["cpp"], 3),
+                         "speedup": round(med["python"] / med["cpp"], 2),
+                         "same_ugraph": len({h for v in runs.values() for _, h, _ in v}) == 1,
+                         "found": runs["cpp"][0][1] is not None,
+                         "generated": sorted({g for v in runs.values() for _, _, g in v})}
+        depth = D.search(ref, specs, budget_s=args.budget, tile=8, workers=1, oracle_kwargs=MODES["front"]).stats.depth
+        gen = {"python": [], "cpp": []}
+        for _ in range(args.repeats):
+            for path in ("python", "cpp"):
+                native.set_enabled(path == "cpp")
+                gen[path].append(generator_only(ref, depth))
+        native.set_enabled(True)
+        gmed = {p: statistics.median(s for s, _ in v) for p, v in gen.items()}
+        res["generator"] = {"depth": depth, "python_s": round(gmed["python"], 3), "cpp_s": round(gmed["cpp"], 3),
+                            "speedup": round(gmed["python"] / gmed["cpp"], 2),
+                            "same_stats": all(st == gen["python"][0][1] for v in gen.values() for _, st in v)}
+        out["results"][name] = res
+        print(name, json.dumps(res), flush=True)
+    print(json.dumps(out))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "search_native_cpu.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
