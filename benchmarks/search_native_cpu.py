@@ -3,7 +3,9 @@ CPU, on the search's own test targets (tests/test_search_driver.py, benchmarks/s
 off, one process). Each (target, oracle mode) runs ``--repeats`` times per path, the two paths interleaved;
 reports the median seconds of the whole search and of the skeleton generator alone (the same enumeration
 outside the driver, no Z3, no verification), the speed-ups, and whether both paths chose the same μGraph and
-counted the same states. Prints one JSON object; writes ``$OUT/search_native_cpu.json`` when ``$OUT`` is set.
+counted the same states. Seconds are this process's CPU time (``time.process_time``: the search runs in this
+process, Z3 and the verifier included), which other jobs on a shared machine do not inflate; the whole
+search's wall-clock medians are reported beside them. Prints one JSON object; writes ``$OUT/search_native_cpu.json`` when ``$OUT`` is set.
 
     python benchmarks/search_native_cpu.py [--repeats 3] [--budget 30]
 """
@@ -52,13 +54,13 @@ def generator_only(ref, depth: int) -> tuple[float, dict]:
     targets = E.graph_exprs(ref)
     outs = [ref.ops[r[0]].shapes[r[1]] for r in ref.outputs]
     oracle, st = SubexprOracle(targets, use_z3=False), GenStats()
-    t = time.perf_counter()
+    t = time.process_time()
     for d in range(1, depth + 1):
         for _ in enumerate_skeletons(specs, outs, max_ops=d, exact_ops=True, probe_range=D.probe_range(specs),
                                      eps_values=D._eps_values(ref), admits=oracle.admits, stats=st,
                                      kinds=D.op_kinds(targets)):
             pass
-    return time.perf_counter() - t, st.as_dict()
+    return time.process_time() - t, st.as_dict()
 
 
 def main(argv=None) -> dict:
@@ -68,7 +70,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if native.search_core() is None:
         sys.exit(f"search_native_cpu: the C++ core is not built ({native.why_not()})")
-    out = {"repeats": args.repeats, "budget_s": args.budget, "cpus": os.cpu_count(), "results": {}}
+    out = {"repeats": args.repeats, "budget_s": args.budget, "cpus": os.cpu_count(), "seconds": "process CPU time",
+           "load_average_before": os.getloadavg(), "results": {}}
     for name, make in CASES.items():
         ref = make()
         specs = [(op.shapes[0], op.dtypes[0]) for op in ref.inputs]
@@ -78,15 +81,19 @@ def main(argv=None) -> dict:
             for _ in range(args.repeats):
                 for path in ("python", "cpp"):
                     native.set_enabled(path == "cpp")
+                    t = time.process_time()
                     r = D.search(ref, specs, budget_s=args.budget, tile=8, workers=1, oracle_kwargs=okw)
-                    runs[path].append((r.stats.seconds, r.best.hash() if r.best else None, r.stats.generated))
+                    runs[path].append((time.process_time() - t, r.stats.seconds, r.best.hash() if r.best else None,
+                                       r.stats.generated))
             native.set_enabled(True)
-            med = {p: statistics.median(s for s, _, _ in v) for p, v in runs.items()}
+            med = {p: statistics.median(c for c, _, _, _ in v) for p, v in runs.items()}
+            wall = {p: statistics.median(w for _, w, _, _ in v) for p, v in runs.items()}
             res[mode] = {"python_s": round(med["python"], 3), "cpp_s": round(med["cpp"], 3),
                          "speedup": round(med["python"] / med["cpp"], 2),
-                         "same_ugraph": len({h for v in runs.values() for _, h, _ in v}) == 1,
-                         "found": runs["cpp"][0][1] is not None,
-                         "generated": sorted({g for v in runs.values() for _, _, g in v})}
+                         "python_wall_s": round(wall["python"], 3), "cpp_wall_s": round(wall["cpp"], 3),
+                         "same_ugraph": len({h for v in runs.values() for _, _, h, _ in v}) == 1,
+                         "found": runs["cpp"][0][2] is not None,
+                         "generated": sorted({g for v in runs.values() for _, _, _, g in v})}
         depth = D.search(ref, specs, budget_s=args.budget, tile=8, workers=1, oracle_kwargs=MODES["front"]).stats.depth
         gen = {"python": [], "cpp": []}
         for _ in range(args.repeats):
@@ -100,6 +107,7 @@ def main(argv=None) -> dict:
                             "same_stats": all(st == gen["python"][0][1] for v in gen.values() for _, st in v)}
         out["results"][name] = res
         print(name, json.dumps(res), flush=True)
+    out["load_average_after"] = os.getloadavg()
     print(json.dumps(out))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "search_native_cpu.json"), "w") as f:

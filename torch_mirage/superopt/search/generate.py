@@ -315,7 +315,8 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                 continue
             op = make(kind, ins, attrs)
             if op is not None:
-                out.append((idx, kind, ins, attrs, op, expr_for(kind, ins, attrs, op) if expr_of is not None else None))
+                e = expr_for(kind, ins, attrs, op) if expr_of is not None else None
+                out.append((idx, kind, ins, attrs, op, e))
         return out, len(ms)
 
     children = py_children
