@@ -299,6 +299,10 @@ PyObject* children(PyObject*, PyObject* args) {
   long share_k = 0, share_n = 1, share_base = 0;
   const bool shared = share != Py_None;
   if (shared && !PyArg_ParseTuple(share, "lll:share", &share_k, &share_n, &share_base)) return nullptr;
+  if (share_n < 1) {
+    PyErr_Format(PyExc_ValueError, "search core: share (k, n) needs n >= 1, got n = %ld", share_n);
+    return nullptr;
+  }
   std::vector<std::vector<long>> sh;
   std::vector<long> fl;
   if (!read_state(shapes, flags, sh, fl)) return nullptr;
@@ -320,7 +324,7 @@ PyObject* children(PyObject*, PyObject* args) {
   if (!out.p) return nullptr;
   for (size_t idx = 0; idx < moves.size(); ++idx) {
     const Move& m = moves[idx];
-    if (shared && ((share_base + static_cast<long>(idx) + 1) % share_n + share_n) % share_n != share_k) continue;
+    if (shared && (share_base + static_cast<long>(idx) + 1) % share_n != share_k) continue;
     PyObject* kind = PyTuple_GET_ITEM(names, m.kind);
     Ref ins(PyTuple_New(m.n_in));
     if (!ins.p) return nullptr;

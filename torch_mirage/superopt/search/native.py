@@ -3,7 +3,9 @@
 The extension is optional: ``pip install`` builds it when a C++17 compiler and Python's headers are there and
 goes on without it otherwise (``MIRAGE_BUILD_CSRC=0`` skips it). :func:`search_core` is the module, or None
 when it is not built or does not match this version of the search (then the generator's pure-Python path
-runs); which path is used is logged once at INFO when the generator first asks.
+runs); which path is used is logged once at INFO when the generator first asks. After editing csrc/, rebuild with
+``pip install -e .`` (or ``python setup.py build_ext --inplace``); bump :data:`ABI` and csrc's ``ABI`` together
+when the calling convention changes, so that a stale build is refused instead of misread.
 """
 from __future__ import annotations
 
