@@ -35,16 +35,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torch_mirage.cache import DiskCache  # noqa: E402
 from torch_mirage.timing import cuda_graph_time_us, rotated_input_sets  # noqa: E402
 from torch_mirage.superopt import library  # noqa: E402
+from torch_mirage.numerics import relative_error, tolerance  # noqa: E402
 from torch_mirage.superopt.compile import compile_ugraph  # noqa: E402
 
 # issue 4's targets, µs per call (b = 1 and 8 alike); gqa's holds for both attention μGraphs
 TARGETS = {"rmsnorm_linear": 13.0, "gated_mlp": 26.0, "lora": 4.0, "gqa_flashdecoding": 12.0,
            "gqa_flashattention": 12.0, "qknorm_attention": 14.0, "ntrans": 2.0}
-REL_TOL = 1e-2
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref).norm() / ref.norm())
+REL_TOL = tolerance(torch.float16)
+rel_error = relative_error
 
 
 def make_inputs(name: str, dims: tuple, gen: torch.Generator) -> list[torch.Tensor]:

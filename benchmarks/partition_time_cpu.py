@@ -8,6 +8,9 @@ import os, sys, time, json
 os.environ["TRITON_INTERPRET"] = "1"
 import torch, transformers
 from torch_mirage.testing.aten import trace_ir
+from torch_mirage.config import load
+from torch_mirage.context import CompileContext
+from torch_mirage.partition.region import claims
 from torch_mirage.partition.stitch import StitchClaimer
 from torch_mirage.superopt.claim import LibraryClaimer
 import torch_mirage.superopt.claim as claim_mod
@@ -19,14 +22,15 @@ ids = torch.randint(0, 512, (1, 16))
 with torch.no_grad():
     graph = trace_ir(lambda i: model(i).logits, ids)
 print("nodes", len(graph.nodes))
-t = time.perf_counter(); regions = StitchClaimer().claim(graph, list(graph.nodes), None); ts = time.perf_counter() - t
+ctx = CompileContext.standalone(load({"min_region_us": 0.0}))   # every group size, as before the threshold
+t = time.perf_counter(); regions = claims(StitchClaimer().claim(graph, list(graph.nodes), ctx)); ts = time.perf_counter() - t
 sig = sorted(sorted(n.name for n in r.nodes) for r in regions)
 # the library claimer without compiling μGraphs: matching only
-claim_mod.LibraryClaimer._region = lambda self, w, g, found, ctx: None
-t = time.perf_counter(); LibraryClaimer().claim(graph, list(graph.nodes), None); tl = time.perf_counter() - t
+claim_mod.LibraryClaimer._claim = lambda self, w, found, ctx: None
+t = time.perf_counter(); LibraryClaimer().claim(graph, list(graph.nodes), ctx); tl = time.perf_counter() - t
 print(json.dumps({"stitch_s": round(ts, 3), "library_match_s": round(tl, 3), "regions": len(regions),
                   "signature": __import__("hashlib").md5(json.dumps(sig).encode()).hexdigest()[:12]}))
 if "--profile" in sys.argv:
     import cProfile, pstats
-    pr = cProfile.Profile(); pr.enable(); StitchClaimer().claim(graph, list(graph.nodes), None); LibraryClaimer().claim(graph, list(graph.nodes), None); pr.disable()
+    pr = cProfile.Profile(); pr.enable(); StitchClaimer().claim(graph, list(graph.nodes), ctx); LibraryClaimer().claim(graph, list(graph.nodes), ctx); pr.disable()
     pstats.Stats(pr).sort_stats("cumulative").print_stats(30)

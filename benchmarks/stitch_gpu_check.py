@@ -22,6 +22,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from torch_mirage.config import load  # noqa: E402
+from torch_mirage.context import CompileContext  # noqa: E402
+from torch_mirage.numerics import relative_error  # noqa: E402
+from torch_mirage.partition.region import claims  # noqa: E402
 from torch_mirage.partition.stitch import StitchClaimer  # noqa: E402
 from torch_mirage.testing.aten import trace_ir  # noqa: E402
 from torch_mirage.testing.functions import (bert_softmax, bias_gelu, bias_residual_layernorm, layer_norm,  # noqa: E402
@@ -69,7 +73,8 @@ def copy_gbps(do_bench) -> float:
 
 def stitched(fn, inputs, cache_dir, limits=None):
     graph = trace_ir(fn, *inputs)
-    regions = StitchClaimer(limits=limits).claim(graph, list(graph.nodes), None if cache_dir is None else _Ctx(cache_dir))
+    options = {"min_region_us": 0.0, **({} if cache_dir is None else {"cache_dir": cache_dir})}   # every size
+    regions = claims(StitchClaimer(limits=limits).claim(graph, list(graph.nodes), CompileContext.standalone(load(options))))
     if len(regions) != 1 or len(regions[0].nodes) != len(graph.nodes):
         raise RuntimeError(f"expected one region over the graph, got {[r.ops for r in regions]}")
     region = regions[0]
@@ -81,21 +86,9 @@ def stitched(fn, inputs, cache_dir, limits=None):
     return region, (lambda: region.kernel(*args)[0])
 
 
-class _Ctx:
-    """The two fields of CompileContext the claimer reads."""
-
-    def __init__(self, cache_dir):
-        from torch_mirage.config import load
-        self.config = load({"cache_dir": cache_dir, "min_region_us": 0.0})   # every size: this checks kernels
-        self.facts = {}
-
-
 def rel_error(out, ref):
-    o, r = out.double(), ref.double()
-    same_nan = torch.equal(torch.isnan(o), torch.isnan(r))
-    fin = torch.isfinite(r)
-    err = ((o[fin] - r[fin]).norm() / (r[fin].norm() + 1e-30)).item()
-    return err, same_nan
+    """(relative error over the reference's finite elements, NaN in the same places)."""
+    return relative_error(out, ref, where=ref), torch.equal(torch.isnan(out), torch.isnan(ref))
 
 
 def long_row_sweep(do_bench, copy_gbps: float, cache_dir: str, on_chip_only: bool = False) -> list[dict]:

@@ -12,7 +12,7 @@ from test_attention_family import _check, _qkv, repeat_kv
 from torch_mirage.superopt.attention_seeds import flash_attention, flash_decoding
 from torch_mirage.superopt.compile import compile_ugraph
 from torch_mirage.superopt.executor import execute
-from torch_mirage.superopt.ugraph import BlockGraph, band_range, from_json
+from torch_mirage.ugraph import BlockGraph, band_range, from_json
 
 interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                             reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")

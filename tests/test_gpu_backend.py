@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import torch_mirage
+from torch_mirage.numerics import rms_norm
 from torch_mirage.testing.models import BertLayer, LlamaBlock, LlamaConfig, MLP, bert_inputs, llama_inputs
 from helpers import assert_close
 
@@ -102,18 +103,16 @@ class _SlowClaimer:
     name = "slow"
 
     def claim(self, graph, free, ctx):
-        from torch_mirage.partition.region import Reason, Region
+        from torch_mirage.partition.region import Claim
         exp = [n for n in free if n.op.name == "exp"]
         if not exp:
             return []
-        region = Region(exp[:1], "mirage", Reason.CLAIMED)
 
         def kernel(x):
             for _ in range(20):
                 y = torch.exp(x)
             return (y,)
-        region.kernel = kernel
-        return [region]
+        return [Claim(exp[:1], None, kernel)]
 
 
 def test_region_slower_than_inductor_is_handed_back(tmp_path):
@@ -265,19 +264,14 @@ def test_library_ugraphs_on_the_gpu(dtype):
         return x @ w + (x @ a) @ b
 
     def rmsnorm_linear(x, g, w):
-        h = x.float()
-        return ((h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * g) @ w
+        return rms_norm(x, 1e-6, g) @ w
 
     def attention(q, k, v):
         s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
         return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
-    def rms(x, eps=1e-6):
-        h = x.float()
-        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
     def qknorm_attention(q, k, v, gq, gk):
-        return attention(rms(q) * gq, rms(k) * gk, v)
+        return attention(rms_norm(q, 1e-6, gq), rms_norm(k, 1e-6, gk), v)
 
     cases = [(lora, [(128, 256), (256, 4096), (256, 16), (16, 4096)]),
              (attention, [(2, 2, 256, 64), (2, 2, 1024, 64), (2, 2, 1024, 64)]),

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import torch_mirage
 from helpers import assert_close
+from torch_mirage.numerics import rms_norm
 from torch_mirage.superopt import library
 from torch_mirage.superopt.claim import dims_from_shapes, ugraph_shapes
 
@@ -220,18 +221,13 @@ def test_a_program_that_does_not_trace_skips_its_workload_only(monkeypatch, capl
         claim.program_graph.cache_clear()
 
 
-def _rms(x, eps):
-    h = x.float()
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_ntrans_with_its_eps_read_from_the_graph(dtype):
     def ntrans(h, x, alpha):
-        return _rms(alpha * (_rms(h, 1e-6) + x) + x, 1e-6)
+        return rms_norm(alpha * (rms_norm(h, 1e-6) + x) + x, 1e-6)
 
     def two_eps(h, x, alpha):          # not nTrans: the norms disagree on eps
-        return _rms(alpha * (_rms(h, 1e-6) + x) + x, 1e-5)
+        return rms_norm(alpha * (rms_norm(h, 1e-6) + x) + x, 1e-5)
 
     shapes = [(12, 48)] * 3
     compiled, report = _compile(ntrans)
@@ -250,7 +246,7 @@ def test_rmsnorm_linear_with_its_eps_read_from_the_graph(dtype, x_shape):
     """``rms_norm(x)·g @ w`` (the norm in fp32 and cast back, as half-precision models write it) runs the
     RMSNorm+Linear μGraph with the graph's eps; (batch, seq, k) activations fold into rows."""
     def rmsnorm_linear(x, g, w):
-        return (_rms(x, 1e-5) * g) @ w
+        return rms_norm(x, 1e-5, g) @ w
 
     compiled, report = _compile(rmsnorm_linear)
     xs = [torch.randn(x_shape, dtype=dtype), 1 + 0.1 * torch.randn(48, dtype=dtype),
@@ -266,7 +262,7 @@ def test_qknorm_attention_runs_the_fused_ugraph(dtype):
     """Attention over RMS-normed Q and K (each norm in fp32, cast back, then its gain) is claimed whole by the
     QK-norm attention μGraph — not as attention with the norms left to other kernels — with the graph's eps."""
     def qknorm_attention(q, k, v, gq, gk):
-        return attention_fp32_softmax(_rms(q, 1e-6) * gq, _rms(k, 1e-6) * gk, v)
+        return attention_fp32_softmax(rms_norm(q, 1e-6, gq), rms_norm(k, 1e-6, gk), v)
 
     shapes = [(2, 2, 16, 16), (2, 2, 32, 16), (2, 2, 32, 16), (16,), (16,)]
     xs = [torch.randn(s, dtype=dtype) for s in shapes[:3]] + [1 + 0.1 * torch.randn(s, dtype=dtype)

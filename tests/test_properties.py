@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from torch_mirage.analysis.properties import (Affine, ReduceDep, ValueKind, analyze_properties, analyze_values)
+from torch_mirage.analysis.properties import ReduceDep, analyze_properties
+from torch_mirage.analysis.values import Affine, ValueKind, analyze_values
 from torch_mirage.capture.ir import Graph, map_values
 from torch_mirage.testing.aten import trace_ir
 

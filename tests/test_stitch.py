@@ -8,11 +8,9 @@ import torch.nn.functional as F
 
 from torch_mirage.capture.ops import OpKind
 from torch_mirage.codegen.stitch_plan import Scheme, StitchLimits, Strategy
-from torch_mirage.partition.region import is_convex
+from torch_mirage.context import CompileContext, Target
+from torch_mirage.partition.region import Decline, Reason, claims, declines, is_convex
 from torch_mirage.partition.stitch import StitchClaimer, _acyclic, choose_mapping
-from torch_mirage.pipeline import CompileContext
-from torch_mirage.config import load
-from torch_mirage.report import GraphReport
 from torch_mirage.testing import models as M
 from torch_mirage.testing.aten import trace_ir
 
@@ -22,7 +20,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 def claim(fn, *inputs, claimer=None):
     graph = trace_ir(fn, *inputs)
-    regions = (claimer or StitchClaimer()).claim(graph, list(graph.nodes), None)
+    regions = claims((claimer or StitchClaimer()).claim(graph, list(graph.nodes), CompileContext.standalone()))
     return graph, regions
 
 
@@ -118,13 +116,16 @@ def test_not_claimed(fn):
     assert regions == []
 
 
-def test_cpu_without_interpreter_is_unsupported_device(monkeypatch):
+def test_cpu_without_interpreter_is_unsupported_device():
+    """The target comes from the context, not the environment (TRITON_INTERPRET=1 in this process)."""
     graph = trace_ir(lambda x: torch.softmax(x, -1), torch.randn(3, 5))
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    ctx = CompileContext(load({}), GraphReport(0, "inference"), None)
-    assert StitchClaimer().claim(graph, list(graph.nodes), ctx) == []
-    reasons = {r for _, r, _ in ctx.facts["stitch.skipped"]}
-    assert reasons == {"UNSUPPORTED_DEVICE"}
+    outcomes = StitchClaimer().claim(graph, list(graph.nodes), CompileContext.standalone(target=Target.CUDA))
+    assert claims(outcomes) == [] and outcomes and all(isinstance(o, Decline) for o in outcomes)
+    assert {d.reason for d in declines(outcomes)} == {Reason.UNSUPPORTED_DEVICE}
+    assert all("Triton kernels need CUDA" in d.detail for d in outcomes)
+    # the same graph on the interpreter target is claimed whole
+    (claim,) = StitchClaimer().claim(graph, list(graph.nodes), CompileContext.standalone(target=Target.INTERPRETER))
+    assert len(claim.nodes) == len(graph.nodes)
 
 
 def test_info_for_the_report():

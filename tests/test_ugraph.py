@@ -4,9 +4,10 @@ import json
 import pytest
 import torch
 
-from torch_mirage.superopt import builder, executor, library, ugraph, validate
+from torch_mirage import ugraph
+from torch_mirage.superopt import builder, executor, library, validate
 from torch_mirage.superopt.builder import new_kernel_graph, new_threadblock_graph
-from torch_mirage.superopt.ugraph import MuGraphError
+from torch_mirage.ugraph import MuGraphError
 
 
 def _tamper(graph, fn):

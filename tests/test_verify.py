@@ -7,8 +7,9 @@ import torch
 
 from torch_mirage.superopt import library as L
 from torch_mirage.superopt import verify
-from torch_mirage.superopt.finite_field import (DEFAULT_FIELD, TINY_FIELD, FieldParams, FiniteFieldArith, _matmul_mod,
-                                                is_prime, ln2_form, raw)
+from torch_mirage.superopt.ff_field import DEFAULT_FIELD, TINY_FIELD, FieldParams, is_prime, matmul_mod
+from torch_mirage.superopt.ff_tensor import raw
+from torch_mirage.superopt.finite_field import FiniteFieldArith, ln2_form
 from torch_mirage.superopt.verify import _Side, _worst_bound, field_inputs, field_test, mask_flags
 
 
@@ -27,7 +28,7 @@ def test_matmul_mod_does_not_overflow():
     k = (1 << 15) + 7                                  # more than one contraction chunk
     a = p - 1 - torch.randint(0, 3, (2, k), generator=g)   # residues near p: worst case for overflow
     b = p - 1 - torch.randint(0, 3, (k, 3), generator=g)
-    got = _matmul_mod(a, b, p)
+    got = matmul_mod(a, b, p)
     want = [[sum(int(x) * int(y) for x, y in zip(a[i].tolist(), b[:, j].tolist())) % p for j in range(3)]
             for i in range(2)]
     assert got.tolist() == want

@@ -22,7 +22,8 @@ from . import failures
 from .cache import DiskCache
 from .partition.region import Claimer, Reason
 from .failures import Failure
-from .pipeline import CompileContext, WholeGraphToInductor, compile_graph, wrap_cuda_graph
+from .context import CompileContext
+from .pipeline import WholeGraphToInductor, compile_graph, wrap_cuda_graph
 from .report import GraphReport, RegionReport, Report
 from .runtime.choose import FasterOf, writes_in_place
 
@@ -106,7 +107,7 @@ class MirageBackend:
             report = self.report.new_graph("dynamo")
             failure = Failure(failures.stage_of(e, "capture"), _dynamo_summary(gm), failures.describe_error(e), "")
             report.fallback_error = f"{failure.stage} stage: {failure.error}"
-            report.regions = [RegionReport(_dynamo_ops(gm), cfg.fallback, Reason.COMPILE_ERROR.value,
+            report.regions = [RegionReport(_dynamo_ops(gm), cfg.fallback, Reason.COMPILE_ERROR,
                                            report.fallback_error)]
             whole = WholeGraphToInductor(f"the {failure.stage} stage failed", (), failure=failure)
             if cfg.fallback == "inductor":
@@ -155,7 +156,7 @@ class MirageBackend:
         detail = f"not timed ({report.untimed_reason}): Inductor's compile kept"
         for r in report.regions:
             if r.compiled_by == "mirage":
-                r.compiled_by, r.reason, r.detail = "inductor", Reason.SLOWER_THAN_INDUCTOR.value, detail
+                r.compiled_by, r.reason, r.detail = "inductor", Reason.SLOWER_THAN_INDUCTOR, detail
         log.info("torch_mirage: graph %d %s", report.index, detail)
         report.cuda_graph, report.cuda_graph_reason = False, ""
         return _in_cuda_graph(inductor, blocker, static, cfg, report, mutated)
@@ -273,7 +274,7 @@ def _choice_recorder(report: GraphReport):
                       f"Inductor {times.get('inductor', float('nan')):.1f} µs")
             for r in report.regions:
                 if r.compiled_by == "mirage":
-                    r.compiled_by, r.reason, r.detail = "inductor", Reason.SLOWER_THAN_INDUCTOR.value, detail
+                    r.compiled_by, r.reason, r.detail = "inductor", Reason.SLOWER_THAN_INDUCTOR, detail
     return record
 
 

@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     if not on_gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything defines a Triton kernel
     from .backend import MirageBackend
+    from .numerics import relative_error, tolerance
     from .report import Report
     from .testing.models import LlamaBlock, LlamaConfig, llama_inputs
 
@@ -62,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         out = compiled(*inputs)
         compile_s = time.perf_counter() - t0
-        err = ((out.double() - reference.double()).norm() / reference.double().norm()).item()
-        tol = 1e-2 if dtype == torch.float16 else 1e-4
+        err, tol = relative_error(out, reference), tolerance(dtype)
         print(report)
         print(f"\ncompile + first call: {compile_s:.1f} s")
         print(f"relative error vs eager: {err:.2e} ({'ok' if err < tol else 'MISMATCH'}, tolerance {tol:g})")

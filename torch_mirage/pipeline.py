@@ -11,24 +11,22 @@ naming the stage and the ops; ``strict`` raises instead.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
 
-from .cache import DiskCache
 from .capture.ir import Graph, Node, connected_components
 from .capture.lower import lower
 from .capture.ops import OpKind
 from .config import Config
-from .failures import Failure, FailureLog, describe_error, format_failure, fx_graph_summary, stage, stage_of
-from .partition.region import Claimer, Reason, Region, is_convex
+from .context import CompileContext
+from .failures import Failure, describe_error, format_failure, fx_graph_summary, stage_of
+from .partition.region import Claim, Claimer, Decline, Reason, Region, is_convex
 from .partition.stitch import StitchClaimer
-from .report import GraphReport, RegionReport
+from .report import DeclineReport, GraphReport, RegionReport
 from .runtime.assemble import _INDUCTOR_MODE_CONFIGS, assemble
 from .runtime.cudagraph import CudaGraphRunner, cuda_graph_blocker, input_device, move_constants_to_device
 from .runtime.choose import declared_mutations, is_timeable, mutated_inputs
@@ -65,26 +63,6 @@ class MirageError(RuntimeError):
         self.node = node
 
 
-@dataclass
-class CompileContext:
-    config: Config
-    report: GraphReport
-    cache: DiskCache | None
-    static_input_indices: Sequence[int] = ()
-    facts: dict[str, Any] = field(default_factory=dict)   # analysis results, by analysis name
-    failures: FailureLog | None = None   # failures that changed what runs, logged grouped at the end
-
-    def __post_init__(self) -> None:
-        if self.failures is None:
-            self.failures = FailureLog(f"{self.report.kind} graph {self.report.index}")
-
-    @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        """A pipeline stage: its time goes to the report, an exception leaving it names it."""
-        with self.report.stage(name), stage(name):
-            yield
-
-
 def default_claimers(config: Config) -> list[Claimer]:
     """Claiming passes in priority order (earlier passes see the graph first)."""
     # QK-norm attention (norms + attention in one μGraph) is matched before the attention claimer takes the
@@ -96,27 +74,35 @@ def default_claimers(config: Config) -> list[Claimer]:
 
 
 def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext) -> list[Region]:
+    """The partition stage: each claimer in turn claims from the nodes still free; the rest become fallback
+    regions, each carrying the declines of the claimers that passed over its nodes."""
     free = list(graph.nodes)
     regions: list[Region] = []
+    passed: list[Decline] = []
     for claimer in claimers:
-        for region in claimer.claim(graph, free, ctx):
-            taken = {id(n) for n in region.nodes}
+        for outcome in claimer.claim(graph, free, ctx):
+            if isinstance(outcome, Decline):
+                outcome.claimer = outcome.claimer or claimer.name
+                passed.append(outcome)
+                continue
+            if not isinstance(outcome, Claim):
+                raise MirageError(f"claimer {claimer.name} returned a {type(outcome).__name__}; a claimer returns "
+                                  f"Claim and Decline values only")
+            taken = {id(n) for n in outcome.nodes}
             if not taken <= {id(f) for f in free}:
                 raise MirageError(f"claimer {claimer.name} claimed a node twice")
-            if not is_convex(graph, region.nodes):
-                raise MirageError(f"claimer {claimer.name} claimed a non-convex region {region.ops}")
-            region.claimer = region.claimer or claimer.name
-            regions.append(region)
+            if not is_convex(graph, outcome.nodes):
+                raise MirageError(f"claimer {claimer.name} claimed a non-convex region {outcome.ops}")
+            regions.append(Region.of_claim(outcome, claimer.name))
             free = [n for n in free if id(n) not in taken]
-    regions.extend(_unclaimed_regions(graph, free, ctx.config, ctx.facts.get("stitch.skipped", ())))
+    regions.extend(_unclaimed_regions(graph, free, ctx.config, passed))
     return regions
 
 
 def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config,
-                       skipped: Sequence[tuple[str, str, str]] = ()) -> list[Region]:
-    """Connected groups of unclaimed nodes, each a fallback region with its reason; memory-bound groups a
-    claimer passed over as too small are named in the detail."""
-    small = {name: why for name, _, why in skipped if "MIRAGE_MIN_REGION_US" in why}
+                       passed: Sequence[Decline] = ()) -> list[Region]:
+    """Connected groups of unclaimed nodes, each a fallback region with its reason and the declines that
+    concern its nodes; memory-bound groups a claimer passed over as too small are named in the detail."""
     out = []
     for nodes in connected_components(free):
         kinds = {n.kind for n in nodes}
@@ -128,16 +114,21 @@ def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config,
             reason, detail = Reason.COMPUTE_BOUND, ""
         else:
             reason, detail = Reason.NOT_CLAIMED, ""
-        left = [f"{n.name} ({small[n.name].split(' <')[0]})" for n in nodes if n.name in small]
+        inside = {id(n) for n in nodes}
+        here = [d for d in passed if any(id(n) in inside for n in d.nodes)]
+        small = {id(d.nodes[0]): d.detail for d in here if d.reason is Reason.BELOW_MIN_REGION}
+        left = [f"{n.name} ({small[id(n)]})" for n in nodes if id(n) in small]
         if left:
             note = f"memory-bound groups too small for a kernel of their own (MIRAGE_MIN_REGION_US): {', '.join(left)}"
             detail = f"{detail}; {note}" if detail else note
-        out.append(Region(nodes, config.fallback, reason, detail))
+        out.append(Region(nodes, config.fallback, reason, detail, declines=here))
     return out
 
 
 def _report_regions(report: GraphReport, regions: Sequence[Region]) -> None:
-    report.regions = [RegionReport(r.ops, r.compiled_by, r.reason.value, r.detail, r.claimer, dict(r.info))
+    report.regions = [RegionReport(r.ops, r.compiled_by, r.reason, r.detail, r.claimer, dict(r.info),
+                                   [DeclineReport(d.claimer, d.reason, d.detail, [n.name for n in d.nodes])
+                                    for d in r.declines])
                       for r in regions]
 
 
@@ -212,12 +203,12 @@ def _after_failure(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
     report.fallback_error = f"{failure.stage} stage: {failure.error}"
     ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     if config.fallback == "inductor" and report.kind in ("inference", "forward"):
-        report.regions = [RegionReport(ops, "inductor", Reason.COMPILE_ERROR.value, report.fallback_error)]
+        report.regions = [RegionReport(ops, "inductor", Reason.COMPILE_ERROR, report.fallback_error)]
         report.whole_graph_to_inductor = True
         raise WholeGraphToInductor(_blocker_after(failure, gm, example_inputs, report.kind),
                                    ctx.static_input_indices, mutated_inputs(gm), failure=failure) from error
     fn, compiled_by, failure.outcome = _fallback(gm, ctx)
-    report.regions = [RegionReport(ops, compiled_by, Reason.COMPILE_ERROR.value, report.fallback_error)]
+    report.regions = [RegionReport(ops, compiled_by, Reason.COMPILE_ERROR, report.fallback_error)]
     log.warning("%s", format_failure(failure, f"{report.kind} graph {report.index}"))
     blocker = _blocker_after(failure, gm, example_inputs, report.kind)
     try:

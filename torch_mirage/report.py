@@ -1,25 +1,58 @@
-"""What the backend did, for people: :class:`Report` and :func:`explain`.
+"""What the backend did, for people: :class:`Report` (plain data; :func:`torch_mirage.explain` fills one).
 
 Every graph the backend compiles appends a :class:`GraphReport`: its regions
-(ops, who compiled them, why), whether it runs in a CUDA graph and why not,
-and the time each pipeline stage took.
+(ops, who compiled them, why: a :class:`Reason` and a detail), what each claimer
+passed over and why (:class:`DeclineReport`), whether the graph runs in a CUDA
+graph and why not, and the time each pipeline stage took.
 """
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
+
+
+class Reason(enum.StrEnum):
+    """Why a region runs where it runs, or why a claimer passed over nodes (the value is the words printed)."""
+    CLAIMED = "claimed by a mirage pass"
+    NOT_CLAIMED = "no mirage pass claims these ops"
+    OPAQUE_OP = "holds ops outside mirage's IR"
+    COMPUTE_BOUND = "compute-bound: left to the library call"
+    DYNAMIC_SHAPE = "dynamic shapes: mirage compiles static shapes only"
+    UNSUPPORTED_DEVICE = "not on a device mirage generates kernels for"
+    UNSUPPORTED_DTYPE = "dtype mirage does not generate kernels for"
+    SLOWER_THAN_INDUCTOR = "mirage's kernel measured slower than Inductor's"
+    COMPILE_ERROR = "mirage failed to compile it; fell back"
+    DISABLED = "disabled by configuration"
+    # reasons a claimer gives for passing over nodes (declines)
+    BELOW_MIN_REGION = "memory traffic below MIRAGE_MIN_REGION_US: too small for a kernel of its own"
+    TOO_LITTLE_WORK = "too little work to save a launch (layout only, or one cheap op)"
+    NOT_CONVEX = "the nodes do not form one convex region"
+    NOT_LOWERED = "holds ops the μGraph search cannot lower"
+    NO_KERNEL = "no kernel builds for these shapes"
+    NOT_FOUND = "the μGraph search found no verified μGraph within its budget"
+
+
+@dataclass
+class DeclineReport:
+    """Nodes a claimer passed over (each may still be claimed by a later claimer), and why."""
+    claimer: str
+    reason: Reason
+    detail: str
+    nodes: list[str]           # IR node names
 
 
 @dataclass
 class RegionReport:
     ops: list[str]
     compiled_by: str
-    reason: str
+    reason: Reason
     detail: str = ""
     claimer: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    declines: list[DeclineReport] = field(default_factory=list)   # fallback regions: what claimers passed over
 
     def row(self) -> str:
         ops = ", ".join(o.replace("aten.", "").replace(".default", "") for o in self.ops)

@@ -1,1 +1,2 @@
-"""Analysis: tensor properties, device model and roofline cost model."""
+"""Analysis: tensor properties (dimension links, value properties), attention regions, device model and roofline cost
+model."""

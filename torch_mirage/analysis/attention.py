@@ -13,8 +13,13 @@ An attention region is ``softmax(mask(softcap(scale · Q Kᵀ))) · V`` wherever
 
 :func:`find_attention` returns one :class:`AttentionSpec` per region found: its shape parameters, scale, soft-cap,
 mask (kind and the value that carries it), the capture-IR nodes it covers and the values it reads. A mask tensor's
-value property (:mod:`.properties`) names its structure (causal triangle / sliding window) where it is computed from
+value property (:mod:`.values`) names its structure (causal triangle / sliding window) where it is computed from
 index comparisons in the same graph.
+
+An eager region's P may also be read by reductions over the query axis — H2O's accumulated attention per key,
+spelled ``p.sum(-2)``, ``p.transpose(-1, -2).sum(-1)``, an einsum, a mean, summed over heads too: each becomes a
+:class:`ColumnReduction` in :attr:`AttentionSpec.extra_outputs` (its nodes join the region, its value leaves it);
+any other reader of an inner value keeps the region from being found.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from .properties import Affine, ValueKind, analyze_values
+from .values import Affine, ValueKind, analyze_values
 
 from ..capture.ir import Graph, Node, Value
 
@@ -60,12 +65,14 @@ class AttentionSpec:
     v: Value | None = None
     output: Value | None = None
     nodes: list[Node] = field(default_factory=list)
-    extra_outputs: tuple = ()       # e.g. column sums of P (not found yet: the region's P must not escape)
+    extra_outputs: tuple = ()       # ColumnReductions: P reduced over the query axis (H2O's column sums)
     # where the mask's value property bounds the keys a query sees: (offset, window): query i sees key j only if
     # j <= i + offset (and j > i + offset - window); None where nothing is known. Attention seeds skip the key
     # tiles outside (``forloop_band``); the mask is still applied inside.
     mask_band: tuple | None = None
     mask_zero_visible: bool = False  # the mask (as the seed adds it) is 0 wherever the band sees
+    probs: tuple = ()               # eager form: the values holding P (b, h, sq, skv), from the softmax to P·V
+    row_stats: tuple = ()           # eager form: the softmax's row max and row sum of exponentials (b, h, sq, 1)
 
     @property
     def group(self) -> int:
@@ -83,7 +90,30 @@ class AttentionSpec:
             parts.append(f"mask={self.mask}" + (f"({self.mask_structure})" if self.mask_structure else ""))
         if self.mask_band is not None:
             parts.append(f"band={self.mask_band[0]}" + (f",w{self.mask_band[1]}" if self.mask_band[1] else ""))
+        if self.extra_outputs:
+            parts.append(f"column_sums={len(self.extra_outputs)}")
         return f"{self.form}: " + " ".join(parts)
+
+
+@dataclass
+class ColumnReduction:
+    """A reduction of the region's P over the query axis — H2O's accumulated attention per key — read off the
+    graph, whatever its spelling (``p.sum(-2)``, ``p.transpose(-1, -2).sum(-1)``, an einsum, a mean, summed over
+    heads too): ``P.permute(order).sum(dims, keepdim) · factor`` in ``dtype``, where ``order`` lists P's logical
+    dims (0 b, 1 h, 2 query, 3 key) in the order the reduction sees them; ``dims`` hold the query dim and not the
+    key dim."""
+    value: Value
+    nodes: list[Node]
+    order: tuple
+    dims: tuple
+    keepdim: bool
+    factor: float
+    dtype: torch.dtype
+
+    def apply(self, colsum: torch.Tensor) -> torch.Tensor:
+        """This reduction's value from the column sums per query head, ``colsum`` (b, h, skv)."""
+        x = colsum.unsqueeze(2).permute(self.order).sum(self.dims, keepdim=self.keepdim)
+        return (x * self.factor if self.factor != 1.0 else x).to(self.dtype)
 
 
 def _shape(v: Any) -> tuple | None:
@@ -359,6 +389,50 @@ def _mask_band(mask: Value, values: dict | None, kind: str, sq: int, skv: int) -
     return hi, window
 
 
+_COLUMN_PASS = {"to_dtype", "copy", "permute", "expand"}
+
+
+def _column_reduction(user: Node, p: Value, outputs: set[int]) -> ColumnReduction | None:
+    """The reduction of P over the query axis that starts at ``user`` (a reader of ``p``), through casts,
+    permutes and no-op expands whose results nothing else reads, to a ``sum`` / ``mean``; None otherwise."""
+    nodes: list[Node] = []
+    order, x, n = list(range(4)), p, user
+    while n.op.name not in ("sum", "mean"):
+        if n.op.name not in _COLUMN_PASS or n.args[0] is not x:
+            return None
+        y = n.outputs[0]
+        if n.op.name == "expand" and _shape(y) != _shape(x):
+            return None
+        if n.op.name == "permute":
+            order = [order[i % 4] for i in n.args[1]]
+        nodes.append(n)
+        x = y
+        if id(x) in outputs or len(x.users) != 1:
+            return None
+        n = x.users[0]
+    dims = n.args[1] if len(n.args) > 1 else None
+    if n.args[0] is not x or not dims or len(n.outputs) != 1:
+        return None
+    dims = tuple(sorted({int(d) % 4 for d in dims}))
+    logical = {order[d] for d in dims}
+    if 2 not in logical or 3 in logical:
+        return None
+    keepdim = bool(n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
+    factor = 1.0 / math.prod(_shape(x)[d] for d in dims) if n.op.name == "mean" else 1.0
+    return ColumnReduction(n.outputs[0], nodes + [n], tuple(order), dims, keepdim, factor, n.outputs[0].meta.dtype)
+
+
+def _column_reductions(spec: AttentionSpec, outputs: set[int]) -> list[ColumnReduction]:
+    """The readers of the region's P outside it that reduce P over the query axis."""
+    inside = {id(n) for n in spec.nodes}
+    found = []
+    for p in spec.probs:
+        for u in p.users:
+            if id(u) not in inside and (r := _column_reduction(u, p, outputs)) is not None:
+                found.append(r)
+    return found
+
+
 def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     """The eager attention whose ``P·V`` bmm is ``pv``."""
     seen: list[Node] = [pv]
@@ -404,6 +478,15 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     spec = AttentionSpec(b, h, hk, sq, skv, d, scores["scale"] * qf * kf, scores["softcap"],
                          scores["mask"], "", mask_value, scores.get("bool_fill"), qv.meta.dtype, "eager",
                          qv, kv, vv, out, seen)
+    spec.probs, y = (), p_in                  # P from P·V's operand back to the softmax's div
+    while True:
+        if _shape(y) == (b, h, sq, skv):
+            spec.probs += (y,)
+        if _op(y) == "div":
+            break
+        y = y.producer.args[0]
+    div = y.producer
+    spec.row_stats = (div.args[0].producer.args[0].producer.args[1], div.args[1])
     if mask_value is not None:
         ms = _shape(mask_value)
         if len(ms) > 4 or any(a not in (1, e) for a, e in zip(ms[::-1], (skv, sq, h, b))):
@@ -493,12 +576,15 @@ def find_attention(graph: Graph, nodes: Sequence[Node] | None = None) -> list[At
             spec = None
         if spec is None:
             continue
+        spec.nodes = list({id(x): x for x in spec.nodes}.values())
+        spec.extra_outputs = tuple(r for r in _column_reductions(spec, outputs)
+                                   if all(id(x) in allowed and id(x) not in taken for x in r.nodes))
+        spec.nodes += [x for r in spec.extra_outputs for x in r.nodes]
         ids = {id(x) for x in spec.nodes}
-        if len(ids) != len(spec.nodes):
-            spec.nodes = list({id(x): x for x in spec.nodes}.values())
         if not ids <= allowed or ids & taken:
             continue
-        inner_escapes = any(w is not spec.output and (id(w) in outputs or any(id(u) not in ids for u in w.users))
+        leaving = {id(spec.output)} | {id(r.value) for r in spec.extra_outputs}
+        inner_escapes = any(id(w) not in leaving and (id(w) in outputs or any(id(u) not in ids for u in w.users))
                             for x in spec.nodes for w in x.outputs)
         if inner_escapes:
             continue

@@ -24,7 +24,8 @@ from typing import Callable, Iterable, Sequence
 from ..capture.ir import Graph, Node, TensorMeta, Value
 from ..capture.ops import OpKind
 from .device import DeviceModel
-from .properties import ReduceDep, TensorProperties, analyze_properties, matmul_operands, reduction_dims
+from .op_dims import matmul_operands, reduction_dims
+from .properties import ReduceDep, TensorProperties, analyze_properties
 
 # layout ops that only alias their input: no kernel, no bytes of their own
 ALIASING_OPS = frozenset({"view", "permute", "expand", "unsqueeze", "squeeze", "slice", "split"})
@@ -134,8 +135,11 @@ def _is_read(v: Value, inside: set[int]) -> bool:
     return False
 
 
-def region_bytes(nodes: Sequence[Node], graph: Graph | None) -> int:
+def region_bytes(nodes: Sequence[Node], graph: Graph | None, outputs: Sequence[Value] | None = None) -> int:
+    """Bytes read and written by ``nodes`` as one kernel; ``outputs``: the values it writes, where a kernel
+    writes other values than those leaving the node set (FlashTensor's non-convex kernels name theirs)."""
     ins, outs = region_io(nodes, graph)
+    outs = outs if outputs is None else list(outputs)
     inside = {id(n) for n in nodes}
     external = {id(v) for v in ins}
     total = 0
@@ -189,12 +193,13 @@ class CostModel:
         return self.region_cost([node], None)
 
     def region_cost(self, nodes: Iterable[Node], graph: Graph | None, props: TensorProperties | None = None,
-                    values: dict | None = None) -> Cost:
+                    values: dict | None = None, outputs: Sequence[Value] | None = None) -> Cost:
         """Cost of ``nodes`` as one kernel of ``graph``. ``props``: this region's properties if already computed
-        (``analyze_properties(graph, nodes)``); ``values``: the graph's value properties, to skip recomputing them."""
+        (``analyze_properties(graph, nodes)``); ``values``: the graph's value properties, to skip recomputing them;
+        ``outputs``: the values the kernel writes (default: those leaving ``nodes``)."""
         nodes = list(nodes)
         d = self.device
-        nbytes = region_bytes(nodes, graph)
+        nbytes = region_bytes(nodes, graph, outputs)
         mm_time = mm_flops = other = 0.0
         for n in nodes:
             for v in n.outputs:

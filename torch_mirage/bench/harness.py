@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..numerics import relative_error, tolerance
 from ..timing import cuda_graph_timing, plain_timing
 from . import workloads as W
 
@@ -29,9 +30,8 @@ log = logging.getLogger("torch_mirage")
 MODES = ("eager", "inductor", "inductor-max-autotune", "mirage")
 INDUCTOR_MODES = ("inductor", "inductor-max-autotune")
 
-# relative-error tolerance of a mode's output against the higher-precision reference, by dtype;
-# a mode may also be up to ERR_SLACK times as far off as eager itself
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+# a mode's output may be off the higher-precision reference by numerics.tolerance(dtype, "bench"), or by up to
+# ERR_SLACK times as much as eager itself
 ERR_SLACK = 3.0
 
 
@@ -129,12 +129,12 @@ def run_outputs(fn: Callable, inputs: Sequence[torch.Tensor], mutates: Sequence[
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """:func:`~torch_mirage.numerics.relative_error`, NaN where ``out`` has any NaN or inf (never passes)."""
     if out.shape != ref.shape:
         raise ValueError(f"shape {tuple(out.shape)} where the reference has {tuple(ref.shape)}")
-    diff = out.to(ref.dtype) - ref
     if not torch.isfinite(out).all():
         return math.nan
-    return float(diff.norm() / ref.norm().clamp_min(1e-30))
+    return relative_error(out, ref)
 
 
 def _poison(device: torch.device, nbytes: int) -> None:
@@ -273,7 +273,7 @@ def run_case(spec: CaseSpec, modes: Sequence[str], dtype: torch.dtype, device: t
     compilers = {**COMPILERS, **(compilers or {})}
     ref_dtype = torch.float64 if device.type == "cpu" else torch.float32
     refs = {seed: _reference(spec, seed, ref_dtype) for seed in (1001, 1002)}
-    base_tol = TOLERANCE[dtype]
+    base_tol = tolerance(dtype, "bench")
     results: dict[str, ModeResult] = {}
     eager = run_mode(spec, "eager", compilers["eager"], refs, math.inf,
                      timing if "eager" in modes else None, device)

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..numerics import tolerance
 from ..timing import alternating_medians, count_device_kernels, plain_timing
 from .harness import COMPILERS, _free, _short, mirage_summary, rel_error, time_in_cuda_graph
 
@@ -38,7 +39,6 @@ CONTEXT = 4096          # static cache slots
 DECODE_POSITION = 4000  # the decoded token's position (earlier slots hold random keys/values)
 PREFILL_TOKENS = 2048
 LLM_MODES = ("eager", "inductor", "mirage")
-TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
 MISSING = "transformers is not installed: end-to-end LLM benchmarks skipped (pip install 'transformers>=4.45')"
 
@@ -369,7 +369,7 @@ def _check_mode(case: _Case, mode: str, dtype: torch.dtype, peak: _PeakMemory) -
     res: dict[str, Any] = {"status": "failed", "ms": None, "tokens_per_s": None, "compile_s": None,
                            "peak_gib": None, "rel_err": None, "error": None, "timing_method": None}
     info: dict = {}
-    kv, tol = case.kv, TOLERANCE[dtype]
+    kv, tol = case.kv, tolerance(dtype, "model")
     try:
         peak.reset()
         compiled = COMPILERS[mode](case.forward, info)

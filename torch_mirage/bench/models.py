@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..numerics import tolerance
 from ..timing import count_device_kernels, plain_timing
 from .harness import _free, _short, mirage_summary, rel_error
 from .report import environment, pyplot, write_json
@@ -35,7 +36,6 @@ from .report import environment, pyplot, write_json
 SCHEMA = "torch_mirage.bench.models/1"
 MODES = ("eager", "inductor", "reduce-overhead", "max-autotune", "mirage")
 ATTN = ("default", "eager")   # default: what transformers picks (sdpa where the model supports it)
-TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}   # relative, logits vs eager
 MISSING = "transformers is not installed: the model bench needs it (pip install 'torch-mirage[bench]')"
 
 
@@ -245,7 +245,7 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
                     res["tokens_match"] = _tokens_match(toks, eager_tokens)
                     us = _timed(lambda: greedy_generate(model, prompt, new_tokens), timing)
                     res["us_per_token"] = us / new_tokens if us is not None else None
-            if not math.isfinite(res["rel_err_vs_eager"]) or res["rel_err_vs_eager"] > TOLERANCE[dtype]:
+            if not math.isfinite(res["rel_err_vs_eager"]) or res["rel_err_vs_eager"] > tolerance(dtype, "model"):
                 res["status"] = "mismatch"
             if report is not None:
                 res["mirage"] = dict(mirage_summary({"report": report}) or {}, cuda_graphs=[

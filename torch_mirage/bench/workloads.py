@@ -16,15 +16,10 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..numerics import rms_norm
+
 # ---------------------------------------------------------------------------------------------
 # The functions (what a model author writes)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    h = h.to(x.dtype)
-    return h if weight is None else h * weight
 
 
 def _attention(q, k, v, mask=None, softcap: float | None = None):
@@ -38,7 +33,7 @@ def _attention(q, k, v, mask=None, softcap: float | None = None):
 
 
 def rmsnorm_linear(x, g, w):
-    return _rms_norm(x, g) @ w
+    return rms_norm(x, weight=g) @ w
 
 
 def gated_mlp(x, w1, w3):
@@ -50,7 +45,7 @@ def gqa(q, k, v):
 
 
 def qknorm_attention(q, k, v, gq, gk):
-    return _attention(_rms_norm(q, gq), _rms_norm(k, gk), v)[0]
+    return _attention(rms_norm(q, weight=gq), rms_norm(k, weight=gk), v)[0]
 
 
 def lora(x, w, a, b):
@@ -58,7 +53,7 @@ def lora(x, w, a, b):
 
 
 def ntrans(h, x, alpha):
-    return _rms_norm(alpha * (_rms_norm(h) + x) + x)
+    return rms_norm(alpha * (rms_norm(h) + x) + x)
 
 
 def bias_residual_layernorm(x, residual, bias, gamma, beta):
@@ -96,7 +91,7 @@ def llama_layer_decode(x, cos, sin, mask, cache_position, k_cache, v_cache,
     b, t, d = x.shape
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     heads = wq.shape[0] // head_dim
-    h = _rms_norm(x, ln1, eps=1e-5)
+    h = rms_norm(x, 1e-5, ln1)
     q = F.linear(h, wq).view(b, t, heads, head_dim).transpose(1, 2)
     k = F.linear(h, wk).view(b, t, kv_heads, head_dim).transpose(1, 2)
     v = F.linear(h, wv).view(b, t, kv_heads, head_dim).transpose(1, 2)
@@ -109,7 +104,7 @@ def llama_layer_decode(x, cos, sin, mask, cache_position, k_cache, v_cache,
     attn, _ = _attention(q, k_cache, v_cache, mask)
     attn = attn.reshape(b, heads, t, head_dim).transpose(1, 2).reshape(b, t, heads * head_dim)
     x = x + F.linear(attn, wo)
-    h = _rms_norm(x, ln2, eps=1e-5)
+    h = rms_norm(x, 1e-5, ln2)
     return x + F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
 
 

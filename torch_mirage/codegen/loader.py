@@ -21,6 +21,7 @@ import threading
 from types import ModuleType
 
 from ..cache import write_atomic
+from ..context import Target
 
 log = logging.getLogger("torch_mirage")
 
@@ -54,7 +55,7 @@ def _ensure_file(path: str, data: bytes) -> None:
 def load_source(source: str, cache_dir: str, prefix: str = "gen") -> tuple[ModuleType, str]:
     """Import ``source`` as a module; returns (module, file path)."""
     path = source_path(source, cache_dir, prefix)
-    key = (path, os.environ.get("TRITON_INTERPRET", ""))
+    key = (path, Target.current())   # @triton.jit reads the target when the module runs: one module per target
     with _LOCK:
         if key in _LOADED:
             return _LOADED[key]

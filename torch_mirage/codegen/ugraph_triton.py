@@ -753,7 +753,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
 
 
 def _band_bounds(e: _Emitter, bg: BlockGraph, lo: str, hi: str) -> tuple[str, str]:
-    """The block's loop bounds under ``bg.forloop_band`` (the arithmetic of :func:`~..superopt.ugraph.band_range`
+    """The block's loop bounds under ``bg.forloop_band`` (the arithmetic of :func:`~torch_mirage.ugraph.band_range`
     on program ids): the first and one past the last iteration whose key tile holds a key visible from one of
     the block's query rows, within ``[lo, hi)`` (a split's share of the loop)."""
     b = band_geometry(bg)

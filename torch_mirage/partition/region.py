@@ -1,46 +1,31 @@
-"""Regions: connected sets of IR nodes that one compiler takes, with the reason why.
+"""The partition stage's contract: what a claimer returns (:class:`Claim`, :class:`Decline`) and the
+:class:`Region` s the pipeline makes of it.
 
-A claiming pass (a :class:`Claimer`) looks at the graph and returns the
-:class:`Region` s it will compile itself (``compiled_by="mirage"``), each with a
-``kernel``: a callable from the region's input tensors to its output tensors.
-Everything left unclaimed becomes ``"inductor"`` (or ``"eager"``) regions.
+A claiming pass (a :class:`Claimer`) looks at the graph's free nodes and returns, for each group of nodes it
+considered, either a :class:`Claim` — the nodes, the plan it built for them (a StitchPlan, a μGraph) and the
+``kernel`` built from the plan: a callable from the region's input tensors to its output tensors — or a
+:class:`Decline`: the nodes it passed over, a :class:`Reason` and a detail in words. The pipeline turns claims
+into ``compiled_by="mirage"`` regions, the nodes nobody claimed into ``"inductor"`` (or ``"eager"``) regions,
+and hands the declines to the report as they are (typed: nothing downstream reads a reason out of text).
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from ..capture.ir import Graph, Node, Value
+from ..context import CompileContext
+from ..report import Reason
+
+__all__ = ["Claim", "Claimer", "Decline", "Outcome", "Reason", "Region", "claims", "declines", "inputs_of", "is_convex", "outputs_of"]
 
 
-class Reason(enum.Enum):
-    CLAIMED = "claimed by a mirage pass"
-    NOT_CLAIMED = "no mirage pass claims these ops"
-    OPAQUE_OP = "holds ops outside mirage's IR"
-    COMPUTE_BOUND = "compute-bound: left to the library call"
-    DYNAMIC_SHAPE = "dynamic shapes: mirage compiles static shapes only"
-    UNSUPPORTED_DEVICE = "not on a device mirage generates kernels for"
-    UNSUPPORTED_DTYPE = "dtype mirage does not generate kernels for"
-    SLOWER_THAN_INDUCTOR = "mirage's kernel measured slower than Inductor's"
-    COMPILE_ERROR = "mirage failed to compile it; fell back"
-    DISABLED = "disabled by configuration"
-
-
-@dataclass(eq=False)
-class Region:
+class _Nodes:
+    """A set of IR nodes in graph order (``nodes``): its ops, the values it reads and the values it gives."""
     nodes: list[Node]
-    compiled_by: str                   # "mirage" | "inductor" | "eager"
-    reason: Reason
-    detail: str = ""
-    claimer: str = ""
-    kernel: Callable[..., tuple] | None = None   # mirage regions: (*inputs) -> tuple(outputs)
-    plan: Any = None                   # the claimer's plan (StitchPlan, μGraph) the kernel was built from
-    info: dict[str, Any] = field(default_factory=dict)  # claimer's facts for the report
 
     def __post_init__(self) -> None:
-        ids = {id(n) for n in self.nodes}
-        self._ids = ids
+        self._ids = {id(n) for n in self.nodes}
 
     def __contains__(self, node: Node) -> bool:
         return id(node) in self._ids
@@ -51,26 +36,85 @@ class Region:
 
     @property
     def inputs(self) -> list[Value]:
-        """Values the region reads that it does not produce, in first-use order."""
-        seen: dict[int, Value] = {}
-        for n in self.nodes:
-            for v in n.inputs:
-                if (v.producer is None or v.producer not in self) and id(v) not in seen:
-                    seen[id(v)] = v
-        return list(seen.values())
+        return inputs_of(self.nodes)
 
     def outputs(self, graph: Graph) -> list[Value]:
-        """Values the region produces that something outside it (or the graph output) reads."""
-        graph_outs = {id(v) for v in graph.output_values}
-        return [v for n in self.nodes for v in n.outputs
-                if id(v) in graph_outs or any(u not in self for u in v.users)]
+        return outputs_of(self.nodes, graph)
+
+
+def inputs_of(nodes: Sequence[Node]) -> list[Value]:
+    """Values ``nodes`` read that they do not produce, in first-use order."""
+    inside = {id(n) for n in nodes}
+    seen: dict[int, Value] = {}
+    for n in nodes:
+        for v in n.inputs:
+            if (v.producer is None or id(v.producer) not in inside) and id(v) not in seen:
+                seen[id(v)] = v
+    return list(seen.values())
+
+
+def outputs_of(nodes: Sequence[Node], graph: Graph) -> list[Value]:
+    """Values ``nodes`` produce that something outside them (or the graph output) reads."""
+    inside = {id(n) for n in nodes}
+    graph_outs = {id(v) for v in graph.output_values}
+    return [v for n in nodes for v in n.outputs
+            if id(v) in graph_outs or any(id(u) not in inside for u in v.users)]
+
+
+@dataclass(eq=False)
+class Claim(_Nodes):
+    """Nodes a claimer compiles itself: the plan it built and the kernel built from it."""
+    nodes: list[Node]
+    plan: Any                          # StitchPlan, KernelGraph (μGraph)
+    kernel: Callable[..., tuple]       # (*region inputs) -> tuple(region outputs)
+    detail: str = ""                   # for the report: what was built ("stitch: rows=...", "μGraph lora(...)")
+    info: dict[str, Any] = field(default_factory=dict)   # the claimer's facts for the report
+
+
+@dataclass(eq=False)
+class Decline:
+    """Nodes a claimer considered and passed over, and why; ``claimer`` is filled in by the pipeline."""
+    nodes: list[Node]
+    reason: Reason
+    detail: str = ""
+    claimer: str = ""
+
+
+Outcome = Claim | Decline
+
+
+def claims(outcomes: Sequence[Outcome]) -> list[Claim]:
+    return [o for o in outcomes if isinstance(o, Claim)]
+
+
+def declines(outcomes: Sequence[Outcome]) -> list[Decline]:
+    return [o for o in outcomes if isinstance(o, Decline)]
+
+
+@dataclass(eq=False)
+class Region(_Nodes):
+    """A connected set of nodes one compiler runs, with the reason why (the partition stage's output)."""
+    nodes: list[Node]
+    compiled_by: str                   # "mirage" | "inductor" | "eager"
+    reason: Reason
+    detail: str = ""
+    claimer: str = ""
+    kernel: Callable[..., tuple] | None = None   # mirage regions: (*inputs) -> tuple(outputs)
+    plan: Any = None                   # the claimer's plan (StitchPlan, μGraph) the kernel was built from
+    info: dict[str, Any] = field(default_factory=dict)  # claimer's facts for the report
+    declines: list[Decline] = field(default_factory=list)   # fallback regions: what claimers passed over here
+
+    @classmethod
+    def of_claim(cls, claim: Claim, claimer: str) -> Region:
+        return cls(claim.nodes, "mirage", Reason.CLAIMED, claim.detail, claimer, claim.kernel, claim.plan,
+                   dict(claim.info))
 
 
 class Claimer(Protocol):
-    """A pass that claims the regions it compiles better than the fallback."""
+    """A pass that claims the nodes it compiles better than the fallback, and says why it passes over others."""
     name: str
 
-    def claim(self, graph: Graph, free: Sequence[Node], ctx: Any) -> list[Region]: ...
+    def claim(self, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> list[Outcome]: ...
 
 
 def is_convex(graph: Graph, nodes: Sequence[Node]) -> bool:

@@ -2,7 +2,7 @@
 
 1. Candidates: free elementwise / reduction / constant-fill nodes the stitch
    codegen can emit, on static shapes, fp16 / bf16 / fp32 (bool masks), on CUDA
-   (or CPU under ``TRITON_INTERPRET=1``). Matmuls and opaque ops are boundaries.
+   (or CPU when the context's target is Triton's interpreter). Matmuls and opaque ops are boundaries.
 2. Stitch ops grow over data edges in topological order (the BFS of the paper),
    a node joining its producers' group when the union still has one iteration
    space and the condensed graph stays acyclic; independent groups of the same
@@ -11,13 +11,14 @@
    results (epilogue) join it: they run on real tensors around the kernel.
 4. Each group gets dominant ops, a scheme per edge and a thread mapping
    (:mod:`torch_mirage.codegen.stitch_plan`), is emitted by
-   :mod:`torch_mirage.codegen.stitch_triton`, and becomes a mirage Region.
-Groups that are only layout ops or one cheap elementwise op stay with Inductor.
+   :mod:`torch_mirage.codegen.stitch_emit` (launched by :mod:`~torch_mirage.codegen.stitch_launch`), and becomes a :class:`Claim`.
+Groups that are only layout ops or one cheap elementwise op, or whose memory traffic is below
+``min_region_us``, stay with Inductor: the claimer returns a :class:`Decline` for them, and for each
+candidate-kind node it cannot take (with the reason: dtype, device, dynamic shape, ...).
 """
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Sequence
 
 import torch
@@ -26,10 +27,13 @@ from ..analysis.cost import CostModel
 from ..analysis.device import DeviceModel
 from ..capture.ir import Graph, Node, Value, connected_components, topo_sorted
 from ..capture.ops import OpKind
+from ..codegen.stitch_launch import build_kernel
+from ..codegen.stitch_ops import node_support, reduction_spec
 from ..codegen.stitch_plan import DominantOp, Scheme, StitchLimits, StitchPlan, Strategy, ThreadMapping
-from ..codegen.stitch_triton import build_kernel, node_support, reduction_spec, schedule_facts
-from ..failures import nodes_summary, note
-from .region import Reason, Region
+from ..codegen.stitch_schedule import schedule_facts
+from ..context import CompileContext, Target
+from ..failures import describe_error, nodes_summary, note
+from .region import Claim, Decline, Outcome, Reason, inputs_of, outputs_of
 
 log = logging.getLogger("torch_mirage")
 
@@ -61,11 +65,7 @@ def _memory_us(nodes: Sequence[Node], graph: Graph, device: Any) -> float | None
 
 # ---------------------------------------------------------------- candidates
 
-def _device_ok(v: Value, interpret: bool) -> bool:
-    return v.meta.device.type == "cuda" or (interpret and v.meta.device.type == "cpu")
-
-
-def _tensor_problem(node: Node, interpret: bool) -> tuple[Reason, str] | None:
+def _tensor_problem(node: Node, target: Target) -> tuple[Reason, str] | None:
     for v in list(node.inputs) + list(node.outputs):
         if v.meta is None:
             reason = Reason.DYNAMIC_SHAPE if isinstance(v.example, torch.SymInt) else Reason.NOT_CLAIMED
@@ -74,7 +74,7 @@ def _tensor_problem(node: Node, interpret: bool) -> tuple[Reason, str] | None:
             return Reason.DYNAMIC_SHAPE, f"{node.name}: {v.meta}"
         if v.meta.dtype not in DTYPES:
             return Reason.UNSUPPORTED_DTYPE, f"{node.name}: {v.meta.dtype}"
-        if not _device_ok(v, interpret):
+        if not target.runs_on(v.meta.device.type):
             return Reason.UNSUPPORTED_DEVICE, f"{node.name}: {v.meta.device} (Triton kernels need CUDA)"
         if v.meta.numel == 0:
             return Reason.NOT_CLAIMED, f"{node.name}: 0-size tensor {v.meta} (nothing to compute)"
@@ -83,19 +83,19 @@ def _tensor_problem(node: Node, interpret: bool) -> tuple[Reason, str] | None:
     return None
 
 
-def candidate_problem(node: Node, interpret: bool) -> tuple[Reason, str] | None:
+def candidate_problem(node: Node, target: Target) -> tuple[Reason, str] | None:
     """None when ``node`` may join a stitch group; else (reason, detail)."""
     if node.kind not in (OpKind.ELEMENTWISE, OpKind.REDUCTION, OpKind.CREATION):
         return Reason.NOT_CLAIMED, f"{node.name}: {node.kind.value}"
     why = node_support(node)
     if why is not None:
         return Reason.NOT_CLAIMED, why
-    return _tensor_problem(node, interpret)
+    return _tensor_problem(node, target)
 
 
-def _is_view(node: Node, interpret: bool) -> bool:
+def _is_view(node: Node, target: Target) -> bool:
     return node.kind is OpKind.LAYOUT and node.op.name in VIEW_OPS and len(node.outputs) == 1 \
-        and _tensor_problem(node, interpret) is None
+        and _tensor_problem(node, target) is None
 
 
 # ---------------------------------------------------------------- iteration space
@@ -231,7 +231,7 @@ def merge_independent(graph: Graph, groups: dict[int, list[Node]], group_of: dic
 
 
 def attach_layout(graph: Graph, compute: Sequence[Node], free_ids: set[int], taken: set[int],
-                  interpret: bool) -> tuple[list[Node], list[Node]]:
+                  target: Target) -> tuple[list[Node], list[Node]]:
     """View-like ops that only feed the group (prologue) or only read its results (epilogue)."""
     inside = {id(n) for n in compute}
     prologue: list[Node] = []
@@ -239,7 +239,7 @@ def attach_layout(graph: Graph, compute: Sequence[Node], free_ids: set[int], tak
     while changed:
         changed = False
         for n in graph.nodes:
-            if id(n) in inside or id(n) not in free_ids or id(n) in taken or not _is_view(n, interpret):
+            if id(n) in inside or id(n) not in free_ids or id(n) in taken or not _is_view(n, target):
                 continue
             users = n.outputs[0].users
             if users and all(id(u) in inside for u in users) and \
@@ -252,7 +252,7 @@ def attach_layout(graph: Graph, compute: Sequence[Node], free_ids: set[int], tak
     made = {id(n) for n in compute}
     epilogue: list[Node] = []
     for n in graph.nodes:
-        if id(n) in inside or id(n) not in free_ids or id(n) in taken or not _is_view(n, interpret):
+        if id(n) in inside or id(n) not in free_ids or id(n) in taken or not _is_view(n, target):
             continue
         ins = n.inputs
         if len(ins) == 1 and ins[0].producer is not None and id(ins[0].producer) in made \
@@ -434,61 +434,53 @@ class StitchClaimer:
         self.device = device
         self.limits = limits or StitchLimits()
 
-    def claim(self, graph: Graph, free: Sequence[Node], ctx: Any) -> list[Region]:
-        interpret = os.environ.get("TRITON_INTERPRET") == "1"
-        skipped: list[tuple[str, str, str]] = []
+    def claim(self, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> list[Outcome]:
+        outcomes: list[Outcome] = []
         candidates = []
         for n in free:
-            problem = candidate_problem(n, interpret)
+            problem = candidate_problem(n, ctx.target)
             if problem is None:
                 candidates.append(n)
             elif n.kind in (OpKind.ELEMENTWISE, OpKind.REDUCTION):
-                skipped.append((n.name, problem[0].name, problem[1]))
-        if ctx is not None and getattr(ctx, "facts", None) is not None:
-            ctx.facts["stitch.skipped"] = skipped
+                outcomes.append(Decline([n], *problem))
         if not candidates:
-            return []
+            return outcomes
         device = self.device or device_model()
         free_ids = {id(n) for n in free}
         taken: set[int] = set()
-        regions = []
-        min_us = ctx.config.min_region_us if ctx is not None else 0.0
+        min_us = ctx.config.min_region_us
         for compute in grow_groups(graph, candidates):
             if not worth_claiming(compute):
+                outcomes.append(Decline(compute, Reason.TOO_LITTLE_WORK))
                 continue
             memory_us = _memory_us(compute, graph, device)
             if memory_us is not None and memory_us < min_us:
                 # too little traffic to pay for a kernel of its own: Inductor fuses it with its neighbours
-                skipped.append((compute[0].name, Reason.NOT_CLAIMED.name,
-                                f"{memory_us:.2f} µs of memory traffic < {min_us:g} µs (MIRAGE_MIN_REGION_US)"))
+                outcomes.append(Decline(compute, Reason.BELOW_MIN_REGION, f"{memory_us:.2f} µs of memory traffic"))
                 continue
-            region = self._region(graph, compute, free_ids, taken, interpret, device, ctx)
-            if region is not None:
-                taken.update(id(n) for n in region.nodes)
-                regions.append(region)
-        return regions
+            outcome = self._claim(graph, compute, free_ids, taken, device, ctx)
+            if isinstance(outcome, Claim):
+                taken.update(id(n) for n in outcome.nodes)
+            outcomes.append(outcome)
+        return outcomes
 
-    def _region(self, graph: Graph, compute: list[Node], free_ids: set[int], taken: set[int], interpret: bool,
-                device: Any, ctx: Any) -> Region | None:
-        prologue, epilogue = attach_layout(graph, compute, free_ids, taken, interpret)
+    def _claim(self, graph: Graph, compute: list[Node], free_ids: set[int], taken: set[int], device: Any,
+               ctx: CompileContext) -> Outcome:
+        prologue, epilogue = attach_layout(graph, compute, free_ids, taken, ctx.target)
         nodes = topo_sorted(prologue + compute + epilogue, graph)
-        region = Region(nodes, "mirage", Reason.CLAIMED, claimer=self.name)
-        plan = build_plan(graph, compute, prologue, epilogue, region.outputs(graph), device, self.limits)
+        plan = build_plan(graph, compute, prologue, epilogue, outputs_of(nodes, graph), device,
+                          self.limits)
         if plan is None:
-            return None
-        cache_dir = ctx.config.cache_dir if ctx is not None else os.path.join(
-            os.environ.get("TMPDIR", "/tmp"), "torch_mirage")
+            return Decline(compute, Reason.NOT_CLAIMED, "a stored value lies outside the group's iteration space")
         try:
-            region.kernel, path = build_kernel(plan, region.inputs, cache_dir)
+            kernel, path = build_kernel(plan, inputs_of(nodes), ctx.config.cache_dir)
         except Exception as e:  # codegen or import failure: leave the nodes to the fallback
-            if ctx is not None and ctx.config.strict:
+            if ctx.config.strict:
                 raise
             note(ctx, "build", f"the stitch kernel for {nodes_summary(compute)}", e,
                  "those nodes are left to the fallback")
-            return None
+            return Decline(compute, Reason.COMPILE_ERROR, describe_error(e))
         summary = plan.summary()
-        region.detail = f"stitch: {summary['thread_mapping']}"
-        region.info = dict(summary, kernel_source=path, predicted_us=predicted_us(nodes, graph, device),
-                           device_profile=getattr(device, "name", str(device)))
-        region.plan = plan
-        return region
+        return Claim(nodes, plan, kernel, detail=f"stitch: {summary['thread_mapping']}",
+                     info=dict(summary, kernel_source=path, predicted_us=predicted_us(nodes, graph, device),
+                               device_profile=getattr(device, "name", str(device))))

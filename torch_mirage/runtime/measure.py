@@ -7,8 +7,6 @@ the device and the versions, so later compiles reuse it.
 from __future__ import annotations
 
 import logging
-import math
-import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -18,7 +16,9 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ..cache import cache_key
 from ..capture.ir import Graph, fingerprint, subgraph
 from ..capture.lower import constant_value, to_fx
+from ..context import CompileContext
 from ..failures import nodes_summary, note
+from ..numerics import TOLERANCE, relative_error, same_non_finite, tolerance
 from ..partition.region import Reason, Region
 from ..timing import random_like, cuda_graph_timing, alternating_medians, rotated_input_sets
 from .inductor_quiet import without_artifact_warning
@@ -42,7 +42,7 @@ def _inductor_region(sub: Graph, inputs: Sequence[torch.Tensor], mode: str) -> C
     return lambda *args: compiled(*args)
 
 
-def measure_region(region: Region, graph: Graph, ctx: Any) -> RegionTiming:
+def measure_region(region: Region, graph: Graph, ctx: CompileContext) -> RegionTiming:
     outs = region.outputs(graph)
     sub = subgraph(graph, region.nodes, outs)
     key = None
@@ -63,7 +63,7 @@ def measure_region(region: Region, graph: Graph, ctx: Any) -> RegionTiming:
     return timing
 
 
-def keep_faster(regions: Sequence[Region], graph: Graph, ctx: Any) -> None:
+def keep_faster(regions: Sequence[Region], graph: Graph, ctx: CompileContext) -> None:
     """Hand each mirage region whose kernel measured slower than Inductor's back to the fallback."""
     from tqdm.auto import tqdm
 
@@ -91,38 +91,6 @@ def keep_faster(regions: Sequence[Region], graph: Graph, ctx: Any) -> None:
 
 
 _EAGER_SLACK = 3.0   # a kernel may be this many times as far from float64 as eager itself
-_CHECK_TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 1e-4, torch.float64: 1e-10}
-
-
-_CHUNK = 1 << 22   # elements compared at a time: the check of a 2 GiB logits output needs no 4 GiB float64 copy
-
-
-def _chunks(*tensors: torch.Tensor):
-    flat = [t.reshape(-1) for t in tensors]
-    for i in range(0, flat[0].numel(), _CHUNK):
-        yield [f[i:i + _CHUNK] for f in flat]
-
-
-def _same_non_finite(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """NaN and ±inf in the same places, with the same infinities."""
-    for g, w in _chunks(got, want):
-        finite = torch.isfinite(w)
-        if not torch.equal(finite, torch.isfinite(g)):
-            return False
-        if not torch.equal(g[~finite].double().nan_to_num(), w[~finite].double().nan_to_num()):
-            return False
-    return True
-
-
-def _relative_error(got: torch.Tensor, ref: torch.Tensor, where_finite: torch.Tensor) -> float:
-    """‖got − ref‖ / ‖ref‖ in float64 over the elements where ``where_finite`` (eager's output) is finite."""
-    diff = norm = 0.0
-    for g, r, w in _chunks(got, ref, where_finite):
-        keep = torch.isfinite(w)
-        g, r = g[keep].double(), r[keep].double()
-        diff += (g - r).pow(2).sum().item()
-        norm += r.pow(2).sum().item()
-    return math.sqrt(diff) / (math.sqrt(norm) or 1.0)
 
 
 def region_check_inputs(region: Region, graph: Graph, sub: Graph) -> list:
@@ -166,10 +134,11 @@ def numerics_problem(region: Region, graph: Graph) -> str | None:
             if not torch.equal(g, w):
                 return f"output {v.name}: {(g != w).sum().item()} of {w.numel()} elements differ"
             continue
-        if not _same_non_finite(g, w):
+        if not same_non_finite(g, w):
             return f"output {v.name}: NaN / inf pattern differs from eager"
-        tol = _CHECK_TOL.get(w.dtype, 1e-2)
-        err = _relative_error(g, w, w)
+        # a float dtype without its own entry (float8) is held to fp16's
+        tol = tolerance(w.dtype if w.dtype in TOLERANCE["kernel"] else torch.float16)
+        err = relative_error(g, w, where=w)
         if err <= tol:
             continue
         if exact is None:
@@ -177,14 +146,14 @@ def numerics_problem(region: Region, graph: Graph) -> str | None:
                 exact = to_fx(sub, float64=True)(*[x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                                   for x in inputs])
         ref = exact[outs.index(v)]
-        err, eager_err = _relative_error(g, ref, w), _relative_error(w, ref, w)
+        err, eager_err = relative_error(g, ref, where=w), relative_error(w, ref, where=w)
         if err > max(tol, _EAGER_SLACK * eager_err):
             return (f"output {v.name}: relative error {err:.2e} against float64 (eager's own {eager_err:.2e}, "
                     f"{w.dtype})")
     return None
 
 
-def check_regions(regions: Sequence[Region], graph: Graph, ctx: Any) -> None:
+def check_regions(regions: Sequence[Region], graph: Graph, ctx: CompileContext) -> None:
     """Hand back every mirage region whose kernel disagrees with eager, or fails to run, on random inputs."""
     for region in regions:
         if region.compiled_by != "mirage" or region.kernel is None:

@@ -13,11 +13,17 @@ which is what the clamped mask gives by itself.
 Where KV is long enough to split, the split-KV seed is compiled as well and on a GPU the faster runs (the library
 claimer's timing, :func:`.claim._fastest`): it fills the SMs where few query rows — decode — leave FlashAttention's
 grid small. The backend then checks the region against eager ATen on random inputs, as for every region.
+
+A region whose P is also reduced over the query axis (H2O's column sums, :class:`~..analysis.attention.
+ColumnReduction`) runs one plan for P·V and the column sums per query head: :func:`plan_candidates` costs the
+kernels of :data:`.attention_seeds.PLAN_KERNELS` with the cost model (each as the IR nodes it computes and the
+values it writes), :func:`.plan_select.select_plan` picks the set by a binary linear program, and
+:func:`.attention_seeds.attention_column_sums` builds it as one μGraph; each column reduction is then replayed on
+the (b, h, skv) column sums (a sum over heads, a permute, a mean's factor, the dtype).
 """
 from __future__ import annotations
 
 import logging
-import os
 from types import SimpleNamespace
 from typing import Any, Sequence
 
@@ -26,11 +32,14 @@ from .compile import compile_ugraph
 from .claim import _fastest
 
 from ..analysis.attention import AttentionSpec, find_attention
+from ..analysis.cost import CostModel
 from ..capture.ir import Graph, Node
 from ..capture.lower import constant_value
-from ..partition.region import Reason, Region, is_convex
-from .attention_seeds import SEEDS
+from ..context import CompileContext, Target
+from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
+from .attention_seeds import PLAN_KERNELS, ROW_BLOCK_KV, SEEDS, attention_column_sums
 from .library import blocks
+from .plan_select import Candidate, select_plan
 from ..timing import random_like
 
 log = logging.getLogger("torch_mirage")
@@ -38,6 +47,7 @@ log = logging.getLogger("torch_mirage")
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 MASK_FLOOR = -1e30        # masked scores: finite, so an all-masked tile keeps exp(s - m) defined
 SPLIT_KV = 256            # KV length per split of the split-KV seed's default schedule (4 tiles of 64)
+SEED_TILE = 64            # the seeds' default tile edge
 
 
 def packed_mask(spec: AttentionSpec, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -69,24 +79,84 @@ def mask_dtype(spec: AttentionSpec) -> torch.dtype:
     return m.meta.dtype if m is not None and m.meta.dtype.is_floating_point else torch.float32
 
 
-def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, causal: torch.Tensor | None = None) -> torch.Tensor:
-    """The region's output from the compiled seed: Q packed per KV head, the mask packed and clamped at the
-    dtype's floor (finite: an all-masked tile or split keeps the online softmax defined). Rows whose keys are
-    all ``-inf`` get eager's answer: zeros from SDPA, NaN from the decomposed softmax."""
+def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, causal: torch.Tensor | None = None) -> tuple:
+    """The region's outputs from the compiled seed: P·V (b, h, sq, d), then each of ``spec.extra_outputs`` from
+    the seed's column sums of P (b, h, skv) when it has them. Q is packed per KV head, the mask packed and clamped
+    at the dtype's floor (finite: an all-masked tile or split keeps the online softmax defined). Rows whose keys
+    are all ``-inf`` get eager's answer: zeros from SDPA, NaN from the decomposed softmax — and there a head's
+    column sums are NaN too, as the sum over its NaN row is in eager."""
     b, h, hk, sq, d = spec.b, spec.h, spec.hk, spec.sq, spec.d
     rows = spec.group * sq
     args = [q.contiguous().reshape(b, hk, rows, d), k.contiguous(), v.contiguous()]
+    empty = None
     if causal is not None:
         args.append(causal)
-        return compiled(*args)[0].reshape(b, h, sq, d)
-    packed = packed_mask(spec, mask, q.device)
-    if packed is not None:
+    elif (packed := packed_mask(spec, mask, q.device)) is not None:
         args.append(packed.clamp_min(max(MASK_FLOOR, torch.finfo(packed.dtype).min)))
-    out = compiled(*args)[0]
-    if packed is not None:
-        empty = packed.amax(-1, keepdim=True) == float("-inf")
+        empty = packed.amax(-1, keepdim=True) == float("-inf")            # (bm, hm, rows, 1)
+    res = compiled(*args)
+    out = res[0]
+    if empty is not None:
         out = out.masked_fill(empty, float("nan") if spec.form == "eager" else 0.0)
-    return out.reshape(b, h, sq, d)
+    outs = [out.reshape(b, h, sq, d)]
+    if spec.extra_outputs:
+        colsum = res[1]
+        if empty is not None and spec.form == "eager":
+            bm, hm = empty.shape[:2]
+            head_empty = empty.reshape(bm, hm, spec.group, sq).any(-1).expand(b, hk, spec.group).reshape(b, h, 1)
+            colsum = colsum.masked_fill(head_empty, float("nan"))
+        outs += [r.apply(colsum) for r in spec.extra_outputs]
+    return tuple(outs)
+
+
+def _as_meta(t: torch.Tensor, meta) -> torch.Tensor:
+    """``t`` with the strides the graph's value has (a copy where they differ)."""
+    if (meta.is_contiguous and t.is_contiguous()) or tuple(t.stride()) == tuple(meta.stride):
+        return t
+    return torch.empty_strided(meta.shape, meta.stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def plan_candidates(spec: AttentionSpec, graph: Graph, mask_shape: tuple | None = None,
+                    model: CostModel | None = None) -> list[Candidate]:
+    """The kernels a plan for attention with column sums may use (:data:`.attention_seeds.PLAN_KERNELS`), each
+    costed by the cost model as the IR nodes it computes and the values it writes: FlashAttention (P·V) with or
+    without the row statistics, the column-sum pass (recomputes the scores, reads the statistics; under GQA only
+    for a mask shared by batch rows and KV heads or given for each — ``mask_shape``, the packed mask's (bm, hm)),
+    and for short KV the row-block kernel (both outputs; with more than one row block per head, plus their partial
+    sums written and read once and the kernel adding them)."""
+    model = model or CostModel()
+    reductions = [x for r in spec.extra_outputs for x in r.nodes]
+    skip = {id(x) for x in reductions}
+    core = [x for x in spec.nodes if id(x) not in skip]
+    stats, colsums = list(spec.row_stats), [r.value for r in spec.extra_outputs]
+    ins = {id(x) for x in core}
+    column_pass, todo, seen = [], [r.nodes[0] for r in spec.extra_outputs], set()
+    while todo:                           # the nodes the column sums read back to the row statistics
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        column_pass.append(n)
+        todo += [v.producer for v in n.inputs if v.producer is not None and id(v.producer) in ins | skip
+                 and all(v is not s for s in stats)]
+    order = {id(x): i for i, x in enumerate(graph.nodes)}
+    column_pass.sort(key=lambda x: order[id(x)])
+
+    def us(nodes, outputs) -> float:
+        return model.region_cost(nodes, graph, outputs=outputs).predicted_us
+
+    cands = [Candidate("flash", us(core, [spec.output]), PLAN_KERNELS["flash"].produces),
+             Candidate("flash_stats", us(core, [spec.output, *stats]), PLAN_KERNELS["flash_stats"].produces)]
+    if spec.group == 1 or mask_shape is None or mask_shape[0] * mask_shape[1] in (1, spec.b * spec.hk):
+        cands.append(Candidate("column_sums", us(column_pass, colsums), PLAN_KERNELS["column_sums"].produces,
+                               PLAN_KERNELS["column_sums"].needs))
+    if spec.skv <= ROW_BLOCK_KV:
+        per_head = blocks(spec.sq, SEED_TILE)      # more than one: partial sums, and a kernel that adds them
+        scratch_us = 0.0 if per_head == 1 else (2 * spec.b * spec.h * per_head * spec.skv * 4 / model.device.bandwidth
+                                                + model.kernel_overhead_s) * 1e6
+        cands.append(Candidate("row_block", us(spec.nodes, [spec.output, *colsums]) + scratch_us,
+                               PLAN_KERNELS["row_block"].produces))
+    return cands
 
 
 def _seed_kwargs(spec: AttentionSpec, dtype: str, mask_shape: tuple | None, use_band: bool = True) -> dict:
@@ -101,90 +171,120 @@ class AttentionClaimer:
     """Claims attention regions (any form :func:`find_attention` reads) and runs an attention seed μGraph."""
     name = "attention"
 
-    def claim(self, graph: Graph, free: Sequence[Node], ctx: Any) -> list[Region]:
-        interpret = os.environ.get("TRITON_INTERPRET") == "1"
-        regions = []
+    def claim(self, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> list[Outcome]:
+        outcomes: list[Outcome] = []
         for spec in find_attention(graph, free):
-            why = self._unsupported(spec, interpret)
-            if why or not is_convex(graph, spec.nodes):
-                log.info("torch_mirage: attention %s not claimed (%s)", spec.describe(), why or "not convex")
+            why = self._unsupported(spec, ctx.target) or (
+                None if is_convex(graph, spec.nodes) else (Reason.NOT_CONVEX, "not convex"))
+            if why is not None:
+                log.info("torch_mirage: attention %s not claimed (%s)", spec.describe(), why[1])
+                outcomes.append(Decline(spec.nodes, *why))
                 continue
-            region = self._region(spec, graph, ctx)
-            if region is not None:
-                regions.append(region)
-        return regions
+            outcomes.append(self._claim(spec, graph, ctx))
+        return outcomes
 
     @staticmethod
-    def _unsupported(spec: AttentionSpec, interpret: bool) -> str:
+    def _unsupported(spec: AttentionSpec, target: Target) -> tuple[Reason, str] | None:
         metas = [x.meta for x in (spec.q, spec.k, spec.v, spec.output)]
         if len({m.dtype for m in metas[:3]}) != 1 or spec.dtype not in DTYPES:
-            return "inputs of mixed or unsupported dtypes"
+            return Reason.UNSUPPORTED_DTYPE, "inputs of mixed or unsupported dtypes"
         if not all(m.is_static for m in metas):
-            return "dynamic shapes"
+            return Reason.DYNAMIC_SHAPE, "dynamic shapes"
         device = metas[0].device.type
-        if device not in ("cuda", "cpu") or (device == "cpu" and not interpret):
-            return f"{device} tensors without Triton's interpreter"
-        if interpret and spec.dtype == torch.bfloat16:
-            return "bf16 in Triton's interpreter"
+        if not target.runs_on(device):
+            return Reason.UNSUPPORTED_DEVICE, f"{device} tensors without Triton's interpreter"
+        if target is Target.INTERPRETER and spec.dtype == torch.bfloat16:
+            return Reason.UNSUPPORTED_DTYPE, "bf16 in Triton's interpreter"
         if spec.mask_value is not None and not (spec.mask_value.meta and spec.mask_value.meta.is_static):
-            return "a mask of dynamic shape"
-        return ""
+            return Reason.DYNAMIC_SHAPE, "a mask of dynamic shape"
+        return None
 
-    def _region(self, spec: AttentionSpec, graph: Graph, ctx: Any) -> Region | None:
+    def _claim(self, spec: AttentionSpec, graph: Graph, ctx: CompileContext) -> Outcome:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-
         dtype = DTYPES[spec.dtype]
-        rows = spec.group * spec.sq
-        use_band = getattr(getattr(ctx, "config", None), "attention_band", True)
-        names = ["flash_attention"] + (["flash_decoding"] if blocks(spec.skv, SPLIT_KV) > 1 else [])
-        cache = getattr(ctx, "cache", None)
+        use_band = ctx.config.attention_band
+        cache = ctx.cache
         with unset_fake_temporarily():
-            q, k, v = (random_like(x.meta) for x in (spec.q, spec.k, spec.v))
-            ex = [q.reshape(spec.b, spec.hk, rows, spec.d), k.contiguous(), v.contiguous()]
-            mask_shape = causal = None
-            if spec.mask != "none":
-                example_mask = None
-                if spec.mask_value is not None:   # a mask made from constants: tuned on its real contents (the
-                    example_mask = constant_value(graph, spec.mask_value)   # band's re-tilings skip its tiles)
-                    if example_mask is None:
-                        example_mask = random_like(spec.mask_value.meta)
-                packed = packed_mask(spec, example_mask, q.device).to(mask_dtype(spec))
-                mask_shape = tuple(packed.shape[:2])
-                ex.append(packed)
-                if spec.mask == "causal":   # a constant of the region: built once, clamped
-                    causal = packed.clamp_min(MASK_FLOOR).contiguous()
-            built = []
-            for name in names:
-                try:
-                    kg = SEEDS[name](spec.b, spec.hk, rows, spec.skv, spec.d,
-                                     **_seed_kwargs(spec, dtype, mask_shape, use_band))
-                    built.append((SimpleNamespace(name=name), kg, compile_ugraph(kg, ex, cache=cache)))
-                except Exception as e:   # a seed that does not build for these shapes: not used
-                    log.info("torch_mirage: attention seed %s for %s not used (%s: %s)", name, spec.describe(),
-                             type(e).__name__, e)
+            ex, mask_shape, causal = _examples(spec, graph)
+            kwargs = _seed_kwargs(spec, dtype, mask_shape, use_band)
+            times: dict = {}
+            if spec.extra_outputs:
+                built, info = self._column_plan(spec, graph, ex, kwargs, cache)
+            else:
+                names = ["flash_attention"] + (["flash_decoding"] if blocks(spec.skv, SPLIT_KV) > 1 else [])
+                built, info = _build_seeds(spec, names, ex, kwargs, cache), {}
+                if built:
+                    built, times = _fastest(built, ex, cache)
             if not built:
-                return None
-            (chosen, kgraph, compiled), times = _fastest(built, ex, cache)
-        region = Region(spec.nodes, "mirage", Reason.CLAIMED, detail=f"attention {chosen.name} ({spec.describe()})",
-                        plan=kgraph)
-        positions = {id(x): i for i, x in enumerate(region.inputs)}
+                what = "the column-sum plan" if spec.extra_outputs else "attention seeds"
+                return Decline(spec.nodes, Reason.NO_KERNEL, f"{what} ({spec.describe()}): none built")
+            chosen, kgraph, compiled = built
+        positions = {id(x): i for i, x in enumerate(inputs_of(spec.nodes))}
         order = [positions[id(x)] for x in spec.inputs]
-        out_meta = spec.output.meta
+        produced = [spec.output] + [r.value for r in spec.extra_outputs]
+        slots = [next(i for i, p in enumerate(produced) if p is v) for v in outputs_of(spec.nodes, graph)]
+        metas = [v.meta for v in produced]
 
         def kernel(*ins):
-            out = run_spec(spec, compiled, *[ins[i] for i in order], causal=causal)
-            if not out_meta.is_contiguous:
-                out = torch.empty_strided(out_meta.shape, out_meta.stride, dtype=out.dtype,
-                                          device=out.device).copy_(out)
-            return (out,)   # an SDPA op's other outputs (logsumexp, ...) are unread (find_attention checks)
+            # an SDPA op's other outputs (logsumexp, ...) are unread (find_attention checks)
+            outs = run_spec(spec, compiled, *[ins[i] for i in order], causal=causal)
+            return tuple(_as_meta(outs[i], metas[i]) for i in slots)
 
-        region.kernel = kernel
-        region.info = {"ugraph": chosen.name, "attention": spec.describe(), "dtype": dtype,
-                       "ugraph_hash": kgraph.hash()[:16]}
+        info = {"ugraph": chosen.name, "attention": spec.describe(), "dtype": dtype, "ugraph_hash": kgraph.hash()[:16],
+                **info}
         bands = [op.body.forloop_band for op in kgraph.ops if getattr(op.body, "forloop_band", None) is not None]
         if bands:
-            region.info["forloop_band"] = list(bands[0])
+            info["forloop_band"] = list(bands[0])
         if times:
-            region.info["ugraph_us"] = {n: round(us, 2) for n, us in times.items()}
-        return region
+            info["ugraph_us"] = {n: round(us, 2) for n, us in times.items()}
+        return Claim(spec.nodes, kgraph, kernel, detail=f"attention {chosen.name} ({spec.describe()})", info=info)
+
+    @staticmethod
+    def _column_plan(spec: AttentionSpec, graph: Graph, ex: list, kwargs: dict, cache: Any):
+        """P·V and the column sums of P by the plan the BLP picks among :func:`plan_candidates`."""
+        cands = plan_candidates(spec, graph, kwargs["mask"])
+        info = {"plan_us": {c.name: round(c.cost_us, 2) for c in cands}}
+        try:
+            names = info["plan"] = [c.name for c in select_plan(cands, ("out", "colsum"))]
+            kg = attention_column_sums(spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d, group=spec.group,
+                                       kernels=names, tile=SEED_TILE, **kwargs)
+            compiled = compile_ugraph(kg, ex, cache=cache)
+        except Exception as e:   # no plan, or one that does not build for these shapes: left to Inductor
+            log.info("torch_mirage: attention plan %s for %s not used (%s: %s)", info.get("plan"), spec.describe(),
+                     type(e).__name__, e)
+            return None, info
+        return (SimpleNamespace(name="+".join(names)), kg, compiled), info
+
+
+def _examples(spec: AttentionSpec, graph: Graph) -> tuple[list, tuple | None, torch.Tensor | None]:
+    """Random inputs shaped as the seeds take them (Q packed per KV head, the mask packed), the mask's batch/head
+    dims, and ``is_causal``'s mask (a constant of the region: built once, clamped). A mask the graph computes from
+    constants keeps its real contents: launch tuning compares re-tilings whose bands skip the tiles it hides."""
+    q, k, v = (random_like(x.meta) for x in (spec.q, spec.k, spec.v))
+    ex = [q.reshape(spec.b, spec.hk, spec.group * spec.sq, spec.d), k.contiguous(), v.contiguous()]
+    mask_shape = causal = None
+    if spec.mask != "none":
+        example_mask = None
+        if spec.mask_value is not None:
+            example_mask = constant_value(graph, spec.mask_value)
+            if example_mask is None:
+                example_mask = random_like(spec.mask_value.meta)
+        packed = packed_mask(spec, example_mask, q.device).to(mask_dtype(spec))
+        mask_shape = tuple(packed.shape[:2])
+        ex.append(packed)
+        if spec.mask == "causal":
+            causal = packed.clamp_min(MASK_FLOOR).contiguous()
+    return ex, mask_shape, causal
+
+
+def _build_seeds(spec: AttentionSpec, names: Sequence[str], ex: list, kwargs: dict, cache: Any) -> list:
+    built = []
+    for name in names:
+        try:
+            kg = SEEDS[name](spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d, **kwargs)
+            built.append((SimpleNamespace(name=name), kg, compile_ugraph(kg, ex, cache=cache)))
+        except Exception as e:   # a seed that does not build for these shapes: not used
+            log.info("torch_mirage: attention seed %s for %s not used (%s: %s)", name, spec.describe(),
+                     type(e).__name__, e)
+    return built

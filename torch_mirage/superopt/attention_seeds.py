@@ -14,18 +14,29 @@ KV with K; the claimer turns bool masks and ``is_causal`` into that form. Both g
 (:mod:`.verify`) and compile (:mod:`.compile`) like the library's.
 
 Where the mask's value property shows a causal / sliding-window structure, ``band = (period, offset, window)``
-sets the block graph's ``forloop_band`` (:func:`~.ugraph.band_range`): query row ``r`` (position ``r % period``)
+sets the block graph's ``forloop_band`` (:func:`~torch_mirage.ugraph.band_range`): query row ``r`` (position ``r % period``)
 sees key ``k`` iff ``k <= pos + offset`` (and ``k > pos + offset - window``), so each row block's for-loop runs
 only over the key tiles it can see; the mask is added on the visited tiles that some row sees only in part (the
 diagonal ones) and, where the mask's visible part is 0 (``band[3]``), not loaded on the tiles every row sees. A
 split of the split-KV seed that a row block cannot see runs no iteration and saves m = -inf, l = 0, o = 0, which
 the combine weighs by ``exp(-inf) = 0``.
+
+Column sums of P (H2O's accumulated attention per key) need each row's final max and sum, which a single
+online-softmax pass does not have when it meets a key. :func:`attention_column_sums` composes a plan from
+:data:`PLAN_KERNELS`: FlashAttention that also saves its row statistics, then FlashTensor's non-convex column
+kernel (grid over key blocks, the for-loop over query tiles, the scores recomputed and ``exp(s − max)/sum``
+summed over rows; under a band, a key block walks only the query tiles that see it); or, for KV up to
+:data:`ROW_BLOCK_KV`, one row-block kernel that holds whole score rows and saves P·V and its rows' column sums.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Sequence
+
+from ..ugraph import KernelGraph
 from .builder import new_kernel_graph, new_threadblock_graph
 from .library import blocks, split_kv_combine
-from .ugraph import KernelGraph
 
 PHI = None
 
@@ -50,26 +61,38 @@ def _scores(tb, tQ, tK, scale: float, softcap: float | None, tMask):
 def flash_attention(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float, softcap: float | None = None,
                     mask: tuple[int, int] | None = None, dtype: str = "float16", mask_dtype: str = "float32",
                     q_blocks: int | None = None, forloop_range: int | None = None, tile: int = 64,
-                    band: tuple | None = None) -> KernelGraph:
+                    band: tuple | None = None, stats: bool = False) -> KernelGraph:
     """``softmax(mask + softcap(scale·Q Kᵀ)) V``: inputs Q (b, hk, rows, d), K, V (b, hk, skv, d)
-    [+ mask (bm, hm, rows, skv) when ``mask = (bm, hm)``]; output (b, hk, rows, d)."""
-    q_blocks = q_blocks or blocks(rows, tile)
-    forloop_range = forloop_range or blocks(skv, tile)
+    [+ mask (bm, hm, rows, skv) when ``mask = (bm, hm)``]; output (b, hk, rows, d) [+ with ``stats`` each row's
+    softmax max and sum of exponentials, (b, hk, rows, 1) fp32: what a second pass over the scores needs]."""
     g = new_kernel_graph()
     Q, K, V = g.new_input((b, hk, rows, d), dtype), g.new_input((b, hk, skv, d), dtype), g.new_input((b, hk, skv, d), dtype)
-    masked = mask is not None
-    M = g.new_input((*mask, rows, skv), mask_dtype) if masked else None
+    M = g.new_input((*mask, rows, skv), mask_dtype) if mask is not None else None
+    outs = _flash_op(g, Q, K, V, M, scale=scale, softcap=softcap, q_blocks=q_blocks or blocks(rows, tile),
+                     forloop_range=forloop_range or blocks(skv, tile), band=band, stats=stats)
+    for t in outs:
+        g.mark_output(t)
+    return g.build()
+
+
+def _flash_op(g, Q, K, V, M, *, scale: float, softcap: float | None, q_blocks: int, forloop_range: int,
+              band: tuple | None, stats: bool) -> list:
+    """The FlashAttention block graph on kernel tensors Q (b, hk, rows, d), K, V [, M]: grid (hk, b, row
+    blocks), the for-loop over KV tiles; returns the output [and the row max / sum of exponentials]."""
+    b, hk = Q.shape[:2]
+    mask = M.shape[:2] if M is not None else None
     tb = new_threadblock_graph((hk, b, q_blocks), forloop_range)
-    _band(tb, band, 0, 2, 1, 3 if masked else None)
+    _band(tb, band, 0, 2, 1, 3 if M is not None else None)
     tQ = tb.new_input(Q, imap=(1, 0, 2), fmap=PHI)
     tK = tb.new_input(K, imap=(1, 0, PHI), fmap=2)
     tV = tb.new_input(V, imap=(1, 0, PHI), fmap=2)
-    tM = tb.new_input(M, imap=(1 if mask[1] > 1 else PHI, 0 if mask[0] > 1 else PHI, 2), fmap=3) if masked else None
-    _, l, o = tb.forloop_accum_online_softmax(_scores(tb, tQ, tK, scale, softcap, tM), tV)
+    tM = tb.new_input(M, imap=(1 if mask[1] > 1 else PHI, 0 if mask[0] > 1 else PHI, 2), fmap=3) if M is not None else None
+    m, l, o = tb.forloop_accum_online_softmax(_scores(tb, tQ, tK, scale, softcap, tM), tV)
     tb.new_output(tb.div(o, l), omap=(1, 0, 2))
-    (Y,) = g.customized([Q, K, V] + ([M] if masked else []), tb)
-    g.mark_output(Y)
-    return g.build()
+    if stats:
+        tb.new_output(m, omap=(1, 0, 2), dtype="float32")
+        tb.new_output(l, omap=(1, 0, 2), dtype="float32")
+    return g.customized([Q, K, V] + ([M] if M is not None else []), tb)
 
 
 def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float, softcap: float | None = None,
@@ -110,3 +133,163 @@ def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float
 
 
 SEEDS = {"flash_attention": flash_attention, "flash_decoding": flash_decoding}
+
+
+# ------------------------------------------------------------------ column sums of P (H2O), non-convex kernels
+ROW_BLOCK_KV = 128        # the longest KV whose whole score row one block holds (the row-block kernel)
+
+
+def _column_band(band: tuple | None, sq: int) -> tuple | None:
+    """The attention's ``band = (period, offset, window[, zero])`` for a loop over queries from a block of keys:
+    query ``p`` sees key ``k`` iff ``p >= k − offset`` (and ``p < k − offset + window``), which is the band
+    ``(keys, offset', window')`` of :func:`~.ugraph.band_range` with the roles swapped (a key's position is its
+    index: keys are not packed)."""
+    if band is None:
+        return None
+    _, offset, window, *zero = band
+    off, win = (sq, sq + offset + 1) if window is None else (window - offset - 1, window)
+    return (None, off, win, *zero)
+
+
+def _column_op(g, Q, K, M, Mx, L, *, group: int, scale: float, softcap: float | None, q_tiles: int,
+               k_blocks: int, band: tuple | None = None):
+    """FlashTensor's non-convex kernel: ``Σ_rows exp(s − max)/sum`` per query head and key, the scores
+    recomputed from Q and K with the first pass's row statistics ``Mx``, ``L`` (b, hk, rows, 1). The grid walks
+    key blocks, the for-loop a head's query tiles. One query head per KV head: grid (hk, b, key blocks), any
+    mask; GQA: grid (b·hk, group, key blocks) over Q seen as (b·hk, group, sq, d), so the mask must be shared
+    by batch rows and KV heads or given for each. Under the attention's ``band`` (:func:`_column_band`) a key
+    block visits only the query tiles that see one of its keys. Returns (b, hk·group, skv) fp32."""
+    b, hk, rows, d = Q.shape
+    skv, sq = K.shape[2], rows // group
+    if group == 1:
+        tb = new_threadblock_graph((hk, b, k_blocks), q_tiles)
+        tQ = tb.new_input(Q, imap=(1, 0, PHI), fmap=2)
+        tK = tb.new_input(K, imap=(1, 0, 2), fmap=PHI)
+        tMx, tL = (tb.new_input(x, imap=(1, 0, PHI), fmap=2) for x in (Mx, L))
+        tM = (tb.new_input(M, imap=(1 if M.shape[1] > 1 else PHI, 0 if M.shape[0] > 1 else PHI, 3), fmap=2)
+              if M is not None else None)
+        omap = (1, 0, 3)
+    else:
+        bh = b * hk
+        if M is not None and M.shape[0] * M.shape[1] not in (1, bh):
+            raise ValueError(f"column sums under GQA: a mask of batch/head dims {tuple(M.shape[:2])} "
+                             f"(need (1, 1) or {(b, hk)})")
+        Q = g.reshape(Q, shape=(bh, group, sq, d))
+        K = g.reshape(K, shape=(bh, skv, d))
+        Mx, L = (g.reshape(x, shape=(bh, group, sq, 1)) for x in (Mx, L))
+        tb = new_threadblock_graph((bh, group, k_blocks), q_tiles)
+        tQ = tb.new_input(Q, imap=(0, 1, PHI), fmap=2)
+        tK = tb.new_input(K, imap=(0, PHI, 1), fmap=PHI)
+        tMx, tL = (tb.new_input(x, imap=(0, 1, PHI), fmap=2) for x in (Mx, L))
+        tM = None
+        if M is not None:
+            shared = M.shape[0] * M.shape[1] == 1
+            M = g.reshape(M, shape=(M.shape[0] * M.shape[1], group, sq, skv))
+            tM = tb.new_input(M, imap=(PHI if shared else 0, 1, 3), fmap=2)
+        omap = (0, 1, 3)
+    if (cb := _column_band(band, sq)) is not None:     # iterators: Q 0, K 1, Mx 2, L 3, mask 4
+        _band(tb, (skv, *cb[1:]), 1, 1 if group > 1 else 2, 0, 4 if tM is not None else None)
+    p = tb.div(tb.exp(tb.sub(_scores(tb, tQ, tK, scale, softcap, tM), tMx)), tL)
+    tb.new_output(tb.forloop_accum(p, "sum", dim=2), omap=omap, dtype="float32")
+    ins = [Q, K, Mx, L] + ([M] if M is not None else [])
+    (C,) = g.customized(ins, tb)
+    return g.reshape(C, shape=(b, hk * group, skv))
+
+
+def _row_block_op(g, Q, K, V, M, *, group: int, scale: float, softcap: float | None, q_blocks: int) -> list:
+    """One kernel for P·V and the column sums where a block holds whole score rows (KV ≤ :data:`ROW_BLOCK_KV`):
+    grid (hk, b, row blocks), no for-loop; each block saves its rows' P·V and the column sums of its P, which a
+    kernel-level sum over the row blocks of each head finishes (where a head has more than one). Row blocks hold
+    rows of one head (``q_blocks`` a multiple of ``group``). Returns the output (b, hk, rows, d) and the column
+    sums (b, hk·group, skv) fp32."""
+    b, hk, rows, d = Q.shape
+    skv = K.shape[2]
+    if q_blocks % group:
+        raise ValueError(f"row-block column sums: {q_blocks} row blocks do not split {group} heads")
+    tb = new_threadblock_graph((hk, b, q_blocks), 1)
+    tQ = tb.new_input(Q, imap=(1, 0, 2), fmap=PHI)
+    tK, tV = (tb.new_input(x, imap=(1, 0, PHI), fmap=PHI) for x in (K, V))
+    tM = (tb.new_input(M, imap=(1 if M.shape[1] > 1 else PHI, 0 if M.shape[0] > 1 else PHI, 2), fmap=PHI)
+          if M is not None else None)
+    s = _scores(tb, tQ, tK, scale, softcap, tM)
+    e = tb.exp(tb.sub(s, tb.reduce_max(s, dim=3)))
+    p = tb.div(e, tb.reduce_sum(e, dim=3))
+    tb.new_output(tb.forloop_accum(tb.matmul(p, tV), "sum"), omap=(1, 0, 2))
+    tb.new_output(tb.forloop_accum(tb.reduce_sum(p, dim=2), "sum"), omap=(1, 0, 2), dtype="float32")
+    O, parts = g.customized([Q, K, V] + ([M] if M is not None else []), tb)    # parts: (b, hk, q_blocks, skv)
+    if q_blocks == group:                      # one block per head: its sums are the head's
+        return [O, g.reshape(parts, shape=(b, hk * group, skv))]
+    per_head = g.reshape(parts, shape=(b, hk * group, q_blocks // group, skv))
+    return [O, g.reshape(g.reduce_sum(per_head, dim=2), shape=(b, hk * group, skv))]
+
+
+def _k_flash(g, env, p, stats=False):
+    outs = _flash_op(g, env["q"], env["k"], env["v"], env.get("mask"), scale=p["scale"], softcap=p["softcap"],
+                     q_blocks=blocks(p["rows"], p["tile"]), forloop_range=blocks(p["skv"], p["tile"]),
+                     band=p["band"], stats=stats)
+    return dict(zip(("out", "row_max", "row_sum"), outs))
+
+
+def _k_columns(g, env, p):
+    sq = p["rows"] // p["group"]
+    return {"colsum": _column_op(g, env["q"], env["k"], env.get("mask"), env["row_max"], env["row_sum"],
+                                 group=p["group"], scale=p["scale"], softcap=p["softcap"],
+                                 q_tiles=blocks(sq, p["tile"]), k_blocks=blocks(p["skv"], p["tile"]),
+                                 band=p["band"])}
+
+
+def _k_row_block(g, env, p):
+    if p["skv"] > ROW_BLOCK_KV:
+        raise ValueError(f"row-block column sums: KV length {p['skv']} > {ROW_BLOCK_KV} (a block holds whole rows)")
+    sq = p["rows"] // p["group"]
+    out, colsum = _row_block_op(g, env["q"], env["k"], env["v"], env.get("mask"), group=p["group"],
+                                scale=p["scale"], softcap=p["softcap"], q_blocks=p["group"] * blocks(sq, p["tile"]))
+    return {"out": out, "colsum": colsum}
+
+
+@dataclass(frozen=True)
+class PlanKernel:
+    """A kernel a column-sum plan may use: the values it produces and needs (``out``: P·V; ``colsum``: the column
+    sums of P; ``stats``: the row max and sum of exponentials), and how it adds itself to a kernel graph."""
+    name: str
+    produces: frozenset
+    needs: frozenset
+    build: Callable
+
+
+PLAN_KERNELS = {k.name: k for k in (
+    PlanKernel("flash", frozenset({"out"}), frozenset(), _k_flash),
+    PlanKernel("flash_stats", frozenset({"out", "stats"}), frozenset(), partial(_k_flash, stats=True)),
+    PlanKernel("column_sums", frozenset({"colsum"}), frozenset({"stats"}), _k_columns),
+    PlanKernel("row_block", frozenset({"out", "colsum"}), frozenset(), _k_row_block),
+)}
+
+
+def attention_column_sums(b: int, hk: int, rows: int, skv: int, d: int, *, group: int, kernels: Sequence[str],
+                          scale: float, softcap: float | None = None, mask: tuple[int, int] | None = None,
+                          dtype: str = "float16", mask_dtype: str = "float32", tile: int = 64,
+                          band: tuple | None = None) -> KernelGraph:
+    """Attention and the column sums of its P from one plan: inputs as :func:`flash_attention` (Q packed
+    ``group`` query heads per KV head), outputs P·V (b, hk, rows, d) and ``Σ_queries P`` per query head
+    (b, hk·group, skv) fp32, computed by ``kernels`` (names of :data:`PLAN_KERNELS`, each after the kernels whose
+    values it needs): ``flash_stats`` + ``column_sums`` (two passes) or ``row_block`` (one)."""
+    if rows % group:
+        raise ValueError(f"attention_column_sums: {rows} rows are not {group} heads of equal length")
+    g = new_kernel_graph()
+    env = {"q": g.new_input((b, hk, rows, d), dtype), "k": g.new_input((b, hk, skv, d), dtype),
+           "v": g.new_input((b, hk, skv, d), dtype)}
+    if mask is not None:
+        env["mask"] = g.new_input((*mask, rows, skv), mask_dtype)
+    params = dict(rows=rows, skv=skv, group=group, scale=scale, softcap=softcap, tile=tile, band=band)
+    for name in kernels:
+        kernel = PLAN_KERNELS[name]
+        missing = {"row_max" if n == "stats" else n for n in kernel.needs} - set(env)
+        if missing:
+            raise ValueError(f"attention_column_sums: kernel {name} needs {sorted(missing)}, which no kernel "
+                             f"before it in {list(kernels)} produces")
+        env.update(kernel.build(g, env, params))
+    if "out" not in env or "colsum" not in env:
+        raise ValueError(f"attention_column_sums: kernels {list(kernels)} do not produce both P·V and the column sums")
+    g.mark_output(env["out"])
+    g.mark_output(env["colsum"])
+    return g.build()

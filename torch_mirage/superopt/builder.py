@@ -15,15 +15,15 @@
 Every op of the table (``ugraph.OPS``) that the graph's level allows is a
 method: ``tb.exp(t)``, ``tb.div(a, b)``, ``tb.reduce_sum(t, dim=1)``,
 ``g.concat([a, b], dim=0)`` ... Shapes are inferred as ops are added, so an
-op with mismatched shapes raises :class:`~.ugraph.MuGraphError` at once.
+op with mismatched shapes raises :class:`~torch_mirage.ugraph.MuGraphError` at once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from .ugraph import (OPS, B, K, T, Attrs, BlockGraph, Ctx, KernelGraph, MuGraphError, Op, Ref, ThreadGraph,
-                     make_op, spec)
+from ..ugraph import (OPS, B, K, T, Attrs, BlockGraph, Ctx, KernelGraph, MuGraphError, Op, Ref, ThreadGraph,
+                      make_op, spec)
 
 
 @dataclass(frozen=True)

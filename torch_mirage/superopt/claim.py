@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -28,12 +27,13 @@ from .compile import compile_ugraph
 from ..cache import cache_key
 from ..capture.ir import Graph, Node, Value
 from ..capture.lower import lower
+from ..context import CompileContext, Target
 from ..failures import note, stage
-from ..partition.region import Reason, Region, is_convex
+from ..numerics import rms_norm
+from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex
 from ..timing import alternating_medians, cuda_graph_timing, random_like, rotated_input_sets
 from . import library
 from .validate import InvalidMuGraph
-from ..timing import alternating_medians, cuda_graph_timing, random_like, rotated_input_sets
 
 log = logging.getLogger("torch_mirage")
 
@@ -44,25 +44,20 @@ def attention_softmax_fp32(q, k, v):
     return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
-def _rms_norm_fp32(x, eps):
-    h = x.float()
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def rmsnorm_linear_fp32(x, g, w, eps):
     """RMSNorm + Linear as half-precision models write it: the norm in fp32, cast back, then the gain."""
-    return (_rms_norm_fp32(x, eps) * g) @ w
+    return rms_norm(x, eps, g) @ w
 
 
 def qknorm_attention_fp32(q, k, v, gq, gk, eps):
     """QK-norm attention as half-precision models write it: each norm in fp32, cast back, then its gain; the
     softmax in fp32."""
-    return attention_softmax_fp32(_rms_norm_fp32(q, eps) * gq, _rms_norm_fp32(k, eps) * gk, v)
+    return attention_softmax_fp32(rms_norm(q, eps, gq), rms_norm(k, eps, gk), v)
 
 
 def ntrans_norms_fp32(h, x, alpha, eps):
     """nTrans as half-precision models write it: each RMS norm in fp32, cast back."""
-    return _rms_norm_fp32(alpha * (_rms_norm_fp32(h, eps) + x) + x, eps)
+    return rms_norm(alpha * (rms_norm(h, eps) + x) + x, eps)
 
 
 # workloads with one output, and the ways users write each program (see the module docstring); matched in this
@@ -217,26 +212,25 @@ class LibraryClaimer:
         self.workloads = [library.WORKLOADS[w] for w in workloads]
         self._untraceable: set[str] = set()
 
-    def claim(self, graph: Graph, free: Sequence[Node], ctx: Any) -> list[Region]:
-        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    def claim(self, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> list[Outcome]:
         free_ids = {id(n) for n in free}
         order = {id(n): i for i, n in enumerate(graph.nodes)}
-        regions: list[Region] = []
+        outcomes: list[Outcome] = []
         for workload in self.workloads:
             if not self._traceable(workload):
                 continue
             for anchor in reversed([n for n in free if id(n) in free_ids]):
                 if id(anchor) not in free_ids:
                     continue   # taken by a match found at a later anchor
-                found = self._match_any_form(workload, graph, anchor, free_ids, interpret)
+                found = self._match_any_form(workload, graph, anchor, free_ids, ctx.target)
                 if found is None:
                     continue
                 found.nodes.sort(key=lambda n: order[id(n)])
-                region = self._region(workload, graph, found, ctx)
-                if region is not None:
+                outcome = self._claim(workload, found, ctx)
+                if isinstance(outcome, Claim):
                     free_ids -= {id(n) for n in found.nodes}
-                    regions.append(region)
-        return regions
+                outcomes.append(outcome)
+        return outcomes
 
     def _traceable(self, workload: library.Workload) -> bool:
         """Whether this torch traces the workload's programs (a failure skips the workload, not the graph)."""
@@ -254,10 +248,10 @@ class LibraryClaimer:
         return True
 
     def _match_any_form(self, workload: library.Workload, graph: Graph, anchor: Node, free_ids: set[int],
-                        interpret: bool) -> Match | None:
+                        target: Target) -> Match | None:
         for form in range(len(PROGRAMS[workload.name])):
             try:
-                found = self._match(workload, form, graph, anchor, free_ids, interpret)
+                found = self._match(workload, form, graph, anchor, free_ids, target)
             except Exception as e:   # a program that does not trace at these shapes: no match, the graph goes on
                 log.debug("torch_mirage: matching %s at %s failed (%s: %s)", workload.name, anchor.name,
                           type(e).__name__, e)
@@ -267,7 +261,7 @@ class LibraryClaimer:
         return None
 
     def _match(self, workload: library.Workload, form: int, graph: Graph, anchor: Node, free_ids: set[int],
-               interpret: bool) -> Match | None:
+               target: Target) -> Match | None:
         """A match at ``anchor`` the μGraph can run: free nodes, a convex set, inner values read only inside,
         one dtype for every input, shapes that fix the workload's dims, the same constants."""
         out = anchor.outputs[0].meta if anchor.outputs else None
@@ -293,8 +287,8 @@ class LibraryClaimer:
         if len(dtypes) != 1 or not all(m.is_static for m in metas):
             return None
         dtype = dtypes.pop()
-        if dtype not in DTYPES or (interpret and dtype == torch.bfloat16) or metas[0].device.type not in (
-                "cuda", "cpu") or (metas[0].device.type == "cpu" and not interpret):
+        if dtype not in DTYPES or (target is Target.INTERPRETER and dtype == torch.bfloat16) or \
+                not target.runs_on(metas[0].device.type):
             return None
         shapes = tuple(tuple(m.shape) for m in metas)
         dims = dims_from_shapes(workload, ugraph_shapes(workload.name, shapes))
@@ -313,7 +307,7 @@ class LibraryClaimer:
                     return None    # an inner value read elsewhere: the μGraph does not produce it
         return found if is_convex(graph, found.nodes) else None
 
-    def _region(self, workload: library.Workload, graph: Graph, found: Match, ctx: Any) -> Region | None:
+    def _claim(self, workload: library.Workload, found: Match, ctx: CompileContext) -> Outcome:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         metas = [v.meta for v in found.inputs]
@@ -321,30 +315,28 @@ class LibraryClaimer:
         dims = found.dims
         out_shape = tuple(found.output.meta.shape)
         dtype = DTYPES[metas[0].dtype]
-        cache = getattr(ctx, "cache", None)
+        cache = ctx.cache
         with unset_fake_temporarily():
             examples = [random_like(m).reshape(s) for m, s in zip(metas, shapes)]
             built = [b for name in (workload.name, *ALTERNATIVES.get(workload.name, ()))
                      if (b := _compiled(library.WORKLOADS[name], dims, dtype, found.constants, examples, cache,
                                         ctx))]
             if not built:
-                return None
+                return Decline(found.nodes, Reason.NO_KERNEL, f"μGraph {workload.name}{dims} {dtype}")
             (chosen, kgraph, compiled), times = _fastest(built, examples, cache)
         consts = "".join(f", {k}={v:g}" for k, v in found.constants.items())
-        region = Region(found.nodes, "mirage", Reason.CLAIMED, detail=f"μGraph {chosen.name}{dims}{consts}",
-                        plan=kgraph)
-        positions = {id(v): i for i, v in enumerate(region.inputs)}
+        positions = {id(v): i for i, v in enumerate(inputs_of(found.nodes))}
         order = [positions[id(v)] for v in found.inputs]
-        region.kernel = lambda *ins: (compiled(*[ins[i].reshape(s) for i, s in zip(order, shapes)])[0]
-                                      .reshape(out_shape),)
-        region.info = {"ugraph": chosen.name, "dims": list(dims), "dtype": dtype, "ugraph_hash": kgraph.hash()[:16]}
+        info = {"ugraph": chosen.name, "dims": list(dims), "dtype": dtype, "ugraph_hash": kgraph.hash()[:16]}
         if times:
-            region.info["ugraph_us"] = {name: round(us, 2) for name, us in times.items()}
-        return region
+            info["ugraph_us"] = {name: round(us, 2) for name, us in times.items()}
+        return Claim(found.nodes, kgraph,
+                     lambda *ins: (compiled(*[ins[i].reshape(s) for i, s in zip(order, shapes)])[0].reshape(out_shape),),
+                     detail=f"μGraph {chosen.name}{dims}{consts}", info=info)
 
 
 def _compiled(workload: library.Workload, dims: tuple, dtype: str, constants: dict, examples: list,
-              cache: Any, ctx: Any = None) -> tuple | None:
+              cache: Any, ctx: CompileContext | None = None) -> tuple | None:
     """``(workload, kernel graph, compiled μGraph)`` at these dims, or None (a warning, grouped per compile)
     when it does not build."""
 
@@ -363,9 +355,10 @@ def _compiled(workload: library.Workload, dims: tuple, dtype: str, constants: di
         return _not_built(workload, dims, dtype, ctx, e)
 
 
-def _not_built(workload: library.Workload, dims: tuple, dtype: str, ctx: Any, e: Exception) -> None:
+def _not_built(workload: library.Workload, dims: tuple, dtype: str, ctx: CompileContext | None,
+               e: Exception) -> None:
     """A μGraph that failed to build or compile: one grouped warning (raised under strict)."""
-    if getattr(getattr(ctx, "config", None), "strict", False):
+    if ctx is not None and ctx.config.strict:
         raise e
     note(ctx, "search/build", f"μGraph {workload.name}{dims} {dtype}", e,
          "that μGraph is not used (its region goes to the other claimers and Inductor)")

@@ -23,10 +23,10 @@ import torch
 from ..codegen.loader import load_source
 from ..codegen.ugraph_triton import BlockKernel, CodegenError, emit_block_kernel, module_source, order_by_depth
 from ..config import load
+from ..ugraph import BlockGraph, KernelGraph, Ref
 from .arith import TorchArith
 from .launch import LaunchConfig, choose, combine_tiling, default_config, retile
 from .optimise import plan_block
-from .ugraph import BlockGraph, KernelGraph, Ref
 from .validate import SMEM_BYTES, validate
 
 log = logging.getLogger("torch_mirage")

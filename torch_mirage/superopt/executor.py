@@ -22,8 +22,8 @@ from typing import Sequence
 
 import torch
 
+from ..ugraph import BlockGraph, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph, band_full, band_range
 from .arith import Arith, TorchArith
-from .ugraph import BlockGraph, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph, band_full, band_range
 
 log = logging.getLogger("torch_mirage")
 
@@ -121,8 +121,10 @@ def _acc_count(bg: BlockGraph, op: Op, x_shape) -> int:
 
 
 def _identity_state(op: Op, st, arith: Arith) -> tuple:
-    """An online-softmax state that has seen no key: m = -inf, l = 0, o = 0 (a block whose for-loop band is
-    empty)."""
+    """An accumulator state that has seen no key (a block whose for-loop band is empty): a sum 0; online
+    softmax m = -inf, l = 0, o = 0."""
+    if op.name == "acc_sum":
+        return arith.zeros(tuple(st.shape), like=st)
     if op.name != "acc_online_softmax":
         raise ExecutionError(f"an empty for-loop band under {op.name}")
     m, l, o = st

@@ -2,9 +2,9 @@
 
 One handler per op name of :mod:`torch_mirage.capture.ops` (:data:`HANDLERS`): LAX ops go to
 :class:`~.finite_field.FiniteFieldArith`, layout ops re-run their ATen overload on the
-:class:`~.finite_field.FieldTensor` (they only move elements), ``where`` selects with a boolean
+:class:`~.ff_tensor.FieldTensor` (they only move elements), ``where`` selects with a boolean
 condition that is program *data* (a bool input, the same on both sides of a comparison). Ops without
-a handler (erf, comparisons of field values, clamp ...) raise :class:`~.finite_field.NotLAX`:
+a handler (erf, comparisons of field values, clamp ...) raise :class:`~.ff_field.NotLAX`:
 such programs get only the float test.
 """
 from __future__ import annotations
@@ -15,7 +15,9 @@ from typing import Any, Callable
 import torch
 
 from ..capture.ir import Graph, Value, map_values
-from .finite_field import FieldTensor, FiniteFieldArith, NotLAX, raw
+from .ff_field import NotLAX
+from .ff_tensor import FieldTensor, raw
+from .finite_field import FiniteFieldArith
 
 Handler = Callable[[FiniteFieldArith, Any, tuple, dict], Any]
 

@@ -24,6 +24,7 @@ import torch
 
 from ..cache import cache_key
 from ..codegen.ugraph_triton import ELEMENTWISE, _saved, padded, prologue_accumulators, strip
+from ..numerics import relative_error, same_non_finite, tolerance
 from ..timing import cuda_graph_time_us, rotated_input_sets
 from ..ugraph import BlockGraph, Ctx, MuGraphError, ThreadGraph, make_op
 
@@ -264,15 +265,10 @@ def _product(choices):
 
 
 # ------------------------------------------------------------------ choosing
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative error of ``a`` against ``b`` over their finite entries; ``inf`` where one is finite and the other
-    is not (a NaN never compares below a tolerance: a config producing NaN where the reference has numbers
-    disagrees with it)."""
-    finite = torch.isfinite(b)
-    if not torch.equal(torch.isfinite(a), finite):
-        return float("inf")
-    a, b = a.double()[finite], b.double()[finite]
-    return float((a - b).norm() / (b.norm() + 1e-30))
+def _disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative error of a config's output against the first config's; ``inf`` where their NaN / inf differ (a
+    config producing NaN where the reference has numbers disagrees with it)."""
+    return relative_error(got, want, where=want) if same_non_finite(got, want) else float("inf")
 
 
 def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Sequence[torch.Tensor], *,
@@ -306,10 +302,10 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
             continue
         if want is None:
             want = [o.clone() for o in outs]
-        # re-tilings sum in another order: half-precision inputs bound the agreement even for fp32 outputs
-        # (a split-KV's fp32 partials from fp16 Q / K / V differ by ~1e-4, which is not a wrong config)
-        tol = 5e-3 if any(t.dtype in (torch.float16, torch.bfloat16) for t in (*outs, *inputs)) else 1e-4
-        errs = [_rel_err(o, w) for o, w in zip(outs, want)]
+        # re-tilings sum in another order: the lowest precision among inputs and outputs bounds the agreement
+        half = [t.dtype for t in (*outs, *inputs) if t.dtype in (torch.float16, torch.bfloat16)]
+        tol = tolerance(half[0] if half else torch.float32, "retile")
+        errs = [_disagreement(o, w) for o, w in zip(outs, want)]
         if max(errs, default=0.0) > tol:
             log.warning("torch_mirage: launch config %s disagrees with the μGraph's own schedule "
                         "(relative error %.2e); not used", cfg, max(errs))

@@ -25,8 +25,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..ugraph import KernelGraph
+from ..numerics import rms_norm
 from .builder import new_kernel_graph, new_threadblock_graph
-from .ugraph import KernelGraph
 
 PHI = None
 
@@ -34,10 +35,6 @@ PHI = None
 def blocks(extent: int, tile: int) -> int:
     """The fewest equal parts of ``extent`` that are at most ``tile`` long."""
     return next(d for d in range(1, extent + 1) if extent % d == 0 and extent // d <= tile)
-
-
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 # ------------------------------------------------------------------ RMSNorm + Linear
@@ -61,7 +58,7 @@ def rmsnorm_linear(m: int, k: int, n: int, *, dtype: str = "float16", eps: float
 
 
 def rmsnorm_linear_ref(x, g, w, eps: float = 0.0):
-    return (_rms(x, eps) * g) @ w
+    return rms_norm(x, eps, g, upcast=False) @ w
 
 
 # ------------------------------------------------------------------ Gated MLP
@@ -159,7 +156,7 @@ def qknorm_attention(b: int, h: int, sq: int, kv: int, d: int, *, dtype: str = "
 
 
 def qknorm_attention_ref(q, k, v, gq, gk, eps: float = 0.0):
-    return attention_ref(_rms(q, eps) * gq, _rms(k, eps) * gk, v)
+    return attention_ref(rms_norm(q, eps, gq, upcast=False), rms_norm(k, eps, gk, upcast=False), v)
 
 
 def gqa_flashdecoding(b: int, h: int, sq: int, kv: int, d: int, *, dtype: str = "float16",
@@ -222,7 +219,7 @@ def ntrans(m: int, n: int, *, dtype: str = "float16", eps: float = 0.0, grid: in
 
 
 def ntrans_ref(h, x, alpha, eps: float = 0.0):
-    return _rms(alpha * (_rms(h, eps) + x) + x, eps)
+    return rms_norm(alpha * (rms_norm(h, eps, upcast=False) + x) + x, eps, upcast=False)
 
 
 # ------------------------------------------------------------------ the table

@@ -49,7 +49,7 @@ except ImportError:      # the greedy plan then (pulp is a declared dependency; 
     pulp = None
 
 from ..codegen.ugraph_triton import layout_rules, order_by_depth, phases
-from .ugraph import BlockGraph, Ref, from_json, nbytes
+from ..ugraph import BlockGraph, Ref, from_json, nbytes
 
 log = logging.getLogger("torch_mirage")
 

@@ -14,8 +14,8 @@ model passes in.
 """
 from __future__ import annotations
 
+from ..ugraph import ITEMSIZE, B, K, T, BlockGraph, Graph, KernelGraph, MuGraphError, Ref, band_geometry, nbytes, spec
 from .optimise import memory_problem
-from .ugraph import ITEMSIZE, B, K, T, BlockGraph, Graph, KernelGraph, MuGraphError, Ref, band_geometry, nbytes, spec
 
 SMEM_BYTES = 227 * 1024
 REGS_BYTES = 64 * 1024 * 4          # 64K 32-bit registers per SM
@@ -63,9 +63,10 @@ def _structure(g: Graph, where: str) -> list[str]:
             band_geometry(g)
         except MuGraphError as e:
             out.append(f"{where}: {e}")
-        if any(op.name.startswith("acc_") and op.name != "acc_online_softmax" for op in g.ops):
-            out.append(f"{where}: forloop_band needs online-softmax accumulators only (skipped tiles are "
-                       "entirely masked scores, which only the softmax ignores)")
+        if any(op.name.startswith("acc_") and op.name != "acc_online_softmax"
+               and not (op.name == "acc_sum" and _vanishes_where_masked(g, op.inputs[0])) for op in g.ops):
+            out.append(f"{where}: forloop_band needs online-softmax accumulators, or sums of exp(masked scores "
+                       "− ·)·…, only (skipped tiles are entirely masked scores, which add nothing only to those)")
     for i, op in enumerate(g.ops):
         try:
             s = spec(op.name)
@@ -88,6 +89,22 @@ def _structure(g: Graph, where: str) -> list[str]:
         if idx != list(range(len(idx))):
             out.append(f"{where}: {name} indices {idx} are not 0..{len(idx) - 1}, each once")
     return out
+
+
+def _vanishes_where_masked(g: BlockGraph, r) -> bool:
+    """Whether block value ``r`` is ``exp(scores + mask − x)`` times or over other factors, the mask a tile the
+    for-loop walks: 0 on a tile the band skips (every score there at the mask's floor, ``x`` a finite row
+    statistic — under a band every row sees a key), so a sum of it may skip that tile."""
+    op = g.ops[r[0]]
+    if op.name in ("mul", "div"):
+        return any(_vanishes_where_masked(g, x) for x in (op.inputs if op.name == "mul" else op.inputs[:1]))
+    if op.name != "exp":
+        return False
+    x = g.ops[op.inputs[0][0]]
+    while x.name == "sub":
+        x = g.ops[x.inputs[0][0]]
+    return x.name == "add" and any(g.ops[y[0]].name == "iterator" and g.ops[y[0]].attrs["fmap"] is not None
+                                   for y in x.inputs)
 
 
 def _shapes(g: Graph, caps: dict, where: str) -> list[str]:

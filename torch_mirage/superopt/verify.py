@@ -1,14 +1,14 @@
 """Equivalence verifier: the finite-field test of Mirage §5 plus a float test.
 
 ``verify(candidate, reference, example_inputs)`` compares two programs; each side is a μGraph
-(:class:`~.ugraph.KernelGraph`, run by :func:`~.executor.execute`) or a plain PyTorch callable
+(:class:`~torch_mirage.ugraph.KernelGraph`, run by :func:`~.executor.execute`) or a plain PyTorch callable
 (lowered through the capture pipeline, interpreted by :mod:`.ff_interpret`).
 
 * **Finite-field test.** Each trial draws every input element uniformly from Z_p × Z_q, a random
   q-th root of unity ω for exp, a random λ for ln 2 (exp2), fresh random values for ``max``, and a
   fresh key for the sqrt hash (:mod:`.finite_field`), runs both sides and compares the outputs' Z_p
   components exactly. The per-trial false-accept bound ε comes from the degree / term-count bounds
-  and denominator ids the field values carry (:func:`~.finite_field.per_trial_bound`, which
+  and denominator ids the field values carry (:func:`~.ff_bound.per_trial_bound`, which
   derives it: Schwartz–Zippel on the cleared-denominator difference N1·D2 − N2·D1, each distinct
   denominator counted once — which is what gives softmax(·)@V a finite bound); the number of trials
   t is the least with ε^t ≤ the target ``error_bound`` (Theorem 3), and the verdict reports ε^t.
@@ -45,8 +45,11 @@ import torch
 
 from ..capture.lower import lower
 from ..config import load
-from .finite_field import (DEFAULT_FIELD, FieldParams, FieldTensor, FiniteFieldArith, NotLAX, TrialBound,
-                           per_trial_bound, raw)
+from ..ugraph import KernelGraph
+from .ff_bound import TrialBound, per_trial_bound
+from .ff_field import DEFAULT_FIELD, FieldParams, NotLAX
+from .ff_tensor import FieldTensor, raw
+from .finite_field import FiniteFieldArith
 
 log = logging.getLogger("torch_mirage")
 
@@ -105,7 +108,6 @@ class _Side:
 
 
 def _is_ugraph(x) -> bool:
-    from .ugraph import KernelGraph
     return isinstance(x, KernelGraph)
 
 
@@ -169,7 +171,7 @@ def _bool_mask(shape, rng: torch.Generator) -> torch.Tensor:
 
 
 def band_of(program) -> tuple | None:
-    """The for-loop band of a μGraph's block graph (:func:`~.ugraph.band_range`), None without one."""
+    """The for-loop band of a μGraph's block graph (:func:`~torch_mirage.ugraph.band_range`), None without one."""
     for op in getattr(program, "ops", ()) if _is_ugraph(program) else ():
         band = getattr(op.body, "forloop_band", None)
         if band is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..numerics import rms_norm
+
 
 def softmax(x):
     return torch.softmax(x, -1)
@@ -14,8 +16,7 @@ def layer_norm(x, w, b):
 
 
 def rmsnorm(x, w):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+    return rms_norm(x, 1e-6, w)
 
 
 def bias_gelu(x, bias):

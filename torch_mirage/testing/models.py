@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..numerics import rms_norm
+
 
 class MLP(nn.Module):
     def __init__(self, dim: int = 64, hidden: int = 256):
@@ -63,8 +65,7 @@ class RMSNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return rms_norm(x, self.eps, self.weight)
 
 
 def rope_tables(seq: int, head_dim: int, base: float = 10000.0, device=None, dtype=torch.float32):

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
-from .reference import Decline, reference_of
+from .reference import Decline as NotLowered, reference_of
 from .driver import search
 from ..compile import compile_ugraph
 
 from ...capture.ops import OpKind
-from ...partition.region import Reason, Region, is_convex
+from ...context import CompileContext, Target
+from ...failures import describe_error
+from ...partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
 from ...timing import random_like
 
 log = logging.getLogger("torch_mirage")
@@ -44,10 +45,10 @@ class SearchClaimer:
         self.budget_s = budget_s
         self.max_nodes = max_nodes
 
-    def claim(self, graph, free: Sequence, ctx: Any) -> list[Region]:
+    def claim(self, graph, free: Sequence, ctx: CompileContext) -> list[Outcome]:
         free_ids = {id(n) for n in free}
         order = {id(n): i for i, n in enumerate(graph.nodes)}
-        regions = []
+        outcomes: list[Outcome] = []
         last_first = list(reversed(list(free)))
         anchors = [n for n in last_first if n.op.kind is OpKind.MATMUL] + \
             [n for n in last_first if n.op.kind is OpKind.REDUCTION]
@@ -59,63 +60,61 @@ class SearchClaimer:
             nodes = sorted(grow(graph, anchor, free_ids, self.max_nodes, CHAIN if chain else GROW),
                            key=lambda n: order[id(n)])
             if not is_convex(graph, nodes):
+                outcomes.append(Decline(nodes, Reason.NOT_CONVEX, f"the region grown around {anchor.name}"))
                 continue
             if chain:
                 searched |= {id(n) for n in nodes}
-            region = self._region(graph, nodes, ctx)
-            if region is not None:
+            outcome = self._claim(graph, nodes, ctx)
+            if isinstance(outcome, Claim):
                 free_ids -= {id(n) for n in nodes}
-                regions.append(region)
-        return regions
+            outcomes.append(outcome)
+        return outcomes
 
-    def _region(self, graph, nodes: list, ctx: Any) -> Region | None:
+    def _claim(self, graph, nodes: list, ctx: CompileContext) -> Outcome:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-
         ref = reference_of(nodes, graph)
-        if isinstance(ref, Decline):
+        if isinstance(ref, NotLowered):
             log.debug("torch_mirage: search claimer: region at %s not lowered: %s", nodes[-1].target_name, ref)
-            return None
+            return Decline(nodes, Reason.NOT_LOWERED, str(ref))
         metas = [v.meta for v in ref.inputs]
-        dev = metas[0].device.type
-        interpret = os.environ.get("TRITON_INTERPRET") == "1"
-        if any(m.dtype not in DTYPES for m in metas) or dev not in ("cuda", "cpu") or \
-                (dev == "cpu" and not interpret) or (interpret and any(m.dtype == torch.bfloat16 for m in metas)):
-            return None
-        config = getattr(ctx, "config", None)
-        budget = self.budget_s if self.budget_s is not None else (config.search_budget_s if config else None)
+        if any(m.dtype not in DTYPES for m in metas) or \
+                (ctx.target is Target.INTERPRETER and any(m.dtype == torch.bfloat16 for m in metas)):
+            return Decline(nodes, Reason.UNSUPPORTED_DTYPE, ", ".join(sorted({str(m.dtype) for m in metas})))
+        if not ctx.target.runs_on(metas[0].device.type):
+            return Decline(nodes, Reason.UNSUPPORTED_DEVICE, str(metas[0].device))
+        budget = self.budget_s if self.budget_s is not None else ctx.config.search_budget_s
         specs = [(tuple(m.shape), DTYPES[m.dtype]) for m in metas]
         with unset_fake_temporarily():      # the search runs real tensors (probe, verifier)
-            result = search(ref.graph, specs, budget_s=budget, cache=getattr(ctx, "cache", None))
+            result = search(ref.graph, specs, budget_s=budget, cache=ctx.cache)
             if result.best is None:
                 log.info("torch_mirage: μGraph search found nothing for %d nodes (%s)", len(nodes), result.reason)
-                return None
+                return Decline(nodes, Reason.NOT_FOUND, result.reason)
             examples = [random_like(m) for m in metas]
             try:
-                compiled = compile_ugraph(result.best, examples, cache=getattr(ctx, "cache", None))
+                compiled = compile_ugraph(result.best, examples, cache=ctx.cache)
             except Exception as e:   # a searched μGraph that does not compile: the region goes on
                 log.info("torch_mirage: searched μGraph does not compile (%s: %s)", type(e).__name__, e)
-                return None
+                return Decline(nodes, Reason.COMPILE_ERROR, describe_error(e))
         s = result.stats
-        region = Region(list(nodes), "mirage", Reason.CLAIMED, plan=result.best,
-                        detail=f"searched μGraph, {s.depth} block ops, {s.seconds:.2f} s")
-        pos = {id(v): i for i, v in enumerate(region.inputs)}
+        pos = {id(v): i for i, v in enumerate(inputs_of(nodes))}
         in_order = [pos[id(v)] for v in ref.inputs]
         out_pos = {id(v): i for i, v in enumerate(ref.outputs)}
-        out_order = [out_pos[id(v)] for v in region.outputs(graph)]
-        shapes = [tuple(v.meta.shape) for v in region.outputs(graph)]
+        outputs = outputs_of(nodes, graph)
+        out_order = [out_pos[id(v)] for v in outputs]
+        shapes = [tuple(v.meta.shape) for v in outputs]
 
         def kernel(*ins):
             outs = compiled(*[ins[i] for i in in_order])
             return tuple(outs[j].reshape(sh) for j, sh in zip(out_order, shapes))
 
-        region.kernel = kernel
-        region.info = {"source": result.source, "generated": s.generated, "pruned": s.pruned,
-                       "candidates": s.candidates, "rejected_by_probe": s.rejected_by_probe,
-                       "rejected_by_verifier": s.rejected_by_verifier, "verified": s.verified,
-                       "search_s": round(s.seconds, 2), "ugraph_hash": result.best.hash()[:16],
-                       "ugraph": str(result.best)}
-        return region
+        info = {"source": result.source, "generated": s.generated, "pruned": s.pruned,
+                "candidates": s.candidates, "rejected_by_probe": s.rejected_by_probe,
+                "rejected_by_verifier": s.rejected_by_verifier, "verified": s.verified,
+                "search_s": round(s.seconds, 2), "ugraph_hash": result.best.hash()[:16],
+                "ugraph": str(result.best)}
+        return Claim(list(nodes), result.best, kernel,
+                     detail=f"searched μGraph, {s.depth} block ops, {s.seconds:.2f} s", info=info)
 
 
 def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW) -> list:

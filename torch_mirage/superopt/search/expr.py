@@ -30,14 +30,14 @@ Normal form (the constructors produce it; Mirage's A_eq read as rewrite rules):
 
 :func:`expr_of_op` gives the expression of each output of a kernel- or block-level
 op from its operands' expressions; :func:`graph_exprs` walks a whole
-:class:`~..ugraph.KernelGraph` (block and thread graphs inlined).
+:class:`~torch_mirage.ugraph.KernelGraph` (block and thread graphs inlined).
 """
 from __future__ import annotations
 
 from fractions import Fraction
 from typing import Sequence
 
-from ..ugraph import BlockGraph, Ctx, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph
+from ...ugraph import BlockGraph, Ctx, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph
 
 
 class Expr:

@@ -20,6 +20,11 @@ expressions.
 
 Pruning: ``admits(expr) -> bool`` is called on every new op's abstract expression (computed with
 ``expr.expr_of_op`` when the expression module is available); ``lambda e: True`` switches pruning off.
+
+The hot loop: one step of the DFS, ``children`` (the canonical moves after the last op's rank, each one's
+block op and abstract expression, both memoised), is what profiling measured as the search's own time
+(benchmarks/results/search_profile_cpu.md); csrc/search_core.cpp does the same step in C++ (:mod:`.native`)
+and calls back here only on memo misses. Both give the same children in the same order.
 """
 from __future__ import annotations
 
@@ -29,8 +34,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+from ...ugraph import Ctx, KernelGraph, MuGraphError, Ref, make_op
 from ..builder import BlockBuilder, new_kernel_graph
-from ..ugraph import Ctx, KernelGraph, MuGraphError, Ref, make_op
+from . import native as N
 
 # Body-op kinds in rank order (the second half of an op's rank). Each: (name, arity, block op, attrs)
 UNARY = ("silu", "exp", "sqrt")
@@ -172,7 +178,8 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                         expr_of: Callable | None | str = "auto", stats: GenStats | None = None,
                         deadline: float | None = None, fmap_choices: Sequence | None = None,
                         kinds: Sequence[str] = KIND_ORDER, whole_rows: bool = True,
-                        share: tuple[int, int] = (0, 1)) -> Iterator[tuple[Skeleton, tuple]]:
+                        share: tuple[int, int] = (0, 1),
+                        native: bool | None = None) -> Iterator[tuple[Skeleton, tuple]]:
     """Yield ``(skeleton, output expressions)`` for every complete block graph of at most ``max_ops``
     body ops (exactly, with ``exact_ops``) over kernel inputs ``inputs`` ((shape, dtype) each) whose
     saved tensors have shapes ``out_shapes`` and, when ``is_target`` is given, whose output
@@ -181,7 +188,9 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
     iterators' fmap choice and the first body op, numbered in DFS order) whose index is k mod n, for
     splitting the search among n workers; ``stats.branch`` is the index of the branch being expanded.
     ``whole_rows``: a skeleton whose iterators have no for-loop dim runs its loop once (each block holds
-    whole rows, an accumulator is the identity: a norm chain); off, it is probed like the others."""
+    whole rows, an accumulator is the identity: a norm chain); off, it is probed like the others.
+    ``native``: expand states with the C++ core (:mod:`.native`: the same children in the same order);
+    None uses it when it is built and ``expr_of`` is given, False never, True requires it."""
     stats = stats if stats is not None else GenStats()
     if expr_of == "auto":
         expr_of = _default_expr_of()
@@ -192,8 +201,11 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
     ctx = probe_ctx         # whole_ctx once the iterators have no for-loop dim (see iterators())
     st = _State()
     kinds = set(kinds)
-    op_memo: dict = {}        # (kind, attrs, operand shapes, dtypes) -> block op (None: shapes do not fit)
-    expr_memo: dict = {}      # (kind, attrs, operand exprs, shapes) -> expression
+    # per for-loop range (the probe's, or 1 for whole rows): the memos of the context they were computed in
+    memos = {c.forloop_range: ({}, {}) for c in (probe_ctx, whole_ctx)}
+    # (kind, attrs, operand shapes, dtypes) -> block op (None: shapes do not fit);
+    # (kind, attrs, operand exprs, shapes) -> expression
+    op_memo, expr_memo = memos[ctx.forloop_range]
 
     def fmaps_of(i):
         if fmap_choices is not None:
@@ -201,25 +213,29 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         s = inputs[i][0]
         return [None] + [d for d in range(len(s)) if s[d] % probe_range == 0 and s[d] > 1]
 
-    def push(kind, ins, attrs, op):
-        """Append the value of block op ``op`` (for matmul_t: its matmul) unless it is a duplicate
-        value or ``admits`` rejects its expression."""
-        if expr_of is not None:
-            args, shapes = tuple(st.exprs[i] for i in ins), tuple(st.shapes[i] for i in ins)
-            mk = (kind, attrs, args, shapes, ctx.forloop_range)
-            e = expr_memo.get(mk)
-            if e is None:       # transpose (of matmul_t) is the identity
-                if kind == "concat_matmul":
-                    c1, c2, mm = op
-                    e1 = expr_of(c1, list(args[:2]), ctx, in_shapes=list(shapes[:2]))[0]
-                    e2 = expr_of(c2, list(args[2:]), ctx, in_shapes=list(shapes[2:]))[0]
-                    e = expr_of(mm, [e1, e2], ctx, in_shapes=[c1.shapes[0], c2.shapes[0]])[0]
-                else:
-                    e = expr_of(op, list(args), ctx, in_shapes=list(shapes))[0]
-                expr_memo[mk] = e
-            key = (e, kind.startswith("acc_"))
-        else:
-            e, key = None, (kind, ins, attrs)
+    def expr_for(kind, ins, attrs, op):
+        """The abstract expression of block op ``op`` on values ``ins`` (memoised; the transpose of a
+        matmul_t is the identity)."""
+        args, shapes = tuple(st.exprs[i] for i in ins), tuple(st.shapes[i] for i in ins)
+        mk = (kind, attrs, args, shapes)
+        e = expr_memo.get(mk)
+        if e is None:
+            e = expr_memo[mk] = expr_miss(kind, args, shapes, op)
+        return e
+
+    def expr_miss(kind, args, shapes, op):
+        if kind == "concat_matmul":
+            c1, c2, mm = op
+            e1 = expr_of(c1, list(args[:2]), ctx, in_shapes=list(shapes[:2]))[0]
+            e2 = expr_of(c2, list(args[2:]), ctx, in_shapes=list(shapes[2:]))[0]
+            return expr_of(mm, [e1, e2], ctx, in_shapes=[c1.shapes[0], c2.shapes[0]])[0]
+        return expr_of(op, list(args), ctx, in_shapes=list(shapes))[0]
+
+    def push(kind, ins, attrs, op, e):
+        """Append the value of block op ``op`` (for matmul_t: its matmul) with expression ``e`` unless
+        it is a duplicate value or ``admits`` rejects its expression. An accumulator's value is not a
+        duplicate of its operand's (with a for-loop range of 1 both have one expression)."""
+        key = (e, kind.startswith("acc_")) if expr_of is not None else (kind, ins, attrs)
         stats.generated += 1
         if key in st.keys:
             stats.duplicates += 1
@@ -245,14 +261,15 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
 
     def make(kind, ins, attrs):
         """The block op for a skeleton op on values ``ins`` (None if shapes do not fit)."""
-        sh = [st.shapes[i] for i in ins]
-        dt = [st.dtypes[i] for i in ins]
-        mk = (kind, attrs, tuple(sh), tuple(dt), ctx.forloop_range)
+        sh = tuple(st.shapes[i] for i in ins)
+        dt = tuple(st.dtypes[i] for i in ins)
+        mk = (kind, attrs, sh, dt)
         if mk not in op_memo:
-            op_memo[mk] = _make(kind, attrs, sh, dt)
+            op_memo[mk] = make_miss(kind, attrs, sh, dt)
         return op_memo[mk]
 
-    def _make(kind, attrs, sh, dt):
+    def make_miss(kind, attrs, sh, dt):
+        sh, dt = list(sh), list(dt)
         try:
             if kind == "concat_matmul":
                 r = [Ref(0), Ref(1)]
@@ -297,8 +314,37 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                     out.append(("matmul_t", (i, j), ()))
         if "concat_matmul" in kinds:
             out += concat_matmuls()
-        ranked = sorted((r, m) for m in out if (r := _rank(*m)) > last_rank)
-        return [(r, *m) for r, m in ranked]
+        ranked = [(r, m) for m in out if (r := _rank(*m)) > last_rank]
+        ranked.sort(key=lambda t: t[0])
+        return [m for _, m in ranked]
+
+    def py_children(last_rank, share_base=None):
+        """The moves after ``last_rank`` in canonical order whose block op fits, as (index among all
+        the moves, kind, inputs, attrs, block op, expression); ``share_base`` (first level only): the
+        branch index before these moves, and moves outside this worker's share are skipped. Returns
+        (children, number of moves)."""
+        ms = moves(last_rank)
+        out = []
+        for idx, (kind, ins, attrs) in enumerate(ms):
+            if share_base is not None and (share_base + idx + 1) % share[1] != share[0]:
+                continue
+            op = make(kind, ins, attrs)
+            if op is not None:
+                e = expr_for(kind, ins, attrs, op) if expr_of is not None else None
+                out.append((idx, kind, ins, attrs, op, e))
+        return out, len(ms)
+
+    children = py_children
+    if expr_of is not None and native is not False:
+        core = N.search_core()
+        if core is not None:
+            envs = {r: (KIND_ORDER, tuple(k in kinds for k in KIND_ORDER), tuple(eps_values), st.shapes, st.dtypes,
+                        st.flags, st.exprs, om, em, make_miss, expr_miss) for r, (om, em) in memos.items()}
+            children = lambda last_rank, share_base=None: core.children(  # noqa: E731
+                envs[ctx.forloop_range], last_rank, None if share_base is None else (share[0], share[1], share_base))
+        elif native:
+            raise RuntimeError("enumerate_skeletons(native=True): the native search core (torch_mirage._C) is "
+                               f"not built ({N.why_not()}); reinstall with a C++17 compiler or pass native=None")
 
     def concat_matmuls():
         """Operand quadruples (a, b, c, d) of (a ‖ b) @ (c ‖ d) whose shapes fit, a != b, c != d."""
@@ -352,29 +398,29 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         # each op lowers the unconsumed count by at most 1: prune states that cannot finish
         if len(unconsumed()) - (max_ops - n_ops) > n_out:
             return
-        for rank, kind, ins, attrs in moves(last_rank):
+        base = branch[0] if n_ops == 0 else None
+        kids, n_moves = children(last_rank, base)
+        if n_ops == 0:
+            branch[0] += n_moves
+        for idx, kind, ins, attrs, op, e in kids:
             if n_ops == 0:
-                branch[0] += 1
-                if branch[0] % share[1] != share[0]:
-                    continue
-                stats.branch = branch[0]
-            op = make(kind, ins, attrs)
-            if op is None:
+                stats.branch = base + idx + 1
+            if not push(kind, ins, attrs, op, e):
                 continue
-            if not push(kind, ins, attrs, op):
-                continue
-            yield from dfs(rank, n_ops + 1)
+            yield from dfs(_rank(kind, ins, attrs), n_ops + 1)
             pop()
             if stats.timed_out:
                 return
 
     def iterators(i):
-        nonlocal ctx
+        nonlocal ctx, op_memo, expr_memo
         if i == n_in:
             # no for-loop dim: the loop runs once (whole rows per block), so an accumulator is the identity
             ctx = whole_ctx if whole_rows and all(f is None for f in fm) else probe_ctx
+            op_memo, expr_memo = memos[ctx.forloop_range]
             yield from dfs(((), -1, (), ()), 0)
             ctx = probe_ctx
+            op_memo, expr_memo = memos[ctx.forloop_range]
             return
         s, d = inputs[i]
         for f in fmaps_of(i):

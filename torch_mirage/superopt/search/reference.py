@@ -2,7 +2,7 @@
 
 :func:`reference_of` lowers a region's nodes (functional ATen after Inductor's
 decompositions, as :mod:`torch_mirage.capture` produces it) into a
-:class:`~..ugraph.KernelGraph` of pre-defined kernel ops only (matmul,
+:class:`~torch_mirage.ugraph.KernelGraph` of pre-defined kernel ops only (matmul,
 elementwise, reductions, layout) and computes the target expressions of its
 outputs (:mod:`.expr`), which the generator searches for and the oracle prunes
 against. What cannot be lowered gives a :class:`Decline` naming the node, its
@@ -31,8 +31,8 @@ from typing import Sequence
 
 import torch
 
+from ...ugraph import KernelGraph, MuGraphError
 from ..builder import KernelBuilder, Tensor, new_kernel_graph
-from ..ugraph import KernelGraph, MuGraphError
 from .expr import Expr, graph_exprs
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import itertools
 from typing import Iterator, Sequence
 
+from ...ugraph import KernelGraph, MuGraphError
 from ..library import blocks
-from ..ugraph import KernelGraph, MuGraphError
 from ..validate import problems
 from .generate import Skeleton, to_kernel_graph
 

@@ -1,4 +1,4 @@
-"""StitchPlan → Triton source, and the launcher that runs it on real tensors.
+"""StitchPlan → Triton source: the emitter of a stitch region's kernel (:func:`emit_kernel`).
 
 One region becomes one ``@triton.jit`` kernel over a ``[BLOCK_M, BLOCK_N]`` tile of
 its iteration space (rows × the last dim). Values constant along the row
@@ -9,191 +9,30 @@ IR recorded. Row-resident strategies evaluate the whole DAG once (the regional
 scheme: the row stays on chip across reductions); the looped strategy makes one
 chunked pass over the row per reduction level and a last pass for the stores,
 recomputing producers from device memory (the global scheme). Reductions that
-can share a pass do (:func:`loop_schedule`): ``amax`` with ``sum(exp(x - amax))``
+can share a pass do (:func:`~.stitch_schedule.loop_schedule`): ``amax`` with ``sum(exp(x - amax))``
 by the online-softmax recurrence, ``var_mean`` by fp32 Welford, so softmax and
 layer norm read a long row twice and write it once. Task splitting (AStitch):
 a few long rows are split over several programs; ``stitch_partials`` writes each
 program's statistics to an fp32 workspace, ``stitch_kernel`` combines them and
 stores its piece of the row.
 
-NaN / inf follow eager: ``amax``/``amin`` and ``maximum``/``minimum`` propagate
-NaN (``tl.max`` does not, so NaN is tracked separately); an all ``-inf`` softmax
-row gives NaN as ``-inf - -inf`` does. ``_tanh`` is computed from ``exp`` (no
-libdevice in the interpreter), ``_erf`` uses ``tl.erf``.
-
-:func:`node_support` says which IR nodes this codegen can emit; the partitioner
-claims nothing else.
+NaN / inf follow eager: ``amax``/``amin`` propagate NaN (``tl.max`` does not, so NaN is tracked separately); an
+all ``-inf`` softmax row gives NaN as ``-inf - -inf`` does. What each op is in Triton is :mod:`.stitch_ops`; the
+launcher that runs the kernel on real tensors is :mod:`.stitch_launch`.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
-from .loader import load_source
 
-from ..capture.ir import Node, Value, map_values
+from ..capture.ir import Node, Value
 from ..capture.ops import OpKind
+from .stitch_ops import HELPERS, TL_DTYPE, fill_value, op_expr, reduction_spec
 from .stitch_plan import StitchPlan, Strategy
+from .stitch_schedule import IDENTITY, ROW_STATS, STATS, Accumulation, loop_schedule
 
-aten = torch.ops.aten
-prims = torch.ops.prims
-
-TL_DTYPE = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
-            torch.bool: "tl.int1"}
-
-HELPERS = '''
-@triton.jit
-def _tanh(x):
-    # tanh from exp: stable for large |x|, Taylor series near 0 (no libdevice in the interpreter)
-    a = tl.abs(x)
-    e = tl.exp(-2.0 * a)
-    big = (1.0 - e) / (1.0 + e)
-    x2 = x * x
-    small = a * (1.0 - x2 * (0.3333333333333333 - x2 * 0.13333333333333333))
-    r = tl.where(a < 0.004, small, big)
-    return tl.where(x < 0, -r, r)
-
-
-@triton.jit
-def _erf(x):
-    return tl.erf(x)
-
-
-@triton.jit
-def _maximum(a, b):
-    # NaN-propagating like torch.maximum / clamp_min
-    return tl.where(a != a, a, tl.where(b != b, b, tl.where(a > b, a, b)))
-
-
-@triton.jit
-def _minimum(a, b):
-    return tl.where(a != a, a, tl.where(b != b, b, tl.where(a < b, a, b)))
-'''
-
-# ---------------------------------------------------------------- what can be emitted
-
-_ALLOWED_KWARGS = {"memory_format", "dtype", "layout", "device", "pin_memory", "non_blocking"}
-_POW = {1: "{0}", 2: "({0} * {0})", 3: "({0} * {0} * {0})", 0.5: "tl.sqrt({0})", -0.5: "tl.rsqrt({0})",
-        -1: "(1.0 / {0})", -2: "(1.0 / ({0} * {0}))"}
-_BOOL_RESULT_OPS = {"eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "isnan", "where", "to_dtype", "copy"}
-
-
-def _swap(t: str) -> Callable[[Node, list[str]], str]:
-    return lambda node, a: t.format(a[1], a[0])
-
-
-def _pow(node: Node, a: list[str]) -> str:
-    return _POW[node.args[1]].format(a[0])
-
-
-def _to_dtype(node: Node, a: list[str]) -> str:
-    src, dst = node.inputs[0].meta.dtype, node.outputs[0].meta.dtype
-    if dst is torch.bool:
-        return f"({a[0]} != 0)"
-    if src is torch.bool:
-        return f"{a[0]}.to(tl.float32)"
-    if dst in (torch.float16, torch.bfloat16) and src is not dst:
-        return f"{a[0]}.to({TL_DTYPE[dst]}).to(tl.float32)"   # the rounding eager does
-    return a[0]
-
-
-_RENDER: dict[Any, Callable[[Node, list[str]], str]] = {
-    aten.rsub.Scalar: _swap("({0} - {1})"),
-    aten.rsub.Tensor: _swap("({0} - {1})"),
-    aten.relu.default: lambda node, a: f"_maximum({a[0]}, 0.0)",
-    aten.pow.Tensor_Scalar: _pow,
-    prims.convert_element_type.default: _to_dtype,
-    aten._to_copy.default: _to_dtype,
-}
-
-
-@dataclass(frozen=True)
-class ReductionSpec:
-    kind: str          # "sum" | "mean" | "amax" | "amin" | "var_mean" | "var"
-    keepdim: bool
-    correction: int = 0
-
-
-def reduction_spec(node: Node) -> ReductionSpec | None:
-    """How the reduction node reduces, when it reduces exactly the last dim of its input; else None."""
-    t, a, kw = node.target, node.args, node.kwargs
-    x = a[0] if a else None
-    if not isinstance(x, Value) or not x.meta or len(x.meta.shape) == 0:
-        return None
-    nd = len(x.meta.shape)
-
-    def last_only(dims) -> bool:
-        dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
-        return len(dims) == 1 and dims[0] % nd == nd - 1 or (not dims and nd == 1)
-
-    if t is aten.sum.dim_IntList or t is aten.mean.dim:
-        dims = a[1] if len(a) > 1 else kw.get("dim")
-        keep = a[2] if len(a) > 2 else kw.get("keepdim", False)
-        if dims is None or (a[3:] or kw.get("dtype")) or not last_only(dims):
-            return None
-        return ReductionSpec("sum" if t is aten.sum.dim_IntList else "mean", bool(keep))
-    if t in (aten.amax.default, aten.amin.default):
-        dims = a[1] if len(a) > 1 else kw.get("dim", [])
-        keep = a[2] if len(a) > 2 else kw.get("keepdim", False)
-        if not last_only(dims):
-            return None
-        return ReductionSpec("amax" if t is aten.amax.default else "amin", bool(keep))
-    if t is aten.var_mean.correction or t is prims.var.default:
-        dims = a[1] if len(a) > 1 else kw.get("dim")
-        corr = kw.get("correction", a[2] if t is prims.var.default and len(a) > 2 else 1)
-        keep = kw.get("keepdim", False)
-        if dims is None or not last_only(dims) or corr not in (0, 1, 0.0, 1.0) or kw.get("output_dtype"):
-            return None
-        return ReductionSpec("var_mean" if t is aten.var_mean.correction else "var", bool(keep), int(corr))
-    return None
-
-
-def _fill_value(node: Node) -> Any:
-    t, a = node.target, node.args
-    if t is aten.full.default:
-        return a[1]
-    if t is aten.scalar_tensor.default:
-        return a[0]
-    return {aten.zeros.default: 0, aten.ones.default: 1}.get(t)
-
-
-def node_support(node: Node) -> str | None:
-    """None when this codegen emits ``node``; else why not (for the report)."""
-    kind = node.kind
-    if kind is OpKind.REDUCTION:
-        spec = reduction_spec(node)
-        if spec is None:
-            return f"{node.target_name}: only reductions over the last dim are stitched"
-        if not node.inputs[0].meta.dtype.is_floating_point:
-            return f"{node.target_name}: reduction of {node.inputs[0].meta.dtype}"
-        return None
-    if kind is OpKind.CREATION:
-        v = _fill_value(node)
-        if v is None or not isinstance(v, (int, float, bool)):
-            return f"{node.target_name}: only constant fills are stitched"
-        return None
-    if kind is not OpKind.ELEMENTWISE:
-        return f"{node.target_name}: {kind.value} op"
-    if node.op.triton is None and node.target not in _RENDER:
-        return f"{node.target_name}: no Triton template"
-    if node.target is aten.pow.Tensor_Scalar and node.args[1] not in _POW:
-        return f"{node.target_name}: exponent {node.args[1]!r} not stitched"
-    if node.target in (aten.pow.Tensor_Tensor,):
-        return f"{node.target_name}: tensor exponent"
-    alpha = node.kwargs.get("alpha", 1)
-    if alpha != 1 or any(k not in _ALLOWED_KWARGS | {"alpha"} for k in node.kwargs):
-        return f"{node.target_name}: keyword arguments {sorted(node.kwargs)}"
-    if len(node.outputs) != 1:
-        return f"{node.target_name}: several outputs"
-    out = node.outputs[0].meta
-    if out is not None and out.dtype is torch.bool and node.op.name not in _BOOL_RESULT_OPS:
-        return f"{node.target_name}: arithmetic on bool"
-    return None
-
-
-# ---------------------------------------------------------------- source emission
 
 def _literal(x: Any) -> str:
     if isinstance(x, bool):
@@ -275,15 +114,13 @@ class _Emitter:
         out = node.outputs[0]
         name = self.fresh()
         if node.kind is OpKind.CREATION:
-            v = _fill_value(node)
+            v = fill_value(node)
             dt = "tl.int1" if out.meta.dtype is torch.bool else "tl.float32"
             lit = _literal(v if out.meta.dtype is torch.bool else torch.tensor(v, dtype=out.meta.dtype).item())
             self.line(f"{name} = tl.full([1, 1], {lit}, {dt})")
         else:
             operands = [self.operand(a, scope) for a in node.args]
-            render = _RENDER.get(node.target)
-            expr = render(node, operands) if render else node.op.triton.format(*operands)
-            self.line(f"{name} = {expr}")
+            self.line(f"{name} = {op_expr(node, operands)}")
         scope[id(out)] = name
 
     # --- reductions
@@ -316,84 +153,6 @@ class _Emitter:
         self.line(f"{nan} = tl.max(tl.where(mask & ({x} != {x}), 1, 0), 1)[:, None]")
         self.line(f"{m} = tl.where({nan} > 0, float(\"nan\"), {m})")
         scope[id(node.outputs[0])] = m
-
-
-# ---------------------------------------------------------------- the looped schedule (long rows)
-
-@dataclass(frozen=True)
-class Accumulation:
-    """One per-lane accumulation of a looped row: the reductions it serves and the pass that reads for it.
-
-    ``online`` accumulates ``amax(x)`` and ``sum(exp(x - amax(x)))`` together (the online-softmax recurrence:
-    running max, running sum rescaled when the max grows); ``welford`` accumulates count / mean / M2 for
-    ``var_mean`` and ``var`` in one pass (fp32 Welford, lanes combined with Chan's formula).
-    """
-    kind: str                  # "sum" | "max" | "min" | "online" | "welford"
-    node: Node                 # the reduction (for "online": the amax)
-    partner: Node | None       # "online": the sum of exp(x - amax(x))
-    pass_no: int               # 1-based chunked pass over the row
-
-
-# the per-lane statistics of each accumulation kind and their identities (masked lanes, empty splits)
-STATS = {"sum": ("sum",), "max": ("max", "nan"), "min": ("min", "nan"), "online": ("max", "nan", "sum"),
-         "welford": ("cnt", "mean", "m2")}
-IDENTITY = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")', "nan": "0.0", "cnt": "0.0", "mean": "0.0",
-            "m2": "0.0"}
-ROW_STATS = {("online", "max")}   # statistics kept per row ([BLOCK_M, 1]) rather than per lane
-FUSION_NAME = {"online": "online softmax", "welford": "Welford"}
-_KIND = {"sum": "sum", "mean": "sum", "amax": "max", "amin": "min", "var_mean": "welford", "var": "welford"}
-
-
-def _online_partner(amax: Node, inside: set[int]) -> Node | None:
-    """The region's ``sum(exp(x - amax(x)))`` over the same ``x``, which the online recurrence accumulates too."""
-    x, m = amax.inputs[0], amax.outputs[0]
-    for sub in m.users:
-        if id(sub) not in inside or sub.op.name != "sub" or len(sub.args) < 2 \
-                or sub.args[0] is not x or sub.args[1] is not m:
-            continue
-        for ex in sub.outputs[0].users:
-            if id(ex) not in inside or ex.op.name != "exp" or ex.args[0] is not sub.outputs[0]:
-                continue
-            for s in ex.outputs[0].users:
-                if id(s) in inside and s.kind is OpKind.REDUCTION and reduction_spec(s) is not None \
-                        and reduction_spec(s).kind == "sum":
-                    return s
-    return None
-
-
-def loop_schedule(compute: Sequence[Node]) -> list[Accumulation]:
-    """The accumulations of a looped row, each in the earliest pass its input allows (fusions applied)."""
-    inside = {id(n) for n in compute}
-    lvl: dict[int, int] = {}
-    fused: dict[int, Accumulation] = {}
-    out: list[Accumulation] = []
-    for node in compute:
-        base = max((lvl.get(id(v), 0) for v in node.inputs), default=0)
-        if node.kind is not OpKind.REDUCTION:
-            lvl.update((id(v), base) for v in node.outputs)
-        elif id(node) in fused:
-            lvl.update((id(v), fused[id(node)].pass_no) for v in node.outputs)
-        else:
-            kind = _KIND[reduction_spec(node).kind]
-            partner = _online_partner(node, inside) if kind == "max" else None
-            acc = Accumulation("online" if partner is not None else kind, node, partner, base + 1)
-            if partner is not None:
-                fused[id(partner)] = acc
-            out.append(acc)
-            lvl.update((id(v), base + 1) for v in node.outputs)
-    return out
-
-
-def schedule_facts(compute: Sequence[Node]) -> tuple[int, tuple[str, ...]]:
-    """(reduction passes over a looped row, names of the fused accumulations) for the thread mapping."""
-    sched = loop_schedule(compute)
-    names = tuple(dict.fromkeys(FUSION_NAME[a.kind] for a in sched if a.kind in FUSION_NAME))
-    return max((a.pass_no for a in sched), default=0), names
-
-
-def stat_slots(plan: StitchPlan) -> list[tuple[int, str]]:
-    """(accumulation index, statistic) per fp32 workspace slot of a split row's partials."""
-    return [(i, k) for i, a in enumerate(loop_schedule(plan.compute)) for k in STATS[a.kind]]
 
 
 def _update(e: "_Emitter", kind: str, st: dict[str, str], x: str) -> None:
@@ -650,77 +409,3 @@ def _emit_split_store(e: _Emitter) -> None:
 
 def _pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
-
-
-# ---------------------------------------------------------------- launching
-
-def broadcast_strides(t: torch.Tensor, space: Sequence[int]) -> list[int]:
-    """``t``'s strides right-aligned into ``space``; broadcast (size-1 or missing) dims get stride 0."""
-    r, k = len(space), t.dim()
-    out = [0] * r
-    for d in range(k):
-        sd = r - k + d
-        if t.shape[d] != 1:
-            out[sd] = t.stride(d)
-    return out
-
-
-def _apply_layout(node: Node, env: dict[int, Any]) -> None:
-
-    args, kwargs = map_values((node.args, node.kwargs), lambda v: env[id(v)])
-    target = node.target
-    if target in (aten.view.default, aten._unsafe_view.default):
-        target = aten.reshape.default   # same values; tolerates inputs whose strides differ from the trace
-    env[id(node.outputs[0])] = target(*args, **kwargs)
-
-
-def make_launcher(plan: StitchPlan, inputs: Sequence[Value], jit_fn: Any,
-                  partials_fn: Any = None) -> Callable[..., tuple]:
-    """``(*region inputs) -> tuple(region outputs)``: prologue views, allocation, launch(es), epilogue views.
-
-    A split row (``partials_fn``) first writes per-program statistics to an fp32 workspace, then ``jit_fn``
-    combines them and stores.
-    """
-    space, mapping = tuple(plan.space), plan.mapping
-    grid = mapping.grid
-    ws_elems = len(stat_slots(plan)) * plan.rows * mapping.split if partials_fn is not None else 0
-    input_ids = [id(v) for v in inputs]
-    metas = [v.meta for v in plan.stored]
-
-    def run(*tensors: torch.Tensor) -> tuple:
-        env: dict[int, Any] = dict(zip(input_ids, tensors))
-        for node in plan.prologue:
-            _apply_layout(node, env)
-        args: list[Any] = []
-        device = None
-        for v in plan.loads:
-            t = env[id(v)]
-            device = t.device if device is None else device
-            args.append(t)
-            args.extend(broadcast_strides(t, space))
-        device = device or metas[0].device
-        for v, meta in zip(plan.stored, metas):
-            out = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)
-            env[id(v)] = out
-            strides = list(meta.stride) if len(meta.shape) == len(space) else list(meta.stride) + [0]
-            args.append(out)
-            args.extend(0 if s == 1 else st for s, st in zip(list(meta.shape) + [1] * (len(space) - len(meta.shape)), strides))
-        meta = dict(BLOCK_M=mapping.block_m, BLOCK_N=mapping.block_n, num_warps=mapping.num_warps)
-        if partials_fn is not None:
-            args.append(torch.empty(ws_elems, dtype=torch.float32, device=device))
-            partials_fn[grid](*args, **meta)
-        jit_fn[grid](*args, **meta)
-        for node in plan.epilogue:
-            _apply_layout(node, env)
-        return tuple(env[id(v)] for v in plan.outputs)
-
-    run.__name__ = "stitch_region"
-    return run
-
-
-def build_kernel(plan: StitchPlan, inputs: Sequence[Value], cache_dir: str) -> tuple[Callable[..., tuple], str]:
-    """Emit, write, import and wrap the region's kernel; returns (launcher, source path)."""
-
-    source = emit_kernel(plan)
-    module, path = load_source(source, cache_dir, prefix="stitch")
-    return make_launcher(plan, inputs, module.stitch_kernel, getattr(module, "stitch_partials", None)), path

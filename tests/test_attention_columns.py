@@ -1,0 +1,319 @@
+"""H2O's column sums of P (each key's accumulated attention) found in any written form, compiled with P·V from one
+plan (a two-pass FlashTensor plan or one row-block kernel) picked by a binary linear program, eager-equal."""
+import itertools
+import math
+import os
+
+import pytest
+import torch
+
+import torch_mirage
+from helpers import assert_close
+from torch_mirage.analysis.attention import find_attention
+from torch_mirage.bench.workloads import h2o_core
+from torch_mirage.superopt.attention_claim import plan_candidates
+from torch_mirage.superopt.attention_seeds import attention_column_sums
+from torch_mirage.superopt.compile import compile_ugraph
+from torch_mirage.superopt.plan_select import Candidate, PlanError, plan_cost, select_plan
+from torch_mirage.testing.aten import trace_ir
+
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+# ------------------------------------------------------------------ forms
+def transposed_sum(q, k, v, mask):
+    """Softmax in the input dtype, the column sum spelled as a transpose and a sum over the last dim."""
+    p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask, dim=-1)
+    return p @ v, p.transpose(-1, -2).sum(-1)
+
+
+def einsum_over_heads(q, k, v, mask):
+    """Scale on q, the column sums over heads and queries by einsum, plus a per-head mean."""
+    p = torch.softmax((q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2) + mask, dim=-1, dtype=torch.float32)
+    return (p.to(q.dtype) @ v, torch.einsum("bhqk->bk", p), p.mean(dim=-2, keepdim=True))
+
+
+def softcapped(q, k, v, mask):
+    s = torch.tanh(q @ k.transpose(-1, -2) * 0.25 / 5.0) * 5.0 + mask
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return p @ v, p.sum(dim=(1, 2))
+
+
+FORMS = {"h2o_core": h2o_core, "transposed_sum": transposed_sum, "einsum_over_heads": einsum_over_heads,
+         "softcapped": softcapped}
+
+
+def _causal(sq, skv, dtype, pad=None, fill=float("-inf")):
+    """An additive mask (1 or b, 1, sq, skv): causal (bottom-right aligned), and with ``pad`` the first ``pad[r]``
+    keys of batch row ``r`` masked too (its first query rows then see no key)."""
+    i = torch.arange(sq)[:, None] + (skv - sq)
+    keep = (torch.arange(skv)[None, :] <= i).expand(len(pad or (0,)), 1, sq, skv).clone()
+    for r, p in enumerate(pad or ()):
+        keep[r, :, :, :p] = False
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, fill)
+
+
+def test_column_reductions_are_found_in_each_form():
+    """Every spelling is read as a reduction of P over the query axis, which replayed on P's column sums gives what
+    the spelling computes."""
+    b, h, n, d = 1, 2, 8, 16
+    args = [torch.randn(b, h, n, d) for _ in range(3)] + [_causal(n, n, torch.float32)]
+    expect = {"h2o_core": [lambda p: p.sum(-2)], "transposed_sum": [lambda p: p.transpose(-1, -2).sum(-1)],
+              "einsum_over_heads": [lambda p: p.sum((1, 2)), lambda p: p.mean(-2, keepdim=True)],
+              "softcapped": [lambda p: p.sum((1, 2))]}
+    p = torch.rand(b, h, n, n)
+    for name, fn in FORMS.items():
+        (spec,) = find_attention(trace_ir(fn, *args))
+        assert len(spec.extra_outputs) == len(expect[name]), (name, spec.describe())
+        for r, want in zip(spec.extra_outputs, expect[name]):
+            torch.testing.assert_close(r.apply(p.sum(2)), want(p).to(r.dtype))
+
+
+def test_other_readers_of_p_still_block_the_region():
+    def f(q, k, v):
+        p = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+        return p @ v, p.sum(-1), p.amax(-2)        # a row sum and a column max: not column sums
+
+    assert not find_attention(trace_ir(f, *[torch.randn(1, 2, 4, 8) for _ in range(3)]))
+
+
+# ------------------------------------------------------------------ end to end
+def _run(fn, args, **options):
+    torch._dynamo.reset()
+    report = torch_mirage.Report()
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(options={"min_region_us": 0, **options},
+                                                                    report=report))
+    outs = compiled(*args)
+    regions = [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
+    return outs, regions, report
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mask", ["causal", "padding", "hf_padding"])
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("skv,plan", [(8, ["row_block"]), (136, ["flash_stats", "column_sums"])])
+def test_column_sums_are_claimed_and_eager_equal(form, mask, dtype, skv, plan):
+    """Each form, causal or padded (fully masked rows: NaN in eager under -inf, finite under HF's finfo.min), in
+    fp32 and fp16, against eager in float64: short KV runs the row-block kernel, longer KV the two-pass plan."""
+    b, h, sq, d = 2, 2, 8, 16
+    fill = torch.finfo(dtype).min if mask == "hf_padding" else float("-inf")
+    m = _causal(sq, skv, dtype, pad=None if mask == "causal" else (0, skv - sq + 3), fill=fill)
+    args = [torch.randn(b, h, sq, d, dtype=dtype), torch.randn(b, h, skv, d, dtype=dtype),
+            torch.randn(b, h, skv, d, dtype=dtype), m]
+    outs, regions, report = _run(FORMS[form], args)
+    assert len(regions) == 1 and "column_sums" in regions[0].info["attention"], str(report)
+    assert regions[0].info["plan"] == plan, regions[0].info["plan_us"]
+    refs = FORMS[form](*[a.double() for a in args])
+    assert len(outs) == len(refs)
+    for out, ref in zip(outs, refs):
+        assert out.dtype == ref.to(out.dtype).dtype and out.shape == ref.shape
+        assert torch.equal(torch.isnan(out), torch.isnan(ref)), "NaN where eager has none (or the reverse)"
+        assert (mask == "padding") == bool(torch.isnan(ref).any())
+        assert_close(out.double().nan_to_num(), ref.nan_to_num(), dtype)
+
+
+@interpreter
+@pytest.mark.parametrize("skv,mask_heads,claimed", [(8, 1, True), (136, 4, True), (136, 1, False)])
+def test_gqa_column_sums_per_query_head(skv, mask_heads, claimed):
+    """HF's repeat_kv (two query heads per KV head), column sums per query head: packed rows of one KV head are
+    split back into heads (the row blocks of a head, or the column pass's grid over the group). The column pass
+    under GQA takes a mask per (batch row, KV head) or one shared by all: a padding mask per batch row shared by
+    the heads leaves long KV with no plan, and the region to Inductor."""
+    b, h, hk, sq, d = 2, 4, 2, 4, 16
+
+    def f(q, k, v, mask):
+        k = k[:, :, None].expand(b, hk, h // hk, skv, d).reshape(b, h, skv, d)
+        v = v[:, :, None].expand(b, hk, h // hk, skv, d).reshape(b, h, skv, d)
+        p = torch.softmax(q @ k.transpose(2, 3) * d ** -0.5 + mask, dim=-1, dtype=torch.float32)
+        return p.to(q.dtype) @ v, p.sum(-2)
+
+    mask = _causal(sq, skv, torch.float32, pad=(0, 2)).expand(b, mask_heads, sq, skv).contiguous()
+    args = [torch.randn(b, h, sq, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d), mask]
+    outs, regions, report = _run(f, args, fallback="eager")
+    assert len(regions) == claimed, str(report)
+    if claimed:
+        assert "hk=2" in regions[0].info["attention"], regions[0].info
+    assert_close(outs, f(*[a.double() for a in args]), torch.float32)
+
+
+@interpreter
+def test_check_stage_compares_the_column_sums(monkeypatch):
+    """The compile-time check runs every output of the region against eager: column sums off by 1% hand the
+    region back to the fallback (eager here: quicker on the CPU than Inductor), naming the output."""
+    from torch_mirage.analysis.attention import ColumnReduction
+
+    right = ColumnReduction.apply
+    monkeypatch.setattr(ColumnReduction, "apply", lambda self, colsum: right(self, colsum) * 1.01)
+    args = [torch.randn(1, 2, 8, 16) for _ in range(3)] + [_causal(8, 8, torch.float32)]
+    outs, regions, report = _run(h2o_core, args, fallback="eager")
+    assert not regions, str(report)
+    (back,) = [r for r in report.regions if r.claimer == "attention"]
+    assert back.compiled_by == "eager" and "output" in back.detail and "relative error" in back.detail, back.detail
+    assert_close(outs, h2o_core(*[a.double() for a in args]), torch.float32)
+
+
+# ------------------------------------------------------------------ the plans as μGraphs
+@pytest.mark.parametrize("kernels", [("flash_stats", "column_sums"), ("row_block",)])
+def test_column_plans_verify(kernels):
+    """Both plans are μGraphs the verifier accepts against eager (P·V and the column sums per head), with a
+    soft-cap, GQA-packed rows and a mask, in both tests (the field test gives no bound: the column sums add
+    fractions of as many denominators as rows); column sums of a wrong scale are rejected by the field test."""
+    from torch_mirage.superopt.verify import verify
+
+    b, hk, g, sq, skv, d = 1, 2, 2, 8, 8, 16          # two row blocks per head
+    kg = attention_column_sums(b, hk, g * sq, skv, d, group=g, kernels=kernels, scale=0.25, softcap=5.0,
+                               mask=(1, 1), dtype="float32", tile=4)
+
+    def probs(q, k, mask, scale):
+        return torch.softmax(torch.tanh(q @ k.transpose(-1, -2) * scale / 5.0) * 5.0 + mask, -1)
+
+    def ref(q, k, v, mask, col_scale=0.25):
+        return probs(q, k, mask, 0.25) @ v, probs(q, k, mask, col_scale).reshape(b, hk * g, sq, skv).sum(2)
+
+    xs = [torch.randn(b, hk, g * sq, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d),
+          torch.zeros(1, 1, g * sq, skv)]
+    good = verify(kg, ref, xs)
+    assert good.equivalent and "finite-field test passed" in good.reason, good.reason
+    bad = verify(kg, lambda *a: ref(*a, col_scale=0.26), xs)
+    assert not bad.equivalent and "output 1" in bad.reason and bad.reason.startswith("finite-field test rejects"), \
+        bad.reason
+
+
+@interpreter
+def test_column_plan_kernels_match_torch_with_masked_tiles():
+    """The compiled plans on ragged tiles (tiles of 3 rows × 6 keys, padded to 16), whole key tiles masked at the
+    claimer's clamp value, a mask per batch row shared by heads (one query head per KV head), two row blocks."""
+    b, hk, sq, skv, d = 2, 2, 6, 24, 16
+    q, k, v = torch.randn(b, hk, sq, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
+    m = torch.zeros(b, 1, sq, skv)
+    m[..., 6:12] = -1e30
+    m[1, :, 2, 18:] = -1e30
+    p = torch.softmax(q @ k.transpose(-1, -2) * 0.3 + m, -1)
+    for kernels in (("flash_stats", "column_sums"), ("row_block",)):
+        kg = attention_column_sums(b, hk, sq, skv, d, group=1, kernels=kernels, scale=0.3, mask=(b, 1),
+                                   dtype="float32", tile=3 if kernels == ("row_block",) else 6)
+        out, col = compile_ugraph(kg, [q, k, v, m])(q, k, v, m)
+        assert_close([out, col], [p @ v, p.sum(2)], torch.float32)
+
+
+@interpreter
+@pytest.mark.parametrize("group,sq,skv,offset,window,skips", [
+    (1, 12, 12, 0, None, True), (2, 6, 12, 6, None, False), (1, 12, 12, 0, 5, True), (2, 8, 12, 2, 4, True),
+    (1, 6, 12, 0, None, True)])
+def test_column_pass_walks_only_the_query_tiles_that_see_its_keys(group, sq, skv, offset, window, skips):
+    """Under a causal / sliding-window band (query p sees key k iff k <= p + offset, k > p + offset - window) the
+    column pass's key blocks skip the query tiles that see none of their keys (keys no query sees get 0), compiled
+    and in the executor, equal to torch; the verifier (masks drawn inside the band) accepts the plan."""
+    from torch_mirage.superopt.executor import execute
+    from torch_mirage.superopt.verify import verify
+    from torch_mirage.ugraph import band_range
+
+    b, hk, d, rows = 1, 2, 16, group * sq
+    i, j = torch.arange(sq)[:, None], torch.arange(skv)[None, :]
+    keep = (j <= i + offset) & ((j > i + offset - window) if window else True)
+    m = torch.zeros(sq, skv).masked_fill(~keep, -1e30).repeat(group, 1)[None, None]
+    kg = attention_column_sums(b, hk, rows, skv, d, group=group, kernels=("flash_stats", "column_sums"), scale=0.3,
+                               mask=(1, 1), dtype="float32", tile=4, band=(sq, offset, window, group == 1))
+    column = kg.ops[max(i for i, op in enumerate(kg.ops) if op.name == "customized")].body
+    runs = [hi - lo for lo, hi in (band_range(column, blk) for blk in itertools.product(*map(range, column.grid)))]
+    assert (min(runs) < column.forloop_range) == skips, runs
+    xs = [torch.randn(b, hk, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d), m]
+    p = torch.softmax(xs[0] @ xs[1].transpose(-1, -2) * 0.3 + m, -1)
+    want = [p @ xs[2], p.reshape(b, hk * group, sq, skv).sum(2)]
+    assert_close(list(compile_ugraph(kg, xs)(*xs)), want, torch.float32)
+    assert_close(list(execute(kg, [x.double() for x in xs])), want, torch.float32)
+    if (group, window) == (1, None):
+        def ref(q, k, v, mask):
+            pr = torch.softmax(q @ k.transpose(-1, -2) * 0.3 + mask, -1)
+            return pr @ v, pr.sum(2)
+        assert verify(kg, ref, xs).equivalent
+
+
+@interpreter
+def test_column_sums_under_an_in_graph_causal_mask():
+    """A causal mask from index comparisons (its value property gives the band) with column sums over KV too long
+    for whole rows: the two-pass plan under the band, eager-equal in float64 (the check stage ran it on the mask
+    the graph computes)."""
+    def f(q, k, v):
+        n = q.shape[-2]
+        i = torch.arange(n, device=q.device)
+        s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(i[None, :] > i[:, None], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        return p @ v, p.sum(-2)
+
+    args = [torch.randn(1, 1, 136, 16) for _ in range(3)]
+    outs, regions, report = _run(f, args, fallback="eager")
+    assert len(regions) == 1 and regions[0].info["plan"] == ["flash_stats", "column_sums"], str(report)
+    assert regions[0].info["forloop_band"][3:5] == [136, 0], regions[0].info
+    assert_close(outs, f(*[a.double() for a in args]), torch.float32)
+
+
+@interpreter
+def test_check_stage_feeds_in_graph_masks_as_computed():
+    """A banded attention whose causal mask is computed in the graph skips whole key tiles (136 keys, tiles of
+    34): the compile-time check feeds that mask as the graph computes it (random masks break the band's
+    precondition), so the region stays mirage's."""
+    def f(q, k, v):
+        i = torch.arange(q.shape[-2], device=q.device)
+        s = (q @ k.transpose(-1, -2)).masked_fill(i[None, :] > i[:, None], float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+    args = [torch.randn(1, 1, 136, 16) for _ in range(3)]
+    out, regions, report = _run(f, args, fallback="eager")
+    assert len(regions) == 1 and regions[0].info["forloop_band"][4] == 0, str(report)
+    assert_close(out, f(*[a.double() for a in args]), torch.float32)
+
+
+def test_plan_kernels_must_produce_what_they_need_first():
+    with pytest.raises(ValueError, match="needs"):
+        attention_column_sums(1, 1, 4, 8, 16, group=1, kernels=("column_sums", "flash_stats"), scale=0.25)
+    with pytest.raises(ValueError, match="do not produce both"):
+        attention_column_sums(1, 1, 4, 8, 16, group=1, kernels=("flash",), scale=0.25)
+
+
+# ------------------------------------------------------------------ the BLP
+def _greedy(cands, outputs):
+    """Per output, the cheapest way to make it alone (a producer, plus the cheapest producer of each value it
+    needs); the union of those choices."""
+    chosen = {}
+    for o in sorted(outputs):
+        def alone(c):
+            return c.cost_us + sum(min(p.cost_us for p in cands if t in p.produces) for t in c.needs)
+        best = min((c for c in cands if o in c.produces), key=alone)
+        chosen[best.name] = best
+        for t in best.needs:
+            dep = min((p for p in cands if t in p.produces), key=lambda p: p.cost_us)
+            chosen[dep.name] = dep
+    return list(chosen.values())
+
+
+def test_blp_beats_the_greedy_choice_on_h2o():
+    """h2o_core at the bench's n = 1024 (meta tensors), costs from the cost model: a greedy choice per output takes
+    FlashAttention for P·V and FlashAttention-with-statistics again for the column pass; the BLP sees that one
+    kernel can do both (each output produced once, the statistics shared)."""
+    b, h, n, d = 1, 32, 1024, 128
+    args = [torch.randn(b, h, n, d, dtype=torch.float16, device="meta") for _ in range(3)]
+    g = trace_ir(h2o_core, *args, torch.zeros(1, 1, n, n, dtype=torch.float16, device="meta"))
+    (spec,) = find_attention(g)
+    cands = plan_candidates(spec, g, (1, 1))
+    assert "row_block" not in {c.name for c in cands}          # KV too long for whole rows in a block
+    plan = select_plan(cands, ("out", "colsum"))
+    greedy = _greedy(cands, ("out", "colsum"))
+    assert [c.name for c in plan] == ["flash_stats", "column_sums"]
+    assert plan_cost(plan) < plan_cost(greedy), (plan, greedy)
+    assert sum("out" in c.produces for c in greedy) == 2        # greedy computes P·V twice
+
+
+def test_blp_constraints():
+    c = lambda name, cost, produces, needs=(): Candidate(name, cost, frozenset(produces), frozenset(needs))
+    cands = [c("a", 1.0, {"x"}), c("b", 1.5, {"x", "t"}), c("u", 1.0, {"y"}, {"t"}), c("t", 1.0, {"t"}),
+             c("xy", 3.0, {"x", "y"})]
+    assert [x.name for x in select_plan(cands, {"x", "y"})] == ["b", "u"]          # 2.5: t shared, not paid twice
+    assert [x.name for x in select_plan(cands[:4] + [c("xy", 2.0, {"x", "y"})], {"x", "y"})] == ["xy"]
+    assert [x.name for x in select_plan(cands, {"x"})] == ["a"]
+    with pytest.raises(PlanError, match="no candidate kernel produces"):
+        select_plan(cands, {"z"})
+    with pytest.raises(PlanError, match="no plan"):
+        select_plan([c("u", 1.0, {"y"}, {"t"})], {"y"})                          # t has no producer

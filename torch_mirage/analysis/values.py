@@ -1,0 +1,347 @@
+"""Value properties (forward only): what is known of every element of a tensor without running the program.
+
+This module owns :class:`ValueProperty` and :func:`analyze_values`. Known are constants (``full``, scalars, and
+anything computed from constants, evaluated with the ATen op itself), integer affine index expressions
+(``iota``/``arange``, :class:`Affine`), half-plane masks from comparing them (a causal triangle is
+``d[-1] - d[-2] >= c``), and piecewise tensors (``where(mask, a, b)``) whose constant side (e.g. ``-inf``)
+survives ``add``/``sub``/``mul``/``div``/``exp``... so later stages can skip masked tiles. On the masked side of a
+piecewise tensor, non-constant operands are assumed finite (``-inf + x = -inf``, ``0 * x = 0``), the assumption
+value-aware skipping rests on; whole-tensor constants are exact (``x * 0`` is not folded: NaN stays NaN).
+
+Readers: the attention analysis (:mod:`.attention`, a mask's visible band) and the dimension links
+(:mod:`.properties`: an operand whose value is known is not data worth reusing and seeds no REUSE).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..capture.ir import Node, Value
+from ..capture.ops import OpKind
+from .op_dims import LAYOUT_PAIRS, bind_args, is_int, is_one, ndim, tensor_inputs
+
+
+class ValueKind(enum.Enum):
+    UNKNOWN = "unknown"
+    CONSTANT = "constant"     # every element equals ``fill``
+    AFFINE = "affine"         # element = expr(indices) (integer index arithmetic from iota / arange)
+    MASK = "mask"             # bool: True exactly where expr(indices) >= 0
+    PIECEWISE = "piecewise"   # ``inside`` where expr >= 0, ``outside`` elsewhere
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``sum(coef * index[dim]) + const`` with dims counted from the right (-1 = last), so broadcasting keeps it."""
+    terms: tuple[tuple[int, int], ...]   # (dim < 0, coef), sorted, no zero coefs
+    const: int = 0
+
+    @staticmethod
+    def make(terms: dict[int, int], const: int) -> "Affine":
+        return Affine(tuple(sorted((d, c) for d, c in terms.items() if c != 0)), const)
+
+    def scaled(self, k: int) -> "Affine":
+        return Affine.make({d: c * k for d, c in self.terms}, self.const * k)
+
+    def plus(self, other: "Affine") -> "Affine":
+        t = dict(self.terms)
+        for d, c in other.terms:
+            t[d] = t.get(d, 0) + c
+        return Affine.make(t, self.const + other.const)
+
+    def remapped(self, dim_map: dict[int, int]) -> "Affine | None":
+        if any(d not in dim_map for d, _ in self.terms):
+            return None
+        return Affine.make({dim_map[d]: c for d, c in self.terms}, self.const)
+
+    def __str__(self) -> str:
+        parts = [("" if c == 1 else "-" if c == -1 else f"{c}*") + f"i[{d}]" for d, c in self.terms]
+        return " + ".join(parts + ([str(self.const)] if self.const or not parts else [])).replace("+ -", "- ")
+
+
+@dataclass(frozen=True)
+class ValueProperty:
+    kind: ValueKind = ValueKind.UNKNOWN
+    fill: Any = None                       # CONSTANT
+    expr: Affine | None = None             # AFFINE value / MASK and PIECEWISE predicate (expr >= 0)
+    inside: "ValueProperty | None" = None  # PIECEWISE: where expr >= 0
+    outside: "ValueProperty | None" = None
+
+    @property
+    def is_constant(self) -> bool:
+        return self.kind is ValueKind.CONSTANT
+
+    @property
+    def known(self) -> bool:
+        return self.kind is not ValueKind.UNKNOWN
+
+    @property
+    def is_triangle(self) -> bool:
+        """A mask / piecewise tensor split by a diagonal ``i[a] - i[b] >= c`` (causal masks)."""
+        if self.kind not in (ValueKind.MASK, ValueKind.PIECEWISE) or len(self.expr.terms) != 2:
+            return False
+        return sorted(c for _, c in self.expr.terms) == [-1, 1]
+
+    def constant_where(self, fill: float) -> Affine | None:
+        """The predicate ``expr >= 0`` of the part equal to ``fill`` (e.g. ``-inf``), if one side is that constant."""
+        same = (lambda p: p is not None and p.is_constant and _eq_fill(p.fill, fill))
+        if self.kind is ValueKind.PIECEWISE and same(self.inside):
+            return self.expr
+        if self.kind is ValueKind.PIECEWISE and same(self.outside):
+            return self.expr.scaled(-1).plus(Affine((), -1))
+        return None
+
+    def __str__(self) -> str:
+        k = self.kind
+        if k is ValueKind.CONSTANT:
+            return f"const({self.fill})"
+        if k is ValueKind.AFFINE:
+            return f"index({self.expr})"
+        if k is ValueKind.MASK:
+            return f"{'triangle ' if self.is_triangle else ''}mask({self.expr} >= 0)"
+        if k is ValueKind.PIECEWISE:
+            tri = "triangle " if self.is_triangle else ""
+            return f"{tri}piecewise({self.expr} >= 0 ? {self.inside} : {self.outside})"
+        return "?"
+
+
+UNKNOWN = ValueProperty()
+
+
+def _eq_fill(a: Any, b: Any) -> bool:
+    try:
+        return a == b or (math.isnan(a) and math.isnan(b))
+    except TypeError:
+        return False
+
+
+def const(c: Any) -> ValueProperty:
+    return ValueProperty(ValueKind.CONSTANT, fill=c)
+
+
+# ----------------------------------------------------------------------------- value rules (forward)
+
+def _operand_value(a: Any, values: dict[int, ValueProperty]) -> ValueProperty:
+    if isinstance(a, Value):
+        return values.get(id(a), UNKNOWN)
+    if isinstance(a, (int, float, bool)):
+        return const(a)
+    return UNKNOWN
+
+
+def _eval_constants(node: Node, consts: dict[int, Any]) -> Any:
+    """Run the ATen op on 0-d tensors holding the constants (exact dtype semantics); ``None`` if it fails."""
+    def sub(a: Any) -> Any:
+        if isinstance(a, Value):
+            return torch.tensor(consts[id(a)], dtype=a.meta.dtype)
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        return a
+    try:
+        r = node.target(*sub(node.args), **{k: sub(v) for k, v in node.kwargs.items()})
+        return r.item() if isinstance(r, torch.Tensor) and r.numel() == 1 else None
+    except Exception:   # noqa: BLE001 - an op we cannot fold stays unknown
+        return None
+
+
+# absorbing elements with an unknown (assumed finite) operand: op name -> (operand position, fill) -> result
+_ABSORB: dict[str, dict[tuple[int, Any], Any]] = {
+    "add": {(0, -math.inf): -math.inf, (1, -math.inf): -math.inf},
+    "sub": {(0, -math.inf): -math.inf, (1, math.inf): -math.inf},
+    "mul": {(0, 0.0): 0.0, (1, 0.0): 0.0},
+    "div": {(0, 0.0): 0.0},
+    "maximum": {(0, math.inf): math.inf, (1, math.inf): math.inf},
+    "minimum": {(0, -math.inf): -math.inf, (1, -math.inf): -math.inf},
+}
+
+
+# identities: op name -> {operand position: value}; the result is the other operand (any kind of property)
+_IDENTITY: dict[str, dict[int, Any]] = {
+    "add": {0: 0, 1: 0}, "sub": {1: 0}, "mul": {0: 1, 1: 1}, "div": {1: 1}, "logical_and": {0: True, 1: True},
+}
+
+
+def _identity(node: Node, ops: list[ValueProperty]) -> ValueProperty | None:
+    if len(ops) != 2 or bind_args(node).get("alpha", 1) != 1 or "rsub" in node.target_name:
+        return None
+    for pos, ident in _IDENTITY.get(node.op.name, {}).items():
+        o = ops[pos]
+        if o.is_constant and isinstance(o.fill, bool) == isinstance(ident, bool) and o.fill == ident:
+            return ops[1 - pos]
+    return None
+
+
+def _side(node: Node, ops: list[ValueProperty], positional: list[Any], masked: bool) -> ValueProperty:
+    """The value of one side of a piecewise result (``masked``) or of a whole tensor, given its operands' values.
+    Absorbing elements with unknown operands (``-inf + x``) apply to masked sides only: whole tensors stay exact."""
+    if all(o.is_constant for o in ops):
+        consts = {id(a): o.fill for a, o in zip(positional, ops) if isinstance(a, Value)}
+        r = _eval_constants(node, consts)
+        return UNKNOWN if r is None else const(r)
+    ident = _identity(node, ops)
+    if ident is not None:
+        return ident
+    for i, o in enumerate(ops if masked else ()):
+        if o.is_constant:
+            for (pos, fill), res in _ABSORB.get(node.op.name, {}).items():
+                if pos == i and _eq_fill(o.fill, fill):
+                    return const(res)
+    return UNKNOWN
+
+
+def _affine_of(p: ValueProperty) -> Affine | None:
+    if p.kind is ValueKind.AFFINE:
+        return p.expr
+    if p.is_constant and is_int(p.fill):
+        return Affine((), p.fill)
+    return None
+
+
+def _value_compare(node: Node, ops: list[ValueProperty]) -> ValueProperty | None:
+    name = node.op.name
+    if name not in ("ge", "gt", "le", "lt") or len(ops) != 2 or all(o.is_constant for o in ops):
+        return None
+    a, b = _affine_of(ops[0]), _affine_of(ops[1])
+    if a is None or b is None:
+        return None
+    diff = a.plus(b.scaled(-1))
+    expr = {"ge": diff, "gt": diff.plus(Affine((), -1)), "le": diff.scaled(-1),
+            "lt": diff.scaled(-1).plus(Affine((), -1))}[name]
+    return ValueProperty(ValueKind.MASK, expr=expr)
+
+
+def _value_affine_arith(node: Node, ops: list[ValueProperty]) -> ValueProperty | None:
+    if node.op.name not in ("add", "sub", "neg", "mul", "to_dtype", "copy") or all(o.is_constant for o in ops):
+        return None
+    affs = [_affine_of(o) for o in ops]
+    if any(a is None for a in affs):
+        return None
+    alpha = bind_args(node).get("alpha", 1)
+    name = node.op.name
+    if name in ("to_dtype", "copy"):
+        r = affs[0]
+    elif name == "neg":
+        r = affs[0].scaled(-1)
+    elif name == "mul":
+        c = [o.fill for o in ops if o.is_constant]
+        if len(c) != 1 or not is_int(c[0]):
+            return None
+        r = next(a for a, o in zip(affs, ops) if not o.is_constant).scaled(c[0])
+    elif not is_int(alpha):
+        return None
+    else:
+        r = affs[0].plus(affs[1].scaled(alpha if name == "add" else -alpha))
+        if "rsub" in node.target_name:
+            r = r.scaled(-1)
+    return ValueProperty(ValueKind.AFFINE, expr=r)
+
+
+def _value_elementwise(node: Node, values: dict) -> list[ValueProperty]:
+    positional = [a for a in node.args if isinstance(a, (Value, int, float, bool))]
+    ops = [_operand_value(a, values) for a in positional]
+    if node.op.name == "where" and ops and ops[0].kind is ValueKind.MASK \
+            and all(o.kind in (ValueKind.CONSTANT, ValueKind.UNKNOWN) for o in ops[1:]):
+        if ops[1].is_constant and ops[2].is_constant and _eq_fill(ops[1].fill, ops[2].fill):
+            return [ops[1]]
+        return [ValueProperty(ValueKind.PIECEWISE, expr=ops[0].expr, inside=ops[1], outside=ops[2])]
+    if node.op.name == "where" and ops and ops[0].is_constant:
+        return [ops[1] if ops[0].fill else ops[2]]
+    for rule in (_value_compare, _value_affine_arith):
+        r = rule(node, ops)
+        if r is not None:
+            return [r]
+    if node.op.name == "logical_not" and ops[0].kind is ValueKind.MASK:
+        return [ValueProperty(ValueKind.MASK, expr=ops[0].expr.scaled(-1).plus(Affine((), -1)))]
+    ident = _identity(node, ops)
+    if ident is not None:
+        return [ident]
+    preds = {o.expr for o in ops if o.kind is ValueKind.PIECEWISE}
+    if len(preds) > 1 or any(o.kind in (ValueKind.AFFINE, ValueKind.MASK) for o in ops):
+        return [UNKNOWN]
+    if not preds:
+        return [_side(node, ops, positional, masked=False)]
+    pred = preds.pop()
+    inside = _side(node, [o.inside if o.kind is ValueKind.PIECEWISE else o for o in ops], positional, True)
+    outside = _side(node, [o.outside if o.kind is ValueKind.PIECEWISE else o for o in ops], positional, True)
+    if inside.is_constant and outside.is_constant and _eq_fill(inside.fill, outside.fill):
+        return [inside]
+    if not inside.known and not outside.known:
+        return [UNKNOWN]
+    return [ValueProperty(ValueKind.PIECEWISE, expr=pred, inside=inside, outside=outside)]
+
+
+def _value_creation(node: Node, values: dict) -> list[ValueProperty]:
+    b = bind_args(node)
+    name = node.target_name
+    if "iota" in name or "arange" in name:
+        start, step = b.get("start", 0) or 0, b.get("step", 1) or 1
+        if is_int(start) and is_int(step):
+            return [ValueProperty(ValueKind.AFFINE, expr=Affine.make({-1: step}, start))]
+        return [UNKNOWN]
+    for key in ("fill_value", "s"):
+        if key in b:
+            return [const(b[key])]
+    fills = {"zeros": 0.0, "ones": 1.0}
+    return [next((const(v) for k, v in fills.items() if f".{k}." in name + "."), UNKNOWN)]
+
+
+def _value_reduction(node: Node, values: dict) -> list[ValueProperty]:
+    x = _operand_value(tensor_inputs(node)[0], values)
+    keeps = node.op.name in ("amax", "amin", "mean") and x.is_constant
+    return [x if keeps and o.meta is not None and o.meta.dtype.is_floating_point else UNKNOWN for o in node.outputs]
+
+
+def _value_layout(node: Node, values: dict) -> list[ValueProperty]:
+    ins = [_operand_value(v, values) for v in tensor_inputs(node)]
+    outs = [o for o in node.outputs]
+    if ins and all(p.is_constant for p in ins) and len({str(p.fill) for p in ins}) == 1:
+        return [ins[0]] * len(outs)
+    pair_fn = LAYOUT_PAIRS.get(node.op.name)
+    if pair_fn is None or not ins or not ins[0].known:
+        return [UNKNOWN] * len(outs)
+    x, out = tensor_inputs(node)[0], outs[0]
+    pairs, exact = pair_fn(node, x, out)
+    if not exact:
+        return [UNKNOWN]
+    dim_map = {d - ndim(x): e - ndim(out) for d, e in pairs}
+    if node.op.name == "view":   # size-1 dims the grouping skipped
+        dim_map.update({d - ndim(x): None for d in range(ndim(x)) if is_one(x.meta.shape[d])})
+    return [_remap(ins[0], dim_map)]
+
+
+def _remap(p: ValueProperty, dim_map: dict[int, int | None]) -> ValueProperty:
+    if p.kind is ValueKind.CONSTANT or p.kind is ValueKind.UNKNOWN:
+        return p
+    live = {d: e for d, e in dim_map.items() if e is not None}
+    expr = p.expr.remapped(live)
+    if expr is None:
+        return UNKNOWN
+    if p.kind is ValueKind.PIECEWISE:
+        return ValueProperty(p.kind, expr=expr, inside=p.inside, outside=p.outside)
+    return ValueProperty(p.kind, expr=expr)
+
+
+def _value_unknown(node: Node, values: dict) -> list[ValueProperty]:
+    return [UNKNOWN] * len(node.outputs)
+
+
+_VALUE_RULES: dict[OpKind, Callable[[Node, dict], list[ValueProperty]]] = {
+    OpKind.ELEMENTWISE: _value_elementwise,
+    OpKind.REDUCTION: _value_reduction,
+    OpKind.MATMUL: _value_unknown,
+    OpKind.LAYOUT: _value_layout,
+    OpKind.CREATION: _value_creation,
+    OpKind.OPAQUE: _value_unknown,
+}
+
+
+def analyze_values(nodes: Iterable[Node]) -> dict[int, ValueProperty]:
+    """Value properties of the outputs of ``nodes`` (in topological order), keyed by ``id(value)``; forward only."""
+    values: dict[int, ValueProperty] = {}
+    for node in nodes:
+        for out, p in zip(node.outputs, _VALUE_RULES[node.kind](node, values)):
+            values[id(out)] = p
+    return values
