@@ -8,6 +8,7 @@ from torch_mirage.superopt.search import native
 from torch_mirage.superopt.search.generate import KIND_ORDER, GenStats, enumerate_skeletons
 from torch_mirage.superopt.search.oracle import SubexprOracle
 from test_search_driver import M, K, N, _gated_mlp, _rms_sum_div_sqrt, _specs
+from test_search_reductions import _ntrans_ref, _rms_mean_rsqrt
 from torch_mirage.superopt.builder import new_kernel_graph
 
 needs_core = pytest.mark.skipif(native.search_core() is None,
@@ -61,8 +62,9 @@ def _lora():
 
 
 @needs_core
-@pytest.mark.parametrize("make,depth", [(_rms_sum_div_sqrt, 5), (_gated_mlp, 4), (_lora, 3)],
-                         ids=["rmsnorm_linear", "gated_mlp", "lora"])
+@pytest.mark.parametrize("make,depth", [(_rms_sum_div_sqrt, 5), (_gated_mlp, 4), (_lora, 3),
+                                        (lambda: _ntrans_ref(_rms_mean_rsqrt), 6)],
+                         ids=["rmsnorm_linear", "gated_mlp", "lora", "ntrans_whole_rows"])
 def test_the_search_targets_with_the_oracle(make, depth):
     """The driver's enumeration (oracle pruning, is_target, eps constants, the LoRA concat-matmul macro) on
     its own targets, depth by depth."""
