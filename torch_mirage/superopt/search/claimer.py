@@ -7,9 +7,9 @@ weight), and, while the region has one result read by free elementwise or layout
 reduction node (last first) anchors a reduction chain the same way without matmuls (nTrans'
 ``rms(α·(rms(H)+X)+X)``, a norm with its residual add); the nodes of a chain whose search found
 nothing anchor no second search; a chain also grows forward from a row statistic (a mean, a variance) to
-the ops that apply it (LayerNorm's centring and scaling). The region's reference program (:func:`.reference.reference_of`) is searched
-(:func:`.driver.search`, seeds off, the ``search_budget_s`` budget); a verified μGraph is compiled
-(``compile_ugraph``) and becomes the region's kernel. A region that does not lower, or for which the
+the ops that apply it (LayerNorm's centring and scaling). The region's reference program
+(:func:`.reference.reference_of`) is searched (:func:`.driver.search`, seeds off, the ``search_budget_s``
+budget); a verified μGraph is compiled (``compile_ugraph``) and becomes the region's kernel. A region that does not lower, or for which the
 search finds nothing within its budget, is left to the next claimers. Behind the ``search`` knob.
 """
 from __future__ import annotations
