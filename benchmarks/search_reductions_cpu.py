@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 import torch_mirage  # noqa: E402
 import test_search_reductions as T  # noqa: E402
+from torch_mirage.superopt.search import native  # noqa: E402
 
 NT = [(4, 32)] * 3
 LN = [(4, 32), (4, 32), (32,), (32,)]
@@ -62,7 +63,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args(argv)
     out = {"budget_s": args.budget, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-           "torch": torch.__version__, "results": {}}
+           "torch": torch.__version__, "search_core": "C++" if native.search_core() is not None else "Python",
+           "results": {}}
     print(f"{'form':26} {'claimed':>7} {'search_s':>8} {'generated':>9} {'pruned':>9} {'cand':>4} {'verif':>5} "
           f"{'compile_s':>9} err")
     for name in FORMS:
