@@ -187,3 +187,13 @@ def test_search_claims_residual_layernorm(fn, shapes):
     region = _claimed(fn, shapes)
     assert region.info["verified"] >= 1 and region.info["source"] == "search"
     assert "reduce_mean" in region.info["ugraph"] and "rms_norm" in region.info["ugraph"]
+
+
+def test_a_row_max_is_not_enumerated():
+    """softmax's row max has no block op the generator enumerates: the search returns at once, nothing found."""
+    g = new_kernel_graph()
+    X = g.new_input((M, N), "float32")
+    e = g.exp(g.sub(X, g.reduce_max(X, dim=1)))
+    g.mark_output(g.div(e, g.reduce_sum(e, dim=1)))
+    r = search(g.build(), [((M, N), "float32")], budget_s=20, oracle_kwargs=FRONT, workers=1)
+    assert r.best is None and r.stats.generated == 0 and r.stats.seconds < 5.0

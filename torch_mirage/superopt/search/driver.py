@@ -137,6 +137,17 @@ def _centred(t) -> bool:
                                  or (a.op == "sum" and negative(a.args[0])) for a in t.args)
 
 
+def _unreachable(targets) -> str:
+    """Why no enumerated block graph can equal the targets ('' when one may): a target holding an
+    uninterpreted symbol (a max, an op without an abstract expression), which no block op kind the
+    generator enumerates computes (softmax's row max). Seeds and given candidates are still verified."""
+    for e in targets:
+        for t in e.subterms():
+            if t.op == "sym":
+                return f"the target holds {t.attr[0]}, which no enumerated block op computes"
+    return ""
+
+
 def _reduction_chain(target) -> bool:
     """A reference program without a matmul (a norm chain): its skeletons may keep whole rows in a block
     (no for-loop; a norm reads its row twice). A matmul's reduced dim is walked by the for-loop."""
@@ -352,7 +363,10 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
     else:
         is_target = lambda es: list(es) == list(targets)  # noqa: E731 - hash-consed normal forms
 
-    for depth in range(1, job["max_ops"] + 1):
+    unreachable = _unreachable(targets)
+    if unreachable:
+        log.info("μGraph search: no enumeration (%s)", unreachable)
+    for depth in range(1, 0 if unreachable else job["max_ops"] + 1):
         if verified or time.monotonic() > deadline:
             break
         if found_depth is not None and 0 < found_depth.value < depth:
