@@ -21,7 +21,7 @@ import time
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from search_pruning_cpu import M, K, N, TARGETS                     # noqa: E402
+from search_pruning_cpu import M, K, N, TARGETS, emit                    # noqa: E402
 from torch_mirage.superopt.builder import new_kernel_graph           # noqa: E402
 from torch_mirage.superopt.search import driver as D                 # noqa: E402
 from torch_mirage.superopt.search import expr as E                   # noqa: E402
@@ -115,11 +115,7 @@ def main(argv=None) -> dict:
         out = {"repeats": args.repeats, "seconds": "process CPU time of the first call; search_s: wall",
                "load_average_before": os.getloadavg(), "results": pipeline(args.repeats)}
         out["load_average_after"] = os.getloadavg()
-        print(json.dumps(out))
-        if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], "search_native_pipeline_cpu.json"), "w") as f:
-                json.dump(out, f, indent=1)
-        return out
+        return emit(out, "search_native_pipeline_cpu.json")
     out = {"repeats": args.repeats, "budget_s": args.budget, "cpus": os.cpu_count(), "seconds": "process CPU time",
            "load_average_before": os.getloadavg(), "results": {}}
     for name, make in CASES.items():
@@ -158,11 +154,7 @@ def main(argv=None) -> dict:
         out["results"][name] = res
         print(name, json.dumps(res), flush=True)
     out["load_average_after"] = os.getloadavg()
-    print(json.dumps(out))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "search_native_cpu.json"), "w") as f:
-            json.dump(out, f, indent=1)
-    return out
+    return emit(out, "search_native_cpu.json")
 
 
 if __name__ == "__main__":

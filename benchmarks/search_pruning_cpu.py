@@ -73,9 +73,14 @@ def main(argv=None) -> dict:
         if res["front"]["generated"]:
             res["off_over_front_generated"] = round(res["off"]["generated"] / res["front"]["generated"], 1)
         out["results"][name] = res
+    return emit(out, "search_pruning_cpu.json")
+
+
+def emit(out: dict, filename: str) -> dict:
+    """Print ``out`` as one JSON line and, where $OUT is set (a device run), write it there as ``filename``."""
     print(json.dumps(out))
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "search_pruning_cpu.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], filename), "w") as f:
             json.dump(out, f, indent=1)
     return out
 

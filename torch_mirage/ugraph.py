@@ -141,13 +141,18 @@ def _mapped(m, ctx, what: str) -> tuple:
     return tuple(m)
 
 
+def _one_to_one(m, what: str, target: str) -> None:
+    """A grid map sends at most one grid dim to each tensor dim."""
+    dims = [d for d in m if d is not None]
+    if len(set(dims)) != len(dims):
+        raise _err(f"{what} {tuple(m)} maps two grid dims to one {target} dim")
+
+
 def iterator_tile(full: Shape, imap, fmap, grid, forloop_range) -> Shape:
     """The tile one block loads per iteration: ``full`` split by ``grid`` along
     ``imap`` and by ``forloop_range`` along ``fmap``."""
     tile = list(full)
-    dims = [d for d in imap if d is not None]
-    if len(set(dims)) != len(dims):
-        raise _err(f"imap {tuple(imap)} maps two grid dims to one tensor dim")
+    _one_to_one(imap, "imap", "tensor")
     for g, d in enumerate(imap):
         if d is None:
             continue
@@ -171,9 +176,7 @@ def _iterator(ins, at, ctx):
 def saver_shape(tile: Shape, omap, grid) -> Shape:
     """The kernel output a saver assembles: the tile scaled by ``grid`` along ``omap``."""
     out = list(tile)
-    dims = [d for d in omap if d is not None]
-    if len(set(dims)) != len(dims):
-        raise _err(f"omap {tuple(omap)} maps two grid dims to one output dim")
+    _one_to_one(omap, "omap", "output")
     for g, d in enumerate(omap):
         if d is None:
             if grid[g] > 1:

@@ -121,7 +121,7 @@ def constant_value(graph: Graph, value: Value) -> torch.Tensor | None:
     """``value``'s tensor where the graph computes it from its constants alone (no graph input reaches it: an
     attention mask built from ``arange`` comparisons, a constant table); None otherwise. A kernel specialised on
     such a value's properties (the attention band skips the tiles the mask hides) is checked and tuned on this
-    tensor, not on random data."""
+    tensor, not on random data. None also where the slice does not run on its own."""
     if value.producer is None:
         return value.example if value.name in graph.constants and isinstance(value.example, torch.Tensor) else None
     nodes, stack, seen = [], [value.producer], set()
@@ -136,7 +136,10 @@ def constant_value(graph: Graph, value: Value) -> torch.Tensor | None:
                 stack.append(v.producer)
             elif v.name not in graph.constants:
                 return None                     # a graph input reaches the value
-    sub = subgraph(graph, nodes, [value])
-    out = to_fx(sub)(*[v.example for v in sub.inputs])
+    try:
+        sub = subgraph(graph, nodes, [value])
+        out = to_fx(sub)(*[v.example for v in sub.inputs])
+    except Exception:   # a slice that does not run on its own (symbolic sizes, a fake example): not known
+        return None
     out = out[0] if isinstance(out, (list, tuple)) else out
     return out.to(value.meta.device) if value.meta is not None else out

@@ -97,16 +97,9 @@ def region_check_inputs(region: Region, graph: Graph, sub: Graph) -> list:
     """Inputs for ``sub`` (the region as a standalone graph): random tensors shaped as the region's inputs, except
     values the graph computes from its constants alone (a mask built from ``arange``), which keep their real
     contents — the kernel may rely on their value properties (:func:`~..capture.lower.constant_value`)."""
-    known = {}
-    for v in region.inputs:
-        if v.meta is not None:
-            try:
-                t = constant_value(graph, v)
-            except Exception:   # a slice that does not run standalone (symbolic sizes): random, as other inputs
-                t = None
-            if t is not None:
-                known[v.name] = t
-    return [known.get(v.name) if v.name in known else random_like(v.meta) if v.meta else v.example
+    known = {v.name: t for v in region.inputs if v.meta is not None
+             for t in [constant_value(graph, v)] if t is not None}
+    return [known[v.name] if v.name in known else random_like(v.meta) if v.meta else v.example
             for v in sub.inputs]
 
 
