@@ -51,7 +51,7 @@ ELEMENTWISE = {
 }
 # tanh on CUDA: the SFU's tanh.approx.f32 (max relative error 2^-10.987), one instruction where the portable form
 # (the interpreter's) is an exp, a reciprocal and three multiply-adds
-TANH_PTX = 'tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [{0}], dtype=tl.float32, is_pure=True, pack=1)'
+TANH_PTX = 'tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [{0}], dtype=tl.float32, is_pure=True, pack=1)'
 # reductions: (Triton reducer, fill for padded elements)
 NEG_INF = 'float("-inf")'
 LOG2E = 1.4426950408889634   # online softmax in base 2: exp(x) = exp2(x · log2 e)
