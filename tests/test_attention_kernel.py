@@ -84,6 +84,7 @@ def test_full_tiles_skip_mask_and_clamp_edge_tiles_keep_them():
     assert full.startswith("tl.range(0, band_f1,") and edge.startswith("tl.range(band_f1, band_hi,"), src
     assert "in3_ptr" not in full and "tl.minimum" not in full, full
     assert "tl.load(in3_ptr" in edge and "mask=" not in edge and "tl.minimum(" in edge, edge
+    assert "num_stages=NUM_STAGES)" in full.split("\n")[0] and "num_stages=1)" in edge.split("\n")[0]
     assert "pid_2 = 1 - tl.program_id(2)" in src          # causal: the longest row block first
 
 

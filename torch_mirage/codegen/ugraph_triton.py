@@ -787,10 +787,12 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     first = prologue_accumulators(bg) if prologue and loop else []
     for group in ([first, [i for i in accs if i not in first]] if first else [accs]):
         needed = _ancestors(bg, group)
+        split_band = any(full for *_, full in segments)
         for s_lo, s_hi, full in segments if loop else [(lo, hi, False)]:
             e.full = full
-            if loop:
-                e.line(f"for it in tl.range({s_lo}, {s_hi}, num_stages=NUM_STAGES):")
+            if loop:     # a band's edge loops run a tile or two per block: not pipelined (no stage buffers)
+                stages = "1" if split_band and not full else "NUM_STAGES"
+                e.line(f"for it in tl.range({s_lo}, {s_hi}, num_stages={stages}):")
                 e.indent += 1
             emit_ops([i for i in ph.variant if i in needed], "it" if loop else lo)
             for i in e.order(group):
