@@ -184,3 +184,24 @@ def test_gpu_prefill_softcap_tuned(dtype):
     out = c(q, k, v, m)[0]
     assert torch.isfinite(out).all()
     assert_close(out, _reference(q, k, v, m, d ** -0.5, 50.0).to(dtype), dtype)
+
+
+@interp
+def test_column_sums_multiply_by_the_row_sum_reciprocal():
+    """H2O's column-sum kernel divides each score's exp by its row's sum: one reciprocal per row (a (rows, 1)
+    tile), a multiply per element; the full / edge loops of its band still give the column sums of P (fp64)."""
+    from torch_mirage.superopt.attention_seeds import attention_column_sums
+
+    b, hk, n, d = 1, 2, 64, 16
+    kg = attention_column_sums(b, hk, n, n, d, group=1, kernels=["flash_stats", "column_sums"], tile=16,
+                               scale=0.25, softcap=None, mask=(1, 1), dtype="float32", mask_dtype="float32",
+                               band=(n, 0, None, True))
+    q, k, v = torch.randn(b, hk, n, d), torch.randn(b, hk, n, d), torch.randn(b, hk, n, d)
+    m = _mask(n, n, n, 0)
+    c = compile_ugraph(kg, [q, k, v, m])
+    out, colsum = c(q, k, v, m)
+    col_src = c.sources[-1]
+    assert re.search(r"v\d+ \* \(1\.0 / x\d+\)", col_src) and not re.search(r"v\d+ / x\d+", col_src), col_src
+    p = torch.softmax(q.double() @ k.double().transpose(-1, -2) * 0.25 + m.double(), -1)
+    assert_close(out, (p @ v.double()).float(), torch.float32)
+    assert_close(colsum, p.sum(-2).float(), torch.float32)

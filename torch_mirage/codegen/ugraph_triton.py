@@ -316,8 +316,9 @@ class _Emitter:
             outs = [v]
         elif i in self.relabels:
             x = self.arg(env, i, 0)
-            outs = [Val(x.name, strip(op.shapes[0])[0], x.dtype, trans=trans, scale=x.scale, zero=x.zero)]
-        elif op.name == "scalar_mul" and not (x := self.arg(env, i, 0)).parts:     # folded: no code here
+            out = Val(x.name, strip(op.shapes[0])[0], x.dtype, trans=trans, scale=x.scale)
+            outs = [replace(out, name=f"tl.zeros({out.phys}, tl.float32)", zero=True) if x.zero else out]
+        elif op.name == "scalar_mul" and not (x := self.arg(env, i, 0)).parts and not x.log2e:   # folded: no code
             outs = [replace(x, shape=strip(op.shapes[0])[0], trans=trans, log2e=False,
                             scale=1.0 if x.zero else x.scale * float(op.attrs["value"]))]
         else:
@@ -364,6 +365,10 @@ class _Emitter:
                 expr = TANH_PTX.format(args[0] if x0.scale == 1.0 else f"{plain} * {x0.scale!r}")
             elif name == "tanh" and x0.scale != 1.0:                          # 2σ(2·x·s) − 1: one multiply by 2s
                 expr = f"(2.0 * tl.sigmoid({plain} * {2.0 * x0.scale!r}) - 1.0)"
+            elif name == "div" and math.prod(xs[1].phys) < math.prod(natural):
+                # a divisor broadcast over the tile (a row's sum or norm): its reciprocal once per row, then a
+                # multiply per element — Triton's fp32 ``/`` is div.full.f32, an SFU reciprocal and more per element
+                expr = f"{args[0]} * (1.0 / {args[1]})"
             else:
                 expr = ELEMENTWISE[name].format(*args, value=value)
             return [self.assign("v", expr, out, natural=natural, trans=trans)]
