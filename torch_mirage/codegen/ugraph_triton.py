@@ -11,7 +11,12 @@ What maps to what (Mirage §2, §6):
   kernel 17.8 → 15.6 µs, the same as a hand-written tutorial-style kernel on those tiles); a block matmul
   feeding a sum accumulator → ``acc = tl.dot(a, b, acc)``; ``matmul(concat, concat)`` along the
   contracted dim (LoRA's concat identity) → one ``tl.dot`` per part into the same accumulator;
-* thread graphs (fused elementwise chains) are inlined: Triton keeps them in registers;
+* thread graphs (fused elementwise chains) are inlined: Triton keeps them in registers; chains of constant
+  factors fold into one multiply (a ``scalar_mul`` is a pending scale its reader multiplies in), a divisor
+  broadcast over the tile is one reciprocal per row; tanh is ``tanh.approx.f32`` for ``Target.CUDA``;
+* a for-loop band (``forloop_band``, causal / sliding-window attention) bounds each block's loop; with a mask that
+  is 0 where the band sees, the loop splits into the tiles every row sees whole (no mask) and the edge tiles, and
+  causal row blocks run heaviest first;
 * every tile dim is padded to a power of two (≥ 16, ``tl.dot``'s minimum, unless it is 1); loads and
   stores are masked on ragged dims, and every reduction or contraction over a padded dim masks its
   operand first, so padding never leaks into valid elements; strides are kernel arguments;
