@@ -69,6 +69,11 @@ BAD_VALUES = [
     ("verify_error_bound", "1", 1.0, "strictly between 0 and 1"),
     ("min_region_us", "-3", -3.0, "must be >= 0"),
     ("min_region_us", "nan", float("nan"), "must be >= 0"),
+    ("min_region_us", "-5", -5.0, "must be >= 0"),
+    ("min_region_us", "fast", "fast", "is not a float"),
+    ("search_budget_s", "-1", -1.0, "must be >= 0"),
+    ("search_workers", "0", 0, "must be >= 1"),
+    ("search_workers", "two", "two", "is not an int"),
     ("cache_dir", "", "", "non-empty path"),
     ("cache_dir", "  ", "  ", "non-empty path"),
     ("stitch", "maybe", "maybe", "not a boolean"),
@@ -160,3 +165,17 @@ def test_registered_with_torch_logging_and_mirage_log_level_wins(monkeypatch):
         log.setLevel(logging.NOTSET)
         _configure_logging("WARNING", explicit=False)
     assert log.level == logging.WARNING
+
+
+@pytest.mark.parametrize("value,says", [("-5", "MIRAGE_MIN_REGION_US='-5': min_region_us must be >= 0"),
+                                        ("fast", "MIRAGE_MIN_REGION_US='fast' is not a float")])
+def test_a_bad_value_stops_torch_compile_with_the_same_clear_error(monkeypatch, value, says):
+    """Out of range or not a number, through torch.compile: one ConfigError naming the variable, not a fallback."""
+    monkeypatch.setenv("MIRAGE_MIN_REGION_US", value)
+    with pytest.raises(Exception) as info:
+        torch.compile(lambda x: torch.softmax(x, -1), backend="mirage")(torch.randn(4, 8))
+    error = info.value
+    while not isinstance(error, config.ConfigError) and (getattr(error, "inner_exception", None) or error.__cause__):
+        error = getattr(error, "inner_exception", None) or error.__cause__    # Dynamo's BackendCompilerFailed
+    assert isinstance(error, config.ConfigError) and says in str(error), repr(info.value)
+    assert says in str(info.value)        # the message the user sees names it too

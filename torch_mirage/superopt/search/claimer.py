@@ -86,7 +86,9 @@ class SearchClaimer:
         budget = self.budget_s if self.budget_s is not None else ctx.config.search_budget_s
         specs = [(tuple(m.shape), DTYPES[m.dtype]) for m in metas]
         with unset_fake_temporarily():      # the search runs real tensors (probe, verifier)
-            result = search(ref.graph, specs, budget_s=budget, cache=ctx.cache)
+            result = search(ref.graph, specs, budget_s=budget, cache=ctx.cache, workers=ctx.config.search_workers,
+                            verify_kwargs=dict(error_bound=ctx.config.verify_error_bound,
+                                               trials=ctx.config.verify_trials))
             if result.best is None:
                 log.info("torch_mirage: μGraph search found nothing for %d nodes (%s)", len(nodes), result.reason)
                 return Decline(nodes, Reason.NOT_FOUND, result.reason)

@@ -395,7 +395,7 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
     return verified, stats.as_dict(), (dict(oracle.stats) if oracle is not None else {})
 
 
-CRASH_ENV = "MIRAGE_SEARCH_TEST_CRASH_WORKER"   # tests: the worker of this index dies (os._exit) at start
+CRASH_ENV = "MIRAGE_SEARCH_TEST_CRASH_WORKER"   # tests: the worker of this index dies (os._exit) at start (config.NON_KNOB_VARIABLES)
 
 
 def _worker_main(conn, job, share, deadline, found_depth) -> None:
