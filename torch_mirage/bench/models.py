@@ -30,6 +30,7 @@ import torch
 
 from ..numerics import tolerance
 from ..timing import count_device_kernels, plain_timing
+from . import has_transformers, select
 from .harness import _free, _short, mirage_summary, rel_error
 from .report import environment, pyplot, write_json
 
@@ -88,21 +89,8 @@ MODELS: dict[str, HFModel] = {m.name: m for m in [
 GPU_DEFAULT = ("llama", "gemma2", "gpt2", "bert")
 
 
-def available() -> bool:
-    try:
-        import transformers  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 def get(names: Sequence[str] | None) -> list[HFModel]:
-    if not names:
-        return list(MODELS.values())
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        raise ValueError(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
-    return [MODELS[n] for n in names]
+    return select(MODELS, names, "model(s)")
 
 
 def build(spec: HFModel, attn: str, dtype: torch.dtype, device: torch.device | str, tiny: bool, seed: int = 0):
@@ -468,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.merge:
         print(markdown(merge(args.merge, args.out, args.name)))
         return 0
-    if not available():
+    if not has_transformers():
         print(MISSING)
         return 2
     split = lambda s: [x for x in s.split(",") if x] if s else None
