@@ -250,7 +250,7 @@ def test_a_ugraph_too_large_for_block_memory_declines_without_a_warning(monkeypa
     monkeypatch.setattr(library_claim, "compile_ugraph", too_large)
 
     class Strict:
-        config = type("C", (), {"strict": True})()
+        config = type("C", (), {"strict": True, "cache_dir": "unused"})()
 
     workload = library.WORKLOADS["gated_mlp"]
     with caplog.at_level(logging.INFO, logger="torch_mirage"):

@@ -343,7 +343,8 @@ def _compiled(workload: library.Workload, dims: tuple, dtype: str, constants: di
     try:
         with stage("search/build"):
             kgraph = workload.build(*dims, dtype=dtype, **constants)
-            return workload, kgraph, compile_ugraph(kgraph, examples, cache=cache)
+            return workload, kgraph, compile_ugraph(kgraph, examples, cache=cache,
+                                                    cache_dir=ctx.config.cache_dir if ctx is not None else None)
     except InvalidMuGraph as e:
         if not all("block-level memory" in p for p in e.problems):
             return _not_built(workload, dims, dtype, ctx, e)

@@ -94,7 +94,7 @@ class SearchClaimer:
                 return Decline(nodes, Reason.NOT_FOUND, result.reason)
             examples = [random_like(m) for m in metas]
             try:
-                compiled = compile_ugraph(result.best, examples, cache=ctx.cache)
+                compiled = compile_ugraph(result.best, examples, cache=ctx.cache, cache_dir=ctx.config.cache_dir)
             except Exception as e:   # a searched μGraph that does not compile: the region goes on
                 log.info("torch_mirage: searched μGraph does not compile (%s: %s)", type(e).__name__, e)
                 return Decline(nodes, Reason.COMPILE_ERROR, describe_error(e))
