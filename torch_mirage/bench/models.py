@@ -28,7 +28,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..backend import MirageBackend
 from ..numerics import tolerance
+from ..report import Report
 from ..timing import count_device_kernels, plain_timing
 from . import has_transformers, select
 from .harness import _free, _short, mirage_summary, rel_error
@@ -156,7 +158,6 @@ def compile_forward(model, mode: str, report: Any = None) -> None:
     if mode == "eager":
         return
     if mode == "mirage":
-        from ..backend import MirageBackend
         model.forward = torch.compile(model.forward, backend=MirageBackend(report=report), dynamic=False)
     elif mode == "inductor":
         model.forward = torch.compile(model.forward, dynamic=False)
@@ -191,8 +192,6 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
              tiny: bool, batch: int, tokens: int, new_tokens: int, timing: dict | None,
              log: Callable[[str], None] = print) -> dict:
     """One model with one attention implementation through every mode. Returns its JSON record."""
-    from ..report import Report
-
     record: dict = {"model": spec.name, "attn": attn, "dtype": str(dtype).replace("torch.", ""),
                     "batch": batch, "tokens": tokens, "new_tokens": new_tokens if spec.causal else 0, "modes": {}}
     try:

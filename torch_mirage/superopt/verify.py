@@ -49,7 +49,9 @@ from ..capture.lower import lower
 from ..config import load
 from ..numerics import relative_error, same_non_finite, tolerance
 from ..ugraph import KernelGraph
+from .executor import execute
 from .ff_bound import TrialBound, per_trial_bound
+from .ff_interpret import interpret
 from .ff_field import DEFAULT_FIELD, FieldParams, NotLAX
 from .ff_tensor import FieldTensor, raw
 from .finite_field import FiniteFieldArith
@@ -92,16 +94,13 @@ class _Side:
 
     def run_field(self, inputs: list, arith: FiniteFieldArith) -> list:
         if self.is_ugraph:
-            from .executor import execute
             return list(execute(self.program, inputs, arith))
         if self.graph is None:
             raise NotLAX(f"could not be captured ({self.lower_error})")
-        from .ff_interpret import interpret
         return interpret(self.graph, inputs, arith)
 
     def run_float(self, inputs: list) -> list:
         if self.is_ugraph:
-            from .executor import execute
             return list(execute(self.program, inputs))
         with torch.no_grad():
             out = self.program(*inputs)

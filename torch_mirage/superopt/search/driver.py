@@ -32,6 +32,7 @@ from ...config import load
 from ...numerics import relative_error, tolerance
 from ...ugraph import KernelGraph, from_dict
 
+from .. import library as L
 from ..executor import execute
 from ..validate import nbytes, validate
 from ..verify import verify
@@ -162,7 +163,6 @@ def _cost(g: KernelGraph) -> tuple:
 
 def _seed_graphs(inputs, out_shapes) -> list[KernelGraph]:
     """The hand-built library's μGraphs whose input shapes fit (seeds; still verified)."""
-    from .. import library as L
     shapes = [s for s, _ in inputs]
     dt = inputs[0][1]
     out = []
