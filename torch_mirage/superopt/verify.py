@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..capture.lower import lower
+from ..capture.lower import trace
 from ..config import load
 from ..numerics import relative_error, same_non_finite, tolerance
 from ..ugraph import KernelGraph
@@ -116,7 +116,7 @@ LOWERED_CACHE_SIZE = 32
 
 
 def _lowered(fn: Callable, example_inputs: Sequence):
-    """:func:`lower_callable`, cached by (callable, input shapes / dtypes): a search verifies one
+    """:func:`~..capture.lower.trace`, cached by (callable, input shapes / dtypes): a search verifies one
     reference against many candidates. Assumes ``fn`` is a pure function of its inputs (its ATen
     graph does not change between calls with inputs of the same shapes and dtypes)."""
     key = (fn, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x)
@@ -124,27 +124,13 @@ def _lowered(fn: Callable, example_inputs: Sequence):
     try:
         graph = _LOWERED.pop(key, None)
     except TypeError:                       # unhashable callable or input value: no caching
-        return lower_callable(fn, example_inputs)
+        return trace(fn, example_inputs)
     if graph is None:
-        graph = lower_callable(fn, example_inputs)
+        graph = trace(fn, example_inputs)
     _LOWERED[key] = graph
     while len(_LOWERED) > LOWERED_CACHE_SIZE:
         _LOWERED.popitem(last=False)
     return graph
-
-
-def lower_callable(fn: Callable, example_inputs: Sequence):
-    """``fn`` as a project-IR Graph whose inputs are ``example_inputs`` in order (make_fx keeps the
-    positional order and unused inputs, which Dynamo's capture does not)."""
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    def positional(*xs):   # hides defaulted keyword parameters from make_fx
-        return fn(*xs)
-
-    gm = make_fx(torch.func.functionalize(positional), decomposition_table=select_decomp_table(),
-                 tracing_mode="fake")(*example_inputs)
-    return lower(gm)
 
 
 # ------------------------------------------------------------------ inputs
