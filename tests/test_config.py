@@ -1,4 +1,8 @@
 import logging
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -179,3 +183,29 @@ def test_a_bad_value_stops_torch_compile_with_the_same_clear_error(monkeypatch, 
         error = getattr(error, "inner_exception", None) or error.__cause__    # Dynamo's BackendCompilerFailed
     assert isinstance(error, config.ConfigError) and says in str(error), repr(info.value)
     assert says in str(info.value)        # the message the user sees names it too
+
+
+def test_every_knob_is_read_by_the_package():
+    """A knob nothing reads would be documented and do nothing: each field is read as ``config.<name>`` /
+    ``cfg.<name>`` outside config.py."""
+    root = os.path.dirname(torch_mirage.__file__)
+    text = ""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py") and os.path.join(folder, name) != config.__file__:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    text += f.read()
+    unread = [name for name in config.Config.__dataclass_fields__
+              if not re.search(rf"\b(config|cfg)\.{name}\b", text)]
+    assert not unread, f"knobs nothing reads: {unread}"
+
+
+@pytest.mark.parametrize("torch_logs,level", [("+torch_mirage", logging.DEBUG), ("torch_mirage", logging.INFO)])
+def test_torch_logs_in_a_fresh_process_turns_the_logger_on(torch_logs, level):
+    """TORCH_LOGS is read when torch is imported, before torch_mirage registers its log: it still applies."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIRAGE_")}
+    env.update(TORCH_LOGS=torch_logs, PYTHONPATH=os.pathsep.join(sys.path))
+    code = "import logging, torch, torch_mirage; print(logging.getLogger('torch_mirage').getEffectiveLevel())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) == level
