@@ -222,11 +222,13 @@ def _align(n: int) -> int:
 
 
 def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], *, cache: Any = None,
-                   tune: bool | None = None, limit: int = 4, target: Target | None = None) -> CompiledUGraph:
+                   cache_dir: str | None = None, tune: bool | None = None, limit: int = 4,
+                   target: Target | None = None) -> CompiledUGraph:
     """Generated Triton for every graph-defined op of ``kgraph``; launch configs tuned on ``example_inputs``
-    when they are CUDA tensors (``tune=False``: the μGraph's own schedule). ``target``: where the kernels run (the
-    compile context's; default: :meth:`Target.current`), which picks CUDA-only instruction forms. Returns
-    ``callable(*tensors)``."""
+    when they are CUDA tensors (``tune=False``: the μGraph's own schedule). Returns ``callable(*tensors)``.
+    Sources go under ``cache_dir``'s ``kernels/`` (a claimer passes its configuration's; default: the disk
+    cache's directory, else the configuration read from the environment). ``target``: where the kernels run (the
+    compile context's; default: :meth:`Target.current`), which picks CUDA-only instruction forms."""
     target = Target.current() if target is None else target
     validate(kgraph)
     ins = kgraph.inputs
@@ -236,7 +238,7 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
         if tuple(x.shape) != tuple(op.attrs["shape"]) or DTYPES.get(op.attrs["dtype"]) != x.dtype:
             raise ValueError(f"compile_ugraph: input {op.attrs['index']} is {tuple(x.shape)} {x.dtype}, the μGraph "
                              f"was built for {tuple(op.attrs['shape'])} {op.attrs['dtype']}; rebuild it for these")
-    cache_dir = _cache_dir(cache)
+    cache_dir = cache_dir or _cache_dir(cache)
     tune = example_inputs[0].is_cuda if tune is None else tune
     steps: list[_Step] = []
     env: dict[Ref, torch.Tensor] = {}

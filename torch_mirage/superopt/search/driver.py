@@ -34,6 +34,7 @@ from ...config import load
 from ...numerics import relative_error, tolerance
 from ...ugraph import KernelGraph, from_dict
 
+from .. import library as L
 from ..executor import execute
 from ..validate import nbytes, validate
 from ..verify import verify
@@ -168,7 +169,6 @@ def _cost(g: KernelGraph) -> tuple:
 
 def _seed_graphs(inputs, out_shapes) -> list[KernelGraph]:
     """The hand-built library's μGraphs whose input shapes fit (seeds; still verified)."""
-    from .. import library as L
     shapes = [s for s, _ in inputs]
     dt = inputs[0][1]
     out = []
@@ -447,7 +447,7 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
     return verified, stats.as_dict(), (dict(oracle.stats) if oracle is not None else {})
 
 
-CRASH_ENV = "MIRAGE_SEARCH_TEST_CRASH_WORKER"   # tests: the worker of this index dies (os._exit) at start
+CRASH_ENV = "MIRAGE_SEARCH_TEST_CRASH_WORKER"   # tests: the worker of this index dies (os._exit) at start (config.NON_KNOB_VARIABLES)
 
 
 def _worker_main(conn, job, share, deadline, found_depth) -> None:
