@@ -34,18 +34,21 @@ def test_size_map():
     assert len({m[4096], m[14336], m[4000]}) == 3                   # distinct sizes stay distinct
     assert all(16 < m[d] <= 64 for d in (4096, 14336, 4000))
     assert size_map([4, 200]) is None                               # small problems search as they are
-    assert size_map([4, 48, 4096]) is None                          # a dim in (KEEP, BIG]: no shrinking
+    m = size_map([4, 16, 48, 64, 4096])                             # one-tile sizes stay one tile, distinct
+    assert m[48] <= 16 and m[64] <= 16 and len({m[4], m[16], m[48], m[64], m[4096]}) == 5
 
 
+@pytest.mark.parametrize("rows", [4, 48])
 @pytest.mark.parametrize("make", [D._rms_mean_rsqrt, D._gated_mlp], ids=["rmsnorm_linear", "gated_mlp"])
-def test_big_target_found_on_shrunk_shapes(big, make):
+def test_big_target_found_on_shrunk_shapes(big, make, rows, monkeypatch):
+    monkeypatch.setattr(D, "M", rows)
     ref = make()
     small = shrink(ref, D._specs(ref), [ref.shape(ref.outputs[0])])
-    assert small is not None and small.inputs[0][0] == (4, small.sizes[BIG_K])
+    assert small is not None and small.inputs[0][0] == (small.sizes[rows], small.sizes[BIG_K])
     r = search(ref, D._specs(ref), budget_s=30, oracle_kwargs=D.FRONT)
     assert r.best is not None, r.reason
     assert "shrunk" in r.reason and D._one_kernel(r.best)
-    assert [op.shapes[0] for op in r.best.ops if op.name == "customized"] == [(4, BIG_N)]
+    assert [op.shapes[0] for op in r.best.ops if op.name == "customized"] == [(rows, BIG_N)]
     _fp64_equal(r.best, ref)
 
 

@@ -4,7 +4,8 @@ At a decode layer's shapes (a 4096 x 4096 weight) one fp64 probe run of a candid
 one verification tens of seconds on the CPU: every block of the grid and every for-loop step is a
 Python step of the executor. The algebra a skeleton computes does not depend on the sizes, so the
 driver searches a *shrunk* copy of the problem: every dim longer than :data:`BIG` gets a small size
-(distinct real sizes stay distinct, sizes up to :data:`KEEP` are kept), the target μGraph is rebuilt
+(distinct real sizes stay distinct, sizes up to :data:`KEEP` are kept, one-tile sizes get a free size up to
+:data:`KEEP`), the target μGraph is rebuilt
 at those sizes op by op (a reshape whose sizes do not map consistently means no shrinking), and the
 schedules are drawn with tiles of :data:`SMALL_TILE`, so that a dim split over the grid or a for-loop
 at the real size is split at the small size too, and one that is not is not.
@@ -25,7 +26,7 @@ from .generate import Skeleton
 from .schedule import schedules
 
 KEEP = 16           # dims up to this size keep their size (rows of a decode batch, heads of a group)
-BIG = 64            # dims longer than this shrink; a dim in (KEEP, BIG] means no shrinking
+BIG = 64            # the real tile: dims longer than this are split over the grid or a for-loop
 SMALL_TILE = 16     # the shrunk problem's tile: KEEP fits one tile, every shrunk dim at least two
 SHRINK_ABOVE = 256  # shrink only problems with a dim at least this long (smaller ones search fast as they are)
 
@@ -40,11 +41,19 @@ class ShrunkProblem:
 
 
 def size_map(sizes: Sequence[int]) -> dict[int, int] | None:
-    """Real size -> small size, or None when the sizes do not shrink (all small, or one in (KEEP, BIG])."""
+    """Real size -> small size, or None when the sizes do not shrink (all small already, or more sizes in
+    (KEEP, BIG] than free sizes up to KEEP to give them). Sizes up to KEEP are kept; one in (KEEP, BIG] (one
+    tile at the real size) gets a free size up to KEEP (one tile at the small size), the largest first; one
+    above BIG gets 32, 48, ... (two or more small tiles, as it has two or more real ones)."""
     sizes = sorted(set(sizes))
-    if not sizes or sizes[-1] < SHRINK_ABOVE or any(KEEP < d <= BIG for d in sizes):
+    if not sizes or sizes[-1] < SHRINK_ABOVE:
         return None
     out = {d: d for d in sizes if d <= KEEP}
+    free = [v for v in range(KEEP, 1, -1) if v not in out]
+    mid = [d for d in sizes if KEEP < d <= BIG]
+    if len(mid) > len(free):
+        return None
+    out.update(zip(mid, free))
     out.update({d: SMALL_TILE * (i + 2) for i, d in enumerate(d for d in sizes if d > BIG)})
     return out
 
