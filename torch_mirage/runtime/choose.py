@@ -3,7 +3,7 @@
 When mirage claimed regions of an inference graph, the backend also hands the Dynamo graph to Inductor's own
 ``compile_fx``. On the first call, with the caller's real inputs, :class:`FasterOf` times both as the caller
 will run them (each a replay of its own CUDA graph where it can be captured; inside one graph when the caller
-captures its own), in the order A B B A so that clock and temperature drift favour neither, and keeps the
+captures its own), through :func:`~torch_mirage.tune.tune`, in the order A B B A so that clock and temperature drift favour neither, and keeps the
 faster one for every later call, dropping the other. Tensors the graph writes (inputs, or tensors on modules
 and other objects) are saved first and copied back before every timing run and after the last, so each run
 sees the caller's state and the state changes once, by the real call. Graphs that write state we cannot
@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .cudagraph import draws_random_numbers  # noqa: F401  (the rule lives with the CUDA-graph rules)
-from ..timing import alternating_medians, cuda_graph_timing, plain_timing, timing_input_sets
+from ..timing import cuda_graph_timing, plain_timing, timing_input_sets
+from ..tune import tune
 
 log = logging.getLogger("torch_mirage")
 
@@ -76,17 +77,14 @@ class FasterOf:
         if self.in_callers_graph and not state:
             sets = timing_input_sets(args, torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size)
 
-        def time_half(name: str) -> list[float]:
+        def time_half(name: str, _: Any) -> list[float]:
             run = from_saved_state(self.candidates[name]) if state else self.candidates[name]
             if self.in_callers_graph:
                 return cuda_graph_timing(run, sets, target_ms=_HALF_MS, repeats=2)["samples"]
             return plain_timing(run, args, target_ms=_HALF_MS, repeats=2)["samples"]
 
-        def failed(name: str, e: Exception) -> None:   # a candidate that cannot be timed (not capturable, say)
-            log.info("torch_mirage: timing the %s version failed (%s: %s)", name, type(e).__name__, e)
-
-        try:
-            return alternating_medians(list(self.candidates), time_half, on_error=failed)
+        try:   # a candidate that cannot be timed (not capturable, say) is not chosen
+            return tune(list(self.candidates), time_half, label="version").times
         finally:
             restore()
 

@@ -20,7 +20,8 @@ from ..context import CompileContext
 from ..failures import nodes_summary, note
 from ..numerics import TOLERANCE, relative_error, same_non_finite, tolerance
 from ..partition.region import Reason, Region
-from ..timing import random_like, cuda_graph_timing, alternating_medians, rotated_input_sets
+from ..timing import random_like, cuda_graph_timing, rotated_input_sets
+from ..tune import tune
 from .inductor_quiet import without_artifact_warning
 
 log = logging.getLogger("torch_mirage")
@@ -43,24 +44,29 @@ def _inductor_region(sub: Graph, inputs: Sequence[torch.Tensor], mode: str) -> C
 
 
 def measure_region(region: Region, graph: Graph, ctx: CompileContext) -> RegionTiming:
+    """Mirage's kernel for ``region`` and Inductor's compile of the same region, each replayed in a CUDA graph
+    over input sets rotated past L2 (:func:`~torch_mirage.tune.tune`); cached per region, claimer, device and
+    configuration. Raises when either cannot be timed."""
     outs = region.outputs(graph)
     sub = subgraph(graph, region.nodes, outs)
     key = None
     if ctx.cache is not None:
-        key = cache_key(kind="region-timing", graph=fingerprint(sub), claimer=region.claimer,
+        key = cache_key(kind="region-timing/2", graph=fingerprint(sub), claimer=region.claimer,
                         device=torch.cuda.get_device_name(), config=ctx.config.output_key())
-        hit = ctx.cache.get_json(key)
-        if hit is not None:
-            return RegionTiming(**hit)
-    inputs = region_check_inputs(region, graph, sub)
-    sets = rotated_input_sets(inputs, torch.cuda.get_device_properties(inputs[0].device).L2_cache_size)
-    fns = {"mirage": region.kernel, "inductor": _inductor_region(sub, inputs, ctx.config.inductor_mode)}
-    us = alternating_medians(list(fns), lambda name: cuda_graph_timing(fns[name], sets, replays=20,
-                                                                        repeats=3)["samples"])
-    timing = RegionTiming(mirage_us=us["mirage"], inductor_us=us["inductor"])
-    if key is not None:
-        ctx.cache.put_json(key, timing.__dict__)
-    return timing
+    inputs: list = []
+    sets: list = []
+
+    def build(name: str) -> Callable[..., Any]:   # inputs and timing sets only when the cache has no answer
+        if not sets:
+            inputs.extend(region_check_inputs(region, graph, sub))
+            sets.extend(rotated_input_sets(inputs, torch.cuda.get_device_properties(inputs[0].device).L2_cache_size))
+        return region.kernel if name == "mirage" else _inductor_region(sub, inputs, ctx.config.inductor_mode)
+
+    tuned = tune(["mirage", "inductor"], lambda name, fn: cuda_graph_timing(fn, sets, replays=20, repeats=3)["samples"],
+                 build=build, cache=ctx.cache, key=key, label="region version")
+    if set(tuned.times) != {"mirage", "inductor"}:
+        raise RuntimeError(f"could not time both versions ({', '.join(f'{k}: {v}' for k, v in tuned.dropped.items())})")
+    return RegionTiming(mirage_us=tuned.times["mirage"], inductor_us=tuned.times["inductor"])
 
 
 def keep_faster(regions: Sequence[Region], graph: Graph, ctx: CompileContext) -> None:

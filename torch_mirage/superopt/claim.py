@@ -31,7 +31,8 @@ from ..context import CompileContext, Target
 from ..failures import note, stage
 from ..numerics import rms_norm
 from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex
-from ..timing import alternating_medians, cuda_graph_timing, random_like, rotated_input_sets
+from ..timing import cuda_graph_timing, random_like, rotated_input_sets
+from ..tune import tune
 from . import library
 from .validate import InvalidMuGraph
 
@@ -377,29 +378,21 @@ def _time_ugraph(compiled: Callable, sets: list) -> list[float]:
 
 
 def _fastest(built: list[tuple], examples: list, cache: Any) -> tuple[tuple, dict[str, float]]:
-    """The fastest of several compiled μGraphs of one program (the first where none can be timed), with the
-    times; a choice made once per kernel-graph set and device is read back from ``cache``."""
+    """The fastest of several compiled μGraphs ``(workload, kernel graph, compiled)`` of one program (the first
+    where none can be timed), with the times; a choice made once per kernel-graph set and device is read back
+    from ``cache`` (:func:`~torch_mirage.tune.tune`)."""
     if len(built) == 1:
         return built[0], {}
-    key = None
-    if cache is not None and examples[0].device.type == "cuda":
-        key = cache_key(kind="ugraph-alternatives", graphs=[k.hash() for _, k, _ in built],
-                        device=torch.cuda.get_device_name(examples[0].device))
-        hit = cache.get_json(key)
-        if hit is not None and set(hit) == {w.name for w, _, _ in built}:
-            return min(built, key=lambda b: hit[b[0].name]), hit
     sets = _timing_sets(examples)
     if sets is None:
         return built[0], {}
     by_name = {b[0].name: b for b in built}
-
-    def failed(name: str, e: Exception) -> None:   # one that cannot be timed (e.g. not capturable) is not chosen
-        log.info("torch_mirage: timing μGraph %s failed (%s: %s)", name, type(e).__name__, e)
-
-    times = alternating_medians(list(by_name), lambda name: _time_ugraph(by_name[name][2], sets), on_error=failed)
-    if not times:
+    key = None
+    if cache is not None and examples[0].device.type == "cuda":
+        key = cache_key(kind="ugraph-alternatives/2", graphs=[k.hash() for _, k, _ in built],
+                        device=torch.cuda.get_device_name(examples[0].device))
+    tuned = tune(list(by_name), lambda name, _: _time_ugraph(by_name[name][2], sets), cache=cache, key=key,
+                 label="μGraph")
+    if tuned.winner is None:
         return built[0], {}
-    log.info("torch_mirage: %s", ", ".join(f"μGraph {n} {us:.1f} µs" for n, us in times.items()))
-    if key is not None and len(times) == len(built):
-        cache.put_json(key, times)
-    return by_name[min(times, key=times.get)], times
+    return by_name[tuned.winner], tuned.times

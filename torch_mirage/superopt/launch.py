@@ -15,6 +15,7 @@ schedule with a fixed small config, untimed. Autotuning stays here, apart from c
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import asdict, dataclass
@@ -25,7 +26,8 @@ import torch
 from ..cache import cache_key
 from ..codegen.ugraph_triton import ELEMENTWISE, _saved, padded, prologue_accumulators, strip
 from ..numerics import relative_error, same_non_finite, tolerance
-from ..timing import cuda_graph_time_us, rotated_input_sets
+from ..timing import cuda_graph_timing, rotated_input_sets
+from ..tune import tune
 from ..ugraph import BlockGraph, Ctx, MuGraphError, ThreadGraph, make_op
 
 log = logging.getLogger("torch_mirage")
@@ -331,61 +333,48 @@ def _disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Sequence[torch.Tensor], *,
            cache: Any = None, limit: int = 4) -> LaunchConfig:
-    """The launch config to use for ``bg`` on ``inputs``; ``build(config)`` returns ``run(*inputs) -> outputs``."""
+    """The launch config to use for ``bg`` on ``inputs``; ``build(config)`` returns ``run(*inputs) -> outputs``.
+    Every candidate's outputs must agree with the first one's (the μGraph's own schedule) to the re-tiling
+    tolerance of the lowest precision involved; the fastest that agrees wins (:func:`~torch_mirage.tune.tune`)."""
     base = default_config(bg)
     if not inputs or inputs[0].device.type != "cuda":
         return base
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
-                    device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs",
+                    device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs, ABBA",
                     space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE, PREFILL_SCHEDULES])   # a wider search re-tunes
-    if cache is not None:
-        hit = cache.get_json(key)
-        if hit is not None:
-            return LaunchConfig.from_json(hit)
     props = torch.cuda.get_device_properties(inputs[0].device)
-    n_sm = props.multi_processor_count
-    sets = rotated_input_sets(inputs, props.L2_cache_size, max_sets=16)
-    want = None
-    best: tuple[float, LaunchConfig] | None = None
-    from tqdm.auto import tqdm
+    configs = {json.dumps(c.to_json(), sort_keys=True): c for c in candidates(bg, props.multi_processor_count, limit)}
+    want: list = []
 
-    # a Triton compile and a timing per config: a bar on a terminal, nothing elsewhere
-    for cfg in tqdm(candidates(bg, n_sm, limit), desc="torch_mirage: tuning a μGraph kernel", unit="config",
-                    leave=False, disable=None):
-        try:
-            run = build(cfg)
-            outs = run(*inputs)
-        except Exception as e:   # a candidate Triton cannot compile (registers, shared memory) is skipped
-            log.info("torch_mirage: launch config %s failed to build or run (%s: %s)", cfg, type(e).__name__, e)
-            continue
-        if want is None:
-            want = [o.clone() for o in outs]
+    def make(name: str) -> tuple:
+        run = build(configs[name])
+        return run, run(*inputs)
+
+    def agrees(name: str, made: tuple) -> str | None:
+        outs = made[1]
+        if not want:
+            want.extend(o.clone() for o in outs)
+            return None
         # re-tilings sum in another order: the lowest precision among inputs and outputs bounds the agreement
         half = [t.dtype for t in (*outs, *inputs) if t.dtype in (torch.float16, torch.bfloat16)]
-        tol = tolerance(half[0] if half else torch.float32, "retile")
-        errs = [_disagreement(o, w) for o, w in zip(outs, want)]
-        if max(errs, default=0.0) > tol:
-            log.warning("torch_mirage: launch config %s disagrees with the μGraph's own schedule "
-                        "(relative error %.2e); not used", cfg, max(errs))
-            continue
-        us = _time_us(run, inputs, sets)
-        log.info("torch_mirage: launch config %s: %.2f µs", cfg, us)
-        if best is None or us < best[0]:
-            best = (us, cfg)
-    del sets
-    chosen = best[1] if best is not None else base
-    if cache is not None and best is not None:
-        cache.put_json(key, chosen.to_json())
-    return chosen
+        err = max((_disagreement(o, w) for o, w in zip(outs, want)), default=0.0)
+        if err > tolerance(half[0] if half else torch.float32, "retile"):
+            return f"disagrees with the μGraph's own schedule (relative error {err:.2e})"
+        return None
+
+    sets = rotated_input_sets(inputs, props.L2_cache_size, max_sets=16)
+    tuned = tune(list(configs), lambda name, made: _time_samples(made[0], inputs, sets), build=make, check=agrees,
+                 cache=cache, key=key, label="launch config", progress="torch_mirage: tuning a μGraph kernel")
+    return configs[tuned.winner] if tuned.winner is not None else base
 
 
-def _time_us(run: Callable, inputs: Sequence[torch.Tensor], sets: Sequence[Sequence[torch.Tensor]]) -> float:
-    """µs per call of ``run`` replayed in a CUDA graph over ``sets``; ``do_bench`` where capture fails."""
+def _time_samples(run: Callable, inputs: Sequence[torch.Tensor], sets: Sequence[Sequence[torch.Tensor]]) -> list[float]:
+    """µs-per-call samples of ``run`` replayed in a CUDA graph over ``sets``; ``do_bench`` where capture fails."""
     try:
-        return cuda_graph_time_us(run, sets, replays=10, repeats=3)
+        return cuda_graph_timing(run, sets, replays=10, repeats=3)["samples"]
     except Exception as e:   # not capturable: time it launched from Python, and say so
         log.info("torch_mirage: CUDA-graph timing failed (%s: %s); timing with do_bench", type(e).__name__, e)
         torch.cuda.synchronize()
         import triton.testing
 
-        return triton.testing.do_bench(lambda: run(*inputs), warmup=5, rep=25) * 1e3
+        return [triton.testing.do_bench(lambda: run(*inputs), warmup=5, rep=25) * 1e3]

@@ -1,0 +1,76 @@
+"""The tuning loop (tune.py): build, check, A B … B A timing, the winner and its cache."""
+import logging
+
+from torch_mirage.cache import DiskCache, cache_key
+from torch_mirage.tune import tune
+
+SPEED = {"a": 3.0, "b": 1.0, "c": 2.0}
+
+
+def _timer(calls):
+    def time_half(name, made):
+        calls.append(name)
+        return [SPEED[name], SPEED[name] + 0.1]
+    return time_half
+
+
+def test_fastest_wins_and_the_order_is_abba():
+    calls = []
+    t = tune(["a", "b", "c"], _timer(calls))
+    assert t.winner == "b" and set(t.times) == {"a", "b", "c"} and not t.cached
+    assert calls == ["a", "b", "c", "c", "b", "a"]
+
+
+def test_build_failures_and_disagreements_are_dropped_and_said(caplog):
+    def build(name):
+        if name == "b":
+            raise RuntimeError("out of shared memory")
+        return name.upper()
+
+    def check(name, made):
+        assert made == name.upper()
+        return "disagrees (relative error 1.00e+00)" if name == "a" else None
+
+    with caplog.at_level(logging.INFO, logger="torch_mirage"):
+        t = tune(["a", "b", "c"], _timer([]), build=build, check=check, label="launch config")
+    assert t.winner == "c" and set(t.times) == {"c"} and set(t.built) == {"c"}
+    assert t.dropped["b"].startswith("build") and "disagrees" in t.dropped["a"]
+    text = caplog.text
+    assert "launch config b failed to build" in text and "launch config a disagrees" in text
+
+
+def test_a_timing_error_drops_only_that_candidate():
+    def time_half(name, made):
+        if name == "b":
+            raise RuntimeError("not capturable")
+        return [SPEED[name]]
+
+    t = tune(["a", "b", "c"], time_half)
+    assert t.winner == "c" and "timing" in t.dropped["b"]
+    assert tune([], time_half).winner is None
+
+
+def test_the_cache_answers_a_second_time(tmp_path):
+    cache = DiskCache(str(tmp_path))
+    key = cache_key(kind="test-tune", n=1)
+    first = tune(["a", "b", "c"], _timer([]), cache=cache, key=key)
+    calls = []
+    again = tune(["a", "b", "c"], _timer(calls), build=lambda n: 1 / 0, cache=cache, key=key)
+    assert again.cached and again.winner == first.winner == "b" and calls == []
+    # a cached winner that is no longer a candidate is a miss: everything is timed again
+    calls = []
+    other = tune(["a", "c"], _timer(calls), cache=cache, key=key)
+    assert not other.cached and other.winner == "c" and calls
+
+
+def test_partial_timings_are_not_cached(tmp_path):
+    cache = DiskCache(str(tmp_path))
+    key = cache_key(kind="test-tune", n=2)
+
+    def time_half(name, made):
+        if name == "b":
+            raise RuntimeError("not capturable")
+        return [SPEED[name]]
+
+    tune(["a", "b", "c"], time_half, cache=cache, key=key)
+    assert cache.get_json(key) is None

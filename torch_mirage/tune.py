@@ -1,0 +1,82 @@
+"""Tuning: the fastest of named candidates — build, numeric check, timing and the winner cache, in one loop.
+
+Every measured choice mirage makes goes through :func:`tune`: the launch configuration of a μGraph kernel
+(:func:`.superopt.launch.choose`), alternative μGraphs of one program (:mod:`.superopt.claim`), mirage's kernel
+for a region against Inductor's (:mod:`.runtime.measure`) and the whole graph against Inductor's compile on its
+first call (:class:`.runtime.choose.FasterOf`). Candidates are built in order (one that fails to build is
+dropped), checked (one that disagrees with the caller's reference is dropped), timed in the order A B … B A
+(:func:`.timing.alternating_medians`: clock and temperature drift meet every candidate alike) and the fastest
+wins. The times are cached under the caller's key when every candidate that was built got a time, so a later
+compile of the same choice on the same device reads the winner back without building or timing anything.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .timing import alternating_medians
+
+log = logging.getLogger("torch_mirage")
+
+
+@dataclass
+class Tuned:
+    winner: str | None                                   # None: no candidate could be timed
+    times: dict[str, float] = field(default_factory=dict)   # µs per call of every timed candidate
+    built: dict[str, Any] = field(default_factory=dict)     # what ``build`` returned, per surviving candidate
+    dropped: dict[str, str] = field(default_factory=dict)   # why a candidate was not timed
+    cached: bool = False                                 # the times were read from the cache
+
+
+def _progress(names: Sequence[str], desc: str | None):
+    if desc is None:
+        return names
+    from tqdm.auto import tqdm   # optional at import time: the package imports without it
+    # a Triton compile per candidate: a bar on a terminal, nothing elsewhere
+    return tqdm(names, desc=desc, unit="candidate", leave=False, disable=None)
+
+
+def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
+         build: Callable[[str], Any] | None = None, check: Callable[[str, Any], str | None] | None = None,
+         cache: Any = None, key: str | None = None, label: str = "candidate", progress: str | None = None) -> Tuned:
+    """Choose the fastest of ``names``.
+
+    ``build(name)``: makes the candidate (its result is passed to ``check`` and ``time_half``); raising drops it.
+    ``check(name, built)``: a problem string drops the candidate (say, its output disagrees with the first one's).
+    ``time_half(name, built)``: per-call µs samples of one half of the A B … B A schedule; raising drops it.
+    ``cache`` / ``key``: a :class:`~.cache.DiskCache` and the key of this choice (the caller's versioned key):
+    cached times whose winner is still among ``names`` are returned as they are.
+    """
+    names = list(names)
+    if cache is not None and key is not None:
+        hit = cache.get_json(key)
+        times = hit.get("times") if isinstance(hit, dict) else None
+        if isinstance(times, dict) and times and min(times, key=times.get) in names:
+            return Tuned(min(times, key=times.get), dict(times), cached=True)
+    out = Tuned(None)
+    for name in _progress(names, progress):
+        try:
+            made = build(name) if build is not None else None
+        except Exception as e:   # a candidate Triton cannot compile (registers, shared memory) is skipped
+            log.info("torch_mirage: %s %s failed to build or run (%s: %s)", label, name, type(e).__name__, e)
+            out.dropped[name] = f"build: {type(e).__name__}"
+            continue
+        problem = check(name, made) if check is not None else None
+        if problem is not None:
+            log.warning("torch_mirage: %s %s %s; not used", label, name, problem)
+            out.dropped[name] = problem
+            continue
+        out.built[name] = made
+
+    def failed(name: str, e: Exception) -> None:   # one that cannot be timed (not capturable, say) is not chosen
+        log.info("torch_mirage: timing %s %s failed (%s: %s)", label, name, type(e).__name__, e)
+        out.dropped[name] = f"timing: {type(e).__name__}"
+
+    out.times = alternating_medians(list(out.built), lambda name: time_half(name, out.built[name]), on_error=failed)
+    if out.times:
+        out.winner = min(out.times, key=out.times.get)
+        log.info("torch_mirage: %s", ", ".join(f"{label} {n}: {us:.2f} µs" for n, us in out.times.items()))
+        if cache is not None and key is not None and len(out.times) == len(out.built):
+            cache.put_json(key, {"times": out.times})
+    return out
