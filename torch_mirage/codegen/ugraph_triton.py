@@ -16,7 +16,10 @@ What maps to what (Mirage §2, §6):
   broadcast over the tile is one reciprocal per row; tanh is ``tanh.approx.f32`` for ``Target.CUDA``;
 * a for-loop band (``forloop_band``, causal / sliding-window attention) bounds each block's loop; with a mask that
   is 0 where the band sees, the loop splits into the tiles every row sees whole (no mask) and the edge tiles, and
-  causal row blocks run heaviest first;
+  causal row blocks run heaviest first; a mask that is exactly the band (``index_mask``) is never loaded: edge
+  tiles compute ``key <= pos + offset`` (and the window's edge) from the indices;
+* a sum over the rows of a 2-d tile (FlashTensor's column sums of P) adds whole tiles into a register tile and
+  reduces once after the loop, not a cross-warp reduction per iteration;
 * every tile dim is padded to a power of two (≥ 16, ``tl.dot``'s minimum, unless it is 1); loads and
   stores are masked on ragged dims, and every reduction or contraction over a padded dim masks its
   operand first, so padding never leaks into valid elements; strides are kernel arguments;

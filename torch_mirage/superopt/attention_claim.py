@@ -8,7 +8,10 @@ fill)``, ``is_causal`` a top-left triangle of ``-inf`` (built once per region), 
 ``-1e30`` (or its dtype's floor) so that a tile or split whose keys are all masked stays finite inside the
 online softmax. Rows whose keys are all masked (padding) get what the form gives in eager: SDPA returns zeros,
 the decomposed softmax NaN for ``-inf`` masks, and a uniform average for the finite ``finfo.min`` masks HF builds —
-which is what the clamped mask gives by itself.
+which is what the clamped mask gives by itself. A mask that is exactly its causal / sliding-window band
+(:func:`index_mask`: ``is_causal``, HF's ``where(j <= i, 0, min)``) is none of that: the banded seeds compute it
+from indices, the kernel gets a broadcast stand-in, and the graph nodes that build it for this region alone join
+the claim, dead — nothing is built, packed, clamped or scanned per call.
 
 Where KV is long enough to split, the split-KV seed is compiled as well and on a GPU the faster runs (the library
 claimer's timing, :func:`.claim._fastest`): it fills the SMs where few query rows — decode — leave FlashAttention's
