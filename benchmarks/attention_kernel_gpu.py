@@ -46,6 +46,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--root", default=None, help="import torch_mirage from this directory")
     p.add_argument("--label", default="after", help="names this run in the JSON / table (before / after)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--profile", action="store_true",
+                   help="also list each GPU kernel of one call (torch.profiler) per column, in the JSON and the table")
     return p.parse_args()
 
 
@@ -55,6 +57,7 @@ sys.path.insert(0, os.path.abspath(ARGS.root) if ARGS.root else
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import torch_mirage  # noqa: E402
 from torch_mirage.bench import harness  # noqa: E402
@@ -154,6 +157,8 @@ def run_case(name: str, n: int, dtype: torch.dtype, modes, cfg_log: _Configs) ->
                 t = harness.time_in_cuda_graph(call, sets, target_ms=20.0, repeats=5)
             col.update(status="ok", us=round(t["us"], 2), us_min=round(t["us_min"], 2), us_max=round(t["us_max"], 2),
                        tflops=round(flops / (t["us"] * 1e-6) / 1e12, 1))
+            if ARGS.profile:
+                col["kernels"] = profile_kernels(call, sets)
         except Exception as e:   # one column's failure is a result
             col["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             traceback.print_exc()
@@ -174,6 +179,41 @@ def run_case(name: str, n: int, dtype: torch.dtype, modes, cfg_log: _Configs) ->
               + (f"  {col['launch']}" if col.get("launch") else ""), flush=True)
     del sets, inputs, refs
     return row
+
+
+def profile_kernels(call, sets, calls: int = 10) -> list[dict]:
+    """Each GPU kernel one call of ``call`` launches, with its mean time per call (µs): torch.profiler over
+    ``calls`` calls (inputs rotated as in the timing), kernels grouped by name, heaviest first."""
+    with torch.no_grad():
+        for xs in sets[:2]:
+            call(*xs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(calls):
+                call(*sets[i % len(sets)])
+            torch.cuda.synchronize()
+    per: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            k = per.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time
+    rows = [{"kernel": name[:120], "per_call": round(c / calls, 2), "us": round(t / calls, 2)}
+            for name, (c, t) in per.items()]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def kernel_lines(rows) -> str:
+    """The profiled kernels of every column, as markdown lists."""
+    out = []
+    for r in rows:
+        for m, c in r["columns"].items():
+            if c.get("kernels"):
+                total = sum(k["us"] for k in c["kernels"])
+                out.append(f"\n**{r['workload']} n={r['n']} {r['dtype']} {m}** (kernels sum {total:.1f} µs/call, "
+                           f"timed {c['us']:.1f} µs):\n")
+                out += [f"- {k['us']:8.2f} µs  x{k['per_call']:g}  `{k['kernel']}`" for k in c["kernels"]]
+    return "\n".join(out)
 
 
 def table(rows, modes) -> str:
@@ -226,7 +266,8 @@ def write(device: dict, rows: list, skipped: list, start: float) -> str:
     md = (f"# Prefill attention kernels ({ARGS.label}): {device['name']}, torch {device['torch']}, "
           f"triton {device['triton']}\n\nB=1, H={ARGS.heads}, d=128, causal; µs per call in a CUDA graph, inputs rotated "
           f"past L2. (ref): computes something else (SDPA: no soft-cap, no column sums; flex on h2o: P·V only).\n\n"
-          + table(rows, ARGS.modes) + ("\n\nskipped (time budget): " + ", ".join(skipped) if skipped else "") + "\n")
+          + table(rows, ARGS.modes) + ("\n\nskipped (time budget): " + ", ".join(skipped) if skipped else "") + "\n"
+          + (("\n## Kernels per call (torch.profiler)\n" + kernel_lines(rows) + "\n") if ARGS.profile else ""))
     os.makedirs(ARGS.out, exist_ok=True)
     stem = "attention_kernel" + ("" if ARGS.label == "after" else f"_{ARGS.label}")
     with open(os.path.join(ARGS.out, stem + ".json"), "w") as f:

@@ -246,7 +246,8 @@ def test_band_under_other_launch_configs(grid, loop, split):
 
 
 @pytest.mark.parametrize("seed,band", [("flash", (8, 0, None, True)), ("flash", (8, 0, 3, False)),
-                                       ("split", (4, 28, None, True)), ("split", (2, 0, None, False))])
+                                       ("split", (4, 28, None, True)), ("split", (2, 0, None, False)),
+                                       ("flash", (8, 0, 3, True, True)), ("split", (4, 28, None, True, True))])
 def test_banded_seeds_verify(seed, band):
     """The verifier draws masks that satisfy the band (its precondition: exactly the band where the mask's
     visible part is 0, random keys inside it otherwise): banded seeds pass both tests, a wrong scale does not."""

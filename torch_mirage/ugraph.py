@@ -530,7 +530,8 @@ class BlockGraph(Graph):
         return body, [i for i in range(len(self.ops)) if i not in set(body)]
 
 
-BAND_FIELDS = ("q_input", "q_dim", "k_input", "period", "offset", "window", "zero_input")
+BAND_FIELDS = ("q_input", "q_dim", "k_input", "period", "offset", "window", "zero_input", "index_mask")
+MASK_FLOOR = -1e30        # a masked score the kernels add: finite, so an all-masked tile keeps exp(s - m) defined
 
 
 def band_geometry(bg: BlockGraph) -> dict:
@@ -541,10 +542,16 @@ def band_geometry(bg: BlockGraph) -> dict:
     ``k_input`` along its ``fmap`` dim. Key ``k`` is visible from query ``p`` iff ``k <= p + offset`` and, with a
     ``window``, ``k > p + offset - window``. ``zero_input`` (or None): an iterator (walked by the loop) whose
     tiles are all 0 where every row of the block sees every key of the tile (an additive mask's visible part):
-    those tiles are not loaded. Raises MuGraphError when the band does not fit the graph."""
-    if len(bg.forloop_band) != len(BAND_FIELDS):
+    those tiles are not loaded. ``index_mask`` (optional 8th field, default False): ``zero_input`` is exactly the
+    band's own mask — 0 where visible, masked elsewhere — so it is never loaded: the partly seen tiles compute it
+    from the indices (:func:`band_mask_dims`), and the kernel input may be any tensor of its shape (a broadcast
+    stand-in). Raises MuGraphError when the band does not fit the graph."""
+    if len(bg.forloop_band) not in (len(BAND_FIELDS) - 1, len(BAND_FIELDS)):
         raise MuGraphError(f"forloop_band {bg.forloop_band}: need {BAND_FIELDS}")
     b = dict(zip(BAND_FIELDS, bg.forloop_band))
+    b["index_mask"] = bool(b.get("index_mask", False))
+    if b["index_mask"] and b["zero_input"] is None:
+        raise MuGraphError(f"forloop_band {bg.forloop_band}: index_mask needs the mask's zero_input")
     its = {op.attrs["index"]: op for op in bg.ops if op.name == "iterator"}
     q, k = its.get(b["q_input"]), its.get(b["k_input"])
     if q is None or k is None or k.attrs["fmap"] is None or q.attrs["fmap"] == b["q_dim"]:
@@ -580,6 +587,18 @@ def band_full(bg: BlockGraph, block: tuple, it: int) -> bool:
     k0 = kb + it * b["k_tile"]
     k1 = k0 + b["k_tile"] - 1
     return k1 <= p0 + b["offset"] and (b["window"] is None or k0 >= p1 + b["offset"] - b["window"] + 1)
+
+
+def band_mask_dims(bg: BlockGraph, it: Op) -> tuple[int, int]:
+    """(position dim, key dim) of the band's ``index_mask`` iterator ``it``: its tile has two dims of extent > 1,
+    the one the for-loop walks holds the band's keys, the other its query positions (both as in
+    :func:`band_geometry`: the roles swap in a loop over queries, FlashTensor's column sums)."""
+    kd = it.attrs["fmap"]
+    rest = [d for d, e in enumerate(it.shapes[0]) if e > 1 and d != kd]
+    if kd is None or len(rest) != 1:
+        raise MuGraphError(f"forloop_band {bg.forloop_band}: the index mask's tile {it.shapes[0]} needs one "
+                           "walked key dim and one position dim")
+    return rest[0], kd
 
 
 def band_range(bg: BlockGraph, block: tuple, lo: int = 0, hi: int | None = None) -> tuple[int, int]:

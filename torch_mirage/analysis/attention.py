@@ -68,7 +68,8 @@ class AttentionSpec:
     extra_outputs: tuple = ()       # ColumnReductions: P reduced over the query axis (H2O's column sums)
     # where the mask's value property bounds the keys a query sees: (offset, window): query i sees key j only if
     # j <= i + offset (and j > i + offset - window); None where nothing is known. Attention seeds skip the key
-    # tiles outside (``forloop_band``); the mask is still applied inside.
+    # tiles outside (``forloop_band``); the mask is still applied inside (computed from indices where it is exactly
+    # the band and 0 where seen: ``mask_zero_visible``, the claimer's ``index_mask``).
     mask_band: tuple | None = None
     mask_zero_visible: bool = False  # the mask (as the seed adds it) is 0 wherever the band sees
     probs: tuple = ()               # eager form: the values holding P (b, h, sq, skv), from the softmax to P·V

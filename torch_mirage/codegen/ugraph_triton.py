@@ -16,7 +16,10 @@ What maps to what (Mirage §2, §6):
   broadcast over the tile is one reciprocal per row; tanh is ``tanh.approx.f32`` for ``Target.CUDA``;
 * a for-loop band (``forloop_band``, causal / sliding-window attention) bounds each block's loop; with a mask that
   is 0 where the band sees, the loop splits into the tiles every row sees whole (no mask) and the edge tiles, and
-  causal row blocks run heaviest first;
+  causal row blocks run heaviest first; a mask that is exactly the band (``index_mask``) is never loaded: edge
+  tiles compute ``key <= pos + offset`` (and the window's edge) from the indices;
+* a sum over the rows of a 2-d tile (FlashTensor's column sums of P) adds whole tiles into a register tile and
+  reduces once after the loop, not a cross-warp reduction per iteration;
 * every tile dim is padded to a power of two (≥ 16, ``tl.dot``'s minimum, unless it is 1); loads and
   stores are masked on ragged dims, and every reduction or contraction over a padded dim masks its
   operand first, so padding never leaks into valid elements; strides are kernel arguments;
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from ..context import Target
-from ..ugraph import BlockGraph, Graph, MuGraphError, Op, Ref, band_geometry
+from ..ugraph import MASK_FLOOR, BlockGraph, Graph, MuGraphError, Op, Ref, band_geometry, band_mask_dims
 
 TL = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32"}
 HALF = ("float16", "bfloat16")
@@ -156,6 +159,8 @@ class _Emitter:
                  target: Target = Target.INTERPRETER):
         self.bg, self.split, self.n_inputs, self.target = bg, split, n_inputs, target
         self.band_zero: int | None = None
+        self.band: dict | None = None      # the band's geometry where its mask is computed from indices (index_mask)
+        self.wide: dict[int, tuple] = {}    # deferred column sums: acc op -> (whole-tile accumulator, reduced dim)
         self.full = False
         self.users = bg.consumers()
         self.phase = _phase_of(bg)
@@ -254,10 +259,33 @@ class _Emitter:
             if a["fmap"] == d:
                 parts.append(f"{it} * {tile[d]}")
             starts.append(" + ".join(parts) or "0")
+        if self.band is not None and a["index"] == self.band_zero:   # the band's own mask: from the indices
+            return self.band_mask_tile(op, starts, trans)
         p = f"in{a['index']}"
         offs, mask = self.offsets(p, full, tile, starts, trans)
         extra = f", mask={mask}, other=0.0" if mask else ""
         return self.assign("x", f"tl.load({p}_ptr + {offs}{extra})", strip(tile)[0], a["dtype"], trans=trans)
+
+    def band_mask_tile(self, op: Op, starts: list, trans: bool) -> Val:
+        """A partly seen tile of the band's ``index_mask`` input, computed instead of loaded: 0 where the key
+        (the walked dim's index) is visible from the position (the other dim's index modulo the period), else
+        the masked floor."""
+        b, tile = self.band, op.shapes[0]
+        kept, n = strip(tile)
+        rank = len(kept)
+        pd, kd = band_mask_dims(self.bg, op)
+
+        def index(d: int) -> str:
+            ar = self.r(padded(tile[d]))
+            k = d - n
+            return f"({'' if starts[d] == '0' else starts[d] + ' + '}{ar}){_expand(rank, rank - 1 - k if trans else k)}"
+
+        pos = index(pd) if op.attrs["shape"][pd] <= b["period"] else f"({index(pd)} % {b['period']})"
+        key = index(kd)
+        seen = f"({key} <= {pos} + {b['offset']})"
+        if b["window"] is not None:
+            seen += f" & ({key} > {pos} + {b['offset'] - b['window']})"
+        return self.assign("x", f"tl.where({seen}, 0.0, {MASK_FLOOR!r})", kept, "float32", trans=trans)
 
     def store_saver(self, op: Op, v: Val) -> None:
         k, bg = op.attrs["index"], self.bg
@@ -485,8 +513,28 @@ def _acc_init(e: _Emitter, op: Op) -> list[Val]:
     return states
 
 
-def _acc_update(e: _Emitter, op: Op, states: list[Val], xs: list[Val], fused: tuple | None) -> None:
-    """Fold one iteration into ``states`` in place (re-assigning the same variable names)."""
+def _deferred_sum_dim(bg: BlockGraph, op: Op) -> int | None:
+    """The reduced dim (of the stripped tile) of a sum over the rows of a 2-d tile — FlashTensor's column sums of
+    P — which the kernel adds up whole in a register tile and reduces once after the loop: reduced every
+    iteration, each would be a cross-warp reduction through shared memory (rows are spread over warps)."""
+    if op.name != "acc_sum" or op.attrs.get("dim") is None:
+        return None
+    shape = bg.shape(op.inputs[0])
+    kept, n = strip(shape)
+    dim = op.attrs["dim"] - (len(op.shapes[0]) - len(shape)) - n
+    if len(kept) != 2 or dim != 0 or padded(kept[0]) != kept[0] or math.prod(padded(x) for x in kept) > 128 * 128:
+        return None                     # (an exact reduced dim: no padding to mask)
+    return dim
+
+
+def _acc_update(e: _Emitter, op: Op, states: list[Val], xs: list[Val], fused: tuple | None,
+                wide: tuple | None = None) -> None:
+    """Fold one iteration into ``states`` in place (re-assigning the same variable names); ``wide``: the
+    (register tile, dim) a deferred column sum (:func:`_deferred_sum_dim`) adds the whole tile to."""
+    if wide is not None:
+        acc, dim = wide
+        e.line(f"{acc.name} = {acc.name} + " + (f"tl.trans({e.f32(xs[0])})" if xs[0].trans else e.f32(xs[0])))
+        return
     if op.name == "acc_online_softmax":
         raw = e.raw_scores[id(op)]
         return _online_softmax_update(e, states, *xs, clamp=any(not (e.full and k == e.band_zero) for k in raw))
@@ -794,6 +842,10 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
         segments = _band_bounds(e, bg, lo, hi)
     emit_ops(ph.invariant, None)
     states = {i: _acc_init(e, bg.ops[i]) for i in accs}
+    for i in accs:                      # column sums: the whole tile summed per iteration, reduced after the loop
+        if (dim := _deferred_sum_dim(bg, bg.ops[i])) is not None:
+            shape = strip(bg.shape(bg.ops[i].inputs[0]))[0]
+            e.wide[i] = (e.assign("acc", f"tl.zeros({tuple(padded(x) for x in shape)}, tl.float32)", shape), dim)
     first = prologue_accumulators(bg) if prologue and loop else []
     for group in ([first, [i for i in accs if i not in first]] if first else [accs]):
         needed = _ancestors(bg, group)
@@ -810,10 +862,13 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
                 mm = next((m for m, a in fused.items() if a == i), None)
                 pair = tuple(e.arg(env, mm, k) for k in range(2)) if mm is not None else None
                 _acc_update(e, op, states[i], [e.arg(env, i, k) for k in range(len(op.inputs))] if mm is None
-                            else [], pair)
+                            else [], pair, e.wide.get(i))
             if loop:
                 e.indent -= 1
     e.full = False
+    for i, (wide, dim) in e.wide.items():
+        st = states[i][0]
+        e.line(f"{st.name} = {st.name} + {_conform_expr(f'tl.sum({wide.name}, axis={dim}, keep_dims=True)', wide, dim, st)}")
     head = _header(name, bg, n_inputs, in_ranks, [] if split > 1 else out_ranks, len(ws), loop)
     outputs = [(_saved(bg, s), s.attrs["dtype"]) for s in savers]
     if split > 1:
@@ -859,6 +914,7 @@ def _band_bounds(e: _Emitter, bg: BlockGraph, lo: str, hi: str) -> list[tuple[st
     if b["zero_input"] is None:
         return [(lo, "band_hi", False)]
     e.band_zero = b["zero_input"]
+    e.band = b if b["index_mask"] else None
     # full tiles: the last key <= band_p0 + offset (and with a window the first key >= band_p1 + offset - window + 1)
     f0 = lo
     if b["window"] is not None:

@@ -8,7 +8,10 @@ fill)``, ``is_causal`` a top-left triangle of ``-inf`` (built once per region), 
 ``-1e30`` (or its dtype's floor) so that a tile or split whose keys are all masked stays finite inside the
 online softmax. Rows whose keys are all masked (padding) get what the form gives in eager: SDPA returns zeros,
 the decomposed softmax NaN for ``-inf`` masks, and a uniform average for the finite ``finfo.min`` masks HF builds —
-which is what the clamped mask gives by itself.
+which is what the clamped mask gives by itself. A mask that is exactly its causal / sliding-window band
+(:func:`index_mask`: ``is_causal``, HF's ``where(j <= i, 0, min)``) is none of that: the banded seeds compute it
+from indices, the kernel gets a broadcast stand-in, and the graph nodes that build it for this region alone join
+the claim, dead — nothing is built, packed, clamped or scanned per call.
 
 Where KV is long enough to split, the split-KV seed is compiled as well and on a GPU the faster runs (the library
 claimer's timing, :func:`.claim._fastest`): it fills the SMs where few query rows — decode — leave FlashAttention's
@@ -35,6 +38,7 @@ from ..analysis.attention import AttentionSpec, find_attention
 from ..analysis.cost import CostModel
 from ..capture.ir import Graph, Node
 from ..capture.lower import constant_value
+from ..ugraph import MASK_FLOOR
 from ..context import CompileContext, Target
 from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
 from .attention_seeds import PLAN_KERNELS, ROW_BLOCK_KV, SEEDS, attention_column_sums
@@ -45,7 +49,6 @@ from ..timing import random_like
 log = logging.getLogger("torch_mirage")
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-MASK_FLOOR = -1e30        # masked scores: finite, so an all-masked tile keeps exp(s - m) defined
 SPLIT_KV = 256            # KV length per split of the split-KV seed's default schedule (4 tiles of 64)
 SEED_TILE = 64            # the seeds' default tile edge
 
@@ -79,18 +82,28 @@ def mask_dtype(spec: AttentionSpec) -> torch.dtype:
     return m.meta.dtype if m is not None and m.meta.dtype.is_floating_point else torch.float32
 
 
-def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, causal: torch.Tensor | None = None) -> tuple:
+def index_mask(spec: AttentionSpec) -> bool:
+    """Whether the mask is exactly its band — 0 where the band sees, a masked floor elsewhere (``is_causal``, HF's
+    ``where(j <= i, 0, min)`` causal / sliding-window masks) — so the banded seeds compute it from indices
+    (``forloop_band``'s ``index_mask``) and never read it: no mask is built, packed or loaded per call."""
+    if spec.mask_band is None or not spec.mask_zero_visible:
+        return False
+    return spec.mask in ("causal", "additive") or (spec.bool_fill is not None and spec.bool_fill <= -6e4)
+
+
+def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.Tensor | None = None) -> tuple:
     """The region's outputs from the compiled seed: P·V (b, h, sq, d), then each of ``spec.extra_outputs`` from
     the seed's column sums of P (b, h, skv) when it has them. Q is packed per KV head, the mask packed and clamped
-    at the dtype's floor (finite: an all-masked tile or split keeps the online softmax defined). Rows whose keys
-    are all ``-inf`` get eager's answer: zeros from SDPA, NaN from the decomposed softmax — and there a head's
-    column sums are NaN too, as the sum over its NaN row is in eager."""
+    at the dtype's floor (finite: an all-masked tile or split keeps the online softmax defined) — or, where the
+    region's mask is fixed (``fixed``: ``is_causal``'s, built once; an :func:`index_mask`'s broadcast stand-in,
+    never read), that tensor. Rows whose keys are all ``-inf`` get eager's answer: zeros from SDPA, NaN from the
+    decomposed softmax — and there a head's column sums are NaN too, as the sum over its NaN row is in eager."""
     b, h, hk, sq, d = spec.b, spec.h, spec.hk, spec.sq, spec.d
     rows = spec.group * sq
     args = [q.contiguous().reshape(b, hk, rows, d), k.contiguous(), v.contiguous()]
     empty = None
-    if causal is not None:
-        args.append(causal)
+    if fixed is not None:
+        args.append(fixed)
     elif (packed := packed_mask(spec, mask, q.device)) is not None:
         args.append(packed.clamp_min(max(MASK_FLOOR, torch.finfo(packed.dtype).min)))
         empty = packed.amax(-1, keepdim=True) == float("-inf")            # (bm, hm, rows, 1)
@@ -161,8 +174,10 @@ def plan_candidates(spec: AttentionSpec, graph: Graph, mask_shape: tuple | None 
 
 def _seed_kwargs(spec: AttentionSpec, dtype: str, mask_shape: tuple | None, use_band: bool = True) -> dict:
     """The seed's parameters; a mask whose value property bounds the visible keys (causal, sliding window) gives
-    the for-loop band: each query block visits only the key tiles it can see (config ``attention_band``)."""
-    band = (spec.sq, *spec.mask_band, spec.mask_zero_visible) if spec.mask_band is not None and use_band else None
+    the for-loop band: each query block visits only the key tiles it can see (config ``attention_band``), and
+    where the mask is exactly the band (:func:`index_mask`) its partly seen tiles compute it from indices."""
+    band = ((spec.sq, *spec.mask_band, spec.mask_zero_visible, index_mask(spec))
+            if spec.mask_band is not None and use_band else None)
     return dict(scale=spec.scale, softcap=spec.softcap, mask=mask_shape, dtype=dtype,
                 mask_dtype=DTYPES[mask_dtype(spec)], band=band)
 
@@ -180,7 +195,7 @@ class AttentionClaimer:
                 log.info("torch_mirage: attention %s not claimed (%s)", spec.describe(), why[1])
                 outcomes.append(Decline(spec.nodes, *why))
                 continue
-            outcomes.append(self._claim(spec, graph, ctx))
+            outcomes.append(self._claim(spec, graph, free, ctx))
         return outcomes
 
     @staticmethod
@@ -199,14 +214,17 @@ class AttentionClaimer:
             return Reason.DYNAMIC_SHAPE, "a mask of dynamic shape"
         return None
 
-    def _claim(self, spec: AttentionSpec, graph: Graph, ctx: CompileContext) -> Outcome:
+    def _claim(self, spec: AttentionSpec, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> Outcome:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         dtype = DTYPES[spec.dtype]
         use_band = ctx.config.attention_band
         cache = ctx.cache
+        # the mask from indices only where every kernel of the plan walks the band (the row-block kernel has none)
+        by_index = use_band and index_mask(spec) and not (
+            spec.extra_outputs and "row_block" in _plan(plan_candidates(spec, graph, (1, 1))))
         with unset_fake_temporarily():
-            ex, mask_shape, causal = _examples(spec, graph)
+            ex, mask_shape, fixed = _examples(spec, graph, by_index)
             kwargs = _seed_kwargs(spec, dtype, mask_shape, use_band)
             times: dict = {}
             if spec.extra_outputs:
@@ -220,15 +238,17 @@ class AttentionClaimer:
                 what = "the column-sum plan" if spec.extra_outputs else "attention seeds"
                 return Decline(spec.nodes, Reason.NO_KERNEL, f"{what} ({spec.describe()}): none built")
             chosen, kgraph, compiled = built
-        positions = {id(x): i for i, x in enumerate(inputs_of(spec.nodes))}
-        order = [positions[id(x)] for x in spec.inputs]
+        # a mask the kernel computes from indices: the nodes that build it only for this region join it (dead)
+        nodes = spec.nodes + (_mask_builders(spec, graph, free) if by_index else [])
+        positions = {id(x): i for i, x in enumerate(inputs_of(nodes))}
+        order = [positions[id(x)] for x in spec.inputs if id(x) in positions]
         produced = [spec.output] + [r.value for r in spec.extra_outputs]
-        slots = [next(i for i, p in enumerate(produced) if p is v) for v in outputs_of(spec.nodes, graph)]
+        slots = [next(i for i, p in enumerate(produced) if p is v) for v in outputs_of(nodes, graph)]
         metas = [v.meta for v in produced]
 
         def kernel(*ins):
             # an SDPA op's other outputs (logsumexp, ...) are unread (find_attention checks)
-            outs = run_spec(spec, compiled, *[ins[i] for i in order], causal=causal)
+            outs = run_spec(spec, compiled, *[ins[i] for i in order], fixed=fixed)
             return tuple(_as_meta(outs[i], metas[i]) for i in slots)
 
         info = {"ugraph": chosen.name, "attention": spec.describe(), "dtype": dtype, "ugraph_hash": kgraph.hash()[:16],
@@ -238,7 +258,10 @@ class AttentionClaimer:
             info["forloop_band"] = list(bands[0])
         if times:
             info["ugraph_us"] = {n: round(us, 2) for n, us in times.items()}
-        return Claim(spec.nodes, kgraph, kernel, detail=f"attention {chosen.name} ({spec.describe()})", info=info)
+        if by_index:
+            info["mask"] = "from indices" + (f" ({len(nodes) - len(spec.nodes)} mask nodes joined)"
+                                             if len(nodes) > len(spec.nodes) else "")
+        return Claim(nodes, kgraph, kernel, detail=f"attention {chosen.name} ({spec.describe()})", info=info)
 
     @staticmethod
     def _column_plan(spec: AttentionSpec, graph: Graph, ex: list, kwargs: dict, ctx: CompileContext):
@@ -246,7 +269,7 @@ class AttentionClaimer:
         cands = plan_candidates(spec, graph, kwargs["mask"])
         info = {"plan_us": {c.name: round(c.cost_us, 2) for c in cands}}
         try:
-            names = info["plan"] = [c.name for c in select_plan(cands, ("out", "colsum"))]
+            names = info["plan"] = _plan(cands)
             kg = attention_column_sums(spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d, group=spec.group,
                                        kernels=names, tile=SEED_TILE, **kwargs)
             compiled = compile_ugraph(kg, ex, cache=ctx.cache, cache_dir=ctx.config.cache_dir, target=ctx.target)
@@ -257,13 +280,51 @@ class AttentionClaimer:
         return (SimpleNamespace(name="+".join(names)), kg, compiled), info
 
 
-def _examples(spec: AttentionSpec, graph: Graph) -> tuple[list, tuple | None, torch.Tensor | None]:
+def _plan(cands: list[Candidate]) -> list[str]:
+    """The kernels of the cheapest plan producing P·V and the column sums (:func:`.plan_select.select_plan`)."""
+    return [c.name for c in select_plan(cands, ("out", "colsum"))]
+
+
+def _mask_builders(spec: AttentionSpec, graph: Graph, free: Sequence[Node]) -> list[Node]:
+    """The nodes that compute the region's mask from the graph's constants alone and whose values only the region
+    (or each other) reads: with an :func:`index_mask` they are dead. Empty where a graph input reaches the mask or
+    something else reads it (an HF mask shared by every layer: built once per call, passed and not read)."""
+    if spec.mask_value is None or spec.mask_value.producer is None:
+        return []
+    pool, region = {id(n) for n in free}, {id(n) for n in spec.nodes}
+    found, stack = {}, [spec.mask_value.producer]
+    while stack:
+        n = stack.pop()
+        if id(n) in found:
+            continue
+        if id(n) not in pool or id(n) in region:
+            return []
+        found[id(n)] = n
+        for x in n.inputs:
+            if x.producer is not None:
+                stack.append(x.producer)
+            elif x.name not in graph.constants:
+                return []                              # a graph input reaches the mask
+    inside = region | set(found)
+    outs = {id(x) for x in graph.output_values}
+    if any(id(w) in outs or any(id(u) not in inside for u in w.users) for n in found.values() for w in n.outputs):
+        return []
+    order = {id(x): i for i, x in enumerate(graph.nodes)}
+    return sorted(found.values(), key=lambda x: order[id(x)])
+
+
+def _examples(spec: AttentionSpec, graph: Graph, by_index: bool = False
+              ) -> tuple[list, tuple | None, torch.Tensor | None]:
     """Random inputs shaped as the seeds take them (Q packed per KV head, the mask packed), the mask's batch/head
-    dims, and ``is_causal``'s mask (a constant of the region: built once, clamped). A mask the graph computes from
-    constants keeps its real contents: launch tuning compares re-tilings whose bands skip the tiles it hides."""
+    dims, and the region's fixed mask: ``is_causal``'s (built once, clamped) or, with ``by_index`` (an
+    :func:`index_mask`), a broadcast stand-in the kernels never read. A mask the graph computes from constants
+    keeps its real contents: launch tuning compares re-tilings whose bands skip the tiles it hides."""
     q, k, v = (random_like(x.meta) for x in (spec.q, spec.k, spec.v))
     ex = [q.reshape(spec.b, spec.hk, spec.group * spec.sq, spec.d), k.contiguous(), v.contiguous()]
     mask_shape = causal = None
+    if by_index:
+        standin = torch.zeros((), dtype=mask_dtype(spec), device=q.device).expand(1, 1, spec.group * spec.sq, spec.skv)
+        return ex + [standin], (1, 1), standin
     if spec.mask != "none":
         example_mask = None
         if spec.mask_value is not None:

@@ -42,13 +42,16 @@ PHI = None
 
 
 def _band(tb, band, q_input: int, q_dim: int, k_input: int, mask_input: int | None) -> None:
-    """``band = (period, offset, window[, zero_mask])``: ``zero_mask`` — the mask is 0 wherever the band
-    sees (its visible part), so a tile every row sees whole is not loaded."""
+    """``band = (period, offset, window[, zero_mask[, index_mask]])``: ``zero_mask`` — the mask is 0 wherever
+    the band sees (its visible part), so a tile every row sees whole is not loaded; ``index_mask`` — the mask is
+    exactly the band's (0 where visible, masked elsewhere), so it is never loaded: the partly seen tiles compute it
+    from the indices, and the mask input may be a broadcast stand-in."""
     if band is not None:
-        period, offset, window, *zero = band
-        z = mask_input if zero and zero[0] else None
+        period, offset, window, *flags = band
+        z = mask_input if flags and flags[0] else None
+        index = z is not None and len(flags) > 1 and bool(flags[1])
         tb.forloop_band = (q_input, q_dim, k_input, int(period), int(offset), None if window is None else int(window),
-                           z)
+                           z) + ((True,) if index else ())     # 7 fields unless index_mask: other hashes stay
 
 
 def _scores(tb, tQ, tK, scale: float, softcap: float | None, tMask):

@@ -22,8 +22,10 @@ from typing import Sequence
 
 import torch
 
-from ..ugraph import BlockGraph, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph, band_full, band_range
+from ..ugraph import (MASK_FLOOR, BlockGraph, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph, band_full,
+                      band_geometry, band_mask_dims, band_range)
 from .arith import Arith, TorchArith
+from .finite_field import FiniteFieldArith
 
 log = logging.getLogger("torch_mirage")
 
@@ -132,6 +134,32 @@ def _identity_state(op: Op, st, arith: Arith) -> tuple:
             arith.zeros(tuple(o.shape), like=o))
 
 
+def band_mask(bg: BlockGraph, shape) -> torch.Tensor:
+    """The band's own mask (``index_mask``) as a bool tensor of its input's ``shape``: True where the key along
+    the walked dim is visible from the position (the other dim's index modulo ``period``)."""
+    b = band_geometry(bg)
+    it = next(op for op in bg.iterators if op.attrs["index"] == b["zero_input"])
+    pd, kd = band_mask_dims(bg, it)
+    rank = len(shape)
+    pos = (torch.arange(shape[pd]) % b["period"]).reshape([-1 if d == pd else 1 for d in range(rank)])
+    key = torch.arange(shape[kd]).reshape([-1 if d == kd else 1 for d in range(rank)])
+    seen = key <= pos + b["offset"]
+    if b["window"] is not None:
+        seen = seen & (key > pos + b["offset"] - b["window"])
+    return seen.expand(tuple(shape))
+
+
+def _index_mask(bg: BlockGraph, x, arith: Arith):
+    """The band's ``index_mask`` input as the kernel computes it (its passed tensor unread): 0 where visible,
+    else the masked floor (-inf in a finite field, which has no finite floor)."""
+    floor = float("-inf") if isinstance(arith, FiniteFieldArith) else MASK_FLOOR
+    shape = tuple(x.shape)
+    seen = band_mask(bg, shape)
+    out = arith.full(shape, floor, like=x)
+    out[seen] = arith.zeros(shape, like=x)[seen]
+    return out
+
+
 def run_block(bg: BlockGraph, kernel_inputs: list, arith: Arith) -> list:
     """Run one graph-defined kernel op: every block of the grid, every iteration."""
     body, epilogue = bg.phases()
@@ -140,6 +168,9 @@ def run_block(bg: BlockGraph, kernel_inputs: list, arith: Arith) -> list:
     outs: list = [None] * len(savers)
     written: list = [None] * len(savers)
     zero = bg.forloop_band[6] if bg.forloop_band is not None and len(bg.forloop_band) > 6 else None
+    if zero is not None and band_geometry(bg)["index_mask"]:
+        kernel_inputs = list(kernel_inputs)
+        kernel_inputs[zero] = _index_mask(bg, kernel_inputs[zero], arith)
     for block in itertools.product(*(range(n) for n in bg.grid)):
         state: dict[int, object] = {}
         lo, hi = band_range(bg, block)
