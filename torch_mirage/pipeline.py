@@ -20,6 +20,7 @@ from functorch.compile import make_boxed_func
 
 from .capture.ir import Graph, Node, connected_components
 from .capture.lower import lower
+from .analysis.cost import CostModel, matmul_rows, skinny_matmul
 from .capture.ops import OpKind
 from .config import Config
 from .context import CompileContext
@@ -110,8 +111,10 @@ def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config,
             reason, detail = Reason.OPAQUE_OP, ", ".join(sorted({n.target_name for n in nodes if n.kind is OpKind.OPAQUE}))
         elif any(not (v.meta and v.meta.is_static) for n in nodes for v in n.outputs if v.meta):
             reason, detail = Reason.DYNAMIC_SHAPE, ""
-        elif OpKind.MATMUL in kinds:
+        elif OpKind.MATMUL in kinds and not (skinny := _skinny_matmuls(nodes)):
             reason, detail = Reason.COMPUTE_BOUND, ""
+        elif OpKind.MATMUL in kinds:
+            reason, detail = Reason.NOT_CLAIMED, f"memory-bound matmul {skinny}"
         else:
             reason, detail = Reason.NOT_CLAIMED, ""
         inside = {id(n) for n in nodes}
@@ -123,6 +126,21 @@ def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config,
             detail = f"{detail}; {note}" if detail else note
         out.append(Region(nodes, config.fallback, reason, detail, declines=here))
     return out
+
+
+def _skinny_matmuls(nodes: Sequence[Node]) -> str:
+    """The memory-bound matmuls among ``nodes`` (:func:`~.analysis.cost.skinny_matmul`), described; empty when
+    any matmul of the group is compute-bound (the group is then the library call's)."""
+    model = CostModel()
+    described = []
+    for n in nodes:
+        if n.kind is not OpKind.MATMUL:
+            continue
+        cost = skinny_matmul(n, model)
+        if cost is None:
+            return ""
+        described.append(f"{n.name} ({matmul_rows(n)} rows, AI {cost.intensity:.3g} FLOP/B)")
+    return ", ".join(described)
 
 
 def _report_regions(report: GraphReport, regions: Sequence[Region]) -> None:

@@ -1,0 +1,261 @@
+"""The weight-streaming seed of a matmul region: one graph-defined kernel op read off the region's reference program.
+
+A region's reference (:func:`.search.reference.reference_of`: pre-defined kernel ops) qualifies when every matmul
+reads the same activation rows ``A`` (m, k) against a weight of its own, all of one (k, n), stored (k, n) or as
+``nn.Linear``'s (n, k) behind a ``transpose``, and
+
+* ``A`` is a product of *tile factors* — elementwise functions of row tensors (m, k) and column vectors (k,) — and
+  *row scales* (m, 1): elementwise functions of row reductions (sum / mean over k) of tile expressions. An RMSNorm
+  ``x · rsqrt(mean(x²) + eps) · g`` is the tile factors ``x``, ``g`` and the row scale ``rsqrt(mean(x²) + eps)``;
+* the ops after the matmuls are elementwise over their results (m, n), row tensors (m, n) and column vectors (n,):
+  a residual add, a bias, SiLU·mul of a gated MLP.
+
+The seed (Mirage's RMSNorm + Linear, generalised) is one block graph: grid over n, for-loop over k; in the loop the
+tile factors' product meets each weight tile in a ``tl.dot`` accumulator and each row reduction accumulates its
+tile sums (codegen walks these matmul-free sums in a loop of their own, :func:`~..codegen.ugraph_triton.
+prologue_accumulators`); after the loop the row scales multiply the accumulators (a row scale commutes with the
+matmul: ``(s·A)·W = s·(A·W)``) and the epilogue runs on the (m, n) tile; an input the epilogue reads reaches it
+through a mean accumulator of its loop-invariant tile (a block graph's post-loop ops read accumulators only). Leading dims fold into the rows (kernel
+reshapes). Launch candidates — grid over n, for-loop tile, split-K — are :mod:`.launch`'s, ranked by its roofline
+estimate and timed on the GPU. A form outside these rules raises :class:`NotStreamable` naming the op; the seed is
+only a candidate: the claimer verifies it against the reference before it runs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from ..ugraph import KernelGraph, Ref
+from .builder import Tensor, new_kernel_graph, new_threadblock_graph
+from .library import PHI, blocks
+
+ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "exp", "sqrt", "rsqrt", "silu", "neg", "square", "tanh",
+                         "scalar_mul", "scalar_add"})
+ROW_REDUCTIONS = frozenset({"reduce_sum", "reduce_mean"})
+MIN_TILE = 16        # a loop / grid tile below this (a prime extent) holds the whole extent instead
+WHOLE_EXTENT = 1024  # the largest extent one tile may hold whole
+
+
+class NotStreamable(ValueError):
+    """The reference is not a weight-streaming matmul region (the message names the op and why)."""
+
+
+def _parts(extent: int, tile: int) -> int:
+    """Equal parts of ``extent`` of at most ``tile`` each; one part (the whole extent, masked) where the only
+    such parts are tiny (a prime extent) and the extent fits one tile."""
+    parts = blocks(extent, tile)
+    if extent // parts < MIN_TILE and extent <= WHOLE_EXTENT:
+        return 1
+    return parts
+
+
+class _Reader:
+    """Walks the reference: producers through reshapes, shapes, the matmuls and their shared rows."""
+
+    def __init__(self, ref: KernelGraph):
+        self.ops = ref.ops
+        self.ref = ref
+
+    def op(self, r: Ref):
+        return self.ops[r.op]
+
+    def shape(self, r: Ref) -> tuple:
+        return tuple(self.op(r).shapes[r.out])
+
+    def dtype(self, r: Ref) -> str:
+        return self.op(r).dtypes[r.out]
+
+    def through_reshapes(self, r: Ref) -> Ref:
+        while self.op(r).name == "reshape":
+            r = self.op(r).inputs[0]
+        return r
+
+    def describe(self, r: Ref) -> str:
+        return f"%{r.op} = {self.op(r).name}{list(self.shape(r))}"
+
+
+def _weight(rd: _Reader, r: Ref) -> tuple[Ref, bool]:
+    """(the kernel input holding a matmul's weight, whether it is stored (n, k))."""
+    if rd.op(r).name == "input":
+        return r, False
+    if rd.op(r).name == "transpose" and rd.op(rd.op(r).inputs[0]).name == "input":
+        return rd.op(r).inputs[0], True
+    raise NotStreamable(f"the matmul's weight {rd.describe(r)} is not a kernel input (or its transpose)")
+
+
+def _factors(rd: _Reader, r: Ref) -> list[Ref]:
+    """``r`` as the factors of its tree of ``mul`` ops (reshapes looked through)."""
+    r = rd.through_reshapes(r)
+    if rd.op(r).name == "mul":
+        return [f for x in rd.op(r).inputs for f in _factors(rd, x)]
+    return [r]
+
+
+def gemv_seed(ref: KernelGraph, tile: int = 64) -> KernelGraph:
+    """The weight-streaming μGraph of ``ref`` (see the module docstring); :class:`NotStreamable` when ``ref`` is
+    not of that form."""
+    rd = _Reader(ref)
+    mms = [i for i, op in enumerate(ref.ops) if op.name == "matmul"]
+    if not mms:
+        raise NotStreamable("no matmul")
+    rows_ref = {rd.through_reshapes(ref.ops[i].inputs[0]) for i in mms}
+    if len(rows_ref) != 1:
+        raise NotStreamable(f"{len(mms)} matmuls read {len(rows_ref)} different activations")
+    (a,) = rows_ref
+    weights = [_weight(rd, ref.ops[i].inputs[1]) for i in mms]
+    m, k = ref.ops[mms[0]].shapes[0][0], rd.shape(ref.ops[mms[0]].inputs[0])[-1]
+    n_of = {tuple(ref.ops[i].shapes[0]) for i in mms}
+    if len(n_of) != 1 or len(ref.ops[mms[0]].shapes[0]) != 2:
+        raise NotStreamable(f"matmul results of shapes {sorted(n_of)}: one (m, n) for all is needed")
+    n = ref.ops[mms[0]].shapes[0][1]
+    dtype = rd.dtype(weights[0][0])
+    return _Seed(rd, m, k, n, dtype, tile).build(a, mms, weights)
+
+
+class _Seed:
+    """One seed under construction: kernel inputs (2-D views), the block graph, the translation of ref values."""
+
+    def __init__(self, rd: _Reader, m: int, k: int, n: int, dtype: str, tile: int):
+        self.rd, self.m, self.k, self.n, self.dtype = rd, m, k, n, dtype
+        self.g = new_kernel_graph()
+        self.kin: dict[int, Tensor] = {}                 # ref input op -> kernel input
+        self.views: dict[tuple, Tensor] = {}             # (ref input op, shape) -> kernel tensor a block reads
+        self.tb = new_threadblock_graph((_parts(n, tile),), _parts(k, tile))
+        self.sources: list[Tensor] = []
+        self.iters: dict[tuple, Tensor] = {}             # (ref input op, role) -> block iterator
+        self.tiles: dict[Ref, Tensor] = {}               # ref value -> block tile (loop side)
+        self.after: dict[Ref, Tensor] = {}               # ref value -> block tensor after the loop
+
+    # ---------------------------------------------------------------- inputs
+    def _kernel_input(self, i: int) -> Tensor:
+        if i not in self.kin:
+            op = self.rd.ops[i]
+            self.kin[i] = self.g.new_input(op.attrs["shape"], op.attrs["dtype"])
+        return self.kin[i]
+
+    def _view(self, i: int, shape: tuple) -> Tensor:
+        """Kernel input ``i`` reshaped to ``shape`` (itself where it has that shape)."""
+        key = (i, shape)
+        if key not in self.views:
+            t = self._kernel_input(i)
+            self.views[key] = t if tuple(t.shape) == shape else self.g.reshape(t, shape=shape)
+        return self.views[key]
+
+    def _iterator(self, i: int, role: str) -> Tensor:
+        """Block iterator over kernel input ``i`` as ``role``: rows_k (m, k), vec_k (k,), rows_n (m, n),
+        vec_n (n,), weight (k, n), weight_t (n, k), stat (m, 1)."""
+        key = (i, role)
+        if key in self.iters:
+            return self.iters[key]
+        m, k, n = self.m, self.k, self.n
+        shape, imap, fmap = {"rows_k": ((m, k), (PHI,), 1), "vec_k": ((k,), (PHI,), 0),
+                             "rows_n": ((m, n), (1,), PHI), "vec_n": ((n,), (0,), PHI),
+                             "weight": ((k, n), (1,), 0), "weight_t": ((n, k), (0,), 1),
+                             "stat": ((m, 1), (PHI,), PHI)}[role]
+        src = self._view(i, shape)
+        self.sources.append(src)
+        t = self.tb.new_input(src, imap=imap, fmap=fmap)
+        if role == "weight_t":
+            t = self.tb.transpose(t)
+        if fmap is None:     # read after the loop: through an accumulator (the mean of a loop-invariant tile is it)
+            t = self.tb.forloop_accum(t, "mean")
+        self.iters[key] = t
+        return t
+
+    def _input_role(self, r: Ref, side: str) -> str:
+        """The role of ref input ``r`` read on ``side`` ("k": in the loop, "n": after it) from its shape."""
+        shape = self.rd.shape(r)
+        last, lead = (shape[-1] if shape else 1), math.prod(shape[:-1])
+        width = self.k if side == "k" else self.n
+        if last == width and len(shape) == 1 or (last == width and lead == 1 and self.m != 1):
+            return f"vec_{side}"
+        if last == width and lead == self.m:
+            return f"rows_{side}"
+        if last == 1 and lead == self.m:
+            return "stat"
+        raise NotStreamable(f"input {self.rd.describe(r)} is neither rows ({self.m}, {width}), a vector "
+                            f"({width},) nor a row statistic ({self.m}, 1)")
+
+    # ---------------------------------------------------------------- translation
+    def _elementwise(self, r: Ref, arg: Callable[[Ref], Tensor]) -> Tensor:
+        op = self.rd.op(r)
+        if op.name not in ELEMENTWISE:
+            raise NotStreamable(f"{self.rd.describe(r)} is not elementwise")
+        return getattr(self.tb, op.name)(*[arg(x) for x in op.inputs], **dict(op.attrs))
+
+    def tile(self, r: Ref) -> Tensor:
+        """The loop-side tile of a tile-factor value: elementwise over rows (m, k) and vectors (k,)."""
+        r = self.rd.through_reshapes(r)
+        if r not in self.tiles:
+            op = self.rd.op(r)
+            if op.name == "input":
+                role = self._input_role(r, "k")
+                if role == "stat":
+                    raise NotStreamable(f"row statistic {self.rd.describe(r)} inside a tile factor")
+                self.tiles[r] = self._iterator(r.op, role)
+            else:
+                self.tiles[r] = self._elementwise(r, self.tile)
+        return self.tiles[r]
+
+    def stat(self, r: Ref) -> Tensor:
+        """A row scale (m, 1) after the loop: elementwise over row reductions of tile expressions."""
+        r = self.rd.through_reshapes(r)
+        if r not in self.after:
+            op = self.rd.op(r)
+            shape = self.rd.shape(r)
+            if op.name in ROW_REDUCTIONS:
+                x = op.inputs[0]
+                if op.attrs.get("dim") not in (len(self.rd.shape(x)) - 1, -1) or self.rd.shape(x)[-1] != self.k:
+                    raise NotStreamable(f"{self.rd.describe(r)} does not reduce the rows' last dim ({self.k})")
+                acc = self.tb.forloop_accum(self.tile(x), "sum", dim=1)
+                self.after[r] = self.tb.scalar_mul(acc, value=1.0 / self.k) if op.name == "reduce_mean" else acc
+            elif op.name == "input":
+                self.after[r] = self._iterator(r.op, "stat")
+            elif shape and shape[-1] == 1 and math.prod(shape[:-1]) == self.m:
+                self.after[r] = self._elementwise(r, self.stat)
+            else:
+                raise NotStreamable(f"{self.rd.describe(r)} is not a row statistic ({self.m}, 1)")
+        return self.after[r]
+
+    def epilogue(self, r: Ref) -> Tensor:
+        """An (m, n) value after the loop: the matmul results, then elementwise ops over them, rows (m, n) and
+        vectors (n,)."""
+        r = self.rd.through_reshapes(r)
+        if r not in self.after:
+            op = self.rd.op(r)
+            if op.name == "input":
+                self.after[r] = self._iterator(r.op, self._input_role(r, "n"))
+            elif op.name in ROW_REDUCTIONS or op.name == "matmul":
+                raise NotStreamable(f"{self.rd.describe(r)} after the matmul: only elementwise ops stream")
+            else:
+                self.after[r] = self._elementwise(r, self.epilogue)
+        return self.after[r]
+
+    # ---------------------------------------------------------------- the graph
+    def build(self, a: Ref, mms: list[int], weights: list[tuple[Ref, bool]]) -> KernelGraph:
+        factors = _factors(self.rd, a)
+        scales = [f for f in factors if self.rd.shape(f)[-1:] == (1,) and self.k != 1]
+        tiles = [f for f in factors if f not in scales]
+        if not tiles:
+            raise NotStreamable("the activation has no row tensor factor")
+        lhs = self.tile(tiles[0])
+        for f in tiles[1:]:
+            lhs = self.tb.mul(lhs, self.tile(f))
+        row_scale = None
+        for f in scales:
+            s = self.stat(f)
+            row_scale = s if row_scale is None else self.tb.mul(row_scale, s)
+        for i, (w, transposed) in zip(mms, weights):
+            acc = self.tb.forloop_accum(self.tb.matmul(lhs, self._iterator(w.op, "weight_t" if transposed
+                                                                           else "weight")), "sum")
+            self.after[Ref(i, 0)] = acc if row_scale is None else self.tb.mul(acc, row_scale)
+        outs = list(self.rd.ref.outputs)
+        for r in outs:
+            if self.rd.shape(r)[-1] != self.n or math.prod(self.rd.shape(r)[:-1]) != self.m:
+                raise NotStreamable(f"output {self.rd.describe(r)} is not ({self.m}, {self.n}) rows")
+            self.tb.new_output(self.epilogue(r), omap=(1,), dtype=self.rd.dtype(r))
+        results = self.g.customized(list({id(t): t for t in self.sources}.values()), self.tb)
+        for r, y in zip(outs, results):
+            shape = self.rd.shape(r)
+            self.g.mark_output(y if tuple(y.shape) == shape else self.g.reshape(y, shape=shape))
+        return self.g.build()
