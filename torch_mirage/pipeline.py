@@ -35,6 +35,7 @@ from .runtime.inductor_quiet import without_artifact_warning
 from .runtime.measure import check_regions, keep_faster
 from .superopt.attention_claim import AttentionClaimer
 from .superopt.claim import DEFAULT_WORKLOADS, LibraryClaimer
+from .superopt.gemv_claim import GemvClaimer
 from .superopt.search.claimer import SearchClaimer
 
 log = logging.getLogger("torch_mirage")
@@ -67,8 +68,10 @@ class MirageError(RuntimeError):
 def default_claimers(config: Config) -> list[Claimer]:
     """Claiming passes in priority order (earlier passes see the graph first)."""
     # QK-norm attention (norms + attention in one μGraph) is matched before the attention claimer takes the
-    # attention alone; the rest of the library after it; the search after the library, stitching last
-    library = ([LibraryClaimer(("qknorm_attention",)), AttentionClaimer(),
+    # attention alone; memory-bound matmuls with their norm and epilogue (one weight-streaming kernel) before the
+    # library's exact forms could take the matmuls without the norm; the rest of the library after them; the
+    # search after the library, stitching last
+    library = ([LibraryClaimer(("qknorm_attention",)), AttentionClaimer(), GemvClaimer(),
                 LibraryClaimer([w for w in DEFAULT_WORKLOADS if w != "qknorm_attention"])]
                if config.ugraph_library else [])
     return library + ([SearchClaimer()] if config.search else []) + ([StitchClaimer()] if config.stitch else [])

@@ -113,12 +113,14 @@ def gemv_seed(ref: KernelGraph, tile: int = 64) -> KernelGraph:
 
 
 class _Seed:
-    """One seed under construction: kernel inputs (2-D views), the block graph, the translation of ref values."""
+    """One seed under construction: kernel inputs (the reference's, in its order) and their 2-D views, the block
+    graph, the translation of reference values."""
 
     def __init__(self, rd: _Reader, m: int, k: int, n: int, dtype: str, tile: int):
         self.rd, self.m, self.k, self.n, self.dtype = rd, m, k, n, dtype
         self.g = new_kernel_graph()
-        self.kin: dict[int, Tensor] = {}                 # ref input op -> kernel input
+        inputs = sorted((i for i, op in enumerate(rd.ops) if op.name == "input"), key=lambda i: rd.ops[i].attrs["index"])
+        self.kin = {i: self.g.new_input(rd.ops[i].attrs["shape"], rd.ops[i].attrs["dtype"]) for i in inputs}
         self.views: dict[tuple, Tensor] = {}             # (ref input op, shape) -> kernel tensor a block reads
         self.tb = new_threadblock_graph((_parts(n, tile),), _parts(k, tile))
         self.sources: list[Tensor] = []
@@ -127,17 +129,11 @@ class _Seed:
         self.after: dict[Ref, Tensor] = {}               # ref value -> block tensor after the loop
 
     # ---------------------------------------------------------------- inputs
-    def _kernel_input(self, i: int) -> Tensor:
-        if i not in self.kin:
-            op = self.rd.ops[i]
-            self.kin[i] = self.g.new_input(op.attrs["shape"], op.attrs["dtype"])
-        return self.kin[i]
-
     def _view(self, i: int, shape: tuple) -> Tensor:
         """Kernel input ``i`` reshaped to ``shape`` (itself where it has that shape)."""
         key = (i, shape)
         if key not in self.views:
-            t = self._kernel_input(i)
+            t = self.kin[i]
             self.views[key] = t if tuple(t.shape) == shape else self.g.reshape(t, shape=shape)
         return self.views[key]
 

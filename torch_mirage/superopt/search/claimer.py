@@ -97,28 +97,36 @@ class SearchClaimer:
                 log.info("torch_mirage: searched μGraph does not compile (%s: %s)", type(e).__name__, e)
                 return Decline(nodes, Reason.COMPILE_ERROR, describe_error(e))
         s = result.stats
-        pos = {id(v): i for i, v in enumerate(inputs_of(nodes))}
-        in_order = [pos[id(v)] for v in ref.inputs]
-        out_pos = {id(v): i for i, v in enumerate(ref.outputs)}
-        outputs = outputs_of(nodes, graph)
-        out_order = [out_pos[id(v)] for v in outputs]
-        shapes = [tuple(v.meta.shape) for v in outputs]
-
-        def kernel(*ins):
-            outs = compiled(*[ins[i] for i in in_order])
-            return tuple(outs[j].reshape(sh) for j, sh in zip(out_order, shapes))
-
         info = {"source": result.source, "generated": s.generated, "pruned": s.pruned,
                 "candidates": s.candidates, "rejected_by_probe": s.rejected_by_probe,
                 "rejected_by_verifier": s.rejected_by_verifier, "verified": s.verified,
                 "search_s": round(s.seconds, 2), "ugraph_hash": result.best.hash()[:16],
                 "ugraph": str(result.best)}
-        return Claim(list(nodes), result.best, kernel,
+        return Claim(list(nodes), result.best, reference_kernel(nodes, graph, ref, compiled),
                      detail=f"searched μGraph, {s.depth} block ops, {s.seconds:.2f} s", info=info)
 
 
-def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW) -> list:
-    """The region around ``anchor``, taking producers of the op ``kinds``: see the module docstring."""
+def reference_kernel(nodes: list, graph, ref, compiled):
+    """The region's kernel from a compiled μGraph whose inputs and outputs are ``ref``'s (a
+    :class:`~.reference.Reference` of ``nodes``): region inputs reordered to ``ref.inputs``, its outputs to the
+    region's, each in its graph shape."""
+    pos = {id(v): i for i, v in enumerate(inputs_of(nodes))}
+    in_order = [pos[id(v)] for v in ref.inputs]
+    out_pos = {id(v): i for i, v in enumerate(ref.outputs)}
+    outputs = outputs_of(nodes, graph)
+    out_order = [out_pos[id(v)] for v in outputs]
+    shapes = [tuple(v.meta.shape) for v in outputs]
+
+    def kernel(*ins):
+        outs = compiled(*[ins[i] for i in in_order])
+        return tuple(outs[j].reshape(sh) for j, sh in zip(out_order, shapes))
+
+    return kernel
+
+
+def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW, forward: bool = True) -> list:
+    """The region around ``anchor``, taking producers of the op ``kinds``: see the module docstring.
+    ``forward`` False: producers only (no readers of the region's result)."""
     inside = {id(anchor): anchor}
     returned = {id(v) for v in graph.output_values}
     rows = max((_numel(v) for v in anchor.inputs if getattr(v, "is_tensor", False)), default=0)
@@ -136,10 +144,10 @@ def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW) -
                     changed = True
         outs = [v for n in inside.values() for v in n.outputs
                 if id(v) in returned or any(id(u) not in inside for u in v.users)]
-        forward = outs if len(outs) == 1 else []
+        ahead = outs if len(outs) == 1 and forward else []
         if kinds is CHAIN:      # a row statistic (mean, variance) goes on to where it is applied to the rows
-            forward = forward + [v for v in outs if _numel(v) < rows and v not in forward]
-        for v in forward:
+            ahead = ahead + [v for v in outs if _numel(v) < rows and v not in ahead]
+        for v in ahead:
             users = [u for u in v.users if id(u) not in inside]
             if id(v) not in returned and users and all(id(u) in free_ids and u.op.kind in FORWARD for u in users):
                 for u in users:
