@@ -68,11 +68,13 @@ class MirageError(RuntimeError):
 def default_claimers(config: Config) -> list[Claimer]:
     """Claiming passes in priority order (earlier passes see the graph first)."""
     # QK-norm attention (norms + attention in one μGraph) is matched before the attention claimer takes the
-    # attention alone; memory-bound matmuls with their norm and epilogue (one weight-streaming kernel) before the
-    # library's exact forms could take the matmuls without the norm; the rest of the library after them; the
-    # search after the library, stitching last
-    library = ([LibraryClaimer(("qknorm_attention",)), AttentionClaimer(), GemvClaimer(),
-                LibraryClaimer([w for w in DEFAULT_WORKLOADS if w != "qknorm_attention"])]
+    # attention alone; LoRA (three matmuls in one kernel: no weight-streaming cut holds it) and nTrans next;
+    # memory-bound matmuls with their norm and epilogue (one weight-streaming kernel) before the library's
+    # RMSNorm + Linear and gated MLP could take the matmuls without the norm or the residual; the search after
+    # the library, stitching last
+    ahead, wider = ("qknorm_attention",), ("lora", "ntrans")
+    library = ([LibraryClaimer(ahead), AttentionClaimer(), LibraryClaimer(wider), GemvClaimer(),
+                LibraryClaimer([w for w in DEFAULT_WORKLOADS if w not in ahead + wider])]
                if config.ugraph_library else [])
     return library + ([SearchClaimer()] if config.search else []) + ([StitchClaimer()] if config.stitch else [])
 
