@@ -4,7 +4,7 @@ A matmul is this claimer's when the cost model calls it memory-bound (:func:`~..
 most 16 rows, or arithmetic intensity below the ridge point): its time is the weight's read, and each kernel
 around it that Inductor would launch re-reads activations and pays a launch. For each such free matmul (last
 first, so that a later matmul's epilogue is taken before an earlier one's region could grow into it) the claimer
-tries cuts of the graph around it, largest first (:func:`cuts`): the region :func:`.search.claimer.grow` grows
+tries cuts of the graph around it, largest first (:func:`cuts`): the region :func:`.cut.grow` grows
 (producers read only inside — an RMSNorm of the rows, the sibling matmul of a gated MLP, the weight's transpose —
 and the elementwise readers of a single result — a residual add, SiLU·mul), then without the readers, then with
 layout producers only, then with no producers (the activation arrives through a permute the reference does not
@@ -33,8 +33,8 @@ from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
 from ..timing import random_like
 from .compile import compile_ugraph
 from .gemv_seed import NotStreamable, gemv_seed
-from .search.claimer import GROW, MAX_NODES, grow, reference_kernel
-from .search.reference import Decline as NotLowered, reference_of
+from .cut import GROW, MAX_NODES, grow, reference_kernel
+from .search.reference import Decline as NotLowered, Reference, reference_of
 from .verify import verify
 
 log = logging.getLogger("torch_mirage")
@@ -90,8 +90,6 @@ class GemvClaimer:
         return why
 
     def _claim_cut(self, graph: Graph, nodes: list[Node], ctx: CompileContext) -> Outcome:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
         ref = reference_of(nodes, graph)
         if isinstance(ref, NotLowered):
             return Decline(nodes, Reason.NOT_LOWERED, str(ref))
@@ -101,26 +99,35 @@ class GemvClaimer:
             return Decline(nodes, Reason.UNSUPPORTED_DTYPE, ", ".join(sorted({str(m.dtype) for m in metas})))
         if not ctx.target.runs_on(metas[0].device.type):
             return Decline(nodes, Reason.UNSUPPORTED_DEVICE, str(metas[0].device))
+        return seed_claim(graph, nodes, ref, ctx)
+
+
+def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileContext) -> Outcome:
+    """``nodes`` (whose reference is ``ref``) claimed with their weight-streaming seed, verified against ``ref``
+    and compiled; a decline where the region has no seed, the verifier rejects it or it does not compile."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    try:
+        seed = gemv_seed(ref.graph)
+    except NotStreamable as e:
+        return Decline(nodes, Reason.NO_KERNEL, f"not a weight-streaming matmul region: {e}")
+    metas = [v.meta for v in ref.inputs]
+    with unset_fake_temporarily():      # the verifier and the compile run real tensors
+        verdict = verify(seed, ref.graph, [torch.zeros(tuple(m.shape), dtype=m.dtype) for m in metas])
+        if not verdict:
+            return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is not verified: {verdict.reason}")
         try:
-            seed = gemv_seed(ref.graph)
-        except NotStreamable as e:
-            return Decline(nodes, Reason.NO_KERNEL, f"not a weight-streaming matmul region: {e}")
-        with unset_fake_temporarily():      # the verifier and the compile run real tensors
-            verdict = verify(seed, ref.graph, [torch.zeros(tuple(m.shape), dtype=m.dtype) for m in metas])
-            if not verdict:
-                return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is not verified: {verdict.reason}")
-            try:
-                compiled = compile_ugraph(seed, [random_like(m) for m in metas], cache=ctx.cache)
-            except Exception as e:   # a seed that does not compile: the region goes on to the next claimers
-                if ctx.config.strict:
-                    raise
-                log.info("torch_mirage: weight-streaming μGraph does not compile (%s)", describe_error(e))
-                return Decline(nodes, Reason.COMPILE_ERROR, describe_error(e))
-        mms = [n for n in nodes if n.kind is OpKind.MATMUL]
-        _, a, _ = matmul_operands(mms[0])
-        rows, k, n = matmul_rows(mms[0]), a.meta.shape[-1], mms[0].outputs[0].meta.shape[-1]
-        info = {"ugraph": "weight_streaming", "ugraph_hash": seed.hash()[:16], "rows": rows, "k": k, "n": n,
-                "matmuls": len(mms), "verified": verdict.reason, "launch": [c.to_json() for c in compiled.configs]}
-        return Claim(list(nodes), seed, reference_kernel(nodes, graph, ref, compiled),
-                     detail=f"weight-streaming μGraph: {len(mms)} matmul(s), {rows} rows x {k} -> {n}, {len(nodes)} ops",
-                     info=info)
+            compiled = compile_ugraph(seed, [random_like(m) for m in metas], cache=ctx.cache)
+        except Exception as e:   # a seed that does not compile: the region goes on to the next claimers
+            if ctx.config.strict:
+                raise
+            log.info("torch_mirage: weight-streaming μGraph does not compile (%s)", describe_error(e))
+            return Decline(nodes, Reason.COMPILE_ERROR, describe_error(e))
+    mms = [n for n in nodes if n.kind is OpKind.MATMUL]
+    _, a, _ = matmul_operands(mms[0])
+    rows, k, n = matmul_rows(mms[0]), a.meta.shape[-1], mms[0].outputs[0].meta.shape[-1]
+    info = {"ugraph": "weight_streaming", "ugraph_hash": seed.hash()[:16], "rows": rows, "k": k, "n": n,
+            "matmuls": len(mms), "verified": verdict.reason, "launch": [c.to_json() for c in compiled.configs]}
+    return Claim(list(nodes), seed, reference_kernel(nodes, graph, ref, compiled),
+                 detail=f"weight-streaming μGraph: {len(mms)} matmul(s), {rows} rows x {k} -> {n}, {len(nodes)} ops",
+                 info=info)

@@ -4,7 +4,7 @@ A region's reference (:func:`.search.reference.reference_of`: pre-defined kernel
 reads the same activation rows ``A`` (m, k) against a weight of its own, all of one (k, n), stored (k, n) or as
 ``nn.Linear``'s (n, k) behind a ``transpose``, and
 
-* ``A`` is a product of *tile factors* — elementwise functions of row tensors (m, k) and column vectors (k,) — and
+* ``A`` is a product (and quotient) of *tile factors* — elementwise functions of row tensors (m, k) and column vectors (k,) — and
   *row scales* (m, 1): elementwise functions of row reductions (sum / mean over k) of tile expressions. An RMSNorm
   ``x · rsqrt(mean(x²) + eps) · g`` is the tile factors ``x``, ``g`` and the row scale ``rsqrt(mean(x²) + eps)``;
 * the ops after the matmuls are elementwise over their results (m, n), row tensors (m, n) and column vectors (n,):
@@ -83,12 +83,16 @@ def _weight(rd: _Reader, r: Ref) -> tuple[Ref, bool]:
     raise NotStreamable(f"the matmul's weight {rd.describe(r)} is not a kernel input (or its transpose)")
 
 
-def _factors(rd: _Reader, r: Ref) -> list[Ref]:
-    """``r`` as the factors of its tree of ``mul`` ops (reshapes looked through)."""
+def _factors(rd: _Reader, r: Ref, inverse: bool = False) -> list[tuple[Ref, bool]]:
+    """``r`` as the factors of its tree of ``mul`` and ``div`` ops (reshapes looked through), each with whether
+    it divides."""
     r = rd.through_reshapes(r)
-    if rd.op(r).name == "mul":
-        return [f for x in rd.op(r).inputs for f in _factors(rd, x)]
-    return [r]
+    op = rd.op(r)
+    if op.name == "mul":
+        return [f for x in op.inputs for f in _factors(rd, x, inverse)]
+    if op.name == "div":
+        return _factors(rd, op.inputs[0], inverse) + _factors(rd, op.inputs[1], not inverse)
+    return [(r, inverse)]
 
 
 def gemv_seed(ref: KernelGraph, tile: int = 64) -> KernelGraph:
@@ -230,21 +234,19 @@ class _Seed:
     # ---------------------------------------------------------------- the graph
     def build(self, a: Ref, mms: list[int], weights: list[tuple[Ref, bool]]) -> KernelGraph:
         factors = _factors(self.rd, a)
-        scales = [f for f in factors if self.rd.shape(f)[-1:] == (1,) and self.k != 1]
-        tiles = [f for f in factors if f not in scales]
-        if not tiles:
+        scales = [(f, inv) for f, inv in factors if self.rd.shape(f)[-1:] == (1,) and self.k != 1]
+        tiles = [(f, inv) for f, inv in factors if (f, inv) not in scales]
+        if not tiles or tiles[0][1]:
             raise NotStreamable("the activation has no row tensor factor")
-        lhs = self.tile(tiles[0])
-        for f in tiles[1:]:
-            lhs = self.tb.mul(lhs, self.tile(f))
-        row_scale = None
-        for f in scales:
-            s = self.stat(f)
-            row_scale = s if row_scale is None else self.tb.mul(row_scale, s)
+        lhs = self.tile(tiles[0][0])
+        for f, inv in tiles[1:]:
+            lhs = (self.tb.div if inv else self.tb.mul)(lhs, self.tile(f))
         for i, (w, transposed) in zip(mms, weights):
             acc = self.tb.forloop_accum(self.tb.matmul(lhs, self._iterator(w.op, "weight_t" if transposed
                                                                            else "weight")), "sum")
-            self.after[Ref(i, 0)] = acc if row_scale is None else self.tb.mul(acc, row_scale)
+            for f, inv in scales:
+                acc = (self.tb.div if inv else self.tb.mul)(acc, self.stat(f))
+            self.after[Ref(i, 0)] = acc
         outs = list(self.rd.ref.outputs)
         for r in outs:
             if self.rd.shape(r)[-1] != self.n or math.prod(self.rd.shape(r)[:-1]) != self.m:

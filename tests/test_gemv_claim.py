@@ -1,0 +1,190 @@
+"""The weight-streaming claimer (superopt/gemv_claim.py, seed in superopt/gemv_seed.py): memory-bound matmuls with
+their RMSNorm prologue and elementwise epilogue run as one verified μGraph (Triton interpreter on CPU), in each
+form below written two ways, for 1, 3 and 16 rows, odd hidden sizes and both weight layouts; compute-bound matmuls
+stay the library call's; a decode layer's KV cache write stays Inductor's and its cache ends up as eager's."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_mirage
+from helpers import assert_close
+from torch_mirage.analysis.cost import CostModel, skinny_matmul
+from torch_mirage.bench import workloads
+from torch_mirage.capture.ops import OpKind
+from torch_mirage.report import Reason
+from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed
+from torch_mirage.superopt.search.reference import reference_of
+from torch_mirage.superopt.verify import lower_callable
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+
+K, N, EPS = 96 + 7, 40 + 3, 1e-5
+
+
+def linear(x, w):
+    """``x @ w`` for a (k, n) weight, ``F.linear`` for nn.Linear's (n, k) one."""
+    return F.linear(x, w) if w.shape[-1] == x.shape[-1] and w.shape[0] != x.shape[-1] else x @ w
+
+
+def norm_a(x, g):                      # HF: fp32 upcast, cast back, gain after
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * g
+
+
+def norm_b(x, g):                      # written out: gain first, divide by the root mean square
+    return (g * x) / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + EPS)
+
+
+# (name, program, extra inputs beyond x and the weights: "g" gain (k,), "r" residual (rows, n), "b" bias (n,))
+FORMS = [
+    ("residual_a", lambda x, w, r: r + linear(x, w), "r"),
+    ("residual_b", lambda x, w, r: torch.add(linear(x, w), r, alpha=1.0) * 1.0, "r"),
+    ("bias_a", lambda x, w, b: linear(x, w) + b, "b"),
+    ("bias_b", lambda x, w, b: F.linear(x, w, b) if w.shape[0] == N else torch.addmm(b, x, w), "b"),
+    ("silu_a", lambda x, w: F.silu(linear(x, w)), ""),
+    ("silu_b", lambda x, w: (lambda h: h * torch.sigmoid(h))(linear(x, w)), ""),
+    ("gated_a", lambda x, w1, w3: F.silu(linear(x, w1)) * linear(x, w3), "w"),
+    ("gated_b", lambda x, w1, w3: linear(x, w3) * (lambda h: h / (1 + torch.exp(-h)))(linear(x, w1)), "w"),
+    ("norm_a", lambda x, g, w: linear(norm_a(x, g), w), "g"),
+    ("norm_b", lambda x, g, w: linear(norm_b(x, g), w), "g"),
+    ("norm_residual_a", lambda x, g, w, r: r + linear(norm_a(x, g), w), "gr"),
+    ("norm_residual_b", lambda x, g, w, r: linear(norm_b(x, g), w).add(r), "gr"),
+    ("norm_gated_a", lambda x, g, w1, w3: (lambda h: F.silu(linear(h, w1)) * linear(h, w3))(norm_a(x, g)), "gw"),
+    ("norm_gated_b", lambda x, g, w1, w3: (lambda h: linear(h, w3) * F.silu(linear(h, w1)))(norm_b(x, g)), "gw"),
+]
+ROWS = (1, 3, 16)
+
+
+def _inputs(extra: str, rows: int, transposed: bool, dtype=torch.float32, seq: int | None = None):
+    x_shape = (rows, K) if seq is None else (rows // seq, seq, K)
+    w_shape = (N, K) if transposed else (K, N)
+    w = lambda: torch.randn(w_shape, dtype=dtype) * K ** -0.5          # noqa: E731
+    xs = [torch.randn(x_shape, dtype=dtype)]
+    if "g" in extra:
+        xs.append(1 + 0.1 * torch.randn(K, dtype=dtype))
+    xs += [w(), w()] if "w" in extra else [w()]
+    if "r" in extra:
+        xs.append(torch.randn(x_shape[:-1] + (N,), dtype=dtype))
+    if "b" in extra:
+        xs.append(0.1 * torch.randn(N, dtype=dtype))
+    return xs
+
+
+def _compile(fn, **options):
+    report = torch_mirage.Report()
+    opts = dict(min_region_us=0, measure_regions=False, **options)
+    return torch.compile(fn, backend=torch_mirage.MirageBackend(options=opts, report=report)), report
+
+
+def _gemv_regions(report):
+    return [r for r in report.regions if r.claimer == "ugraph-gemv" and r.compiled_by == "mirage"]
+
+
+CASES = [(name, fn, extra, transposed, ROWS[i % 3]) for i, (name, fn, extra) in enumerate(FORMS)
+         for transposed in (False, True)]
+
+
+@pytest.mark.parametrize("name,fn,extra,transposed,rows", CASES,
+                         ids=[f"{c[0]}-{'nk' if c[3] else 'kn'}-m{c[4]}" for c in CASES])
+def test_fused_form_runs_one_weight_streaming_kernel(name, fn, extra, transposed, rows):
+    xs = _inputs(extra, rows, transposed)
+    compiled, report = _compile(fn)
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+    (region,) = _gemv_regions(report)
+    assert region.info["rows"] == rows and region.info["k"] == K and region.info["n"] == N, str(report)
+    assert region.info["matmuls"] == (2 if "gated" in name else 1)
+    ops = " ".join(region.ops)
+    assert ("mean" in ops or "sum" in ops) == ("norm" in name), ops      # the norm is inside, not a kernel of its own
+    assert not [r for r in report.regions if r.compiled_by == "mirage" and r is not region], str(report)
+    xs = _inputs(extra, rows, transposed)                               # fresh inputs, same kernel
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_norm_gated_mlp_rows_and_fp16(rows):
+    """Every row count in one form, fp16 storage, (batch, seq, k) activations where the rows split."""
+    fn = FORMS[-2][1]
+    seq = rows if rows > 1 else None
+    xs = _inputs("gw", rows, True, torch.float16, seq=seq)
+    compiled, report = _compile(fn)
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).half(), torch.float16)
+    (region,) = _gemv_regions(report)
+    assert region.info["rows"] == rows and region.info["matmuls"] == 2
+
+
+def test_skinny_matmuls_are_memory_bound_and_wide_ones_compute_bound():
+    """The cost model classifies matmuls by rows and arithmetic intensity, not by op type; a compute-bound matmul
+    is left to the library call (and reported so), a memory-bound one no claimer takes is reported as such."""
+    model = CostModel()
+    for rows, skinny in ((1, True), (16, True), (2048, False)):
+        graph = lower_callable(lambda x, w: x @ w, [torch.empty(rows, 1024, dtype=torch.float16),
+                                                    torch.empty(1024, 1024, dtype=torch.float16)])
+        (mm,) = [n for n in graph.nodes if n.kind is OpKind.MATMUL]
+        assert (skinny_matmul(mm, model) is not None) == skinny, rows
+    wide = lambda x, w, r: x @ w + r                                     # noqa: E731
+    xs = [torch.randn(256, 256), torch.randn(256, 256) / 16, torch.randn(256, 256)]
+    compiled, report = _compile(wide, stitch=False)
+    assert_close(compiled(*xs), wide(*[x.double() for x in xs]).float())
+    assert not _gemv_regions(report) and report.regions[0].reason is Reason.COMPUTE_BOUND, str(report)
+    xs = _inputs("r", 3, False)
+    compiled, report = _compile(FORMS[0][1], ugraph_library=False, stitch=False)
+    compiled(*xs)
+    (region,) = report.regions
+    assert region.reason is Reason.NOT_CLAIMED and "memory-bound matmul" in region.detail, str(report)
+
+
+def test_seed_declines_forms_it_cannot_stream():
+    """LoRA's second matmul reads another activation; a LayerNorm's centring is not a row scale."""
+    def lora(x, w, a, b):
+        return x @ w + (x @ a) @ b
+
+    def layernorm_linear(x, w):
+        return (x - x.mean(-1, keepdim=True)) @ w
+
+    for fn, shapes, words in ((lora, [(3, K), (K, N), (K, 4), (4, N)], "different activations"),
+                              (layernorm_linear, [(3, K), (K, N)], "not elementwise")):
+        graph = lower_callable(fn, [torch.randn(s) for s in shapes])
+        with pytest.raises(NotStreamable, match=words):
+            gemv_seed(reference_of(graph.nodes, graph).graph)
+
+
+def test_search_claims_norm_and_matmul_together():
+    """With the library off and the search on, an RMSNorm before a gated MLP is not cut off into a region of its
+    own: when the search finds nothing for the whole region within its budget, its weight-streaming seed is
+    claimed."""
+    fn = FORMS[-2][1]
+    xs = _inputs("gw", 3, True)
+    compiled, report = _compile(fn, ugraph_library=False, search=True, search_budget_s=0.5, cache=False)
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+    (region,) = [r for r in report.regions if r.compiled_by == "mirage"]
+    assert region.claimer == "ugraph-search" and "mean" in " ".join(region.ops), str(report)
+    assert sum("mm" in op for op in region.ops) == 2
+
+
+def test_decode_layer_keeps_its_cache_write_with_inductor():
+    """The bench's Llama decode layer (quick shapes, fp32): O-proj + residual, norm + gated MLP and down + residual
+    run weight-streaming kernels; the KV cache write (index_put / copy_) stays with Inductor; output and caches
+    equal eager's."""
+    wl = workloads.WORKLOADS["llama_layer_decode"]
+    args = wl.make_inputs(1, torch.float32, "cpu", 0, quick=True)
+    before = [a.clone() for a in args]
+    eager_args = [a.clone() for a in args]
+    want = wl.fn(*eager_args)
+    compiled, report = _compile(wl.fn)
+    got = compiled(*args)
+    assert_close(got, want)
+    slots = args[4]                             # cache_position: the slots the new token's K and V go to
+    kept = torch.ones(args[5].shape[2], dtype=torch.bool)
+    kept[slots] = False
+    for i in wl.mutates:                        # the caches: the new slots as eager writes them, the rest untouched
+        assert torch.equal(args[i][:, :, kept], before[i][:, :, kept]), f"input {i}: slots outside the new token's"
+        assert_close(args[i][:, :, slots], eager_args[i][:, :, slots])
+    mirage = [r for r in report.regions if r.compiled_by == "mirage"]
+    assert not [r for r in mirage if any(op.startswith(("aten.index_put", "aten.copy_")) for op in r.ops)]
+    gemv = _gemv_regions(report)
+    joined = [" ".join(r.ops) for r in gemv]
+    assert any("mean" in ops and ops.count("aten.mm") == 2 for ops in joined), joined   # norm + gated MLP
+    assert sum(ops.count("aten.mm") == 1 and "add" in ops for ops in joined) == 2, joined  # O-proj, down + residual
