@@ -25,7 +25,7 @@ from ..codegen.ugraph_triton import BlockKernel, CodegenError, emit_block_kernel
 from ..config import load
 from ..ugraph import BlockGraph, KernelGraph, Ref
 from .arith import TorchArith
-from .launch import LaunchConfig, choose, combine_tiling, default_config, retile
+from .launch import LaunchConfig, candidates, choose, combine_tiling, default_config, retile
 from .optimise import plan_block
 from .validate import SMEM_BYTES, validate
 
@@ -220,9 +220,11 @@ def _align(n: int) -> int:
 
 
 def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], *, cache: Any = None,
-                   tune: bool | None = None, limit: int = 4) -> CompiledUGraph:
+                   tune: bool | None = None, limit: int = 4, propose: Callable[..., list] = candidates) -> CompiledUGraph:
     """Generated Triton for every graph-defined op of ``kgraph``; launch configs tuned on ``example_inputs``
-    when they are CUDA tensors (``tune=False``: the μGraph's own schedule). Returns ``callable(*tensors)``."""
+    when they are CUDA tensors (``tune=False``: the μGraph's own schedule), among those ``propose`` lists
+    (:func:`.launch.candidates`, or :func:`.launch.streaming_candidates` for a weight-streaming kernel). Returns
+    ``callable(*tensors)``."""
     validate(kgraph)
     ins = kgraph.inputs
     if len(example_inputs) != len(ins):
@@ -250,7 +252,8 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
 
             def build(cfg: LaunchConfig, bg=op.body, ranks=ranks, name=name) -> BlockLauncher:
                 return BlockLauncher(bg, cfg, ranks, cache_dir, name)
-            cfg = choose(op.body, build, xs, cache=cache, limit=limit) if tune else default_config(op.body)
+            cfg = choose(op.body, build, xs, cache=cache, limit=limit, propose=propose) if tune \
+                else default_config(op.body)
             launcher = build(cfg)
             log.info("torch_mirage: μGraph op %d uses %s (%s)", i, cfg, launcher.path)
             res = launcher(*xs)

@@ -10,8 +10,9 @@ and the elementwise readers of a single result — a residual add, SiLU·mul), t
 layout producers only, then with no producers (the activation arrives through a permute the reference does not
 lower: attention's heads merged back into rows). The first cut whose reference program (:func:`.search.reference.reference_of`) has the
 weight-streaming form (:func:`.gemv_seed.gemv_seed`) and whose seed the verifier proves equal to it
-(:func:`.verify.verify`) is compiled (:func:`.compile.compile_ugraph`: launch candidates per the cost model, timed
-on a GPU) and claimed. The backend then checks it against eager and, on a GPU, times it against Inductor's version.
+(:func:`.verify.verify`) is compiled (:func:`.compile.compile_ugraph`; on a GPU the launches of
+:func:`.launch.streaming_candidates` — one-wave stream, split-K, split-N — ranked by the roofline estimate and
+timed) and claimed. The backend then checks it against eager and, on a GPU, times it against Inductor's version.
 
 A larger cut costs less than the same nodes cut in two (one kernel's traffic and launch instead of two, the norm's
 output never written), so the largest cut that works wins. Compute-bound matmuls are left to the library call.
@@ -33,6 +34,7 @@ from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
 from ..timing import random_like
 from .compile import compile_ugraph
 from .gemv_seed import NotStreamable, gemv_seed
+from .launch import streaming_candidates
 from .cut import GROW, MAX_NODES, grow, reference_kernel
 from .search.reference import Decline as NotLowered, Reference, reference_of
 from .verify import verify
@@ -117,7 +119,8 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
         if not verdict:
             return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is not verified: {verdict.reason}")
         try:
-            compiled = compile_ugraph(seed, [random_like(m) for m in metas], cache=ctx.cache)
+            compiled = compile_ugraph(seed, [random_like(m) for m in metas], cache=ctx.cache,
+                                      propose=streaming_candidates)
         except Exception as e:   # a seed that does not compile: the region goes on to the next claimers
             if ctx.config.strict:
                 raise

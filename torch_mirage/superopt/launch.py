@@ -206,11 +206,8 @@ def estimate_us(bg: BlockGraph, split: int, n_sm: int, bandwidth: float = 3.0e6)
     return t
 
 
-def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
-    """The μGraph's own schedule plus the ``limit`` best re-tilings by :func:`estimate_us` and the best with
-    at least ``PROBE_WAVES`` programs per SM, each with the (num_warps, num_stages) pairs of ``WARPS_STAGES``
-    and, where each program walks at least ``DEEP_LOOP`` for-loop steps, ``DEEP_PIPELINE``. (Pairs whose
-    stages do not fit shared memory fail to compile and are skipped by :func:`choose`.)"""
+def _scored(bg: BlockGraph, n_sm: int) -> list[tuple]:
+    """``(estimate µs, grid, forloop_range, split)`` of every re-tiling and split, best first."""
     scored = []
     choices = [_grid_choices(bg, g) for g in range(len(bg.grid))]
     for grid in _product(choices):
@@ -224,7 +221,15 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
                 est = estimate_us(tiled, s, n_sm)
                 if est is not None:
                     scored.append((est, grid, f, s))
-    scored.sort()
+    return sorted(scored)
+
+
+def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
+    """The μGraph's own schedule plus the ``limit`` best re-tilings by :func:`estimate_us` and the best with
+    at least ``PROBE_WAVES`` programs per SM, each with the (num_warps, num_stages) pairs of ``WARPS_STAGES``
+    and, where each program walks at least ``DEEP_LOOP`` for-loop steps, ``DEEP_PIPELINE``. (Pairs whose
+    stages do not fit shared memory fail to compile and are skipped by :func:`choose`.)"""
+    scored = _scored(bg, n_sm)
     picks = [(tuple(bg.grid), bg.forloop_range, 1)]
     for _, grid, f, s in scored:
         if len(picks) > limit:
@@ -245,6 +250,30 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
         if prologue_accumulators(bg):   # the norm's sum of squares out of the dot loop: the stream stays pure
             configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE, prologue=True))
     return configs
+
+
+def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
+    """The launches of a weight-streaming (memory-bound matmul) kernel, per the roofline estimate: the μGraph's own
+    schedule; the one-wave stream of :func:`streaming_pick` at ``STREAM_PIPELINE`` (and with the matmul-free sums
+    in a loop of their own where the kernel has them: an RMSNorm prologue); the best-estimated split-K (a combine
+    kernel after it) and the best-estimated split-N of more than one wave and at most ``PROBE_WAVES[-1]``
+    programs per SM, each at the first of ``WARPS_STAGES``. Five or six configs where :func:`candidates` times about twenty: each costs a Triton
+    compile, and a decode layer has one such kernel per projection."""
+    scored = _scored(bg, n_sm)
+    warps, stages = WARPS_STAGES[0]
+    configs = [LaunchConfig(tuple(bg.grid), bg.forloop_range, 1, warps, stages)]
+    stream = streaming_pick(scored, n_sm)
+    if stream is not None:
+        configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE))
+        if prologue_accumulators(bg):
+            configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE, prologue=True))
+    split_k = next(((g, f, s) for _, g, f, s in scored if s > 1), None)
+    split_n = next(((g, f, s) for _, g, f, s in scored
+                    if s == 1 and n_sm < math.prod(g) <= PROBE_WAVES[-1] * n_sm), None)
+    for pick in (split_k, split_n):
+        if pick is not None:
+            configs.append(LaunchConfig(pick[0], pick[1], pick[2], warps, stages))
+    return list(dict.fromkeys(configs))
 
 
 def streaming_pick(scored: Sequence[tuple], n_sm: int) -> tuple | None:
@@ -272,14 +301,16 @@ def _disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Sequence[torch.Tensor], *,
-           cache: Any = None, limit: int = 4) -> LaunchConfig:
-    """The launch config to use for ``bg`` on ``inputs``; ``build(config)`` returns ``run(*inputs) -> outputs``."""
+           cache: Any = None, limit: int = 4, propose: Callable[..., list[LaunchConfig]] = candidates) -> LaunchConfig:
+    """The launch config to use for ``bg`` on ``inputs``; ``build(config)`` returns ``run(*inputs) -> outputs``;
+    ``propose(bg, n_sm, limit)`` lists the configs timed (:func:`candidates`, :func:`streaming_candidates`)."""
     base = default_config(bg)
     if not inputs or inputs[0].device.type != "cuda":
         return base
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs",
-                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE])   # a wider search re-tunes
+                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE]
+                    + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
     if cache is not None:
         hit = cache.get_json(key)
         if hit is not None:
@@ -292,7 +323,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     from tqdm.auto import tqdm
 
     # a Triton compile and a timing per config: a bar on a terminal, nothing elsewhere
-    for cfg in tqdm(candidates(bg, n_sm, limit), desc="torch_mirage: tuning a μGraph kernel", unit="config",
+    for cfg in tqdm(propose(bg, n_sm, limit), desc="torch_mirage: tuning a μGraph kernel", unit="config",
                     leave=False, disable=None):
         try:
             run = build(cfg)
