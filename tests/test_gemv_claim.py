@@ -14,7 +14,9 @@ from torch_mirage.analysis.cost import CostModel, skinny_matmul
 from torch_mirage.bench import workloads
 from torch_mirage.capture.ops import OpKind
 from torch_mirage.report import Reason
+from torch_mirage.superopt.compile import BlockLauncher
 from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed
+from torch_mirage.superopt.launch import streaming_candidates
 from torch_mirage.superopt.search.reference import reference_of
 from torch_mirage.superopt.verify import lower_callable
 
@@ -134,6 +136,27 @@ def test_skinny_matmuls_are_memory_bound_and_wide_ones_compute_bound():
     compiled(*xs)
     (region,) = report.regions
     assert region.reason is Reason.NOT_CLAIMED and "memory-bound matmul" in region.detail, str(report)
+
+
+def test_every_streaming_launch_matches_the_reference(tmp_path):
+    """The launches :func:`streaming_candidates` proposes for a norm + matmul + residual seed — the own schedule,
+    the one-wave stream with and without the norm's loop of its own, split-K with its combine kernel, split-N —
+    each compute the reference (on the GPU :func:`choose` also drops a launch that disagrees with the own schedule)."""
+    fn = FORMS[10][1]
+    xs = [torch.randn(3, 512), 1 + 0.1 * torch.randn(512), torch.randn(64, 512) / 512 ** 0.5, torch.randn(3, 64)]
+    graph = lower_callable(fn, xs)
+    ref = reference_of(graph.nodes, graph)
+    seed = gemv_seed(ref.graph)
+    (op,) = [o for o in seed.ops if o.name == "customized"]
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    ins = [xs[pos[id(v)]] for v in ref.inputs]
+    args = [ins[seed.ops[r[0]].attrs["index"]] for r in op.inputs]       # 2-D inputs: no kernel reshapes
+    want = fn(*[x.double() for x in xs]).float()
+    configs = streaming_candidates(op.body, n_sm=4)
+    assert any(c.split > 1 for c in configs) and any(c.prologue for c in configs), configs
+    for cfg in configs:
+        (got,) = BlockLauncher(op.body, cfg, [a.dim() for a in args], str(tmp_path))(*args)
+        assert_close(got, want)
 
 
 def test_seed_declines_forms_it_cannot_stream():
