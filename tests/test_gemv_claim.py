@@ -15,13 +15,14 @@ from torch_mirage.bench import workloads
 from torch_mirage.capture.ops import OpKind
 from torch_mirage.report import Reason
 from torch_mirage.superopt.compile import BlockLauncher
-from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed
+from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed, shrunk
 from torch_mirage.superopt.launch import streaming_candidates
 from torch_mirage.superopt.search.reference import reference_of
-from torch_mirage.superopt.verify import lower_callable
+from torch_mirage.superopt.verify import lower_callable, verify
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+# CPU tests: their kernels run in Triton's interpreter (the GPU test at the end runs without it)
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
 
 K, N, EPS = 96 + 7, 40 + 3, 1e-5
 
@@ -89,6 +90,7 @@ CASES = [(name, fn, extra, transposed, ROWS[i % 3]) for i, (name, fn, extra) in 
          for transposed in (False, True)]
 
 
+@interpreted
 @pytest.mark.parametrize("name,fn,extra,transposed,rows", CASES,
                          ids=[f"{c[0]}-{'nk' if c[3] else 'kn'}-m{c[4]}" for c in CASES])
 def test_fused_form_runs_one_weight_streaming_kernel(name, fn, extra, transposed, rows):
@@ -105,6 +107,7 @@ def test_fused_form_runs_one_weight_streaming_kernel(name, fn, extra, transposed
     assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
 
 
+@interpreted
 @pytest.mark.parametrize("rows", ROWS)
 def test_norm_gated_mlp_rows_and_fp16(rows):
     """Every row count in one form, fp16 storage, (batch, seq, k) activations where the rows split."""
@@ -117,6 +120,7 @@ def test_norm_gated_mlp_rows_and_fp16(rows):
     assert region.info["rows"] == rows and region.info["matmuls"] == 2
 
 
+@interpreted
 def test_skinny_matmuls_are_memory_bound_and_wide_ones_compute_bound():
     """The cost model classifies matmuls by rows and arithmetic intensity, not by op type; a compute-bound matmul
     is left to the library call (and reported so), a memory-bound one no claimer takes is reported as such."""
@@ -138,6 +142,7 @@ def test_skinny_matmuls_are_memory_bound_and_wide_ones_compute_bound():
     assert region.reason is Reason.NOT_CLAIMED and "memory-bound matmul" in region.detail, str(report)
 
 
+@interpreted
 def test_every_streaming_launch_matches_the_reference(tmp_path):
     """The launches :func:`streaming_candidates` proposes for a norm + matmul + residual seed — the own schedule,
     the one-wave stream with and without the norm's loop of its own, split-K with its combine kernel, split-N —
@@ -159,6 +164,23 @@ def test_every_streaming_launch_matches_the_reference(tmp_path):
         assert_close(got, want)
 
 
+def test_large_region_is_verified_on_its_shrunk_program():
+    """A decode-sized region's seed is verified on the same program at VERIFY_DIMS (k 128, n 96): the k / n
+    substitution reaches every input and reshape, and the shrunk seed is proven equal to the shrunk reference."""
+    fn = FORMS[12][1]                                                   # norm + gated MLP, nn.Linear weights
+    xs = [torch.empty(2, 1, 4096, dtype=torch.float16), torch.empty(4096, dtype=torch.float16),
+          torch.empty(1000, 4096, dtype=torch.float16), torch.empty(1000, 4096, dtype=torch.float16)]
+    graph = lower_callable(fn, xs)
+    ref = reference_of(graph.nodes, graph).graph
+    small = shrunk(ref)
+    assert [tuple(op.attrs["shape"]) for op in small.inputs] == [(2, 1, 128), (128,), (96, 128), (96, 128)]
+    seed = gemv_seed(small)
+    examples = [torch.zeros(op.attrs["shape"], dtype=torch.float16) for op in small.inputs]
+    assert verify(seed, small, examples)
+    assert shrunk(reference_of(*(lambda g: (g.nodes, g))(lower_callable(fn, _inputs("gw", 3, True))))
+                  .graph) is None                                       # small already: verified as it is
+
+
 def test_seed_declines_forms_it_cannot_stream():
     """LoRA's second matmul reads another activation; a LayerNorm's centring is not a row scale."""
     def lora(x, w, a, b):
@@ -174,6 +196,7 @@ def test_seed_declines_forms_it_cannot_stream():
             gemv_seed(reference_of(graph.nodes, graph).graph)
 
 
+@interpreted
 def test_search_claims_norm_and_matmul_together():
     """With the library off and the search on, an RMSNorm before a gated MLP is not cut off into a region of its
     own: when the search finds nothing for the whole region within its budget, its weight-streaming seed is
@@ -187,6 +210,7 @@ def test_search_claims_norm_and_matmul_together():
     assert sum("mm" in op for op in region.ops) == 2
 
 
+@interpreted
 def test_decode_layer_keeps_its_cache_write_with_inductor():
     """The bench's Llama decode layer (quick shapes, fp32): O-proj + residual, norm + gated MLP and down + residual
     run weight-streaming kernels; the KV cache write (index_put / copy_) stays with Inductor; output and caches

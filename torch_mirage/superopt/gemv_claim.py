@@ -10,7 +10,9 @@ and the elementwise readers of a single result — a residual add, SiLU·mul), t
 layout producers only, then with no producers (the activation arrives through a permute the reference does not
 lower: attention's heads merged back into rows). The first cut whose reference program (:func:`.search.reference.reference_of`) has the
 weight-streaming form (:func:`.gemv_seed.gemv_seed`) and whose seed the verifier proves equal to it
-(:func:`.verify.verify`) is compiled (:func:`.compile.compile_ugraph`; on a GPU the launches of
+(:func:`.verify.verify`; a large region's construction is verified on its program shrunk to
+:data:`.gemv_seed.VERIFY_DIMS`, :func:`.gemv_seed.shrunk`, and the instance at its own sizes is checked against
+eager by the backend's check stage like every region) is compiled (:func:`.compile.compile_ugraph`; on a GPU the launches of
 :func:`.launch.streaming_candidates` — one-wave stream, split-K, split-N — ranked by the roofline estimate and
 timed) and claimed. The backend then checks it against eager and, on a GPU, times it against Inductor's version.
 
@@ -33,7 +35,7 @@ from ..failures import describe_error
 from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
 from ..timing import random_like
 from .compile import compile_ugraph
-from .gemv_seed import NotStreamable, gemv_seed
+from .gemv_seed import NotStreamable, gemv_seed, shrunk
 from .launch import streaming_candidates
 from .cut import GROW, MAX_NODES, grow, reference_kernel
 from .search.reference import Decline as NotLowered, Reference, reference_of
@@ -42,6 +44,7 @@ from .verify import verify
 log = logging.getLogger("torch_mirage")
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPE_OF = {name: dtype for dtype, name in DTYPES.items()}
 LAYOUT = frozenset({OpKind.LAYOUT})
 NONE: frozenset = frozenset()
 
@@ -114,8 +117,11 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
     except NotStreamable as e:
         return Decline(nodes, Reason.NO_KERNEL, f"not a weight-streaming matmul region: {e}")
     metas = [v.meta for v in ref.inputs]
+    small = shrunk(ref.graph)          # a large region: its construction verified at VERIFY_DIMS
+    program, candidate = (ref.graph, seed) if small is None else (small, gemv_seed(small))
+    examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=DTYPE_OF[op.attrs["dtype"]]) for op in program.inputs]
     with unset_fake_temporarily():      # the verifier and the compile run real tensors
-        verdict = verify(seed, ref.graph, [torch.zeros(tuple(m.shape), dtype=m.dtype) for m in metas])
+        verdict = verify(candidate, program, examples)
         if not verdict:
             return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is not verified: {verdict.reason}")
         try:

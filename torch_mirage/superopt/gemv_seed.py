@@ -34,6 +34,10 @@ ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "exp", "sqrt", "rsqrt", "si
 ROW_REDUCTIONS = frozenset({"reduce_sum", "reduce_mean"})
 MIN_TILE = 16        # a loop / grid tile below this (a prime extent) holds the whole extent instead
 WHOLE_EXTENT = 1024  # the largest extent one tile may hold whole
+# the (k, n) a large region's reference is shrunk to for the verifier (its executor walks every block and
+# iteration in fp64 / a finite field: 2 s at 2048 x 2048 on a CPU, about a minute for a 4096 x 14336 weight);
+# two tiles of k and two of n at the seed's tile of 64, distinct so that a k / n mix-up is caught
+VERIFY_DIMS = (128, 96)
 
 
 class NotStreamable(ValueError):
@@ -95,6 +99,40 @@ def _factors(rd: _Reader, r: Ref, inverse: bool = False) -> list[tuple[Ref, bool
     return [(r, inverse)]
 
 
+def streamed_dims(ref: KernelGraph) -> tuple[int, int, int]:
+    """``(m, k, n)`` of the reference's first matmul: rows, reduced dim, output columns."""
+    mm = next((op for op in ref.ops if op.name == "matmul"), None)
+    if mm is None:
+        raise NotStreamable("no matmul")
+    a = mm.inputs[0]
+    return mm.shapes[0][0], ref.ops[a[0]].shapes[a[1]][-1], mm.shapes[0][-1]
+
+
+def shrunk(ref: KernelGraph, dims: tuple[int, int] = VERIFY_DIMS) -> KernelGraph | None:
+    """The same program with its reduced dim k and output width n replaced by ``dims`` (every input shape and
+    reshape that holds them; the op table re-infers the rest), or None where it is small already or its rows
+    share a size with k or n (the substitution would be ambiguous). The seed of the shrunk program is the same
+    block graph at other tile counts: the verifier checks the construction there at a fraction of the cost."""
+    m, k, n = streamed_dims(ref)
+    if k <= dims[0] and n <= dims[0] or m in (k, n):
+        return None
+    new = {k: min(k, dims[0]), n: min(k, dims[0]) if n == k else min(n, dims[1])}
+    sub = lambda shape: tuple(new.get(d, d) for d in shape)        # noqa: E731
+    g = new_kernel_graph()
+    out: dict[int, Tensor] = {}
+    for i, op in enumerate(ref.ops):
+        ins = [out[r[0]] for r in op.inputs]
+        if op.name == "input":
+            out[i] = g.new_input(sub(op.attrs["shape"]), op.attrs["dtype"])
+        elif op.name == "reshape":
+            out[i] = g.reshape(ins[0], shape=sub(op.attrs["shape"]))
+        else:
+            (out[i],) = g.add_op(op.name, ins, **dict(op.attrs))
+    for r in ref.outputs:
+        g.mark_output(out[r[0]])
+    return g.build()
+
+
 def gemv_seed(ref: KernelGraph, tile: int = 64) -> KernelGraph:
     """The weight-streaming μGraph of ``ref`` (see the module docstring); :class:`NotStreamable` when ``ref`` is
     not of that form."""
@@ -107,11 +145,10 @@ def gemv_seed(ref: KernelGraph, tile: int = 64) -> KernelGraph:
         raise NotStreamable(f"{len(mms)} matmuls read {len(rows_ref)} different activations")
     (a,) = rows_ref
     weights = [_weight(rd, ref.ops[i].inputs[1]) for i in mms]
-    m, k = ref.ops[mms[0]].shapes[0][0], rd.shape(ref.ops[mms[0]].inputs[0])[-1]
+    m, k, n = streamed_dims(ref)
     n_of = {tuple(ref.ops[i].shapes[0]) for i in mms}
     if len(n_of) != 1 or len(ref.ops[mms[0]].shapes[0]) != 2:
         raise NotStreamable(f"matmul results of shapes {sorted(n_of)}: one (m, n) for all is needed")
-    n = ref.ops[mms[0]].shapes[0][1]
     dtype = rd.dtype(weights[0][0])
     return _Seed(rd, m, k, n, dtype, tile).build(a, mms, weights)
 
