@@ -120,6 +120,34 @@ def test_norm_gated_mlp_rows_and_fp16(rows):
     assert region.info["rows"] == rows and region.info["matmuls"] == 2
 
 
+def qkv_a(x, g, wq, wk, wv):
+    h = norm_a(x, g)
+    return linear(h, wq), linear(h, wk), linear(h, wv)
+
+
+def qkv_b(x, g, wq, wk, wv):            # written out, the projections in another order, one of them scaled after
+    h = norm_b(x, g)
+    v = linear(h, wv)
+    return linear(h, wq) * 0.5, linear(h, wk), v
+
+
+@interpreted
+@pytest.mark.parametrize("fn,rows,transposed", [(qkv_a, 1, True), (qkv_b, 3, False), (qkv_a, 16, False),
+                                                (qkv_b, 16, True)])
+def test_norm_shared_by_projections_of_several_widths(fn, rows, transposed):
+    """A QKV projection: one RMSNorm read by three matmuls of two widths is one region, one block graph per width,
+    each recomputing the row scale; nothing of it is left to a lone norm kernel."""
+    widths = (N, 24, 24)
+    w = [torch.randn((n, K) if transposed else (K, n)) * K ** -0.5 for n in widths]
+    xs = [torch.randn(rows, 1, K), 1 + 0.1 * torch.randn(K), *w]
+    compiled, report = _compile(fn)
+    assert_close(compiled(*xs), [y.float() for y in fn(*[x.double() for x in xs])])
+    (region,) = _gemv_regions(report)
+    ops = " ".join(region.ops)
+    assert region.info["matmuls"] == 3 and ("mean" in ops or "sum" in ops), str(report)
+    assert [r for r in report.regions if r.compiled_by == "mirage"] == [region], str(report)
+
+
 @interpreted
 def test_skinny_matmuls_are_memory_bound_and_wide_ones_compute_bound():
     """The cost model classifies matmuls by rows and arithmetic intensity, not by op type; a compute-bound matmul
@@ -233,8 +261,10 @@ def test_decode_layer_keeps_its_cache_write_with_inductor():
     assert not [r for r in mirage if any(op.startswith(("aten.index_put", "aten.copy_")) for op in r.ops)]
     gemv = _gemv_regions(report)
     joined = [" ".join(r.ops) for r in gemv]
+    assert any("mean" in ops and ops.count("aten.mm") == 3 for ops in joined), joined   # norm + Q, K, V
     assert any("mean" in ops and ops.count("aten.mm") == 2 for ops in joined), joined   # norm + gated MLP
     assert sum(ops.count("aten.mm") == 1 and "add" in ops for ops in joined) == 2, joined  # O-proj, down + residual
+    assert not [r for r in mirage if r.claimer == "stitch" and any("mean" in op for op in r.ops)], str(report)
 
 
 @pytest.mark.gpu

@@ -21,11 +21,13 @@ MAX_NODES = 32
 
 
 def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW, forward: bool = True) -> list:
-    """The region around ``anchor``, taking producers of the op ``kinds`` (see the module docstring).
-    ``forward`` False: producers only (no readers of the region's result)."""
-    inside = {id(anchor): anchor}
+    """The region around ``anchor`` (a node, or a list of nodes grown together: the sibling matmuls of one
+    activation), taking producers of the op ``kinds`` (see the module docstring). ``forward`` False: producers
+    only (no readers of the region's result)."""
+    anchors = list(anchor) if isinstance(anchor, (list, tuple)) else [anchor]
+    inside = {id(a): a for a in anchors}
     returned = {id(v) for v in graph.output_values}
-    rows = max((_numel(v) for v in anchor.inputs if getattr(v, "is_tensor", False)), default=0)
+    rows = max((_numel(v) for v in anchors[0].inputs if getattr(v, "is_tensor", False)), default=0)
     changed = True
     while changed and len(inside) < max_nodes:
         changed = False

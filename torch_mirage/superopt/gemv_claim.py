@@ -4,20 +4,23 @@ A matmul is this claimer's when the cost model calls it memory-bound (:func:`~..
 most 16 rows, or arithmetic intensity below the ridge point): its time is the weight's read, and each kernel
 around it that Inductor would launch re-reads activations and pays a launch. For each such free matmul (last
 first, so that a later matmul's epilogue is taken before an earlier one's region could grow into it) the claimer
-tries cuts of the graph around it, largest first (:func:`cuts`): the region :func:`.cut.grow` grows
-(producers read only inside — an RMSNorm of the rows, the sibling matmul of a gated MLP, the weight's transpose —
-and the elementwise readers of a single result — a residual add, SiLU·mul), then without the readers, then with
-layout producers only, then with no producers (the activation arrives through a permute the reference does not
-lower: attention's heads merged back into rows). The first cut whose reference program (:func:`.search.reference.reference_of`) has the
-weight-streaming form (:func:`.gemv_seed.gemv_seed`) and whose seed the verifier proves equal to it
-(:func:`.verify.verify`; a large region's construction is verified on its program shrunk to
-:data:`.gemv_seed.VERIFY_DIMS`, :func:`.gemv_seed.shrunk`, and the instance at its own sizes is checked against
-eager by the backend's check stage like every region) is compiled (:func:`.compile.compile_ugraph`; on a GPU the launches of
-:func:`.launch.streaming_candidates` — one-wave stream, split-K, split-N — ranked by the roofline estimate and
-timed) and claimed. The backend then checks it against eager and, on a GPU, times it against Inductor's version.
+tries cuts of the graph around it (:func:`cuts`, each grown by :func:`.cut.grow`), largest first (of two nested
+cuts the larger has the lower roofline estimate):
 
-A larger cut costs less than the same nodes cut in two (one kernel's traffic and launch instead of two, the norm's
-output never written), so the largest cut that works wins. Compute-bound matmuls are left to the library call.
+1. the free memory-bound matmuls reading the same activation (:func:`siblings`: a QKV projection's three, a gated
+   MLP's two) with the producers read only inside — the RMSNorm of the rows joins them (each matmul width gets a
+   block graph of its own in the seed, each recomputing the norm's row scale);
+2. the matmul with producers of every kind (the norm, a gated MLP's sibling, the weight's transpose) and the
+   elementwise readers of a single result (a residual add, SiLU·mul); then without the readers;
+3. the same with layout producers only, then with none (the activation arrives through a permute the reference
+   does not lower: attention's heads merged back into rows).
+
+The first cut whose reference program (:func:`.search.reference.reference_of`) has the weight-streaming form
+(:func:`.gemv_seed.gemv_seed`) and whose seed the verifier proves equal to it (:func:`.verify.verify`; a large
+region on its program shrunk by :func:`.gemv_seed.shrunk`, the instance at its own sizes checked against eager by
+the backend's check stage like every region) is compiled (:func:`.compile.compile_ugraph`; on a GPU the launches
+of :func:`.launch.streaming_candidates` — one-wave stream, split-K, split-N — ranked by the roofline estimate and
+timed) and claimed. On a GPU the backend also times it against Inductor's version and keeps the faster.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import torch
 
 from ..analysis.cost import CostModel, matmul_rows, skinny_matmul
 from ..analysis.op_dims import matmul_operands
-from ..capture.ir import Graph, Node
+from ..capture.ir import Graph, Node, Value
 from ..capture.ops import OpKind
 from ..context import CompileContext, Target
 from ..failures import describe_error
@@ -49,15 +52,37 @@ LAYOUT = frozenset({OpKind.LAYOUT})
 NONE: frozenset = frozenset()
 
 
-def cuts(graph: Graph, anchor: Node, free_ids: set) -> list[list[Node]]:
-    """Regions around ``anchor`` to try, largest first, each in graph order, without repeats."""
+def activation(node: Node) -> Value:
+    """The value a matmul's rows come from, through the layout ops (views) between."""
+    _, a, _ = matmul_operands(node)
+    while a.producer is not None and a.producer.kind is OpKind.LAYOUT:
+        a = next(v for v in a.producer.inputs if v.is_tensor)
+    return a
+
+
+def siblings(anchor: Node, free: Sequence[Node], free_ids: set, model: CostModel) -> list[Node]:
+    """The free memory-bound matmuls reading ``anchor``'s activation, itself included (a QKV projection's three,
+    a gated MLP's two): grown together, the norm before them joins their kernel."""
+    source = activation(anchor)
+    return [n for n in free if id(n) in free_ids and n.kind is OpKind.MATMUL and activation(n) is source
+            and (n is anchor or skinny_matmul(n, model) is not None)]
+
+
+def cuts(graph: Graph, anchor: Node, free: Sequence[Node], free_ids: set, model: CostModel) -> list[list[Node]]:
+    """Regions around ``anchor`` to try, each in graph order, without repeats: its sibling matmuls and their
+    producers; ``anchor`` with producers of all kinds, of layout only and of none, each with and without the
+    readers of its result. Largest first: where one cut holds another, the roofline estimate of the larger is
+    the lower (one kernel's traffic and launch instead of two, inner values never written), so it is tried first;
+    the sibling cut of a gated MLP holds no SiLU·mul and comes after the cut that does."""
     order = {id(n): i for i, n in enumerate(graph.nodes)}
     out: list[list[Node]] = []
-    for kinds, forward in ((GROW, True), (GROW, False), (LAYOUT, True), (LAYOUT, False), (NONE, True), (NONE, False)):
-        nodes = sorted(grow(graph, anchor, free_ids, MAX_NODES, kinds, forward), key=lambda n: order[id(n)])
+    tries = [(siblings(anchor, free, free_ids, model), GROW, True)] + \
+        [(anchor, kinds, forward) for kinds in (GROW, LAYOUT, NONE) for forward in (True, False)]
+    for start, kinds, forward in tries:
+        nodes = sorted(grow(graph, start, free_ids, MAX_NODES, kinds, forward), key=lambda n: order[id(n)])
         if all({id(n) for n in nodes} != {id(n) for n in c} for c in out):
             out.append(nodes)
-    return out
+    return sorted(out, key=len, reverse=True)
 
 
 class GemvClaimer:
@@ -71,17 +96,17 @@ class GemvClaimer:
         for anchor in reversed(list(free)):
             if id(anchor) not in free_ids or anchor.kind is not OpKind.MATMUL or skinny_matmul(anchor, model) is None:
                 continue
-            outcome = self._claim_anchor(graph, anchor, free_ids, model, ctx)
+            outcome = self._claim_anchor(graph, anchor, free, free_ids, model, ctx)
             if isinstance(outcome, Claim):
                 free_ids -= {id(n) for n in outcome.nodes}
             outcomes.append(outcome)
         return outcomes
 
-    def _claim_anchor(self, graph: Graph, anchor: Node, free_ids: set, model: CostModel,
+    def _claim_anchor(self, graph: Graph, anchor: Node, free: Sequence[Node], free_ids: set, model: CostModel,
                       ctx: CompileContext) -> Outcome:
         """The largest cut around ``anchor`` that streams, or the decline of the last one tried."""
         why: Decline | None = None
-        for nodes in cuts(graph, anchor, free_ids):
+        for nodes in cuts(graph, anchor, free, free_ids, model):
             if not is_convex(graph, nodes):
                 why = Decline(nodes, Reason.NOT_CONVEX, f"the region grown around {anchor.name}")
                 continue

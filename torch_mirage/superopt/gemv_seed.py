@@ -38,6 +38,7 @@ WHOLE_EXTENT = 1024  # the largest extent one tile may hold whole
 # iteration in fp64 / a finite field: 2 s at 2048 x 2048 on a CPU, about a minute for a 4096 x 14336 weight);
 # two tiles of k and two of n at the seed's tile of 64, distinct so that a k / n mix-up is caught
 VERIFY_DIMS = (128, 96)
+SHRUNK_WIDTHS = (VERIFY_DIMS[1], 80, 112, 48)    # distinct widths of the matmuls, where there are several
 
 
 class NotStreamable(ValueError):
@@ -108,15 +109,19 @@ def streamed_dims(ref: KernelGraph) -> tuple[int, int, int]:
     return mm.shapes[0][0], ref.ops[a[0]].shapes[a[1]][-1], mm.shapes[0][-1]
 
 
-def shrunk(ref: KernelGraph, dims: tuple[int, int] = VERIFY_DIMS) -> KernelGraph | None:
-    """The same program with its reduced dim k and output width n replaced by ``dims`` (every input shape and
-    reshape that holds them; the op table re-infers the rest), or None where it is small already or its rows
-    share a size with k or n (the substitution would be ambiguous). The seed of the shrunk program is the same
-    block graph at other tile counts: the verifier checks the construction there at a fraction of the cost."""
-    m, k, n = streamed_dims(ref)
-    if k <= dims[0] and n <= dims[0] or m in (k, n):
+def shrunk(ref: KernelGraph) -> KernelGraph | None:
+    """The same program with its reduced dim k replaced by ``VERIFY_DIMS[0]`` and its matmul widths other than k
+    by distinct :data:`SHRUNK_WIDTHS` (every input shape and reshape that holds them; the op table re-infers the
+    rest), or None where it is small already or the substitution would be ambiguous (rows of a size it maps). The
+    seed of the shrunk program is the same block graph at other tile counts: the verifier checks the construction
+    there at a fraction of the cost."""
+    m, k, _ = streamed_dims(ref)
+    widths = sorted({op.shapes[0][-1] for op in ref.ops if op.name == "matmul"} - {k})
+    if max([k, *widths]) <= VERIFY_DIMS[0] or len(widths) > len(SHRUNK_WIDTHS):
         return None
-    new = {k: min(k, dims[0]), n: min(k, dims[0]) if n == k else min(n, dims[1])}
+    new = {k: min(k, VERIFY_DIMS[0]), **dict(zip(widths, SHRUNK_WIDTHS))}
+    if len(set(new.values())) != len(new) or m in new or m in new.values():
+        return None
     sub = lambda shape: tuple(new.get(d, d) for d in shape)        # noqa: E731
     g = new_kernel_graph()
     out: dict[int, Tensor] = {}
@@ -144,33 +149,56 @@ def gemv_seed(ref: KernelGraph, tile: int = 64) -> KernelGraph:
     if len(rows_ref) != 1:
         raise NotStreamable(f"{len(mms)} matmuls read {len(rows_ref)} different activations")
     (a,) = rows_ref
-    weights = [_weight(rd, ref.ops[i].inputs[1]) for i in mms]
-    m, k, n = streamed_dims(ref)
-    n_of = {tuple(ref.ops[i].shapes[0]) for i in mms}
-    if len(n_of) != 1 or len(ref.ops[mms[0]].shapes[0]) != 2:
-        raise NotStreamable(f"matmul results of shapes {sorted(n_of)}: one (m, n) for all is needed")
-    dtype = rd.dtype(weights[0][0])
-    return _Seed(rd, m, k, n, dtype, tile).build(a, mms, weights)
+    if any(len(ref.ops[i].shapes[0]) != 2 for i in mms):
+        raise NotStreamable("a batched matmul: one (m, n) result per matmul is needed")
+    weights = {i: _weight(rd, ref.ops[i].inputs[1]) for i in mms}
+    m, k, _ = streamed_dims(ref)
+    widths = {i: ref.ops[i].shapes[0][1] for i in mms}
+    group_of = []                                   # each output: the width of the matmuls it is computed from
+    for r in ref.outputs:
+        found = {widths[i] for i in _ancestors(ref, r.op) if i in widths}
+        if len(found) != 1:
+            raise NotStreamable(f"output {rd.describe(r)} reads {len(found)} matmul widths: one is needed")
+        group_of.append(found.pop())
+    seed = _Seed(rd, m, k, rd.dtype(weights[mms[0]][0]), tile)
+    results: dict[int, Tensor] = {}
+    for n in dict.fromkeys(widths[i] for i in mms):   # one block graph per width (a QKV projection: three)
+        outs = [j for j, w in enumerate(group_of) if w == n]
+        if not outs:
+            raise NotStreamable(f"the matmul(s) of width {n} reach no output")
+        group = [i for i in mms if widths[i] == n]
+        ys = _Block(seed, n).build(a, group, [weights[i] for i in group], [ref.outputs[j] for j in outs])
+        results.update(zip(outs, ys))
+    for j, r in enumerate(ref.outputs):
+        y, shape = results[j], rd.shape(r)
+        seed.g.mark_output(y if tuple(y.shape) == shape else seed.g.reshape(y, shape=shape))
+    return seed.g.build()
+
+
+def _ancestors(ref: KernelGraph, i: int) -> set[int]:
+    """Op indices op ``i`` depends on, itself included."""
+    seen: set[int] = set()
+    stack = [i]
+    while stack:
+        j = stack.pop()
+        if j not in seen:
+            seen.add(j)
+            stack.extend(r[0] for r in ref.ops[j].inputs)
+    return seen
 
 
 class _Seed:
-    """One seed under construction: kernel inputs (the reference's, in its order) and their 2-D views, the block
-    graph, the translation of reference values."""
+    """The kernel graph under construction: the reference's inputs (in its order) and their 2-D views, shared by
+    the block graphs of every matmul width."""
 
-    def __init__(self, rd: _Reader, m: int, k: int, n: int, dtype: str, tile: int):
-        self.rd, self.m, self.k, self.n, self.dtype = rd, m, k, n, dtype
+    def __init__(self, rd: _Reader, m: int, k: int, dtype: str, tile: int):
+        self.rd, self.m, self.k, self.dtype, self.tile = rd, m, k, dtype, tile
         self.g = new_kernel_graph()
         inputs = sorted((i for i, op in enumerate(rd.ops) if op.name == "input"), key=lambda i: rd.ops[i].attrs["index"])
         self.kin = {i: self.g.new_input(rd.ops[i].attrs["shape"], rd.ops[i].attrs["dtype"]) for i in inputs}
         self.views: dict[tuple, Tensor] = {}             # (ref input op, shape) -> kernel tensor a block reads
-        self.tb = new_threadblock_graph((_parts(n, tile),), _parts(k, tile))
-        self.sources: list[Tensor] = []
-        self.iters: dict[tuple, Tensor] = {}             # (ref input op, role) -> block iterator
-        self.tiles: dict[Ref, Tensor] = {}               # ref value -> block tile (loop side)
-        self.after: dict[Ref, Tensor] = {}               # ref value -> block tensor after the loop
 
-    # ---------------------------------------------------------------- inputs
-    def _view(self, i: int, shape: tuple) -> Tensor:
+    def view(self, i: int, shape: tuple) -> Tensor:
         """Kernel input ``i`` reshaped to ``shape`` (itself where it has that shape)."""
         key = (i, shape)
         if key not in self.views:
@@ -178,6 +206,20 @@ class _Seed:
             self.views[key] = t if tuple(t.shape) == shape else self.g.reshape(t, shape=shape)
         return self.views[key]
 
+
+class _Block:
+    """The block graph of one matmul width n: grid over n, for-loop over k; the translation of reference values
+    into its tiles (the prologue is translated again in each block graph: each recomputes the row scales)."""
+
+    def __init__(self, seed: _Seed, n: int):
+        self.seed, self.rd, self.m, self.k, self.n = seed, seed.rd, seed.m, seed.k, n
+        self.tb = new_threadblock_graph((_parts(n, seed.tile),), _parts(seed.k, seed.tile))
+        self.sources: list[Tensor] = []
+        self.iters: dict[tuple, Tensor] = {}             # (ref input op, role) -> block iterator
+        self.tiles: dict[Ref, Tensor] = {}               # ref value -> block tile (loop side)
+        self.after: dict[Ref, Tensor] = {}               # ref value -> block tensor after the loop
+
+    # ---------------------------------------------------------------- inputs
     def _iterator(self, i: int, role: str) -> Tensor:
         """Block iterator over kernel input ``i`` as ``role``: rows_k (m, k), vec_k (k,), rows_n (m, n),
         vec_n (n,), weight (k, n), weight_t (n, k), stat (m, 1)."""
@@ -189,7 +231,7 @@ class _Seed:
                              "rows_n": ((m, n), (1,), PHI), "vec_n": ((n,), (0,), PHI),
                              "weight": ((k, n), (1,), 0), "weight_t": ((n, k), (0,), 1),
                              "stat": ((m, 1), (PHI,), PHI)}[role]
-        src = self._view(i, shape)
+        src = self.seed.view(i, shape)
         self.sources.append(src)
         t = self.tb.new_input(src, imap=imap, fmap=fmap)
         if role == "weight_t":
@@ -269,7 +311,8 @@ class _Seed:
         return self.after[r]
 
     # ---------------------------------------------------------------- the graph
-    def build(self, a: Ref, mms: list[int], weights: list[tuple[Ref, bool]]) -> KernelGraph:
+    def build(self, a: Ref, mms: list[int], weights: list[tuple[Ref, bool]], outs: list[Ref]) -> list[Tensor]:
+        """The block graph computing ``outs`` from matmuls ``mms`` of activation ``a``; the kernel op's results."""
         factors = _factors(self.rd, a)
         scales = [(f, inv) for f, inv in factors if self.rd.shape(f)[-1:] == (1,) and self.k != 1]
         tiles = [(f, inv) for f, inv in factors if (f, inv) not in scales]
@@ -284,13 +327,8 @@ class _Seed:
             for f, inv in scales:
                 acc = (self.tb.div if inv else self.tb.mul)(acc, self.stat(f))
             self.after[Ref(i, 0)] = acc
-        outs = list(self.rd.ref.outputs)
         for r in outs:
             if self.rd.shape(r)[-1] != self.n or math.prod(self.rd.shape(r)[:-1]) != self.m:
                 raise NotStreamable(f"output {self.rd.describe(r)} is not ({self.m}, {self.n}) rows")
             self.tb.new_output(self.epilogue(r), omap=(1,), dtype=self.rd.dtype(r))
-        results = self.g.customized(list({id(t): t for t in self.sources}.values()), self.tb)
-        for r, y in zip(outs, results):
-            shape = self.rd.shape(r)
-            self.g.mark_output(y if tuple(y.shape) == shape else self.g.reshape(y, shape=shape))
-        return self.g.build()
+        return self.seed.g.customized(list({id(t): t for t in self.sources}.values()), self.tb)
