@@ -209,6 +209,31 @@ def test_large_region_is_verified_on_its_shrunk_program():
                   .graph) is None                                       # small already: verified as it is
 
 
+@interpreted
+def test_a_seed_that_does_not_build_leaves_its_region_with_one_warning(monkeypatch, caplog):
+    """A weight-streaming μGraph that fails to build is reported like the library's (the search/build stage, one
+    grouped warning naming dtypes and shapes); its nodes go on to the other claimers; strict mode raises."""
+    import logging
+
+    import torch_mirage.superopt.gemv_claim as gemv_claim
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected build failure")
+    monkeypatch.setattr(gemv_claim, "compile_ugraph", broken)
+    fn = FORMS[0][1]
+    xs = _inputs("r", 3, True)
+    compiled, report = _compile(fn)
+    with caplog.at_level(logging.WARNING, logger="torch_mirage"):
+        assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+    (warning,) = [r.getMessage() for r in caplog.records if "stage failed" in r.getMessage()]
+    assert "search/build" in warning and "weight-streaming" in warning and "float32[3, 103]" in warning, warning
+    assert not _gemv_regions(report)
+    torch._dynamo.reset()
+    compiled, _ = _compile(fn, strict=True)
+    with pytest.raises(Exception, match="injected build failure"):
+        compiled(*xs)
+
+
 def test_seed_declines_forms_it_cannot_stream():
     """LoRA's second matmul reads another activation; a LayerNorm's centring is not a row scale."""
     def lora(x, w, a, b):

@@ -34,7 +34,7 @@ from ..analysis.op_dims import matmul_operands
 from ..capture.ir import Graph, Node, Value
 from ..capture.ops import OpKind
 from ..context import CompileContext, Target
-from ..failures import describe_error
+from ..failures import describe_error, note, stage
 from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
 from ..timing import random_like
 from .compile import compile_ugraph
@@ -150,12 +150,15 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
         if not verdict:
             return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is not verified: {verdict.reason}")
         try:
-            compiled = compile_ugraph(seed, [random_like(m) for m in metas], cache=ctx.cache,
-                                      propose=streaming_candidates)
+            with stage("search/build"):
+                compiled = compile_ugraph(seed, [random_like(m) for m in metas], cache=ctx.cache,
+                                          propose=streaming_candidates)
         except Exception as e:   # a seed that does not compile: the region goes on to the next claimers
             if ctx.config.strict:
                 raise
-            log.info("torch_mirage: weight-streaming μGraph does not compile (%s)", describe_error(e))
+            where = f"weight-streaming μGraph of {len(nodes)} ops on {', '.join(_describe(m) for m in metas)}"
+            note(ctx, "search/build", where, e, "that μGraph is not used (its region goes to the other claimers "
+                 "and Inductor)")
             return Decline(nodes, Reason.COMPILE_ERROR, describe_error(e))
     mms = [n for n in nodes if n.kind is OpKind.MATMUL]
     _, a, _ = matmul_operands(mms[0])
@@ -165,3 +168,7 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
     return Claim(list(nodes), seed, reference_kernel(nodes, graph, ref, compiled),
                  detail=f"weight-streaming μGraph: {len(mms)} matmul(s), {rows} rows x {k} -> {n}, {len(nodes)} ops",
                  info=info)
+
+
+def _describe(meta) -> str:
+    return f"{str(meta.dtype).replace('torch.', '')}{list(meta.shape)}"
