@@ -149,6 +149,21 @@ def test_norm_shared_by_projections_of_several_widths(fn, rows, transposed):
 
 
 @interpreted
+@pytest.mark.parametrize("transposed", [False, True])
+def test_pre_norm_residual_reads_its_input_in_two_roles(transposed):
+    """``x + linear(norm(x), w)`` (k = n): x is the rows the norm and the matmul read in the loop and the residual
+    added after it — one kernel input, two iterators (the second through a view)."""
+    def fn(x, g, w):
+        return x + (F.linear(norm_a(x, g), w) if transposed else norm_a(x, g) @ w)
+
+    xs = [torch.randn(2, 3, K), 1 + 0.1 * torch.randn(K), torch.randn(K, K) * K ** -0.5]
+    compiled, report = _compile(fn)
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+    (region,) = _gemv_regions(report)
+    assert region.info["rows"] == 6 and "mean" in " ".join(region.ops), str(report)
+
+
+@interpreted
 def test_skinny_matmuls_are_memory_bound_and_wide_ones_compute_bound():
     """The cost model classifies matmuls by rows and arithmetic intensity, not by op type; a compute-bound matmul
     is left to the library call (and reported so), a memory-bound one no claimer takes is reported as such."""
@@ -304,9 +319,9 @@ def test_decode_projections_on_gpu(rows):
 
     d, hidden = 4096, 14336
     dev, bf = "cuda", torch.bfloat16
+    weight = lambda n, k: torch.randn(n, k, device=dev, dtype=bf) * k ** -0.5           # noqa: E731
     xs = [torch.randn(rows, 1, d, device=dev, dtype=bf), 1 + 0.1 * torch.randn(d, device=dev, dtype=bf),
-          torch.randn(hidden, d, device=dev, dtype=bf) * d ** -0.5, torch.randn(hidden, d, device=dev, dtype=bf) * d ** -0.5,
-          torch.randn(d, hidden, device=dev, dtype=bf) * hidden ** -0.5]
+          weight(hidden, d), weight(hidden, d), weight(d, hidden)]
     compiled, report = _compile(mlp)
     assert_close(compiled(*xs), mlp(*[x.double() for x in xs]).to(bf), bf)
     gemv = _gemv_regions(report)

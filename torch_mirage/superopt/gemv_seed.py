@@ -1,24 +1,27 @@
-"""The weight-streaming seed of a matmul region: one graph-defined kernel op read off the region's reference program.
+"""The weight-streaming seed of a matmul region: a μGraph read off the region's reference program.
 
 A region's reference (:func:`.search.reference.reference_of`: pre-defined kernel ops) qualifies when every matmul
-reads the same activation rows ``A`` (m, k) against a weight of its own, all of one (k, n), stored (k, n) or as
-``nn.Linear``'s (n, k) behind a ``transpose``, and
+reads the same activation rows ``A`` (m, k) against a weight of its own, stored (k, n) or as ``nn.Linear``'s (n, k)
+behind a ``transpose``, and
 
-* ``A`` is a product (and quotient) of *tile factors* — elementwise functions of row tensors (m, k) and column vectors (k,) — and
-  *row scales* (m, 1): elementwise functions of row reductions (sum / mean over k) of tile expressions. An RMSNorm
-  ``x · rsqrt(mean(x²) + eps) · g`` is the tile factors ``x``, ``g`` and the row scale ``rsqrt(mean(x²) + eps)``;
+* ``A`` is a product (and quotient) of *tile factors* — elementwise functions of row tensors (m, k) and column
+  vectors (k,) — and *row scales* (m, 1): elementwise functions of row reductions (sum / mean over k) of tile
+  expressions. An RMSNorm ``x · rsqrt(mean(x²) + eps) · g`` is the tile factors ``x``, ``g`` and the row scale
+  ``rsqrt(mean(x²) + eps)``;
 * the ops after the matmuls are elementwise over their results (m, n), row tensors (m, n) and column vectors (n,):
-  a residual add, a bias, SiLU·mul of a gated MLP.
+  a residual add, a bias, SiLU·mul of a gated MLP; each output is computed from matmuls of one width n.
 
-The seed (Mirage's RMSNorm + Linear, generalised) is one block graph: grid over n, for-loop over k; in the loop the
-tile factors' product meets each weight tile in a ``tl.dot`` accumulator and each row reduction accumulates its
-tile sums (codegen walks these matmul-free sums in a loop of their own, :func:`~..codegen.ugraph_triton.
-prologue_accumulators`); after the loop the row scales multiply the accumulators (a row scale commutes with the
-matmul: ``(s·A)·W = s·(A·W)``) and the epilogue runs on the (m, n) tile; an input the epilogue reads reaches it
-through a mean accumulator of its loop-invariant tile (a block graph's post-loop ops read accumulators only). Leading dims fold into the rows (kernel
-reshapes). Launch candidates — grid over n, for-loop tile, split-K — are :mod:`.launch`'s, ranked by its roofline
-estimate and timed on the GPU. A form outside these rules raises :class:`NotStreamable` naming the op; the seed is
-only a candidate: the claimer verifies it against the reference before it runs.
+The seed (Mirage's RMSNorm + Linear, generalised) has one block graph per matmul width (a QKV projection: two or
+three, each recomputing the row scales): grid over n, for-loop over k. In the loop the tile factors' product meets
+each weight tile in a ``tl.dot`` accumulator and each row reduction accumulates its tile sums (codegen walks these
+matmul-free sums in a loop of their own, :func:`~..codegen.ugraph_triton.prologue_accumulators`); after the loop
+the row scales multiply the accumulators (a row scale commutes with the matmul: ``(s·A)·W = s·(A·W)``) and the
+epilogue runs on the (m, n) tile. An input the epilogue reads reaches it through a mean accumulator of its
+loop-invariant tile (a block graph's post-loop ops read accumulators only); an input read in two roles
+(``x + linear(norm(x), w)``: rows in the loop, residual after it) through a second view. Leading dims fold into the
+rows (kernel reshapes). Launches — one-wave stream, split-K, split-N — are :func:`.launch.streaming_candidates`.
+A form outside these rules raises :class:`NotStreamable` naming the op; the seed is only a candidate: the claimer
+verifies it against the reference (:func:`shrunk` for a large one) before it runs.
 """
 from __future__ import annotations
 
@@ -160,7 +163,7 @@ def gemv_seed(ref: KernelGraph, tile: int = 64) -> KernelGraph:
         if len(found) != 1:
             raise NotStreamable(f"output {rd.describe(r)} reads {len(found)} matmul widths: one is needed")
         group_of.append(found.pop())
-    seed = _Seed(rd, m, k, rd.dtype(weights[mms[0]][0]), tile)
+    seed = _Seed(rd, m, k, tile)
     results: dict[int, Tensor] = {}
     for n in dict.fromkeys(widths[i] for i in mms):   # one block graph per width (a QKV projection: three)
         outs = [j for j, w in enumerate(group_of) if w == n]
@@ -191,10 +194,11 @@ class _Seed:
     """The kernel graph under construction: the reference's inputs (in its order) and their 2-D views, shared by
     the block graphs of every matmul width."""
 
-    def __init__(self, rd: _Reader, m: int, k: int, dtype: str, tile: int):
-        self.rd, self.m, self.k, self.dtype, self.tile = rd, m, k, dtype, tile
+    def __init__(self, rd: _Reader, m: int, k: int, tile: int):
+        self.rd, self.m, self.k, self.tile = rd, m, k, tile
         self.g = new_kernel_graph()
-        inputs = sorted((i for i, op in enumerate(rd.ops) if op.name == "input"), key=lambda i: rd.ops[i].attrs["index"])
+        inputs = sorted((i for i, op in enumerate(rd.ops) if op.name == "input"),
+                        key=lambda i: rd.ops[i].attrs["index"])
         self.kin = {i: self.g.new_input(rd.ops[i].attrs["shape"], rd.ops[i].attrs["dtype"]) for i in inputs}
         self.views: dict[tuple, Tensor] = {}             # (ref input op, shape) -> kernel tensor a block reads
 
@@ -232,6 +236,8 @@ class _Block:
                              "weight": ((k, n), (1,), 0), "weight_t": ((n, k), (0,), 1),
                              "stat": ((m, 1), (PHI,), PHI)}[role]
         src = self.seed.view(i, shape)
+        if any(t is src for t in self.sources):     # one iterator per kernel tensor: a second role reads a view
+            src = self.seed.g.reshape(self.seed.kin[i], shape=shape)
         self.sources.append(src)
         t = self.tb.new_input(src, imap=imap, fmap=fmap)
         if role == "weight_t":
@@ -246,7 +252,7 @@ class _Block:
         shape = self.rd.shape(r)
         last, lead = (shape[-1] if shape else 1), math.prod(shape[:-1])
         width = self.k if side == "k" else self.n
-        if last == width and len(shape) == 1 or (last == width and lead == 1 and self.m != 1):
+        if last == width and (len(shape) == 1 or (lead == 1 and self.m != 1)):
             return f"vec_{side}"
         if last == width and lead == self.m:
             return f"rows_{side}"
@@ -331,4 +337,4 @@ class _Block:
             if self.rd.shape(r)[-1] != self.n or math.prod(self.rd.shape(r)[:-1]) != self.m:
                 raise NotStreamable(f"output {self.rd.describe(r)} is not ({self.m}, {self.n}) rows")
             self.tb.new_output(self.epilogue(r), omap=(1,), dtype=self.rd.dtype(r))
-        return self.seed.g.customized(list({id(t): t for t in self.sources}.values()), self.tb)
+        return self.seed.g.customized(self.sources, self.tb)

@@ -257,8 +257,8 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     schedule; the one-wave stream of :func:`streaming_pick` at ``STREAM_PIPELINE`` (and with the matmul-free sums
     in a loop of their own where the kernel has them: an RMSNorm prologue); the best-estimated split-K (a combine
     kernel after it) and the best-estimated split-N of more than one wave and at most ``PROBE_WAVES[-1]``
-    programs per SM, each at the first of ``WARPS_STAGES``. Five or six configs where :func:`candidates` times about twenty: each costs a Triton
-    compile, and a decode layer has one such kernel per projection."""
+    programs per SM, each at the first of ``WARPS_STAGES``. Five or six configs where :func:`candidates` gives
+    about twenty: each costs a Triton compile, and a decode layer has one such kernel per projection."""
     scored = _scored(bg, n_sm)
     warps, stages = WARPS_STAGES[0]
     configs = [LaunchConfig(tuple(bg.grid), bg.forloop_range, 1, warps, stages)]
