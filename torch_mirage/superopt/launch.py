@@ -257,8 +257,9 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     schedule; the one-wave stream of :func:`streaming_pick` at ``STREAM_PIPELINE`` (and with the matmul-free sums
     in a loop of their own where the kernel has them: an RMSNorm prologue); the best-estimated split-K (a combine
     kernel after it) and the best-estimated split-N of more than one wave and at most ``PROBE_WAVES[-1]``
-    programs per SM, each at the first of ``WARPS_STAGES``. Five or six configs where :func:`candidates` gives
-    about twenty: each costs a Triton compile, and a decode layer has one such kernel per projection."""
+    programs per SM, each at the first of ``WARPS_STAGES``; the best-estimated unsplit loop of at least
+    ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``. Six or seven configs where :func:`candidates` gives about twenty:
+    each costs a Triton compile, and a decode layer has one such kernel per projection."""
     scored = _scored(bg, n_sm)
     warps, stages = WARPS_STAGES[0]
     configs = [LaunchConfig(tuple(bg.grid), bg.forloop_range, 1, warps, stages)]
@@ -273,6 +274,9 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     for pick in (split_k, split_n):
         if pick is not None:
             configs.append(LaunchConfig(pick[0], pick[1], pick[2], warps, stages))
+    deep = next(((g, f) for _, g, f, s in scored if s == 1 and f >= DEEP_LOOP), None)
+    if deep is not None:        # the best-estimated long loop, deeply pipelined (the library gated MLP's winner)
+        configs.append(LaunchConfig(deep[0], deep[1], 1, *DEEP_PIPELINE))
     return list(dict.fromkeys(configs))
 
 
