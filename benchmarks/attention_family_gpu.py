@@ -29,8 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch_mirage  # noqa: E402
 from torch_mirage.bench import workloads as W  # noqa: E402
-
-TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2}
+from torch_mirage.numerics import relative_error, same_non_finite, tolerance  # noqa: E402
 
 
 def _causal_additive(n, dtype, device):
@@ -115,11 +114,7 @@ def cases(dtype, device):
 def rel_err(out, ref):
     out = out[0] if isinstance(out, (tuple, list)) else out
     ref = ref[0] if isinstance(ref, (tuple, list)) else ref
-    out, ref = out.double(), ref.double()
-    fin = torch.isfinite(ref)
-    if not torch.equal(fin, torch.isfinite(out)):
-        return math.inf
-    return ((out - ref)[fin].norm() / ref[fin].norm().clamp_min(1e-30)).item()
+    return relative_error(out, ref, where=ref) if same_non_finite(out, ref) else math.inf
 
 
 def bench_ms(fn):
@@ -161,7 +156,7 @@ def run_case(name, make, dtype, results):
         if "error" in c:
             cells.append(f"{impl}=ERR")
         else:
-            bad = c["rel_err"] is not None and not (c["rel_err"] <= TOL.get(dtype, 1e-3))
+            bad = c["rel_err"] is not None and not (c["rel_err"] <= tolerance(dtype, "bench"))
             err = "" if c["rel_err"] is None else f" e={c['rel_err']:.1e}{'!' if bad else ''}"
             cells.append(f"{impl}={c['us']:.1f}µs{err}")
     claimed = [r["detail"][:60] for r in row["mirage_regions"] if r["claimer"] == "attention"]

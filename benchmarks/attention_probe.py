@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torch_mirage.superopt.launch import LaunchConfig  # noqa: E402
 from torch_mirage.codegen.loader import load_source  # noqa: E402
+from torch_mirage.numerics import relative_error  # noqa: E402
 from torch_mirage.timing import cuda_graph_time_us, rotated_input_sets  # noqa: E402
 from torch_mirage.superopt import library  # noqa: E402
 from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph  # noqa: E402
@@ -102,7 +103,7 @@ def qknorm_forms(batch: int) -> None:
                           ("attention without norms", library.gqa_flashattention(b, h, sq, kv, d), 3)):
         run = compile_ugraph(g, xs[:n_in])
         out = run(*xs[:n_in])[0]
-        err = float((out.double() - want).norm() / want.norm()) if n_in == 5 else float("nan")
+        err = relative_error(out, want) if n_in == 5 else float("nan")
         us = cuda_graph_time_us(run, [s_[:n_in] for s_ in sets], replays=10, repeats=5)
         cfg = [st.launcher.config for st in run.steps if st.launcher is not None]
         print(f"    {name:28s} {us:8.2f} µs  err {err:.1e}  {cfg}")
@@ -136,7 +137,7 @@ def main() -> None:
 
         def timed(name, fn, check=True):
             out = fn(*xs)
-            err = float((out[0].double() - want).norm() / want.norm()) if check else float("nan")
+            err = relative_error(out[0], want) if check else float("nan")
             us = cuda_graph_time_us(fn, sets, replays=10, repeats=5)
             rows.append((name, us, err))
 

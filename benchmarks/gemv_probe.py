@@ -32,6 +32,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from torch_mirage.numerics import relative_error, rms_norm  # noqa: E402
 from torch_mirage.timing import cuda_graph_time_us  # noqa: E402
 
 
@@ -105,7 +106,7 @@ def main() -> None:
                                 torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5], wbytes)
         x, g, w = sets[0]
         ref = (x.double() @ w.double().T)
-        refn = ((x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)) * g.double()) @ w.double().T
+        refn = rms_norm(x.double(), 1e-6, g.double(), upcast=False) @ w.double().T
         out = torch.empty(m, n, device=dev, dtype=dt)
         base = {"n": n, "k": k, "m": m, "dtype": args.dtype, "weight_MB": wbytes / 1e6}
 
@@ -119,7 +120,7 @@ def main() -> None:
         dst = torch.empty_like(w)
         add("copy(r+w)", cuda_graph_time_us(lambda x, g, w: dst.copy_(w), sets))
         add("cublas", cuda_graph_time_us(lambda x, g, w: x @ w.T, sets),
-            float(((x @ w.T).double() - ref).norm() / ref.norm()))
+            relative_error(x @ w.T, ref))
         best = {}
         for norm, dot in itertools.product((False, True), (False, True)):
             mp = 16 if dot else triton.next_power_of_2(m)
@@ -130,7 +131,7 @@ def main() -> None:
                 try:
                     gemv(x, g, w, out, bn, bk, warps, stages, norm, dot=dot)
                     r = refn if norm else ref
-                    err = float((out.double() - r).norm() / r.norm())
+                    err = relative_error(out, r)
                     us = cuda_graph_time_us(lambda x, g, w: gemv(x, g, w, out, bn, bk, warps, stages, norm, dot=dot), sets,
                                             replays=10, repeats=3)
                 except Exception as e:  # noqa: BLE001 — a config that does not compile is skipped and named

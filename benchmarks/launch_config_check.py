@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from torch_mirage.numerics import relative_error, tolerance  # noqa: E402
 from torch_mirage.superopt.launch import candidates  # noqa: E402
 from torch_mirage.superopt.attention_seeds import SEEDS  # noqa: E402
 from torch_mirage.superopt.compile import BlockLauncher  # noqa: E402
@@ -75,8 +76,8 @@ def main() -> int:
                 print(f"{seed} {cfg}: not built ({type(e).__name__}: {str(e)[:80]})")
                 continue
             finite = bool(torch.isfinite(got).all())
-            err = float((got.double() - want).norm() / want.norm()) if finite else float("nan")
-            ok = finite and err < (1e-2 if dtype is torch.float16 else 3e-2)
+            err = relative_error(got, want) if finite else float("nan")
+            ok = finite and err <= tolerance(dtype)
             bad += not ok
             print(f"{seed} band={args.band} {cfg}: {'ok' if ok else 'WRONG'} rel.err {err:.2e} finite={finite} "
                   f"nan rows={int(got.isnan().any(-1).sum())} source={getattr(run, 'path', '?')}")

@@ -24,14 +24,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from torch_mirage.config import load  # noqa: E402
 from torch_mirage.context import CompileContext  # noqa: E402
-from torch_mirage.numerics import relative_error  # noqa: E402
+from torch_mirage.numerics import relative_error, tolerance  # noqa: E402
 from torch_mirage.partition.region import claims  # noqa: E402
 from torch_mirage.partition.stitch import StitchClaimer  # noqa: E402
 from torch_mirage.testing.aten import trace_ir  # noqa: E402
 from torch_mirage.testing.functions import (bert_softmax, bias_gelu, bias_residual_layernorm, layer_norm,  # noqa: E402
                                             padding_mask, rmsnorm, softmax)
-
-TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 
 def workloads(b: int, dtype: torch.dtype, dev: str):
@@ -158,7 +156,7 @@ def main() -> int:
                 out = run()
                 ref = fn(*[t.double() for t in inputs]).to(dtype)
                 err, same_nan = rel_error(out, ref)
-                ok = same_nan and err <= TOL[dtype]
+                ok = same_nan and err <= tolerance(dtype)
                 row = {"workload": name, "dtype": str(dtype), "rel_error": err, "nan_match": same_nan, "ok": ok,
                        "mapping": region.info["thread_mapping"]}
             except Exception as e:  # report and go on

@@ -1,4 +1,8 @@
 import logging
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -69,6 +73,11 @@ BAD_VALUES = [
     ("verify_error_bound", "1", 1.0, "strictly between 0 and 1"),
     ("min_region_us", "-3", -3.0, "must be >= 0"),
     ("min_region_us", "nan", float("nan"), "must be >= 0"),
+    ("min_region_us", "-5", -5.0, "must be >= 0"),
+    ("min_region_us", "fast", "fast", "is not a float"),
+    ("search_budget_s", "-1", -1.0, "must be >= 0"),
+    ("search_workers", "0", 0, "must be >= 1"),
+    ("search_workers", "two", "two", "is not an int"),
     ("cache_dir", "", "", "non-empty path"),
     ("cache_dir", "  ", "  ", "non-empty path"),
     ("stitch", "maybe", "maybe", "not a boolean"),
@@ -160,3 +169,43 @@ def test_registered_with_torch_logging_and_mirage_log_level_wins(monkeypatch):
         log.setLevel(logging.NOTSET)
         _configure_logging("WARNING", explicit=False)
     assert log.level == logging.WARNING
+
+
+@pytest.mark.parametrize("value,says", [("-5", "MIRAGE_MIN_REGION_US='-5': min_region_us must be >= 0"),
+                                        ("fast", "MIRAGE_MIN_REGION_US='fast' is not a float")])
+def test_a_bad_value_stops_torch_compile_with_the_same_clear_error(monkeypatch, value, says):
+    """Out of range or not a number, through torch.compile: one ConfigError naming the variable, not a fallback."""
+    monkeypatch.setenv("MIRAGE_MIN_REGION_US", value)
+    with pytest.raises(Exception) as info:
+        torch.compile(lambda x: torch.softmax(x, -1), backend="mirage")(torch.randn(4, 8))
+    error = info.value
+    while not isinstance(error, config.ConfigError) and (getattr(error, "inner_exception", None) or error.__cause__):
+        error = getattr(error, "inner_exception", None) or error.__cause__    # Dynamo's BackendCompilerFailed
+    assert isinstance(error, config.ConfigError) and says in str(error), repr(info.value)
+    assert says in str(info.value)        # the message the user sees names it too
+
+
+def test_every_knob_is_read_by_the_package():
+    """A knob nothing reads would be documented and do nothing: each field is read as ``config.<name>`` /
+    ``cfg.<name>`` outside config.py."""
+    root = os.path.dirname(torch_mirage.__file__)
+    text = ""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py") and os.path.join(folder, name) != config.__file__:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    text += f.read()
+    unread = [name for name in config.Config.__dataclass_fields__
+              if not re.search(rf"\b(config|cfg)\.{name}\b", text)]
+    assert not unread, f"knobs nothing reads: {unread}"
+
+
+@pytest.mark.parametrize("torch_logs,level", [("+torch_mirage", logging.DEBUG), ("torch_mirage", logging.INFO)])
+def test_torch_logs_in_a_fresh_process_turns_the_logger_on(torch_logs, level):
+    """TORCH_LOGS is read when torch is imported, before torch_mirage registers its log: it still applies."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIRAGE_")}
+    env.update(TORCH_LOGS=torch_logs, PYTHONPATH=os.pathsep.join(sys.path))
+    code = "import logging, torch, torch_mirage; print(logging.getLogger('torch_mirage').getEffectiveLevel())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) == level

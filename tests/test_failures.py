@@ -243,6 +243,8 @@ def test_a_ugraph_too_large_for_block_memory_declines_without_a_warning(monkeypa
     from torch_mirage.superopt.claim import _compiled
     from torch_mirage.superopt import library
     from torch_mirage.superopt.validate import InvalidMuGraph
+    from torch_mirage.config import load
+    from torch_mirage.context import CompileContext
 
     def too_large(*args, **kwargs):
         raise InvalidMuGraph(["kernel graph op 3 (customized) body: its tensors need 1458176 bytes of block-level "
@@ -250,11 +252,9 @@ def test_a_ugraph_too_large_for_block_memory_declines_without_a_warning(monkeypa
 
     monkeypatch.setattr(library_claim, "compile_ugraph", too_large)
 
-    class Strict:
-        config = type("C", (), {"strict": True})()
-
+    strict = CompileContext.standalone(load({"strict": True}))
     workload = library.WORKLOADS["gated_mlp"]
     with caplog.at_level(logging.INFO, logger="torch_mirage"):
-        assert _compiled(workload, (4, 8, 16), "float32", {}, [], None, Strict()) is None
+        assert _compiled(workload, (4, 8, 16), "float32", {}, [], None, strict) is None
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("does not fit block memory" in r.getMessage() for r in caplog.records)

@@ -15,10 +15,12 @@ from torch_mirage.bench import workloads
 from torch_mirage.capture.ops import OpKind
 from torch_mirage.report import Reason
 from torch_mirage.superopt.compile import BlockLauncher
-from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed, shrunk
+from torch_mirage.superopt.gemv_claim import verified_instance
+from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed
 from torch_mirage.superopt.launch import streaming_candidates
 from torch_mirage.superopt.search.reference import reference_of
-from torch_mirage.superopt.verify import lower_callable, verify
+from torch_mirage.capture.lower import trace
+from torch_mirage.superopt.verify import verify
 
 # CPU tests: their kernels run in Triton's interpreter (the GPU test at the end runs without it)
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -169,7 +171,7 @@ def test_skinny_matmuls_are_memory_bound_and_wide_ones_compute_bound():
     is left to the library call (and reported so), a memory-bound one no claimer takes is reported as such."""
     model = CostModel()
     for rows, skinny in ((1, True), (16, True), (2048, False)):
-        graph = lower_callable(lambda x, w: x @ w, [torch.empty(rows, 1024, dtype=torch.float16),
+        graph = trace(lambda x, w: x @ w, [torch.empty(rows, 1024, dtype=torch.float16),
                                                     torch.empty(1024, 1024, dtype=torch.float16)])
         (mm,) = [n for n in graph.nodes if n.kind is OpKind.MATMUL]
         assert (skinny_matmul(mm, model) is not None) == skinny, rows
@@ -192,7 +194,7 @@ def test_every_streaming_launch_matches_the_reference(tmp_path):
     each compute the reference (on the GPU :func:`choose` also drops a launch that disagrees with the own schedule)."""
     fn = FORMS[10][1]
     xs = [torch.randn(3, 512), 1 + 0.1 * torch.randn(512), torch.randn(64, 512) / 512 ** 0.5, torch.randn(3, 64)]
-    graph = lower_callable(fn, xs)
+    graph = trace(fn, xs)
     ref = reference_of(graph.nodes, graph)
     seed = gemv_seed(ref.graph)
     (op,) = [o for o in seed.ops if o.name == "customized"]
@@ -207,46 +209,24 @@ def test_every_streaming_launch_matches_the_reference(tmp_path):
         assert_close(got, want)
 
 
-def test_large_region_is_verified_on_its_shrunk_program():
-    """A decode-sized region's seed is verified on the same program at VERIFY_DIMS (k 128, n 96): the k / n
-    substitution reaches every input and reshape, and the shrunk seed is proven equal to the shrunk reference."""
+def test_large_region_is_verified_at_shrunk_sizes():
+    """A decode-sized region's seed is verified at the search's shrunk sizes, drawn with their small tile so that
+    the grid and the for-loop still split; a small region is verified as it is."""
     fn = FORMS[12][1]                                                   # norm + gated MLP, nn.Linear weights
     xs = [torch.empty(2, 1, 4096, dtype=torch.float16), torch.empty(4096, dtype=torch.float16),
           torch.empty(1000, 4096, dtype=torch.float16), torch.empty(1000, 4096, dtype=torch.float16)]
-    graph = lower_callable(fn, xs)
+    graph = trace(fn, xs)
     ref = reference_of(graph.nodes, graph).graph
-    small = shrunk(ref)
-    assert [tuple(op.attrs["shape"]) for op in small.inputs] == [(2, 1, 128), (128,), (96, 128), (96, 128)]
-    seed = gemv_seed(small)
-    examples = [torch.zeros(op.attrs["shape"], dtype=torch.float16) for op in small.inputs]
-    assert verify(seed, small, examples)
-    assert shrunk(reference_of(*(lambda g: (g.nodes, g))(lower_callable(fn, _inputs("gw", 3, True))))
-                  .graph) is None                                       # small already: verified as it is
-
-
-@interpreted
-def test_a_seed_that_does_not_build_leaves_its_region_with_one_warning(monkeypatch, caplog):
-    """A weight-streaming μGraph that fails to build is reported like the library's (the search/build stage, one
-    grouped warning naming dtypes and shapes); its nodes go on to the other claimers; strict mode raises."""
-    import logging
-
-    import torch_mirage.superopt.gemv_claim as gemv_claim
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("injected build failure")
-    monkeypatch.setattr(gemv_claim, "compile_ugraph", broken)
-    fn = FORMS[0][1]
-    xs = _inputs("r", 3, True)
-    compiled, report = _compile(fn)
-    with caplog.at_level(logging.WARNING, logger="torch_mirage"):
-        assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
-    (warning,) = [r.getMessage() for r in caplog.records if "stage failed" in r.getMessage()]
-    assert "search/build" in warning and "weight-streaming" in warning and "float32[3, 103]" in warning, warning
-    assert not _gemv_regions(report)
-    torch._dynamo.reset()
-    compiled, _ = _compile(fn, strict=True)
-    with pytest.raises(Exception, match="injected build failure"):
-        compiled(*xs)
+    program, seed = verified_instance(ref, gemv_seed(ref))
+    shapes = [tuple(op.attrs["shape"]) for op in program.inputs]
+    assert max(d for s in shapes for d in s) < 100 and len(shapes) == 4, shapes
+    body = next(op.body for op in seed.ops if op.name == "customized")
+    assert body.grid[0] > 1 and body.forloop_range > 1, (body.grid, body.forloop_range)
+    examples = [torch.zeros(s, dtype=torch.float16) for s in shapes]
+    assert verify(seed, program, examples)
+    small_graph = trace(fn, _inputs("gw", 3, True))
+    small = reference_of(small_graph.nodes, small_graph).graph
+    assert verified_instance(small, gemv_seed(small))[0] is small
 
 
 def test_seed_declines_forms_it_cannot_stream():
@@ -259,7 +239,7 @@ def test_seed_declines_forms_it_cannot_stream():
 
     for fn, shapes, words in ((lora, [(3, K), (K, N), (K, 4), (4, N)], "different activations"),
                               (layernorm_linear, [(3, K), (K, N)], "not elementwise")):
-        graph = lower_callable(fn, [torch.randn(s) for s in shapes])
+        graph = trace(fn, [torch.randn(s) for s in shapes])
         with pytest.raises(NotStreamable, match=words):
             gemv_seed(reference_of(graph.nodes, graph).graph)
 

@@ -113,3 +113,27 @@ def test_the_known_cycle_edges_still_exist():
 
 def test_cycle_finder_finds_a_cycle():
     assert cycles({("a", "b"): [], ("b", "c"): [], ("c", "a"): [], ("c", "d"): []}) == [["a", "b", "c"]]
+
+
+# Modules that import parts of the package inside functions on purpose: loaded on first use so that ``import
+# torch_mirage``, ``python -m torch_mirage config`` and ``--help`` stay light (no Dynamo, no Triton), and the demo
+# sets TRITON_INTERPRET before anything defines a Triton kernel. Nowhere else: a function-level import there would
+# only hide a cycle or a slow import.
+LAZY_IMPORTERS = {"torch_mirage/__init__.py", "torch_mirage/__main__.py", "torch_mirage/demo.py"}
+
+
+def test_no_package_imports_inside_functions_but_the_lazy_entry_points():
+    found = []
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, os.path.dirname(ROOT)).replace(os.sep, "/")
+            if not name.endswith(".py") or rel in LAZY_IMPORTERS:
+                continue
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for fn in ast.walk(tree):
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found += [f"{rel}:{node.lineno}" for node in ast.walk(fn) if isinstance(node, ast.ImportFrom)
+                              and (node.level or (node.module or "").split(".")[0] == "torch_mirage")]
+    assert not found, f"package imports inside functions: {found}"

@@ -279,3 +279,20 @@ def test_qknorm_attention_runs_the_fused_ugraph(dtype):
     (region,) = _library_regions(report)
     assert region.info["ugraph"] == "qknorm_attention" and "eps=1e-06" in region.detail, str(report)
     assert region.info["dims"] == [2, 2, 16, 32, 16]
+
+
+@pytest.mark.parametrize("fn,shapes", [(gated_mlp, [(8, 16), (16, 24), (16, 24)]),            # weight streaming
+                                       (attention, [(1, 2, 16, 16), (1, 2, 16, 16), (1, 2, 16, 16)])])  # attention
+def test_kernel_sources_go_to_the_compiles_cache_dir_with_the_cache_off(tmp_path, monkeypatch, fn, shapes):
+    """options={"cache": False, "cache_dir": ...}: the μGraph kernels' sources are written under that cache_dir's
+    kernels/, not under the directory the environment names."""
+    monkeypatch.setenv("MIRAGE_CACHE_DIR", str(tmp_path / "from_env"))
+    report = torch_mirage.Report()
+    opts = {"cache": False, "cache_dir": str(tmp_path / "from_options")}
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(options=opts, report=report))
+    xs = _inputs(shapes, torch.float32)
+    assert_close(compiled(*xs), fn(*xs))
+    assert any(r.compiled_by == "mirage" and r.claimer in ("ugraph-gemv", "attention") for r in report.regions), \
+        str(report)
+    assert [f for f in os.listdir(tmp_path / "from_options" / "kernels") if f.startswith("ugraph_")]
+    assert not (tmp_path / "from_env").exists()

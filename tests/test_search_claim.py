@@ -72,3 +72,25 @@ def test_search_claims_on_gpu(dtype):
     assert_close(compiled(*xs), gated_mlp(*xs))
     searched = [r for r in report.regions if r.claimer == "ugraph-search"]
     assert len(searched) == 1 and searched[0].info["search_s"] < 30.0
+
+
+def test_the_compiles_options_reach_the_search_and_its_verifier(monkeypatch):
+    """options= (not only MIRAGE_* variables) set the search's budget, workers and verifier settings."""
+    from torch_mirage.superopt.search import claimer, driver
+
+    calls = []
+
+    def fake_search(target, inputs, **kw):
+        calls.append(kw)
+        return driver.SearchResult(None, driver.SearchStats(), reason="nothing (test)")
+
+    monkeypatch.setattr(claimer, "search", fake_search)
+    report = torch_mirage.Report()
+    opts = dict(ugraph_library=False, stitch=False, search=True, search_budget_s=7.0, search_workers=3,
+                verify_trials=5, verify_error_bound=1e-3, measure_regions=False, cache=False)
+    compiled = torch.compile(gated_mlp, backend=torch_mirage.MirageBackend(options=opts, report=report))
+    xs = [torch.randn(s) for s in [(4, 32), (32, 24), (32, 24)]]
+    assert_close(compiled(*xs), gated_mlp(*xs))
+    assert calls, "the search claimer did not search"
+    assert all((kw["budget_s"], kw["workers"], kw["verify_kwargs"]) ==
+               (7.0, 3, {"error_bound": 1e-3, "trials": 5}) for kw in calls), calls

@@ -18,7 +18,7 @@ from torch_mirage.superopt.library import PHI, new_kernel_graph, new_threadblock
 from torch_mirage.superopt.search.expr import const, div, fn, graph_exprs, mul, sub_exprs, sum_, var
 from torch_mirage.superopt.search.oracle import SubexprOracle
 from torch_mirage.superopt.search.reference import Reference, reference_of
-from torch_mirage.superopt.verify import lower_callable
+from torch_mirage.capture.lower import trace
 
 M, K, N, R, EPS = 4, 12, 8, 2, 1e-6
 B, H, SQ, KV, D = 1, 2, 4, 8, 4
@@ -182,7 +182,7 @@ def test_other_orders_match_and_every_prefix_is_admitted(name):
     xs = [torch.randn(s) for s in shapes]
     (out,) = execute(g, xs)
     assert_close(out, fn(*xs))
-    cap = lower_callable(fn, xs)
+    cap = trace(fn, xs)
     ref = reference_of(cap.nodes, cap)
     assert isinstance(ref, Reference), str(ref)
     o = SubexprOracle(ref.exprs, use_z3=False)
@@ -220,7 +220,7 @@ def test_distributed_ntrans_prefixes_need_z3():
     fn = lambda h, x, al: L.ntrans_ref(h, x, al, eps=EPS)  # noqa: E731
     xs = [torch.randn(4, 6) for _ in range(3)]
     assert_close(execute(g, xs)[0], fn(*xs))
-    cap = lower_callable(fn, xs)
+    cap = trace(fn, xs)
     ref = reference_of(cap.nodes, cap)
     front_only = SubexprOracle(ref.exprs, use_z3=False)
     with_z3 = SubexprOracle(ref.exprs, use_z3=True, strict=True, z3_timeout_ms=3000)

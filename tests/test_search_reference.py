@@ -12,7 +12,7 @@ from torch_mirage.superopt import library as L
 from torch_mirage.superopt.executor import execute
 from torch_mirage.superopt.search.expr import graph_exprs
 from torch_mirage.superopt.search.reference import Decline, Reference, reference_of
-from torch_mirage.superopt.verify import lower_callable
+from torch_mirage.capture.lower import trace
 
 M, K, N, R, EPS = 6, 12, 8, 2, 1e-6
 
@@ -78,7 +78,7 @@ LIB = {"rms": lambda: L.rmsnorm_linear(M, K, N, eps=EPS, grid=2, forloop_range=3
 
 
 def _reference(fn, xs):
-    graph = lower_callable(fn, xs)
+    graph = trace(fn, xs)
     return reference_of(graph.nodes, graph), graph
 
 

@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from torch_mirage import numerics
 from torch_mirage.superopt import library as L
 from torch_mirage.superopt import verify
 from torch_mirage.superopt.ff_field import DEFAULT_FIELD, TINY_FIELD, FieldParams, is_prime, matmul_mod
@@ -187,6 +188,21 @@ def test_non_lax_program_gets_float_test_only():
     assert v.equivalent and v.error_bound is None and "float test only" in v.reason
     bad = verify(lambda x: 2 * torch.erf(x) + 1e-3, ref, [r(3, 5)])
     assert not bad.equivalent and bad.reason.startswith("float test")
+
+
+def test_float_test_tolerance_is_the_numerics_tables(monkeypatch):
+    """The float test reads numerics.TOLERANCE["verify"] (one table), in the max norm."""
+    def ref(x):
+        return torch.erf(x) * 2
+
+    def near(x):
+        return torch.erf(x) * (2 + 2e-6)    # max-norm relative error 1e-6: off for fp64, a rewrite bug
+
+    v = verify(near, ref, [r(3, 5)])
+    assert not v.equivalent and "relative error 1e-06 > 1e-07" in v.reason, v.reason
+    monkeypatch.setitem(numerics.TOLERANCE["verify"], torch.float64, 1e-5)
+    v = verify(near, ref, [r(3, 5)])
+    assert v.equivalent and 5e-7 < v.float_max_error < 2e-6, v
 
 
 def test_tanh_is_an_uninterpreted_function_in_the_field():

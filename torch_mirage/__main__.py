@@ -10,6 +10,9 @@ import argparse
 import sys
 from typing import Callable
 
+from .config import ConfigError, describe, load
+from .failures import describe_error
+
 PROG = "python -m torch_mirage"
 COMMANDS = {
     "demo": "compile a Llama-style decoder block with backend='mirage' and report what was done",
@@ -28,8 +31,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _config(argv: list[str]) -> int:
-    from .config import ConfigError, describe, load
-
     p = argparse.ArgumentParser(prog=f"{PROG} config", description=COMMANDS["config"])
     p.add_argument("-v", "--verbose", action="store_true", help="show the traceback of a failure")
     p.parse_args(argv)
@@ -44,7 +45,7 @@ def _config(argv: list[str]) -> int:
 
 
 def _demo(argv: list[str]) -> int:
-    from .demo import main as demo
+    from .demo import main as demo   # loaded on use: `config` and `--help` stay light (no Dynamo, no Triton)
     return demo(argv)
 
 
@@ -65,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     verbose = args.verbose or any(a in ("-v", "--verbose") for a in args.args)
     if args.command != "config":   # config reports a bad MIRAGE_* value itself, as its own usage error
-        from .config import ConfigError, load
         try:
             load()
         except ConfigError as e:
@@ -75,7 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if verbose:
             raise
-        from .failures import describe_error
         print(f"{PROG} {args.command}: error: {describe_error(e, limit=1000)} (-v shows the traceback)",
               file=sys.stderr)
         return 1

@@ -24,16 +24,16 @@ import secrets
 import threading
 from typing import Any
 
+import torch
+
+from ._version import __version__
+
 log = logging.getLogger("torch_mirage")
 
 _MAGIC = b"MIRAGE1\n"
 
 
 def versions() -> dict[str, str]:
-    import torch
-
-    from . import __version__
-
     try:
         import triton
         triton_version = triton.__version__

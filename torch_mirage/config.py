@@ -31,6 +31,8 @@ NON_KNOB_VARIABLES = {
     "MIRAGE_BUILD_CSRC": "setup.py: 0 skips building the C++ extension",
     "MIRAGE_UPDATE_GOLDEN": "tests: rewrite the golden copies of generated source",
     "MIRAGE_LLM_FULL": "tests: run every LLM family, scenario and mode",
+    "MIRAGE_SEARCH_TEST_CRASH_WORKER": "tests: the μGraph search worker of this index dies at start",
+    "MIRAGE_CI_VENV": ".ci/run: where it makes its fresh virtual environment",
 }
 
 
@@ -69,7 +71,7 @@ def _default_cache_dir() -> str:
 
 @dataclass(frozen=True)
 class Config:
-    cache_dir: str = _knob(_default_cache_dir(), "Directory of the on-disk cache (search results, generated kernels).", check=NON_EMPTY)
+    cache_dir: str = _knob(_default_cache_dir(), "Directory of the on-disk cache (search results, generated kernels, timings); the default is $XDG_CACHE_HOME/torch_mirage where XDG_CACHE_HOME is set.", check=NON_EMPTY)
     cuda_graphs: bool = _knob(True, "Wrap compiled graphs in CUDA graphs where that is safe. Turn off when the caller captures its own graph.")
     fallback: str = _knob("inductor", "Where everything mirage does not claim goes: 'inductor' or 'eager'.", affects_output=True, choices=("inductor", "eager"))
     inductor_mode: str = _knob("default", "Inductor mode for the fallback: 'default' or 'max-autotune-no-cudagraphs'.", affects_output=True, choices=("default", "max-autotune-no-cudagraphs"))
@@ -85,8 +87,8 @@ class Config:
     cache: bool = _knob(True, "Read and write the on-disk cache.")
     attention_band: bool = _knob(True, "Attention whose mask's value property is causal or a sliding window visits only the key tiles a query block can see (the block graph's forloop_band).", affects_output=True)
     search: bool = _knob(False, "Claim regions around a matmul, and matmul-free reduction chains (nTrans, residual RMSNorm / LayerNorm), with a μGraph found by the μGraph search (seeds off, verified; up to search_budget_s per region), after the μGraph library claimer. Off by default: on the CPU it finds RMSNorm+Linear, gated MLP, LoRA, nTrans and residual norms (seeds off, small shapes) in 1.5–4.3 s, every result verified, but there is no GPU evidence of its kernels' speed yet.", affects_output=True)
-    search_budget_s: float = _knob(30.0, "Wall-clock budget in seconds of one μGraph search (anytime: the best verified μGraph found by then is kept; 0 = no search).", affects_output=True)
-    search_workers: int = _knob(1, "Worker processes of the μGraph search (spawned; first-level DFS branches dealt round-robin; 1 = in-process). On the 2-core CPU 2 workers were slower than 1 (spawn/import and per-worker oracle caches: RMSNorm+Linear 4.0 s -> 9.1 s, gated MLP 1.5 s -> 4.9 s to the first verified μGraph, benchmarks/results/search_workers_cpu.json), so the default stays 1.")
+    search_budget_s: float = _knob(30.0, "Wall-clock budget in seconds of one μGraph search (anytime: the best verified μGraph found by then is kept; 0 = no search).", affects_output=True, check=at_least(0))
+    search_workers: int = _knob(1, "Worker processes of the μGraph search (spawned; first-level DFS branches dealt round-robin; 1 = in-process). On the 2-core CPU 2 workers were slower than 1 (spawn/import and per-worker oracle caches: RMSNorm+Linear 4.0 s -> 9.1 s, gated MLP 1.5 s -> 4.9 s to the first verified μGraph, benchmarks/results/search_workers_cpu.json), so the default stays 1.", check=at_least(1))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -2,7 +2,8 @@
 
 Every numeric comparison in the package — the compile-time check of a region against eager
 (:mod:`.runtime.measure`), launch tuning's agreement between configs (:mod:`.superopt.launch`), the search's
-float probe (:mod:`.superopt.search.driver`), the bench's correctness gate (:mod:`.bench`) and the tests —
+float probe (:mod:`.superopt.search.driver`), the equivalence verifier's float test
+(:mod:`.superopt.verify`), the bench's correctness gate (:mod:`.bench`) and the tests —
 measures :func:`relative_error` and compares it with :func:`tolerance` for the output's dtype and the use.
 The uses differ on purpose, and each difference is a named column of :data:`TOLERANCE`, not a copy.
 
@@ -32,8 +33,11 @@ TOLERANCE: dict[str, dict[torch.dtype, float]] = {
     "retile": {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 5e-3},
     # the search's float64 probe, in the max norm: a wrong imap / fmap is off by O(1)
     "probe": {torch.float64: 1e-6},
+    # the equivalence verifier's float test (superopt.verify), fp64 in the max norm over the reference's finite
+    # elements: reassociation error is ~1e-15 there, a real rewrite bug is O(1)
+    "verify": {torch.float64: 1e-7},
 }
-Use = Literal["kernel", "bench", "model", "retile", "probe"]
+Use = Literal["kernel", "bench", "model", "retile", "probe", "verify"]
 
 _CHUNK = 1 << 22   # elements compared at a time: the check of a 2 GiB logits output needs no 4 GiB float64 copy
 

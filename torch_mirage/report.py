@@ -25,7 +25,6 @@ class Reason(enum.StrEnum):
     UNSUPPORTED_DTYPE = "dtype mirage does not generate kernels for"
     SLOWER_THAN_INDUCTOR = "mirage's kernel measured slower than Inductor's"
     COMPILE_ERROR = "mirage failed to compile it; fell back"
-    DISABLED = "disabled by configuration"
     # reasons a claimer gives for passing over nodes (declines)
     BELOW_MIN_REGION = "memory traffic below MIRAGE_MIN_REGION_US: too small for a kernel of its own"
     TOO_LITTLE_WORK = "too little work to save a launch (layout only, or one cheap op)"

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import harness, llm, models, report
+from . import harness, has_transformers, llm, models, report
 from . import workloads as W
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report.markdown(doc))
         return 0
     if args.models:
-        if not models.available():
+        if not has_transformers():
             print(f"bench: {models.MISSING}", file=sys.stderr)
             return 2
         models.run(_list(args.models), args.out, "models" if args.name == "results" else args.name,
@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 doc["cases"].append(_run_workload(w, b, dtype, modes, device, quick, timing_cfg, ceilings))
                 report.write_json(doc, os.path.join(args.out, f"{args.name}.json"))   # partial results survive a kill
 
-    if llm_specs and not llm.available():
+    if llm_specs and not has_transformers():
         print(f"bench: {llm.MISSING}")
         doc.setdefault("notes", []).append(llm.MISSING)
     elif llm_specs:

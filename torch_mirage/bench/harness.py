@@ -21,7 +21,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..backend import MirageBackend
 from ..numerics import relative_error, tolerance
+from ..report import Report
 from ..timing import cuda_graph_timing, plain_timing
 from . import workloads as W
 
@@ -40,9 +42,6 @@ ERR_SLACK = 3.0
 
 
 def _mirage(fn: Callable, info: dict) -> Callable:
-    from ..backend import MirageBackend
-    from ..report import Report
-
     report = Report()
     info["report"] = report
     # the same backend as backend="mirage"; an instance so that its report can be read back

@@ -33,6 +33,7 @@ import torch
 
 from ..numerics import tolerance
 from ..timing import alternating_medians, count_device_kernels, plain_timing
+from . import select
 from .harness import COMPILERS, _free, _short, mirage_summary, rel_error, time_in_cuda_graph
 
 CONTEXT = 4096          # static cache slots
@@ -40,7 +41,7 @@ DECODE_POSITION = 4000  # the decoded token's position (earlier slots hold rando
 PREFILL_TOKENS = 2048
 LLM_MODES = ("eager", "inductor", "mirage")
 
-MISSING = "transformers is not installed: end-to-end LLM benchmarks skipped (pip install 'transformers>=4.45')"
+MISSING = "transformers is not installed: end-to-end LLM benchmarks skipped (pip install 'torch-mirage[bench]')"
 
 
 @dataclass(frozen=True)
@@ -76,21 +77,8 @@ MODELS: dict[str, LLMSpec] = {m.name: m for m in [
 QUICK_DEFAULT = ("llama3-8b-4l",)
 
 
-def available() -> bool:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def get(names: Sequence[str] | None) -> list[LLMSpec]:
-    if not names:
-        return list(MODELS.values())
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        raise KeyError(f"unknown LLM(s) {unknown}; known: {sorted(MODELS)}")
-    return [MODELS[n] for n in names]
+    return select(MODELS, names, "LLM(s)")
 
 
 # ---------------------------------------------------------------------------------------------

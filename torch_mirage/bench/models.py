@@ -28,8 +28,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..backend import MirageBackend
 from ..numerics import tolerance
+from ..report import Report
 from ..timing import count_device_kernels, plain_timing
+from . import has_transformers, select
 from .harness import _free, _short, mirage_summary, rel_error
 from .report import environment, pyplot, write_json
 
@@ -88,21 +91,8 @@ MODELS: dict[str, HFModel] = {m.name: m for m in [
 GPU_DEFAULT = ("llama", "gemma2", "gpt2", "bert")
 
 
-def available() -> bool:
-    try:
-        import transformers  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 def get(names: Sequence[str] | None) -> list[HFModel]:
-    if not names:
-        return list(MODELS.values())
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        raise ValueError(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
-    return [MODELS[n] for n in names]
+    return select(MODELS, names, "model(s)")
 
 
 def build(spec: HFModel, attn: str, dtype: torch.dtype, device: torch.device | str, tiny: bool, seed: int = 0):
@@ -168,7 +158,6 @@ def compile_forward(model, mode: str, report: Any = None) -> None:
     if mode == "eager":
         return
     if mode == "mirage":
-        from ..backend import MirageBackend
         model.forward = torch.compile(model.forward, backend=MirageBackend(report=report), dynamic=False)
     elif mode == "inductor":
         model.forward = torch.compile(model.forward, dynamic=False)
@@ -203,8 +192,6 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
              tiny: bool, batch: int, tokens: int, new_tokens: int, timing: dict | None,
              log: Callable[[str], None] = print) -> dict:
     """One model with one attention implementation through every mode. Returns its JSON record."""
-    from ..report import Report
-
     record: dict = {"model": spec.name, "attn": attn, "dtype": str(dtype).replace("torch.", ""),
                     "batch": batch, "tokens": tokens, "new_tokens": new_tokens if spec.causal else 0, "modes": {}}
     try:
@@ -468,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.merge:
         print(markdown(merge(args.merge, args.out, args.name)))
         return 0
-    if not available():
+    if not has_transformers():
         print(MISSING)
         return 2
     split = lambda s: [x for x in s.split(",") if x] if s else None

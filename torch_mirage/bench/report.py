@@ -14,15 +14,16 @@ import os
 import platform
 from typing import Any, Sequence
 
+import torch
+
+from .._version import __version__
+from .harness import MODES
+
 SCHEMA = "torch_mirage.bench/1"
 QUICK_NOTE = "quick mode: tiny shapes, correctness only; no timing claims"
 
 
 def environment(device: str) -> dict:
-    import torch
-
-    from .. import __version__
-
     env = {"device": device, "torch": torch.__version__, "torch_mirage": __version__,
            "python": platform.python_version(), "cuda": torch.version.cuda}
     for name in ("triton", "transformers"):
@@ -178,8 +179,6 @@ def markdown(doc: dict) -> str:
 
 
 def _modes(cases: Sequence[dict]) -> list[str]:
-    from .harness import MODES
-
     seen = {m for c in cases for m in c["modes"]}
     return [m for m in MODES if m in seen] + sorted(seen - set(MODES))
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..numerics import rms_norm
+from . import select
 
 # ---------------------------------------------------------------------------------------------
 # The functions (what a model author writes)
@@ -355,12 +356,7 @@ QUICK_DEFAULT = ("rmsnorm_linear", "bert_softmax", "gqa", "llama_layer_decode")
 
 
 def get(names: Sequence[str] | None) -> list[Workload]:
-    if not names:
-        return list(WORKLOADS.values())
-    unknown = [n for n in names if n not in WORKLOADS]
-    if unknown:
-        raise KeyError(f"unknown workload(s) {unknown}; known: {sorted(WORKLOADS)}")
-    return [WORKLOADS[n] for n in names]
+    return select(WORKLOADS, names, "workload(s)")
 
 
 # ---------------------------------------------------------------------------------------------

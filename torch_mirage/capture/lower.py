@@ -2,7 +2,9 @@
 
 :func:`lower` reads an ATen ``GraphModule`` whose nodes carry ``meta["val"]``
 (FakeTensors, as AOTAutograd produces them) into a :class:`Graph`;
-:func:`to_fx` writes a :class:`Graph` back as an FX graph of the same ATen calls.
+:func:`to_fx` writes a :class:`Graph` back as an FX graph of the same ATen calls;
+:func:`trace` takes a plain PyTorch callable to a :class:`Graph` (the one trace-to-IR of the package: the μGraph
+library's programs, the verifier's references; the backend's own graphs come from AOTAutograd).
 """
 from __future__ import annotations
 
@@ -19,6 +21,22 @@ from .ops import op_for_target
 
 class LoweringError(RuntimeError):
     pass
+
+
+def trace(fn: Any, args: Any, *, tracing_mode: str = "fake") -> Graph:
+    """``fn(*args)`` as a :class:`Graph`: functionalized and traced by ``make_fx`` with Inductor's
+    decompositions (the ATen ops the backend sees), inputs in ``args``' order with unused ones kept (which
+    Dynamo's capture does not). ``tracing_mode="real"`` traces meta tensors as they are, with no fake mode of
+    its own that could pick up the symbolic shapes of a compile it runs inside."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def positional(*xs: Any) -> Any:   # hides defaulted keyword parameters from make_fx
+        return fn(*xs)
+
+    gm = make_fx(torch.func.functionalize(positional), decomposition_table=select_decomp_table(),
+                 tracing_mode=tracing_mode)(*args)
+    return lower(gm)
 
 
 def lower(gm: fx.GraphModule, example_inputs: list | None = None) -> Graph:

@@ -6,8 +6,7 @@ division, and the elementwise / reduction ops built from them) are marked
 ``lax=True``; everything without an entry lowers to an opaque node, which later
 stages never claim and which always runs through the fallback.
 
-``triton`` is a ``str.format`` template over the operand expressions (fp32
-values in registers); ``None`` means the stitch codegen cannot emit it.
+What an op is in generated Triton lives in codegen (:mod:`torch_mirage.codegen.stitch_ops`), not here.
 """
 from __future__ import annotations
 
@@ -35,7 +34,6 @@ class OpDef:
     kind: OpKind
     targets: tuple  # ATen overloads lowered to this op
     lax: bool = False
-    triton: str | None = None   # elementwise: template over operands {0}, {1}, ...
     flops: int = 1              # per output element (elementwise) / per input element (reduction)
 
     @property
@@ -57,39 +55,39 @@ E, R, M, L, C = OpKind.ELEMENTWISE, OpKind.REDUCTION, OpKind.MATMUL, OpKind.LAYO
 
 OPS: tuple[OpDef, ...] = (
     # elementwise, LAX
-    OpDef("add", E, _t("aten.add.Tensor", "aten.add.Scalar"), True, "({0} + {1})"),
-    OpDef("sub", E, _t("aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Scalar", "aten.rsub.Tensor"), True, "({0} - {1})"),
-    OpDef("mul", E, _t("aten.mul.Tensor", "aten.mul.Scalar"), True, "({0} * {1})"),
-    OpDef("div", E, _t("aten.div.Tensor", "aten.div.Scalar", "prims.div.default"), True, "({0} / {1})"),
-    OpDef("neg", E, _t("aten.neg.default"), True, "(-{0})"),
-    OpDef("reciprocal", E, _t("aten.reciprocal.default"), True, "(1.0 / {0})"),
-    OpDef("exp", E, _t("aten.exp.default"), True, "tl.exp({0})", flops=4),
-    OpDef("exp2", E, _t("aten.exp2.default"), True, "tl.exp2({0})", flops=4),
-    OpDef("sqrt", E, _t("aten.sqrt.default"), True, "tl.sqrt({0})", flops=4),
-    OpDef("rsqrt", E, _t("aten.rsqrt.default"), True, "tl.rsqrt({0})", flops=4),
-    OpDef("pow", E, _t("aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor"), True, None, flops=4),
-    OpDef("silu", E, _t("aten.silu.default"), True, "({0} * tl.sigmoid({0}))", flops=6),
-    OpDef("sigmoid", E, _t("aten.sigmoid.default"), True, "tl.sigmoid({0})", flops=5),
-    OpDef("to_dtype", E, _t("prims.convert_element_type.default", "aten._to_copy.default"), True, "{0}", flops=0),
-    OpDef("copy", E, _t("aten.clone.default", "aten.alias.default", "aten.lift_fresh_copy.default"), True, "{0}", flops=0),
+    OpDef("add", E, _t("aten.add.Tensor", "aten.add.Scalar"), True),
+    OpDef("sub", E, _t("aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Scalar", "aten.rsub.Tensor"), True),
+    OpDef("mul", E, _t("aten.mul.Tensor", "aten.mul.Scalar"), True),
+    OpDef("div", E, _t("aten.div.Tensor", "aten.div.Scalar", "prims.div.default"), True),
+    OpDef("neg", E, _t("aten.neg.default"), True),
+    OpDef("reciprocal", E, _t("aten.reciprocal.default"), True),
+    OpDef("exp", E, _t("aten.exp.default"), True, flops=4),
+    OpDef("exp2", E, _t("aten.exp2.default"), True, flops=4),
+    OpDef("sqrt", E, _t("aten.sqrt.default"), True, flops=4),
+    OpDef("rsqrt", E, _t("aten.rsqrt.default"), True, flops=4),
+    OpDef("pow", E, _t("aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor"), True, flops=4),
+    OpDef("silu", E, _t("aten.silu.default"), True, flops=6),
+    OpDef("sigmoid", E, _t("aten.sigmoid.default"), True, flops=5),
+    OpDef("to_dtype", E, _t("prims.convert_element_type.default", "aten._to_copy.default"), True, flops=0),
+    OpDef("copy", E, _t("aten.clone.default", "aten.alias.default", "aten.lift_fresh_copy.default"), True, flops=0),
     # elementwise, non-LAX (the verifier gives them a documented treatment)
-    OpDef("tanh", E, _t("aten.tanh.default"), False, "_tanh({0})", flops=6),
-    OpDef("erf", E, _t("aten.erf.default"), False, "_erf({0})", flops=8),
-    OpDef("log", E, _t("aten.log.default"), False, "tl.log({0})", flops=4),
-    OpDef("abs", E, _t("aten.abs.default"), False, "tl.abs({0})"),
-    OpDef("relu", E, _t("aten.relu.default"), False, "_maximum({0}, 0.0)"),
-    OpDef("maximum", E, _t("aten.maximum.default", "aten.clamp_min.default"), False, "_maximum({0}, {1})"),
-    OpDef("minimum", E, _t("aten.minimum.default", "aten.clamp_max.default"), False, "_minimum({0}, {1})"),
-    OpDef("where", E, _t("aten.where.self", "aten.where.ScalarSelf", "aten.where.ScalarOther"), False, "tl.where({0}, {1}, {2})"),
-    OpDef("eq", E, _t("aten.eq.Tensor", "aten.eq.Scalar"), False, "({0} == {1})"),
-    OpDef("ne", E, _t("aten.ne.Tensor", "aten.ne.Scalar"), False, "({0} != {1})"),
-    OpDef("lt", E, _t("aten.lt.Tensor", "aten.lt.Scalar"), False, "({0} < {1})"),
-    OpDef("le", E, _t("aten.le.Tensor", "aten.le.Scalar"), False, "({0} <= {1})"),
-    OpDef("gt", E, _t("aten.gt.Tensor", "aten.gt.Scalar"), False, "({0} > {1})"),
-    OpDef("ge", E, _t("aten.ge.Tensor", "aten.ge.Scalar"), False, "({0} >= {1})"),
-    OpDef("logical_not", E, _t("aten.logical_not.default", "aten.bitwise_not.default"), False, "({0} == 0)"),
-    OpDef("logical_and", E, _t("aten.logical_and.default", "aten.bitwise_and.Tensor"), False, "(({0} != 0) & ({1} != 0))"),
-    OpDef("isnan", E, _t("aten.isnan.default"), False, "({0} != {0})"),
+    OpDef("tanh", E, _t("aten.tanh.default"), False, flops=6),
+    OpDef("erf", E, _t("aten.erf.default"), False, flops=8),
+    OpDef("log", E, _t("aten.log.default"), False, flops=4),
+    OpDef("abs", E, _t("aten.abs.default"), False),
+    OpDef("relu", E, _t("aten.relu.default"), False),
+    OpDef("maximum", E, _t("aten.maximum.default", "aten.clamp_min.default"), False),
+    OpDef("minimum", E, _t("aten.minimum.default", "aten.clamp_max.default"), False),
+    OpDef("where", E, _t("aten.where.self", "aten.where.ScalarSelf", "aten.where.ScalarOther"), False),
+    OpDef("eq", E, _t("aten.eq.Tensor", "aten.eq.Scalar"), False),
+    OpDef("ne", E, _t("aten.ne.Tensor", "aten.ne.Scalar"), False),
+    OpDef("lt", E, _t("aten.lt.Tensor", "aten.lt.Scalar"), False),
+    OpDef("le", E, _t("aten.le.Tensor", "aten.le.Scalar"), False),
+    OpDef("gt", E, _t("aten.gt.Tensor", "aten.gt.Scalar"), False),
+    OpDef("ge", E, _t("aten.ge.Tensor", "aten.ge.Scalar"), False),
+    OpDef("logical_not", E, _t("aten.logical_not.default", "aten.bitwise_not.default"), False),
+    OpDef("logical_and", E, _t("aten.logical_and.default", "aten.bitwise_and.Tensor"), False),
+    OpDef("isnan", E, _t("aten.isnan.default"), False),
     # reductions
     OpDef("sum", R, _t("aten.sum.dim_IntList", "aten.sum.default"), True),
     OpDef("mean", R, _t("aten.mean.dim", "aten.mean.default"), True),

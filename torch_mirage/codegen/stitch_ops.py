@@ -1,8 +1,8 @@
 """What each IR op is in a stitch kernel: its Triton expression, its reduction, its fill, and whether it can be emitted.
 
 This module owns the per-op facts of the stitch codegen: :func:`op_expr` (an elementwise node's Triton expression
-over its operands' expressions: the op table's ``triton`` template, or a rule here for ops whose template needs
-the node), :data:`HELPERS` (the ``@triton.jit`` functions those expressions call), :func:`reduction_spec`,
+over its operands' expressions: the op's entry in :data:`TEMPLATES`, or a rule here for ops whose template
+needs the node), :data:`HELPERS` (the ``@triton.jit`` functions those expressions call), :func:`reduction_spec`,
 :func:`fill_value` and :func:`node_support`, which says which IR nodes the codegen can emit; the partitioner
 claims nothing else. The kernel itself is written by :mod:`.stitch_emit`.
 
@@ -24,6 +24,41 @@ prims = torch.ops.prims
 
 TL_DTYPE = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
             torch.bool: "tl.int1"}
+
+TEMPLATES: dict[str, str] = {   # elementwise op name -> str.format template over the operand expressions (fp32)
+    "add": "({0} + {1})",
+    "sub": "({0} - {1})",
+    "mul": "({0} * {1})",
+    "div": "({0} / {1})",
+    "neg": "(-{0})",
+    "reciprocal": "(1.0 / {0})",
+    "exp": "tl.exp({0})",
+    "exp2": "tl.exp2({0})",
+    "sqrt": "tl.sqrt({0})",
+    "rsqrt": "tl.rsqrt({0})",
+    "silu": "({0} * tl.sigmoid({0}))",
+    "sigmoid": "tl.sigmoid({0})",
+    "to_dtype": "{0}",
+    "copy": "{0}",
+    "tanh": "_tanh({0})",
+    "erf": "_erf({0})",
+    "log": "tl.log({0})",
+    "abs": "tl.abs({0})",
+    "relu": "_maximum({0}, 0.0)",
+    "maximum": "_maximum({0}, {1})",
+    "minimum": "_minimum({0}, {1})",
+    "where": "tl.where({0}, {1}, {2})",
+    "eq": "({0} == {1})",
+    "ne": "({0} != {1})",
+    "lt": "({0} < {1})",
+    "le": "({0} <= {1})",
+    "gt": "({0} > {1})",
+    "ge": "({0} >= {1})",
+    "logical_not": "({0} == 0)",
+    "logical_and": "(({0} != 0) & ({1} != 0))",
+    "isnan": "({0} != {0})",
+}
+
 
 HELPERS = '''
 @triton.jit
@@ -92,7 +127,7 @@ _RENDER: dict[Any, Callable[[Node, list[str]], str]] = {
 def op_expr(node: Node, operands: list[str]) -> str:
     """The Triton expression of elementwise ``node`` over its operands' expressions."""
     render = _RENDER.get(node.target)
-    return render(node, operands) if render else node.op.triton.format(*operands)
+    return render(node, operands) if render else TEMPLATES[node.op.name].format(*operands)
 
 
 @dataclass(frozen=True)
@@ -163,7 +198,7 @@ def node_support(node: Node) -> str | None:
         return None
     if kind is not OpKind.ELEMENTWISE:
         return f"{node.target_name}: {kind.value} op"
-    if node.op.triton is None and node.target not in _RENDER:
+    if node.op.name not in TEMPLATES and node.target not in _RENDER:
         return f"{node.target_name}: no Triton template"
     if node.target is aten.pow.Tensor_Scalar and node.args[1] not in _POW:
         return f"{node.target_name}: exponent {node.args[1]!r} not stitched"

@@ -11,7 +11,12 @@ What maps to what (Mirage §2, §6):
   kernel 17.8 → 15.6 µs, the same as a hand-written tutorial-style kernel on those tiles); a block matmul
   feeding a sum accumulator → ``acc = tl.dot(a, b, acc)``; ``matmul(concat, concat)`` along the
   contracted dim (LoRA's concat identity) → one ``tl.dot`` per part into the same accumulator;
-* thread graphs (fused elementwise chains) are inlined: Triton keeps them in registers;
+* thread graphs (fused elementwise chains) are inlined: Triton keeps them in registers; chains of constant
+  factors fold into one multiply (a ``scalar_mul`` is a pending scale its reader multiplies in), a divisor
+  broadcast over the tile is one reciprocal per row; tanh is ``tanh.approx.f32`` for ``Target.CUDA``;
+* a for-loop band (``forloop_band``, causal / sliding-window attention) bounds each block's loop; with a mask that
+  is 0 where the band sees, the loop splits into the tiles every row sees whole (no mask) and the edge tiles, and
+  causal row blocks run heaviest first;
 * every tile dim is padded to a power of two (≥ 16, ``tl.dot``'s minimum, unless it is 1); loads and
   stores are masked on ragged dims, and every reduction or contraction over a padded dim masks its
   operand first, so padding never leaks into valid elements; strides are kernel arguments;
@@ -32,9 +37,10 @@ Leading unit dims of a tile are dropped (keeping rank ≥ 2 for rank ≥ 2 tiles
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from ..context import Target
 from ..ugraph import BlockGraph, Graph, MuGraphError, Op, Ref, band_geometry
 
 TL = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32"}
@@ -48,6 +54,9 @@ ELEMENTWISE = {
     "tanh": "(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)",
     "neg": "-{0}", "square": "{0} * {0}", "scalar_mul": "{0} * {value}", "scalar_add": "{0} + {value}",
 }
+# tanh on CUDA: the SFU's tanh.approx.f32 (max relative error 2^-10.987), one instruction where the portable form
+# (the interpreter's) is an exp, a reciprocal and three multiply-adds
+TANH_PTX = 'tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [{0}], dtype=tl.float32, is_pure=True, pack=1)'
 # reductions: (Triton reducer, fill for padded elements)
 NEG_INF = 'float("-inf")'
 LOG2E = 1.4426950408889634   # online softmax in base 2: exp(x) = exp2(x · log2 e)
@@ -108,6 +117,8 @@ class Val:
     cat_dim: int = -1
     log2e: bool = False     # holds the op's value times log2(e) (online-softmax scores, see _prescaled)
     trans: bool = False     # the register tile holds the value transposed (a rank-2 tile, see layout_rules)
+    scale: float = 1.0      # the op's value is ``name`` times this constant, not yet multiplied (see _Emitter.emit_op)
+    zero: bool = False      # a tile known to be 0 (a band's mask on a tile every row sees whole): ``name`` builds it
 
     @property
     def pshape(self) -> tuple:
@@ -134,8 +145,21 @@ class BlockKernel:
 
 
 class _Emitter:
-    def __init__(self, bg: BlockGraph, n_inputs: int, split: int, order=None, transposed=None):
-        self.bg, self.split, self.n_inputs = bg, split, n_inputs
+    """Writes one kernel's lines. Constant factors are folded: a ``scalar_mul`` binds its input times a pending
+    ``Val.scale`` (no code), which the one reader in its phase multiplies in where it reads the value — one
+    multiply for a chain (attention's scale, 1/softcap → one constant in tanh's argument; softcap, log2 e → one in
+    the online softmax's scores) — and any other reader gets it multiplied out once (:meth:`arg`). ``target``
+    picks the CUDA-only forms (tanh on the SFU); the interpreter gets portable ones. ``full``: the loop being
+    written walks only tiles every row of the block sees whole, where the band's mask is 0 (not loaded)."""
+
+    def __init__(self, bg: BlockGraph, n_inputs: int, split: int, order=None, transposed=None,
+                 target: Target = Target.INTERPRETER):
+        self.bg, self.split, self.n_inputs, self.target = bg, split, n_inputs, target
+        self.band_zero: int | None = None
+        self.full = False
+        self.users = bg.consumers()
+        self.phase = _phase_of(bg)
+        self.raw_scores = {id(op): _raw_terms(bg, op.inputs[0]) for op in bg.ops if op.name == "acc_online_softmax"}
         self.lines: list[str] = []
         self.indent = 1
         self.aranges: set[int] = set()
@@ -175,7 +199,9 @@ class _Emitter:
         return v
 
     def f32(self, v: Val) -> str:
-        return v.name if v.dtype == "float32" else f"{v.name}.to(tl.float32)"
+        """``v``'s value in fp32 as an expression (its pending scale multiplied in)."""
+        x = v.name if v.dtype == "float32" else f"{v.name}.to(tl.float32)"
+        return x if v.scale == 1.0 else f"({x} * {v.scale!r})"
 
     def mask(self, shape, trans: bool = False) -> str | None:
         """Validity mask of a block of (stripped) ``shape`` (held transposed: ``trans``): only padded dims are
@@ -217,6 +243,10 @@ class _Emitter:
 
     def load_iterator(self, op: Op, it: str | None, trans: bool = False) -> Val:
         a, bg = op.attrs, self.bg
+        if self.full and a["index"] == self.band_zero:     # a tile every row sees whole: the mask is 0 there
+            shape = strip(op.shapes[0])[0]
+            phys = tuple(padded(x) for x in shape)[::-1 if trans else 1]
+            return Val(f"tl.zeros({phys}, tl.float32)", shape, "float32", trans=trans, zero=True)
         full, tile = a["shape"], op.shapes[0]
         starts = []
         for d in range(len(full)):
@@ -226,9 +256,6 @@ class _Emitter:
             starts.append(" + ".join(parts) or "0")
         p = f"in{a['index']}"
         offs, mask = self.offsets(p, full, tile, starts, trans)
-        if it is not None and getattr(self, "band_need", None) and a["index"] == self.band_zero:
-            need = self.band_need.format(it=it)          # a tile every row sees whole is 0: not loaded
-            mask = f"({mask}) & ({need})" if mask else f"({need})"
         extra = f", mask={mask}, other=0.0" if mask else ""
         return self.assign("x", f"tl.load({p}_ptr + {offs}{extra})", strip(tile)[0], a["dtype"], trans=trans)
 
@@ -251,10 +278,23 @@ class _Emitter:
         return sorted(idx, key=self.rank.__getitem__)
 
     def arg(self, env: dict, u: int, k: int) -> Val:
-        """Input ``k`` of op ``u`` in the orientation ``u`` reads it."""
+        """Input ``k`` of op ``u`` in the orientation ``u`` reads it; a pending scale is multiplied out (once, for
+        every reader) unless ``u`` folds it into its own constants (:meth:`folds`)."""
         r = Ref(*self.bg.ops[u].inputs[k])
         v = env[r]
-        return v if v.trans == self.need.get((u, k), False) else self.alt[r]
+        alt = v.trans != self.need.get((u, k), False)
+        if alt:
+            v = self.alt[r]
+        if v.scale != 1.0 and not self.folds(u, k):
+            v = self.assign("v", self.f32(v), v.shape, natural=v.phys, trans=v.trans)
+            (self.alt if alt else env)[r] = v
+        return v
+
+    def folds(self, u: int, k: int) -> bool:
+        """Whether op ``u`` reads input ``k`` through :meth:`f32` or folds its pending scale into a constant."""
+        op = self.bg.ops[u]
+        return op.name in ELEMENTWISE or u in self.relabels or u in self.prescaled or \
+            (op.name == "acc_online_softmax" and k == 0)
 
     def put(self, env: dict, r: Ref, v: Val) -> None:
         """Bind op output ``r`` to ``v``; where a consumer reads it in the other orientation, the conversion
@@ -263,7 +303,8 @@ class _Emitter:
         self.alt.pop(r, None)
         if any(self.need.get((u, k), False) != v.trans for u, k in self.readers.get(r, ())):
             nat = v.phys[::-1]
-            self.alt[r] = self.assign("v", f"tl.trans({v.name})", v.shape, v.dtype, natural=nat, trans=not v.trans)
+            self.alt[r] = replace(self.assign("v", f"tl.trans({v.name})", v.shape, v.dtype, natural=nat,
+                                              trans=not v.trans), scale=v.scale)
 
     def emit_op(self, i: int, env: dict, it: str | None = None) -> None:
         """Emit block op ``i`` (``it``: the for-loop index) and bind its outputs: a transposed iterator loads its
@@ -274,16 +315,23 @@ class _Emitter:
             outs = [self.load_iterator(op, it, trans)]
         elif i in self.prescaled:
             x = self.arg(env, i, 0)
-            v = self.assign("v", f"{self.f32(x)} * {float(op.attrs['value']) * LOG2E!r}", strip(op.shapes[0])[0],
-                            natural=x.pshape)
+            v = self.assign("v", f"{self.f32(replace(x, scale=1.0))} * {x.scale * float(op.attrs['value']) * LOG2E!r}",
+                            strip(op.shapes[0])[0], natural=x.pshape)
             v.log2e = True
             outs = [v]
         elif i in self.relabels:
             x = self.arg(env, i, 0)
-            outs = [Val(x.name, strip(op.shapes[0])[0], x.dtype, trans=trans)]
+            out = Val(x.name, strip(op.shapes[0])[0], x.dtype, trans=trans, scale=x.scale)
+            outs = [replace(out, name=f"tl.zeros({out.phys}, tl.float32)", zero=True) if x.zero else out]
+        elif op.name == "scalar_mul" and not (x := self.arg(env, i, 0)).parts and not x.log2e:   # folded: no code
+            outs = [replace(x, shape=strip(op.shapes[0])[0], trans=trans, log2e=False,
+                            scale=1.0 if x.zero else x.scale * float(op.attrs["value"]))]
         else:
             outs = self.emit(op, [self.arg(env, i, k) for k in range(len(op.inputs))], trans=trans)
         for j, v in enumerate(outs):
+            users = self.users.get(Ref(i, j), [])
+            if v.scale != 1.0 and (len(users) != 1 or self.phase[users[0]] != self.phase[i]):
+                v = self.assign("v", self.f32(v), v.shape, natural=v.phys, trans=v.trans)   # read twice: once here
             self.put(env, Ref(i, j), v)
 
     def conform(self, v: Val, shape) -> str:
@@ -308,10 +356,27 @@ class _Emitter:
         name, a = op.name, op.attrs
         out, n = strip((shapes or op.shapes)[0])
         if name in ELEMENTWISE:
+            natural = _bcast(*(x.phys for x in xs))
+            if name in ("add", "sub") and xs[1].zero or name == "add" and xs[0].zero:   # x + 0: x itself
+                keep = xs[0] if xs[1].zero else xs[1]
+                if keep.shape == tuple(out) and keep.phys == tuple(natural) and keep.trans == trans:
+                    return [keep]
             args = [self.f32(x) for x in xs]
             value = repr(float(a["value"])) if "value" in a else None
-            expr = ELEMENTWISE[name].format(*args, value=value)
-            return [self.assign("v", expr, out, natural=_bcast(*(x.phys for x in xs)), trans=trans)]
+            x0, plain = xs[0], self.f32(replace(xs[0], scale=1.0))
+            if name == "scalar_mul" and x0.scale != 1.0:                      # x·s·c: one multiply by s·c
+                expr = f"{plain} * {x0.scale * float(a['value'])!r}"
+            elif name == "tanh" and self.target is Target.CUDA:
+                expr = TANH_PTX.format(args[0] if x0.scale == 1.0 else f"{plain} * {x0.scale!r}")
+            elif name == "tanh" and x0.scale != 1.0:                          # 2σ(2·x·s) − 1: one multiply by 2s
+                expr = f"(2.0 * tl.sigmoid({plain} * {2.0 * x0.scale!r}) - 1.0)"
+            elif name == "div" and math.prod(xs[1].phys) < math.prod(natural):
+                # a divisor broadcast over the tile (a row's sum or norm): its reciprocal once per row, then a
+                # multiply per element — Triton's fp32 ``/`` is div.full.f32, an SFU reciprocal and more per element
+                expr = f"{args[0]} * (1.0 / {args[1]})"
+            else:
+                expr = ELEMENTWISE[name].format(*args, value=value)
+            return [self.assign("v", expr, out, natural=natural, trans=trans)]
         if name == "thread":
             return self.emit_thread(op, xs)
         if name in REDUCERS:
@@ -423,7 +488,8 @@ def _acc_init(e: _Emitter, op: Op) -> list[Val]:
 def _acc_update(e: _Emitter, op: Op, states: list[Val], xs: list[Val], fused: tuple | None) -> None:
     """Fold one iteration into ``states`` in place (re-assigning the same variable names)."""
     if op.name == "acc_online_softmax":
-        return _online_softmax_update(e, states, *xs)
+        raw = e.raw_scores[id(op)]
+        return _online_softmax_update(e, states, *xs, clamp=any(not (e.full and k == e.band_zero) for k in raw))
     st = states[0]
     if fused is not None:                               # acc = tl.dot(a, b, acc)
         v = e.matmul(fused[0], fused[1], st.shape, acc=st)
@@ -451,12 +517,18 @@ def _conform_expr(expr: str, x: Val, dim, st: Val) -> str:
     return expr if tuple(nat) == st.pshape else f"tl.reshape({expr}, {st.pshape})"
 
 
-def _online_softmax_update(e: _Emitter, states: list[Val], s: Val, v: Val) -> None:
+def _online_softmax_update(e: _Emitter, states: list[Val], s: Val, v: Val, clamp: bool = True) -> None:
     """One iteration of the online softmax, in base 2: the running max ``m`` is in log2 units (scores times
-    log2 e), so every rescale and probability is one ``exp2``; :func:`_acc_final` turns ``m`` back."""
+    log2 e), so every rescale and probability is one ``exp2``; :func:`_acc_final` turns ``m`` back. The scores'
+    pending scale and log2 e are one multiply. ``clamp``: the scores may hold an additive mask (see below)."""
     m, l, o = states
     last = len(s.shape) - 1
-    scores = e.masked(s, [last], NEG_INF) if s.log2e else f"{e.masked(s, [last], NEG_INF)} * {LOG2E!r}"
+    factor = s.scale * (1.0 if s.log2e else LOG2E)
+    if factor > 0:              # masking with -inf commutes with a positive factor
+        base = e.masked(replace(s, scale=1.0), [last], NEG_INF)
+        scores = base if factor == 1.0 else f"{base} * {factor!r}"
+    else:
+        scores = e.masked(s, [last], NEG_INF) if s.log2e else f"{e.masked(s, [last], NEG_INF)} * {LOG2E!r}"
     sm = e.assign("s", scores, s.shape, natural=s.pshape)
     mt = e.assign("m", f"tl.max({sm.name}, axis={last}, keep_dims=True)", m.shape,
                   natural=sm.pshape[:last] + (1,))
@@ -465,7 +537,9 @@ def _online_softmax_update(e: _Emitter, states: list[Val], s: Val, v: Val) -> No
     # s - m <= 0, but the GPU compiler contracts ``s = x * log2e`` into ``fma(x, log2e, -m)``: at a masked
     # score (-1e30, an additive mask) that leaves the product's rounding error, ~1e22, and exp2 of it is inf
     # (NaN after the combine; seen on an H100 with a fully masked KV split). Clamped, such a tile gives p <= 1.
-    p = e.assign("p", f"tl.math.exp2(tl.minimum({sm.name} - {mn.name}, 0.0))", s.shape, natural=s.pshape)
+    # Scores that add no loaded tile to a matmul's (a tile every row sees whole, its mask 0) are not clamped.
+    diff = f"tl.minimum({sm.name} - {mn.name}, 0.0)" if clamp else f"{sm.name} - {mn.name}"
+    p = e.assign("p", f"tl.math.exp2({diff})", s.shape, natural=s.pshape)
     e.line(f"{l.name} = {l.name} * {alpha.name} + tl.sum({p.name}, axis={last}, keep_dims=True)")
     scaled = e.assign("o", f"{o.name} * {alpha.name}", o.shape, natural=o.pshape)
     new_o = e.matmul(p, v, o.shape, acc=scaled)
@@ -616,11 +690,14 @@ def _header(name: str, bg: BlockGraph, n_inputs: int, in_ranks, out_ranks, n_ws:
     return ["@triton.jit", f"def {name}({', '.join(params)}):"]
 
 
-def _pids(e: _Emitter, grid: tuple, split: int) -> None:
+def _pids(e: _Emitter, grid: tuple, split: int, reverse=frozenset()) -> None:
+    """Program ids per grid dim; a dim in ``reverse`` is walked from its last program (:func:`heaviest_first`)."""
     for g in range(len(grid)):
         if g == 0 and split > 1:
             e.line(f"pid_0 = tl.program_id(0) // {split}")
             e.line(f"split = tl.program_id(0) % {split}")
+        elif g in reverse:
+            e.line(f"pid_{g} = {grid[g] - 1} - tl.program_id({g})")
         else:
             e.line(f"pid_{g} = tl.program_id({g})")
 
@@ -677,8 +754,8 @@ def prologue_accumulators(bg: BlockGraph) -> list[int]:
 
 def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", split: int = 1,
                       combine: BlockGraph | None = None, prologue: bool = False, order=None,
-                      transposed=None) -> BlockKernel:
-    """Triton source for one graph-defined op. ``in_ranks``: rank of each kernel input (its strides are
+                      transposed=None, target: Target = Target.INTERPRETER) -> BlockKernel:
+    """Triton source for one graph-defined op, for ``target`` (the interpreter's forms run anywhere). ``in_ranks``: rank of each kernel input (its strides are
     arguments). ``combine``: the re-tiling of ``bg`` whose grid the combine kernel runs on (split > 1;
     default ``bg``'s own grid). ``prologue``: the :func:`prologue_accumulators` walk the for-loop range in a
     loop of their own before the main loop (loop fission; the same sums in the same order). ``order`` (a
@@ -698,8 +775,8 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     state_shapes = [strip(s)[0] for i in accs for s in bg.ops[i].shapes]
     ws = [math.prod(padded(x) for x in s) for s in state_shapes] if split > 1 else []
     n_inputs = len(in_ranks)
-    e = _Emitter(bg, n_inputs, split, order, transposed)
-    _pids(e, bg.grid, split)
+    e = _Emitter(bg, n_inputs, split, order, transposed, target)
+    _pids(e, bg.grid, split, heaviest_first(bg, split))
     e.pid_lines = len(e.lines)
     env: dict[Ref, Val] = {}
     per = bg.forloop_range // split
@@ -711,26 +788,32 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
 
     lo = f"split * {per}" if split > 1 else "0"
     hi = f"{lo} + {per}" if split > 1 else f"{per}"
+    segments = [(lo, hi, False)]
     if bg.forloop_band is not None:     # per-block loop bounds: entirely masked key tiles are never visited
         loop = True
-        lo, hi = _band_bounds(e, bg, lo, hi)
+        segments = _band_bounds(e, bg, lo, hi)
     emit_ops(ph.invariant, None)
     states = {i: _acc_init(e, bg.ops[i]) for i in accs}
     first = prologue_accumulators(bg) if prologue and loop else []
     for group in ([first, [i for i in accs if i not in first]] if first else [accs]):
         needed = _ancestors(bg, group)
-        if loop:
-            e.line(f"for it in tl.range({lo}, {hi}, num_stages=NUM_STAGES):")
-            e.indent += 1
-        emit_ops([i for i in ph.variant if i in needed], "it" if loop else lo)
-        for i in e.order(group):
-            op = bg.ops[i]
-            mm = next((m for m, a in fused.items() if a == i), None)
-            pair = tuple(e.arg(env, mm, k) for k in range(2)) if mm is not None else None
-            _acc_update(e, op, states[i], [e.arg(env, i, k) for k in range(len(op.inputs))] if mm is None else [],
-                        pair)
-        if loop:
-            e.indent -= 1
+        split_band = any(full for *_, full in segments)
+        for s_lo, s_hi, full in segments if loop else [(lo, hi, False)]:
+            e.full = full
+            if loop:     # a band's edge loops run a tile or two per block: not pipelined (no stage buffers)
+                stages = "1" if split_band and not full else "NUM_STAGES"
+                e.line(f"for it in tl.range({s_lo}, {s_hi}, num_stages={stages}):")
+                e.indent += 1
+            emit_ops([i for i in ph.variant if i in needed], "it" if loop else lo)
+            for i in e.order(group):
+                op = bg.ops[i]
+                mm = next((m for m, a in fused.items() if a == i), None)
+                pair = tuple(e.arg(env, mm, k) for k in range(2)) if mm is not None else None
+                _acc_update(e, op, states[i], [e.arg(env, i, k) for k in range(len(op.inputs))] if mm is None
+                            else [], pair)
+            if loop:
+                e.indent -= 1
+    e.full = False
     head = _header(name, bg, n_inputs, in_ranks, [] if split > 1 else out_ranks, len(ws), loop)
     outputs = [(_saved(bg, s), s.attrs["dtype"]) for s in savers]
     if split > 1:
@@ -742,7 +825,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
                 j += 1
         source = _finish(e, head)
         fine = combine or bg
-        src = _emit_combine(bg, fine, name + "_combine", accs, epi, out_ranks, ws, split, order, transposed)
+        src = _emit_combine(bg, fine, name + "_combine", accs, epi, out_ranks, ws, split, order, transposed, target)
         return BlockKernel(source + "\n\n" + src, name, name + "_combine", tuple(bg.grid), split, ws, outputs, loop,
                            tuple(fine.grid))
     for i in accs:
@@ -752,10 +835,13 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     return BlockKernel(_finish(e, head), name, None, tuple(bg.grid), 1, [], outputs, loop)
 
 
-def _band_bounds(e: _Emitter, bg: BlockGraph, lo: str, hi: str) -> tuple[str, str]:
-    """The block's loop bounds under ``bg.forloop_band`` (the arithmetic of :func:`~torch_mirage.ugraph.band_range`
-    on program ids): the first and one past the last iteration whose key tile holds a key visible from one of
-    the block's query rows, within ``[lo, hi)`` (a split's share of the loop)."""
+def _band_bounds(e: _Emitter, bg: BlockGraph, lo: str, hi: str) -> list[tuple[str, str, bool]]:
+    """The block's loop under ``bg.forloop_band`` (the arithmetic of :func:`~torch_mirage.ugraph.band_range` and
+    :func:`~torch_mirage.ugraph.band_full` on program ids), as ``(lo, hi, full)`` segments covering the first to
+    one past the last iteration whose key tile holds a key visible from one of the block's query rows, within
+    ``[lo, hi)`` (a split's share of the loop). Where the band has a ``zero_input`` (the mask is 0 wherever the
+    band sees), the tiles every row sees whole are one segment of their own (``full``: the mask is neither loaded
+    nor added there), between the partly seen edge tiles (the causal diagonal; a window's lower edge)."""
     b = band_geometry(bg)
     start = " + ".join(f"pid_{g} * {n}" for g, n in b["q_starts"]) or "0"
     rows, period, t, off = b["q_rows"], b["period"], b["k_tile"], b["offset"]
@@ -767,15 +853,58 @@ def _band_bounds(e: _Emitter, bg: BlockGraph, lo: str, hi: str) -> tuple[str, st
         e.line(f"band_p1 = {period - 1}")
     e.line("band_kb = " + (" + ".join(f"pid_{g} * {n}" for g, n in b["k_starts"]) or "0"))
     e.line(f"band_hi = tl.minimum({hi}, tl.maximum(band_p1 + {off + t} - band_kb, 0) // {t})")
-    if b["zero_input"] is not None:     # the tile is loaded unless every row sees every key of it
-        e.band_zero = b["zero_input"]
-        e.band_need = f"(band_kb + {{it}} * {t} + {t - 1} > band_p0 + {off})"
-        if b["window"] is not None:
-            e.band_need += f" | (band_kb + {{it}} * {t} < band_p1 + {off - b['window'] + 1})"
-    if b["window"] is None:
-        return lo, "band_hi"
-    e.line(f"band_lo = tl.maximum({lo}, tl.maximum(band_p0 + {off - b['window'] + 1} - band_kb, 0) // {t})")
-    return "band_lo", "band_hi"
+    if b["window"] is not None:
+        e.line(f"band_lo = tl.maximum({lo}, tl.maximum(band_p0 + {off - b['window'] + 1} - band_kb, 0) // {t})")
+        lo = "band_lo"
+    if b["zero_input"] is None:
+        return [(lo, "band_hi", False)]
+    e.band_zero = b["zero_input"]
+    # full tiles: the last key <= band_p0 + offset (and with a window the first key >= band_p1 + offset - window + 1)
+    f0 = lo
+    if b["window"] is not None:
+        e.line(f"band_f0 = tl.minimum(tl.maximum({lo}, tl.maximum(band_p1 + {off - b['window'] + 1 + t - 1} - band_kb, 0)"
+               f" // {t}), band_hi)")
+        f0 = "band_f0"
+    e.line(f"band_f1 = tl.maximum(tl.minimum(tl.maximum(band_p0 + {off + 1} - band_kb, 0) // {t}, band_hi), {f0})")
+    edges = [(lo, f0, False)] if b["window"] is not None else []
+    return edges + [(f0, "band_f1", True), ("band_f1", "band_hi", False)]
+
+
+def heaviest_first(bg: BlockGraph, split: int) -> frozenset:
+    """Grid dims whose program ids the kernel walks in reverse: under a causal band (no window) a query block's
+    loop grows with its start, and CUDA starts programs in id order, so the longest blocks run first and the
+    last wave holds the shortest (a short tail)."""
+    if bg.forloop_band is None:
+        return frozenset()
+    b = band_geometry(bg)
+    if b["window"] is not None or b["period"] % b["q_rows"]:
+        return frozenset()
+    return frozenset(g for g, _ in b["q_starts"] if not (g == 0 and split > 1))
+
+
+def _phase_of(bg: BlockGraph) -> list[int]:
+    """Each op's phase: 0 before the for-loop (hoisted), 1 in it (accumulators too), 2 after it."""
+    body, _ = bg.phases()
+    var = _variant(bg)
+    inside = set(body)
+    return [(1 if var[i] or bg.ops[i].spec.kind == "accum" else 0) if i in inside else 2 for i in range(len(bg.ops))]
+
+
+def _raw_terms(bg: BlockGraph, ref) -> set[int]:
+    """Indices of the iterators whose tiles reach ``ref`` other than through a matmul (an additive mask or bias
+    of attention scores)."""
+    out, seen, stack = set(), set(), [ref[0]]
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        op = bg.ops[i]
+        if op.name == "iterator":
+            out.add(op.attrs["index"])
+        elif op.name != "matmul":
+            stack.extend(r[0] for r in op.inputs)
+    return out
 
 
 def _saved(bg: BlockGraph, s: Op) -> tuple:
@@ -784,12 +913,12 @@ def _saved(bg: BlockGraph, s: Op) -> tuple:
 
 
 def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ranks, ws, split: int, order=None,
-                  transposed=None) -> str:
+                  transposed=None, target: Target = Target.INTERPRETER) -> str:
     """The kernel after a split op: fold the ``split`` partial states, finals, epilogue, savers. It runs on
     ``fine``'s grid (``bg``'s, or one dim of it multiplied: see ``launch.combine_tiling``); a program there
     reads its chunk of the states its program of ``bg`` wrote."""
     ratio = tuple(f // c for f, c in zip(fine.grid, bg.grid))
-    e = _Emitter(fine, 0, 1, order, transposed)
+    e = _Emitter(fine, 0, 1, order, transposed, target)
     _pids(e, fine.grid, 1)
     for g, r in enumerate(ratio):
         if r > 1:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from .compile import compile_ugraph
@@ -210,10 +210,10 @@ class AttentionClaimer:
             kwargs = _seed_kwargs(spec, dtype, mask_shape, use_band)
             times: dict = {}
             if spec.extra_outputs:
-                built, info = self._column_plan(spec, graph, ex, kwargs, cache)
+                built, info = self._column_plan(spec, graph, ex, kwargs, ctx)
             else:
                 names = ["flash_attention"] + (["flash_decoding"] if blocks(spec.skv, SPLIT_KV) > 1 else [])
-                built, info = _build_seeds(spec, names, ex, kwargs, cache), {}
+                built, info = _build_seeds(spec, names, ex, kwargs, ctx), {}
                 if built:
                     built, times = _fastest(built, ex, cache)
             if not built:
@@ -241,7 +241,7 @@ class AttentionClaimer:
         return Claim(spec.nodes, kgraph, kernel, detail=f"attention {chosen.name} ({spec.describe()})", info=info)
 
     @staticmethod
-    def _column_plan(spec: AttentionSpec, graph: Graph, ex: list, kwargs: dict, cache: Any):
+    def _column_plan(spec: AttentionSpec, graph: Graph, ex: list, kwargs: dict, ctx: CompileContext):
         """P·V and the column sums of P by the plan the BLP picks among :func:`plan_candidates`."""
         cands = plan_candidates(spec, graph, kwargs["mask"])
         info = {"plan_us": {c.name: round(c.cost_us, 2) for c in cands}}
@@ -249,7 +249,7 @@ class AttentionClaimer:
             names = info["plan"] = [c.name for c in select_plan(cands, ("out", "colsum"))]
             kg = attention_column_sums(spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d, group=spec.group,
                                        kernels=names, tile=SEED_TILE, **kwargs)
-            compiled = compile_ugraph(kg, ex, cache=cache)
+            compiled = compile_ugraph(kg, ex, cache=ctx.cache, cache_dir=ctx.config.cache_dir, target=ctx.target)
         except Exception as e:   # no plan, or one that does not build for these shapes: left to Inductor
             log.info("torch_mirage: attention plan %s for %s not used (%s: %s)", info.get("plan"), spec.describe(),
                      type(e).__name__, e)
@@ -278,12 +278,13 @@ def _examples(spec: AttentionSpec, graph: Graph) -> tuple[list, tuple | None, to
     return ex, mask_shape, causal
 
 
-def _build_seeds(spec: AttentionSpec, names: Sequence[str], ex: list, kwargs: dict, cache: Any) -> list:
+def _build_seeds(spec: AttentionSpec, names: Sequence[str], ex: list, kwargs: dict, ctx: CompileContext) -> list:
     built = []
     for name in names:
         try:
             kg = SEEDS[name](spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d, **kwargs)
-            built.append((SimpleNamespace(name=name), kg, compile_ugraph(kg, ex, cache=cache)))
+            built.append((SimpleNamespace(name=name), kg,
+                          compile_ugraph(kg, ex, cache=ctx.cache, cache_dir=ctx.config.cache_dir, target=ctx.target)))
         except Exception as e:   # a seed that does not build for these shapes: not used
             log.info("torch_mirage: attention seed %s for %s not used (%s: %s)", name, spec.describe(),
                      type(e).__name__, e)

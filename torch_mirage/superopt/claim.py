@@ -26,7 +26,7 @@ from .compile import compile_ugraph
 
 from ..cache import cache_key
 from ..capture.ir import Graph, Node, Value
-from ..capture.lower import lower
+from ..capture.lower import trace
 from ..context import CompileContext, Target
 from ..failures import note, stage
 from ..numerics import rms_norm
@@ -126,17 +126,14 @@ def dims_from_shapes(workload: library.Workload, shapes: Sequence[tuple]) -> tup
 def program_graph(name: str, form: int, shapes: tuple, dtype: torch.dtype, constants: tuple = ()) -> Graph:
     """Form ``form`` of the workload's PyTorch program as ATen IR (Inductor's decompositions), traced on meta
     tensors."""
-    from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     # meta tensors traced as they are ("real" mode): no fake mode of its own that could pick up the symbolic
     # shapes of the compile this runs inside, so every size in the program is a plain int
     with unset_fake_temporarily(), torch.no_grad():
         args = [torch.empty(s, dtype=dtype, device="meta") for s in shapes]
         program = functools.partial(PROGRAMS[name][form], **dict(zip(CONSTANTS.get(name, ()), constants)))
-        gm = make_fx(program, decomposition_table=select_decomp_table(), tracing_mode="real")(*args)
-    return lower(gm)
+        return trace(program, args, tracing_mode="real")
 
 
 def _same_constant(a: Any, b: Any) -> bool:
@@ -343,7 +340,9 @@ def _compiled(workload: library.Workload, dims: tuple, dtype: str, constants: di
     try:
         with stage("search/build"):
             kgraph = workload.build(*dims, dtype=dtype, **constants)
-            return workload, kgraph, compile_ugraph(kgraph, examples, cache=cache)
+            return workload, kgraph, compile_ugraph(kgraph, examples, cache=cache,
+                                                    cache_dir=ctx.config.cache_dir if ctx is not None else None,
+                                                    target=ctx.target if ctx is not None else None)
     except InvalidMuGraph as e:
         if not all("block-level memory" in p for p in e.problems):
             return _not_built(workload, dims, dtype, ctx, e)

@@ -23,6 +23,7 @@ import torch
 from ..codegen.loader import load_source
 from ..codegen.ugraph_triton import BlockKernel, CodegenError, emit_block_kernel, module_source, order_by_depth
 from ..config import load
+from ..context import Target
 from ..ugraph import BlockGraph, KernelGraph, Ref
 from .arith import TorchArith
 from .launch import LaunchConfig, candidates, choose, combine_tiling, default_config, retile
@@ -46,7 +47,7 @@ class BlockLauncher:
     """One graph-defined op at one launch config: generated module, launch grid, output / workspace specs."""
 
     def __init__(self, bg: BlockGraph, config: LaunchConfig, in_ranks: Sequence[int], cache_dir: str,
-                 name: str = "ugraph_kernel"):
+                 name: str = "ugraph_kernel", target: Target | None = None):
         tiled = retile(bg, config.grid, config.forloop_range)
         if tiled is None:
             raise CodegenError(f"launch config {config} does not re-tile the block graph (grid {bg.grid}, "
@@ -55,7 +56,8 @@ class BlockLauncher:
         self.plan = plan_block(tiled, SMEM_BYTES)
         self.kernel: BlockKernel = emit_block_kernel(tiled, list(in_ranks), name, config.split,
                                                      combine_tiling(tiled, config.split), config.prologue,
-                                                     self.plan.order, self.plan.transposed)
+                                                     self.plan.order, self.plan.transposed,
+                                                     Target.current() if target is None else target)
         self.source = module_source([self.kernel])
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
         self.fn = getattr(module, self.kernel.name)
@@ -220,11 +222,15 @@ def _align(n: int) -> int:
 
 
 def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], *, cache: Any = None,
-                   tune: bool | None = None, limit: int = 4, propose: Callable[..., list] = candidates) -> CompiledUGraph:
+                   cache_dir: str | None = None, tune: bool | None = None, limit: int = 4,
+                   target: Target | None = None, propose: Callable[..., list] = candidates) -> CompiledUGraph:
     """Generated Triton for every graph-defined op of ``kgraph``; launch configs tuned on ``example_inputs``
     when they are CUDA tensors (``tune=False``: the μGraph's own schedule), among those ``propose`` lists
     (:func:`.launch.candidates`, or :func:`.launch.streaming_candidates` for a weight-streaming kernel). Returns
-    ``callable(*tensors)``."""
+    ``callable(*tensors)``. Sources go under ``cache_dir``'s ``kernels/`` (a claimer passes its configuration's;
+    default: the disk cache's directory, else the configuration read from the environment). ``target``: where the
+    kernels run (the compile context's; default: :meth:`Target.current`), which picks CUDA-only instruction forms."""
+    target = Target.current() if target is None else target
     validate(kgraph)
     ins = kgraph.inputs
     if len(example_inputs) != len(ins):
@@ -233,7 +239,7 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
         if tuple(x.shape) != tuple(op.attrs["shape"]) or DTYPES.get(op.attrs["dtype"]) != x.dtype:
             raise ValueError(f"compile_ugraph: input {op.attrs['index']} is {tuple(x.shape)} {x.dtype}, the μGraph "
                              f"was built for {tuple(op.attrs['shape'])} {op.attrs['dtype']}; rebuild it for these")
-    cache_dir = _cache_dir(cache)
+    cache_dir = cache_dir or _cache_dir(cache)
     tune = example_inputs[0].is_cuda if tune is None else tune
     steps: list[_Step] = []
     env: dict[Ref, torch.Tensor] = {}
@@ -251,7 +257,7 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
             name = f"ugraph_op{i}"
 
             def build(cfg: LaunchConfig, bg=op.body, ranks=ranks, name=name) -> BlockLauncher:
-                return BlockLauncher(bg, cfg, ranks, cache_dir, name)
+                return BlockLauncher(bg, cfg, ranks, cache_dir, name, target)
             cfg = choose(op.body, build, xs, cache=cache, limit=limit, propose=propose) if tune \
                 else default_config(op.body)
             launcher = build(cfg)

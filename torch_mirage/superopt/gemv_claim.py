@@ -17,8 +17,8 @@ cuts the larger has the lower roofline estimate):
 
 The first cut whose reference program (:func:`.search.reference.reference_of`) has the weight-streaming form
 (:func:`.gemv_seed.gemv_seed`) and whose seed the verifier proves equal to it (:func:`.verify.verify`; a large
-region on its program shrunk by :func:`.gemv_seed.shrunk`, the instance at its own sizes checked against eager by
-the backend's check stage like every region) is compiled (:func:`.compile.compile_ugraph`; on a GPU the launches
+region at the search's shrunk sizes, :func:`verified_instance`, the instance at its own sizes checked against
+eager by the backend's check stage like every region) is compiled (:func:`.compile.compile_ugraph`; on a GPU the launches
 of :func:`.launch.streaming_candidates` — one-wave stream, split-K, split-N — ranked by the roofline estimate and
 timed) and claimed. On a GPU the backend also times it against Inductor's version and keeps the faster.
 """
@@ -32,16 +32,18 @@ import torch
 from ..analysis.cost import CostModel, matmul_rows, skinny_matmul
 from ..analysis.op_dims import matmul_operands
 from ..capture.ir import Graph, Node, Value
+from ..ugraph import KernelGraph
 from ..capture.ops import OpKind
 from ..context import CompileContext, Target
 from ..failures import describe_error, note, stage
 from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
 from ..timing import random_like
 from .compile import compile_ugraph
-from .gemv_seed import NotStreamable, gemv_seed, shrunk
+from .gemv_seed import NotStreamable, gemv_seed
 from .launch import streaming_candidates
 from .cut import GROW, MAX_NODES, grow, reference_kernel
 from .search.reference import Decline as NotLowered, Reference, reference_of
+from .search.shrink import SMALL_TILE, shrink
 from .verify import verify
 
 log = logging.getLogger("torch_mirage")
@@ -142,8 +144,7 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
     except NotStreamable as e:
         return Decline(nodes, Reason.NO_KERNEL, f"not a weight-streaming matmul region: {e}")
     metas = [v.meta for v in ref.inputs]
-    small = shrunk(ref.graph)          # a large region: its construction verified at VERIFY_DIMS
-    program, candidate = (ref.graph, seed) if small is None else (small, gemv_seed(small))
+    program, candidate = verified_instance(ref.graph, seed)
     examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=DTYPE_OF[op.attrs["dtype"]]) for op in program.inputs]
     with unset_fake_temporarily():      # the verifier and the compile run real tensors
         verdict = verify(candidate, program, examples)
@@ -152,6 +153,7 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
         try:
             with stage("search/build"):
                 compiled = compile_ugraph(seed, [random_like(m) for m in metas], cache=ctx.cache,
+                                          cache_dir=ctx.config.cache_dir, target=ctx.target,
                                           propose=streaming_candidates)
         except Exception as e:   # a seed that does not compile: the region goes on to the next claimers
             if ctx.config.strict:
@@ -168,6 +170,18 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
     return Claim(list(nodes), seed, reference_kernel(nodes, graph, ref, compiled),
                  detail=f"weight-streaming μGraph: {len(mms)} matmul(s), {rows} rows x {k} -> {n}, {len(nodes)} ops",
                  info=info)
+
+
+def verified_instance(ref: KernelGraph, seed: KernelGraph) -> tuple[KernelGraph, KernelGraph]:
+    """(reference, seed) the verifier checks: ``ref`` and its seed where ``ref`` is small; else both at the search's
+    shrunk sizes (:func:`.search.shrink.shrink`: the executor steps every block and for-loop step in Python, a
+    minute for a 4096 x 14336 weight), the seed drawn with the shrunk problem's tile so that the grid and the
+    for-loop split there as at the real sizes: the same construction, other counts."""
+    outs = [ref.ops[r[0]].shapes[r[1]] for r in ref.outputs]
+    small = shrink(ref, [(tuple(op.attrs["shape"]), op.attrs["dtype"]) for op in ref.inputs], outs)
+    if small is None:
+        return ref, seed
+    return small.target, gemv_seed(small.target, tile=SMALL_TILE)
 
 
 def _describe(meta) -> str:

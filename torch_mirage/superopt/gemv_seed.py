@@ -21,7 +21,7 @@ loop-invariant tile (a block graph's post-loop ops read accumulators only); an i
 (``x + linear(norm(x), w)``: rows in the loop, residual after it) through a second view. Leading dims fold into the
 rows (kernel reshapes). Launches — one-wave stream, split-K, split-N — are :func:`.launch.streaming_candidates`.
 A form outside these rules raises :class:`NotStreamable` naming the op; the seed is only a candidate: the claimer
-verifies it against the reference (:func:`shrunk` for a large one) before it runs.
+verifies it against the reference (a large one shrunk, :func:`.search.shrink.shrink`) before it runs.
 """
 from __future__ import annotations
 
@@ -37,11 +37,6 @@ ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "exp", "sqrt", "rsqrt", "si
 ROW_REDUCTIONS = frozenset({"reduce_sum", "reduce_mean"})
 MIN_TILE = 16        # a loop / grid tile below this (a prime extent) holds the whole extent instead
 WHOLE_EXTENT = 1024  # the largest extent one tile may hold whole
-# the (k, n) a large region's reference is shrunk to for the verifier (its executor walks every block and
-# iteration in fp64 / a finite field: 2 s at 2048 x 2048 on a CPU, about a minute for a 4096 x 14336 weight);
-# two tiles of k and two of n at the seed's tile of 64, distinct so that a k / n mix-up is caught
-VERIFY_DIMS = (128, 96)
-SHRUNK_WIDTHS = (VERIFY_DIMS[1], 80, 112, 48)    # distinct widths of the matmuls, where there are several
 
 
 class NotStreamable(ValueError):
@@ -110,35 +105,6 @@ def streamed_dims(ref: KernelGraph) -> tuple[int, int, int]:
         raise NotStreamable("no matmul")
     a = mm.inputs[0]
     return mm.shapes[0][0], ref.ops[a[0]].shapes[a[1]][-1], mm.shapes[0][-1]
-
-
-def shrunk(ref: KernelGraph) -> KernelGraph | None:
-    """The same program with its reduced dim k replaced by ``VERIFY_DIMS[0]`` and its matmul widths other than k
-    by distinct :data:`SHRUNK_WIDTHS` (every input shape and reshape that holds them; the op table re-infers the
-    rest), or None where it is small already or the substitution would be ambiguous (rows of a size it maps). The
-    seed of the shrunk program is the same block graph at other tile counts: the verifier checks the construction
-    there at a fraction of the cost."""
-    m, k, _ = streamed_dims(ref)
-    widths = sorted({op.shapes[0][-1] for op in ref.ops if op.name == "matmul"} - {k})
-    if max([k, *widths]) <= VERIFY_DIMS[0] or len(widths) > len(SHRUNK_WIDTHS):
-        return None
-    new = {k: min(k, VERIFY_DIMS[0]), **dict(zip(widths, SHRUNK_WIDTHS))}
-    if len(set(new.values())) != len(new) or m in new or m in new.values():
-        return None
-    sub = lambda shape: tuple(new.get(d, d) for d in shape)        # noqa: E731
-    g = new_kernel_graph()
-    out: dict[int, Tensor] = {}
-    for i, op in enumerate(ref.ops):
-        ins = [out[r[0]] for r in op.inputs]
-        if op.name == "input":
-            out[i] = g.new_input(sub(op.attrs["shape"]), op.attrs["dtype"])
-        elif op.name == "reshape":
-            out[i] = g.reshape(ins[0], shape=sub(op.attrs["shape"]))
-        else:
-            (out[i],) = g.add_op(op.name, ins, **dict(op.attrs))
-    for r in ref.outputs:
-        g.mark_output(out[r[0]])
-    return g.build()
 
 
 def gemv_seed(ref: KernelGraph, tile: int = 64) -> KernelGraph:

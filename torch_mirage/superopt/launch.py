@@ -42,6 +42,12 @@ DEEP_LOOP = 8                  # for-loop steps per program from which DEEP_PIPE
 # the weight-streaming schedule of decode GEMVs (H100 probe, 11-25: 1-16 rows x 4096 x 4096 fp16 in 14.2 µs,
 # 0.86 of copy, against 16.1 for the split-K + combine schedule the estimate ranked first)
 STREAM_PIPELINE = (4, 5)
+# prefill attention (an online softmax over a tile of many query rows, the for-loop over key tiles): FlashAttention's
+# Hopper schedules as (query rows, keys per tile, num_warps, num_stages) — 128-row tiles on 8 warps, 64-128 keys,
+# 2-4 stages — plus 64-row tiles for short sequences (more programs); they replace the roofline-ranked re-tilings
+# (128 x 128 at 3 stages holds 192 KiB of K / V stages next to Q's 32 KiB: at H100's shared-memory limit, left out)
+PREFILL_SCHEDULES = ((128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3))
+PREFILL_MIN_ROWS = 128         # query rows (per grid slice) from which a block graph counts as prefill attention
 PROBE_WAVES = (2, 4)           # programs per SM of the extra candidates :func:`candidates` always adds
 MAX_TILE = 128 * 128           # elements any block tile may hold (registers of one program)
 MAX_STAGE_BYTES = 48 * 1024    # bytes one for-loop iteration loads (x num_stages must fit shared memory)
@@ -206,6 +212,54 @@ def estimate_us(bg: BlockGraph, split: int, n_sm: int, bandwidth: float = 3.0e6)
     return t
 
 
+def _source_iterator(bg: BlockGraph, ref) -> Any:
+    """The iterator a value comes from along first inputs (through transposes, scalings, norms), or None."""
+    i = ref[0]
+    while bg.ops[i].name != "iterator":
+        if not bg.ops[i].inputs:
+            return None
+        i = bg.ops[i].inputs[0][0]
+    return bg.ops[i]
+
+
+def prefill_attention(bg: BlockGraph) -> tuple[int, int, int] | None:
+    """``(grid dim of the query rows, query rows, keys)`` where ``bg`` is prefill attention — an online softmax
+    whose scores are one matmul of a query tile (not walked by the loop, its rows one grid dim, at least
+    ``PREFILL_MIN_ROWS`` of them) by a key tile walked by the loop (no grid dim over keys) — else None."""
+    acc = next((op for op in bg.ops if op.name == "acc_online_softmax"), None)
+    if acc is None:
+        return None
+    i = acc.inputs[0][0]
+    while bg.ops[i].name != "matmul":
+        if not bg.ops[i].inputs:
+            return None
+        i = bg.ops[i].inputs[0][0]
+    q, k = (_source_iterator(bg, r) for r in bg.ops[i].inputs)
+    if q is None or k is None or q.attrs["fmap"] is not None or k.attrs["fmap"] is None:
+        return None
+    rows_dim, kd = len(q.attrs["shape"]) - 2, k.attrs["fmap"]
+    gs = [g for g, m in enumerate(q.attrs["imap"]) if m == rows_dim]
+    if len(gs) != 1 or any(m == kd for m in k.attrs["imap"]) or q.attrs["shape"][rows_dim] < PREFILL_MIN_ROWS:
+        return None
+    return gs[0], q.attrs["shape"][rows_dim], k.attrs["shape"][kd]
+
+
+def prefill_candidates(bg: BlockGraph) -> list[LaunchConfig]:
+    """:data:`PREFILL_SCHEDULES` that re-tile prefill attention ``bg`` (:func:`prefill_attention`), no split."""
+    found = prefill_attention(bg)
+    if found is None:
+        return []
+    g, rows, keys = found
+    out = []
+    for r, t, warps, stages in PREFILL_SCHEDULES:
+        if rows % r or keys % t:
+            continue
+        grid = tuple(rows // r if d == g else x for d, x in enumerate(bg.grid))
+        if retile(bg, grid, keys // t) is not None:
+            out.append(LaunchConfig(grid, keys // t, 1, warps, stages))
+    return out
+
+
 def _scored(bg: BlockGraph, n_sm: int) -> list[tuple]:
     """``(estimate µs, grid, forloop_range, split)`` of every re-tiling and split, best first."""
     scored = []
@@ -225,10 +279,15 @@ def _scored(bg: BlockGraph, n_sm: int) -> list[tuple]:
 
 
 def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
-    """The μGraph's own schedule plus the ``limit`` best re-tilings by :func:`estimate_us` and the best with
-    at least ``PROBE_WAVES`` programs per SM, each with the (num_warps, num_stages) pairs of ``WARPS_STAGES``
-    and, where each program walks at least ``DEEP_LOOP`` for-loop steps, ``DEEP_PIPELINE``. (Pairs whose
-    stages do not fit shared memory fail to compile and are skipped by :func:`choose`.)"""
+    """Prefill attention: its own schedule plus :func:`prefill_candidates`. Otherwise the μGraph's own schedule
+    plus the ``limit`` best re-tilings by :func:`estimate_us` and the best with at least ``PROBE_WAVES`` programs
+    per SM, each with the (num_warps, num_stages) pairs of ``WARPS_STAGES`` and, where each program walks at least
+    ``DEEP_LOOP`` for-loop steps, ``DEEP_PIPELINE``. (Pairs whose stages do not fit shared memory fail to compile
+    and are skipped by :func:`choose`.)"""
+    prefill = prefill_candidates(bg)
+    if prefill:
+        base = default_config(bg)
+        return [base] + [c for c in prefill if c != base]
     scored = _scored(bg, n_sm)
     picks = [(tuple(bg.grid), bg.forloop_range, 1)]
     for _, grid, f, s in scored:
@@ -313,8 +372,8 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
         return base
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs",
-                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE]
-                    + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
+                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE,
+                           PREFILL_SCHEDULES] + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
     if cache is not None:
         hit = cache.get_json(key)
         if hit is not None:

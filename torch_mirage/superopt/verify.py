@@ -27,8 +27,10 @@
 * **Float test** (always): several random real inputs in fp64 — unit scale, large magnitude (×1e4,
   where an unsafe softmax overflows) and, for mask inputs (bool tensors, or float inputs whose
   parameter name contains "mask": filled with 0 / −inf), random masks with one unmasked entry per
-  row. Outputs must agree in their non-finite pattern and within ``FLOAT_TOL`` relative to the
-  reference's largest finite magnitude.
+  row. Outputs must agree in their non-finite pattern (:func:`~torch_mirage.numerics.same_non_finite`) and
+  their max-norm relative error over the reference's finite elements
+  (:func:`~torch_mirage.numerics.relative_error`) must be within the ``"verify"`` tolerance of
+  :data:`~torch_mirage.numerics.TOLERANCE`.
 
 A candidate that fails either test is rejected; the reason names the test, the output and trial.
 """
@@ -43,18 +45,19 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..capture.lower import lower
+from ..capture.lower import trace
 from ..config import load
+from ..numerics import relative_error, same_non_finite, tolerance
 from ..ugraph import KernelGraph
+from .executor import execute
 from .ff_bound import TrialBound, per_trial_bound
+from .ff_interpret import interpret
 from .ff_field import DEFAULT_FIELD, FieldParams, NotLAX
 from .ff_tensor import FieldTensor, raw
 from .finite_field import FiniteFieldArith
 
 log = logging.getLogger("torch_mirage")
 
-DEFAULT_ERROR_BOUND = 1e-12
-FLOAT_TOL = 1e-7          # fp64 evaluation: reassociation error ~1e-15, a real rewrite bug is O(1)
 FLOAT_SCALES = (1.0, 1.0, 1e4)   # 1e4: an unguarded exp overflows even in fp64
 UNBOUNDED_TRIALS = 4      # trials run when no per-trial bound below 1 could be proven
 
@@ -91,16 +94,13 @@ class _Side:
 
     def run_field(self, inputs: list, arith: FiniteFieldArith) -> list:
         if self.is_ugraph:
-            from .executor import execute
             return list(execute(self.program, inputs, arith))
         if self.graph is None:
             raise NotLAX(f"could not be captured ({self.lower_error})")
-        from .ff_interpret import interpret
         return interpret(self.graph, inputs, arith)
 
     def run_float(self, inputs: list) -> list:
         if self.is_ugraph:
-            from .executor import execute
             return list(execute(self.program, inputs))
         with torch.no_grad():
             out = self.program(*inputs)
@@ -116,7 +116,7 @@ LOWERED_CACHE_SIZE = 32
 
 
 def _lowered(fn: Callable, example_inputs: Sequence):
-    """:func:`lower_callable`, cached by (callable, input shapes / dtypes): a search verifies one
+    """:func:`~..capture.lower.trace`, cached by (callable, input shapes / dtypes): a search verifies one
     reference against many candidates. Assumes ``fn`` is a pure function of its inputs (its ATen
     graph does not change between calls with inputs of the same shapes and dtypes)."""
     key = (fn, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x)
@@ -124,27 +124,13 @@ def _lowered(fn: Callable, example_inputs: Sequence):
     try:
         graph = _LOWERED.pop(key, None)
     except TypeError:                       # unhashable callable or input value: no caching
-        return lower_callable(fn, example_inputs)
+        return trace(fn, example_inputs)
     if graph is None:
-        graph = lower_callable(fn, example_inputs)
+        graph = trace(fn, example_inputs)
     _LOWERED[key] = graph
     while len(_LOWERED) > LOWERED_CACHE_SIZE:
         _LOWERED.popitem(last=False)
     return graph
-
-
-def lower_callable(fn: Callable, example_inputs: Sequence):
-    """``fn`` as a project-IR Graph whose inputs are ``example_inputs`` in order (make_fx keeps the
-    positional order and unused inputs, which Dynamo's capture does not)."""
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    def positional(*xs):   # hides defaulted keyword parameters from make_fx
-        return fn(*xs)
-
-    gm = make_fx(torch.func.functionalize(positional), decomposition_table=select_decomp_table(),
-                 tracing_mode="fake")(*example_inputs)
-    return lower(gm)
 
 
 # ------------------------------------------------------------------ inputs
@@ -301,7 +287,7 @@ def _p_part(x: FieldTensor) -> torch.Tensor:
 
 def float_test(cand: _Side, ref: _Side, example_inputs, masks, rng) -> tuple[float | None, str]:
     """Largest relative error over the float trials and a failure message ('' when it passes)."""
-    worst = 0.0
+    worst, tol = 0.0, tolerance(torch.float64, "verify")
     scales = list(FLOAT_SCALES) + ([1.0] if any(masks) or _has_bool(example_inputs) else [])
     for k, scale in enumerate(scales):
         ins = float_inputs(example_inputs, masks, scale, rng, band_of(cand.program) or band_of(ref.program))
@@ -313,17 +299,14 @@ def float_test(cand: _Side, ref: _Side, example_inputs, masks, rng) -> tuple[flo
         if bad:
             return None, f"float test: {bad}"
         for i, (a, b) in enumerate(zip(c, r)):
-            a, b = a.double(), b.double()
-            fa, fb = torch.isfinite(a), torch.isfinite(b)
-            if not torch.equal(fa, fb) or not torch.equal(a[~fa].nan_to_num(0.0), b[~fb].nan_to_num(0.0)):
+            if not same_non_finite(a, b):
                 return None, (f"float test (scale {scale:g}): output {i} has non-finite values where the "
-                              f"other side is finite ({int((~fa).sum())} vs {int((~fb).sum())} non-finite)")
-            if fb.any():
-                denom = max(float(b[fb].abs().max()), 1e-300)
-                err = float((a[fa] - b[fb]).abs().max()) / denom
-                worst = max(worst, err)
-                if not err <= FLOAT_TOL:
-                    return worst, f"float test (scale {scale:g}, trial {k}): output {i} relative error {err:.3g} > {FLOAT_TOL:g}"
+                              f"other side is finite ({int((~torch.isfinite(a)).sum())} vs "
+                              f"{int((~torch.isfinite(b)).sum())} non-finite)")
+            err = relative_error(a, b, where=b, norm="max")
+            worst = max(worst, err)
+            if not err <= tol:
+                return worst, f"float test (scale {scale:g}, trial {k}): output {i} relative error {err:.3g} > {tol:g}"
     return worst, ""
 
 
@@ -338,11 +321,13 @@ def verify(candidate, reference, example_inputs: Sequence, *, error_bound: float
 
     ``error_bound``: target probability of accepting a non-equivalent candidate (default: the configuration's
     ``verify_error_bound``, ``MIRAGE_VERIFY_ERROR_BOUND``); ``trials``: run exactly this many field trials
-    instead (default: ``MIRAGE_VERIFY_TRIALS`` when it is not 0; the achieved bound is reported).
+    instead (default: the ``verify_trials`` knob, ``MIRAGE_VERIFY_TRIALS``; 0 derives the count from the bound,
+    as the knob's 0 does; the achieved bound is reported). A caller holding a configuration (the search
+    claimer's ``ctx.config``) passes both, so ``options=`` reach the verifier.
     """
-    cfg = load()
+    cfg = load() if error_bound is None or trials is None else None
     target = cfg.verify_error_bound if error_bound is None else error_bound
-    trials = (cfg.verify_trials or None) if trials is None else trials
+    trials = (cfg.verify_trials if trials is None else trials) or None
     if not 0.0 < target < 1.0:
         raise ValueError(f"verify: error_bound must be in (0, 1), got {target}")
     rng = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))

@@ -86,7 +86,9 @@ class SearchClaimer:
         budget = self.budget_s if self.budget_s is not None else ctx.config.search_budget_s
         specs = [(tuple(m.shape), DTYPES[m.dtype]) for m in metas]
         with unset_fake_temporarily():      # the search runs real tensors (probe, verifier)
-            result = search(ref.graph, specs, budget_s=budget, cache=ctx.cache)
+            result = search(ref.graph, specs, budget_s=budget, cache=ctx.cache, workers=ctx.config.search_workers,
+                            verify_kwargs=dict(error_bound=ctx.config.verify_error_bound,
+                                               trials=ctx.config.verify_trials))
             if result.best is None:
                 log.info("torch_mirage: μGraph search found nothing for %d nodes (%s)", len(nodes), result.reason)
                 seeded = seed_claim(graph, nodes, ref, ctx) if any(op.name == "matmul" for op in ref.graph.ops) \
@@ -98,7 +100,8 @@ class SearchClaimer:
                 return Decline(nodes, Reason.NOT_FOUND, why)
             examples = [random_like(m) for m in metas]
             try:
-                compiled = compile_ugraph(result.best, examples, cache=ctx.cache)
+                compiled = compile_ugraph(result.best, examples, cache=ctx.cache, cache_dir=ctx.config.cache_dir,
+                                          target=ctx.target)
             except Exception as e:   # a searched μGraph that does not compile: the region goes on
                 log.info("torch_mirage: searched μGraph does not compile (%s: %s)", type(e).__name__, e)
                 return Decline(nodes, Reason.COMPILE_ERROR, describe_error(e))

@@ -8,6 +8,8 @@ instantiates their schedules (:mod:`.schedule`), filters them with a cheap fp64 
 verifies each with :func:`~torch_mirage.superopt.verify.verify` (finite-field test to the configured
 error bound, then the float test). Only a verified μGraph is ever returned. Deepening stops after the
 first depth that yields a verified μGraph, or at the deadline (the best verified so far is kept).
+A big target is searched on shrunk shapes first and its μGraph carried back to the real sizes
+(:mod:`.shrink`); the real sizes are searched only when that finds nothing.
 
 Workers: with ``search_workers`` (MIRAGE_SEARCH_WORKERS) > 1 the first level of the canonical DFS (the
 iterators' fmap choice x the first body op, numbered in DFS order) is dealt round-robin to that many
@@ -32,6 +34,7 @@ from ...config import load
 from ...numerics import relative_error, tolerance
 from ...ugraph import KernelGraph, from_dict
 
+from .. import library as L
 from ..executor import execute
 from ..validate import nbytes, validate
 from ..verify import verify
@@ -39,6 +42,7 @@ from . import expr as E
 from .generate import KIND_ORDER, GenStats, Skeleton, enumerate_skeletons
 from .oracle import SubexprOracle
 from .schedule import schedules
+from .shrink import block_steps, shrink, transfer
 
 log = logging.getLogger("torch_mirage")
 
@@ -47,6 +51,9 @@ log = logging.getLogger("torch_mirage")
 # RMSNorm+Linear (2,4,32)x(32,24) with eps: this finds the fused μGraph in 11.8 s with a 10 s Z3 cap, while
 # keeping unproven misses (strict=False) had not found it after 40 s. The verifier guards correctness either way.
 DEFAULT_ORACLE = dict(use_z3=True, strict=True, z3_total_s=3.0)
+# A μGraph found on the shrunk problem is re-verified at the real size when its grid blocks x for-loop steps
+# (the executor's Python steps) are at most this many; above it the compile stage's float check runs on it.
+RECHECK_STEPS = 256
 
 
 @dataclass
@@ -162,7 +169,6 @@ def _cost(g: KernelGraph) -> tuple:
 
 def _seed_graphs(inputs, out_shapes) -> list[KernelGraph]:
     """The hand-built library's μGraphs whose input shapes fit (seeds; still verified)."""
-    from .. import library as L
     shapes = [s for s, _ in inputs]
     dt = inputs[0][1]
     out = []
@@ -250,22 +256,68 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         except Exception as e:  # noqa: BLE001 - e.g. a lambda reference: search in this process
             log.info("μGraph search: the job does not pickle (%s); searching in one process", e)
             workers = 1
-    if workers <= 1:
-        verified, st, oracle_stats = _search_share(job, (0, 1), deadline)
-        _merge_stats(stats, st)
-        stats.oracle = oracle_stats
-    else:
-        verified = _search_parallel(job, workers, deadline, stats)
+    shrunk = shrink(target, inputs, out_shapes) \
+        if isinstance(target, KernelGraph) and reference is target and not seeds and not extra_candidates else None
+    verified = []
+    if shrunk is not None:
+        small_job = dict(job, targets=E.graph_exprs(shrunk.target), reference=shrunk.target, inputs=shrunk.inputs,
+                         out_shapes=shrunk.out_shapes, tile=shrunk.tile)
+        verified = _carried_back(_run_job(small_job, workers, deadline, stats), job, shrunk, stats)
+        if not verified and time.monotonic() < deadline:
+            log.info("μGraph search: nothing carried back from the shrunk shapes; searching the real sizes")
+    if not verified and time.monotonic() < deadline:
+        verified = _run_job(job, workers, deadline, stats)
     stats.seconds = time.monotonic() - t0
     if not verified:
         why = "deadline" if stats.timed_out else f"no verified μGraph within {max_ops} block ops"
         log.info("μGraph search: nothing found (%s); %s", why, stats.as_dict())
         return SearchResult(None, stats, reason=why)
-    cost, _, best, skel, source, reason = min(verified, key=lambda v: v[:2])
+    cost, _, best, skel, source, reason, _ = min(verified, key=lambda v: v[:2])
     if key is not None:
         cache.put_json(key, {"graph": best.to_dict(), "source": source, "stats": stats.as_dict()})
     log.info("μGraph search: %s μGraph (%d block-graph ops) in %.2f s (%s)", source, cost[0], stats.seconds, reason)
     return SearchResult(best, stats, skel, source, reason)
+
+
+def _run_job(job: dict, workers: int, deadline: float, stats: SearchStats) -> list:
+    """One search over ``job`` in this process or in ``workers`` processes; its counts go into ``stats``."""
+    if workers <= 1:
+        verified, st, oracle_stats = _search_share(job, (0, 1), deadline)
+        _merge_stats(stats, st)
+        for k, v in oracle_stats.items():
+            stats.oracle[k] = stats.oracle.get(k, 0) + v if isinstance(v, (int, float)) and not isinstance(v, bool) \
+                else v
+        return verified
+    return _search_parallel(job, workers, deadline, stats)
+
+
+def _carried_back(small: list, job: dict, shrunk, stats: SearchStats) -> list:
+    """The first (cheapest) μGraph verified on the shrunk problem whose schedule carries back to the real
+    sizes (:func:`.shrink.transfer`), re-verified there when that is cheap; [] when none does."""
+    inputs, out_shapes, out_dtypes = job["inputs"], job["out_shapes"], job["out_dtypes"]
+    for cost, where, graph, skel, source, reason, sched in sorted(small, key=lambda v: v[:2]):
+        real = transfer(skel, sched, inputs, out_shapes, tile=job["tile"], out_dtypes=out_dtypes) \
+            if skel is not None and sched is not None else None
+        if real is None:
+            log.debug("μGraph search: a μGraph verified on the shrunk shapes has no real-size schedule like its own")
+            continue
+        sched, big = real
+        steps = block_steps(big)
+        if steps <= RECHECK_STEPS:
+            verdict = verify(big, job["reference"], [torch.zeros(s, dtype=getattr(torch, d)) for s, d in inputs],
+                             **job["vkw"])
+            if not verdict:
+                stats.rejected_by_verifier += 1
+                log.warning("μGraph search: a μGraph verified on the shrunk shapes fails at the real sizes: %s",
+                            verdict.reason)
+                continue
+            reason = f"{verdict.reason}; found on the shrunk shapes"
+        else:
+            sizes = ", ".join(f"{a}->{b}" for a, b in shrunk.sizes.items() if a != b)
+            reason = (f"{reason}; verified on the shrunk shapes ({sizes}), carried to the real sizes with the same "
+                      f"imaps and splits ({steps} block steps: float-checked by the compile stage)")
+        return [(_cost(big), where, big, skel, source, reason, sched)]
+    return []
 
 
 def _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, max_ops, tile) -> str:
@@ -331,7 +383,7 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
     verified: list = []
     pos = [0]
 
-    def check(graph: KernelGraph, skel, source, where) -> bool:
+    def check(graph: KernelGraph, skel, source, where, sched=None) -> bool:
         if job["probe"] and not probe_ok(graph):
             stats.rejected_by_probe += 1
             return False
@@ -341,7 +393,7 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
             log.debug("μGraph search: verifier rejects a candidate: %s", verdict.reason)
             return False
         stats.verified += 1
-        verified.append((_cost(graph), where, graph, skel, source, verdict.reason))
+        verified.append((_cost(graph), where, graph, skel, source, verdict.reason, sched))
         return True
 
     def probe_ok(graph: KernelGraph) -> bool:
@@ -379,9 +431,9 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
                                            kinds=op_kinds(targets), whole_rows=job.get("whole_rows", False),
                                            share=share):
             pos[0] += 1
-            for _, graph in schedules(skel, inputs, out_shapes, tile=job["tile"], out_dtypes=out_dtypes):
+            for sched, graph in schedules(skel, inputs, out_shapes, tile=job["tile"], out_dtypes=out_dtypes):
                 stats.schedules += 1
-                if check(graph, skel, "search", (depth, gs.branch, pos[0])):
+                if check(graph, skel, "search", (depth, gs.branch, pos[0]), sched):
                     break
                 if time.monotonic() > deadline:
                     break
@@ -395,7 +447,7 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
     return verified, stats.as_dict(), (dict(oracle.stats) if oracle is not None else {})
 
 
-CRASH_ENV = "MIRAGE_SEARCH_TEST_CRASH_WORKER"   # tests: the worker of this index dies (os._exit) at start
+CRASH_ENV = "MIRAGE_SEARCH_TEST_CRASH_WORKER"   # tests: the worker of this index dies (os._exit) at start (config.NON_KNOB_VARIABLES)
 
 
 def _worker_main(conn, job, share, deadline, found_depth) -> None:
@@ -403,7 +455,7 @@ def _worker_main(conn, job, share, deadline, found_depth) -> None:
         if os.environ.get(CRASH_ENV, "") == str(share[0]):
             os._exit(3)
         verified, st, ostats = _search_share(job, share, deadline, found_depth)
-        conn.send(("ok", [(c, w, g.to_dict(), sk, src, r) for c, w, g, sk, src, r in verified], st, ostats))
+        conn.send(("ok", [(c, w, g.to_dict(), sk, src, r, sc) for c, w, g, sk, src, r, sc in verified], st, ostats))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which logs and drops the share
         try:
             conn.send(("error", f"{type(e).__name__}: {e}", {}, {}))
@@ -477,6 +529,6 @@ def _search_parallel(job: dict, workers: int, deadline: float, stats: SearchStat
             for key, v in ostats.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     oracle_stats[key] = oracle_stats.get(key, 0) + v
-            verified.extend((c, w, from_dict(g), sk, src, why) for c, w, g, sk, src, why in payload)
-    stats.oracle = dict(oracle_stats, workers=workers, lost_workers=sorted(lost))
+            verified.extend((c, w, from_dict(g), sk, src, why, sc) for c, w, g, sk, src, why, sc in payload)
+    stats.oracle.update(oracle_stats, workers=workers, lost_workers=sorted(lost))
     return verified

@@ -19,7 +19,7 @@ outputs, all flag 1; a complete graph is a candidate when ``is_target`` accepts 
 expressions.
 
 Pruning: ``admits(expr) -> bool`` is called on every new op's abstract expression (computed with
-``expr.expr_of_op`` when the expression module is available); ``lambda e: True`` switches pruning off.
+``expr.expr_of_op``); ``lambda e: True`` switches pruning off.
 
 The hot loop: one step of the DFS, ``children`` (the canonical moves after the last op's rank, each one's
 block op and abstract expression, both memoised), is what profiling measured as the search's own time
@@ -36,6 +36,7 @@ from typing import Callable, Iterator, Sequence
 
 from ...ugraph import Ctx, KernelGraph, MuGraphError, Ref, make_op
 from ..builder import BlockBuilder, new_kernel_graph
+from . import expr as E
 from . import native as N
 
 # Body-op kinds in rank order (the second half of an op's rank). Each: (name, arity, block op, attrs)
@@ -164,14 +165,6 @@ class _State:
     ops: list = field(default_factory=list)
 
 
-def _default_expr_of():
-    try:
-        from . import expr as E
-    except ImportError:
-        return None
-    return E.expr_of_op
-
-
 def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int, probe_range: int = 2,
                         exact_ops: bool = False, eps_values: Sequence[float] = (0.0,),
                         admits: Callable = lambda e: True, is_target: Callable | None = None,
@@ -193,7 +186,7 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
     None uses it when it is built and ``expr_of`` is given, False never, True requires it."""
     stats = stats if stats is not None else GenStats()
     if expr_of == "auto":
-        expr_of = _default_expr_of()
+        expr_of = E.expr_of_op
     inputs = [(tuple(s), d) for s, d in inputs]
     out_shapes = [tuple(s) for s in out_shapes]
     n_in, n_out = len(inputs), len(out_shapes)

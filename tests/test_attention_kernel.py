@@ -1,0 +1,207 @@
+"""Prefill attention kernels (issue 16): what the μGraph codegen emits for the banded, soft-capped FlashAttention
+seed — folded constant chains, tanh on the SFU for CUDA, the band's loop split into tiles every row sees whole
+(no mask) and edge tiles (masked), causal row blocks heaviest first — and the prefill launch candidates. CPU
+tests run the kernels in Triton's interpreter against fp64 references."""
+import math
+import os
+import re
+
+import pytest
+import torch
+
+from helpers import assert_close
+from torch_mirage.codegen.ugraph_triton import LOG2E, emit_block_kernel
+from torch_mirage.config import load
+from torch_mirage.context import Target
+from torch_mirage.superopt.attention_seeds import flash_attention
+from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph
+from torch_mirage.superopt.launch import LaunchConfig, candidates, default_config, prefill_attention
+from torch_mirage.ugraph import BlockGraph
+
+interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                            reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+def _body(kg) -> BlockGraph:
+    return next(op.body for op in kg.ops if isinstance(op.body, BlockGraph))
+
+
+def _mask(rows, skv, sq, off, window=None):
+    """(1, 1, rows, skv) additive mask of the band (query heads packed: position = row % sq), -1e30 outside."""
+    p = torch.arange(rows)[:, None] % sq + off
+    j = torch.arange(skv)[None]
+    hide = (j > p) if window is None else (j > p) | (j <= p - window)
+    return torch.zeros(rows, skv).masked_fill(hide, -1e30)[None, None]
+
+
+def _reference(q, k, v, m, scale, cap):
+    """fp64 soft-capped masked attention."""
+    q, k, v, m = (x.double() for x in (q, k, v, m))
+    s = q @ k.transpose(-1, -2) * scale
+    if cap is not None:
+        s = torch.tanh(s / cap) * cap
+    return torch.softmax(s + m, -1) @ v
+
+
+def _loops(src: str) -> list[str]:
+    """The bodies of the kernel's for-loops (each up to the next loop or the end of the indented block)."""
+    parts = re.split(r"\n    for it in ", src)[1:]
+    return [p.split("\n    f")[0] if "\n    f" in p else p for p in parts]
+
+
+def test_constant_chains_fold_into_one_multiply():
+    """scale·(1/softcap) is one constant in tanh's argument; softcap·log2 e one in the scores of the tiles every
+    row sees whole (the mask add is gone there, so nothing stands between them)."""
+    cap, scale = 30.0, 0.125
+    kg = flash_attention(1, 2, 64, 64, 16, scale=scale, softcap=cap, mask=(1, 1), dtype="float16",
+                         q_blocks=2, forloop_range=4, band=(64, 0, None, True))
+    src = emit_block_kernel(_body(kg), [4, 4, 4, 4]).source
+    full, edge = _loops(src)
+    assert f"tl.sigmoid(d8 * {2.0 * (scale * (1.0 / cap))!r})" in full, full
+    assert f"* {cap * LOG2E!r}" in full and f"* {scale!r}" not in full, full
+    assert f"* {cap!r})" in edge and f"* {LOG2E!r}" in edge, edge        # the mask is added between them there
+
+
+def test_tanh_on_cuda_is_the_sfu_instruction():
+    """Target.CUDA: tanh.approx.f32 through inline asm (scale folded into its argument); the interpreter gets the
+    portable sigmoid form, which it can run."""
+    kg = flash_attention(1, 2, 64, 64, 16, scale=0.125, softcap=30.0, mask=(1, 1), dtype="float16",
+                         q_blocks=2, forloop_range=4, band=(64, 0, None, True))
+    cuda = emit_block_kernel(_body(kg), [4, 4, 4, 4], target=Target.CUDA).source
+    portable = emit_block_kernel(_body(kg), [4, 4, 4, 4], target=Target.INTERPRETER).source
+    assert cuda.count("tanh.approx.f32") == 2 and "sigmoid" not in cuda, cuda
+    assert f"[d8 * {0.125 / 30.0!r}]" in cuda, cuda
+    assert "tanh.approx" not in portable and portable.count("tl.sigmoid") == 2
+
+
+def test_full_tiles_skip_mask_and_clamp_edge_tiles_keep_them():
+    """The band splits the key loop: tiles every row sees whole load no mask and need no clamp of s − m; the
+    diagonal tiles load the mask (unpredicated: every one of them needs it) and clamp."""
+    kg = flash_attention(1, 2, 64, 64, 16, scale=0.25, mask=(1, 1), dtype="float32", q_blocks=2, forloop_range=4,
+                         band=(64, 0, None, True))
+    src = emit_block_kernel(_body(kg), [4, 4, 4, 4]).source
+    full, edge = _loops(src)
+    assert full.startswith("tl.range(0, band_f1,") and edge.startswith("tl.range(band_f1, band_hi,"), src
+    assert "in3_ptr" not in full and "tl.minimum" not in full, full
+    assert "tl.load(in3_ptr" in edge and "mask=" not in edge and "tl.minimum(" in edge, edge
+    assert "num_stages=NUM_STAGES)" in full.split("\n")[0] and "num_stages=1)" in edge.split("\n")[0]
+    assert "pid_2 = 1 - tl.program_id(2)" in src          # causal: the longest row block first
+
+
+def test_window_band_has_two_edges_and_keeps_row_order():
+    kg = flash_attention(1, 2, 64, 64, 16, scale=0.25, mask=(1, 1), dtype="float32", q_blocks=2, forloop_range=8,
+                         band=(64, 0, 20, True))
+    src = emit_block_kernel(_body(kg), [4, 4, 4, 4]).source
+    lo, full, hi = _loops(src)
+    assert lo.startswith("tl.range(band_lo, band_f0,") and full.startswith("tl.range(band_f0, band_f1,")
+    assert "in3_ptr" not in full and "in3_ptr" in lo and "in3_ptr" in hi
+    assert "pid_2 = tl.program_id(2)" in src
+
+
+def test_no_zero_mask_no_split():
+    """A band whose mask is not known to be 0 where the band sees (zero flag off): one loop, mask on every tile."""
+    kg = flash_attention(1, 2, 64, 64, 16, scale=0.25, mask=(1, 1), dtype="float32", q_blocks=2, forloop_range=4,
+                         band=(64, 0, None, False))
+    src = emit_block_kernel(_body(kg), [4, 4, 4, 4]).source
+    (loop,) = _loops(src)
+    assert "tl.load(in3_ptr" in loop and "tl.minimum(" in loop
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window,cap", [(None, 50.0), (None, None), (40, 50.0), (7, None)])
+@pytest.mark.parametrize("cfg", [(4, 8), (2, 8), (2, 2), (8, 16)])     # (row blocks, key tiles)
+def test_split_band_eager_equal(cfg, window, cap, dtype):
+    """Banded seed under re-tilings (128- and 64-row tiles, key tiles of 64 down to 8, GQA-packed rows of two
+    heads): the full / edge loops together give the fp64 reference, no NaN."""
+    b, hk, g, sq, skv, d = 1, 2, 2, 64, 128, 16
+    rows, off = g * sq, skv - sq
+    kg = flash_attention(b, hk, rows, skv, d, scale=d ** -0.5, softcap=cap, mask=(1, 1),
+                         dtype={torch.float32: "float32", torch.float16: "float16"}[dtype],
+                         band=(sq, off, window, True))
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(s, generator=gen).to(dtype) for s in ((b, hk, rows, d), (b, hk, skv, d), (b, hk, skv, d)))
+    m = _mask(rows, skv, sq, off, window)
+    bg = _body(kg)
+    run = BlockLauncher(bg, LaunchConfig((hk, b, cfg[0]), cfg[1]), [4, 4, 4, 4], load().cache_dir)
+    (out,) = run(q, k, v, m)
+    assert torch.isfinite(out).all()
+    assert_close(out, _reference(q, k, v, m, d ** -0.5, cap).to(dtype), dtype)
+
+
+@interp
+def test_fully_masked_rows_stay_finite_where_eager_gives_numbers():
+    """An additive mask (no band) hiding every key of some rows at the floor (-1e30, as the claimer clamps HF's
+    finfo.min masks): eager gives those rows the uniform average, so must the kernel — the clamp of s − m stays
+    on tiles that add a mask."""
+    b, hk, rows, skv, d = 1, 2, 32, 32, 16
+    kg = flash_attention(b, hk, rows, skv, d, scale=0.3, softcap=20.0, mask=(1, 1), dtype="float32",
+                         q_blocks=2, forloop_range=4)
+    q, k, v = torch.randn(b, hk, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
+    m = torch.zeros(1, 1, rows, skv)
+    m[..., :5, :] = -1e30                       # rows 0..4 see nothing
+    m[..., 5:, 20:] = -1e30
+    c = compile_ugraph(kg, [q, k, v, m])
+    out = c(q, k, v, m)[0]
+    ref = _reference(q, k, v, m, 0.3, 20.0)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(ref[..., :5, :], v.double().mean(-2, keepdim=True).expand(-1, -1, 5, -1))
+    assert_close(out, ref.float(), torch.float32)
+    assert "tl.minimum(" in "\n".join(c.sources)
+
+
+def test_prefill_candidates():
+    """Prefill attention gets 128-row tiles on 8 warps with 64 / 128 keys and 2-4 stages (and 64-row ones); decode
+    (few rows) keeps the roofline-ranked re-tilings; the CPU runs the μGraph's own schedule."""
+    kg = flash_attention(1, 32, 1024, 1024, 128, scale=0.088, softcap=50.0, mask=(1, 1), dtype="bfloat16",
+                         band=(1024, 0, None, True))
+    bg = _body(kg)
+    assert prefill_attention(bg) == (2, 1024, 1024)
+    cands = candidates(bg, 132)
+    assert cands[0] == default_config(bg)
+    pairs = {(c.grid[2], c.forloop_range, c.num_warps, c.num_stages) for c in cands}
+    for stages in (2, 3, 4):
+        assert (8, 16, 8, stages) in pairs                  # 128 rows x 64 keys
+    assert (8, 8, 8, 2) in pairs and (16, 16, 4, 3) in pairs  # 128 x 128 keys; 64 x 64
+    assert all(c.split == 1 for c in cands)
+    decode = _body(flash_attention(1, 8, 4, 4096, 128, scale=0.088, dtype="float16"))
+    assert prefill_attention(decode) is None
+    assert any(c.split > 1 for c in candidates(decode, 132))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_prefill_softcap_tuned(dtype):
+    """H100: the banded soft-capped seed with tanh.approx, tuned over the prefill candidates, fp64-equal."""
+    n, h, d = 1024, 4, 128
+    kg = flash_attention(1, h, n, n, d, scale=d ** -0.5, softcap=50.0, mask=(1, 1),
+                         dtype={torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype], band=(n, 0, None, True))
+    q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
+    m = _mask(n, n, n, 0).cuda()
+    c = compile_ugraph(kg, [q, k, v, m], target=Target.CUDA)
+    assert "tanh.approx.f32" in c.sources[0]
+    out = c(q, k, v, m)[0]
+    assert torch.isfinite(out).all()
+    assert_close(out, _reference(q, k, v, m, d ** -0.5, 50.0).to(dtype), dtype)
+
+
+@interp
+def test_column_sums_multiply_by_the_row_sum_reciprocal():
+    """H2O's column-sum kernel divides each score's exp by its row's sum: one reciprocal per row (a (rows, 1)
+    tile), a multiply per element; the full / edge loops of its band still give the column sums of P (fp64)."""
+    from torch_mirage.superopt.attention_seeds import attention_column_sums
+
+    b, hk, n, d = 1, 2, 64, 16
+    kg = attention_column_sums(b, hk, n, n, d, group=1, kernels=["flash_stats", "column_sums"], tile=16,
+                               scale=0.25, softcap=None, mask=(1, 1), dtype="float32", mask_dtype="float32",
+                               band=(n, 0, None, True))
+    q, k, v = torch.randn(b, hk, n, d), torch.randn(b, hk, n, d), torch.randn(b, hk, n, d)
+    m = _mask(n, n, n, 0)
+    c = compile_ugraph(kg, [q, k, v, m])
+    out, colsum = c(q, k, v, m)
+    col_src = c.sources[-1]
+    assert re.search(r"v\d+ \* \(1\.0 / x\d+\)", col_src) and not re.search(r"v\d+ / x\d+", col_src), col_src
+    p = torch.softmax(q.double() @ k.double().transpose(-1, -2) * 0.25 + m.double(), -1)
+    assert_close(out, (p @ v.double()).float(), torch.float32)
+    assert_close(colsum, p.sum(-2).float(), torch.float32)

@@ -1,0 +1,113 @@
+"""Searching a big region on small shapes (SEARCH.md §6.5): the shrunk problem and the schedule transfer.
+
+At a decode layer's shapes (a 4096 x 4096 weight) one fp64 probe run of a candidate takes seconds and
+one verification tens of seconds on the CPU: every block of the grid and every for-loop step is a
+Python step of the executor. The algebra a skeleton computes does not depend on the sizes, so the
+driver searches a *shrunk* copy of the problem: every dim longer than :data:`BIG` gets a small size
+(distinct real sizes stay distinct, sizes up to :data:`KEEP` are kept, one-tile sizes get a free size up to
+:data:`KEEP`), the target μGraph is rebuilt
+at those sizes op by op (a reshape whose sizes do not map consistently means no shrinking), and the
+schedules are drawn with tiles of :data:`SMALL_TILE`, so that a dim split over the grid or a for-loop
+at the real size is split at the small size too, and one that is not is not.
+
+A μGraph verified on the shrunk problem is carried back by :func:`transfer`: the real-size schedule
+of the same skeleton with the same imaps, omap and split structure (which dims the grid and the
+for-loop walk; only the counts differ). That μGraph is the verified one with longer tiles. The driver
+re-verifies it at the real size when that is cheap; the compile stage's float check against eager
+(``check_regions``) runs on it either way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ...ugraph import KernelGraph, MuGraphError, make_op
+from .generate import Skeleton
+from .schedule import schedules
+
+KEEP = 16           # dims up to this size keep their size (rows of a decode batch, heads of a group)
+BIG = 64            # the real tile: dims longer than this are split over the grid or a for-loop
+SMALL_TILE = 16     # the shrunk problem's tile: KEEP fits one tile, every shrunk dim at least two
+SHRINK_ABOVE = 256  # shrink only problems with a dim at least this long (smaller ones search fast as they are)
+
+
+@dataclass(frozen=True)
+class ShrunkProblem:
+    target: KernelGraph
+    inputs: list            # (shape, dtype) per kernel input, at the small sizes
+    out_shapes: list
+    sizes: dict             # real size -> small size
+    tile: int = SMALL_TILE
+
+
+def size_map(sizes: Sequence[int]) -> dict[int, int] | None:
+    """Real size -> small size, or None when the sizes do not shrink (all small already, or more sizes in
+    (KEEP, BIG] than free sizes up to KEEP to give them). Sizes up to KEEP are kept; one in (KEEP, BIG] (one
+    tile at the real size) gets a free size up to KEEP (one tile at the small size), the largest first; one
+    above BIG gets 32, 48, ... (two or more small tiles, as it has two or more real ones)."""
+    sizes = sorted(set(sizes))
+    if not sizes or sizes[-1] < SHRINK_ABOVE:
+        return None
+    out = {d: d for d in sizes if d <= KEEP}
+    free = [v for v in range(KEEP, 1, -1) if v not in out]
+    mid = [d for d in sizes if KEEP < d <= BIG]
+    if len(mid) > len(free):
+        return None
+    out.update(zip(mid, free))
+    out.update({d: SMALL_TILE * (i + 2) for i, d in enumerate(d for d in sizes if d > BIG)})
+    return out
+
+
+def shrink(target: KernelGraph, inputs: Sequence, out_shapes: Sequence) -> ShrunkProblem | None:
+    """``target`` rebuilt at small sizes, or None when it does not shrink consistently."""
+    sizes = {d for s, _ in inputs for d in s} | {d for s in out_shapes for d in s} | \
+        {d for op in target.ops for s in op.shapes for d in s} | \
+        {d for op in target.ops for d in (op.attrs.get("shape") or ())}
+    m = size_map(sizes)
+    if m is None:
+        return None
+
+    def small(shape):
+        return tuple(m[d] for d in shape)
+
+    ops = []
+    try:
+        for op in target.ops:
+            attrs = dict(op.attrs)
+            if attrs.get("shape") is not None:
+                attrs["shape"] = small(attrs["shape"])
+            in_shapes = [ops[r[0]].shapes[r[1]] for r in op.inputs]
+            in_dtypes = [ops[r[0]].dtypes[r[1]] for r in op.inputs]
+            new = make_op(op.name, op.inputs, in_shapes, in_dtypes, attrs, op.body, target.ctx(op.body))
+            if new.shapes != tuple(small(s) for s in op.shapes):
+                return None     # e.g. a reshape merging two shrunk dims: the map is not multiplicative
+            ops.append(new)
+    except (MuGraphError, KeyError, TypeError, ValueError):
+        return None
+    graph = KernelGraph(ops=tuple(ops), outputs=target.outputs)
+    return ShrunkProblem(graph, [(small(s), d) for s, d in inputs], [small(s) for s in out_shapes], m)
+
+
+def _structure(sched: dict) -> tuple:
+    """What a schedule fixes besides the counts: imaps, omap, which grid dims split, whether the for-loop does."""
+    return (tuple(tuple(m) for m in sched["imaps"]), tuple(sched["omap"]), tuple(g > 1 for g in sched["grid"]),
+            sched["forloop_range"] > 1)
+
+
+def transfer(skel: Skeleton, small_schedule: dict, inputs: Sequence, out_shapes: Sequence, *, tile: int,
+             out_dtypes: Sequence | None = None) -> tuple[dict, KernelGraph] | None:
+    """The real-size (schedule, μGraph) of ``skel`` with ``small_schedule``'s structure, or None."""
+    want = _structure(small_schedule)
+    for sched, graph in schedules(skel, inputs, out_shapes, tile=tile, out_dtypes=out_dtypes):
+        if _structure(sched) == want:
+            return sched, graph
+    return None
+
+
+def block_steps(graph: KernelGraph) -> int:
+    """Grid blocks x for-loop steps of a one-kernel μGraph: the executor's work, in Python steps."""
+    body = next(op.body for op in graph.ops if op.name == "customized")
+    n = 1
+    for g in body.grid:
+        n *= g
+    return n * body.forloop_range
