@@ -147,7 +147,8 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
     program, candidate = verified_instance(ref.graph, seed)
     examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=DTYPE_OF[op.attrs["dtype"]]) for op in program.inputs]
     with unset_fake_temporarily():      # the verifier and the compile run real tensors
-        verdict = verify(candidate, program, examples)
+        verdict = verify(candidate, program, examples, error_bound=ctx.config.verify_error_bound,
+                         trials=ctx.config.verify_trials)
         if not verdict:
             return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is not verified: {verdict.reason}")
         try:
