@@ -13,7 +13,12 @@ from helpers import assert_close
 from torch_mirage.analysis.cost import CostModel, skinny_matmul
 from torch_mirage.bench import workloads
 from torch_mirage.capture.ops import OpKind
+from torch_mirage.config import load
+from torch_mirage.context import CompileContext
+from torch_mirage.partition.region import Claim, Region
+from torch_mirage.runtime.measure import numerics_problem
 from torch_mirage.report import Reason
+from torch_mirage.superopt.gemv_claim import GemvClaimer
 from torch_mirage.superopt.compile import BlockLauncher
 from torch_mirage.superopt.gemv_claim import verified_instance
 from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed
@@ -227,6 +232,24 @@ def test_large_region_is_verified_at_shrunk_sizes():
     small_graph = trace(fn, _inputs("gw", 3, True))
     small = reference_of(small_graph.nodes, small_graph).graph
     assert verified_instance(small, gemv_seed(small))[0] is small
+
+
+@interpreted
+def test_traced_decode_layer_streams_its_unit_batch_bmm():
+    """Traced outside Dynamo, the decode layer's O-projection is a bmm of batch 1 (F.linear of the heads merged back
+    into a 3-D view); it streams like an mm, with its residual, and the claimed kernel equals the region's eager
+    result; every projection of the layer is claimed (attention's bmm's, batched, are not)."""
+    wl = workloads.WORKLOADS["llama_layer_decode"]
+    args = wl.make_inputs(1, torch.float32, "cpu", 0, quick=True)
+    graph = trace(wl.fn, args)
+    ctx = CompileContext.standalone(load({"min_region_us": 0}))
+    outcomes = GemvClaimer().claim(graph, list(graph.nodes), ctx)
+    claims = [o for o in outcomes if isinstance(o, Claim)]
+    assert sorted(len([n for n in c.nodes if n.kind is OpKind.MATMUL]) for c in claims) == [1, 1, 2, 3]
+    (oproj,) = [c for c in claims if any(n.target_name == "aten.bmm.default" for n in c.nodes)]
+    assert "aten.add.Tensor" in [n.target_name for n in oproj.nodes]
+    for claim in claims:                 # the backend's check stage: each kernel against its ATen subgraph
+        assert numerics_problem(Region.of_claim(claim, GemvClaimer.name), graph) is None, claim.detail
 
 
 def test_seed_declines_forms_it_cannot_stream():

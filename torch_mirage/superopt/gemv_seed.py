@@ -52,6 +52,16 @@ def _parts(extent: int, tile: int) -> int:
     return parts
 
 
+def _loop_parts(k: int, tile: int) -> int:
+    """For-loop steps over k: the fewest power of two whose parts are at most ``tile`` long, else :func:`_parts`.
+    A power of two keeps the mean accumulator of an epilogue input exact in the verifier's finite field (its
+    count divides as ``fl(1/count)``, exact only for powers of two); a launch may re-tile it on the GPU."""
+    p = 1
+    while p <= k and (k % p or k // p > tile):
+        p *= 2
+    return p if p <= k and k % p == 0 else _parts(k, tile)
+
+
 class _Reader:
     """Walks the reference: producers through reshapes, shapes, the matmuls and their shared rows."""
 
@@ -78,11 +88,12 @@ class _Reader:
 
 
 def _weight(rd: _Reader, r: Ref) -> tuple[Ref, bool]:
-    """(the kernel input holding a matmul's weight, whether it is stored (n, k))."""
+    """(the kernel input holding a matmul's weight, whether it is stored (n, k)), reshapes looked through."""
+    r = rd.through_reshapes(r)
     if rd.op(r).name == "input":
         return r, False
-    if rd.op(r).name == "transpose" and rd.op(rd.op(r).inputs[0]).name == "input":
-        return rd.op(r).inputs[0], True
+    if rd.op(r).name == "transpose" and rd.op(w := rd.through_reshapes(rd.op(r).inputs[0])).name == "input":
+        return w, True
     raise NotStreamable(f"the matmul's weight {rd.describe(r)} is not a kernel input (or its transpose)")
 
 
@@ -104,7 +115,7 @@ def streamed_dims(ref: KernelGraph) -> tuple[int, int, int]:
     if mm is None:
         raise NotStreamable("no matmul")
     a = mm.inputs[0]
-    return mm.shapes[0][0], ref.ops[a[0]].shapes[a[1]][-1], mm.shapes[0][-1]
+    return math.prod(mm.shapes[0][:-1]), ref.ops[a[0]].shapes[a[1]][-1], mm.shapes[0][-1]
 
 
 def gemv_seed(ref: KernelGraph, tile: int = 64) -> KernelGraph:
@@ -118,11 +129,12 @@ def gemv_seed(ref: KernelGraph, tile: int = 64) -> KernelGraph:
     if len(rows_ref) != 1:
         raise NotStreamable(f"{len(mms)} matmuls read {len(rows_ref)} different activations")
     (a,) = rows_ref
-    if any(len(ref.ops[i].shapes[0]) != 2 for i in mms):
-        raise NotStreamable("a batched matmul: one (m, n) result per matmul is needed")
+    for i in mms:      # a batched matmul streams where its batch is one (F.linear of a 3-D view: bmm of batch 1)
+        if math.prod(ref.ops[i].shapes[0][:-2]) != 1 or math.prod(rd.shape(ref.ops[i].inputs[1])[:-2]) != 1:
+            raise NotStreamable(f"a batched matmul {rd.describe(Ref(i, 0))}: one (m, n) result per matmul is needed")
     weights = {i: _weight(rd, ref.ops[i].inputs[1]) for i in mms}
     m, k, _ = streamed_dims(ref)
-    widths = {i: ref.ops[i].shapes[0][1] for i in mms}
+    widths = {i: ref.ops[i].shapes[0][-1] for i in mms}
     group_of = []                                   # each output: the width of the matmuls it is computed from
     for r in ref.outputs:
         found = {widths[i] for i in _ancestors(ref, r.op) if i in widths}
@@ -183,7 +195,7 @@ class _Block:
 
     def __init__(self, seed: _Seed, n: int):
         self.seed, self.rd, self.m, self.k, self.n = seed, seed.rd, seed.m, seed.k, n
-        self.tb = new_threadblock_graph((_parts(n, seed.tile),), _parts(seed.k, seed.tile))
+        self.tb = new_threadblock_graph((_parts(n, seed.tile),), _loop_parts(seed.k, seed.tile))
         self.sources: list[Tensor] = []
         self.iters: dict[tuple, Tensor] = {}             # (ref input op, role) -> block iterator
         self.tiles: dict[Ref, Tensor] = {}               # ref value -> block tile (loop side)
