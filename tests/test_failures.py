@@ -32,7 +32,8 @@ def _softmax_inputs():
 
 
 def _mlp_inputs():
-    return [torch.randn(24, 40), torch.randn(40, 56) * 0.2, torch.randn(40, 56) * 0.2]
+    """Compute-bound matmuls (AI 36 FLOP/B in fp32): the library claimer's, not the weight-streaming claimer's."""
+    return [torch.randn(192, 1024), torch.randn(1024, 128) * 0.03, torch.randn(1024, 128) * 0.03]
 
 
 def _inject_capture(mp):

@@ -9,7 +9,7 @@ import torch_mirage
 from helpers import assert_close
 from torch_mirage.numerics import rms_norm
 from torch_mirage.superopt import library
-from torch_mirage.superopt.claim import dims_from_shapes, ugraph_shapes
+from torch_mirage.superopt.claim import LibraryClaimer, dims_from_shapes, ugraph_shapes
 
 # tests/conftest.py turns the interpreter on when there is no GPU; setting it here would leak into GPU tests
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -24,9 +24,16 @@ def gated_mlp(x, w1, w3):
     return F.silu(x @ w1) * (x @ w3)
 
 
-def _compile(fn, **options):
+def _compile(fn, claimers=None, **options):
     report = torch_mirage.Report()
-    return torch.compile(fn, backend=torch_mirage.MirageBackend(options=options, report=report)), report
+    return torch.compile(fn, backend=torch_mirage.MirageBackend(options=options, report=report,
+                                                                claimers=claimers)), report
+
+
+def _library_only():
+    """The library claimer alone: in the default order the weight-streaming claimer takes memory-bound gated MLPs
+    and RMSNorm + Linear first, with their norm and epilogue (tests/test_gemv_claim.py)."""
+    return [LibraryClaimer()]
 
 
 def _inputs(shapes, dtype):
@@ -58,7 +65,7 @@ ATTENTION_SHAPES = [(2, 2, 16, 16), (2, 2, 64, 16), (2, 2, 64, 16)]
     ("gated_mlp", gated_mlp, [(2, 12, 40), (40, 56), (40, 56)]),
 ])
 def test_library_program_runs_its_ugraph(name, fn, shapes, dtype):
-    compiled, report = _compile(fn)
+    compiled, report = _compile(fn, _library_only())
     xs = _inputs(shapes, dtype)
     out = compiled(*xs)
     assert_close(out, fn(*[x.double() for x in xs]).to(dtype), dtype)
@@ -184,7 +191,7 @@ def test_llama_style_mlp_of_linear_layers():
             return self.down(F.silu(self.gate(x)) * self.up(x))
 
     mlp = MLP(40, 56).eval()
-    compiled, report = _compile(mlp)
+    compiled, report = _compile(mlp, _library_only())
     x = torch.randn(2, 12, 40)
     with torch.no_grad():
         out = compiled(x)
@@ -248,7 +255,7 @@ def test_rmsnorm_linear_with_its_eps_read_from_the_graph(dtype, x_shape):
     def rmsnorm_linear(x, g, w):
         return rms_norm(x, 1e-5, g) @ w
 
-    compiled, report = _compile(rmsnorm_linear)
+    compiled, report = _compile(rmsnorm_linear, _library_only())
     xs = [torch.randn(x_shape, dtype=dtype), 1 + 0.1 * torch.randn(48, dtype=dtype),
           torch.randn(48, 40, dtype=dtype) * 48 ** -0.5]
     assert_close(compiled(*xs), rmsnorm_linear(*[x.double() for x in xs]).to(dtype), dtype)
@@ -274,7 +281,7 @@ def test_qknorm_attention_runs_the_fused_ugraph(dtype):
     assert region.info["dims"] == [2, 2, 16, 32, 16]
 
 
-@pytest.mark.parametrize("fn,shapes", [(gated_mlp, [(8, 16), (16, 24), (16, 24)]),            # library claimer
+@pytest.mark.parametrize("fn,shapes", [(gated_mlp, [(8, 16), (16, 24), (16, 24)]),            # weight streaming
                                        (attention, [(1, 2, 16, 16), (1, 2, 16, 16), (1, 2, 16, 16)])])  # attention
 def test_kernel_sources_go_to_the_compiles_cache_dir_with_the_cache_off(tmp_path, monkeypatch, fn, shapes):
     """options={"cache": False, "cache_dir": ...}: the μGraph kernels' sources are written under that cache_dir's
@@ -285,7 +292,7 @@ def test_kernel_sources_go_to_the_compiles_cache_dir_with_the_cache_off(tmp_path
     compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(options=opts, report=report))
     xs = _inputs(shapes, torch.float32)
     assert_close(compiled(*xs), fn(*xs))
-    assert any(r.compiled_by == "mirage" and r.claimer in ("ugraph-library", "attention") for r in report.regions), \
+    assert any(r.compiled_by == "mirage" and r.claimer in ("ugraph-gemv", "attention") for r in report.regions), \
         str(report)
     assert [f for f in os.listdir(tmp_path / "from_options" / "kernels") if f.startswith("ugraph_")]
     assert not (tmp_path / "from_env").exists()

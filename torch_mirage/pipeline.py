@@ -20,6 +20,7 @@ from functorch.compile import make_boxed_func
 
 from .capture.ir import Graph, Node, connected_components
 from .capture.lower import lower
+from .analysis.cost import CostModel, matmul_rows, skinny_matmul
 from .capture.ops import OpKind
 from .config import Config
 from .context import CompileContext
@@ -34,6 +35,7 @@ from .runtime.inductor_quiet import without_artifact_warning
 from .runtime.measure import check_regions, keep_faster
 from .superopt.attention_claim import AttentionClaimer
 from .superopt.claim import DEFAULT_WORKLOADS, LibraryClaimer
+from .superopt.gemv_claim import GemvClaimer
 from .superopt.search.claimer import SearchClaimer
 
 log = logging.getLogger("torch_mirage")
@@ -66,9 +68,13 @@ class MirageError(RuntimeError):
 def default_claimers(config: Config) -> list[Claimer]:
     """Claiming passes in priority order (earlier passes see the graph first)."""
     # QK-norm attention (norms + attention in one μGraph) is matched before the attention claimer takes the
-    # attention alone; the rest of the library after it; the search after the library, stitching last
-    library = ([LibraryClaimer(("qknorm_attention",)), AttentionClaimer(),
-                LibraryClaimer([w for w in DEFAULT_WORKLOADS if w != "qknorm_attention"])]
+    # attention alone; LoRA (three matmuls in one kernel: no weight-streaming cut holds it) and nTrans next;
+    # memory-bound matmuls with their norm and epilogue (one weight-streaming kernel) before the library's
+    # RMSNorm + Linear and gated MLP could take the matmuls without the norm or the residual; the search after
+    # the library, stitching last
+    ahead, wider = ("qknorm_attention",), ("lora", "ntrans")
+    library = ([LibraryClaimer(ahead), AttentionClaimer(), LibraryClaimer(wider), GemvClaimer(),
+                LibraryClaimer([w for w in DEFAULT_WORKLOADS if w not in ahead + wider])]
                if config.ugraph_library else [])
     return library + ([SearchClaimer()] if config.search else []) + ([StitchClaimer()] if config.stitch else [])
 
@@ -110,8 +116,10 @@ def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config,
             reason, detail = Reason.OPAQUE_OP, ", ".join(sorted({n.target_name for n in nodes if n.kind is OpKind.OPAQUE}))
         elif any(not (v.meta and v.meta.is_static) for n in nodes for v in n.outputs if v.meta):
             reason, detail = Reason.DYNAMIC_SHAPE, ""
-        elif OpKind.MATMUL in kinds:
+        elif OpKind.MATMUL in kinds and not (skinny := _skinny_matmuls(nodes)):
             reason, detail = Reason.COMPUTE_BOUND, ""
+        elif OpKind.MATMUL in kinds:
+            reason, detail = Reason.NOT_CLAIMED, f"memory-bound matmul {skinny}"
         else:
             reason, detail = Reason.NOT_CLAIMED, ""
         inside = {id(n) for n in nodes}
@@ -123,6 +131,21 @@ def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config,
             detail = f"{detail}; {note}" if detail else note
         out.append(Region(nodes, config.fallback, reason, detail, declines=here))
     return out
+
+
+def _skinny_matmuls(nodes: Sequence[Node]) -> str:
+    """The memory-bound matmuls among ``nodes`` (:func:`~.analysis.cost.skinny_matmul`), described; empty when
+    any matmul of the group is compute-bound (the group is then the library call's)."""
+    model = CostModel()
+    described = []
+    for n in nodes:
+        if n.kind is not OpKind.MATMUL:
+            continue
+        cost = skinny_matmul(n, model)
+        if cost is None:
+            return ""
+        described.append(f"{n.name} ({matmul_rows(n)} rows, AI {cost.intensity:.3g} FLOP/B)")
+    return ", ".join(described)
 
 
 def _report_regions(report: GraphReport, regions: Sequence[Region]) -> None:

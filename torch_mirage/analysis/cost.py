@@ -31,6 +31,11 @@ from .properties import ReduceDep, TensorProperties, analyze_properties
 ALIASING_OPS = frozenset({"view", "permute", "expand", "unsqueeze", "squeeze", "slice", "split"})
 
 
+# output rows up to which a matmul counts as memory-bound whatever the dtype (a 16-row bf16 GEMV's intensity,
+# 16 FLOP/B, is far below the H100's ridge point of ~257)
+SKINNY_ROWS = 16
+
+
 class CostModelError(ValueError):
     pass
 
@@ -223,6 +228,22 @@ class CostModel:
         return Cost(bytes=nbytes, flops=flops, intensity=intensity, predicted_us=seconds * 1e6,
                     bound="compute" if compute_s > memory_s else "memory", parallel_tasks=tasks,
                     memory_us=memory_s * 1e6, compute_us=compute_s * 1e6, kernels=kernels)
+
+
+def matmul_rows(node: Node) -> int:
+    """Rows of a matmul node's output (all dims but the last multiplied: batch dims included)."""
+    return math.prod(node.outputs[0].meta.shape[:-1])
+
+
+def skinny_matmul(node: Node, model: "CostModel | None" = None) -> Cost | None:
+    """The node's cost when it is a matmul that streams its weight — at most :data:`SKINNY_ROWS` output rows,
+    or arithmetic intensity below the device's ridge point — else None. Such a matmul is memory-bound (a
+    decode GEMV: one weight read per few rows), so it is a claimer's, not the library call's."""
+    if node.kind is not OpKind.MATMUL or not node.outputs or node.outputs[0].meta is None \
+            or not node.outputs[0].meta.is_static:
+        return None
+    cost = (model or CostModel()).node_cost(node)
+    return cost if matmul_rows(node) <= SKINNY_ROWS or cost.bound == "memory" else None
 
 
 def is_compute_bound(node_or_region: Node | Sequence[Node], device: DeviceModel | None = None,

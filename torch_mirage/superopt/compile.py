@@ -26,7 +26,7 @@ from ..config import load
 from ..context import Target
 from ..ugraph import BlockGraph, KernelGraph, Ref
 from .arith import TorchArith
-from .launch import LaunchConfig, choose, combine_tiling, default_config, retile
+from .launch import LaunchConfig, candidates, choose, combine_tiling, default_config, retile
 from .optimise import plan_block
 from .validate import SMEM_BYTES, validate
 
@@ -223,12 +223,13 @@ def _align(n: int) -> int:
 
 def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], *, cache: Any = None,
                    cache_dir: str | None = None, tune: bool | None = None, limit: int = 4,
-                   target: Target | None = None) -> CompiledUGraph:
+                   target: Target | None = None, propose: Callable[..., list] = candidates) -> CompiledUGraph:
     """Generated Triton for every graph-defined op of ``kgraph``; launch configs tuned on ``example_inputs``
-    when they are CUDA tensors (``tune=False``: the μGraph's own schedule). Returns ``callable(*tensors)``.
-    Sources go under ``cache_dir``'s ``kernels/`` (a claimer passes its configuration's; default: the disk
-    cache's directory, else the configuration read from the environment). ``target``: where the kernels run (the
-    compile context's; default: :meth:`Target.current`), which picks CUDA-only instruction forms."""
+    when they are CUDA tensors (``tune=False``: the μGraph's own schedule), among those ``propose`` lists
+    (:func:`.launch.candidates`, or :func:`.launch.streaming_candidates` for a weight-streaming kernel). Returns
+    ``callable(*tensors)``. Sources go under ``cache_dir``'s ``kernels/`` (a claimer passes its configuration's;
+    default: the disk cache's directory, else the configuration read from the environment). ``target``: where the
+    kernels run (the compile context's; default: :meth:`Target.current`), which picks CUDA-only instruction forms."""
     target = Target.current() if target is None else target
     validate(kgraph)
     ins = kgraph.inputs
@@ -257,7 +258,8 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
 
             def build(cfg: LaunchConfig, bg=op.body, ranks=ranks, name=name) -> BlockLauncher:
                 return BlockLauncher(bg, cfg, ranks, cache_dir, name, target)
-            cfg = choose(op.body, build, xs, cache=cache, limit=limit) if tune else default_config(op.body)
+            cfg = choose(op.body, build, xs, cache=cache, limit=limit, propose=propose) if tune \
+                else default_config(op.body)
             launcher = build(cfg)
             log.info("torch_mirage: μGraph op %d uses %s (%s)", i, cfg, launcher.path)
             res = launcher(*xs)

@@ -262,15 +262,8 @@ def prefill_candidates(bg: BlockGraph) -> list[LaunchConfig]:
     return out
 
 
-def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
-    """Prefill attention: its own schedule plus :func:`prefill_candidates`. Otherwise the μGraph's own schedule plus the ``limit`` best re-tilings by :func:`estimate_us` and the best with
-    at least ``PROBE_WAVES`` programs per SM, each with the (num_warps, num_stages) pairs of ``WARPS_STAGES``
-    and, where each program walks at least ``DEEP_LOOP`` for-loop steps, ``DEEP_PIPELINE``. (Pairs whose
-    stages do not fit shared memory fail to compile and are skipped by :func:`choose`.)"""
-    prefill = prefill_candidates(bg)
-    if prefill:
-        base = default_config(bg)
-        return [base] + [c for c in prefill if c != base]
+def _scored(bg: BlockGraph, n_sm: int) -> list[tuple]:
+    """``(estimate µs, grid, forloop_range, split)`` of every re-tiling and split, best first."""
     scored = []
     choices = [_grid_choices(bg, g) for g in range(len(bg.grid))]
     for grid in _product(choices):
@@ -284,7 +277,20 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
                 est = estimate_us(tiled, s, n_sm)
                 if est is not None:
                     scored.append((est, grid, f, s))
-    scored.sort()
+    return sorted(scored)
+
+
+def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
+    """Prefill attention: its own schedule plus :func:`prefill_candidates`. Otherwise the μGraph's own schedule
+    plus the ``limit`` best re-tilings by :func:`estimate_us` and the best with at least ``PROBE_WAVES`` programs
+    per SM, each with the (num_warps, num_stages) pairs of ``WARPS_STAGES`` and, where each program walks at least
+    ``DEEP_LOOP`` for-loop steps, ``DEEP_PIPELINE``. (Pairs whose stages do not fit shared memory fail to compile
+    and are skipped by :func:`choose`.)"""
+    prefill = prefill_candidates(bg)
+    if prefill:
+        base = default_config(bg)
+        return [base] + [c for c in prefill if c != base]
+    scored = _scored(bg, n_sm)
     picks = [(tuple(bg.grid), bg.forloop_range, 1)]
     for _, grid, f, s in scored:
         if len(picks) > limit:
@@ -305,6 +311,34 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
         if prologue_accumulators(bg):   # the norm's sum of squares out of the dot loop: the stream stays pure
             configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE, prologue=True))
     return configs
+
+
+def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
+    """The launches of a weight-streaming (memory-bound matmul) kernel, per the roofline estimate: the μGraph's own
+    schedule; the one-wave stream of :func:`streaming_pick` at ``STREAM_PIPELINE`` (and with the matmul-free sums
+    in a loop of their own where the kernel has them: an RMSNorm prologue); the best-estimated split-K (a combine
+    kernel after it) and the best-estimated split-N of more than one wave and at most ``PROBE_WAVES[-1]``
+    programs per SM, each at the first of ``WARPS_STAGES``; the best-estimated unsplit loop of at least
+    ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``. Six or seven configs where :func:`candidates` gives about twenty:
+    each costs a Triton compile, and a decode layer has one such kernel per projection."""
+    scored = _scored(bg, n_sm)
+    warps, stages = WARPS_STAGES[0]
+    configs = [LaunchConfig(tuple(bg.grid), bg.forloop_range, 1, warps, stages)]
+    stream = streaming_pick(scored, n_sm)
+    if stream is not None:
+        configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE))
+        if prologue_accumulators(bg):
+            configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE, prologue=True))
+    split_k = next(((g, f, s) for _, g, f, s in scored if s > 1), None)
+    split_n = next(((g, f, s) for _, g, f, s in scored
+                    if s == 1 and n_sm < math.prod(g) <= PROBE_WAVES[-1] * n_sm), None)
+    for pick in (split_k, split_n):
+        if pick is not None:
+            configs.append(LaunchConfig(pick[0], pick[1], pick[2], warps, stages))
+    deep = next(((g, f) for _, g, f, s in scored if s == 1 and f >= DEEP_LOOP), None)
+    if deep is not None:        # the best-estimated long loop, deeply pipelined (the library gated MLP's winner)
+        configs.append(LaunchConfig(deep[0], deep[1], 1, *DEEP_PIPELINE))
+    return list(dict.fromkeys(configs))
 
 
 def streaming_pick(scored: Sequence[tuple], n_sm: int) -> tuple | None:
@@ -332,8 +366,9 @@ def _disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Sequence[torch.Tensor], *,
-           cache: Any = None, limit: int = 4) -> LaunchConfig:
-    """The launch config to use for ``bg`` on ``inputs``; ``build(config)`` returns ``run(*inputs) -> outputs``.
+           cache: Any = None, limit: int = 4, propose: Callable[..., list[LaunchConfig]] = candidates) -> LaunchConfig:
+    """The launch config to use for ``bg`` on ``inputs``; ``build(config)`` returns ``run(*inputs) -> outputs``;
+    ``propose(bg, n_sm, limit)`` lists the configs timed (:func:`candidates`, :func:`streaming_candidates`).
     Every candidate's outputs must agree with the first one's (the μGraph's own schedule) to the re-tiling
     tolerance of the lowest precision involved; the fastest that agrees wins (:func:`~torch_mirage.tune.tune`)."""
     base = default_config(bg)
@@ -341,9 +376,10 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
         return base
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs, ABBA",
-                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE, PREFILL_SCHEDULES])   # a wider search re-tunes
+                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE,
+                           PREFILL_SCHEDULES] + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
     props = torch.cuda.get_device_properties(inputs[0].device)
-    configs = {json.dumps(c.to_json(), sort_keys=True): c for c in candidates(bg, props.multi_processor_count, limit)}
+    configs = {json.dumps(c.to_json(), sort_keys=True): c for c in propose(bg, props.multi_processor_count, limit)}
     want: list = []
 
     def make(name: str) -> tuple:

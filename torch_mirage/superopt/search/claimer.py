@@ -9,13 +9,15 @@ reduction node (last first) anchors a reduction chain the same way without matmu
 nothing anchor no second search; a chain also grows forward from a row statistic (a mean, a variance) to
 the ops that apply it (LayerNorm's centring and scaling). The region's reference program
 (:func:`.reference.reference_of`) is searched (:func:`.driver.search`, seeds off, the ``search_budget_s``
-budget); a verified μGraph is compiled (``compile_ugraph``) and becomes the region's kernel. A region that does not lower, or for which the
-search finds nothing within its budget, is left to the next claimers. Behind the ``search`` knob.
+budget); a verified μGraph is compiled (``compile_ugraph``) and becomes the region's kernel. Where the search finds
+nothing within its budget for a region around a matmul, the region's weight-streaming seed
+(:func:`..gemv_claim.seed_claim`, verified the same way) is claimed instead, so that a norm before the matmul is
+not left to a second, smaller cut of its own. A region that does not lower, or for which neither is found, is left
+to the next claimers. Behind the ``search`` knob.
 """
 from __future__ import annotations
 
 import logging
-import math
 from typing import Sequence
 
 import torch
@@ -26,15 +28,13 @@ from ..compile import compile_ugraph
 from ...capture.ops import OpKind
 from ...context import CompileContext, Target
 from ...failures import describe_error
-from ...partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
+from ...partition.region import Claim, Decline, Outcome, Reason, is_convex
+from ..cut import CHAIN, GROW, MAX_NODES, grow, reference_kernel
+from ..gemv_claim import seed_claim
 from ...timing import random_like
 
 log = logging.getLogger("torch_mirage")
 
-GROW = {OpKind.ELEMENTWISE, OpKind.REDUCTION, OpKind.LAYOUT, OpKind.MATMUL}
-CHAIN = GROW - {OpKind.MATMUL}                     # a reduction chain: row reductions and elementwise ops
-FORWARD = {OpKind.ELEMENTWISE, OpKind.LAYOUT}     # a gate after the matmul; the view back to (b, s, n)
-MAX_NODES = 32
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -91,7 +91,13 @@ class SearchClaimer:
                                                trials=ctx.config.verify_trials))
             if result.best is None:
                 log.info("torch_mirage: μGraph search found nothing for %d nodes (%s)", len(nodes), result.reason)
-                return Decline(nodes, Reason.NOT_FOUND, result.reason)
+                seeded = seed_claim(graph, nodes, ref, ctx) if any(op.name == "matmul" for op in ref.graph.ops) \
+                    else None
+                if isinstance(seeded, Claim):   # the region whole, not cut smaller: its weight-streaming seed
+                    seeded.info["search"] = f"found nothing ({result.reason}); the weight-streaming seed verified"
+                    return seeded
+                why = result.reason + (f"; {seeded.detail}" if seeded is not None else "")
+                return Decline(nodes, Reason.NOT_FOUND, why)
             examples = [random_like(m) for m in metas]
             try:
                 compiled = compile_ugraph(result.best, examples, cache=ctx.cache, cache_dir=ctx.config.cache_dir,
@@ -100,56 +106,10 @@ class SearchClaimer:
                 log.info("torch_mirage: searched μGraph does not compile (%s: %s)", type(e).__name__, e)
                 return Decline(nodes, Reason.COMPILE_ERROR, describe_error(e))
         s = result.stats
-        pos = {id(v): i for i, v in enumerate(inputs_of(nodes))}
-        in_order = [pos[id(v)] for v in ref.inputs]
-        out_pos = {id(v): i for i, v in enumerate(ref.outputs)}
-        outputs = outputs_of(nodes, graph)
-        out_order = [out_pos[id(v)] for v in outputs]
-        shapes = [tuple(v.meta.shape) for v in outputs]
-
-        def kernel(*ins):
-            outs = compiled(*[ins[i] for i in in_order])
-            return tuple(outs[j].reshape(sh) for j, sh in zip(out_order, shapes))
-
         info = {"source": result.source, "generated": s.generated, "pruned": s.pruned,
                 "candidates": s.candidates, "rejected_by_probe": s.rejected_by_probe,
                 "rejected_by_verifier": s.rejected_by_verifier, "verified": s.verified,
                 "search_s": round(s.seconds, 2), "ugraph_hash": result.best.hash()[:16],
                 "ugraph": str(result.best)}
-        return Claim(list(nodes), result.best, kernel,
+        return Claim(list(nodes), result.best, reference_kernel(nodes, graph, ref, compiled),
                      detail=f"searched μGraph, {s.depth} block ops, {s.seconds:.2f} s", info=info)
-
-
-def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW) -> list:
-    """The region around ``anchor``, taking producers of the op ``kinds``: see the module docstring."""
-    inside = {id(anchor): anchor}
-    returned = {id(v) for v in graph.output_values}
-    rows = max((_numel(v) for v in anchor.inputs if getattr(v, "is_tensor", False)), default=0)
-    changed = True
-    while changed and len(inside) < max_nodes:
-        changed = False
-        for n in list(inside.values()):
-            for v in n.inputs:
-                p = getattr(v, "producer", None)
-                if p is None or id(p) in inside or id(p) not in free_ids or p.op.kind not in kinds:
-                    continue
-                if all(id(u) in inside for w in p.outputs for u in w.users) and \
-                        not any(id(w) in returned for w in p.outputs):
-                    inside[id(p)] = p
-                    changed = True
-        outs = [v for n in inside.values() for v in n.outputs
-                if id(v) in returned or any(id(u) not in inside for u in v.users)]
-        forward = outs if len(outs) == 1 else []
-        if kinds is CHAIN:      # a row statistic (mean, variance) goes on to where it is applied to the rows
-            forward = forward + [v for v in outs if _numel(v) < rows and v not in forward]
-        for v in forward:
-            users = [u for u in v.users if id(u) not in inside]
-            if id(v) not in returned and users and all(id(u) in free_ids and u.op.kind in FORWARD for u in users):
-                for u in users:
-                    inside[id(u)] = u
-                changed = True
-    return list(inside.values())
-
-
-def _numel(v) -> int:
-    return math.prod(v.meta.shape) if v.is_tensor else 0

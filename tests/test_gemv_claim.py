@@ -1,0 +1,332 @@
+"""The weight-streaming claimer (superopt/gemv_claim.py, seed in superopt/gemv_seed.py): memory-bound matmuls with
+their RMSNorm prologue and elementwise epilogue run as one verified μGraph (Triton interpreter on CPU), in each
+form below written two ways, for 1, 3 and 16 rows, odd hidden sizes and both weight layouts; compute-bound matmuls
+stay the library call's; a decode layer's KV cache write stays Inductor's and its cache ends up as eager's."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_mirage
+from helpers import assert_close
+from torch_mirage.analysis.cost import CostModel, skinny_matmul
+from torch_mirage.bench import workloads
+from torch_mirage.capture.ops import OpKind
+from torch_mirage.config import load
+from torch_mirage.context import CompileContext
+from torch_mirage.partition.region import Claim, Region
+from torch_mirage.runtime.measure import numerics_problem
+from torch_mirage.report import Reason
+from torch_mirage.superopt.gemv_claim import GemvClaimer
+from torch_mirage.superopt.compile import BlockLauncher
+from torch_mirage.superopt.gemv_claim import verified_instance
+from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed
+from torch_mirage.superopt.launch import streaming_candidates
+from torch_mirage.superopt.search.reference import reference_of
+from torch_mirage.capture.lower import trace
+from torch_mirage.superopt.verify import verify
+
+# CPU tests: their kernels run in Triton's interpreter (the GPU test at the end runs without it)
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+
+K, N, EPS = 96 + 7, 40 + 3, 1e-5
+
+
+def linear(x, w):
+    """``x @ w`` for a (k, n) weight, ``F.linear`` for nn.Linear's (n, k) one."""
+    return F.linear(x, w) if w.shape[-1] == x.shape[-1] and w.shape[0] != x.shape[-1] else x @ w
+
+
+def norm_a(x, g):                      # HF: fp32 upcast, cast back, gain after
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * g
+
+
+def norm_b(x, g):                      # written out: gain first, divide by the root mean square
+    return (g * x) / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + EPS)
+
+
+# (name, program, extra inputs beyond x and the weights: "g" gain (k,), "r" residual (rows, n), "b" bias (n,))
+FORMS = [
+    ("residual_a", lambda x, w, r: r + linear(x, w), "r"),
+    ("residual_b", lambda x, w, r: torch.add(linear(x, w), r, alpha=1.0) * 1.0, "r"),
+    ("bias_a", lambda x, w, b: linear(x, w) + b, "b"),
+    ("bias_b", lambda x, w, b: F.linear(x, w, b) if w.shape[0] == N else torch.addmm(b, x, w), "b"),
+    ("silu_a", lambda x, w: F.silu(linear(x, w)), ""),
+    ("silu_b", lambda x, w: (lambda h: h * torch.sigmoid(h))(linear(x, w)), ""),
+    ("gated_a", lambda x, w1, w3: F.silu(linear(x, w1)) * linear(x, w3), "w"),
+    ("gated_b", lambda x, w1, w3: linear(x, w3) * (lambda h: h / (1 + torch.exp(-h)))(linear(x, w1)), "w"),
+    ("norm_a", lambda x, g, w: linear(norm_a(x, g), w), "g"),
+    ("norm_b", lambda x, g, w: linear(norm_b(x, g), w), "g"),
+    ("norm_residual_a", lambda x, g, w, r: r + linear(norm_a(x, g), w), "gr"),
+    ("norm_residual_b", lambda x, g, w, r: linear(norm_b(x, g), w).add(r), "gr"),
+    ("norm_gated_a", lambda x, g, w1, w3: (lambda h: F.silu(linear(h, w1)) * linear(h, w3))(norm_a(x, g)), "gw"),
+    ("norm_gated_b", lambda x, g, w1, w3: (lambda h: linear(h, w3) * F.silu(linear(h, w1)))(norm_b(x, g)), "gw"),
+]
+ROWS = (1, 3, 16)
+
+
+def _inputs(extra: str, rows: int, transposed: bool, dtype=torch.float32, seq: int | None = None):
+    x_shape = (rows, K) if seq is None else (rows // seq, seq, K)
+    w_shape = (N, K) if transposed else (K, N)
+    w = lambda: torch.randn(w_shape, dtype=dtype) * K ** -0.5          # noqa: E731
+    xs = [torch.randn(x_shape, dtype=dtype)]
+    if "g" in extra:
+        xs.append(1 + 0.1 * torch.randn(K, dtype=dtype))
+    xs += [w(), w()] if "w" in extra else [w()]
+    if "r" in extra:
+        xs.append(torch.randn(x_shape[:-1] + (N,), dtype=dtype))
+    if "b" in extra:
+        xs.append(0.1 * torch.randn(N, dtype=dtype))
+    return xs
+
+
+def _compile(fn, **options):
+    report = torch_mirage.Report()
+    opts = dict(min_region_us=0, measure_regions=False, **options)
+    return torch.compile(fn, backend=torch_mirage.MirageBackend(options=opts, report=report)), report
+
+
+def _gemv_regions(report):
+    return [r for r in report.regions if r.claimer == "ugraph-gemv" and r.compiled_by == "mirage"]
+
+
+CASES = [(name, fn, extra, transposed, ROWS[i % 3]) for i, (name, fn, extra) in enumerate(FORMS)
+         for transposed in (False, True)]
+
+
+@interpreted
+@pytest.mark.parametrize("name,fn,extra,transposed,rows", CASES,
+                         ids=[f"{c[0]}-{'nk' if c[3] else 'kn'}-m{c[4]}" for c in CASES])
+def test_fused_form_runs_one_weight_streaming_kernel(name, fn, extra, transposed, rows):
+    xs = _inputs(extra, rows, transposed)
+    compiled, report = _compile(fn)
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+    (region,) = _gemv_regions(report)
+    assert region.info["rows"] == rows and region.info["k"] == K and region.info["n"] == N, str(report)
+    assert region.info["matmuls"] == (2 if "gated" in name else 1)
+    ops = " ".join(region.ops)
+    assert ("mean" in ops or "sum" in ops) == ("norm" in name), ops      # the norm is inside, not a kernel of its own
+    assert not [r for r in report.regions if r.compiled_by == "mirage" and r is not region], str(report)
+    xs = _inputs(extra, rows, transposed)                               # fresh inputs, same kernel
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+
+
+@interpreted
+@pytest.mark.parametrize("rows", ROWS)
+def test_norm_gated_mlp_rows_and_fp16(rows):
+    """Every row count in one form, fp16 storage, (batch, seq, k) activations where the rows split."""
+    fn = FORMS[-2][1]
+    seq = rows if rows > 1 else None
+    xs = _inputs("gw", rows, True, torch.float16, seq=seq)
+    compiled, report = _compile(fn)
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).half(), torch.float16)
+    (region,) = _gemv_regions(report)
+    assert region.info["rows"] == rows and region.info["matmuls"] == 2
+
+
+def qkv_a(x, g, wq, wk, wv):
+    h = norm_a(x, g)
+    return linear(h, wq), linear(h, wk), linear(h, wv)
+
+
+def qkv_b(x, g, wq, wk, wv):            # written out, the projections in another order, one of them scaled after
+    h = norm_b(x, g)
+    v = linear(h, wv)
+    return linear(h, wq) * 0.5, linear(h, wk), v
+
+
+@interpreted
+@pytest.mark.parametrize("fn,rows,transposed", [(qkv_a, 1, True), (qkv_b, 3, False), (qkv_a, 16, False),
+                                                (qkv_b, 16, True)])
+def test_norm_shared_by_projections_of_several_widths(fn, rows, transposed):
+    """A QKV projection: one RMSNorm read by three matmuls of two widths is one region, one block graph per width,
+    each recomputing the row scale; nothing of it is left to a lone norm kernel."""
+    widths = (N, 24, 24)
+    w = [torch.randn((n, K) if transposed else (K, n)) * K ** -0.5 for n in widths]
+    xs = [torch.randn(rows, 1, K), 1 + 0.1 * torch.randn(K), *w]
+    compiled, report = _compile(fn)
+    assert_close(compiled(*xs), [y.float() for y in fn(*[x.double() for x in xs])])
+    (region,) = _gemv_regions(report)
+    ops = " ".join(region.ops)
+    assert region.info["matmuls"] == 3 and ("mean" in ops or "sum" in ops), str(report)
+    assert [r for r in report.regions if r.compiled_by == "mirage"] == [region], str(report)
+
+
+@interpreted
+@pytest.mark.parametrize("transposed", [False, True])
+def test_pre_norm_residual_reads_its_input_in_two_roles(transposed):
+    """``x + linear(norm(x), w)`` (k = n): x is the rows the norm and the matmul read in the loop and the residual
+    added after it — one kernel input, two iterators (the second through a view)."""
+    def fn(x, g, w):
+        return x + (F.linear(norm_a(x, g), w) if transposed else norm_a(x, g) @ w)
+
+    xs = [torch.randn(2, 3, K), 1 + 0.1 * torch.randn(K), torch.randn(K, K) * K ** -0.5]
+    compiled, report = _compile(fn)
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+    (region,) = _gemv_regions(report)
+    assert region.info["rows"] == 6 and "mean" in " ".join(region.ops), str(report)
+
+
+@interpreted
+def test_skinny_matmuls_are_memory_bound_and_wide_ones_compute_bound():
+    """The cost model classifies matmuls by rows and arithmetic intensity, not by op type; a compute-bound matmul
+    is left to the library call (and reported so), a memory-bound one no claimer takes is reported as such."""
+    model = CostModel()
+    for rows, skinny in ((1, True), (16, True), (2048, False)):
+        graph = trace(lambda x, w: x @ w, [torch.empty(rows, 1024, dtype=torch.float16),
+                                                    torch.empty(1024, 1024, dtype=torch.float16)])
+        (mm,) = [n for n in graph.nodes if n.kind is OpKind.MATMUL]
+        assert (skinny_matmul(mm, model) is not None) == skinny, rows
+    wide = lambda x, w, r: x @ w + r                                     # noqa: E731
+    xs = [torch.randn(256, 256), torch.randn(256, 256) / 16, torch.randn(256, 256)]
+    compiled, report = _compile(wide, stitch=False)
+    assert_close(compiled(*xs), wide(*[x.double() for x in xs]).float())
+    assert not _gemv_regions(report) and report.regions[0].reason is Reason.COMPUTE_BOUND, str(report)
+    xs = _inputs("r", 3, False)
+    compiled, report = _compile(FORMS[0][1], ugraph_library=False, stitch=False)
+    compiled(*xs)
+    (region,) = report.regions
+    assert region.reason is Reason.NOT_CLAIMED and "memory-bound matmul" in region.detail, str(report)
+
+
+@interpreted
+def test_every_streaming_launch_matches_the_reference(tmp_path):
+    """The launches :func:`streaming_candidates` proposes for a norm + matmul + residual seed — the own schedule,
+    the one-wave stream with and without the norm's loop of its own, split-K with its combine kernel, split-N —
+    each compute the reference (on the GPU :func:`choose` also drops a launch that disagrees with the own schedule)."""
+    fn = FORMS[10][1]
+    xs = [torch.randn(3, 512), 1 + 0.1 * torch.randn(512), torch.randn(64, 512) / 512 ** 0.5, torch.randn(3, 64)]
+    graph = trace(fn, xs)
+    ref = reference_of(graph.nodes, graph)
+    seed = gemv_seed(ref.graph)
+    (op,) = [o for o in seed.ops if o.name == "customized"]
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    ins = [xs[pos[id(v)]] for v in ref.inputs]
+    args = [ins[seed.ops[r[0]].attrs["index"]] for r in op.inputs]       # 2-D inputs: no kernel reshapes
+    want = fn(*[x.double() for x in xs]).float()
+    configs = streaming_candidates(op.body, n_sm=4)
+    assert any(c.split > 1 for c in configs) and any(c.prologue for c in configs), configs
+    for cfg in configs:
+        (got,) = BlockLauncher(op.body, cfg, [a.dim() for a in args], str(tmp_path))(*args)
+        assert_close(got, want)
+
+
+def test_large_region_is_verified_at_shrunk_sizes():
+    """A decode-sized region's seed is verified at the search's shrunk sizes, drawn with their small tile so that
+    the grid and the for-loop still split; a small region is verified as it is."""
+    fn = FORMS[12][1]                                                   # norm + gated MLP, nn.Linear weights
+    xs = [torch.empty(2, 1, 4096, dtype=torch.float16), torch.empty(4096, dtype=torch.float16),
+          torch.empty(1000, 4096, dtype=torch.float16), torch.empty(1000, 4096, dtype=torch.float16)]
+    graph = trace(fn, xs)
+    ref = reference_of(graph.nodes, graph).graph
+    program, seed = verified_instance(ref, gemv_seed(ref))
+    shapes = [tuple(op.attrs["shape"]) for op in program.inputs]
+    assert max(d for s in shapes for d in s) < 100 and len(shapes) == 4, shapes
+    body = next(op.body for op in seed.ops if op.name == "customized")
+    assert body.grid[0] > 1 and body.forloop_range > 1, (body.grid, body.forloop_range)
+    examples = [torch.zeros(s, dtype=torch.float16) for s in shapes]
+    assert verify(seed, program, examples)
+    small_graph = trace(fn, _inputs("gw", 3, True))
+    small = reference_of(small_graph.nodes, small_graph).graph
+    assert verified_instance(small, gemv_seed(small))[0] is small
+
+
+@interpreted
+def test_traced_decode_layer_streams_its_unit_batch_bmm():
+    """Traced outside Dynamo, the decode layer's O-projection is a bmm of batch 1 (F.linear of the heads merged back
+    into a 3-D view); it streams like an mm, with its residual, and the claimed kernel equals the region's eager
+    result; every projection of the layer is claimed (attention's bmm's, batched, are not)."""
+    wl = workloads.WORKLOADS["llama_layer_decode"]
+    args = wl.make_inputs(1, torch.float32, "cpu", 0, quick=True)
+    graph = trace(wl.fn, args)
+    ctx = CompileContext.standalone(load({"min_region_us": 0}))
+    outcomes = GemvClaimer().claim(graph, list(graph.nodes), ctx)
+    claims = [o for o in outcomes if isinstance(o, Claim)]
+    assert sorted(len([n for n in c.nodes if n.kind is OpKind.MATMUL]) for c in claims) == [1, 1, 2, 3]
+    (oproj,) = [c for c in claims if any(n.target_name == "aten.bmm.default" for n in c.nodes)]
+    assert "aten.add.Tensor" in [n.target_name for n in oproj.nodes]
+    for claim in claims:                 # the backend's check stage: each kernel against its ATen subgraph
+        assert numerics_problem(Region.of_claim(claim, GemvClaimer.name), graph) is None, claim.detail
+
+
+def test_seed_declines_forms_it_cannot_stream():
+    """LoRA's second matmul reads another activation; a LayerNorm's centring is not a row scale."""
+    def lora(x, w, a, b):
+        return x @ w + (x @ a) @ b
+
+    def layernorm_linear(x, w):
+        return (x - x.mean(-1, keepdim=True)) @ w
+
+    for fn, shapes, words in ((lora, [(3, K), (K, N), (K, 4), (4, N)], "different activations"),
+                              (layernorm_linear, [(3, K), (K, N)], "not elementwise")):
+        graph = trace(fn, [torch.randn(s) for s in shapes])
+        with pytest.raises(NotStreamable, match=words):
+            gemv_seed(reference_of(graph.nodes, graph).graph)
+
+
+@interpreted
+def test_search_claims_norm_and_matmul_together():
+    """With the library off and the search on, an RMSNorm before a gated MLP is not cut off into a region of its
+    own: when the search finds nothing for the whole region within its budget, its weight-streaming seed is
+    claimed."""
+    fn = FORMS[-2][1]
+    xs = _inputs("gw", 3, True)
+    compiled, report = _compile(fn, ugraph_library=False, search=True, search_budget_s=0.5, cache=False)
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+    (region,) = [r for r in report.regions if r.compiled_by == "mirage"]
+    assert region.claimer == "ugraph-search" and "mean" in " ".join(region.ops), str(report)
+    assert sum("mm" in op for op in region.ops) == 2
+
+
+@interpreted
+def test_decode_layer_keeps_its_cache_write_with_inductor():
+    """The bench's Llama decode layer (quick shapes, fp32): O-proj + residual, norm + gated MLP and down + residual
+    run weight-streaming kernels; the KV cache write (index_put / copy_) stays with Inductor; output and caches
+    equal eager's."""
+    wl = workloads.WORKLOADS["llama_layer_decode"]
+    args = wl.make_inputs(1, torch.float32, "cpu", 0, quick=True)
+    before = [a.clone() for a in args]
+    eager_args = [a.clone() for a in args]
+    want = wl.fn(*eager_args)
+    compiled, report = _compile(wl.fn)
+    got = compiled(*args)
+    assert_close(got, want)
+    slots = args[4]                             # cache_position: the slots the new token's K and V go to
+    kept = torch.ones(args[5].shape[2], dtype=torch.bool)
+    kept[slots] = False
+    for i in wl.mutates:                        # the caches: the new slots as eager writes them, the rest untouched
+        assert torch.equal(args[i][:, :, kept], before[i][:, :, kept]), f"input {i}: slots outside the new token's"
+        assert_close(args[i][:, :, slots], eager_args[i][:, :, slots])
+    mirage = [r for r in report.regions if r.compiled_by == "mirage"]
+    assert not [r for r in mirage if any(op.startswith(("aten.index_put", "aten.copy_")) for op in r.ops)]
+    gemv = _gemv_regions(report)
+    joined = [" ".join(r.ops) for r in gemv]
+    assert any("mean" in ops and ops.count("aten.mm") == 3 for ops in joined), joined   # norm + Q, K, V
+    assert any("mean" in ops and ops.count("aten.mm") == 2 for ops in joined), joined   # norm + gated MLP
+    assert sum(ops.count("aten.mm") == 1 and "add" in ops for ops in joined) == 2, joined  # O-proj, down + residual
+    assert not [r for r in mirage if r.claimer == "stitch" and any("mean" in op for op in r.ops)], str(report)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 16])
+def test_decode_projections_on_gpu(rows):
+    """bf16 at Llama-8B widths: norm + gated MLP (nn.Linear weights) and down projection + residual, each one tuned
+    weight-streaming kernel, equal to eager within bf16 tolerance."""
+    def mlp(x, g, w1, w3, w2):
+        h = norm_a(x, g)
+        return x + F.linear(F.silu(F.linear(h, w1)) * F.linear(h, w3), w2)
+
+    d, hidden = 4096, 14336
+    dev, bf = "cuda", torch.bfloat16
+    weight = lambda n, k: torch.randn(n, k, device=dev, dtype=bf) * k ** -0.5           # noqa: E731
+    xs = [torch.randn(rows, 1, d, device=dev, dtype=bf), 1 + 0.1 * torch.randn(d, device=dev, dtype=bf),
+          weight(hidden, d), weight(hidden, d), weight(d, hidden)]
+    compiled, report = _compile(mlp)
+    assert_close(compiled(*xs), mlp(*[x.double() for x in xs]).to(bf), bf)
+    gemv = _gemv_regions(report)
+    assert sorted(r.info["matmuls"] for r in gemv) == [1, 2], str(report)
+    assert all(r.info["launch"] for r in gemv)

@@ -1,0 +1,76 @@
+"""Cuts of a graph around an anchor node, and the kernel of a cut from a μGraph of its reference program.
+
+:func:`grow` is the region the μGraph claimers (the search's, the weight-streaming one) start from: producers of
+the given op kinds whose every result is read inside (a norm before a matmul, a transposed weight, a gated MLP's
+sibling matmul) and, while the region has one result read by free elementwise or layout nodes, those readers (a
+gate after the matmul, a residual add, the view of a flattened matmul back to (batch, seq, n)); a reduction chain
+(kinds :data:`CHAIN`) also goes on from a row statistic to the ops that apply it. :func:`reference_kernel` wraps a
+compiled μGraph of the cut's reference (:func:`.search.reference.reference_of`) as the region's kernel.
+"""
+from __future__ import annotations
+
+import math
+
+from ..capture.ops import OpKind
+from ..partition.region import inputs_of, outputs_of
+
+GROW = {OpKind.ELEMENTWISE, OpKind.REDUCTION, OpKind.LAYOUT, OpKind.MATMUL}
+CHAIN = GROW - {OpKind.MATMUL}                     # a reduction chain: row reductions and elementwise ops
+FORWARD = {OpKind.ELEMENTWISE, OpKind.LAYOUT}     # a gate after the matmul; the view back to (b, s, n)
+MAX_NODES = 32
+
+
+def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW, forward: bool = True) -> list:
+    """The region around ``anchor`` (a node, or a list of nodes grown together: the sibling matmuls of one
+    activation), taking producers of the op ``kinds`` (see the module docstring). ``forward`` False: producers
+    only (no readers of the region's result)."""
+    anchors = list(anchor) if isinstance(anchor, (list, tuple)) else [anchor]
+    inside = {id(a): a for a in anchors}
+    returned = {id(v) for v in graph.output_values}
+    rows = max((_numel(v) for v in anchors[0].inputs if getattr(v, "is_tensor", False)), default=0)
+    changed = True
+    while changed and len(inside) < max_nodes:
+        changed = False
+        for n in list(inside.values()):
+            for v in n.inputs:
+                p = getattr(v, "producer", None)
+                if p is None or id(p) in inside or id(p) not in free_ids or p.op.kind not in kinds:
+                    continue
+                if all(id(u) in inside for w in p.outputs for u in w.users) and \
+                        not any(id(w) in returned for w in p.outputs):
+                    inside[id(p)] = p
+                    changed = True
+        outs = [v for n in inside.values() for v in n.outputs
+                if id(v) in returned or any(id(u) not in inside for u in v.users)]
+        ahead = outs if len(outs) == 1 and forward else []
+        if kinds is CHAIN:      # a row statistic (mean, variance) goes on to where it is applied to the rows
+            ahead = ahead + [v for v in outs if _numel(v) < rows and v not in ahead]
+        for v in ahead:
+            users = [u for u in v.users if id(u) not in inside]
+            if id(v) not in returned and users and all(id(u) in free_ids and u.op.kind in FORWARD for u in users):
+                for u in users:
+                    inside[id(u)] = u
+                changed = True
+    return list(inside.values())
+
+
+def _numel(v) -> int:
+    return math.prod(v.meta.shape) if v.is_tensor else 0
+
+
+def reference_kernel(nodes: list, graph, ref, compiled):
+    """The region's kernel from a compiled μGraph whose inputs and outputs are ``ref``'s (a
+    :class:`~.reference.Reference` of ``nodes``): region inputs reordered to ``ref.inputs``, its outputs to the
+    region's, each in its graph shape."""
+    pos = {id(v): i for i, v in enumerate(inputs_of(nodes))}
+    in_order = [pos[id(v)] for v in ref.inputs]
+    out_pos = {id(v): i for i, v in enumerate(ref.outputs)}
+    outputs = outputs_of(nodes, graph)
+    out_order = [out_pos[id(v)] for v in outputs]
+    shapes = [tuple(v.meta.shape) for v in outputs]
+
+    def kernel(*ins):
+        outs = compiled(*[ins[i] for i in in_order])
+        return tuple(outs[j].reshape(sh) for j, sh in zip(out_order, shapes))
+
+    return kernel

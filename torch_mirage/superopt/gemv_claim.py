@@ -1,0 +1,189 @@
+"""The weight-streaming claimer: memory-bound matmuls (decode GEMVs) with their prologue and epilogue, one kernel.
+
+A matmul is this claimer's when the cost model calls it memory-bound (:func:`~..analysis.cost.skinny_matmul`: at
+most 16 rows, or arithmetic intensity below the ridge point): its time is the weight's read, and each kernel
+around it that Inductor would launch re-reads activations and pays a launch. For each such free matmul (last
+first, so that a later matmul's epilogue is taken before an earlier one's region could grow into it) the claimer
+tries cuts of the graph around it (:func:`cuts`, each grown by :func:`.cut.grow`), largest first (of two nested
+cuts the larger has the lower roofline estimate):
+
+1. the free memory-bound matmuls reading the same activation (:func:`siblings`: a QKV projection's three, a gated
+   MLP's two) with the producers read only inside — the RMSNorm of the rows joins them (each matmul width gets a
+   block graph of its own in the seed, each recomputing the norm's row scale);
+2. the matmul with producers of every kind (the norm, a gated MLP's sibling, the weight's transpose) and the
+   elementwise readers of a single result (a residual add, SiLU·mul); then without the readers;
+3. the same with layout producers only, then with none (the activation arrives through a permute the reference
+   does not lower: attention's heads merged back into rows).
+
+The first cut whose reference program (:func:`.search.reference.reference_of`) has the weight-streaming form
+(:func:`.gemv_seed.gemv_seed`) and whose seed the verifier proves equal to it (:func:`.verify.verify`; a large
+region at the search's shrunk sizes, :func:`verified_instance`, the instance at its own sizes checked against
+eager by the backend's check stage like every region) is compiled (:func:`.compile.compile_ugraph`; on a GPU the launches
+of :func:`.launch.streaming_candidates` — one-wave stream, split-K, split-N — ranked by the roofline estimate and
+timed) and claimed. On a GPU the backend also times it against Inductor's version and keeps the faster.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from ..analysis.cost import CostModel, matmul_rows, skinny_matmul
+from ..analysis.op_dims import matmul_operands
+from ..capture.ir import Graph, Node, Value
+from ..ugraph import KernelGraph
+from ..capture.ops import OpKind
+from ..context import CompileContext, Target
+from ..failures import describe_error, note, stage
+from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
+from ..timing import random_like
+from .compile import compile_ugraph
+from .gemv_seed import NotStreamable, gemv_seed
+from .launch import streaming_candidates
+from .cut import GROW, MAX_NODES, grow, reference_kernel
+from .search.reference import Decline as NotLowered, Reference, reference_of
+from .search.shrink import SMALL_TILE, shrink
+from .verify import verify
+
+log = logging.getLogger("torch_mirage")
+
+DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPE_OF = {name: dtype for dtype, name in DTYPES.items()}
+LAYOUT = frozenset({OpKind.LAYOUT})
+NONE: frozenset = frozenset()
+
+
+def activation(node: Node) -> Value:
+    """The value a matmul's rows come from, through the layout ops (views) between."""
+    _, a, _ = matmul_operands(node)
+    while a.producer is not None and a.producer.kind is OpKind.LAYOUT:
+        a = next(v for v in a.producer.inputs if v.is_tensor)
+    return a
+
+
+def siblings(anchor: Node, free: Sequence[Node], free_ids: set, model: CostModel) -> list[Node]:
+    """The free memory-bound matmuls reading ``anchor``'s activation, itself included (a QKV projection's three,
+    a gated MLP's two): grown together, the norm before them joins their kernel."""
+    source = activation(anchor)
+    return [n for n in free if id(n) in free_ids and n.kind is OpKind.MATMUL and activation(n) is source
+            and (n is anchor or skinny_matmul(n, model) is not None)]
+
+
+def cuts(graph: Graph, anchor: Node, free: Sequence[Node], free_ids: set, model: CostModel) -> list[list[Node]]:
+    """Regions around ``anchor`` to try, each in graph order, without repeats: its sibling matmuls and their
+    producers; ``anchor`` with producers of all kinds, of layout only and of none, each with and without the
+    readers of its result. Largest first: where one cut holds another, the roofline estimate of the larger is
+    the lower (one kernel's traffic and launch instead of two, inner values never written), so it is tried first;
+    the sibling cut of a gated MLP holds no SiLU·mul and comes after the cut that does."""
+    order = {id(n): i for i, n in enumerate(graph.nodes)}
+    out: list[list[Node]] = []
+    tries = [(siblings(anchor, free, free_ids, model), GROW, True)] + \
+        [(anchor, kinds, forward) for kinds in (GROW, LAYOUT, NONE) for forward in (True, False)]
+    for start, kinds, forward in tries:
+        nodes = sorted(grow(graph, start, free_ids, MAX_NODES, kinds, forward), key=lambda n: order[id(n)])
+        if all({id(n) for n in nodes} != {id(n) for n in c} for c in out):
+            out.append(nodes)
+    return sorted(out, key=len, reverse=True)
+
+
+class GemvClaimer:
+    """Claims memory-bound matmuls with their norm prologue and elementwise epilogue (see the module docstring)."""
+    name = "ugraph-gemv"
+
+    def claim(self, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> list[Outcome]:
+        free_ids = {id(n) for n in free}
+        model = CostModel()
+        outcomes: list[Outcome] = []
+        for anchor in reversed(list(free)):
+            if id(anchor) not in free_ids or anchor.kind is not OpKind.MATMUL or skinny_matmul(anchor, model) is None:
+                continue
+            outcome = self._claim_anchor(graph, anchor, free, free_ids, model, ctx)
+            if isinstance(outcome, Claim):
+                free_ids -= {id(n) for n in outcome.nodes}
+            outcomes.append(outcome)
+        return outcomes
+
+    def _claim_anchor(self, graph: Graph, anchor: Node, free: Sequence[Node], free_ids: set, model: CostModel,
+                      ctx: CompileContext) -> Outcome:
+        """The largest cut around ``anchor`` that streams, or the decline of the last one tried."""
+        why: Decline | None = None
+        for nodes in cuts(graph, anchor, free, free_ids, model):
+            if not is_convex(graph, nodes):
+                why = Decline(nodes, Reason.NOT_CONVEX, f"the region grown around {anchor.name}")
+                continue
+            memory_us = model.region_cost(nodes, graph).memory_us
+            if memory_us < ctx.config.min_region_us:
+                return Decline(nodes, Reason.BELOW_MIN_REGION, f"{memory_us:.2f} µs of memory traffic")
+            outcome = self._claim_cut(graph, nodes, ctx)
+            if isinstance(outcome, Claim):
+                return outcome
+            why = outcome
+        return why
+
+    def _claim_cut(self, graph: Graph, nodes: list[Node], ctx: CompileContext) -> Outcome:
+        ref = reference_of(nodes, graph)
+        if isinstance(ref, NotLowered):
+            return Decline(nodes, Reason.NOT_LOWERED, str(ref))
+        metas = [v.meta for v in ref.inputs]
+        if any(m.dtype not in DTYPES for m in metas) or \
+                (ctx.target is Target.INTERPRETER and any(m.dtype == torch.bfloat16 for m in metas)):
+            return Decline(nodes, Reason.UNSUPPORTED_DTYPE, ", ".join(sorted({str(m.dtype) for m in metas})))
+        if not ctx.target.runs_on(metas[0].device.type):
+            return Decline(nodes, Reason.UNSUPPORTED_DEVICE, str(metas[0].device))
+        return seed_claim(graph, nodes, ref, ctx)
+
+
+def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileContext) -> Outcome:
+    """``nodes`` (whose reference is ``ref``) claimed with their weight-streaming seed, verified against ``ref``
+    and compiled; a decline where the region has no seed, the verifier rejects it or it does not compile."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    try:
+        seed = gemv_seed(ref.graph)
+    except NotStreamable as e:
+        return Decline(nodes, Reason.NO_KERNEL, f"not a weight-streaming matmul region: {e}")
+    metas = [v.meta for v in ref.inputs]
+    program, candidate = verified_instance(ref.graph, seed)
+    examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=DTYPE_OF[op.attrs["dtype"]]) for op in program.inputs]
+    with unset_fake_temporarily():      # the verifier and the compile run real tensors
+        verdict = verify(candidate, program, examples, error_bound=ctx.config.verify_error_bound,
+                         trials=ctx.config.verify_trials)
+        if not verdict:
+            return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is not verified: {verdict.reason}")
+        try:
+            with stage("search/build"):
+                compiled = compile_ugraph(seed, [random_like(m) for m in metas], cache=ctx.cache,
+                                          cache_dir=ctx.config.cache_dir, target=ctx.target,
+                                          propose=streaming_candidates)
+        except Exception as e:   # a seed that does not compile: the region goes on to the next claimers
+            if ctx.config.strict:
+                raise
+            where = f"weight-streaming μGraph of {len(nodes)} ops on {', '.join(_describe(m) for m in metas)}"
+            note(ctx, "search/build", where, e, "that μGraph is not used (its region goes to the other claimers "
+                 "and Inductor)")
+            return Decline(nodes, Reason.COMPILE_ERROR, describe_error(e))
+    mms = [n for n in nodes if n.kind is OpKind.MATMUL]
+    _, a, _ = matmul_operands(mms[0])
+    rows, k, n = matmul_rows(mms[0]), a.meta.shape[-1], mms[0].outputs[0].meta.shape[-1]
+    info = {"ugraph": "weight_streaming", "ugraph_hash": seed.hash()[:16], "rows": rows, "k": k, "n": n,
+            "matmuls": len(mms), "verified": verdict.reason, "launch": [c.to_json() for c in compiled.configs]}
+    return Claim(list(nodes), seed, reference_kernel(nodes, graph, ref, compiled),
+                 detail=f"weight-streaming μGraph: {len(mms)} matmul(s), {rows} rows x {k} -> {n}, {len(nodes)} ops",
+                 info=info)
+
+
+def verified_instance(ref: KernelGraph, seed: KernelGraph) -> tuple[KernelGraph, KernelGraph]:
+    """(reference, seed) the verifier checks: ``ref`` and its seed where ``ref`` is small; else both at the search's
+    shrunk sizes (:func:`.search.shrink.shrink`: the executor steps every block and for-loop step in Python, a
+    minute for a 4096 x 14336 weight), the seed drawn with the shrunk problem's tile so that the grid and the
+    for-loop split there as at the real sizes: the same construction, other counts."""
+    outs = [ref.ops[r[0]].shapes[r[1]] for r in ref.outputs]
+    small = shrink(ref, [(tuple(op.attrs["shape"]), op.attrs["dtype"]) for op in ref.inputs], outs)
+    if small is None:
+        return ref, seed
+    return small.target, gemv_seed(small.target, tile=SMALL_TILE)
+
+
+def _describe(meta) -> str:
+    return f"{str(meta.dtype).replace('torch.', '')}{list(meta.shape)}"

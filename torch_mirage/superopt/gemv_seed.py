@@ -1,0 +1,318 @@
+"""The weight-streaming seed of a matmul region: a μGraph read off the region's reference program.
+
+A region's reference (:func:`.search.reference.reference_of`: pre-defined kernel ops) qualifies when every matmul
+reads the same activation rows ``A`` (m, k) against a weight of its own, stored (k, n) or as ``nn.Linear``'s (n, k)
+behind a ``transpose``, and
+
+* ``A`` is a product (and quotient) of *tile factors* — elementwise functions of row tensors (m, k) and column
+  vectors (k,) — and *row scales* (m, 1): elementwise functions of row reductions (sum / mean over k) of tile
+  expressions. An RMSNorm ``x · rsqrt(mean(x²) + eps) · g`` is the tile factors ``x``, ``g`` and the row scale
+  ``rsqrt(mean(x²) + eps)``;
+* the ops after the matmuls are elementwise over their results (m, n), row tensors (m, n) and column vectors (n,):
+  a residual add, a bias, SiLU·mul of a gated MLP; each output is computed from matmuls of one width n.
+
+The seed (Mirage's RMSNorm + Linear, generalised) has one block graph per matmul width (a QKV projection: two or
+three, each recomputing the row scales): grid over n, for-loop over k. In the loop the tile factors' product meets
+each weight tile in a ``tl.dot`` accumulator and each row reduction accumulates its tile sums (codegen walks these
+matmul-free sums in a loop of their own, :func:`~..codegen.ugraph_triton.prologue_accumulators`); after the loop
+the row scales multiply the accumulators (a row scale commutes with the matmul: ``(s·A)·W = s·(A·W)``) and the
+epilogue runs on the (m, n) tile. An input the epilogue reads reaches it through a mean accumulator of its
+loop-invariant tile (a block graph's post-loop ops read accumulators only); an input read in two roles
+(``x + linear(norm(x), w)``: rows in the loop, residual after it) through a second view. Leading dims fold into the
+rows (kernel reshapes). Launches — one-wave stream, split-K, split-N — are :func:`.launch.streaming_candidates`.
+A form outside these rules raises :class:`NotStreamable` naming the op; the seed is only a candidate: the claimer
+verifies it against the reference (a large one shrunk, :func:`.search.shrink.shrink`) before it runs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from ..ugraph import KernelGraph, Ref
+from .builder import Tensor, new_kernel_graph, new_threadblock_graph
+from .library import PHI, blocks
+
+ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "exp", "sqrt", "rsqrt", "silu", "neg", "square", "tanh",
+                         "scalar_mul", "scalar_add"})
+ROW_REDUCTIONS = frozenset({"reduce_sum", "reduce_mean"})
+MIN_TILE = 16        # a loop / grid tile below this (a prime extent) holds the whole extent instead
+WHOLE_EXTENT = 1024  # the largest extent one tile may hold whole
+
+
+class NotStreamable(ValueError):
+    """The reference is not a weight-streaming matmul region (the message names the op and why)."""
+
+
+def _parts(extent: int, tile: int) -> int:
+    """Equal parts of ``extent`` of at most ``tile`` each; one part (the whole extent, masked) where the only
+    such parts are tiny (a prime extent) and the extent fits one tile."""
+    parts = blocks(extent, tile)
+    if extent // parts < MIN_TILE and extent <= WHOLE_EXTENT:
+        return 1
+    return parts
+
+
+def _loop_parts(k: int, tile: int) -> int:
+    """For-loop steps over k: the fewest power of two whose parts are at most ``tile`` long, else :func:`_parts`.
+    A power of two keeps the mean accumulator of an epilogue input exact in the verifier's finite field (its
+    count divides as ``fl(1/count)``, exact only for powers of two); a launch may re-tile it on the GPU."""
+    p = 1
+    while p <= k and (k % p or k // p > tile):
+        p *= 2
+    return p if p <= k and k % p == 0 else _parts(k, tile)
+
+
+class _Reader:
+    """Walks the reference: producers through reshapes, shapes, the matmuls and their shared rows."""
+
+    def __init__(self, ref: KernelGraph):
+        self.ops = ref.ops
+        self.ref = ref
+
+    def op(self, r: Ref):
+        return self.ops[r.op]
+
+    def shape(self, r: Ref) -> tuple:
+        return tuple(self.op(r).shapes[r.out])
+
+    def dtype(self, r: Ref) -> str:
+        return self.op(r).dtypes[r.out]
+
+    def through_reshapes(self, r: Ref) -> Ref:
+        while self.op(r).name == "reshape":
+            r = self.op(r).inputs[0]
+        return r
+
+    def describe(self, r: Ref) -> str:
+        return f"%{r.op} = {self.op(r).name}{list(self.shape(r))}"
+
+
+def _weight(rd: _Reader, r: Ref) -> tuple[Ref, bool]:
+    """(the kernel input holding a matmul's weight, whether it is stored (n, k)), reshapes looked through."""
+    r = rd.through_reshapes(r)
+    if rd.op(r).name == "input":
+        return r, False
+    if rd.op(r).name == "transpose" and rd.op(w := rd.through_reshapes(rd.op(r).inputs[0])).name == "input":
+        return w, True
+    raise NotStreamable(f"the matmul's weight {rd.describe(r)} is not a kernel input (or its transpose)")
+
+
+def _factors(rd: _Reader, r: Ref, inverse: bool = False) -> list[tuple[Ref, bool]]:
+    """``r`` as the factors of its tree of ``mul`` and ``div`` ops (reshapes looked through), each with whether
+    it divides."""
+    r = rd.through_reshapes(r)
+    op = rd.op(r)
+    if op.name == "mul":
+        return [f for x in op.inputs for f in _factors(rd, x, inverse)]
+    if op.name == "div":
+        return _factors(rd, op.inputs[0], inverse) + _factors(rd, op.inputs[1], not inverse)
+    return [(r, inverse)]
+
+
+def streamed_dims(ref: KernelGraph) -> tuple[int, int, int]:
+    """``(m, k, n)`` of the reference's first matmul: rows, reduced dim, output columns."""
+    mm = next((op for op in ref.ops if op.name == "matmul"), None)
+    if mm is None:
+        raise NotStreamable("no matmul")
+    a = mm.inputs[0]
+    return math.prod(mm.shapes[0][:-1]), ref.ops[a[0]].shapes[a[1]][-1], mm.shapes[0][-1]
+
+
+def gemv_seed(ref: KernelGraph, tile: int = 64) -> KernelGraph:
+    """The weight-streaming μGraph of ``ref`` (see the module docstring); :class:`NotStreamable` when ``ref`` is
+    not of that form."""
+    rd = _Reader(ref)
+    mms = [i for i, op in enumerate(ref.ops) if op.name == "matmul"]
+    if not mms:
+        raise NotStreamable("no matmul")
+    rows_ref = {rd.through_reshapes(ref.ops[i].inputs[0]) for i in mms}
+    if len(rows_ref) != 1:
+        raise NotStreamable(f"{len(mms)} matmuls read {len(rows_ref)} different activations")
+    (a,) = rows_ref
+    for i in mms:      # a batched matmul streams where its batch is one (F.linear of a 3-D view: bmm of batch 1)
+        if math.prod(ref.ops[i].shapes[0][:-2]) != 1 or math.prod(rd.shape(ref.ops[i].inputs[1])[:-2]) != 1:
+            raise NotStreamable(f"a batched matmul {rd.describe(Ref(i, 0))}: one (m, n) result per matmul is needed")
+    weights = {i: _weight(rd, ref.ops[i].inputs[1]) for i in mms}
+    m, k, _ = streamed_dims(ref)
+    widths = {i: ref.ops[i].shapes[0][-1] for i in mms}
+    group_of = []                                   # each output: the width of the matmuls it is computed from
+    for r in ref.outputs:
+        found = {widths[i] for i in _ancestors(ref, r.op) if i in widths}
+        if len(found) != 1:
+            raise NotStreamable(f"output {rd.describe(r)} reads {len(found)} matmul widths: one is needed")
+        group_of.append(found.pop())
+    seed = _Seed(rd, m, k, tile)
+    results: dict[int, Tensor] = {}
+    for n in dict.fromkeys(widths[i] for i in mms):   # one block graph per width (a QKV projection: three)
+        outs = [j for j, w in enumerate(group_of) if w == n]
+        if not outs:
+            raise NotStreamable(f"the matmul(s) of width {n} reach no output")
+        group = [i for i in mms if widths[i] == n]
+        ys = _Block(seed, n).build(a, group, [weights[i] for i in group], [ref.outputs[j] for j in outs])
+        results.update(zip(outs, ys))
+    for j, r in enumerate(ref.outputs):
+        y, shape = results[j], rd.shape(r)
+        seed.g.mark_output(y if tuple(y.shape) == shape else seed.g.reshape(y, shape=shape))
+    return seed.g.build()
+
+
+def _ancestors(ref: KernelGraph, i: int) -> set[int]:
+    """Op indices op ``i`` depends on, itself included."""
+    seen: set[int] = set()
+    stack = [i]
+    while stack:
+        j = stack.pop()
+        if j not in seen:
+            seen.add(j)
+            stack.extend(r[0] for r in ref.ops[j].inputs)
+    return seen
+
+
+class _Seed:
+    """The kernel graph under construction: the reference's inputs (in its order) and their 2-D views, shared by
+    the block graphs of every matmul width."""
+
+    def __init__(self, rd: _Reader, m: int, k: int, tile: int):
+        self.rd, self.m, self.k, self.tile = rd, m, k, tile
+        self.g = new_kernel_graph()
+        inputs = sorted((i for i, op in enumerate(rd.ops) if op.name == "input"),
+                        key=lambda i: rd.ops[i].attrs["index"])
+        self.kin = {i: self.g.new_input(rd.ops[i].attrs["shape"], rd.ops[i].attrs["dtype"]) for i in inputs}
+        self.views: dict[tuple, Tensor] = {}             # (ref input op, shape) -> kernel tensor a block reads
+
+    def view(self, i: int, shape: tuple) -> Tensor:
+        """Kernel input ``i`` reshaped to ``shape`` (itself where it has that shape)."""
+        key = (i, shape)
+        if key not in self.views:
+            t = self.kin[i]
+            self.views[key] = t if tuple(t.shape) == shape else self.g.reshape(t, shape=shape)
+        return self.views[key]
+
+
+class _Block:
+    """The block graph of one matmul width n: grid over n, for-loop over k; the translation of reference values
+    into its tiles (the prologue is translated again in each block graph: each recomputes the row scales)."""
+
+    def __init__(self, seed: _Seed, n: int):
+        self.seed, self.rd, self.m, self.k, self.n = seed, seed.rd, seed.m, seed.k, n
+        self.tb = new_threadblock_graph((_parts(n, seed.tile),), _loop_parts(seed.k, seed.tile))
+        self.sources: list[Tensor] = []
+        self.iters: dict[tuple, Tensor] = {}             # (ref input op, role) -> block iterator
+        self.tiles: dict[Ref, Tensor] = {}               # ref value -> block tile (loop side)
+        self.after: dict[Ref, Tensor] = {}               # ref value -> block tensor after the loop
+
+    # ---------------------------------------------------------------- inputs
+    def _iterator(self, i: int, role: str) -> Tensor:
+        """Block iterator over kernel input ``i`` as ``role``: rows_k (m, k), vec_k (k,), rows_n (m, n),
+        vec_n (n,), weight (k, n), weight_t (n, k), stat (m, 1)."""
+        key = (i, role)
+        if key in self.iters:
+            return self.iters[key]
+        m, k, n = self.m, self.k, self.n
+        shape, imap, fmap = {"rows_k": ((m, k), (PHI,), 1), "vec_k": ((k,), (PHI,), 0),
+                             "rows_n": ((m, n), (1,), PHI), "vec_n": ((n,), (0,), PHI),
+                             "weight": ((k, n), (1,), 0), "weight_t": ((n, k), (0,), 1),
+                             "stat": ((m, 1), (PHI,), PHI)}[role]
+        src = self.seed.view(i, shape)
+        if any(t is src for t in self.sources):     # one iterator per kernel tensor: a second role reads a view
+            src = self.seed.g.reshape(self.seed.kin[i], shape=shape)
+        self.sources.append(src)
+        t = self.tb.new_input(src, imap=imap, fmap=fmap)
+        if role == "weight_t":
+            t = self.tb.transpose(t)
+        if fmap is None:     # read after the loop: through an accumulator (the mean of a loop-invariant tile is it)
+            t = self.tb.forloop_accum(t, "mean")
+        self.iters[key] = t
+        return t
+
+    def _input_role(self, r: Ref, side: str) -> str:
+        """The role of ref input ``r`` read on ``side`` ("k": in the loop, "n": after it) from its shape."""
+        shape = self.rd.shape(r)
+        last, lead = (shape[-1] if shape else 1), math.prod(shape[:-1])
+        width = self.k if side == "k" else self.n
+        if last == width and (len(shape) == 1 or (lead == 1 and self.m != 1)):
+            return f"vec_{side}"
+        if last == width and lead == self.m:
+            return f"rows_{side}"
+        if last == 1 and lead == self.m:
+            return "stat"
+        raise NotStreamable(f"input {self.rd.describe(r)} is neither rows ({self.m}, {width}), a vector "
+                            f"({width},) nor a row statistic ({self.m}, 1)")
+
+    # ---------------------------------------------------------------- translation
+    def _elementwise(self, r: Ref, arg: Callable[[Ref], Tensor]) -> Tensor:
+        op = self.rd.op(r)
+        if op.name not in ELEMENTWISE:
+            raise NotStreamable(f"{self.rd.describe(r)} is not elementwise")
+        return getattr(self.tb, op.name)(*[arg(x) for x in op.inputs], **dict(op.attrs))
+
+    def tile(self, r: Ref) -> Tensor:
+        """The loop-side tile of a tile-factor value: elementwise over rows (m, k) and vectors (k,)."""
+        r = self.rd.through_reshapes(r)
+        if r not in self.tiles:
+            op = self.rd.op(r)
+            if op.name == "input":
+                role = self._input_role(r, "k")
+                if role == "stat":
+                    raise NotStreamable(f"row statistic {self.rd.describe(r)} inside a tile factor")
+                self.tiles[r] = self._iterator(r.op, role)
+            else:
+                self.tiles[r] = self._elementwise(r, self.tile)
+        return self.tiles[r]
+
+    def stat(self, r: Ref) -> Tensor:
+        """A row scale (m, 1) after the loop: elementwise over row reductions of tile expressions."""
+        r = self.rd.through_reshapes(r)
+        if r not in self.after:
+            op = self.rd.op(r)
+            shape = self.rd.shape(r)
+            if op.name in ROW_REDUCTIONS:
+                x = op.inputs[0]
+                if op.attrs.get("dim") not in (len(self.rd.shape(x)) - 1, -1) or self.rd.shape(x)[-1] != self.k:
+                    raise NotStreamable(f"{self.rd.describe(r)} does not reduce the rows' last dim ({self.k})")
+                acc = self.tb.forloop_accum(self.tile(x), "sum", dim=1)
+                self.after[r] = self.tb.scalar_mul(acc, value=1.0 / self.k) if op.name == "reduce_mean" else acc
+            elif op.name == "input":
+                self.after[r] = self._iterator(r.op, "stat")
+            elif shape and shape[-1] == 1 and math.prod(shape[:-1]) == self.m:
+                self.after[r] = self._elementwise(r, self.stat)
+            else:
+                raise NotStreamable(f"{self.rd.describe(r)} is not a row statistic ({self.m}, 1)")
+        return self.after[r]
+
+    def epilogue(self, r: Ref) -> Tensor:
+        """An (m, n) value after the loop: the matmul results, then elementwise ops over them, rows (m, n) and
+        vectors (n,)."""
+        r = self.rd.through_reshapes(r)
+        if r not in self.after:
+            op = self.rd.op(r)
+            if op.name == "input":
+                self.after[r] = self._iterator(r.op, self._input_role(r, "n"))
+            elif op.name in ROW_REDUCTIONS or op.name == "matmul":
+                raise NotStreamable(f"{self.rd.describe(r)} after the matmul: only elementwise ops stream")
+            else:
+                self.after[r] = self._elementwise(r, self.epilogue)
+        return self.after[r]
+
+    # ---------------------------------------------------------------- the graph
+    def build(self, a: Ref, mms: list[int], weights: list[tuple[Ref, bool]], outs: list[Ref]) -> list[Tensor]:
+        """The block graph computing ``outs`` from matmuls ``mms`` of activation ``a``; the kernel op's results."""
+        factors = _factors(self.rd, a)
+        scales = [(f, inv) for f, inv in factors if self.rd.shape(f)[-1:] == (1,) and self.k != 1]
+        tiles = [(f, inv) for f, inv in factors if (f, inv) not in scales]
+        if not tiles or tiles[0][1]:
+            raise NotStreamable("the activation has no row tensor factor")
+        lhs = self.tile(tiles[0][0])
+        for f, inv in tiles[1:]:
+            lhs = (self.tb.div if inv else self.tb.mul)(lhs, self.tile(f))
+        for i, (w, transposed) in zip(mms, weights):
+            acc = self.tb.forloop_accum(self.tb.matmul(lhs, self._iterator(w.op, "weight_t" if transposed
+                                                                           else "weight")), "sum")
+            for f, inv in scales:
+                acc = (self.tb.div if inv else self.tb.mul)(acc, self.stat(f))
+            self.after[Ref(i, 0)] = acc
+        for r in outs:
+            if self.rd.shape(r)[-1] != self.n or math.prod(self.rd.shape(r)[:-1]) != self.m:
+                raise NotStreamable(f"output {self.rd.describe(r)} is not ({self.m}, {self.n}) rows")
+            self.tb.new_output(self.epilogue(r), omap=(1,), dtype=self.rd.dtype(r))
+        return self.seed.g.customized(self.sources, self.tb)
