@@ -400,6 +400,17 @@ class Graph:
     def named(self, name: str) -> list[tuple[int, Op]]:
         return [(i, op) for i, op in enumerate(self.ops) if op.name == name]
 
+    def ancestors(self, roots) -> set[int]:
+        """Indices of the ops ``roots`` (op indices) depend on, themselves included."""
+        seen: set[int] = set()
+        stack = list(roots)
+        while stack:
+            i = stack.pop()
+            if i not in seen:
+                seen.add(i)
+                stack.extend(r[0] for r in self.ops[i].inputs)
+        return seen
+
     def consumers(self) -> dict[Ref, list[int]]:
         out: dict[Ref, list[int]] = {}
         for i, op in enumerate(self.ops):

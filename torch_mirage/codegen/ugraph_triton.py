@@ -776,25 +776,13 @@ def _epilogue(e: _Emitter, bg: BlockGraph, epi: list[int], env: dict) -> None:
         e.emit_op(i, env)
 
 
-def _ancestors(bg: BlockGraph, roots) -> set[int]:
-    """Op indices ``roots`` depend on, themselves included."""
-    seen: set[int] = set()
-    stack = list(roots)
-    while stack:
-        i = stack.pop()
-        if i not in seen:
-            seen.add(i)
-            stack.extend(r[0] for r in bg.ops[i].inputs)
-    return seen
-
-
 def prologue_accumulators(bg: BlockGraph) -> list[int]:
     """Accumulators a separate for-loop before the main one can compute: those with no matmul in their chain
     (an RMSNorm's sum of squares over X's row) in a block graph whose other accumulators do hold one. Walking
     them in their own loop keeps the main loop a pure ``tl.dot`` stream whose weight loads pipeline (H100 probe,
     11-25: a sum of squares inside the dot loop took a 1 x 4096 x 4096 GEMV from 14.2 to 28.5 µs)."""
     accs = [i for i, op in enumerate(bg.ops) if op.spec.kind == "accum"]
-    has_dot = {i: any(bg.ops[j].name == "matmul" for j in _ancestors(bg, [i])) for i in accs}
+    has_dot = {i: any(bg.ops[j].name == "matmul" for j in bg.ancestors([i])) for i in accs}
     if not any(has_dot.values()):
         return []
     return [i for i in accs if not has_dot[i]]
@@ -848,7 +836,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
             e.wide[i] = (e.assign("acc", f"tl.zeros({tuple(padded(x) for x in shape)}, tl.float32)", shape), dim)
     first = prologue_accumulators(bg) if prologue and loop else []
     for group in ([first, [i for i in accs if i not in first]] if first else [accs]):
-        needed = _ancestors(bg, group)
+        needed = bg.ancestors(group)
         split_band = any(full for *_, full in segments)
         for s_lo, s_hi, full in segments if loop else [(lo, hi, False)]:
             e.full = full

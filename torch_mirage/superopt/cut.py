@@ -5,14 +5,21 @@ the given op kinds whose every result is read inside (a norm before a matmul, a 
 sibling matmul) and, while the region has one result read by free elementwise or layout nodes, those readers (a
 gate after the matmul, a residual add, the view of a flattened matmul back to (batch, seq, n)); a reduction chain
 (kinds :data:`CHAIN`) also goes on from a row statistic to the ops that apply it. :func:`reference_kernel` wraps a
-compiled μGraph of the cut's reference (:func:`.search.reference.reference_of`) as the region's kernel.
+compiled μGraph of the cut's reference (:func:`.search.reference.reference_of`) as the region's kernel;
+:func:`lowered_reference` is that reference, or the decline of a cut that has none the target can run.
 """
 from __future__ import annotations
 
 import math
 
+import torch
+
 from ..capture.ops import OpKind
-from ..partition.region import inputs_of, outputs_of
+from ..context import CompileContext, Target
+from ..partition.region import Decline, Reason, inputs_of, outputs_of
+from .search.reference import Decline as NotLowered, Reference, reference_of
+
+DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 GROW = {OpKind.ELEMENTWISE, OpKind.REDUCTION, OpKind.LAYOUT, OpKind.MATMUL}
 CHAIN = GROW - {OpKind.MATMUL}                     # a reduction chain: row reductions and elementwise ops
@@ -74,3 +81,18 @@ def reference_kernel(nodes: list, graph, ref, compiled):
         return tuple(outs[j].reshape(sh) for j, sh in zip(out_order, shapes))
 
     return kernel
+
+
+def lowered_reference(nodes: list, graph, ctx: CompileContext) -> Reference | Decline:
+    """The cut's reference program, or why a μGraph claimer passes over it: it does not lower, a dtype mirage does
+    not generate (bf16 under the interpreter, which computes it wrongly), or a device the target does not run."""
+    ref = reference_of(nodes, graph)
+    if isinstance(ref, NotLowered):
+        return Decline(nodes, Reason.NOT_LOWERED, str(ref))
+    metas = [v.meta for v in ref.inputs]
+    if any(m.dtype not in DTYPES for m in metas) or \
+            (ctx.target is Target.INTERPRETER and any(m.dtype == torch.bfloat16 for m in metas)):
+        return Decline(nodes, Reason.UNSUPPORTED_DTYPE, ", ".join(sorted({str(m.dtype) for m in metas})))
+    if not ctx.target.runs_on(metas[0].device.type):
+        return Decline(nodes, Reason.UNSUPPORTED_DEVICE, str(metas[0].device))
+    return ref

@@ -34,21 +34,20 @@ from ..analysis.op_dims import matmul_operands
 from ..capture.ir import Graph, Node, Value
 from ..ugraph import KernelGraph
 from ..capture.ops import OpKind
-from ..context import CompileContext, Target
+from ..context import CompileContext
 from ..failures import describe_error, note, stage
 from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
 from ..timing import random_like
 from .compile import compile_ugraph
 from .gemv_seed import NotStreamable, gemv_seed
 from .launch import streaming_candidates
-from .cut import GROW, MAX_NODES, grow, reference_kernel
-from .search.reference import Decline as NotLowered, Reference, reference_of
+from .cut import DTYPES, GROW, MAX_NODES, grow, lowered_reference, reference_kernel
+from .search.reference import Reference
 from .search.shrink import SMALL_TILE, shrink
 from .verify import verify
 
 log = logging.getLogger("torch_mirage")
 
-DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DTYPE_OF = {name: dtype for dtype, name in DTYPES.items()}
 LAYOUT = frozenset({OpKind.LAYOUT})
 NONE: frozenset = frozenset()
@@ -122,16 +121,8 @@ class GemvClaimer:
         return why
 
     def _claim_cut(self, graph: Graph, nodes: list[Node], ctx: CompileContext) -> Outcome:
-        ref = reference_of(nodes, graph)
-        if isinstance(ref, NotLowered):
-            return Decline(nodes, Reason.NOT_LOWERED, str(ref))
-        metas = [v.meta for v in ref.inputs]
-        if any(m.dtype not in DTYPES for m in metas) or \
-                (ctx.target is Target.INTERPRETER and any(m.dtype == torch.bfloat16 for m in metas)):
-            return Decline(nodes, Reason.UNSUPPORTED_DTYPE, ", ".join(sorted({str(m.dtype) for m in metas})))
-        if not ctx.target.runs_on(metas[0].device.type):
-            return Decline(nodes, Reason.UNSUPPORTED_DEVICE, str(metas[0].device))
-        return seed_claim(graph, nodes, ref, ctx)
+        ref = lowered_reference(nodes, graph, ctx)
+        return ref if isinstance(ref, Decline) else seed_claim(graph, nodes, ref, ctx)
 
 
 def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileContext) -> Outcome:

@@ -137,7 +137,7 @@ def gemv_seed(ref: KernelGraph, tile: int = 64) -> KernelGraph:
     widths = {i: ref.ops[i].shapes[0][-1] for i in mms}
     group_of = []                                   # each output: the width of the matmuls it is computed from
     for r in ref.outputs:
-        found = {widths[i] for i in _ancestors(ref, r.op) if i in widths}
+        found = {widths[i] for i in ref.ancestors([r.op]) if i in widths}
         if len(found) != 1:
             raise NotStreamable(f"output {rd.describe(r)} reads {len(found)} matmul widths: one is needed")
         group_of.append(found.pop())
@@ -154,18 +154,6 @@ def gemv_seed(ref: KernelGraph, tile: int = 64) -> KernelGraph:
         y, shape = results[j], rd.shape(r)
         seed.g.mark_output(y if tuple(y.shape) == shape else seed.g.reshape(y, shape=shape))
     return seed.g.build()
-
-
-def _ancestors(ref: KernelGraph, i: int) -> set[int]:
-    """Op indices op ``i`` depends on, itself included."""
-    seen: set[int] = set()
-    stack = [i]
-    while stack:
-        j = stack.pop()
-        if j not in seen:
-            seen.add(j)
-            stack.extend(r[0] for r in ref.ops[j].inputs)
-    return seen
 
 
 class _Seed:

@@ -20,22 +20,19 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-import torch
-from .reference import Decline as NotLowered, reference_of
 from .driver import search
 from ..compile import compile_ugraph
 
 from ...capture.ops import OpKind
-from ...context import CompileContext, Target
+from ...context import CompileContext
 from ...failures import describe_error
 from ...partition.region import Claim, Decline, Outcome, Reason, is_convex
-from ..cut import CHAIN, GROW, MAX_NODES, grow, reference_kernel
+from ..cut import CHAIN, DTYPES, GROW, MAX_NODES, grow, lowered_reference, reference_kernel
 from ..gemv_claim import seed_claim
 from ...timing import random_like
 
 log = logging.getLogger("torch_mirage")
 
-DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 class SearchClaimer:
@@ -73,16 +70,11 @@ class SearchClaimer:
     def _claim(self, graph, nodes: list, ctx: CompileContext) -> Outcome:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        ref = reference_of(nodes, graph)
-        if isinstance(ref, NotLowered):
-            log.debug("torch_mirage: search claimer: region at %s not lowered: %s", nodes[-1].target_name, ref)
-            return Decline(nodes, Reason.NOT_LOWERED, str(ref))
+        ref = lowered_reference(nodes, graph, ctx)
+        if isinstance(ref, Decline):
+            log.debug("torch_mirage: search claimer: region at %s: %s", nodes[-1].target_name, ref.detail)
+            return ref
         metas = [v.meta for v in ref.inputs]
-        if any(m.dtype not in DTYPES for m in metas) or \
-                (ctx.target is Target.INTERPRETER and any(m.dtype == torch.bfloat16 for m in metas)):
-            return Decline(nodes, Reason.UNSUPPORTED_DTYPE, ", ".join(sorted({str(m.dtype) for m in metas})))
-        if not ctx.target.runs_on(metas[0].device.type):
-            return Decline(nodes, Reason.UNSUPPORTED_DEVICE, str(metas[0].device))
         budget = self.budget_s if self.budget_s is not None else ctx.config.search_budget_s
         specs = [(tuple(m.shape), DTYPES[m.dtype]) for m in metas]
         with unset_fake_temporarily():      # the search runs real tensors (probe, verifier)
