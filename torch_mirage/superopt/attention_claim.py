@@ -32,6 +32,7 @@ from typing import Sequence
 
 import torch
 from .compile import compile_ugraph
+from .cut import DTYPES
 from .claim import _fastest
 
 from ..analysis.attention import AttentionSpec, find_attention
@@ -48,7 +49,6 @@ from ..timing import random_like
 
 log = logging.getLogger("torch_mirage")
 
-DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 SPLIT_KV = 256            # KV length per split of the split-KV seed's default schedule (4 tiles of 64)
 SEED_TILE = 64            # the seeds' default tile edge
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from .compile import compile_ugraph
+from .cut import DTYPES
 
 from ..cache import cache_key
 from ..capture.ir import Graph, Node, Value
@@ -82,7 +83,6 @@ ALTERNATIVES: dict[str, tuple[str, ...]] = {}
 # the μGraph input whose rows may come with leading dims — a (batch, seq, k) activation for an (m, k) one — and
 # then the output carries the same leading dims (the matmul ``x @ w`` of a 3-D x is view → mm → view in ATen)
 BATCHED_INPUT = {"lora": 0, "gated_mlp": 0, "rmsnorm_linear": 0}
-DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _PROBE = (1009, 1013, 1019, 1021, 1031, 1033, 1039)   # distinct primes: which dim lands where in the shapes
 
 
@@ -383,16 +383,23 @@ def _fastest(built: list[tuple], examples: list, cache: Any) -> tuple[tuple, dic
     from ``cache`` (:func:`~torch_mirage.tune.tune`)."""
     if len(built) == 1:
         return built[0], {}
-    sets = _timing_sets(examples)
-    if sets is None:
-        return built[0], {}
     by_name = {b[0].name: b for b in built}
     key = None
     if cache is not None and examples[0].device.type == "cuda":
         key = cache_key(kind="ugraph-alternatives/2", graphs=[k.hash() for _, k, _ in built],
                         device=torch.cuda.get_device_name(examples[0].device))
-    tuned = tune(list(by_name), lambda name, _: _time_ugraph(by_name[name][2], sets), cache=cache, key=key,
-                 label="μGraph")
+    sets: list = []
+
+    def timing_sets(name: str) -> list:        # the copies only when the cache has no answer
+        if not sets:
+            got = _timing_sets(examples)
+            if got is None:
+                raise RuntimeError("nothing is timed off CUDA")
+            sets.extend(got)
+        return sets
+
+    tuned = tune(list(by_name), lambda name, sets: _time_ugraph(by_name[name][2], sets), build=timing_sets,
+                 cache=cache, key=key, label="μGraph")
     if tuned.winner is None:
         return built[0], {}
     return by_name[tuned.winner], tuned.times

@@ -38,17 +38,16 @@ from ..context import CompileContext
 from ..failures import describe_error, note, stage
 from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
 from ..timing import random_like
-from .compile import compile_ugraph
+from .compile import DTYPES as TORCH_DTYPES, compile_ugraph
 from .gemv_seed import NotStreamable, gemv_seed
 from .launch import streaming_candidates
-from .cut import DTYPES, GROW, MAX_NODES, grow, lowered_reference, reference_kernel
+from .cut import GROW, MAX_NODES, grow, lowered_reference, reference_kernel
 from .search.reference import Reference
 from .search.shrink import SMALL_TILE, shrink
 from .verify import verify
 
 log = logging.getLogger("torch_mirage")
 
-DTYPE_OF = {name: dtype for dtype, name in DTYPES.items()}
 LAYOUT = frozenset({OpKind.LAYOUT})
 NONE: frozenset = frozenset()
 
@@ -136,7 +135,7 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
         return Decline(nodes, Reason.NO_KERNEL, f"not a weight-streaming matmul region: {e}")
     metas = [v.meta for v in ref.inputs]
     program, candidate = verified_instance(ref.graph, seed)
-    examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=DTYPE_OF[op.attrs["dtype"]]) for op in program.inputs]
+    examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=TORCH_DTYPES[op.attrs["dtype"]]) for op in program.inputs]
     with unset_fake_temporarily():      # the verifier and the compile run real tensors
         verdict = verify(candidate, program, examples, error_bound=ctx.config.verify_error_bound,
                          trials=ctx.config.verify_trials)
