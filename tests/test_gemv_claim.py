@@ -2,6 +2,7 @@
 their RMSNorm prologue and elementwise epilogue run as one verified μGraph (Triton interpreter on CPU), in each
 form below written two ways, for 1, 3 and 16 rows, odd hidden sizes and both weight layouts; compute-bound matmuls
 stay the library call's; a decode layer's KV cache write stays Inductor's and its cache ends up as eager's."""
+import math
 import os
 
 import pytest
@@ -22,7 +23,9 @@ from torch_mirage.superopt.gemv_claim import GemvClaimer
 from torch_mirage.superopt.compile import BlockLauncher
 from torch_mirage.superopt.gemv_claim import verified_instance
 from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed
-from torch_mirage.superopt.launch import streaming_candidates
+from torch_mirage.superopt import library
+from torch_mirage.superopt.launch import (DEEP_PIPELINE, STREAM_PIPELINE, STREAM_STAGE_BYTES, LaunchConfig,
+                                          retile, streamed_bytes, streaming_candidates)
 from torch_mirage.superopt.search.reference import reference_of
 from torch_mirage.capture.lower import trace
 from torch_mirage.superopt.verify import verify
@@ -212,6 +215,24 @@ def test_every_streaming_launch_matches_the_reference(tmp_path):
     for cfg in configs:
         (got,) = BlockLauncher(op.body, cfg, [a.dim() for a in args], str(tmp_path))(*args)
         assert_close(got, want)
+
+
+@pytest.mark.parametrize("rows", [8, 64])
+def test_gated_mlp_seed_is_tuned_over_the_library_schedule(rows):
+    """The bare gated MLP's seed is the library's gated-MLP μGraph (same hash); its launch candidates hold the
+    library tuner's winner on the H100 (its own schedule at DEEP_PIPELINE, 11-24 sweep) and a one-wave stream
+    whose two weight tiles stay within STREAM_STAGE_BYTES per step."""
+    xs = [torch.empty(rows, 4096, dtype=torch.bfloat16), torch.empty(4096, 4096, dtype=torch.bfloat16),
+          torch.empty(4096, 4096, dtype=torch.bfloat16)]
+    graph = trace(workloads.gated_mlp, xs)
+    seed = gemv_seed(reference_of(graph.nodes, graph).graph)
+    assert seed.hash() == library.gated_mlp(rows, 4096, 4096, dtype="bfloat16").hash()
+    bg = next(op.body for op in seed.ops if op.name == "customized")
+    configs = streaming_candidates(bg, n_sm=132)
+    assert LaunchConfig(tuple(bg.grid), bg.forloop_range, 1, *DEEP_PIPELINE) in configs
+    (stream,) = [c for c in configs if (c.num_warps, c.num_stages) == STREAM_PIPELINE]
+    assert streamed_bytes(retile(bg, stream.grid, stream.forloop_range)) <= STREAM_STAGE_BYTES
+    assert math.prod(stream.grid) <= 132 and stream.split == 1
 
 
 def test_large_region_is_verified_at_shrunk_sizes():

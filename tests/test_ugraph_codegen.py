@@ -207,9 +207,18 @@ def test_weight_streaming_schedule_matches_eager(rows, tmp_path):
 
 
 def test_streaming_pick_needs_one_wave_and_a_long_loop():
+    """One wave of the most programs, at least DEEP_LOOP steps; of those the widest K tile whose weight tiles stay
+    within STREAM_STAGE_BYTES per step: one weight of 32 x 256 (16 KiB), two weights (a gated MLP) of 32 x 128."""
+    bg = next(o for o in library.rmsnorm_linear(2, 4096, 4096, dtype="float16").ops if o.name == "customized").body
     scored = [(1.0, (256,), 16, 1), (2.0, (64,), 32, 1), (3.0, (128,), 4, 1), (4.0, (128,), 32, 2)]
-    assert launch.streaming_pick(scored, n_sm=132) == ((64,), 32)
-    assert launch.streaming_pick([(1.0, (128,), 4, 1)], n_sm=132) is None
+    assert launch.streaming_pick(bg, scored, n_sm=132) == ((64,), 32)
+    assert launch.streaming_pick(bg, [(1.0, (128,), 4, 1)], n_sm=132) is None
+    scored = launch._scored(bg, 132)
+    assert launch.streaming_pick(bg, scored, n_sm=132) == ((128,), 16)
+    gated = next(o for o in library.gated_mlp(8, 4096, 4096, dtype="float16").ops if o.name == "customized").body
+    pick = launch.streaming_pick(gated, launch._scored(gated, 132), n_sm=132)
+    assert pick == ((128,), 32)
+    assert launch.streamed_bytes(retile(gated, *pick)) == launch.STREAM_STAGE_BYTES
 
 
 def test_memory_plan_shares_only_disjoint_lifetimes():
