@@ -108,7 +108,7 @@ def main() -> None:
             pairs = [tuple(int(v) for v in x.split(":")) for x in args.pairs] or PAIRS
             fission = (False, True) if prologue_accumulators(bg) else (False,)
             configs = [LaunchConfig(grid, f, s, warps, stages, pro) for grid, f, s in sorted(tilings)
-                       for warps, stages in pairs for pro in fission if not (pro and s > 1)]
+                       for warps, stages in pairs for pro in fission]
             configs = list(dict.fromkeys(configs + (proposed if args.seed else [])))
             t0 = time.time()
             chosen = None if args.only_extra else choose(bg, lambda cfg: BlockLauncher(bg, cfg, ranks, cache_dir), xs,

@@ -48,6 +48,10 @@ STREAM_PIPELINE = (4, 5)
 # within it (H100: the probe's one weight, 32 x 256 fp16, is 16 KiB; the gated MLP's two weights were fastest at
 # 2 x 64 x 64 or 2 x 32 x 128, also 16 KiB per step, and slower at 2 x 32 x 256, its stream before 11-25 e)
 STREAM_STAGE_BYTES = 16 * 1024
+# (num_warps, num_stages) of the stream where the norm's sums walk a loop of their own, besides STREAM_PIPELINE: the
+# dot loop then also reads x·g through registers (H100 sweep 11-25 e, RMSNorm + Linear 2 x 4096 x 4096 bf16: 18.3 µs
+# at 4 / 5 against 14.1 for the bare GEMV, 29.0 with the sums in the dot loop); fewer stages and more warps are timed
+PROLOGUE_PIPELINES = ((4, 3), (8, 5))
 # prefill attention (an online softmax over a tile of many query rows, the for-loop over key tiles): FlashAttention's
 # Hopper schedules as (query rows, keys per tile, num_warps, num_stages) — 128-row tiles on 8 warps, 64-128 keys,
 # 2-4 stages — plus 64-row tiles for short sequences (more programs); they replace the roofline-ranked re-tilings
@@ -324,13 +328,15 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
 
 def _stream_configs(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> list[LaunchConfig]:
     """The one-wave stream of :func:`streaming_pick` at ``STREAM_PIPELINE``, and with the matmul-free sums (an
-    RMSNorm's sum of squares) in a loop of their own where the kernel has them: the dot loop stays a pure stream."""
+    RMSNorm's sum of squares) in a loop of their own where the kernel has them (the dot loop then holds no
+    reduction) at ``STREAM_PIPELINE`` and each of ``PROLOGUE_PIPELINES``."""
     stream = streaming_pick(bg, scored, n_sm)
     if stream is None:
         return []
     configs = [LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE)]
     if prologue_accumulators(bg):
-        configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE, prologue=True))
+        configs += [LaunchConfig(stream[0], stream[1], 1, w, st, prologue=True)
+                    for w, st in (STREAM_PIPELINE, *PROLOGUE_PIPELINES)]
     return configs
 
 
@@ -338,9 +344,10 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     """The launches of a weight-streaming (memory-bound matmul) kernel: the μGraph's own schedule at the first of
     ``WARPS_STAGES`` and, where its loop has at least ``DEEP_LOOP`` steps, at ``DEEP_PIPELINE`` (the library gated
     MLP's tuned winner: its μGraph is the seed's); the one-wave stream of :func:`_stream_configs`; the
-    best-estimated split-K (a combine kernel after it) and split-N of more than one wave and at most
-    ``PROBE_WAVES[-1]`` programs per SM, at the first of ``WARPS_STAGES``; the best-estimated unsplit loop of at
-    least ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``. Up to eight configs where :func:`candidates` gives about twenty:
+    best-estimated split-K (a combine kernel after it; also with the sums' loop of its own where there is one) and
+    split-N of more than one wave and at most ``PROBE_WAVES[-1]`` programs per SM, at the first of ``WARPS_STAGES``;
+    the best-estimated unsplit loop of at least ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``. Up to eleven configs
+    (seven without a norm) where :func:`candidates` gives about twenty:
     each costs a Triton compile, and a decode layer has one such kernel per projection."""
     scored = _scored(bg, n_sm)
     warps, stages = WARPS_STAGES[0]
@@ -355,6 +362,8 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     for pick in (split_k, split_n):
         if pick is not None:
             configs.append(LaunchConfig(pick[0], pick[1], pick[2], warps, stages))
+    if split_k is not None and prologue_accumulators(bg):    # each split's share of the sums in a loop of its own
+        configs.append(LaunchConfig(*split_k, warps, stages, prologue=True))
     deep = next(((g, f) for _, g, f, s in scored if s == 1 and f >= DEEP_LOOP), None)
     if deep is not None:
         configs.append(LaunchConfig(deep[0], deep[1], 1, *DEEP_PIPELINE))
@@ -404,7 +413,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs, ABBA",
                     space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE,
-                           STREAM_STAGE_BYTES, PREFILL_SCHEDULES] + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
+                           STREAM_STAGE_BYTES, PROLOGUE_PIPELINES, PREFILL_SCHEDULES] + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
     props = torch.cuda.get_device_properties(inputs[0].device)
     configs = {json.dumps(c.to_json(), sort_keys=True): c for c in propose(bg, props.multi_processor_count, limit)}
     want: list = []
