@@ -198,7 +198,8 @@ def test_skinny_matmuls_are_memory_bound_and_wide_ones_compute_bound():
 @interpreted
 def test_every_streaming_launch_matches_the_reference(tmp_path):
     """The launches :func:`streaming_candidates` proposes for a norm + matmul + residual seed — the own schedule,
-    the one-wave stream with and without the norm's loop of its own, split-K with its combine kernel, split-N —
+    the one-wave stream with and without the norm's loop of its own (before or after the dot loop), split-K with its
+    combine kernel (with and without that loop), split-N —
     each compute the reference (on the GPU :func:`choose` also drops a launch that disagrees with the own schedule)."""
     fn = FORMS[10][1]
     xs = [torch.randn(3, 512), 1 + 0.1 * torch.randn(512), torch.randn(64, 512) / 512 ** 0.5, torch.randn(3, 64)]
@@ -212,6 +213,7 @@ def test_every_streaming_launch_matches_the_reference(tmp_path):
     want = fn(*[x.double() for x in xs]).float()
     configs = streaming_candidates(op.body, n_sm=4)
     assert any(c.split > 1 and c.prologue for c in configs) and any(c.split == 1 and c.prologue for c in configs), configs
+    assert any(c.sums_after for c in configs), configs
     for cfg in configs:
         (got,) = BlockLauncher(op.body, cfg, [a.dim() for a in args], str(tmp_path))(*args)
         assert_close(got, want)

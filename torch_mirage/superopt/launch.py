@@ -75,6 +75,7 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 2
     prologue: bool = False    # matmul-free accumulators in a for-loop of their own (ugraph_triton.prologue_accumulators)
+    sums_after: bool = False  # with prologue: that loop runs after the main loop, not before it
 
     def to_json(self) -> dict:
         return {**asdict(self), "grid": list(self.grid)}
@@ -329,7 +330,8 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
 def _stream_configs(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> list[LaunchConfig]:
     """The one-wave stream of :func:`streaming_pick` at ``STREAM_PIPELINE``, and with the matmul-free sums (an
     RMSNorm's sum of squares) in a loop of their own where the kernel has them (the dot loop then holds no
-    reduction) at ``STREAM_PIPELINE`` and each of ``PROLOGUE_PIPELINES``."""
+    reduction) at ``STREAM_PIPELINE`` and each of ``PROLOGUE_PIPELINES``, and that loop after the dot loop at
+    ``STREAM_PIPELINE`` (the weight stream starts at once; x is in L2 by then)."""
     stream = streaming_pick(bg, scored, n_sm)
     if stream is None:
         return []
@@ -337,6 +339,7 @@ def _stream_configs(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> list[
     if prologue_accumulators(bg):
         configs += [LaunchConfig(stream[0], stream[1], 1, w, st, prologue=True)
                     for w, st in (STREAM_PIPELINE, *PROLOGUE_PIPELINES)]
+        configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE, prologue=True, sums_after=True))
     return configs
 
 
@@ -346,7 +349,7 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     MLP's tuned winner: its μGraph is the seed's); the one-wave stream of :func:`_stream_configs`; the
     best-estimated split-K (a combine kernel after it; also with the sums' loop of its own where there is one) and
     split-N of more than one wave and at most ``PROBE_WAVES[-1]`` programs per SM, at the first of ``WARPS_STAGES``;
-    the best-estimated unsplit loop of at least ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``. Up to eleven configs
+    the best-estimated unsplit loop of at least ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``. Up to twelve configs
     (seven without a norm) where :func:`candidates` gives about twenty:
     each costs a Triton compile, and a decode layer has one such kernel per projection."""
     scored = _scored(bg, n_sm)
