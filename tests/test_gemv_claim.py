@@ -20,7 +20,7 @@ from torch_mirage.partition.region import Claim, Region
 from torch_mirage.runtime.measure import numerics_problem
 from torch_mirage.report import Reason
 from torch_mirage.superopt.gemv_claim import GemvClaimer
-from torch_mirage.superopt.compile import BlockLauncher
+from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph
 from torch_mirage.superopt.gemv_claim import verified_instance
 from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed
 from torch_mirage.superopt import library
@@ -29,6 +29,7 @@ from torch_mirage.superopt.launch import (DEEP_PIPELINE, STREAM_PIPELINE, STREAM
 from torch_mirage.superopt.search.reference import reference_of
 from torch_mirage.capture.lower import trace
 from torch_mirage.superopt.verify import verify
+from torch_mirage.ugraph import Ref
 
 # CPU tests: their kernels run in Triton's interpreter (the GPU test at the end runs without it)
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -217,6 +218,32 @@ def test_every_streaming_launch_matches_the_reference(tmp_path):
     for cfg in configs:
         (got,) = BlockLauncher(op.body, cfg, [a.dim() for a in args], str(tmp_path))(*args)
         assert_close(got, want)
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["norm_a", "norm_b", "norm_gated_a"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gain_on_weights_form_is_verified_and_eager_equal(name, transposed, tmp_path):
+    """The seed with the RMSNorm's gain on the weight tiles ((x·g)·W = x·(g·W)): a column of g multiplies each
+    weight tile, the rows reach the matmul as loaded; the verifier proves it equal to the reference and the kernel
+    equals eager (3 rows, odd sizes, both weight layouts)."""
+    fn, extra = next((f, e) for n, f, e in FORMS if n == name)
+    xs = _inputs(extra, 3, transposed)
+    graph = trace(fn, xs)
+    ref = reference_of(graph.nodes, graph)
+    rows_form, seed = gemv_seed(ref.graph), gemv_seed(ref.graph, gains_on_weights=True)
+    assert seed.hash() != rows_form.hash()
+    body = next(op.body for op in seed.ops if op.name == "customized")
+    gain = [i for i, op in enumerate(body.ops) if op.name == "iterator" and tuple(op.shapes[0])[-1:] == (1,)
+            and op.attrs["fmap"] == 0]                                  # g as a (k, 1) column walked along k
+    readers = [body.ops[j] for i in gain for j in body.consumers()[Ref(i, 0)]]
+    assert gain and readers and all(op.name == "mul" and body.consumers()[Ref(body.ops.index(op), 0)] for op in readers)
+    program, candidate = verified_instance(ref.graph, seed, gains_on_weights=True)
+    assert verify(candidate, program, [torch.zeros(tuple(op.attrs["shape"])) for op in program.inputs])
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    ins = [xs[pos[id(v)]] for v in ref.inputs]
+    (got,) = compile_ugraph(seed, ins, cache_dir=str(tmp_path))(*ins)
+    assert_close(got.reshape(fn(*xs).shape), fn(*[x.double() for x in xs]).float())
 
 
 @pytest.mark.parametrize("rows", [8, 64])
