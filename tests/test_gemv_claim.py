@@ -384,8 +384,7 @@ def test_decode_projections_on_gpu(rows):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows", [2, 16])
-@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("rows,transposed", [(2, False), (16, True)])
 def test_gain_forms_timed_on_gpu(rows, transposed):
     """bf16 RMSNorm + Linear (K = 1024, N = 512, both weight layouts): both forms of the seed (gain on the rows, on
     the weight tiles) are built, tuned and timed, the faster kept, equal to eager within bf16 tolerance."""
