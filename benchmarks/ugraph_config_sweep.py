@@ -6,7 +6,8 @@ exists than the one the tuner picks, and how far from bandwidth the best one is.
 With ``--seed`` the μGraph is the weight-streaming seed (``superopt/gemv_seed.py``) of the bench workload's program
 (``torch_mirage.bench.workloads``, bf16 by default; ``rmsnorm_linear_t`` is rmsnorm_linear with nn.Linear's (n, k)
 weight), its candidates :func:`streaming_candidates` plus the ``--extra`` re-tilings, each with and without the
-norm's loop of its own (``prologue``) where the kernel has one.
+norm's loop of its own (``prologue``) where the kernel has one; ``--gain-on-weights`` the seed form with the norm's gain
+on the weight tiles.
 
     python benchmarks/ugraph_config_sweep.py --workload rmsnorm_linear --batches 1 8 --limit 8
     python benchmarks/ugraph_config_sweep.py --seed --workload rmsnorm_linear gated_mlp --extra 128:16:1 --pairs 4:5
@@ -46,9 +47,10 @@ SEED_VARIANTS = {
 }
 
 
-def seed_case(name: str, batch: int, dtype: torch.dtype):
+def seed_case(name: str, batch: int, dtype: torch.dtype, gains_on_weights: bool = False):
     """(block graph, its inputs on the GPU, propose) of the weight-streaming seed of bench workload ``name`` or of
-    a :data:`SEED_VARIANTS` program (``_t``: the weight stored (n, k), nn.Linear's layout)."""
+    a :data:`SEED_VARIANTS` program (``_t``: the weight stored (n, k), nn.Linear's layout); ``gains_on_weights``:
+    the seed form with the norm's gain on the weight tiles."""
     base, keep, fn = SEED_VARIANTS.get(name, (name, None, None))
     wl = workloads.WORKLOADS[base]
     xs = wl.make_inputs(batch, dtype, "cuda", 0)
@@ -60,11 +62,15 @@ def seed_case(name: str, batch: int, dtype: torch.dtype):
         xs = [x.t().contiguous() if i > 0 and x.dim() == 2 else x for i, x in enumerate(xs)]
     graph = trace(fn, [x.cpu() for x in xs])
     ref = reference_of(graph.nodes, graph)
-    kg = gemv_seed(ref.graph)
+    kg = gemv_seed(ref.graph, gains_on_weights=gains_on_weights)
     op = next(o for o in kg.ops if o.name == "customized")
     pos = {id(v): i for i, v in enumerate(graph.inputs)}
     ins = [xs[pos[id(v)]] for v in ref.inputs]
-    return op.body, [ins[kg.ops[r[0]].attrs["index"]] for r in op.inputs], streaming_candidates
+
+    def arg(r):        # the kernel op's input: a graph input, or a kernel reshape of one (a gain as a (k, 1) column)
+        src = kg.ops[r[0]]
+        return ins[src.attrs["index"]] if src.name == "input" else arg(src.inputs[0]).reshape(src.shapes[0])
+    return op.body, [arg(r) for r in op.inputs], streaming_candidates
 
 
 def main() -> None:
@@ -78,6 +84,7 @@ def main() -> None:
                         "forloop_range, split)")
     p.add_argument("--seed", action="store_true", help="the weight-streaming seed of the bench workload")
     p.add_argument("--dtype", default="bfloat16", help="--seed: the inputs' dtype")
+    p.add_argument("--gain-on-weights", action="store_true", help="--seed: the form with the gain on the weight tiles")
     p.add_argument("--only-extra", action="store_true", help="time the --extra re-tilings only (no candidates)")
     p.add_argument("--pairs", nargs="*", default=[], metavar="WARPS:STAGES",
                    help=f"(num_warps, num_stages) pairs (default: {' '.join(f'{w}:{s}' for w, s in PAIRS)})")
@@ -91,7 +98,7 @@ def main() -> None:
         for b in args.batches:
             if args.seed:
                 dims = (name, b)
-                bg, xs, propose = seed_case(name, b, getattr(torch, args.dtype))
+                bg, xs, propose = seed_case(name, b, getattr(torch, args.dtype), args.gain_on_weights)
             else:
                 dims = library.bench_dims(name, b)
                 kg = library.WORKLOADS[name].build(*dims)

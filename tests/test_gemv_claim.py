@@ -381,20 +381,3 @@ def test_decode_projections_on_gpu(rows):
     assert sorted(r.info["matmuls"] for r in gemv) == [1, 2], str(report)
     assert all(r.info["launch"] for r in gemv)
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows,transposed", [(2, False), (16, True)])
-def test_gain_forms_timed_on_gpu(rows, transposed):
-    """bf16 RMSNorm + Linear (K = 1024, N = 512, both weight layouts): both forms of the seed (gain on the rows, on
-    the weight tiles) are built, tuned and timed, the faster kept, equal to eager within bf16 tolerance."""
-    dev, bf = "cuda", torch.bfloat16
-    k, n = 1024, 512
-    w = torch.randn((n, k) if transposed else (k, n), device=dev, dtype=bf) * k ** -0.5
-    xs = [torch.randn(rows, k, device=dev, dtype=bf), 1 + 0.1 * torch.randn(k, device=dev, dtype=bf), w]
-    fn = FORMS[8][1]                                                    # norm_a: HF's RMSNorm, then the matmul
-    compiled, report = _compile(fn)
-    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).to(bf), bf)
-    (region,) = _gemv_regions(report)
-    assert set(region.info["ugraph_us"]) == {"gain_on_rows", "gain_on_weights"}, region.info
-    assert region.info["form"] == min(region.info["ugraph_us"], key=region.info["ugraph_us"].get)

@@ -25,7 +25,6 @@ timed) and claimed. On a GPU the backend also times it against Inductor's versio
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -41,7 +40,6 @@ from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
 from ..timing import random_like
 from .compile import DTYPES as TORCH_DTYPES, compile_ugraph
 from .gemv_seed import NotStreamable, gemv_seed
-from .claim import _fastest
 from .launch import streaming_candidates
 from .cut import GROW, MAX_NODES, grow, lowered_reference, reference_kernel
 from .search.reference import Reference
@@ -51,8 +49,6 @@ from .verify import verify
 log = logging.getLogger("torch_mirage")
 
 LAYOUT = frozenset({OpKind.LAYOUT})
-# the seed's forms: (name, gains_on_weights) — an RMSNorm's gain on the rows (x·g against W) or on the weight tiles
-GAIN_FORMS = (("gain_on_rows", False), ("gain_on_weights", True))
 NONE: frozenset = frozenset()
 
 
@@ -87,12 +83,6 @@ def cuts(graph: Graph, anchor: Node, free: Sequence[Node], free_ids: set, model:
         if all({id(n) for n in nodes} != {id(n) for n in c} for c in out):
             out.append(nodes)
     return sorted(out, key=len, reverse=True)
-
-
-@dataclass(frozen=True)
-class SeedForm:
-    """One form of the weight-streaming seed, named for :func:`.claim._fastest`'s timing and the report."""
-    name: str
 
 
 class GemvClaimer:
@@ -136,70 +126,50 @@ class GemvClaimer:
 
 def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileContext) -> Outcome:
     """``nodes`` (whose reference is ``ref``) claimed with their weight-streaming seed, verified against ``ref``
-    and compiled; where the activation has a gain (a vector factor), the seed with the gain on the weight tiles too,
-    and the faster of the two kept (:func:`.claim._fastest`; the first off CUDA). A decline where the region has no
-    seed, the verifier rejects every form or none compiles."""
+    and compiled; a decline where the region has no seed, the verifier rejects it or it does not compile."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    seeds: dict[str, KernelGraph] = {}
-    for form, on_weights in GAIN_FORMS:
-        try:
-            seed = gemv_seed(ref.graph, gains_on_weights=on_weights)
-        except NotStreamable as e:
-            return Decline(nodes, Reason.NO_KERNEL, f"not a weight-streaming matmul region: {e}")
-        if all(seed.hash() != other.hash() for other in seeds.values()):
-            seeds[form] = seed
+    try:
+        seed = gemv_seed(ref.graph)
+    except NotStreamable as e:
+        return Decline(nodes, Reason.NO_KERNEL, f"not a weight-streaming matmul region: {e}")
     metas = [v.meta for v in ref.inputs]
-    built: list[tuple] = []
-    why: Decline | None = None
+    program, candidate = verified_instance(ref.graph, seed)
+    examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=TORCH_DTYPES[op.attrs["dtype"]]) for op in program.inputs]
     with unset_fake_temporarily():      # the verifier and the compile run real tensors
-        examples = [random_like(m) for m in metas]
-        for form, seed in seeds.items():
-            program, candidate = verified_instance(ref.graph, seed, gains_on_weights=dict(GAIN_FORMS)[form])
-            zeros = [torch.zeros(tuple(op.attrs["shape"]), dtype=TORCH_DTYPES[op.attrs["dtype"]])
-                     for op in program.inputs]
-            verdict = verify(candidate, program, zeros, error_bound=ctx.config.verify_error_bound,
-                             trials=ctx.config.verify_trials)
-            if not verdict:
-                why = Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed ({form}) is not verified: "
-                              f"{verdict.reason}")
-                continue
-            try:
-                with stage("search/build"):
-                    compiled = compile_ugraph(seed, examples, cache=ctx.cache, cache_dir=ctx.config.cache_dir,
-                                              target=ctx.target, propose=streaming_candidates)
-            except Exception as e:   # a seed that does not compile: the other form, else the other claimers
-                if ctx.config.strict:
-                    raise
-                where = f"weight-streaming μGraph ({form}) of {len(nodes)} ops on {', '.join(_describe(m) for m in metas)}"
-                note(ctx, "search/build", where, e, "that μGraph is not used (its region goes to the other claimers "
-                     "and Inductor where no other form compiles)")
-                why = Decline(nodes, Reason.COMPILE_ERROR, describe_error(e))
-                continue
-            built.append((SeedForm(form), seed, compiled, verdict))
-        if not built:
-            return why
-        (chosen, seed, compiled), times = _fastest([b[:3] for b in built], examples, ctx.cache)
-    verdict = next(b[3] for b in built if b[1] is seed)
+        verdict = verify(candidate, program, examples, error_bound=ctx.config.verify_error_bound,
+                         trials=ctx.config.verify_trials)
+        if not verdict:
+            return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is not verified: {verdict.reason}")
+        try:
+            with stage("search/build"):
+                compiled = compile_ugraph(seed, [random_like(m) for m in metas], cache=ctx.cache,
+                                          cache_dir=ctx.config.cache_dir, target=ctx.target,
+                                          propose=streaming_candidates)
+        except Exception as e:   # a seed that does not compile: the region goes on to the next claimers
+            if ctx.config.strict:
+                raise
+            where = f"weight-streaming μGraph of {len(nodes)} ops on {', '.join(_describe(m) for m in metas)}"
+            note(ctx, "search/build", where, e, "that μGraph is not used (its region goes to the other claimers "
+                 "and Inductor)")
+            return Decline(nodes, Reason.COMPILE_ERROR, describe_error(e))
     mms = [n for n in nodes if n.kind is OpKind.MATMUL]
     _, a, _ = matmul_operands(mms[0])
     rows, k, n = matmul_rows(mms[0]), a.meta.shape[-1], mms[0].outputs[0].meta.shape[-1]
-    info = {"ugraph": "weight_streaming", "form": chosen.name, "ugraph_hash": seed.hash()[:16], "rows": rows,
-            "k": k, "n": n, "matmuls": len(mms), "verified": verdict.reason,
-            "launch": [c.to_json() for c in compiled.configs]}
-    if times:
-        info["ugraph_us"] = {name: round(us, 2) for name, us in times.items()}
+    info = {"ugraph": "weight_streaming", "ugraph_hash": seed.hash()[:16], "rows": rows, "k": k, "n": n,
+            "matmuls": len(mms), "verified": verdict.reason, "launch": [c.to_json() for c in compiled.configs]}
     return Claim(list(nodes), seed, reference_kernel(nodes, graph, ref, compiled),
-                 detail=f"weight-streaming μGraph ({chosen.name}): {len(mms)} matmul(s), {rows} rows x {k} -> {n}, "
-                        f"{len(nodes)} ops", info=info)
+                 detail=f"weight-streaming μGraph: {len(mms)} matmul(s), {rows} rows x {k} -> {n}, {len(nodes)} ops",
+                 info=info)
 
 
 def verified_instance(ref: KernelGraph, seed: KernelGraph, gains_on_weights: bool = False
                       ) -> tuple[KernelGraph, KernelGraph]:
     """(reference, seed) the verifier checks: ``ref`` and its seed where ``ref`` is small; else both at the search's
     shrunk sizes (:func:`.search.shrink.shrink`: the executor steps every block and for-loop step in Python, a
-    minute for a 4096 x 14336 weight), the seed drawn in the same form with the shrunk problem's tile so that the
-    grid and the for-loop split there as at the real sizes: the same construction, other counts."""
+    minute for a 4096 x 14336 weight), the seed drawn in the same form (``gains_on_weights``, see
+    :func:`.gemv_seed.gemv_seed`) with the shrunk problem's tile so that the grid and the for-loop split there as at
+    the real sizes: the same construction, other counts."""
     outs = [ref.ops[r[0]].shapes[r[1]] for r in ref.outputs]
     small = shrink(ref, [(tuple(op.attrs["shape"]), op.attrs["dtype"]) for op in ref.inputs], outs)
     if small is None:
