@@ -3,7 +3,14 @@ the few it times) × more (num_warps, num_stages) pairs than it tries, each time
 inputs rotated past L2, with the fraction of copy bandwidth its bytes reach. Says whether a better config
 exists than the one the tuner picks, and how far from bandwidth the best one is.
 
+With ``--seed`` the μGraph is the weight-streaming seed (``superopt/gemv_seed.py``) of the bench workload's program
+(``torch_mirage.bench.workloads``, bf16 by default; ``rmsnorm_linear_t`` is rmsnorm_linear with nn.Linear's (n, k)
+weight), its candidates :func:`streaming_candidates` plus the ``--extra`` re-tilings, each with and without the
+norm's loop of its own (``prologue``) where the kernel has one; ``--gain-on-weights`` the seed form with the norm's gain
+on the weight tiles.
+
     python benchmarks/ugraph_config_sweep.py --workload rmsnorm_linear --batches 1 8 --limit 8
+    python benchmarks/ugraph_config_sweep.py --seed --workload rmsnorm_linear gated_mlp --extra 128:16:1 --pairs 4:5
 """
 from __future__ import annotations
 
@@ -13,16 +20,57 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mirage_set_gpu import make_inputs, rel_error  # noqa: E402  (this directory)
-from torch_mirage.superopt.launch import LaunchConfig, candidates, choose  # noqa: E402
+from torch_mirage.bench import workloads  # noqa: E402
+from torch_mirage.capture.lower import trace  # noqa: E402
+from torch_mirage.codegen.ugraph_triton import prologue_accumulators  # noqa: E402
+from torch_mirage.numerics import rms_norm  # noqa: E402
+from torch_mirage.superopt.gemv_seed import gemv_seed  # noqa: E402
+from torch_mirage.superopt.launch import LaunchConfig, candidates, choose, streaming_candidates  # noqa: E402
+from torch_mirage.superopt.search.reference import reference_of  # noqa: E402
 from torch_mirage.timing import cuda_graph_time_us, rotated_input_sets  # noqa: E402
 from torch_mirage.superopt import library  # noqa: E402
 from torch_mirage.superopt.compile import BlockLauncher  # noqa: E402
 
 PAIRS = ((2, 3), (4, 3), (4, 5), (8, 4), (8, 6))
+
+
+# --seed programs beyond the bench's: (bench workload whose inputs they take, which of those, program)
+SEED_VARIANTS = {
+    "rmsnorm_linear_t": ("rmsnorm_linear", (0, 1, 2), lambda x, g, w: F.linear(rms_norm(x, weight=g), w)),
+    "linear": ("rmsnorm_linear", (0, 2), lambda x, w: x @ w),
+    "linear_t": ("rmsnorm_linear", (0, 2), lambda x, w: F.linear(x, w)),
+}
+
+
+def seed_case(name: str, batch: int, dtype: torch.dtype, gains_on_weights: bool = False):
+    """(block graph, its inputs on the GPU, propose) of the weight-streaming seed of bench workload ``name`` or of
+    a :data:`SEED_VARIANTS` program (``_t``: the weight stored (n, k), nn.Linear's layout); ``gains_on_weights``:
+    the seed form with the norm's gain on the weight tiles."""
+    base, keep, fn = SEED_VARIANTS.get(name, (name, None, None))
+    wl = workloads.WORKLOADS[base]
+    xs = wl.make_inputs(batch, dtype, "cuda", 0)
+    if keep is not None:
+        xs = [xs[i] for i in keep]
+    else:
+        fn = wl.fn
+    if name.endswith("_t"):      # the square (k, n) weight stored transposed
+        xs = [x.t().contiguous() if i > 0 and x.dim() == 2 else x for i, x in enumerate(xs)]
+    graph = trace(fn, [x.cpu() for x in xs])
+    ref = reference_of(graph.nodes, graph)
+    kg = gemv_seed(ref.graph, gains_on_weights=gains_on_weights)
+    op = next(o for o in kg.ops if o.name == "customized")
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    ins = [xs[pos[id(v)]] for v in ref.inputs]
+
+    def arg(r):        # the kernel op's input: a graph input, or a kernel reshape of one (a gain as a (k, 1) column)
+        src = kg.ops[r[0]]
+        return ins[src.attrs["index"]] if src.name == "input" else arg(src.inputs[0]).reshape(src.shapes[0])
+    return op.body, [arg(r) for r in op.inputs], streaming_candidates
 
 
 def main() -> None:
@@ -34,6 +82,10 @@ def main() -> None:
     p.add_argument("--extra", nargs="*", default=[], metavar="GRID:LOOP:SPLIT",
                    help="more re-tilings to time, e.g. 128:64:1 or 2x8x2:64:4 (grid dims joined by x, "
                         "forloop_range, split)")
+    p.add_argument("--seed", action="store_true", help="the weight-streaming seed of the bench workload")
+    p.add_argument("--dtype", default="bfloat16", help="--seed: the inputs' dtype")
+    p.add_argument("--gain-on-weights", action="store_true", help="--seed: the form with the gain on the weight tiles")
+    p.add_argument("--only-extra", action="store_true", help="time the --extra re-tilings only (no candidates)")
     p.add_argument("--pairs", nargs="*", default=[], metavar="WARPS:STAGES",
                    help=f"(num_warps, num_stages) pairs (default: {' '.join(f'{w}:{s}' for w, s in PAIRS)})")
     args = p.parse_args()
@@ -44,36 +96,44 @@ def main() -> None:
     cache_dir = "/tmp/sweep-cache"
     for name in args.workload:
         for b in args.batches:
-            dims = library.bench_dims(name, b)
-            w = library.WORKLOADS[name]
-            kg = w.build(*dims)
-            xs = make_inputs(name, dims, torch.Generator(device="cuda").manual_seed(0))
-            op = next(o for o in kg.ops if o.name == "customized")
-            bg = op.body
+            if args.seed:
+                dims = (name, b)
+                bg, xs, propose = seed_case(name, b, getattr(torch, args.dtype), args.gain_on_weights)
+            else:
+                dims = library.bench_dims(name, b)
+                kg = library.WORKLOADS[name].build(*dims)
+                xs = make_inputs(name, dims, torch.Generator(device="cuda").manual_seed(0))
+                bg, propose = next(o for o in kg.ops if o.name == "customized").body, candidates
             ranks = [x.dim() for x in xs]
             nbytes = sum(x.numel() * x.element_size() for x in xs)
             sets = rotated_input_sets(xs, props.L2_cache_size, max_sets=16)
-            tilings = {(c.grid, c.forloop_range, c.split) for c in candidates(bg, props.multi_processor_count, args.limit)}
-            tilings |= {(tuple(int(x) for x in g.split("x")), int(f), int(sp))
-                        for g, f, sp in (e.split(":") for e in args.extra)}
+            proposed = [] if args.only_extra else propose(bg, props.multi_processor_count, args.limit)
+            tilings = {(tuple(int(x) for x in g.split("x")), int(f), int(sp))
+                       for g, f, sp in (e.split(":") for e in args.extra)}
+            if not args.seed:
+                tilings |= {(c.grid, c.forloop_range, c.split) for c in proposed}
             pairs = [tuple(int(v) for v in x.split(":")) for x in args.pairs] or PAIRS
+            fission = (False, True) if prologue_accumulators(bg) else (False,)
+            configs = [LaunchConfig(grid, f, s, warps, stages, pro) for grid, f, s in sorted(tilings)
+                       for warps, stages in pairs for pro in fission]
+            configs = list(dict.fromkeys(configs + (proposed if args.seed else [])))
             t0 = time.time()
-            chosen = choose(bg, lambda cfg: BlockLauncher(bg, cfg, ranks, cache_dir), xs)
+            chosen = None if args.only_extra else choose(bg, lambda cfg: BlockLauncher(bg, cfg, ranks, cache_dir), xs,
+                                                         propose=propose)
             rows, want = [], None
-            for grid, f, s in sorted(tilings):
-                for warps, stages in pairs:
-                    cfg = LaunchConfig(grid, f, s, warps, stages)
-                    try:
-                        run = BlockLauncher(bg, cfg, ranks, cache_dir)
-                        out = run(*xs)[0]
-                        if want is None:
-                            want = out.clone()
-                        err = rel_error(out, want.double())
-                        us = cuda_graph_time_us(run, sets, replays=10, repeats=3)
-                    except Exception as e:
-                        print(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:100]})")
-                        continue
-                    rows.append((us, cfg, err))
+            for cfg in configs:
+                try:
+                    run = BlockLauncher(bg, cfg, ranks, cache_dir)
+                    out = run(*xs)[0]
+                    if want is None:
+                        want = out.clone()
+                    err = rel_error(out, want.double())
+                    us = cuda_graph_time_us(run, sets, replays=10, repeats=3)
+                except Exception as e:
+                    print(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:100]})")
+                    continue
+                print(f"  {name} b={b} {us:8.2f} µs  {cfg}")
+                rows.append((us, cfg, err))
             rows.sort(key=lambda r: r[0])
             print(f"== {name} b={b} dims {dims}: {len(rows)} configs in {time.time() - t0:.0f} s; "
                   f"tuner's choice {chosen}; bytes {nbytes / 1e6:.1f} MB")

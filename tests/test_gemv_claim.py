@@ -2,6 +2,7 @@
 their RMSNorm prologue and elementwise epilogue run as one verified μGraph (Triton interpreter on CPU), in each
 form below written two ways, for 1, 3 and 16 rows, odd hidden sizes and both weight layouts; compute-bound matmuls
 stay the library call's; a decode layer's KV cache write stays Inductor's and its cache ends up as eager's."""
+import math
 import os
 
 import pytest
@@ -19,13 +20,16 @@ from torch_mirage.partition.region import Claim, Region
 from torch_mirage.runtime.measure import numerics_problem
 from torch_mirage.report import Reason
 from torch_mirage.superopt.gemv_claim import GemvClaimer
-from torch_mirage.superopt.compile import BlockLauncher
+from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph
 from torch_mirage.superopt.gemv_claim import verified_instance
 from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed
-from torch_mirage.superopt.launch import streaming_candidates
+from torch_mirage.superopt import library
+from torch_mirage.superopt.launch import (DEEP_PIPELINE, STREAM_PIPELINE, STREAM_STAGE_BYTES, LaunchConfig,
+                                          retile, streamed_bytes, streaming_candidates)
 from torch_mirage.superopt.search.reference import reference_of
 from torch_mirage.capture.lower import trace
 from torch_mirage.superopt.verify import verify
+from torch_mirage.ugraph import Ref
 
 # CPU tests: their kernels run in Triton's interpreter (the GPU test at the end runs without it)
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -195,7 +199,8 @@ def test_skinny_matmuls_are_memory_bound_and_wide_ones_compute_bound():
 @interpreted
 def test_every_streaming_launch_matches_the_reference(tmp_path):
     """The launches :func:`streaming_candidates` proposes for a norm + matmul + residual seed — the own schedule,
-    the one-wave stream with and without the norm's loop of its own, split-K with its combine kernel, split-N —
+    the one-wave stream with and without the norm's loop of its own (before or after the dot loop), split-K with its
+    combine kernel (with and without that loop), split-N —
     each compute the reference (on the GPU :func:`choose` also drops a launch that disagrees with the own schedule)."""
     fn = FORMS[10][1]
     xs = [torch.randn(3, 512), 1 + 0.1 * torch.randn(512), torch.randn(64, 512) / 512 ** 0.5, torch.randn(3, 64)]
@@ -208,10 +213,55 @@ def test_every_streaming_launch_matches_the_reference(tmp_path):
     args = [ins[seed.ops[r[0]].attrs["index"]] for r in op.inputs]       # 2-D inputs: no kernel reshapes
     want = fn(*[x.double() for x in xs]).float()
     configs = streaming_candidates(op.body, n_sm=4)
-    assert any(c.split > 1 for c in configs) and any(c.prologue for c in configs), configs
+    assert any(c.split > 1 and c.prologue for c in configs) and any(c.split == 1 and c.prologue for c in configs), configs
+    assert any(c.sums_after for c in configs), configs
     for cfg in configs:
         (got,) = BlockLauncher(op.body, cfg, [a.dim() for a in args], str(tmp_path))(*args)
         assert_close(got, want)
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["norm_a", "norm_b", "norm_gated_a"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gain_on_weights_form_is_verified_and_eager_equal(name, transposed, tmp_path):
+    """The seed with the RMSNorm's gain on the weight tiles ((x·g)·W = x·(g·W)): a column of g multiplies each
+    weight tile, the rows reach the matmul as loaded; the verifier proves it equal to the reference and the kernel
+    equals eager (3 rows, odd sizes, both weight layouts)."""
+    fn, extra = next((f, e) for n, f, e in FORMS if n == name)
+    xs = _inputs(extra, 3, transposed)
+    graph = trace(fn, xs)
+    ref = reference_of(graph.nodes, graph)
+    rows_form, seed = gemv_seed(ref.graph), gemv_seed(ref.graph, gains_on_weights=True)
+    assert seed.hash() != rows_form.hash()
+    body = next(op.body for op in seed.ops if op.name == "customized")
+    gain = [i for i, op in enumerate(body.ops) if op.name == "iterator" and tuple(op.shapes[0])[-1:] == (1,)
+            and op.attrs["fmap"] == 0]                                  # g as a (k, 1) column walked along k
+    readers = [body.ops[j] for i in gain for j in body.consumers()[Ref(i, 0)]]
+    assert gain and readers and all(op.name == "mul" and body.consumers()[Ref(body.ops.index(op), 0)] for op in readers)
+    program, candidate = verified_instance(ref.graph, seed, gains_on_weights=True)
+    assert verify(candidate, program, [torch.zeros(tuple(op.attrs["shape"])) for op in program.inputs])
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    ins = [xs[pos[id(v)]] for v in ref.inputs]
+    (got,) = compile_ugraph(seed, ins, cache_dir=str(tmp_path))(*ins)
+    assert_close(got.reshape(fn(*xs).shape), fn(*[x.double() for x in xs]).float())
+
+
+@pytest.mark.parametrize("rows", [8, 64])
+def test_gated_mlp_seed_is_tuned_over_the_library_schedule(rows):
+    """The bare gated MLP's seed is the library's gated-MLP μGraph (same hash); its launch candidates hold the
+    library tuner's winner on the H100 (its own schedule at DEEP_PIPELINE, 11-24 sweep) and a one-wave stream
+    whose two weight tiles stay within STREAM_STAGE_BYTES per step."""
+    xs = [torch.empty(rows, 4096, dtype=torch.bfloat16), torch.empty(4096, 4096, dtype=torch.bfloat16),
+          torch.empty(4096, 4096, dtype=torch.bfloat16)]
+    graph = trace(workloads.gated_mlp, xs)
+    seed = gemv_seed(reference_of(graph.nodes, graph).graph)
+    assert seed.hash() == library.gated_mlp(rows, 4096, 4096, dtype="bfloat16").hash()
+    bg = next(op.body for op in seed.ops if op.name == "customized")
+    configs = streaming_candidates(bg, n_sm=132)
+    assert LaunchConfig(tuple(bg.grid), bg.forloop_range, 1, *DEEP_PIPELINE) in configs
+    (stream,) = [c for c in configs if (c.num_warps, c.num_stages) == STREAM_PIPELINE]
+    assert streamed_bytes(retile(bg, stream.grid, stream.forloop_range)) <= STREAM_STAGE_BYTES
+    assert math.prod(stream.grid) <= 132 and stream.split == 1
 
 
 def test_large_region_is_verified_at_shrunk_sizes():
@@ -330,3 +380,4 @@ def test_decode_projections_on_gpu(rows):
     gemv = _gemv_regions(report)
     assert sorted(r.info["matmuls"] for r in gemv) == [1, 2], str(report)
     assert all(r.info["launch"] for r in gemv)
+

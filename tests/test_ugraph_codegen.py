@@ -181,7 +181,8 @@ def test_candidates_include_the_weight_streaming_schedule_for_decode(rows):
     cands = launch.candidates(bg, n_sm=132)
     stream = [c for c in cands if (c.num_warps, c.num_stages) == launch.STREAM_PIPELINE]
     assert stream == [launch.LaunchConfig((128,), 16, 1, *launch.STREAM_PIPELINE),
-                      launch.LaunchConfig((128,), 16, 1, *launch.STREAM_PIPELINE, prologue=True)]
+                      launch.LaunchConfig((128,), 16, 1, *launch.STREAM_PIPELINE, prologue=True),
+                      launch.LaunchConfig((128,), 16, 1, *launch.STREAM_PIPELINE, prologue=True, sums_after=True)]
     assert retile(bg, stream[0].grid, stream[0].forloop_range) is not None
     gated = next(o for o in library.gated_mlp(rows, 4096, 4096, dtype="float16").ops if o.name == "customized").body
     assert not any(c.prologue for c in launch.candidates(gated, n_sm=132))   # no matmul-free accumulator there
@@ -194,22 +195,35 @@ def test_weight_streaming_schedule_matches_eager(rows, tmp_path):
     g = library.rmsnorm_linear(m, k, n, dtype="float32")
     bg = next(o for o in g.ops if o.name == "customized").body
     stream = [c for c in launch.candidates(bg, n_sm=12) if (c.num_warps, c.num_stages) == launch.STREAM_PIPELINE]
-    assert [c.prologue for c in stream] == [False, True]
+    assert [(c.prologue, c.sums_after) for c in stream] == [(False, False), (True, False), (True, True)]
     xs = _inputs("rmsnorm_linear", (m, k, n), torch.float32, seed=2)
     want = library.WORKLOADS["rmsnorm_linear"].reference(*[x.double() for x in xs])
     for cfg in stream:
         assert cfg.split == 1 and math.prod(cfg.grid) <= 12 and cfg.forloop_range >= launch.DEEP_LOOP
         run = BlockLauncher(bg, cfg, [x.dim() for x in xs], str(tmp_path))
-        # loop fission: the sum of squares walks K in a loop of its own, the dot loop holds no reduction
+        # loop fission: the sum of squares walks K in a loop of its own (before the dot loop, or after it), the dot
+        # loop holds no reduction
         assert run.source.count("for it in tl.range") == (2 if cfg.prologue else 1)
+        if cfg.prologue:
+            loops = run.source.split("for it in tl.range")[1:]
+            assert ("in2_ptr" in loops[0]) == cfg.sums_after, run.source     # input 2: the weight
         (got,) = run(*xs)
         assert_close(got, want)
 
 
 def test_streaming_pick_needs_one_wave_and_a_long_loop():
+    """One wave of the most programs, at least DEEP_LOOP steps; of those the widest K tile whose weight tiles stay
+    within STREAM_STAGE_BYTES per step: one weight of 32 x 256 (16 KiB), two weights (a gated MLP) of 32 x 128."""
+    bg = next(o for o in library.rmsnorm_linear(2, 4096, 4096, dtype="float16").ops if o.name == "customized").body
     scored = [(1.0, (256,), 16, 1), (2.0, (64,), 32, 1), (3.0, (128,), 4, 1), (4.0, (128,), 32, 2)]
-    assert launch.streaming_pick(scored, n_sm=132) == ((64,), 32)
-    assert launch.streaming_pick([(1.0, (128,), 4, 1)], n_sm=132) is None
+    assert launch.streaming_pick(bg, scored, n_sm=132) == ((64,), 32)
+    assert launch.streaming_pick(bg, [(1.0, (128,), 4, 1)], n_sm=132) is None
+    scored = launch._scored(bg, 132)
+    assert launch.streaming_pick(bg, scored, n_sm=132) == ((128,), 16)
+    gated = next(o for o in library.gated_mlp(8, 4096, 4096, dtype="float16").ops if o.name == "customized").body
+    pick = launch.streaming_pick(gated, launch._scored(gated, 132), n_sm=132)
+    assert pick == ((128,), 32)
+    assert launch.streamed_bytes(retile(gated, *pick)) == launch.STREAM_STAGE_BYTES
 
 
 def test_memory_plan_shares_only_disjoint_lifetimes():

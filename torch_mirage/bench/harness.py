@@ -68,6 +68,13 @@ def mirage_summary(info: dict) -> dict | None:
             "choices": [{"graph": g.index, "kept": g.choice, "us": g.choice_times_us} for g in report.graphs if g.choice],
             # why a graph with mirage regions was not timed against Inductor; where compile time went
             "untimed": [{"graph": g.index, "reason": g.untimed_reason} for g in report.graphs if g.untimed_reason],
+            # each region timed against Inductor's compile of it: who ran it after, both times, its matmul count and
+            # the launch configs its μGraph kernels were tuned to
+            "region_times": [{"claimer": r.claimer, "kept": r.compiled_by, "ops": len(r.ops),
+                              "matmuls": sum(o.startswith(("aten.mm", "aten.bmm", "aten.addmm")) for o in r.ops),
+                              "mirage_us": r.info["mirage_us"], "inductor_us": r.info["inductor_us"],
+                              "launch": r.info.get("launch")}
+                             for r in regions if "mirage_us" in r.info],
             "stage_ms": _summed_stage_ms(report.graphs)}
 
 

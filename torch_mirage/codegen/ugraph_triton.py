@@ -790,11 +790,12 @@ def prologue_accumulators(bg: BlockGraph) -> list[int]:
 
 def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", split: int = 1,
                       combine: BlockGraph | None = None, prologue: bool = False, order=None,
-                      transposed=None, target: Target = Target.INTERPRETER) -> BlockKernel:
+                      transposed=None, target: Target = Target.INTERPRETER, sums_after: bool = False) -> BlockKernel:
     """Triton source for one graph-defined op, for ``target`` (the interpreter's forms run anywhere). ``in_ranks``: rank of each kernel input (its strides are
     arguments). ``combine``: the re-tiling of ``bg`` whose grid the combine kernel runs on (split > 1;
     default ``bg``'s own grid). ``prologue``: the :func:`prologue_accumulators` walk the for-loop range in a
-    loop of their own before the main loop (loop fission; the same sums in the same order). ``order`` (a
+    loop of their own before the main loop (loop fission; the same sums in the same order), or after it with
+    ``sums_after`` (they are read only after the loop: the main loop's loads start at once). ``order`` (a
     topological order of ``bg``'s ops; default: depth order) and ``transposed`` (ops whose tiles are held
     transposed, see :class:`LayoutRules`; default: its ``default``) are the μGraph optimiser's plan
     (``superopt.optimise``)."""
@@ -835,7 +836,8 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
             shape = strip(bg.shape(bg.ops[i].inputs[0]))[0]
             e.wide[i] = (e.assign("acc", f"tl.zeros({tuple(padded(x) for x in shape)}, tl.float32)", shape), dim)
     first = prologue_accumulators(bg) if prologue and loop else []
-    for group in ([first, [i for i in accs if i not in first]] if first else [accs]):
+    groups = [first, [i for i in accs if i not in first]] if first else [accs]
+    for group in (groups[::-1] if sums_after else groups):
         needed = bg.ancestors(group)
         split_band = any(full for *_, full in segments)
         for s_lo, s_hi, full in segments if loop else [(lo, hi, False)]:

@@ -57,7 +57,8 @@ class BlockLauncher:
         self.kernel: BlockKernel = emit_block_kernel(tiled, list(in_ranks), name, config.split,
                                                      combine_tiling(tiled, config.split), config.prologue,
                                                      self.plan.order, self.plan.transposed,
-                                                     Target.current() if target is None else target)
+                                                     Target.current() if target is None else target,
+                                                     sums_after=config.sums_after)
         self.source = module_source([self.kernel])
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
         self.fn = getattr(module, self.kernel.name)

@@ -163,16 +163,18 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
                  info=info)
 
 
-def verified_instance(ref: KernelGraph, seed: KernelGraph) -> tuple[KernelGraph, KernelGraph]:
+def verified_instance(ref: KernelGraph, seed: KernelGraph, gains_on_weights: bool = False
+                      ) -> tuple[KernelGraph, KernelGraph]:
     """(reference, seed) the verifier checks: ``ref`` and its seed where ``ref`` is small; else both at the search's
     shrunk sizes (:func:`.search.shrink.shrink`: the executor steps every block and for-loop step in Python, a
-    minute for a 4096 x 14336 weight), the seed drawn with the shrunk problem's tile so that the grid and the
-    for-loop split there as at the real sizes: the same construction, other counts."""
+    minute for a 4096 x 14336 weight), the seed drawn in the same form (``gains_on_weights``, see
+    :func:`.gemv_seed.gemv_seed`) with the shrunk problem's tile so that the grid and the for-loop split there as at
+    the real sizes: the same construction, other counts."""
     outs = [ref.ops[r[0]].shapes[r[1]] for r in ref.outputs]
     small = shrink(ref, [(tuple(op.attrs["shape"]), op.attrs["dtype"]) for op in ref.inputs], outs)
     if small is None:
         return ref, seed
-    return small.target, gemv_seed(small.target, tile=SMALL_TILE)
+    return small.target, gemv_seed(small.target, tile=SMALL_TILE, gains_on_weights=gains_on_weights)
 
 
 def _describe(meta) -> str:

@@ -44,6 +44,14 @@ DEEP_LOOP = 8                  # for-loop steps per program from which DEEP_PIPE
 # the weight-streaming schedule of decode GEMVs (H100 probe, 11-25: 1-16 rows x 4096 x 4096 fp16 in 14.2 µs,
 # 0.86 of copy, against 16.1 for the split-K + combine schedule the estimate ranked first)
 STREAM_PIPELINE = (4, 5)
+# weight bytes one program's for-loop step of that schedule loads: the K tile is the widest whose weight tiles stay
+# within it (H100: the probe's one weight, 32 x 256 fp16, is 16 KiB; the gated MLP's two weights were fastest at
+# 2 x 64 x 64 or 2 x 32 x 128, also 16 KiB per step, and slower at 2 x 32 x 256, its stream before 11-25 e)
+STREAM_STAGE_BYTES = 16 * 1024
+# (num_warps, num_stages) of the stream where the norm's sums walk a loop of their own, besides STREAM_PIPELINE: the
+# dot loop then also reads x·g through registers (H100 sweep 11-25 e, RMSNorm + Linear 2 x 4096 x 4096 bf16: 18.3 µs
+# at 4 / 5 against 14.1 for the bare GEMV, 29.0 with the sums in the dot loop); fewer stages and more warps are timed
+PROLOGUE_PIPELINES = ((4, 3), (8, 5))
 # prefill attention (an online softmax over a tile of many query rows, the for-loop over key tiles): FlashAttention's
 # Hopper schedules as (query rows, keys per tile, num_warps, num_stages) — 128-row tiles on 8 warps, 64-128 keys,
 # 2-4 stages — plus 64-row tiles for short sequences (more programs); they replace the roofline-ranked re-tilings
@@ -67,6 +75,7 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 2
     prologue: bool = False    # matmul-free accumulators in a for-loop of their own (ugraph_triton.prologue_accumulators)
+    sums_after: bool = False  # with prologue: that loop runs after the main loop, not before it
 
     def to_json(self) -> dict:
         return {**asdict(self), "grid": list(self.grid)}
@@ -189,6 +198,18 @@ def _loop_choices(bg: BlockGraph, grid) -> list[int]:
     return [bg.forloop_range]
 
 
+def _tile_bytes(it: Op) -> int:
+    size = 2 if it.attrs["dtype"] in ("float16", "bfloat16") else 4
+    return math.prod(padded(x) for x in it.shapes[0]) * size
+
+
+def streamed_bytes(bg: BlockGraph) -> int:
+    """Bytes one for-loop step of a program loads from the iterators that the grid splits and the loop walks: the
+    weight tiles of a weight-streaming kernel (the activation rows every program reads are not counted)."""
+    return sum(_tile_bytes(it) for it in bg.iterators
+               if it.attrs["fmap"] is not None and any(m is not None for m in it.attrs["imap"]))
+
+
 def estimate_us(bg: BlockGraph, split: int, n_sm: int, bandwidth: float = 3.0e6) -> float | None:
     """A roofline guess in µs: bytes all programs load at the achieved occupancy, a per-iteration cost and
     the combine kernel; None where a tile would not fit registers or one stage would not fit shared memory."""
@@ -197,8 +218,7 @@ def estimate_us(bg: BlockGraph, split: int, n_sm: int, bandwidth: float = 3.0e6)
     programs = math.prod(bg.grid) * split
     per_program = stage = 0
     for it in bg.iterators:
-        size = 2 if it.attrs["dtype"] in ("float16", "bfloat16") else 4
-        tile_bytes = math.prod(padded(x) for x in it.shapes[0]) * size
+        tile_bytes = _tile_bytes(it)
         if it.attrs["fmap"] is not None:
             stage += tile_bytes
             per_program += tile_bytes * (bg.forloop_range // split)
@@ -303,50 +323,71 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
             picks.append(probe)
     configs = [LaunchConfig(g, f, s, w, st) for g, f, s in picks
                for w, st in (*WARPS_STAGES, *([DEEP_PIPELINE] if f // s >= DEEP_LOOP else []))]
-    stream = streaming_pick(scored, n_sm)
-    if stream is not None:
-        configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE))
-        if prologue_accumulators(bg):   # the norm's sum of squares out of the dot loop: the stream stays pure
-            configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE, prologue=True))
+    configs += _stream_configs(bg, scored, n_sm)
+    return configs
+
+
+def _stream_configs(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> list[LaunchConfig]:
+    """The one-wave stream of :func:`streaming_pick` at ``STREAM_PIPELINE``, and with the matmul-free sums (an
+    RMSNorm's sum of squares) in a loop of their own where the kernel has them (the dot loop then holds no
+    reduction) at ``STREAM_PIPELINE`` and each of ``PROLOGUE_PIPELINES``, and that loop after the dot loop at
+    ``STREAM_PIPELINE`` (the weight stream starts at once; x is in L2 by then)."""
+    stream = streaming_pick(bg, scored, n_sm)
+    if stream is None:
+        return []
+    configs = [LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE)]
+    if prologue_accumulators(bg):
+        configs += [LaunchConfig(stream[0], stream[1], 1, w, st, prologue=True)
+                    for w, st in (STREAM_PIPELINE, *PROLOGUE_PIPELINES)]
+        configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE, prologue=True, sums_after=True))
     return configs
 
 
 def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
-    """The launches of a weight-streaming (memory-bound matmul) kernel, per the roofline estimate: the μGraph's own
-    schedule; the one-wave stream of :func:`streaming_pick` at ``STREAM_PIPELINE`` (and with the matmul-free sums
-    in a loop of their own where the kernel has them: an RMSNorm prologue); the best-estimated split-K (a combine
-    kernel after it) and the best-estimated split-N of more than one wave and at most ``PROBE_WAVES[-1]``
-    programs per SM, each at the first of ``WARPS_STAGES``; the best-estimated unsplit loop of at least
-    ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``. Six or seven configs where :func:`candidates` gives about twenty:
+    """The launches of a weight-streaming (memory-bound matmul) kernel: the μGraph's own schedule at the first of
+    ``WARPS_STAGES`` and, where its loop has at least ``DEEP_LOOP`` steps, at ``DEEP_PIPELINE`` (the library gated
+    MLP's tuned winner: its μGraph is the seed's); the one-wave stream of :func:`_stream_configs`; the
+    best-estimated split-K (a combine kernel after it; also with the sums' loop of its own where there is one) and
+    split-N of more than one wave and at most ``PROBE_WAVES[-1]`` programs per SM, at the first of ``WARPS_STAGES``;
+    the best-estimated unsplit loop of at least ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``. Up to twelve configs
+    (seven without a norm) where :func:`candidates` gives about twenty:
     each costs a Triton compile, and a decode layer has one such kernel per projection."""
     scored = _scored(bg, n_sm)
     warps, stages = WARPS_STAGES[0]
-    configs = [LaunchConfig(tuple(bg.grid), bg.forloop_range, 1, warps, stages)]
-    stream = streaming_pick(scored, n_sm)
-    if stream is not None:
-        configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE))
-        if prologue_accumulators(bg):
-            configs.append(LaunchConfig(stream[0], stream[1], 1, *STREAM_PIPELINE, prologue=True))
+    own = (tuple(bg.grid), bg.forloop_range)
+    configs = [LaunchConfig(*own, 1, warps, stages)]
+    if bg.forloop_range >= DEEP_LOOP:
+        configs.append(LaunchConfig(*own, 1, *DEEP_PIPELINE))
+    configs += _stream_configs(bg, scored, n_sm)
     split_k = next(((g, f, s) for _, g, f, s in scored if s > 1), None)
     split_n = next(((g, f, s) for _, g, f, s in scored
                     if s == 1 and n_sm < math.prod(g) <= PROBE_WAVES[-1] * n_sm), None)
     for pick in (split_k, split_n):
         if pick is not None:
             configs.append(LaunchConfig(pick[0], pick[1], pick[2], warps, stages))
+    if split_k is not None and prologue_accumulators(bg):    # each split's share of the sums in a loop of its own
+        configs.append(LaunchConfig(*split_k, warps, stages, prologue=True))
     deep = next(((g, f) for _, g, f, s in scored if s == 1 and f >= DEEP_LOOP), None)
-    if deep is not None:        # the best-estimated long loop, deeply pipelined (the library gated MLP's winner)
+    if deep is not None:
         configs.append(LaunchConfig(deep[0], deep[1], 1, *DEEP_PIPELINE))
     return list(dict.fromkeys(configs))
 
 
-def streaming_pick(scored: Sequence[tuple], n_sm: int) -> tuple | None:
-    """``(grid, forloop_range)`` of the weight-streaming schedule among the scored re-tilings: no split, the most
-    programs that still fit one wave (``<= n_sm``), then the fewest for-loop steps that are still at least
-    ``DEEP_LOOP`` (the widest K tile the pipeline keeps in flight); None where no re-tiling qualifies."""
+def streaming_pick(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> tuple | None:
+    """``(grid, forloop_range)`` of the weight-streaming schedule among ``bg``'s scored re-tilings: no split, the
+    most programs that still fit one wave (``<= n_sm``) and walk at least ``DEEP_LOOP`` for-loop steps, then the
+    widest K tile (fewest steps) whose weight tiles stay within ``STREAM_STAGE_BYTES`` per step
+    (:func:`streamed_bytes`; the narrowest where none does); None where no re-tiling qualifies."""
     fits = [(g, f) for _, g, f, s in scored if s == 1 and math.prod(g) <= n_sm and f >= DEEP_LOOP]
     if not fits:
         return None
-    return max(fits, key=lambda gf: (math.prod(gf[0]), -gf[1]))
+    programs = max(math.prod(g) for g, _ in fits)
+    widest = sorted({gf for gf in fits if math.prod(gf[0]) == programs}, key=lambda gf: gf[1])
+    for grid, f in widest:
+        tiled = retile(bg, grid, f)
+        if tiled is not None and streamed_bytes(tiled) <= STREAM_STAGE_BYTES:
+            return grid, f
+    return widest[-1]
 
 
 def _product(choices):
@@ -375,7 +416,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs, ABBA",
                     space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE,
-                           PREFILL_SCHEDULES] + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
+                           STREAM_STAGE_BYTES, PROLOGUE_PIPELINES, PREFILL_SCHEDULES] + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
     props = torch.cuda.get_device_properties(inputs[0].device)
     configs = {json.dumps(c.to_json(), sort_keys=True): c for c in propose(bg, props.multi_processor_count, limit)}
     want: list = []
