@@ -56,7 +56,8 @@ def build_region(region: Region, graph: Graph, ctx: CompileContext) -> None:
     """``region``'s kernel from its plan; a plan that fails to build leaves the region to the fallback, with the
     error as its detail and a :class:`Decline` of the claimer (raised under ``strict``)."""
     try:
-        with unset_fake_temporarily(), stage("build"):   # the compile runs under AOT's fake mode; kernels need real tensors
+        # the compile runs under AOT's fake mode; compiling and timing a kernel needs real tensors
+        with unset_fake_temporarily(), stage("build"):
             built = kernel_of(region.plan, region, graph, ctx)
     except Exception as e:
         if ctx.config.strict:

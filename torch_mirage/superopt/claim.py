@@ -6,8 +6,9 @@ anchored at each free node: same ATen ops, the same wiring, and — on a second 
 again at the shapes the first pass bound — the same non-tensor arguments (sizes, dims, constants). A match
 whose inner values nothing else reads, whose inputs have one dtype the μGraph supports and whose μGraph is valid
 at those shapes (its tiles fit block memory) becomes a claim of a :class:`~.ugraph_plan.UGraphPlan`: the build
-stage (:mod:`torch_mirage.build`) compiles the μGraph for those shapes. The backend then checks the kernel against eager ATen on random inputs and, on a GPU, times it against
-Inductor's version of the same region, as for every region.
+stage (:mod:`torch_mirage.build`) compiles the μGraph for those shapes. The backend then checks the kernel
+against eager ATen on random inputs and, on a GPU, times it against Inductor's version of the same region, as for
+every region.
 
 This finds a μGraph only where the user wrote the program in one of the forms ``PROGRAMS`` lists (``x @ w +
 (x @ a) @ b``; QK-norm attention with its softmax in fp32); the search of a later stage generalises it. A constant the

@@ -96,6 +96,7 @@ class SearchClaimer:
                 "search_s": round(s.seconds, 2)}
         detail = f"searched μGraph, {s.depth} block ops, {s.seconds:.2f} s"
         plan = UGraphPlan([Alternative("searched", result.best, detail, {"ugraph": str(result.best)})],
-                          functools.partial(random_inputs, metas), functools.partial(reference_kernel, nodes, graph, ref),
+                          functools.partial(random_inputs, metas),
+                          functools.partial(reference_kernel, nodes, graph, ref),
                           what=f"searched μGraph of {len(nodes)} ops")
         return Claim(list(nodes), plan, detail=detail, info=info)
