@@ -5,9 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_mirage
-from torch_mirage import build
 from torch_mirage.build import build_regions, built_regions
-from torch_mirage.codegen import stitch_launch
+from torch_mirage.codegen import loader
 from torch_mirage.codegen.stitch_plan import StitchPlan
 from torch_mirage.config import load
 from torch_mirage.context import CompileContext, Target
@@ -17,7 +16,6 @@ from torch_mirage.pipeline import MirageError, claim_regions
 from torch_mirage.report import DeclineReport
 from torch_mirage.superopt.attention_claim import AttentionClaimer
 from torch_mirage.superopt.claim import LibraryClaimer
-from torch_mirage.superopt import compile as compile_module
 from torch_mirage.superopt.search.claimer import SearchClaimer
 from torch_mirage.superopt.ugraph_plan import UGraphPlan
 from torch_mirage.testing.aten import trace_ir
@@ -97,15 +95,14 @@ def _lora(x, w, a, b):
 
 @pytest.mark.parametrize("claimer", ["stitch", "library"])
 def test_claimers_compile_nothing_they_return_plans(monkeypatch, claimer):
-    """Nothing a claimer calls compiles a kernel: with the compilers broken, claims still come back as plans (data)
-    and the build stage is where they fail — the region goes to the fallback with a typed COMPILE_ERROR decline
-    naming the claimer and the error, never a crash."""
+    """Nothing a claimer calls compiles a kernel: with generated source unloadable (every kernel, stitch or μGraph,
+    is loaded through codegen.loader), claims still come back as plans (data) and the build stage is where they
+    fail — the region goes to the fallback with a typed COMPILE_ERROR decline naming the claimer and the error,
+    never a crash."""
     def broken(*args, **kwargs):
         raise RuntimeError("compiler broken for the test")
-    for module in (stitch_launch, compile_module, build):
-        for name in ("build_kernel", "compile_ugraph"):
-            if hasattr(module, name):
-                monkeypatch.setattr(module, name, broken)
+    monkeypatch.setattr(loader, "source_path", broken)
+    monkeypatch.setattr(loader, "_LOADED", {})          # nothing memoized from earlier tests
     ctx = CompileContext.standalone(load({"stitch": claimer == "stitch"}), target=Target.INTERPRETER)
     if claimer == "stitch":
         graph, chosen = trace_ir(lambda x: torch.softmax(x, -1), torch.randn(3, 5)), StitchClaimer()
