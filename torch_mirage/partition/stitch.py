@@ -32,7 +32,7 @@ from ..codegen.stitch_ops import node_support, reduction_spec
 from ..codegen.stitch_plan import DominantOp, Scheme, StitchLimits, StitchPlan, Strategy, ThreadMapping
 from ..codegen.stitch_schedule import schedule_facts
 from ..context import CompileContext, Target
-from .region import Claim, Decline, Outcome, Reason, inputs_of, outputs_of
+from .region import Claim, Decline, Outcome, Reason, outputs_of
 
 log = logging.getLogger("torch_mirage")
 
