@@ -107,7 +107,7 @@ class Region(_Nodes):
 
     @classmethod
     def of_claim(cls, claim: Claim, claimer: str) -> Region:
-        return cls(claim.nodes, "mirage", Reason.CLAIMED, claim.detail, claimer, None, claim.plan, dict(claim.info))
+        return cls(claim.nodes, "mirage", Reason.CLAIMED, claim.detail, claimer, plan=claim.plan, info=dict(claim.info))
 
 
 class Claimer(Protocol):
