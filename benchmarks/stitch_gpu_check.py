@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from torch_mirage.config import load  # noqa: E402
 from torch_mirage.context import CompileContext  # noqa: E402
 from torch_mirage.numerics import relative_error, tolerance  # noqa: E402
-from torch_mirage.partition.region import claims  # noqa: E402
+from torch_mirage.build import built_regions  # noqa: E402
 from torch_mirage.partition.stitch import StitchClaimer  # noqa: E402
 from torch_mirage.testing.aten import trace_ir  # noqa: E402
 from torch_mirage.testing.functions import (bert_softmax, bias_gelu, bias_residual_layernorm, layer_norm,  # noqa: E402
@@ -72,7 +72,8 @@ def copy_gbps(do_bench) -> float:
 def stitched(fn, inputs, cache_dir, limits=None):
     graph = trace_ir(fn, *inputs)
     options = {"min_region_us": 0.0, **({} if cache_dir is None else {"cache_dir": cache_dir})}   # every size
-    regions = claims(StitchClaimer(limits=limits).claim(graph, list(graph.nodes), CompileContext.standalone(load(options))))
+    ctx = CompileContext.standalone(load(options))
+    regions = built_regions(StitchClaimer(limits=limits).claim(graph, list(graph.nodes), ctx), graph, ctx, "stitch")
     if len(regions) != 1 or len(regions[0].nodes) != len(graph.nodes):
         raise RuntimeError(f"expected one region over the graph, got {[r.ops for r in regions]}")
     region = regions[0]

@@ -220,7 +220,7 @@ def test_decode_over_a_long_cache_can_run_split_kv(monkeypatch, form):
     """One new token, GQA heads, a padded static cache (additive mask shared by the heads) long enough to split:
     both seeds compile, and with split-KV timed faster (faked: the interpreter has no CUDA graphs) it runs and
     matches eager."""
-    from torch_mirage.superopt import claim
+    from torch_mirage import build
 
     first_seen: dict[int, float] = {}
 
@@ -229,8 +229,8 @@ def test_decode_over_a_long_cache_can_run_split_kv(monkeypatch, form):
             first_seen[id(compiled)] = (2.0, 1.0)[len(first_seen)]
         return [first_seen[id(compiled)]]
 
-    monkeypatch.setattr(claim, "_timing_sets", lambda examples: [examples])
-    monkeypatch.setattr(claim, "_time_ugraph", fake_samples)
+    monkeypatch.setattr(build, "_timing_sets", lambda examples: [examples])
+    monkeypatch.setattr(build, "_time_ugraph", fake_samples)
     b, h, hk, skv, d = 1, 4, 2, 512, 16
     q, k, v = _qkv(b, h, hk, 1, skv, d, torch.float32)
     mask = torch.zeros(b, 1, 1, skv)

@@ -6,7 +6,7 @@ import torch
 
 import torch_mirage
 from torch_mirage.partition.region import Claim, Reason, inputs_of
-from helpers import assert_close
+from helpers import ReadyKernel, assert_close
 
 
 def _mirage(fn, **options):
@@ -148,7 +148,7 @@ class _EagerClaimer:
                 env = {id(v): t for v, t in zip(inputs, tensors)}
                 args, kwargs = map_values((node.args, node.kwargs), lambda v: env[id(v)])
                 return (node.target(*args, **kwargs),)
-            claims.append(Claim([node], None, kernel, "test claimer"))
+            claims.append(Claim([node], ReadyKernel(kernel), "test claimer"))
         return claims
 
 
@@ -175,8 +175,8 @@ class _WrongClaimer(_EagerClaimer):
         claims = super().claim(graph, free, ctx)
         for claim in claims:
             if claim.nodes[0].op.name == "exp":
-                good = claim.kernel
-                claim.kernel = lambda *t, good=good: tuple(o * 1.01 for o in good(*t))
+                good = claim.plan.kernel
+                claim.plan = ReadyKernel(lambda *t, good=good: tuple(o * 1.01 for o in good(*t)))
         return claims
 
 

@@ -5,6 +5,9 @@ import torch
 import torch.nn.functional as F
 
 import torch_mirage
+from torch_mirage.build import build_regions, built_regions
+from torch_mirage.codegen import loader
+from torch_mirage.codegen.stitch_plan import StitchPlan
 from torch_mirage.config import load
 from torch_mirage.context import CompileContext, Target
 from torch_mirage.partition.region import Claim, Decline, Reason, Region, claims, declines, inputs_of
@@ -14,7 +17,9 @@ from torch_mirage.report import DeclineReport
 from torch_mirage.superopt.attention_claim import AttentionClaimer
 from torch_mirage.superopt.claim import LibraryClaimer
 from torch_mirage.superopt.search.claimer import SearchClaimer
+from torch_mirage.superopt.ugraph_plan import UGraphPlan
 from torch_mirage.testing.aten import trace_ir
+from helpers import assert_close
 
 
 class _Declines:
@@ -71,12 +76,72 @@ def test_stitch_below_the_threshold_declines_with_the_memory_time():
     assert any(d.reason is Reason.BELOW_MIN_REGION and d.claimer == "stitch" for d in region.declines)
 
 
-def test_claims_become_mirage_regions_with_the_claimers_name():
+def test_claims_become_mirage_regions_with_the_claimers_name_and_the_build_stage_makes_their_kernels():
     graph = trace_ir(lambda x: torch.softmax(x, -1), torch.randn(3, 5))
-    regions = claim_regions(graph, [StitchClaimer()], CompileContext.standalone(target=Target.INTERPRETER))
+    ctx = CompileContext.standalone(target=Target.INTERPRETER)
+    regions = claim_regions(graph, [StitchClaimer()], ctx)
     (region,) = regions
     assert region.compiled_by == "mirage" and region.reason is Reason.CLAIMED and region.claimer == "stitch"
-    assert region.plan is not None and region.kernel is not None and region.detail.startswith("stitch: ")
+    assert isinstance(region.plan, StitchPlan) and region.kernel is None and region.detail.startswith("stitch: ")
+    build_regions(regions, graph, ctx)
+    assert region.kernel is not None and region.compiled_by == "mirage" and region.info["kernel_source"]
+    x = torch.randn(3, 5)
+    assert_close(region.kernel(x)[0], torch.softmax(x, -1))
+
+
+def _lora(x, w, a, b):
+    return x @ w + (x @ a) @ b
+
+
+@pytest.mark.parametrize("claimer", ["stitch", "library"])
+def test_claimers_compile_nothing_they_return_plans(monkeypatch, claimer):
+    """Nothing a claimer calls compiles a kernel: with generated source unloadable (every kernel, stitch or μGraph,
+    is loaded through codegen.loader), claims still come back as plans (data) and the build stage is where they
+    fail — the region goes to the fallback with a typed COMPILE_ERROR decline naming the claimer and the error,
+    never a crash."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("compiler broken for the test")
+    monkeypatch.setattr(loader, "source_path", broken)
+    monkeypatch.setattr(loader, "_LOADED", {})          # nothing memoized from earlier tests
+    ctx = CompileContext.standalone(load({"stitch": claimer == "stitch"}), target=Target.INTERPRETER)
+    if claimer == "stitch":
+        graph, chosen = trace_ir(lambda x: torch.softmax(x, -1), torch.randn(3, 5)), StitchClaimer()
+    else:
+        xs = torch.randn(8, 16), torch.randn(16, 12), torch.randn(16, 2), torch.randn(2, 12)
+        graph, chosen = trace_ir(_lora, *xs), LibraryClaimer(["lora"])
+    (claim,) = claims(chosen.claim(graph, list(graph.nodes), ctx))
+    assert not hasattr(claim, "kernel")
+    assert isinstance(claim.plan, StitchPlan if claimer == "stitch" else UGraphPlan)
+    if claimer == "library":
+        assert [a.name for a in claim.plan.alternatives] == ["lora"] and claim.detail.startswith("μGraph lora")
+    (region,) = built_regions([claim], graph, ctx, chosen.name)
+    assert region.compiled_by == "inductor" and region.reason is Reason.COMPILE_ERROR and region.kernel is None
+    assert "compiler broken for the test" in region.detail
+    (decline,) = region.declines
+    assert decline.reason is Reason.COMPILE_ERROR and decline.claimer == chosen.name and decline.detail == region.detail
+    strict = CompileContext.standalone(load({"strict": True}), target=Target.INTERPRETER)
+    with pytest.raises(RuntimeError, match="compiler broken for the test"):
+        built_regions([claim], graph, strict, chosen.name)
+
+
+def test_a_plan_without_a_builder_leaves_its_region_to_the_fallback():
+    graph = trace_ir(lambda x: x.exp(), torch.randn(3))
+    (region,) = built_regions([Claim(list(graph.nodes), "not a plan")], graph, CompileContext.standalone(), "odd")
+    assert region.compiled_by == "inductor" and region.reason is Reason.COMPILE_ERROR
+    assert "no builder for a str plan" in region.detail and region.declines[0].claimer == "odd"
+
+
+def test_the_library_plan_builds_to_a_kernel_that_matches_eager():
+    xs = torch.randn(8, 16), torch.randn(16, 12), torch.randn(16, 2), torch.randn(2, 12)
+    graph = trace_ir(_lora, *xs)
+    ctx = CompileContext.standalone(target=Target.INTERPRETER)
+    (region,) = built_regions(LibraryClaimer(["lora"]).claim(graph, list(graph.nodes), ctx), graph, ctx,
+                              "ugraph-library")
+    assert region.compiled_by == "mirage" and region.info["ugraph"] == "lora" and region.info["launch"]
+    assert region.info["ugraph_hash"] == region.plan.alternatives[0].graph.hash()[:16]
+    inputs = dict(zip([v.name for v in graph.inputs], xs))
+    (out,) = region.kernel(*[inputs[v.name] for v in region.inputs])
+    assert_close(out, _lora(*xs))
 
 
 def test_a_claimer_returning_anything_else_is_an_error():
@@ -93,7 +158,7 @@ def test_a_claimer_returning_anything_else_is_an_error():
 
 def test_claim_inputs_and_outputs_are_the_regions():
     graph = trace_ir(lambda x, y: (x.exp() + y).sum(-1), torch.randn(3, 4), torch.randn(3, 4))
-    claim = Claim(list(graph.nodes), None, lambda *xs: xs)
+    claim = Claim(list(graph.nodes), None)
     assert [v.name for v in claim.inputs] == [v.name for v in inputs_of(graph.nodes)] == \
         [v.name for v in graph.inputs]
     assert [v.name for v in claim.outputs(graph)] == [v.name for v in graph.output_values]

@@ -45,9 +45,9 @@ def _inject_measure(mp):
     mp.setattr(pipeline, "keep_faster", _raise)
 
 
-def _inject_search_build(mp):
-    import torch_mirage.superopt.claim as library_claim
-    mp.setattr(library_claim, "compile_ugraph", _raise)   # the library claimer's build of its μGraphs
+def _inject_build(mp):
+    import torch_mirage.build as build
+    mp.setattr(build, "compile_ugraph", _raise)   # the build stage's compile of the library claimer's μGraph
 
 
 # stage name -> (how to inject, program, inputs, options)
@@ -60,7 +60,7 @@ STAGES = {
     "assemble": (lambda mp: mp.setattr(pipeline, "assemble", _raise), softmax_plus_one, _softmax_inputs, {}),
     "cuda graph": (lambda mp: mp.setattr(pipeline, "_maybe_cuda_graph", _raise), softmax_plus_one,
                    _softmax_inputs, {}),
-    "search/build": (_inject_search_build, gated_mlp, _mlp_inputs, {"stitch": False}),
+    "build": (_inject_build, gated_mlp, _mlp_inputs, {"stitch": False}),
 }
 
 
@@ -103,12 +103,12 @@ def test_a_failing_stage_hands_the_graph_to_inductor_with_one_warning(stage, mon
     assert "float32" in warning, warning          # the region's dtypes (and shapes) are named
     assert compile_fx_calls, "Inductor's compile_fx was not used"
     assert report.regions and all(r.compiled_by == "inductor" for r in report.regions), str(report)
-    if stage != "search/build":                   # a μGraph not built changes the region, not the graph
+    if stage != "build":                          # a μGraph not built changes the region, not the graph
         assert "Inductor's compile_fx" in warning and "eager" not in warning
         assert report.graphs[-1].fallback_error.startswith(f"{stage} stage: Injected")
 
 
-@pytest.mark.parametrize("stage", ["lower", "partition", "assemble", "search/build"])
+@pytest.mark.parametrize("stage", ["lower", "partition", "build", "assemble"])
 def test_strict_mode_raises_the_stage_error(stage, monkeypatch):
     inject, fn, inputs, options = STAGES[stage]
     inject(monkeypatch)
@@ -173,7 +173,7 @@ def test_backward_graph_failure_goes_to_inductor_without_mirage_stages(monkeypat
 
 def test_identical_failures_are_grouped_into_one_line(monkeypatch, caplog):
     """Six gated MLPs whose μGraph fails to build: one warning line with the count, not six."""
-    _inject_search_build(monkeypatch)
+    _inject_build(monkeypatch)
 
     def six_mlps(x, w1, w3):
         return sum(gated_mlp(x + i, w1, w3) for i in range(6))
@@ -182,7 +182,7 @@ def test_identical_failures_are_grouped_into_one_line(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="torch_mirage"):
         assert_close(compiled(*xs), six_mlps(*xs))
     (warning,) = _stage_warnings(caplog)
-    assert "search/build stage failed 6 times" in warning and "gated_mlp" in warning, warning
+    assert "build stage failed 6 times" in warning and "gated_mlp" in warning, warning
 
 
 def test_failure_log_groups_by_stage_error_and_message_shape(caplog):
@@ -240,7 +240,7 @@ def test_a_ugraph_too_large_for_block_memory_declines_without_a_warning(monkeypa
     """A library μGraph whose tiles need more than one SM's memory at the model's sizes (gated_mlp at hidden 1024
     on the H100) is a decline, not a failure: no warning, even under strict."""
     import torch_mirage.superopt.claim as library_claim
-    from torch_mirage.superopt.claim import _compiled
+    from torch_mirage.superopt.claim import _planned
     from torch_mirage.superopt import library
     from torch_mirage.superopt.validate import InvalidMuGraph
     from torch_mirage.config import load
@@ -250,11 +250,11 @@ def test_a_ugraph_too_large_for_block_memory_declines_without_a_warning(monkeypa
         raise InvalidMuGraph(["kernel graph op 3 (customized) body: its tensors need 1458176 bytes of block-level "
                               "memory, capacity 232448"])
 
-    monkeypatch.setattr(library_claim, "compile_ugraph", too_large)
+    monkeypatch.setattr(library_claim, "validate", too_large)
 
     strict = CompileContext.standalone(load({"strict": True}))
     workload = library.WORKLOADS["gated_mlp"]
     with caplog.at_level(logging.INFO, logger="torch_mirage"):
-        assert _compiled(workload, (4, 8, 16), "float32", {}, [], None, strict) is None
+        assert _planned(workload, (4, 8, 16), "float32", {}, strict) is None
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("does not fit block memory" in r.getMessage() for r in caplog.records)

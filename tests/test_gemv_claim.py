@@ -16,7 +16,8 @@ from torch_mirage.bench import workloads
 from torch_mirage.capture.ops import OpKind
 from torch_mirage.config import load
 from torch_mirage.context import CompileContext
-from torch_mirage.partition.region import Claim, Region
+from torch_mirage.build import built_regions
+from torch_mirage.partition.region import Claim
 from torch_mirage.runtime.measure import numerics_problem
 from torch_mirage.report import Reason
 from torch_mirage.superopt.gemv_claim import GemvClaimer
@@ -298,8 +299,8 @@ def test_traced_decode_layer_streams_its_unit_batch_bmm():
     assert sorted(len([n for n in c.nodes if n.kind is OpKind.MATMUL]) for c in claims) == [1, 1, 2, 3]
     (oproj,) = [c for c in claims if any(n.target_name == "aten.bmm.default" for n in c.nodes)]
     assert "aten.add.Tensor" in [n.target_name for n in oproj.nodes]
-    for claim in claims:                 # the backend's check stage: each kernel against its ATen subgraph
-        assert numerics_problem(Region.of_claim(claim, GemvClaimer.name), graph) is None, claim.detail
+    for region in built_regions(claims, graph, ctx, GemvClaimer.name):   # the build and check stages
+        assert region.kernel is not None and numerics_problem(region, graph) is None, region.detail
 
 
 def test_seed_declines_forms_it_cannot_stream():

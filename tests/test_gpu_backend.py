@@ -7,7 +7,7 @@ import torch
 import torch_mirage
 from torch_mirage.numerics import rms_norm
 from torch_mirage.testing.models import BertLayer, LlamaBlock, LlamaConfig, MLP, bert_inputs, llama_inputs
-from helpers import assert_close
+from helpers import ReadyKernel, assert_close
 
 pytestmark = pytest.mark.gpu
 
@@ -112,7 +112,7 @@ class _SlowClaimer:
             for _ in range(20):
                 y = torch.exp(x)
             return (y,)
-        return [Claim(exp[:1], None, kernel)]
+        return [Claim(exp[:1], ReadyKernel(kernel))]
 
 
 def test_region_slower_than_inductor_is_handed_back(tmp_path):

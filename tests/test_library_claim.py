@@ -94,7 +94,7 @@ def test_attention_runs_the_faster_of_its_ugraphs(monkeypatch, fa_us, fd_us, cho
     """Attention over a KV long enough to split has two seeds (FlashAttention and split-KV FlashDecoding): both
     are compiled, the one that times faster runs (timing is faked here: the interpreter has no CUDA graphs), and
     either matches eager."""
-    from torch_mirage.superopt import claim
+    from torch_mirage import build
 
     first_seen: dict[int, float] = {}   # A B B A: the first μGraph timed is FlashAttention's
 
@@ -103,8 +103,8 @@ def test_attention_runs_the_faster_of_its_ugraphs(monkeypatch, fa_us, fd_us, cho
             first_seen[id(compiled)] = (fa_us, fd_us)[len(first_seen)]
         return [first_seen[id(compiled)]]
 
-    monkeypatch.setattr(claim, "_timing_sets", lambda examples: [examples])
-    monkeypatch.setattr(claim, "_time_ugraph", fake_samples)
+    monkeypatch.setattr(build, "_timing_sets", lambda examples: [examples])
+    monkeypatch.setattr(build, "_time_ugraph", fake_samples)
     compiled, report = _compile(attention)
     xs = _inputs(ATTENTION_LONG_KV, torch.float32)
     assert_close(compiled(*xs), attention(*[x.double() for x in xs]).float())

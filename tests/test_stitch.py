@@ -13,6 +13,7 @@ from torch_mirage.partition.region import Decline, Reason, claims, declines, is_
 from torch_mirage.partition.stitch import StitchClaimer, _acyclic, choose_mapping
 from torch_mirage.testing import models as M
 from torch_mirage.testing.aten import trace_ir
+from helpers import built_claims
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 def claim(fn, *inputs, claimer=None):
     graph = trace_ir(fn, *inputs)
-    regions = claims((claimer or StitchClaimer()).claim(graph, list(graph.nodes), CompileContext.standalone()))
+    regions = built_claims(claimer or StitchClaimer(), graph, CompileContext.standalone())
     return graph, regions
 
 

@@ -9,12 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_close
+from helpers import assert_close, built_claims
 from torch_mirage.testing.functions import (bert_softmax, bias_gelu, bias_residual_layernorm, layer_norm,
                                             padding_mask, rmsnorm, softmax)
 from torch_mirage.codegen.stitch_plan import StitchLimits, Strategy
 from torch_mirage.context import CompileContext
-from torch_mirage.partition.region import claims
 from torch_mirage.partition.stitch import StitchClaimer
 from torch_mirage.testing.aten import trace_ir
 
@@ -50,7 +49,7 @@ SHAPES = [(1, 1), (3, 17), (4097, 33), (7, 1), (1, 65536), (2, 3, 40)]
 def stitched(fn, *inputs, limits=None):
     """The single stitch region covering ``fn``'s graph, and a callable running its kernel on ``inputs``."""
     graph = trace_ir(fn, *inputs)
-    regions = claims(StitchClaimer(limits=limits).claim(graph, list(graph.nodes), CompileContext.standalone()))
+    regions = built_claims(StitchClaimer(limits=limits), graph, CompileContext.standalone())
     assert len(regions) == 1, [r.ops for r in regions]
     region = regions[0]
     assert len(region.nodes) == len(graph.nodes), "the region should hold the whole graph"
@@ -169,7 +168,7 @@ def test_outputs_of_several_kinds():
         return m, c.exp(), c * 3.0
 
     graph = trace_ir(fn, x)
-    regions = claims(StitchClaimer().claim(graph, list(graph.nodes), CompileContext.standalone()))
+    regions = built_claims(StitchClaimer(), graph, CompileContext.standalone())
     assert len(regions) == 1
     outs = regions[0].kernel(x)
     refs = reference(fn, x)
@@ -282,7 +281,7 @@ def test_long_rows_with_row_outputs(path):
         return t.mean(-1), (t - t.amax(-1, keepdim=True)).exp(), v * 2.0 + mu
 
     graph = trace_ir(fn, x)
-    (region,) = claims(StitchClaimer(limits=limits).claim(graph, list(graph.nodes), CompileContext.standalone()))
+    (region,) = built_claims(StitchClaimer(limits=limits), graph, CompileContext.standalone())
     assert region.plan.mapping.strategy is LONG_PATHS[path][2]
     outs = dict(zip([id(v) for v in region.outputs(graph)], region.kernel(x)))
     for v, r in zip(graph.output_values, reference(fn, x)):

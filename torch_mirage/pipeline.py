@@ -1,8 +1,13 @@
 """The pipeline, top to bottom, for one functional ATen graph.
 
 capture (AOTAutograd, in :mod:`torch_mirage.backend`) → lower → partition
-(claimers; the library claimer's μGraph search/build inside it) → check →
-measure (GPU) → assemble (kernels + Inductor for the rest) → CUDA graph.
+(claimers, each running the analyses it needs — properties, cost — and
+returning ``Claim(nodes, plan)`` or a typed ``Decline``) → build (plans to
+kernels, :mod:`torch_mirage.build`; launch configurations and alternative
+μGraphs tuned through :mod:`torch_mirage.tune`) → check (each kernel against
+eager) → measure (GPU: each region against Inductor's) → assemble (kernels +
+Inductor for the rest) → CUDA graph. The execution target (GPU or Triton's
+interpreter) is a field of the typed :class:`CompileContext` every stage takes.
 Each stage runs under :meth:`CompileContext.stage`, which records its time in
 the graph's report and tags an exception leaving it with the stage's name.
 Whatever fails inside mirage, the original graph goes to Inductor by a route
@@ -21,6 +26,7 @@ from functorch.compile import make_boxed_func
 from .capture.ir import Graph, Node, connected_components
 from .capture.lower import lower
 from .analysis.cost import CostModel, matmul_rows, skinny_matmul
+from .build import build_regions
 from .capture.ops import OpKind
 from .config import Config
 from .context import CompileContext
@@ -80,8 +86,9 @@ def default_claimers(config: Config) -> list[Claimer]:
 
 
 def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext) -> list[Region]:
-    """The partition stage: each claimer in turn claims from the nodes still free; the rest become fallback
-    regions, each carrying the declines of the claimers that passed over its nodes."""
+    """The partition stage: each claimer in turn claims from the nodes still free (a claim holds a plan; the build
+    stage makes its kernel); the rest become fallback regions, each carrying the declines of the claimers that
+    passed over its nodes."""
     free = list(graph.nodes)
     regions: list[Region] = []
     passed: list[Decline] = []
@@ -178,8 +185,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
 
 def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
                    claimers: Sequence[Claimer] | None) -> Any:
-    """lower → partition → check → measure → assemble; raises :class:`WholeGraphToInductor` when mirage keeps
-    no region of a forward / inference graph."""
+    """lower → partition → build → check → measure → assemble; raises :class:`WholeGraphToInductor` when mirage
+    keeps no region of a forward / inference graph."""
     report, config = ctx.report, ctx.config
     with ctx.stage("lower"):
         if report.kind == "inference" and (device := input_device(example_inputs)) is not None:
@@ -188,6 +195,8 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
     with ctx.stage("partition"):
         claimers = default_claimers(config) if claimers is None else claimers
         regions = claim_regions(graph, claimers, ctx)
+    with ctx.stage("build"):
+        build_regions(regions, graph, ctx)
     if config.check_regions:
         with ctx.stage("check"):
             check_regions(regions, graph, ctx)

@@ -1,7 +1,7 @@
 """Tuning: the fastest of named candidates — build, numeric check, timing and the winner cache, in one loop.
 
 Every measured choice mirage makes goes through :func:`tune`: the launch configuration of a μGraph kernel
-(:func:`.superopt.launch.choose`), alternative μGraphs of one program (:mod:`.superopt.claim`), mirage's kernel
+(:func:`.superopt.launch.choose`), alternative μGraphs of one program (:func:`.build.fastest`), mirage's kernel
 for a region against Inductor's (:mod:`.runtime.measure`) and the whole graph against Inductor's compile on its
 first call (:class:`.runtime.choose.FasterOf`). Candidates are built in order (one that fails to build is
 dropped), checked (one that disagrees with the caller's reference is dropped), timed in the order A B … B A

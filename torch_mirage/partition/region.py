@@ -2,11 +2,13 @@
 :class:`Region` s the pipeline makes of it.
 
 A claiming pass (a :class:`Claimer`) looks at the graph's free nodes and returns, for each group of nodes it
-considered, either a :class:`Claim` — the nodes, the plan it built for them (a StitchPlan, a μGraph) and the
-``kernel`` built from the plan: a callable from the region's input tensors to its output tensors — or a
-:class:`Decline`: the nodes it passed over, a :class:`Reason` and a detail in words. The pipeline turns claims
-into ``compiled_by="mirage"`` regions, the nodes nobody claimed into ``"inductor"`` (or ``"eager"``) regions,
-and hands the declines to the report as they are (typed: nothing downstream reads a reason out of text).
+considered, either a :class:`Claim` — the nodes and the plan it made for them: data the build stage
+(:mod:`torch_mirage.build`) turns into a kernel, a :class:`~..codegen.stitch_plan.StitchPlan` or a
+:class:`~..superopt.ugraph_plan.UGraphPlan`; a claimer compiles and times nothing — or a :class:`Decline`: the
+nodes it passed over, a :class:`Reason` and a detail in words. The pipeline turns claims into
+``compiled_by="mirage"`` regions (their ``kernel`` filled in by the build stage), the nodes nobody claimed into
+``"inductor"`` (or ``"eager"``) regions, and hands the declines to the report as they are (typed: nothing
+downstream reads a reason out of text).
 """
 from __future__ import annotations
 
@@ -63,11 +65,10 @@ def outputs_of(nodes: Sequence[Node], graph: Graph) -> list[Value]:
 
 @dataclass(eq=False)
 class Claim(_Nodes):
-    """Nodes a claimer compiles itself: the plan it built and the kernel built from it."""
+    """Nodes a claimer takes, and the plan the build stage makes their kernel from."""
     nodes: list[Node]
-    plan: Any                          # StitchPlan, KernelGraph (μGraph)
-    kernel: Callable[..., tuple]       # (*region inputs) -> tuple(region outputs)
-    detail: str = ""                   # for the report: what was built ("stitch: rows=...", "μGraph lora(...)")
+    plan: Any                          # StitchPlan, UGraphPlan: data, nothing compiled
+    detail: str = ""                   # for the report: what is built ("stitch: rows=...", "μGraph lora(...)")
     info: dict[str, Any] = field(default_factory=dict)   # the claimer's facts for the report
 
 
@@ -99,19 +100,19 @@ class Region(_Nodes):
     reason: Reason
     detail: str = ""
     claimer: str = ""
-    kernel: Callable[..., tuple] | None = None   # mirage regions: (*inputs) -> tuple(outputs)
-    plan: Any = None                   # the claimer's plan (StitchPlan, μGraph) the kernel was built from
+    kernel: Callable[..., tuple] | None = None   # mirage regions, once built: (*inputs) -> tuple(outputs)
+    plan: Any = None                   # the claimer's plan (StitchPlan, UGraphPlan) the kernel is built from
     info: dict[str, Any] = field(default_factory=dict)  # claimer's facts for the report
     declines: list[Decline] = field(default_factory=list)   # fallback regions: what claimers passed over here
 
     @classmethod
     def of_claim(cls, claim: Claim, claimer: str) -> Region:
-        return cls(claim.nodes, "mirage", Reason.CLAIMED, claim.detail, claimer, claim.kernel, claim.plan,
-                   dict(claim.info))
+        return cls(claim.nodes, "mirage", Reason.CLAIMED, claim.detail, claimer, plan=claim.plan, info=dict(claim.info))
 
 
 class Claimer(Protocol):
-    """A pass that claims the nodes it compiles better than the fallback, and says why it passes over others."""
+    """A pass that claims the nodes it can plan a faster kernel for than the fallback's, and says why it passes
+    over others."""
     name: str
 
     def claim(self, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> list[Outcome]: ...

@@ -1,4 +1,4 @@
-"""The stitch partitioner (AStitch §4): memory-intensive sub-graphs → StitchRegions with a plan and a kernel.
+"""The stitch partitioner (AStitch §4): memory-intensive sub-graphs → claims of a stitch plan each.
 
 1. Candidates: free elementwise / reduction / constant-fill nodes the stitch
    codegen can emit, on static shapes, fp16 / bf16 / fp32 (bool masks), on CUDA
@@ -10,8 +10,9 @@
 3. View-like layout ops feeding only the group (prologue) or reading only its
    results (epilogue) join it: they run on real tensors around the kernel.
 4. Each group gets dominant ops, a scheme per edge and a thread mapping
-   (:mod:`torch_mirage.codegen.stitch_plan`), is emitted by
-   :mod:`torch_mirage.codegen.stitch_emit` (launched by :mod:`~torch_mirage.codegen.stitch_launch`), and becomes a :class:`Claim`.
+   (:mod:`torch_mirage.codegen.stitch_plan`) and becomes a :class:`Claim` of that plan; the build stage
+   (:mod:`torch_mirage.build`) has it emitted by :mod:`torch_mirage.codegen.stitch_emit` and launched by
+   :mod:`~torch_mirage.codegen.stitch_launch`.
 Groups that are only layout ops or one cheap elementwise op, or whose memory traffic is below
 ``min_region_us``, stay with Inductor: the claimer returns a :class:`Decline` for them, and for each
 candidate-kind node it cannot take (with the reason: dtype, device, dynamic shape, ...).
@@ -27,13 +28,11 @@ from ..analysis.cost import CostModel
 from ..analysis.device import DeviceModel
 from ..capture.ir import Graph, Node, Value, connected_components, topo_sorted
 from ..capture.ops import OpKind
-from ..codegen.stitch_launch import build_kernel
 from ..codegen.stitch_ops import node_support, reduction_spec
 from ..codegen.stitch_plan import DominantOp, Scheme, StitchLimits, StitchPlan, Strategy, ThreadMapping
 from ..codegen.stitch_schedule import schedule_facts
 from ..context import CompileContext, Target
-from ..failures import describe_error, nodes_summary, note
-from .region import Claim, Decline, Outcome, Reason, inputs_of, outputs_of
+from .region import Claim, Decline, Outcome, Reason, outputs_of
 
 log = logging.getLogger("torch_mirage")
 
@@ -427,7 +426,7 @@ def worth_claiming(compute: Sequence[Node]) -> bool:
 # ---------------------------------------------------------------- the claimer
 
 class StitchClaimer:
-    """Claims memory-intensive regions and compiles each into one stitched Triton kernel."""
+    """Claims memory-intensive regions, each with the plan of one stitched Triton kernel."""
     name = "stitch"
 
     def __init__(self, device: Any = None, limits: StitchLimits | None = None):
@@ -472,15 +471,7 @@ class StitchClaimer:
                           self.limits)
         if plan is None:
             return Decline(compute, Reason.NOT_CLAIMED, "a stored value lies outside the group's iteration space")
-        try:
-            kernel, path = build_kernel(plan, inputs_of(nodes), ctx.config.cache_dir)
-        except Exception as e:  # codegen or import failure: leave the nodes to the fallback
-            if ctx.config.strict:
-                raise
-            note(ctx, "build", f"the stitch kernel for {nodes_summary(compute)}", e,
-                 "those nodes are left to the fallback")
-            return Decline(compute, Reason.COMPILE_ERROR, describe_error(e))
         summary = plan.summary()
-        return Claim(nodes, plan, kernel, detail=f"stitch: {summary['thread_mapping']}",
-                     info=dict(summary, kernel_source=path, predicted_us=predicted_us(nodes, graph, device),
+        return Claim(nodes, plan, detail=f"stitch: {summary['thread_mapping']}",
+                     info=dict(summary, predicted_us=predicted_us(nodes, graph, device),
                                device_profile=getattr(device, "name", str(device))))

@@ -13,8 +13,8 @@ which is what the clamped mask gives by itself. A mask that is exactly its causa
 from indices, the kernel gets a broadcast stand-in, and the graph nodes that build it for this region alone join
 the claim, dead — nothing is built, packed, clamped or scanned per call.
 
-Where KV is long enough to split, the split-KV seed is compiled as well and on a GPU the faster runs (the library
-claimer's timing, :func:`.claim._fastest`): it fills the SMs where few query rows — decode — leave FlashAttention's
+Where KV is long enough to split, the split-KV seed is planned as well, and on a GPU the build stage runs the faster
+(:func:`torch_mirage.build.fastest`): it fills the SMs where few query rows — decode — leave FlashAttention's
 grid small. The backend then checks the region against eager ATen on random inputs, as for every region.
 
 A region whose P is also reduced over the query axis (H2O's column sums, :class:`~..analysis.attention.
@@ -26,25 +26,25 @@ the (b, h, skv) column sums (a sum over heads, a permute, a mean's factor, the d
 """
 from __future__ import annotations
 
+import functools
 import logging
-from types import SimpleNamespace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
-from .compile import compile_ugraph
 from .cut import DTYPES
-from .claim import _fastest
 
 from ..analysis.attention import AttentionSpec, find_attention
 from ..analysis.cost import CostModel
 from ..capture.ir import Graph, Node
 from ..capture.lower import constant_value
-from ..ugraph import MASK_FLOOR
+from ..ugraph import MASK_FLOOR, KernelGraph
 from ..context import CompileContext, Target
 from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
 from .attention_seeds import PLAN_KERNELS, ROW_BLOCK_KV, SEEDS, attention_column_sums
 from .library import blocks
 from .plan_select import Candidate, select_plan
+from .ugraph_plan import Alternative, UGraphPlan
+from .validate import validate
 from ..timing import random_like
 
 log = logging.getLogger("torch_mirage")
@@ -219,25 +219,20 @@ class AttentionClaimer:
 
         dtype = DTYPES[spec.dtype]
         use_band = ctx.config.attention_band
-        cache = ctx.cache
         # the mask from indices only where every kernel of the plan walks the band (the row-block kernel has none)
         by_index = use_band and index_mask(spec) and not (
             spec.extra_outputs and "row_block" in _plan(plan_candidates(spec, graph, (1, 1))))
         with unset_fake_temporarily():
-            ex, mask_shape, fixed = _examples(spec, graph, by_index)
-            kwargs = _seed_kwargs(spec, dtype, mask_shape, use_band)
-            times: dict = {}
-            if spec.extra_outputs:
-                built, info = self._column_plan(spec, graph, ex, kwargs, ctx)
-            else:
-                names = ["flash_attention"] + (["flash_decoding"] if blocks(spec.skv, SPLIT_KV) > 1 else [])
-                built, info = _build_seeds(spec, names, ex, kwargs, ctx), {}
-                if built:
-                    built, times = _fastest(built, ex, cache)
-            if not built:
-                what = "the column-sum plan" if spec.extra_outputs else "attention seeds"
-                return Decline(spec.nodes, Reason.NO_KERNEL, f"{what} ({spec.describe()}): none built")
-            chosen, kgraph, compiled = built
+            _, mask_shape, fixed = _examples(spec, graph, by_index)
+        kwargs = _seed_kwargs(spec, dtype, mask_shape, use_band)
+        if spec.extra_outputs:
+            seeds, info = self._column_plan(spec, graph, kwargs)
+        else:
+            names = ["flash_attention"] + (["flash_decoding"] if blocks(spec.skv, SPLIT_KV) > 1 else [])
+            seeds, info = _build_seeds(spec, names, kwargs), {}
+        if not seeds:
+            what = "the column-sum plan" if spec.extra_outputs else "attention seeds"
+            return Decline(spec.nodes, Reason.NO_KERNEL, f"{what} ({spec.describe()}): none built")
         # a mask the kernel computes from indices: the nodes that build it only for this region join it (dead)
         nodes = spec.nodes + (_mask_builders(spec, graph, free) if by_index else [])
         positions = {id(x): i for i, x in enumerate(inputs_of(nodes))}
@@ -245,39 +240,47 @@ class AttentionClaimer:
         produced = [spec.output] + [r.value for r in spec.extra_outputs]
         slots = [next(i for i, p in enumerate(produced) if p is v) for v in outputs_of(nodes, graph)]
         metas = [v.meta for v in produced]
-
-        def kernel(*ins):
-            # an SDPA op's other outputs (logsumexp, ...) are unread (find_attention checks)
-            outs = run_spec(spec, compiled, *[ins[i] for i in order], fixed=fixed)
-            return tuple(_as_meta(outs[i], metas[i]) for i in slots)
-
-        info = {"ugraph": chosen.name, "attention": spec.describe(), "dtype": dtype, "ugraph_hash": kgraph.hash()[:16],
-                **info}
-        bands = [op.body.forloop_band for op in kgraph.ops if getattr(op.body, "forloop_band", None) is not None]
-        if bands:
-            info["forloop_band"] = list(bands[0])
-        if times:
-            info["ugraph_us"] = {n: round(us, 2) for n, us in times.items()}
+        alternatives = []
+        for name, kgraph in seeds:
+            bands = [op.body.forloop_band for op in kgraph.ops if getattr(op.body, "forloop_band", None) is not None]
+            alternatives.append(Alternative(name, kgraph, f"attention {name} ({spec.describe()})",
+                                            {"ugraph": name, **({"forloop_band": list(bands[0])} if bands else {})}))
+        info = {"attention": spec.describe(), "dtype": dtype, **info}
         if by_index:
             info["mask"] = "from indices" + (f" ({len(nodes) - len(spec.nodes)} mask nodes joined)"
                                              if len(nodes) > len(spec.nodes) else "")
-        return Claim(nodes, kgraph, kernel, detail=f"attention {chosen.name} ({spec.describe()})", info=info)
+        plan = UGraphPlan(alternatives, functools.partial(_example_inputs, spec, graph, by_index),
+                          functools.partial(attention_kernel, spec, order, slots, metas, fixed),
+                          what=f"attention {spec.describe()} {dtype}")
+        return Claim(nodes, plan, detail=alternatives[0].detail, info=info)
 
     @staticmethod
-    def _column_plan(spec: AttentionSpec, graph: Graph, ex: list, kwargs: dict, ctx: CompileContext):
-        """P·V and the column sums of P by the plan the BLP picks among :func:`plan_candidates`."""
+    def _column_plan(spec: AttentionSpec, graph: Graph, kwargs: dict) -> tuple[list, dict]:
+        """P·V and the column sums of P by the plan the BLP picks among :func:`plan_candidates`: ``([(name,
+        μGraph)], info)``, no μGraph where none is valid."""
         cands = plan_candidates(spec, graph, kwargs["mask"])
         info = {"plan_us": {c.name: round(c.cost_us, 2) for c in cands}}
         try:
             names = info["plan"] = _plan(cands)
             kg = attention_column_sums(spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d, group=spec.group,
                                        kernels=names, tile=SEED_TILE, **kwargs)
-            compiled = compile_ugraph(kg, ex, cache=ctx.cache, cache_dir=ctx.config.cache_dir, target=ctx.target)
+            validate(kg)
         except Exception as e:   # no plan, or one that does not build for these shapes: left to Inductor
             log.info("torch_mirage: attention plan %s for %s not used (%s: %s)", info.get("plan"), spec.describe(),
                      type(e).__name__, e)
-            return None, info
-        return (SimpleNamespace(name="+".join(names)), kg, compiled), info
+            return [], info
+        return [("+".join(names), kg)], info
+
+
+def attention_kernel(spec: AttentionSpec, order: Sequence[int], slots: Sequence[int], metas: Sequence,
+                     fixed: torch.Tensor | None, compiled) -> Callable[..., tuple]:
+    """The region's kernel from a compiled attention μGraph (:func:`run_spec`): the region's inputs in the spec's
+    order (``order``), its outputs (``slots`` into P·V and the column reductions) with the graph's strides."""
+    def kernel(*ins):
+        # an SDPA op's other outputs (logsumexp, ...) are unread (find_attention checks)
+        outs = run_spec(spec, compiled, *[ins[i] for i in order], fixed=fixed)
+        return tuple(_as_meta(outs[i], metas[i]) for i in slots)
+    return kernel
 
 
 def _plan(cands: list[Candidate]) -> list[str]:
@@ -313,6 +316,11 @@ def _mask_builders(spec: AttentionSpec, graph: Graph, free: Sequence[Node]) -> l
     return sorted(found.values(), key=lambda x: order[id(x)])
 
 
+def _example_inputs(spec: AttentionSpec, graph: Graph, by_index: bool = False) -> list:
+    """The seeds' example inputs (:func:`_examples`), made by the build stage when it compiles them."""
+    return _examples(spec, graph, by_index)[0]
+
+
 def _examples(spec: AttentionSpec, graph: Graph, by_index: bool = False
               ) -> tuple[list, tuple | None, torch.Tensor | None]:
     """Random inputs shaped as the seeds take them (Q packed per KV head, the mask packed), the mask's batch/head
@@ -339,13 +347,14 @@ def _examples(spec: AttentionSpec, graph: Graph, by_index: bool = False
     return ex, mask_shape, causal
 
 
-def _build_seeds(spec: AttentionSpec, names: Sequence[str], ex: list, kwargs: dict, ctx: CompileContext) -> list:
+def _build_seeds(spec: AttentionSpec, names: Sequence[str], kwargs: dict) -> list[tuple[str, KernelGraph]]:
+    """The named seeds instantiated for ``spec`` and valid at its shapes (the build stage compiles them)."""
     built = []
     for name in names:
         try:
             kg = SEEDS[name](spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d, **kwargs)
-            built.append((SimpleNamespace(name=name), kg,
-                          compile_ugraph(kg, ex, cache=ctx.cache, cache_dir=ctx.config.cache_dir, target=ctx.target)))
+            validate(kg)
+            built.append((name, kg))
         except Exception as e:   # a seed that does not build for these shapes: not used
             log.info("torch_mirage: attention seed %s for %s not used (%s: %s)", name, spec.describe(),
                      type(e).__name__, e)

@@ -4,9 +4,11 @@ For each library workload (``library.WORKLOADS``) the claimer traces its PyTorch
 backend sees programs (Inductor's decompositions) and looks for the same computation in the user graph,
 anchored at each free node: same ATen ops, the same wiring, and — on a second pass, with the program traced
 again at the shapes the first pass bound — the same non-tensor arguments (sizes, dims, constants). A match
-whose inner values nothing else reads, and whose inputs have one dtype the μGraph supports, becomes a region
-whose kernel is the μGraph compiled for those shapes. The backend then checks the kernel against eager ATen on
-random inputs and, on a GPU, times it against Inductor's version of the same region, as for every region.
+whose inner values nothing else reads, whose inputs have one dtype the μGraph supports and whose μGraph is valid
+at those shapes (its tiles fit block memory) becomes a claim of a :class:`~.ugraph_plan.UGraphPlan`: the build
+stage (:mod:`torch_mirage.build`) compiles the μGraph for those shapes. The backend then checks the kernel
+against eager ATen on random inputs and, on a GPU, times it against Inductor's version of the same region, as for
+every region.
 
 This finds a μGraph only where the user wrote the program in one of the forms ``PROGRAMS`` lists (``x @ w +
 (x @ a) @ b``; QK-norm attention with its softmax in fp32); the search of a later stage generalises it. A constant the
@@ -22,20 +24,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-from .compile import compile_ugraph
 from .cut import DTYPES
 
-from ..cache import cache_key
 from ..capture.ir import Graph, Node, Value
 from ..capture.lower import trace
 from ..context import CompileContext, Target
-from ..failures import note, stage
+from ..failures import note
 from ..numerics import rms_norm
 from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex
-from ..timing import cuda_graph_timing, random_like, rotated_input_sets
-from ..tune import tune
+from ..ugraph import KernelGraph
 from . import library
-from .validate import InvalidMuGraph
+from .ugraph_plan import Alternative, UGraphPlan, random_inputs
+from .validate import InvalidMuGraph, validate
 
 log = logging.getLogger("torch_mirage")
 
@@ -77,8 +77,8 @@ PROGRAMS: dict[str, tuple[Callable, ...]] = {
 CONSTANTS: dict[str, tuple[str, ...]] = {"ntrans": ("eps",), "rmsnorm_linear": ("eps",), "qknorm_attention": ("eps",)}
 _SENTINELS = (1.2345678e-5, 2.3456789e-5)
 DEFAULT_WORKLOADS = tuple(PROGRAMS)
-# other μGraphs of the same program, inputs and dims: each is compiled, and on a GPU the fastest runs (attention
-# itself, masked or not, is claimed by analysis: superopt/attention_claim.py, which times its own seeds)
+# other μGraphs of the same program, inputs and dims: the build stage compiles each, and on a GPU the fastest runs
+# (attention itself, masked or not, is claimed by analysis: superopt/attention_claim.py, with its seeds)
 ALTERNATIVES: dict[str, tuple[str, ...]] = {}
 # the μGraph input whose rows may come with leading dims — a (batch, seq, k) activation for an (m, k) one — and
 # then the output carries the same leading dims (the matmul ``x @ w`` of a 3-D x is view → mm → view in ATen)
@@ -203,7 +203,7 @@ def read_constants(name: str, structural: Match) -> tuple | None:
 
 
 class LibraryClaimer:
-    """Claims subgraphs that compute a hand-built μGraph of ``library.py`` and runs the μGraph for them."""
+    """Claims subgraphs that compute a hand-built μGraph of ``library.py``, with that μGraph as their plan."""
     name = "ugraph-library"
 
     def __init__(self, workloads: Sequence[str] = DEFAULT_WORKLOADS):
@@ -306,44 +306,41 @@ class LibraryClaimer:
         return found if is_convex(graph, found.nodes) else None
 
     def _claim(self, workload: library.Workload, found: Match, ctx: CompileContext) -> Outcome:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
         metas = [v.meta for v in found.inputs]
         shapes = ugraph_shapes(workload.name, [tuple(m.shape) for m in metas])
         dims = found.dims
-        out_shape = tuple(found.output.meta.shape)
         dtype = DTYPES[metas[0].dtype]
-        cache = ctx.cache
-        with unset_fake_temporarily():
-            examples = [random_like(m).reshape(s) for m, s in zip(metas, shapes)]
-            built = [b for name in (workload.name, *ALTERNATIVES.get(workload.name, ()))
-                     if (b := _compiled(library.WORKLOADS[name], dims, dtype, found.constants, examples, cache,
-                                        ctx))]
-            if not built:
-                return Decline(found.nodes, Reason.NO_KERNEL, f"μGraph {workload.name}{dims} {dtype}")
-            (chosen, kgraph, compiled), times = _fastest(built, examples, cache)
         consts = "".join(f", {k}={v:g}" for k, v in found.constants.items())
+        alternatives = [Alternative(name, kgraph, f"μGraph {name}{dims}{consts}", {"ugraph": name})
+                        for name in (workload.name, *ALTERNATIVES.get(workload.name, ()))
+                        if (kgraph := _planned(library.WORKLOADS[name], dims, dtype, found.constants, ctx))]
+        if not alternatives:
+            return Decline(found.nodes, Reason.NO_KERNEL, f"μGraph {workload.name}{dims} {dtype}")
         positions = {id(v): i for i, v in enumerate(inputs_of(found.nodes))}
         order = [positions[id(v)] for v in found.inputs]
-        info = {"ugraph": chosen.name, "dims": list(dims), "dtype": dtype, "ugraph_hash": kgraph.hash()[:16]}
-        if times:
-            info["ugraph_us"] = {name: round(us, 2) for name, us in times.items()}
-        return Claim(found.nodes, kgraph,
-                     lambda *ins: (compiled(*[ins[i].reshape(s) for i, s in zip(order, shapes)])[0].reshape(out_shape),),
-                     detail=f"μGraph {chosen.name}{dims}{consts}", info=info)
+        plan = UGraphPlan(alternatives, functools.partial(random_inputs, metas, shapes),
+                          functools.partial(library_kernel, order, shapes, tuple(found.output.meta.shape)),
+                          what=f"μGraph {workload.name}{dims} {dtype}")
+        return Claim(found.nodes, plan, detail=alternatives[0].detail,
+                     info={"dims": list(dims), "dtype": dtype})
 
 
-def _compiled(workload: library.Workload, dims: tuple, dtype: str, constants: dict, examples: list,
-              cache: Any, ctx: CompileContext | None = None) -> tuple | None:
-    """``(workload, kernel graph, compiled μGraph)`` at these dims, or None (a warning, grouped per compile)
-    when it does not build."""
+def library_kernel(order: Sequence[int], shapes: Sequence[tuple], out_shape: tuple, compiled: Callable) -> Callable:
+    """The region's kernel from a compiled library μGraph: the region's inputs in the μGraph's order (``order``),
+    each reshaped to the μGraph's ``shapes`` (batched rows folded), its one output in the graph's ``out_shape``."""
+    def kernel(*ins):
+        return (compiled(*[ins[i].reshape(s) for i, s in zip(order, shapes)])[0].reshape(out_shape),)
+    return kernel
 
+
+def _planned(workload: library.Workload, dims: tuple, dtype: str, constants: dict,
+             ctx: CompileContext | None = None) -> KernelGraph | None:
+    """The workload's μGraph at these dims, validated (nothing compiled: the build stage does that), or None
+    when it does not fit or does not build (a warning, grouped per compile)."""
     try:
-        with stage("search/build"):
-            kgraph = workload.build(*dims, dtype=dtype, **constants)
-            return workload, kgraph, compile_ugraph(kgraph, examples, cache=cache,
-                                                    cache_dir=ctx.config.cache_dir if ctx is not None else None,
-                                                    target=ctx.target if ctx is not None else None)
+        kgraph = workload.build(*dims, dtype=dtype, **constants)
+        validate(kgraph)
+        return kgraph
     except InvalidMuGraph as e:
         if not all("block-level memory" in p for p in e.problems):
             return _not_built(workload, dims, dtype, ctx, e)
@@ -351,55 +348,15 @@ def _compiled(workload: library.Workload, dims: tuple, dtype: str, constants: di
         log.info("torch_mirage: μGraph %s%s %s does not fit block memory at these sizes; not used",
                  workload.name, dims, dtype)
         return None
-    except Exception as e:   # a μGraph that does not build or compile for these shapes: not used
+    except Exception as e:   # a μGraph that does not build for these shapes: not used
         return _not_built(workload, dims, dtype, ctx, e)
 
 
 def _not_built(workload: library.Workload, dims: tuple, dtype: str, ctx: CompileContext | None,
                e: Exception) -> None:
-    """A μGraph that failed to build or compile: one grouped warning (raised under strict)."""
+    """A μGraph that failed to build: one grouped warning (raised under strict)."""
     if ctx is not None and ctx.config.strict:
         raise e
-    note(ctx, "search/build", f"μGraph {workload.name}{dims} {dtype}", e,
+    note(ctx, "partition", f"μGraph {workload.name}{dims} {dtype}", e,
          "that μGraph is not used (its region goes to the other claimers and Inductor)")
     return None
-
-
-def _timing_sets(examples: list) -> list | None:
-    """Copies of ``examples`` rotated past L2 for timing on CUDA; None off CUDA (nothing is timed there)."""
-    if examples[0].device.type != "cuda":
-        return None
-    return rotated_input_sets(examples, torch.cuda.get_device_properties(examples[0].device).L2_cache_size)
-
-
-def _time_ugraph(compiled: Callable, sets: list) -> list[float]:
-    """Per-call µs samples of a compiled μGraph replayed in a CUDA graph over ``sets``."""
-    return cuda_graph_timing(compiled, sets, replays=20, repeats=3)["samples"]
-
-
-def _fastest(built: list[tuple], examples: list, cache: Any) -> tuple[tuple, dict[str, float]]:
-    """The fastest of several compiled μGraphs ``(workload, kernel graph, compiled)`` of one program (the first
-    where none can be timed), with the times; a choice made once per kernel-graph set and device is read back
-    from ``cache`` (:func:`~torch_mirage.tune.tune`)."""
-    if len(built) == 1:
-        return built[0], {}
-    by_name = {b[0].name: b for b in built}
-    key = None
-    if cache is not None and examples[0].device.type == "cuda":
-        key = cache_key(kind="ugraph-alternatives/2", graphs=[k.hash() for _, k, _ in built],
-                        device=torch.cuda.get_device_name(examples[0].device))
-    sets: list = []
-
-    def timing_sets(name: str) -> list:        # the copies only when the cache has no answer
-        if not sets:
-            got = _timing_sets(examples)
-            if got is None:
-                raise RuntimeError("nothing is timed off CUDA")
-            sets.extend(got)
-        return sets
-
-    tuned = tune(list(by_name), lambda name, sets: _time_ugraph(by_name[name][2], sets), build=timing_sets,
-                 cache=cache, key=key, label="μGraph")
-    if tuned.winner is None:
-        return built[0], {}
-    return by_name[tuned.winner], tuned.times

@@ -18,12 +18,14 @@ cuts the larger has the lower roofline estimate):
 The first cut whose reference program (:func:`.search.reference.reference_of`) has the weight-streaming form
 (:func:`.gemv_seed.gemv_seed`) and whose seed the verifier proves equal to it (:func:`.verify.verify`; a large
 region at the search's shrunk sizes, :func:`verified_instance`, the instance at its own sizes checked against
-eager by the backend's check stage like every region) is compiled (:func:`.compile.compile_ugraph`; on a GPU the launches
-of :func:`.launch.streaming_candidates` — one-wave stream, split-K, split-N — ranked by the roofline estimate and
-timed) and claimed. On a GPU the backend also times it against Inductor's version and keeps the faster.
+eager by the backend's check stage like every region) is claimed; the build stage compiles it
+(:func:`.compile.compile_ugraph`; on a GPU the launches of :func:`.launch.streaming_candidates` — one-wave stream,
+split-K, split-N — ranked by the roofline estimate and timed). On a GPU the backend also times it against
+Inductor's version and keeps the faster.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Sequence
 
@@ -35,15 +37,15 @@ from ..capture.ir import Graph, Node, Value
 from ..ugraph import KernelGraph
 from ..capture.ops import OpKind
 from ..context import CompileContext
-from ..failures import describe_error, note, stage
 from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
-from ..timing import random_like
-from .compile import DTYPES as TORCH_DTYPES, compile_ugraph
+from .compile import DTYPES as TORCH_DTYPES
 from .gemv_seed import NotStreamable, gemv_seed
 from .launch import streaming_candidates
 from .cut import GROW, MAX_NODES, grow, lowered_reference, reference_kernel
 from .search.reference import Reference
 from .search.shrink import SMALL_TILE, shrink
+from .ugraph_plan import Alternative, UGraphPlan, random_inputs
+from .validate import problems
 from .verify import verify
 
 log = logging.getLogger("torch_mirage")
@@ -126,41 +128,34 @@ class GemvClaimer:
 
 def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileContext) -> Outcome:
     """``nodes`` (whose reference is ``ref``) claimed with their weight-streaming seed, verified against ``ref``
-    and compiled; a decline where the region has no seed, the verifier rejects it or it does not compile."""
+    (the build stage compiles it, launches from :func:`.launch.streaming_candidates`); a decline where the region
+    has no seed or the verifier rejects it."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     try:
         seed = gemv_seed(ref.graph)
     except NotStreamable as e:
         return Decline(nodes, Reason.NO_KERNEL, f"not a weight-streaming matmul region: {e}")
+    if invalid := problems(seed):
+        return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is not valid: {'; '.join(invalid)}")
     metas = [v.meta for v in ref.inputs]
     program, candidate = verified_instance(ref.graph, seed)
     examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=TORCH_DTYPES[op.attrs["dtype"]]) for op in program.inputs]
-    with unset_fake_temporarily():      # the verifier and the compile run real tensors
+    with unset_fake_temporarily():      # the verifier runs real tensors
         verdict = verify(candidate, program, examples, error_bound=ctx.config.verify_error_bound,
                          trials=ctx.config.verify_trials)
-        if not verdict:
-            return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is not verified: {verdict.reason}")
-        try:
-            with stage("search/build"):
-                compiled = compile_ugraph(seed, [random_like(m) for m in metas], cache=ctx.cache,
-                                          cache_dir=ctx.config.cache_dir, target=ctx.target,
-                                          propose=streaming_candidates)
-        except Exception as e:   # a seed that does not compile: the region goes on to the next claimers
-            if ctx.config.strict:
-                raise
-            where = f"weight-streaming μGraph of {len(nodes)} ops on {', '.join(_describe(m) for m in metas)}"
-            note(ctx, "search/build", where, e, "that μGraph is not used (its region goes to the other claimers "
-                 "and Inductor)")
-            return Decline(nodes, Reason.COMPILE_ERROR, describe_error(e))
+    if not verdict:
+        return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is not verified: {verdict.reason}")
     mms = [n for n in nodes if n.kind is OpKind.MATMUL]
     _, a, _ = matmul_operands(mms[0])
     rows, k, n = matmul_rows(mms[0]), a.meta.shape[-1], mms[0].outputs[0].meta.shape[-1]
-    info = {"ugraph": "weight_streaming", "ugraph_hash": seed.hash()[:16], "rows": rows, "k": k, "n": n,
-            "matmuls": len(mms), "verified": verdict.reason, "launch": [c.to_json() for c in compiled.configs]}
-    return Claim(list(nodes), seed, reference_kernel(nodes, graph, ref, compiled),
-                 detail=f"weight-streaming μGraph: {len(mms)} matmul(s), {rows} rows x {k} -> {n}, {len(nodes)} ops",
-                 info=info)
+    detail = f"weight-streaming μGraph: {len(mms)} matmul(s), {rows} rows x {k} -> {n}, {len(nodes)} ops"
+    plan = UGraphPlan([Alternative("weight_streaming", seed, detail, {"ugraph": "weight_streaming"})],
+                      functools.partial(random_inputs, metas), functools.partial(reference_kernel, nodes, graph, ref),
+                      what=f"weight-streaming μGraph of {len(nodes)} ops on {', '.join(_describe(m) for m in metas)}",
+                      propose=streaming_candidates)
+    info = {"rows": rows, "k": k, "n": n, "matmuls": len(mms), "verified": verdict.reason}
+    return Claim(list(nodes), plan, detail=detail, info=info)
 
 
 def verified_instance(ref: KernelGraph, seed: KernelGraph, gains_on_weights: bool = False

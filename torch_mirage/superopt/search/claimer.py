@@ -9,7 +9,7 @@ reduction node (last first) anchors a reduction chain the same way without matmu
 nothing anchor no second search; a chain also grows forward from a row statistic (a mean, a variance) to
 the ops that apply it (LayerNorm's centring and scaling). The region's reference program
 (:func:`.reference.reference_of`) is searched (:func:`.driver.search`, seeds off, the ``search_budget_s``
-budget); a verified μGraph is compiled (``compile_ugraph``) and becomes the region's kernel. Where the search finds
+budget); a verified μGraph becomes the region's plan (the build stage compiles it). Where the search finds
 nothing within its budget for a region around a matmul, the region's weight-streaming seed
 (:func:`..gemv_claim.seed_claim`, verified the same way) is claimed instead, so that a norm before the matmul is
 not left to a second, smaller cut of its own. A region that does not lower, or for which neither is found, is left
@@ -17,19 +17,18 @@ to the next claimers. Behind the ``search`` knob.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Sequence
 
 from .driver import search
-from ..compile import compile_ugraph
 
 from ...capture.ops import OpKind
 from ...context import CompileContext
-from ...failures import describe_error
 from ...partition.region import Claim, Decline, Outcome, Reason, is_convex
 from ..cut import CHAIN, DTYPES, GROW, MAX_NODES, grow, lowered_reference, reference_kernel
 from ..gemv_claim import seed_claim
-from ...timing import random_like
+from ..ugraph_plan import Alternative, UGraphPlan, random_inputs
 
 log = logging.getLogger("torch_mirage")
 
@@ -90,18 +89,14 @@ class SearchClaimer:
                     return seeded
                 why = result.reason + (f"; {seeded.detail}" if seeded is not None else "")
                 return Decline(nodes, Reason.NOT_FOUND, why)
-            examples = [random_like(m) for m in metas]
-            try:
-                compiled = compile_ugraph(result.best, examples, cache=ctx.cache, cache_dir=ctx.config.cache_dir,
-                                          target=ctx.target)
-            except Exception as e:   # a searched μGraph that does not compile: the region goes on
-                log.info("torch_mirage: searched μGraph does not compile (%s: %s)", type(e).__name__, e)
-                return Decline(nodes, Reason.COMPILE_ERROR, describe_error(e))
         s = result.stats
         info = {"source": result.source, "generated": s.generated, "pruned": s.pruned,
                 "candidates": s.candidates, "rejected_by_probe": s.rejected_by_probe,
                 "rejected_by_verifier": s.rejected_by_verifier, "verified": s.verified,
-                "search_s": round(s.seconds, 2), "ugraph_hash": result.best.hash()[:16],
-                "ugraph": str(result.best)}
-        return Claim(list(nodes), result.best, reference_kernel(nodes, graph, ref, compiled),
-                     detail=f"searched μGraph, {s.depth} block ops, {s.seconds:.2f} s", info=info)
+                "search_s": round(s.seconds, 2)}
+        detail = f"searched μGraph, {s.depth} block ops, {s.seconds:.2f} s"
+        plan = UGraphPlan([Alternative("searched", result.best, detail, {"ugraph": str(result.best)})],
+                          functools.partial(random_inputs, metas),
+                          functools.partial(reference_kernel, nodes, graph, ref),
+                          what=f"searched μGraph of {len(nodes)} ops")
+        return Claim(list(nodes), plan, detail=detail, info=info)

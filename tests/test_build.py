@@ -1,0 +1,75 @@
+"""The build stage (torch_mirage/build.py): plans become kernels there, alternatives that do not compile are
+dropped, and a plan none of whose μGraphs compiles leaves its region to the fallback with a typed decline."""
+import logging
+
+import pytest
+import torch
+
+from torch_mirage import build
+from torch_mirage.build import built_regions
+from torch_mirage.config import load
+from torch_mirage.context import CompileContext, Target
+from torch_mirage.partition.region import Reason, claims
+from torch_mirage.superopt.claim import LibraryClaimer
+from torch_mirage.superopt.ugraph_plan import Alternative
+from torch_mirage.testing.aten import trace_ir
+from helpers import assert_close
+
+
+def _lora(x, w, a, b):
+    return x @ w + (x @ a) @ b
+
+
+def _lora_claim(ctx):
+    xs = torch.randn(8, 16), torch.randn(16, 12), torch.randn(16, 2), torch.randn(2, 12)
+    graph = trace_ir(_lora, *xs)
+    (claim,) = claims(LibraryClaimer(["lora"]).claim(graph, list(graph.nodes), ctx))
+    return graph, xs, claim
+
+
+def _failing_first(monkeypatch, count: int):
+    """compile_ugraph failing for its first ``count`` calls in the build stage."""
+    real, calls = build.compile_ugraph, []
+
+    def compile_ugraph(graph, *args, **kwargs):
+        calls.append(graph)
+        if len(calls) <= count:
+            raise RuntimeError(f"alternative {len(calls)} does not compile")
+        return real(graph, *args, **kwargs)
+    monkeypatch.setattr(build, "compile_ugraph", compile_ugraph)
+    return calls
+
+
+def test_an_alternative_that_does_not_compile_is_dropped_and_another_runs(monkeypatch, caplog):
+    ctx = CompileContext.standalone(target=Target.INTERPRETER)
+    graph, xs, claim = _lora_claim(ctx)
+    (lora,) = claim.plan.alternatives
+    claim.plan.alternatives = [Alternative("first", lora.graph, "the first alternative", {"ugraph": "first"}), lora]
+    calls = _failing_first(monkeypatch, 1)
+    with caplog.at_level(logging.INFO, logger="torch_mirage"):
+        (region,) = built_regions([claim], graph, ctx, "ugraph-library")
+    assert len(calls) == 2 and region.compiled_by == "mirage" and region.info["ugraph"] == "lora"
+    assert region.detail == lora.detail and "ugraph_us" not in region.info      # one left: nothing timed
+    assert any("μGraph first of μGraph lora" in r.getMessage() and "does not compile" in r.getMessage()
+               for r in caplog.records)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    inputs = dict(zip([v.name for v in graph.inputs], xs))
+    assert_close(region.kernel(*[inputs[v.name] for v in region.inputs])[0], _lora(*xs))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_plan_none_of_whose_alternatives_compiles_goes_to_the_fallback(monkeypatch, strict):
+    ctx = CompileContext.standalone(load({"strict": strict}), target=Target.INTERPRETER)
+    graph, _, claim = _lora_claim(ctx)
+    (lora,) = claim.plan.alternatives
+    claim.plan.alternatives = [lora, Alternative("again", lora.graph, "again", {"ugraph": "again"})]
+    _failing_first(monkeypatch, 2)
+    if strict:
+        with pytest.raises(RuntimeError, match="alternative 1 does not compile"):
+            built_regions([claim], graph, ctx, "ugraph-library")
+        return
+    (region,) = built_regions([claim], graph, ctx, "ugraph-library")
+    assert region.compiled_by == "inductor" and region.reason is Reason.COMPILE_ERROR and region.kernel is None
+    assert "alternative 2 does not compile" in region.detail
+    assert [(d.claimer, d.reason) for d in region.declines] == [("ugraph-library", Reason.COMPILE_ERROR)]
+    assert len(ctx.failures) == 1

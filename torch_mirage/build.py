@@ -1,0 +1,167 @@
+"""The build stage: each claimed region's plan made into its kernel.
+
+Claimers return plans, never kernels (:mod:`.partition.region`). This stage turns each mirage region's plan into
+a callable from the region's input tensors to its output tensors, dispatching on the plan's type
+(:func:`kernel_of`): a :class:`~.codegen.stitch_plan.StitchPlan` is emitted, written and loaded as one stitched
+Triton kernel (:func:`~.codegen.stitch_launch.build_kernel`); a :class:`~.superopt.ugraph_plan.UGraphPlan` has each
+of its μGraphs compiled (:func:`~.superopt.compile.compile_ugraph`, whose launch configurations are tuned on a GPU)
+and, where it has several, the fastest chosen on a GPU — both choices through :func:`~.tune.tune`, the one loop of
+candidates, check, timing and winner cache. A plan that fails to build leaves its region to the fallback (reason
+``COMPILE_ERROR``, the error in its detail and in a typed decline, one grouped warning); under ``strict`` it raises.
+Another plan type gets its builder with ``kernel_of.register``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from .cache import cache_key
+from .capture.ir import Graph
+from .codegen.stitch_launch import build_kernel
+from .codegen.stitch_plan import StitchPlan
+from .context import CompileContext
+from .failures import describe_error, nodes_summary, note, stage
+from .partition.region import Decline, Outcome, Reason, Region, claims
+from .superopt.compile import compile_ugraph
+from .superopt.launch import candidates
+from .superopt.ugraph_plan import Alternative, UGraphPlan
+from .timing import cuda_graph_timing, rotated_input_sets
+from .tune import tune
+
+log = logging.getLogger("torch_mirage")
+
+
+@dataclass
+class Built:
+    """A plan's kernel, and what the region's report says about it once built."""
+    kernel: Callable[..., tuple]                           # (*region inputs) -> tuple(region outputs)
+    detail: str | None = None                              # the region's detail (None: the claim's stands)
+    info: dict[str, Any] = field(default_factory=dict)     # facts added to the region's info
+
+
+def build_regions(regions: Sequence[Region], graph: Graph, ctx: CompileContext) -> None:
+    """The build stage: every mirage region without a kernel gets the one its plan builds, or goes to the
+    fallback with the error (:func:`build_region`)."""
+    for region in regions:
+        if region.compiled_by == "mirage" and region.kernel is None:
+            build_region(region, graph, ctx)
+
+
+def build_region(region: Region, graph: Graph, ctx: CompileContext) -> None:
+    """``region``'s kernel from its plan; a plan that fails to build leaves the region to the fallback, with the
+    error as its detail and a :class:`Decline` of the claimer (raised under ``strict``)."""
+    try:
+        # the compile runs under AOT's fake mode; compiling and timing a kernel needs real tensors
+        with unset_fake_temporarily(), stage("build"):
+            built = kernel_of(region.plan, region, graph, ctx)
+    except Exception as e:
+        if ctx.config.strict:
+            raise
+        what = f" ({region.plan.what})" if isinstance(region.plan, UGraphPlan) else ""
+        note(ctx, "build", f"the {region.claimer} kernel for {nodes_summary(region.nodes)}{what}", e,
+             f"the region runs through {ctx.config.fallback}")
+        detail = describe_error(e)
+        region.declines.append(Decline(region.nodes, Reason.COMPILE_ERROR, detail, region.claimer))
+        region.compiled_by, region.reason, region.detail, region.kernel = \
+            ctx.config.fallback, Reason.COMPILE_ERROR, detail, None
+        return
+    region.kernel = built.kernel
+    if built.detail is not None:
+        region.detail = built.detail
+    region.info.update(built.info)
+
+
+def built_regions(outcomes: Sequence[Outcome], graph: Graph, ctx: CompileContext, claimer: str = "") -> list[Region]:
+    """The claims among one claimer's ``outcomes`` as regions, built: a claimer and the build stage run on their
+    own, outside the pipeline (tests, scripts)."""
+    regions = [Region.of_claim(c, claimer) for c in claims(outcomes)]
+    build_regions(regions, graph, ctx)
+    return regions
+
+
+@functools.singledispatch
+def kernel_of(plan: Any, region: Region, graph: Graph, ctx: CompileContext) -> Built:
+    """The kernel of ``region`` from ``plan``, by the plan's type; raises where it does not build."""
+    raise TypeError(f"no builder for a {type(plan).__name__} plan (claimer {region.claimer!r}, ops {region.ops}); "
+                    f"a claimer's plan is a StitchPlan or a UGraphPlan, or registers its builder with "
+                    f"build.kernel_of.register")
+
+
+@kernel_of.register
+def _stitch(plan: StitchPlan, region: Region, graph: Graph, ctx: CompileContext) -> Built:
+    """One stitched Triton kernel: emitted, written into the cache and loaded."""
+    kernel, path = build_kernel(plan, region.inputs, ctx.config.cache_dir)
+    return Built(kernel, info={"kernel_source": path})
+
+
+@kernel_of.register
+def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext) -> Built:
+    """Each of the plan's μGraphs compiled (launches tuned on a GPU); of several, the fastest on a GPU."""
+    examples = plan.examples()
+    built: list[tuple[Alternative, Any]] = []
+    errors: list[Exception] = []
+    for alternative in plan.alternatives:
+        try:
+            compiled = compile_ugraph(alternative.graph, examples, cache=ctx.cache, cache_dir=ctx.config.cache_dir,
+                                      target=ctx.target, propose=plan.propose or candidates)
+        except Exception as e:   # one alternative that does not compile: the others may
+            if ctx.config.strict or len(plan.alternatives) == 1:
+                raise
+            log.info("torch_mirage: μGraph %s of %s does not compile (%s: %s); not used", alternative.name,
+                     plan.what, type(e).__name__, e)
+            errors.append(e)
+            continue
+        built.append((alternative, compiled))
+    if not built:
+        raise errors[-1]
+    (chosen, compiled), times = fastest(built, examples, ctx.cache)
+    info = {**chosen.info, "ugraph_hash": chosen.graph.hash()[:16],
+            "launch": [c.to_json() for c in compiled.configs]}
+    if times:
+        info["ugraph_us"] = {name: round(us, 2) for name, us in times.items()}
+    return Built(plan.bind(compiled), chosen.detail, info)
+
+
+def _timing_sets(examples: list) -> list | None:
+    """Copies of ``examples`` rotated past L2 for timing on CUDA; None off CUDA (nothing is timed there)."""
+    if examples[0].device.type != "cuda":
+        return None
+    return rotated_input_sets(examples, torch.cuda.get_device_properties(examples[0].device).L2_cache_size)
+
+
+def _time_ugraph(compiled: Callable, sets: list) -> list[float]:
+    """Per-call µs samples of a compiled μGraph replayed in a CUDA graph over ``sets``."""
+    return cuda_graph_timing(compiled, sets, replays=20, repeats=3)["samples"]
+
+
+def fastest(built: list[tuple[Alternative, Any]], examples: list, cache: Any) -> tuple[tuple, dict[str, float]]:
+    """The fastest of several compiled μGraphs ``(alternative, compiled)`` of one program (the first where none
+    can be timed), with the times; a choice made once per μGraph set and device is read back from ``cache``
+    (:func:`~torch_mirage.tune.tune`)."""
+    if len(built) == 1:
+        return built[0], {}
+    by_name = {a.name: (a, c) for a, c in built}
+    key = None
+    if cache is not None and examples[0].device.type == "cuda":
+        key = cache_key(kind="ugraph-alternatives/2", graphs=[a.graph.hash() for a, _ in built],
+                        device=torch.cuda.get_device_name(examples[0].device))
+    sets: list = []
+
+    def timing_sets(name: str) -> list:        # the copies only when the cache has no answer
+        if not sets:
+            got = _timing_sets(examples)
+            if got is None:
+                raise RuntimeError("nothing is timed off CUDA")
+            sets.extend(got)
+        return sets
+
+    tuned = tune(list(by_name), lambda name, sets: _time_ugraph(by_name[name][1], sets), build=timing_sets,
+                 cache=cache, key=key, label="μGraph")
+    if tuned.winner is None:
+        return built[0], {}
+    return by_name[tuned.winner], tuned.times
