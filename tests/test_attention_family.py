@@ -244,3 +244,22 @@ def test_decode_over_a_long_cache_can_run_split_kv(monkeypatch, form):
 
     (region,) = _check(eager if form == "eager" else sdpa, (q, k, v, mask), torch.float32)
     assert region.info["ugraph"] == "flash_decoding", region.info
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_static_cache_decode_with_per_row_mask_runs_split_kv(dtype):
+    """llama_layer_decode's attention (query heads packed per KV head by a reshape, an additive mask per batch row
+    hiding each sequence's unwritten cache slots, fp32 softmax) at b=2: split-KV only (FlashAttention's grid, a
+    program per batch row and KV head, is not built for decode), a split count that fills the SMs, eager-equal."""
+    from torch_mirage.bench.workloads import _attention
+
+    b, h, hk, skv, d = 2, 8, 2, 512, 16
+
+    def decode(q, k, v, mask):
+        return _attention(q.reshape(b, hk, h // hk, d), k, v, mask)[0]
+
+    q, k, v = _qkv(b, h, hk, 1, skv, d, dtype)
+    mask = torch.zeros(b, 1, 1, skv, dtype=dtype)
+    mask[0, ..., 300:] = float("-inf")          # row 0 has written 300 slots, row 1 all of them
+    (region,) = _check(decode, (q, k, v, mask), dtype)
+    assert region.info["ugraph"] == "flash_decoding" and "ugraph_us" not in region.info, region.info

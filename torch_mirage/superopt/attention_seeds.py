@@ -151,6 +151,26 @@ def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float
     return g.build()
 
 
+DECODE_MIN_KEYS = 128     # the fewest keys a split of decode attention walks (two 64-key tiles)
+DECODE_WAVES = 2          # programs per SM decode attention's split count aims for (two resident per SM)
+
+
+def decode_splits(bh: int, skv: int, n_sm: int) -> int:
+    """The split count of split-KV decode over ``bh`` (batch rows x KV heads) programs per split and ``skv`` keys:
+    FlashAttention-2's ``num_splits_heuristic`` over ``DECODE_WAVES · n_sm`` program slots — the fewest power-of-two
+    splits (each at least ``DECODE_MIN_KEYS`` keys, dividing ``skv``) whose last wave is at least 85% as full as the
+    best one's — so the SMs are full and the combine reads few partial states. 1 where ``bh`` fills the slots."""
+    slots = DECODE_WAVES * n_sm
+    if bh >= 0.8 * slots:
+        return 1
+    choices = [s for s in (2 ** i for i in range(8)) if skv % s == 0 and skv // s >= DECODE_MIN_KEYS] or [1]
+
+    def fill(s: int) -> float:
+        return bh * s / slots / -(-bh * s // slots)
+    best = max(fill(s) for s in choices)
+    return next(s for s in choices if fill(s) >= 0.85 * best)
+
+
 SEEDS = {"flash_attention": flash_attention, "flash_decoding": flash_decoding}
 
 
