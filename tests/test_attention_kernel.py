@@ -13,7 +13,7 @@ from helpers import assert_close
 from torch_mirage.codegen.ugraph_triton import LOG2E, emit_block_kernel
 from torch_mirage.config import load
 from torch_mirage.context import Target
-from torch_mirage.superopt.attention_seeds import decode_splits, flash_attention, flash_decoding
+from torch_mirage.superopt.attention_seeds import decode_split_counts, decode_splits, flash_attention, flash_decoding
 from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph
 from torch_mirage.superopt.launch import (LaunchConfig, candidates, default_config, prefill_attention,
                                           split_kv_decode)
@@ -177,6 +177,8 @@ def test_decode_split_count_fills_the_sms():
     assert decode_splits(256, 4096, 132) == 1
     assert decode_splits(8, 512, 132) == 4                  # 128 keys per split at least
     assert decode_splits(8, 100, 132) == 1                  # too short to split
+    assert decode_split_counts(8, 4096, 132) == [32, 16, 64] and decode_split_counts(64, 4096, 132) == [4, 2, 8]
+    assert decode_split_counts(8, 256, 132) == [2, 4] and decode_split_counts(256, 4096, 132) == []
 
 
 def test_decode_candidates():
@@ -246,7 +248,7 @@ def test_gpu_decode_split_kv_tuned(dtype):
     q = torch.randn(b, hk, rows, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(b, hk, skv, d, device="cuda", dtype=dtype) for _ in range(2))
     m = torch.zeros(b, 1, rows, skv, device="cuda", dtype=dtype)
-    m[1, ..., 1500:] = -1e30                                   # row 1: 1500 slots written
+    m[1, ..., 1500:] = max(-1e30, torch.finfo(dtype).min)      # row 1: 1500 slots written (the claimer's clamp)
     c = compile_ugraph(kg, [q, k, v, m], target=Target.CUDA)
     out = c(q, k, v, m)[0]
     assert torch.isfinite(out).all()

@@ -15,8 +15,8 @@ the claim, dead — nothing is built, packed, clamped or scanned per call.
 
 Where KV is long enough to split, the split-KV seed is compiled as well and on a GPU the faster runs (the library
 claimer's timing, :func:`.claim._fastest`): it fills the SMs where few query rows — decode — leave FlashAttention's
-grid small. Decode (one block of query rows) gets a split count that fills the SMs (:func:`_seeds`). The backend
-then checks the region against eager ATen on random inputs, as for every region.
+grid small. Decode (one block of query rows) times split counts around one that fills the SMs (:func:`_seeds`).
+The backend then checks the region against eager ATen on random inputs, as for every region.
 
 A region whose P is also reduced over the query axis (H2O's column sums, :class:`~..analysis.attention.
 ColumnReduction`) runs one plan for P·V and the column sums per query head: :func:`plan_candidates` costs the
@@ -44,7 +44,7 @@ from ..capture.lower import constant_value
 from ..ugraph import MASK_FLOOR
 from ..context import CompileContext, Target
 from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
-from .attention_seeds import PLAN_KERNELS, ROW_BLOCK_KV, SEEDS, attention_column_sums, decode_splits
+from .attention_seeds import PLAN_KERNELS, ROW_BLOCK_KV, SEEDS, attention_column_sums, decode_split_counts
 from .library import blocks
 from .plan_select import Candidate, select_plan
 from ..timing import random_like
@@ -340,28 +340,32 @@ def _examples(spec: AttentionSpec, graph: Graph, by_index: bool = False
     return ex, mask_shape, causal
 
 
-def _seeds(spec: AttentionSpec) -> dict[str, dict]:
-    """The seeds to build for attention without column sums, each with its own parameters: FlashAttention, and
-    split-KV where KV is long enough to split. Decode — one row block of queries (the heads of a KV head packed,
-    a few tokens each) — splits KV into :func:`.attention_seeds.decode_splits` parts, and FlashAttention (a
-    program per batch row and KV head) is built too only where those programs fill half the SMs."""
-    seeds: dict[str, dict] = {"flash_attention": {}}
+def _seeds(spec: AttentionSpec) -> dict[str, tuple[str, dict]]:
+    """The seeds to build for attention without column sums, by the name they are timed and reported under: the
+    seed and its own parameters. FlashAttention, and split-KV where KV is long enough to split. Decode — one row
+    block of queries (the heads of a KV head packed, a few tokens each) — builds split-KV at each of
+    :func:`.attention_seeds.decode_split_counts` (``flash_decoding/<splits>``), and FlashAttention (a program per
+    batch row and KV head) only where those programs fill half the SMs."""
+    seeds: dict[str, tuple[str, dict]] = {"flash_attention": ("flash_attention", {})}
     if spec.group * spec.sq <= SEED_TILE:
         bh, n_sm = spec.b * spec.hk, DeviceModel.current().sm_count
-        splits = decode_splits(bh, spec.skv, n_sm)
-        if splits > 1:
-            return ({"flash_attention": {}} if 2 * bh >= n_sm else {}) | {"flash_decoding": {"splits": splits}}
+        counts = decode_split_counts(bh, spec.skv, n_sm)
+        if counts:
+            return ({"flash_attention": ("flash_attention", {})} if 2 * bh >= n_sm else {}) | {
+                f"flash_decoding/{s}": ("flash_decoding", {"splits": s}) for s in counts}
     if blocks(spec.skv, SPLIT_KV) > 1:
-        seeds["flash_decoding"] = {}
+        seeds["flash_decoding"] = ("flash_decoding", {})
     return seeds
 
 
-def _build_seeds(spec: AttentionSpec, names: dict[str, dict], ex: list, kwargs: dict, ctx: CompileContext) -> list:
-    """Each seed of ``names`` (name: its own parameters) built and compiled; one that fails is left out."""
+def _build_seeds(spec: AttentionSpec, names: dict[str, tuple[str, dict]], ex: list, kwargs: dict,
+                 ctx: CompileContext) -> list:
+    """Each seed of ``names`` (name: the seed and its own parameters) built and compiled; one that fails is left
+    out."""
     built = []
-    for name, own in names.items():
+    for name, (seed, own) in names.items():
         try:
-            kg = SEEDS[name](spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d, **kwargs, **own)
+            kg = SEEDS[seed](spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d, **kwargs, **own)
             built.append((SimpleNamespace(name=name), kg,
                           compile_ugraph(kg, ex, cache=ctx.cache, cache_dir=ctx.config.cache_dir, target=ctx.target)))
         except Exception as e:   # a seed that does not build for these shapes: not used
