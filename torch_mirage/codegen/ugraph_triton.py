@@ -568,16 +568,24 @@ def _conform_expr(expr: str, x: Val, dim, st: Val) -> str:
 def _online_softmax_update(e: _Emitter, states: list[Val], s: Val, v: Val, clamp: bool = True) -> None:
     """One iteration of the online softmax, in base 2: the running max ``m`` is in log2 units (scores times
     log2 e), so every rescale and probability is one ``exp2``; :func:`_acc_final` turns ``m`` back. The scores'
-    pending scale and log2 e are one multiply. ``clamp``: the scores may hold an additive mask (see below)."""
+    pending scale and log2 e are one multiply. ``clamp``: the scores may hold an additive mask (see below); they
+    are held at ``MASK_FLOOR`` (in log2 units) before the padding keys get -inf, so a mask of -inf or of a dtype's
+    lowest value (whose product with log2 e overflows fp32) needs no clamped copy per call: a tile or split
+    whose keys are all masked keeps ``exp2(s - m)`` defined, and a row masked whole averages its keys, as the
+    clamped mask did."""
     m, l, o = states
     last = len(s.shape) - 1
     factor = s.scale * (1.0 if s.log2e else LOG2E)
-    if factor > 0:              # masking with -inf commutes with a positive factor
+    if clamp:
+        lg = e.f32(s) if s.log2e else f"{e.f32(s)} * {LOG2E!r}"
+        held = e.assign("s", f"tl.maximum({lg}, {MASK_FLOOR * LOG2E!r})", s.shape, natural=s.pshape)
+        scores = e.masked(held, [last], NEG_INF)
+    elif factor > 0:            # masking with -inf commutes with a positive factor
         base = e.masked(replace(s, scale=1.0), [last], NEG_INF)
         scores = base if factor == 1.0 else f"{base} * {factor!r}"
     else:
         scores = e.masked(s, [last], NEG_INF) if s.log2e else f"{e.masked(s, [last], NEG_INF)} * {LOG2E!r}"
-    sm = e.assign("s", scores, s.shape, natural=s.pshape)
+    sm = held if clamp and scores == held.name else e.assign("s", scores, s.shape, natural=s.pshape)
     mt = e.assign("m", f"tl.max({sm.name}, axis={last}, keep_dims=True)", m.shape,
                   natural=sm.pshape[:last] + (1,))
     mn = e.assign("m", f"tl.maximum({m.name}, {mt.name})", m.shape, natural=m.pshape)

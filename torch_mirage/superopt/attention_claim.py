@@ -58,23 +58,39 @@ SEED_TILE = 64            # the seeds' default tile edge
 def packed_mask(spec: AttentionSpec, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     """The spec's mask as scores to add, (bm, hm, g·sq, skv) with bm ∈ {1, b}, hm ∈ {1, hk}: a mask shared by all
     batch rows / heads stays shared (an HF (1, 1, n, n) causal mask is not copied per head); a per-head one is a
-    view of the user's; a head-shared one under GQA repeats its rows once per head of a group. Bool masks become
-    fp32 ``where(keep, 0, fill)``; None when unmasked."""
-    b, h, hk, sq, skv, g = spec.b, spec.h, spec.hk, spec.sq, spec.skv, spec.group
+    view of the user's; a head-shared one under GQA repeats its rows once per head of a group (a view where each
+    head has one query row: decode). Bool masks become fp32 ``where(keep, 0, fill)``; None when unmasked."""
+    m = additive_mask(spec, mask, device)
+    return None if m is None else _pack(spec, m)
+
+
+def additive_mask(spec: AttentionSpec, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """The spec's mask as the scores it adds, before packing: ``is_causal``'s triangle, a bool mask's
+    ``where(keep, 0, fill)``, an additive mask as it is; None when unmasked."""
+    sq, skv = spec.sq, spec.skv
     if spec.mask == "causal":
         keep = torch.ones(sq, skv, dtype=torch.bool, device=device).tril()
-        mask = torch.zeros(keep.shape, device=device).masked_fill(~keep, float("-inf"))
-    elif mask is None:
+        return torch.zeros(keep.shape, device=device).masked_fill(~keep, float("-inf"))
+    if mask is None:
         return None
-    elif spec.mask == "bool":
-        mask = torch.where(mask, 0.0, spec.bool_fill)
-    elif spec.mask == "bool_inverted":
-        mask = torch.where(mask, spec.bool_fill, 0.0)
+    if spec.mask == "bool":
+        return torch.where(mask, 0.0, spec.bool_fill)
+    if spec.mask == "bool_inverted":
+        return torch.where(mask, spec.bool_fill, 0.0)
+    return mask
+
+
+def _pack(spec: AttentionSpec, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`packed_mask`'s packing of a (…, sq, n) tensor (n: the keys, or 1 for a per-row value)."""
+    b, h, hk, sq, g = spec.b, spec.h, spec.hk, spec.sq, spec.group
     m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    n = m.shape[-1]
     bm = b if m.shape[0] == b else 1
     if m.shape[1] == h and h > 1:
-        return m.expand(bm, h, sq, skv).reshape(bm, hk, g * sq, skv)
-    m = m.expand(bm, 1, sq, skv)
+        return m.expand(bm, h, sq, n).reshape(bm, hk, g * sq, n)
+    if sq == 1:
+        return m.expand(bm, 1, g, n)
+    m = m.expand(bm, 1, sq, n)
     return m.repeat(1, 1, g, 1) if g > 1 else m
 
 
@@ -95,10 +111,11 @@ def index_mask(spec: AttentionSpec) -> bool:
 
 def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.Tensor | None = None) -> tuple:
     """The region's outputs from the compiled seed: P·V (b, h, sq, d), then each of ``spec.extra_outputs`` from
-    the seed's column sums of P (b, h, skv) when it has them. Q is packed per KV head, the mask packed and clamped
-    at the dtype's floor (finite: an all-masked tile or split keeps the online softmax defined) — or, where the
-    region's mask is fixed (``fixed``: ``is_causal``'s, built once; an :func:`index_mask`'s broadcast stand-in,
-    never read), that tensor. Rows whose keys are all ``-inf`` get eager's answer: zeros from SDPA, NaN from the
+    the seed's column sums of P (b, h, skv) when it has them. Q is packed per KV head, the mask packed — the
+    online-softmax kernels hold masked scores at their floor themselves; for a column-sum plan (whose column pass
+    re-reads the mask) clamped at the dtype's floor, finite — or, where the region's mask is fixed (``fixed``:
+    ``is_causal``'s, built once; an :func:`index_mask`'s broadcast stand-in, never read), that tensor. Rows whose
+    keys are all ``-inf`` (found on the mask before packing) get eager's answer: zeros from SDPA, NaN from the
     decomposed softmax — and there a head's column sums are NaN too, as the sum over its NaN row is in eager."""
     b, h, hk, sq, d = spec.b, spec.h, spec.hk, spec.sq, spec.d
     rows = spec.group * sq
@@ -106,9 +123,10 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.
     empty = None
     if fixed is not None:
         args.append(fixed)
-    elif (packed := packed_mask(spec, mask, q.device)) is not None:
-        args.append(packed.clamp_min(max(MASK_FLOOR, torch.finfo(packed.dtype).min)))
-        empty = packed.amax(-1, keepdim=True) == float("-inf")            # (bm, hm, rows, 1)
+    elif (m := additive_mask(spec, mask, q.device)) is not None:
+        packed = _pack(spec, m)
+        args.append(packed.clamp_min(max(MASK_FLOOR, torch.finfo(packed.dtype).min)) if spec.extra_outputs else packed)
+        empty = _pack(spec, m.amax(-1, keepdim=True) == float("-inf"))    # (bm, hm, rows, 1)
     res = compiled(*args)
     out = res[0]
     if empty is not None:
