@@ -112,7 +112,9 @@ def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float
     splits = splits or blocks(skv, 4 * tile)
     forloop_range = forloop_range or blocks(skv // splits, tile)
     q_blocks = q_blocks or blocks(rows, tile)
-    combine_q_blocks = combine_q_blocks or blocks(rows, 8)
+    # the combine holds (splits, its rows, d) fp32 in registers, rows padded to 16 unless one: decode's few rows
+    # one per program (on the H100 the 64-split decode seed, its combine 64 x 16 padded rows x d 128, never ran)
+    combine_q_blocks = combine_q_blocks or (rows if rows < 16 else blocks(rows, 8))
     if masked and q_blocks > 1 and tuple(mask) not in ((1, 1), (b, hk)):
         raise ValueError(f"flash_decoding: a mask of batch/head dims {tuple(mask)} over {q_blocks} row blocks "
                          f"(need (1, 1) or {(b, hk)}, or one row block)")
