@@ -176,8 +176,8 @@ def decode_splits(bh: int, skv: int, n_sm: int) -> int:
 def decode_split_counts(bh: int, skv: int, n_sm: int, tile: int = 64) -> list[int]:
     """The split counts decode attention times: :func:`decode_splits`' first, then half and twice it where those
     still split KV (twice: each split at least one ``tile`` of keys); the claimer times them. The heuristic alone
-    left b=1 short (H100, 2026-11-25, bf16, 8 KV heads x 4k slots: 32 splits of 128 keys, 8.4 µs, 1.46x the KV
-    floor, against 1.04x at b=8). Empty where KV is not split."""
+    left b=1 short (H100, 2026-11-25, bf16, 8 KV heads x 4k slots, the split kernel alone: 32 splits of 128 keys,
+    8.4 µs, 1.46x the KV floor, against 1.04x at b=8 with 4 splits). Empty where KV is not split."""
     s = decode_splits(bh, skv, n_sm)
     if s == 1:
         return []
