@@ -197,6 +197,25 @@ def test_seeds_with_softcap_and_fully_masked_tiles(seed, shared):
     assert_close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("seed", [flash_attention, flash_decoding])
+def test_seeds_take_unclamped_masks_as_eager(seed):
+    """Both seeds on a mask nobody clamped: -inf on whole tiles and splits of some rows, a row masked whole by -inf
+    (eager: NaN, the kernel's own 0/0) and one masked whole by fp32's lowest value (eager: the uniform average,
+    the kernel's held floor), against fp64 eager."""
+    b, hk, rows, skv, d = 1, 2, 6, 24, 16
+    schedule = dict(q_blocks=2, forloop_range=3) if seed is flash_attention else dict(splits=3, forloop_range=2)
+    g = seed(b, hk, rows, skv, d, scale=0.3, mask=(b, hk), dtype="float32", **schedule)
+    q, k, v = torch.randn(b, hk, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
+    m = torch.zeros(b, hk, rows, skv)
+    m[..., 8:16] = float("-inf")                   # the middle split / tiles of every row
+    m[0, 0, 1, :] = float("-inf")
+    m[0, 1, 4, :] = torch.finfo(torch.float32).min
+    out = compile_ugraph(g, [q, k, v, m])(q, k, v, m)[0]
+    ref = torch.softmax((q @ k.transpose(-1, -2)).double() * 0.3 + m.double(), -1) @ v.double()
+    assert torch.isnan(ref[0, 0, 1]).all() and torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert_close(out.nan_to_num(), ref.nan_to_num().float(), torch.float32)
+
+
 @pytest.mark.parametrize("cap", [4.0, 50.0])
 def test_softcap_seed_verifies_with_tanh_uninterpreted(cap):
     """tanh is an uninterpreted function in the finite-field test: the soft-capped, masked seed is accepted

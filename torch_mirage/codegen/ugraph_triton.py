@@ -64,6 +64,9 @@ TANH_PTX = 'tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [{0}], 
 NEG_INF = 'float("-inf")'
 LOG2E = 1.4426950408889634   # online softmax in base 2: exp(x) = exp2(x · log2 e)
 LN2 = 0.6931471805599453
+# an online softmax's running max (log2 units) before any key: finite, below every held score (MASK_FLOOR · log2 e),
+# so a tile of -inf scores leaves it finite and exp2(m_old - m_new), exp2(s - m) defined; saved as M_INIT · ln 2
+M_INIT = -3.0e38
 REDUCERS = {"reduce_sum": ("tl.sum", "0.0"), "reduce_mean": ("tl.sum", "0.0"), "reduce_max": ("tl.max", NEG_INF)}
 # how the combine kernel folds two partial accumulator states
 FOLD = {"acc_sum": "{a} + {b}", "acc_mean": "{a} + {b}", "acc_rms": "{a} + {b}", "acc_max": "tl.maximum({a}, {b})"}
@@ -507,8 +510,12 @@ def _acc_init(e: _Emitter, op: Op) -> list[Val]:
     for j, s in enumerate(op.shapes):
         shape = strip(s)[0]
         pshape = tuple(padded(x) for x in shape)
-        neg = op.name == "acc_max" or (op.name == "acc_online_softmax" and j == 0)
-        init = f'tl.full({pshape}, float("-inf"), tl.float32)' if neg else f"tl.zeros({pshape}, tl.float32)"
+        if op.name == "acc_max":
+            init = f'tl.full({pshape}, float("-inf"), tl.float32)'
+        elif op.name == "acc_online_softmax" and j == 0:        # the running max (see _online_softmax_update)
+            init = f"tl.full({pshape}, {M_INIT!r}, tl.float32)"
+        else:
+            init = f"tl.zeros({pshape}, tl.float32)"
         states.append(e.assign("acc", init, shape))
     return states
 
@@ -568,17 +575,21 @@ def _conform_expr(expr: str, x: Val, dim, st: Val) -> str:
 def _online_softmax_update(e: _Emitter, states: list[Val], s: Val, v: Val, clamp: bool = True) -> None:
     """One iteration of the online softmax, in base 2: the running max ``m`` is in log2 units (scores times
     log2 e), so every rescale and probability is one ``exp2``; :func:`_acc_final` turns ``m`` back. The scores'
-    pending scale and log2 e are one multiply. ``clamp``: the scores may hold an additive mask (see below); they
-    are held at ``MASK_FLOOR`` (in log2 units) before the padding keys get -inf, so a mask of -inf or of a dtype's
-    lowest value (whose product with log2 e overflows fp32) needs no clamped copy per call: a tile or split
-    whose keys are all masked keeps ``exp2(s - m)`` defined, and a row masked whole averages its keys, as the
-    clamped mask did."""
+    pending scale and log2 e are one multiply. ``clamp``: the scores may hold an additive mask (see below); finite
+    scores below ``MASK_FLOOR`` are held there before the multiply by log2 e (a dtype's lowest value would overflow
+    fp32 to -inf), so a row masked whole by finite values averages its keys, as eager's softmax does; -inf stays
+    -inf, and the running max starting at ``M_INIT`` (below the floor, finite) keeps ``exp2(s - m)`` defined on a
+    tile or split whose keys are all -inf — a row masked whole by -inf ends with sum 0 and output 0/0 = NaN, as
+    eager's. No clamped copy of the mask per call."""
     m, l, o = states
     last = len(s.shape) - 1
     factor = s.scale * (1.0 if s.log2e else LOG2E)
     if clamp:
-        lg = e.f32(s) if s.log2e else f"{e.f32(s)} * {LOG2E!r}"
-        held = e.assign("s", f"tl.maximum({lg}, {MASK_FLOOR * LOG2E!r})", s.shape, natural=s.pshape)
+        x = e.f32(s)
+        x = x if x == s.name else e.assign("s", x, s.shape, natural=s.pshape).name
+        floor = MASK_FLOOR * (LOG2E if s.log2e else 1.0)
+        held = e.assign("s", f"tl.where({x} == {NEG_INF}, {x}, tl.maximum({x}, {floor!r}))"
+                        + ("" if s.log2e else f" * {LOG2E!r}"), s.shape, natural=s.pshape)
         scores = e.masked(held, [last], NEG_INF)
     elif factor > 0:            # masking with -inf commutes with a positive factor
         base = e.masked(replace(s, scale=1.0), [last], NEG_INF)

@@ -4,11 +4,11 @@
 Whatever form the region came in — HF eager code with ``repeat_kv``, an SDPA ATen op, a hand-written softmax —
 it becomes Q packed per KV head (b, hk, g·sq, d), K and V as they are, and, when masked, one additive mask
 (bm, hm, g·sq, skv), shared over batch rows and heads where the user's is: a bool mask becomes ``where(keep, 0,
-fill)``, ``is_causal`` a top-left triangle of ``-inf`` (built once per region), and every mask is clamped at
-``-1e30`` (or its dtype's floor) so that a tile or split whose keys are all masked stays finite inside the
-online softmax. Rows whose keys are all masked (padding) get what the form gives in eager: SDPA returns zeros,
-the decomposed softmax NaN for ``-inf`` masks, and a uniform average for the finite ``finfo.min`` masks HF builds —
-which is what the clamped mask gives by itself. A mask that is exactly its causal / sliding-window band
+fill)``, ``is_causal`` a top-left triangle of ``-inf`` (built once per region). The online-softmax kernels hold
+finite masked scores at ``-1e30`` and keep a tile or split whose keys are all ``-inf`` defined (column-sum plans
+get a copy of the mask clamped at ``-1e30`` or its dtype's floor). Rows whose keys are all masked (padding) get
+what the form gives in eager: SDPA returns zeros, the decomposed softmax NaN for ``-inf`` masks (the kernels' own
+0/0), and a uniform average for the finite ``finfo.min`` masks HF builds (the held floor's). A mask that is exactly its causal / sliding-window band
 (:func:`index_mask`: ``is_causal``, HF's ``where(j <= i, 0, min)``) is none of that: the banded seeds compute it
 from indices, the kernel gets a broadcast stand-in, and the graph nodes that build it for this region alone join
 the claim, dead — nothing is built, packed, clamped or scanned per call.
@@ -115,8 +115,9 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.
     online-softmax kernels hold masked scores at their floor themselves; for a column-sum plan (whose column pass
     re-reads the mask) clamped at the dtype's floor, finite — or, where the region's mask is fixed (``fixed``:
     ``is_causal``'s, built once; an :func:`index_mask`'s broadcast stand-in, never read), that tensor. Rows whose
-    keys are all ``-inf`` (found on the mask before packing) get eager's answer: zeros from SDPA, NaN from the
-    decomposed softmax — and there a head's column sums are NaN too, as the sum over its NaN row is in eager."""
+    keys are all ``-inf`` get eager's answer: zeros from SDPA, NaN from the decomposed softmax — the online-softmax
+    kernels end such a row at 0/0 themselves; for SDPA and column-sum plans the rows are found on the mask before
+    packing and filled, and there a head's column sums are NaN too, as the sum over its NaN row is in eager."""
     b, h, hk, sq, d = spec.b, spec.h, spec.hk, spec.sq, spec.d
     rows = spec.group * sq
     args = [q.contiguous().reshape(b, hk, rows, d), k.contiguous(), v.contiguous()]
@@ -126,7 +127,8 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.
     elif (m := additive_mask(spec, mask, q.device)) is not None:
         packed = _pack(spec, m)
         args.append(packed.clamp_min(max(MASK_FLOOR, torch.finfo(packed.dtype).min)) if spec.extra_outputs else packed)
-        empty = _pack(spec, m.amax(-1, keepdim=True) == float("-inf"))    # (bm, hm, rows, 1)
+        if spec.extra_outputs or spec.form != "eager":     # the online softmax alone gives eager's NaN itself
+            empty = _pack(spec, m.amax(-1, keepdim=True) == float("-inf"))    # (bm, hm, rows, 1)
     res = compiled(*args)
     out = res[0]
     if empty is not None:
