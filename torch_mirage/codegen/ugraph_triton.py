@@ -632,11 +632,10 @@ def _combine(e: _Emitter, op: Op, states: list[Val], others: list[Val]) -> None:
         e.line(f"{st.name} = {FOLD[op.name].format(a=st.name, b=ot.name)}")
         return
     (m, l, o), (m2, l2, o2) = states, others          # raw partial states: m in log2 units
+    # two partials that saw no key (an empty for-loop band: m = M_INIT, l = o = 0) stay empty: weights 1, states 0
     mn = e.assign("m", f"tl.maximum({m.name}, {m2.name})", m.shape)
-    # two partials that saw no key (an empty for-loop band: m = -inf, l = o = 0) stay empty, not NaN
-    safe = e.assign("m", f"tl.where({mn.name} == float(\"-inf\"), 0.0, {mn.name})", m.shape)
-    a1 = e.assign("a", f"tl.math.exp2({m.name} - {safe.name})", m.shape)
-    a2 = e.assign("a", f"tl.math.exp2({m2.name} - {safe.name})", m.shape)
+    a1 = e.assign("a", f"tl.math.exp2({m.name} - {mn.name})", m.shape)
+    a2 = e.assign("a", f"tl.math.exp2({m2.name} - {mn.name})", m.shape)
     e.line(f"{l.name} = {l.name} * {a1.name} + {l2.name} * {a2.name}")
     e.line(f"{o.name} = {o.name} * {a1.name} + {o2.name} * {a2.name}")
     e.line(f"{m.name} = {mn.name}")

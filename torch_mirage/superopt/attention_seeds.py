@@ -18,8 +18,8 @@ sets the block graph's ``forloop_band`` (:func:`~torch_mirage.ugraph.band_range`
 sees key ``k`` iff ``k <= pos + offset`` (and ``k > pos + offset - window``), so each row block's for-loop runs
 only over the key tiles it can see; the mask is added on the visited tiles that some row sees only in part (the
 diagonal ones) and, where the mask's visible part is 0 (``band[3]``), not loaded on the tiles every row sees. A
-split of the split-KV seed that a row block cannot see runs no iteration and saves m = -inf, l = 0, o = 0, which
-the combine weighs by ``exp(-inf) = 0``.
+split of the split-KV seed that a row block cannot see runs no iteration and saves l = 0, o = 0 and the running
+max's finite start (codegen's ``M_INIT``, far below any score), which the combine weighs by ``exp(M_INIT − max) = 0``.
 
 Column sums of P (H2O's accumulated attention per key) need each row's final max and sum, which a single
 online-softmax pass does not have when it meets a key. :func:`attention_column_sums` composes a plan from
