@@ -1,5 +1,5 @@
-"""Prefill attention kernels on one GPU (issue 16): mirage's compiled gemma2_softcap and h2o_core against SDPA,
-flex_attention and Inductor.
+"""Attention kernels on one GPU (issue 16): mirage's compiled gemma2_softcap and h2o_core (prefill) and
+llama_layer_decode's attention (decode) against SDPA, flex_attention and Inductor.
 
 Cases: the bench's gemma2_softcap (causal, tanh soft-cap 50, P·V) and h2o_core (causal, P·V and the column sums
 of P) with B=1, H=32, d=128 at n = 1024 and 8192, bf16 and fp16. The causal mask is built inside the compiled
@@ -13,6 +13,16 @@ runs the banded FlashAttention seed. Columns:
 * ``flex``: compiled ``flex_attention`` with a causal block mask (made once, outside the timing) and, for
   gemma2, the soft-cap as ``score_mod`` (same output); for h2o P·V only.
 
+Decode (``--workloads decode``): the attention region of llama_layer_decode — one new token per sequence against a
+static KV cache of ``--context`` slots (4096), Llama-3-8B heads (32 query, 8 KV, d 128), the query heads packed per
+KV head by a reshape, an additive mask per batch row hiding the slots not written yet (row r has written
+``context - 128·r`` slots), fp32 softmax — at each of ``--batches`` (1 8). Columns as above; ``sdpa`` is
+``scaled_dot_product_attention(attn_mask=mask, enable_gqa=True)`` and ``flex`` compiled ``flex_attention`` with
+the mask as ``score_mod`` (both the same output). Each decode row also gives the KV floor — the K and V bytes
+(every slot is read: the mask is an input of unknown values) over the copy bandwidth measured at the start of
+the run — and, with ``--profile``, mirage's attention kernels alone (its ``ugraph`` kernels: split-KV and the
+combine, without the per-call mask clamp around them) against that floor.
+
 Each column is checked against an fp32 eager reference (relative Frobenius error, the bench tolerance; columns
 that compute something else are marked ``ref``) and timed with ``torch_mirage.bench.harness.time_in_cuda_graph``:
 one CUDA graph calling the function once per input set, sets rotated past L2. Writes ``attention_kernel.json``
@@ -20,7 +30,8 @@ and ``attention_kernel.md`` to ``$OUT`` (or ``--out``). ``--root DIR`` imports `
 older checkout, for a before/after column under ``--label``).
 
     python benchmarks/attention_kernel_gpu.py [--sizes 1024 8192] [--dtypes bfloat16 float16]
-        [--workloads gemma2_softcap h2o_core] [--modes mirage inductor sdpa flex] [--budget-s 400]
+        [--workloads gemma2_softcap h2o_core decode] [--batches 1 8] [--context 4096]
+        [--modes mirage inductor sdpa flex] [--budget-s 400]
 """
 from __future__ import annotations
 
@@ -42,6 +53,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--workloads", nargs="+", default=["gemma2_softcap", "h2o_core"])
     p.add_argument("--modes", nargs="+", default=["mirage", "inductor", "sdpa", "flex"])
     p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode: batch rows")
+    p.add_argument("--context", type=int, default=4096, help="decode: static-cache slots")
+    p.add_argument("--kv-heads", type=int, default=8, help="decode: KV heads")
     p.add_argument("--budget-s", type=float, default=420.0, help="cases not started by then are skipped")
     p.add_argument("--root", default=None, help="import torch_mirage from this directory")
     p.add_argument("--label", default="after", help="names this run in the JSON / table (before / after)")
@@ -56,7 +70,9 @@ sys.path.insert(0, os.path.abspath(ARGS.root) if ARGS.root else
                 os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import torch_mirage  # noqa: E402
@@ -84,6 +100,54 @@ def h2o(q, k, v):
 CASES = {"gemma2_softcap": (gemma2, 50.0), "h2o_core": (h2o, None)}
 
 
+def decode_attention(q, k, v, mask):
+    """llama_layer_decode's attention: the query heads of each KV head packed by a reshape, the additive mask,
+    fp32 softmax; returned as (b, h, 1, d)."""
+    b, h, t, d = q.shape
+    out, _ = W._attention(q.reshape(b, k.shape[1], h // k.shape[1] * t, d), k, v, mask)
+    return out.reshape(b, h, t, d)
+
+
+def sdpa_decode(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def flex_decode(q, k, v, mask):
+    def add_mask(score, b, h, q_idx, kv_idx):
+        return score + mask[b, 0, 0, kv_idx]
+    return flex_attention(q, k, v, score_mod=add_mask, enable_gqa=True)
+
+
+def decode_inputs(b: int, dtype: torch.dtype, dev, seed: int) -> list[torch.Tensor]:
+    """q (b, h, 1, d), the cache's K and V (b, hk, context, d), the additive mask (b, 1, 1, context): row r has
+    written ``context - 128·r`` slots."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    ctx, d = ARGS.context, 128
+
+    def randn(*shape):
+        return torch.randn(shape, device=dev, generator=g, dtype=torch.float32).to(dtype)
+    written = torch.tensor([ctx - 128 * r for r in range(b)], device=dev)
+    mask = torch.where(torch.arange(ctx, device=dev)[None] < written[:, None], 0.0, float("-inf"))
+    return [randn(b, ARGS.heads, 1, d), randn(b, ARGS.kv_heads, ctx, d), randn(b, ARGS.kv_heads, ctx, d),
+            mask.to(dtype).view(b, 1, 1, ctx)]
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth in bytes/s (read + write) of a ``nbytes`` copy, median of 10 CUDA-event timings."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    del src, dst
+    return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2]
+
+
 class _Configs(logging.Handler):
     """Collects the launch configs the mirage backend logs for its μGraph ops."""
 
@@ -98,6 +162,8 @@ class _Configs(logging.Handler):
 
 
 def compile_mode(mode: str, fn, softcap, info: dict):
+    if fn is decode_attention and mode in ("sdpa", "flex"):
+        return (sdpa_decode if mode == "sdpa" else torch.compile(flex_decode, dynamic=False)), True
     if mode == "mirage":
         report = torch_mirage.Report()
         info["report"] = report
@@ -112,14 +178,21 @@ def compile_mode(mode: str, fn, softcap, info: dict):
     raise KeyError(mode)
 
 
-def run_case(name: str, n: int, dtype: torch.dtype, modes, cfg_log: _Configs) -> dict:
-    fn, softcap = CASES[name]
+def run_case(name: str, n: int, dtype: torch.dtype, modes, cfg_log: _Configs, b: int = 1,
+             bandwidth: float | None = None) -> dict:
     dev = torch.device("cuda")
-    shape = (1, ARGS.heads, n, 128)
+    if name == "decode":
+        fn, softcap = decode_attention, None
 
-    def make(seed: int) -> list[torch.Tensor]:
-        g = torch.Generator(device=dev).manual_seed(seed)
-        return [torch.randn(shape, device=dev, generator=g, dtype=torch.float32).to(dtype) for _ in range(3)]
+        def make(seed: int) -> list[torch.Tensor]:
+            return decode_inputs(b, dtype, dev, seed)
+    else:
+        fn, softcap = CASES[name]
+        shape = (1, ARGS.heads, n, 128)
+
+        def make(seed: int) -> list[torch.Tensor]:
+            g = torch.Generator(device=dev).manual_seed(seed)
+            return [torch.randn(shape, device=dev, generator=g, dtype=torch.float32).to(dtype) for _ in range(3)]
 
     inputs = make(0)
     with torch.no_grad():
@@ -129,7 +202,11 @@ def run_case(name: str, n: int, dtype: torch.dtype, modes, cfg_log: _Configs) ->
     n_sets = harness.rotation_count(sum(x.numel() * x.element_size() for x in inputs), l2)
     sets = [inputs] + [make(s) for s in range(1, n_sets)]
     flops = 4 * ARGS.heads * n * n * 128 / 2                         # causal: half of the score matrix
-    row = {"workload": name, "n": n, "dtype": str(dtype).replace("torch.", ""), "sets": n_sets, "columns": {}}
+    row = {"workload": name, "b": b, "n": n, "dtype": str(dtype).replace("torch.", ""), "sets": n_sets, "columns": {}}
+    if name == "decode":
+        flops = 4 * b * ARGS.heads * n * 128
+        kv_bytes = inputs[1].numel() * inputs[1].element_size() * 2
+        row.update(kv_bytes=kv_bytes, bandwidth=bandwidth, floor_us=round(kv_bytes / bandwidth * 1e6, 2))
     for mode in modes:
         col: dict = {"status": "failed"}
         info: dict = {}
@@ -159,6 +236,9 @@ def run_case(name: str, n: int, dtype: torch.dtype, modes, cfg_log: _Configs) ->
                        tflops=round(flops / (t["us"] * 1e-6) / 1e12, 1))
             if ARGS.profile:
                 col["kernels"] = profile_kernels(call, sets)
+                if mode == "mirage":
+                    col["attention_kernels_us"] = round(sum(k["us"] for k in col["kernels"]
+                                                            if k["kernel"].startswith("ugraph")), 2)
         except Exception as e:   # one column's failure is a result
             col["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             traceback.print_exc()
@@ -168,12 +248,13 @@ def run_case(name: str, n: int, dtype: torch.dtype, modes, cfg_log: _Configs) ->
                 col["launch"] = list(cfg_log.lines)
                 report = info.get("report")
                 if report is not None:
-                    col["claims"] = [r.info.get("attention") for r in report.regions if r.info.get("attention")]
+                    col["claims"] = [{k: r.info[k] for k in ("attention", "ugraph", "ugraph_us", "plan") if k in r.info}
+                                     for r in report.regions if r.info.get("attention")]
             info.clear()
             harness._free()
         row["columns"][mode] = col
         us = col.get("us")
-        print(f"  {name:<15} n={n:<5} {row['dtype']:<8} {mode:<8} "
+        print(f"  {name:<15} b={b} n={n:<5} {row['dtype']:<8} {mode:<8} "
               + (f"{us:9.1f} us {col['tflops']:6.1f} TFLOP/s" if us else f"FAILED {col.get('error', '')[:200]}")
               + (f"  err {col['rel_err']:.2e}" if isinstance(col.get("rel_err"), float) else "")
               + (f"  {col['launch']}" if col.get("launch") else ""), flush=True)
@@ -210,15 +291,16 @@ def kernel_lines(rows) -> str:
         for m, c in r["columns"].items():
             if c.get("kernels"):
                 total = sum(k["us"] for k in c["kernels"])
-                out.append(f"\n**{r['workload']} n={r['n']} {r['dtype']} {m}** (kernels sum {total:.1f} µs/call, "
+                out.append(f"\n**{r['workload']} b={r.get('b', 1)} n={r['n']} {r['dtype']} {m}** (kernels sum "
+                           f"{total:.1f} µs/call, "
                            f"timed {c['us']:.1f} µs):\n")
                 out += [f"- {k['us']:8.2f} µs  x{k['per_call']:g}  `{k['kernel']}`" for k in c["kernels"]]
     return "\n".join(out)
 
 
 def table(rows, modes) -> str:
-    head = "| workload | n | dtype | " + " | ".join(f"{m} µs" for m in modes) + " |"
-    lines = [head, "|" + "---|" * (3 + len(modes))]
+    head = "| workload | b | n | dtype | " + " | ".join(f"{m} µs" for m in modes) + " |"
+    lines = [head, "|" + "---|" * (4 + len(modes))]
     for r in rows:
         cells = []
         for m in modes:
@@ -227,7 +309,24 @@ def table(rows, modes) -> str:
                 cells.append(f"{c['us']:.1f}" + (" (ref)" if c.get("compares") == "ref" else ""))
             else:
                 cells.append(c.get("status", "skipped"))
-        lines.append(f"| {r['workload']} | {r['n']} | {r['dtype']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['workload']} | {r.get('b', 1)} | {r['n']} | {r['dtype']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def floor_table(rows, modes) -> str:
+    """Decode rows against their KV floor: each column's µs over the floor, and mirage's attention kernels alone."""
+    dec = [r for r in rows if r.get("floor_us")]
+    if not dec:
+        return ""
+    lines = ["| b | dtype | KV MB | floor µs | " + " | ".join(f"{m} / floor" for m in modes)
+             + " | mirage attention kernels µs | kernels / floor |", "|" + "---|" * (6 + len(modes))]
+    for r in dec:
+        f = r["floor_us"]
+        cells = [f"{r['columns'][m]['us'] / f:.2f}" if r["columns"].get(m, {}).get("status") == "ok" else "-"
+                 for m in modes]
+        k = r["columns"].get("mirage", {}).get("attention_kernels_us")
+        lines.append(f"| {r['b']} | {r['dtype']} | {r['kv_bytes'] / 1e6:.1f} | {f:.2f} | " + " | ".join(cells)
+                     + (f" | {k:.2f} | {k / f:.2f} |" if k else " | - | - |"))
     return "\n".join(lines)
 
 
@@ -243,12 +342,17 @@ def main() -> int:
               "label": ARGS.label, "root": ARGS.root}
     print(device, flush=True)
     rows, skipped = [], []
-    cases = [(name, n, dt) for name in ARGS.workloads for n in ARGS.sizes for dt in ARGS.dtypes]
-    for name, n, dt in cases:
+    if "decode" in ARGS.workloads:
+        device["copy_bandwidth"] = copy_bandwidth()
+        print(f"copy bandwidth {device['copy_bandwidth'] / 1e12:.2f} TB/s", flush=True)
+    cases = [c for name in ARGS.workloads           # in the order the workloads are named
+             for c in ([("decode", ARGS.context, dt, b) for dt in ARGS.dtypes for b in ARGS.batches] if name == "decode"
+                       else [(name, n, dt, 1) for n in ARGS.sizes for dt in ARGS.dtypes])]
+    for name, n, dt, b in cases:
         if time.perf_counter() - start > ARGS.budget_s:
-            skipped.append(f"{name} n={n} {dt}")
+            skipped.append(f"{name} b={b} n={n} {dt}")
             continue
-        rows.append(run_case(name, n, getattr(torch, dt), ARGS.modes, cfg_log))
+        rows.append(run_case(name, n, getattr(torch, dt), ARGS.modes, cfg_log, b, device.get("copy_bandwidth")))
         md = write(device, rows, skipped, start)          # after every case: a run cut short keeps what it has
     md = write(device, rows, skipped, start)
     print(md)
@@ -262,11 +366,16 @@ def write(device: dict, rows: list, skipped: list, start: float) -> str:
            "wall_s": round(time.perf_counter() - start, 1),
            "timing": "harness.time_in_cuda_graph: one CUDA graph per call over input sets rotated past 3x L2, "
                      "median of 5 repeats of ~20 ms",
-           "flops": "4·H·n²·d/2 (causal half)"}
-    md = (f"# Prefill attention kernels ({ARGS.label}): {device['name']}, torch {device['torch']}, "
-          f"triton {device['triton']}\n\nB=1, H={ARGS.heads}, d=128, causal; µs per call in a CUDA graph, inputs rotated "
-          f"past L2. (ref): computes something else (SDPA: no soft-cap, no column sums; flex on h2o: P·V only).\n\n"
+           "flops": "prefill 4·H·n²·d/2 (causal half); decode 4·b·H·n·d"}
+    floors = floor_table(rows, ARGS.modes)
+    md = (f"# Attention kernels ({ARGS.label}): {device['name']}, torch {device['torch']}, "
+          f"triton {device['triton']}\n\nPrefill: B=1, H={ARGS.heads}, d=128, causal. Decode: n = the static cache's "
+          f"slots, {ARGS.heads} query / {ARGS.kv_heads} KV heads, d=128, one new token per row. µs per call in a CUDA "
+          f"graph, inputs rotated past L2. (ref): computes something else (SDPA: no soft-cap, no column sums; flex on "
+          f"h2o: P·V only).\n\n"
           + table(rows, ARGS.modes) + ("\n\nskipped (time budget): " + ", ".join(skipped) if skipped else "") + "\n"
+          + (f"\n## Decode against the KV floor (copy bandwidth {device['copy_bandwidth'] / 1e12:.2f} TB/s measured "
+             f"in this run)\n\n" + floors + "\n" if floors else "")
           + (("\n## Kernels per call (torch.profiler)\n" + kernel_lines(rows) + "\n") if ARGS.profile else ""))
     os.makedirs(ARGS.out, exist_ok=True)
     stem = "attention_kernel" + ("" if ARGS.label == "after" else f"_{ARGS.label}")

@@ -13,9 +13,10 @@ from helpers import assert_close
 from torch_mirage.codegen.ugraph_triton import LOG2E, emit_block_kernel
 from torch_mirage.config import load
 from torch_mirage.context import Target
-from torch_mirage.superopt.attention_seeds import flash_attention
+from torch_mirage.superopt.attention_seeds import decode_split_counts, decode_splits, flash_attention, flash_decoding
 from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph
-from torch_mirage.superopt.launch import LaunchConfig, candidates, default_config, prefill_attention
+from torch_mirage.superopt.launch import (LaunchConfig, candidates, default_config, prefill_attention,
+                                          split_kv_decode)
 from torch_mirage.ugraph import BlockGraph
 
 interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -169,6 +170,52 @@ def test_prefill_candidates():
     assert any(c.split > 1 for c in candidates(decode, 132))
 
 
+def test_decode_split_count_fills_the_sms():
+    """Llama-3-8B decode over a 4k cache (8 KV heads): b=1 splits KV 32 ways and b=8 4 ways (256 programs, about
+    two per SM of 132); a batch that fills the SMs by itself is not split; every split walks at least 128 keys."""
+    assert decode_splits(8, 4096, 132) == 32 and decode_splits(64, 4096, 132) == 4
+    assert decode_splits(256, 4096, 132) == 1
+    assert decode_splits(8, 512, 132) == 4                  # 128 keys per split at least
+    assert decode_splits(8, 100, 132) == 1                  # too short to split
+    assert decode_split_counts(8, 4096, 132) == [32, 16, 64] and decode_split_counts(64, 4096, 132) == [4, 2, 8]
+    assert decode_split_counts(8, 256, 132) == [2, 4] and decode_split_counts(256, 4096, 132) == []
+
+
+def test_decode_candidates():
+    """Split-KV decode's partial kernel keeps its grid (the seed fixed the split count) and is timed over 64- and
+    128-key tiles and pipeline depths, never split again; prefill attention is not decode."""
+    kg = flash_decoding(1, 8, 4, 4096, 128, scale=0.088, mask=(1, 1), dtype="bfloat16", splits=32)
+    bg = _body(kg)
+    assert bg.grid == (8, 1, 32) and split_kv_decode(bg) == 128
+    cands = candidates(bg, 132)
+    assert cands[0] == default_config(bg)
+    assert {(c.forloop_range, c.num_warps, c.num_stages) for c in cands} >= {(2, 4, 3), (2, 4, 4), (1, 4, 2), (1, 8, 3)}
+    assert all(c.split == 1 and c.grid == bg.grid for c in cands)
+    prefill = _body(flash_attention(1, 32, 1024, 1024, 128, scale=0.088, dtype="float16"))
+    assert split_kv_decode(prefill) is None
+
+
+@interp
+@pytest.mark.parametrize("tile", [(8, 2), (16, 1)])
+def test_decode_retiled_matches_reference(tile):
+    """A split-KV decode kernel (per-batch-row mask, GQA rows packed) re-tiled as the decode candidates do (other
+    keys per tile, the same splits) still matches fp64."""
+    b, hk, rows, skv, d = 2, 2, 4, 64, 16
+    kg = flash_decoding(b, hk, rows, skv, d, scale=0.25, mask=(b, 1), dtype="float32", splits=4, tile=4)
+    ins = [torch.randn(b, hk, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d),
+           torch.randn(b, 1, rows, skv)]
+    ins[3][0, ..., 20:] = -1e30                               # a batch row's unwritten slots: two whole splits
+    bg = _body(kg)
+    keys, f = tile[0], tile[1]
+    assert split_kv_decode(bg) == keys * f
+    launcher = BlockLauncher(bg, LaunchConfig(bg.grid, f), [4, 4, 4, 4], load().cache_dir, "dec", Target.INTERPRETER)
+    m, l, o = launcher(*ins)
+    m, l, o = (x.reshape(b * hk, 4, rows, -1) for x in (m, l, o))
+    w = torch.exp(m - m.amax(1, keepdim=True))
+    out = ((w * o).sum(1) / (w * l).sum(1)).reshape(b, hk, rows, d)
+    assert_close(out, _reference(*ins, 0.25, None).float(), torch.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -184,6 +231,28 @@ def test_gpu_prefill_softcap_tuned(dtype):
     out = c(q, k, v, m)[0]
     assert torch.isfinite(out).all()
     assert_close(out, _reference(q, k, v, m, d ** -0.5, 50.0).to(dtype), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_decode_split_kv_tuned(dtype):
+    """H100: llama decode attention (4 query heads per KV head packed, a per-batch-row mask of -inf on unwritten
+    slots, b=2 x 8 KV heads x 2048 slots) as the claimer builds it — decode_splits' split count, tuned over the
+    decode candidates — fp64-equal."""
+    b, hk, rows, skv, d = 2, 8, 4, 2048, 128
+    splits = decode_splits(b * hk, skv, torch.cuda.get_device_properties(0).multi_processor_count)
+    kg = flash_decoding(b, hk, rows, skv, d, scale=d ** -0.5, mask=(b, 1), splits=splits,
+                        dtype={torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype],
+                        mask_dtype={torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype])
+    q = torch.randn(b, hk, rows, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(b, hk, skv, d, device="cuda", dtype=dtype) for _ in range(2))
+    m = torch.zeros(b, 1, rows, skv, device="cuda", dtype=dtype)
+    m[1, ..., 1500:] = max(-1e30, torch.finfo(dtype).min)      # row 1: 1500 slots written (the claimer's clamp)
+    c = compile_ugraph(kg, [q, k, v, m], target=Target.CUDA)
+    out = c(q, k, v, m)[0]
+    assert torch.isfinite(out).all()
+    assert_close(out, _reference(q, k, v, m, d ** -0.5, None).to(dtype), dtype)
 
 
 @interp

@@ -64,6 +64,9 @@ TANH_PTX = 'tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [{0}], 
 NEG_INF = 'float("-inf")'
 LOG2E = 1.4426950408889634   # online softmax in base 2: exp(x) = exp2(x · log2 e)
 LN2 = 0.6931471805599453
+# an online softmax's running max (log2 units) before any key: finite, below every held score (MASK_FLOOR · log2 e),
+# so a tile of -inf scores leaves it finite and exp2(m_old - m_new), exp2(s - m) defined; saved as M_INIT · ln 2
+M_INIT = -3.0e38
 REDUCERS = {"reduce_sum": ("tl.sum", "0.0"), "reduce_mean": ("tl.sum", "0.0"), "reduce_max": ("tl.max", NEG_INF)}
 # how the combine kernel folds two partial accumulator states
 FOLD = {"acc_sum": "{a} + {b}", "acc_mean": "{a} + {b}", "acc_rms": "{a} + {b}", "acc_max": "tl.maximum({a}, {b})"}
@@ -507,8 +510,12 @@ def _acc_init(e: _Emitter, op: Op) -> list[Val]:
     for j, s in enumerate(op.shapes):
         shape = strip(s)[0]
         pshape = tuple(padded(x) for x in shape)
-        neg = op.name == "acc_max" or (op.name == "acc_online_softmax" and j == 0)
-        init = f'tl.full({pshape}, float("-inf"), tl.float32)' if neg else f"tl.zeros({pshape}, tl.float32)"
+        if op.name == "acc_max":
+            init = f'tl.full({pshape}, float("-inf"), tl.float32)'
+        elif op.name == "acc_online_softmax" and j == 0:        # the running max (see _online_softmax_update)
+            init = f"tl.full({pshape}, {M_INIT!r}, tl.float32)"
+        else:
+            init = f"tl.zeros({pshape}, tl.float32)"
         states.append(e.assign("acc", init, shape))
     return states
 
@@ -568,16 +575,28 @@ def _conform_expr(expr: str, x: Val, dim, st: Val) -> str:
 def _online_softmax_update(e: _Emitter, states: list[Val], s: Val, v: Val, clamp: bool = True) -> None:
     """One iteration of the online softmax, in base 2: the running max ``m`` is in log2 units (scores times
     log2 e), so every rescale and probability is one ``exp2``; :func:`_acc_final` turns ``m`` back. The scores'
-    pending scale and log2 e are one multiply. ``clamp``: the scores may hold an additive mask (see below)."""
+    pending scale and log2 e are one multiply. ``clamp``: the scores may hold an additive mask (see below); finite
+    scores below ``MASK_FLOOR`` are held there before the multiply by log2 e (a dtype's lowest value would overflow
+    fp32 to -inf), so a row masked whole by finite values averages its keys, as eager's softmax does; -inf stays
+    -inf, and the running max starting at ``M_INIT`` (below the floor, finite) keeps ``exp2(s - m)`` defined on a
+    tile or split whose keys are all -inf — a row masked whole by -inf ends with sum 0 and output 0/0 = NaN, as
+    eager's. No clamped copy of the mask per call."""
     m, l, o = states
     last = len(s.shape) - 1
     factor = s.scale * (1.0 if s.log2e else LOG2E)
-    if factor > 0:              # masking with -inf commutes with a positive factor
+    if clamp:
+        x = e.f32(s)
+        x = x if x == s.name else e.assign("s", x, s.shape, natural=s.pshape).name
+        floor = MASK_FLOOR * (LOG2E if s.log2e else 1.0)
+        held = e.assign("s", f"tl.where({x} == {NEG_INF}, {x}, tl.maximum({x}, {floor!r}))"
+                        + ("" if s.log2e else f" * {LOG2E!r}"), s.shape, natural=s.pshape)
+        scores = e.masked(held, [last], NEG_INF)
+    elif factor > 0:            # masking with -inf commutes with a positive factor
         base = e.masked(replace(s, scale=1.0), [last], NEG_INF)
         scores = base if factor == 1.0 else f"{base} * {factor!r}"
     else:
         scores = e.masked(s, [last], NEG_INF) if s.log2e else f"{e.masked(s, [last], NEG_INF)} * {LOG2E!r}"
-    sm = e.assign("s", scores, s.shape, natural=s.pshape)
+    sm = held if clamp and scores == held.name else e.assign("s", scores, s.shape, natural=s.pshape)
     mt = e.assign("m", f"tl.max({sm.name}, axis={last}, keep_dims=True)", m.shape,
                   natural=sm.pshape[:last] + (1,))
     mn = e.assign("m", f"tl.maximum({m.name}, {mt.name})", m.shape, natural=m.pshape)
@@ -613,11 +632,10 @@ def _combine(e: _Emitter, op: Op, states: list[Val], others: list[Val]) -> None:
         e.line(f"{st.name} = {FOLD[op.name].format(a=st.name, b=ot.name)}")
         return
     (m, l, o), (m2, l2, o2) = states, others          # raw partial states: m in log2 units
+    # two partials that saw no key (an empty for-loop band: m = M_INIT, l = o = 0) stay empty: weights 1, states 0
     mn = e.assign("m", f"tl.maximum({m.name}, {m2.name})", m.shape)
-    # two partials that saw no key (an empty for-loop band: m = -inf, l = o = 0) stay empty, not NaN
-    safe = e.assign("m", f"tl.where({mn.name} == float(\"-inf\"), 0.0, {mn.name})", m.shape)
-    a1 = e.assign("a", f"tl.math.exp2({m.name} - {safe.name})", m.shape)
-    a2 = e.assign("a", f"tl.math.exp2({m2.name} - {safe.name})", m.shape)
+    a1 = e.assign("a", f"tl.math.exp2({m.name} - {mn.name})", m.shape)
+    a2 = e.assign("a", f"tl.math.exp2({m2.name} - {mn.name})", m.shape)
     e.line(f"{l.name} = {l.name} * {a1.name} + {l2.name} * {a2.name}")
     e.line(f"{o.name} = {o.name} * {a1.name} + {o2.name} * {a2.name}")
     e.line(f"{m.name} = {mn.name}")

@@ -4,18 +4,19 @@
 Whatever form the region came in — HF eager code with ``repeat_kv``, an SDPA ATen op, a hand-written softmax —
 it becomes Q packed per KV head (b, hk, g·sq, d), K and V as they are, and, when masked, one additive mask
 (bm, hm, g·sq, skv), shared over batch rows and heads where the user's is: a bool mask becomes ``where(keep, 0,
-fill)``, ``is_causal`` a top-left triangle of ``-inf`` (built once per region), and every mask is clamped at
-``-1e30`` (or its dtype's floor) so that a tile or split whose keys are all masked stays finite inside the
-online softmax. Rows whose keys are all masked (padding) get what the form gives in eager: SDPA returns zeros,
-the decomposed softmax NaN for ``-inf`` masks, and a uniform average for the finite ``finfo.min`` masks HF builds —
-which is what the clamped mask gives by itself. A mask that is exactly its causal / sliding-window band
+fill)``, ``is_causal`` a top-left triangle of ``-inf`` (built once per region). The online-softmax kernels hold
+finite masked scores at ``-1e30`` and keep a tile or split whose keys are all ``-inf`` defined (column-sum plans
+get a copy of the mask clamped at ``-1e30`` or its dtype's floor). Rows whose keys are all masked (padding) get
+what the form gives in eager: SDPA returns zeros, the decomposed softmax NaN for ``-inf`` masks (the kernels' own
+0/0), and a uniform average for the finite ``finfo.min`` masks HF builds (the held floor's). A mask that is exactly its causal / sliding-window band
 (:func:`index_mask`: ``is_causal``, HF's ``where(j <= i, 0, min)``) is none of that: the banded seeds compute it
 from indices, the kernel gets a broadcast stand-in, and the graph nodes that build it for this region alone join
 the claim, dead — nothing is built, packed, clamped or scanned per call.
 
 Where KV is long enough to split, the split-KV seed is planned as well, and on a GPU the build stage runs the faster
 (:func:`torch_mirage.build.fastest`): it fills the SMs where few query rows — decode — leave FlashAttention's
-grid small. The backend then checks the region against eager ATen on random inputs, as for every region.
+grid small. Decode (one block of query rows) plans split counts around one that fills the SMs (:func:`_seeds`).
+The backend then checks the region against eager ATen on random inputs, as for every region.
 
 A region whose P is also reduced over the query axis (H2O's column sums, :class:`~..analysis.attention.
 ColumnReduction`) runs one plan for P·V and the column sums per query head: :func:`plan_candidates` costs the
@@ -35,12 +36,13 @@ from .cut import DTYPES
 
 from ..analysis.attention import AttentionSpec, find_attention
 from ..analysis.cost import CostModel
+from ..analysis.device import DeviceModel
 from ..capture.ir import Graph, Node
 from ..capture.lower import constant_value
 from ..ugraph import MASK_FLOOR, KernelGraph
 from ..context import CompileContext, Target
 from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
-from .attention_seeds import PLAN_KERNELS, ROW_BLOCK_KV, SEEDS, attention_column_sums
+from .attention_seeds import PLAN_KERNELS, ROW_BLOCK_KV, SEEDS, attention_column_sums, decode_split_counts
 from .library import blocks
 from .plan_select import Candidate, select_plan
 from .ugraph_plan import Alternative, UGraphPlan
@@ -56,23 +58,39 @@ SEED_TILE = 64            # the seeds' default tile edge
 def packed_mask(spec: AttentionSpec, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     """The spec's mask as scores to add, (bm, hm, g·sq, skv) with bm ∈ {1, b}, hm ∈ {1, hk}: a mask shared by all
     batch rows / heads stays shared (an HF (1, 1, n, n) causal mask is not copied per head); a per-head one is a
-    view of the user's; a head-shared one under GQA repeats its rows once per head of a group. Bool masks become
-    fp32 ``where(keep, 0, fill)``; None when unmasked."""
-    b, h, hk, sq, skv, g = spec.b, spec.h, spec.hk, spec.sq, spec.skv, spec.group
+    view of the user's; a head-shared one under GQA repeats its rows once per head of a group (a view where each
+    head has one query row: decode). Bool masks become fp32 ``where(keep, 0, fill)``; None when unmasked."""
+    m = additive_mask(spec, mask, device)
+    return None if m is None else _pack(spec, m)
+
+
+def additive_mask(spec: AttentionSpec, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """The spec's mask as the scores it adds, before packing: ``is_causal``'s triangle, a bool mask's
+    ``where(keep, 0, fill)``, an additive mask as it is; None when unmasked."""
+    sq, skv = spec.sq, spec.skv
     if spec.mask == "causal":
         keep = torch.ones(sq, skv, dtype=torch.bool, device=device).tril()
-        mask = torch.zeros(keep.shape, device=device).masked_fill(~keep, float("-inf"))
-    elif mask is None:
+        return torch.zeros(keep.shape, device=device).masked_fill(~keep, float("-inf"))
+    if mask is None:
         return None
-    elif spec.mask == "bool":
-        mask = torch.where(mask, 0.0, spec.bool_fill)
-    elif spec.mask == "bool_inverted":
-        mask = torch.where(mask, spec.bool_fill, 0.0)
+    if spec.mask == "bool":
+        return torch.where(mask, 0.0, spec.bool_fill)
+    if spec.mask == "bool_inverted":
+        return torch.where(mask, spec.bool_fill, 0.0)
+    return mask
+
+
+def _pack(spec: AttentionSpec, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`packed_mask`'s packing of a (…, sq, n) tensor (n: the keys, or 1 for a per-row value)."""
+    b, h, hk, sq, g = spec.b, spec.h, spec.hk, spec.sq, spec.group
     m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    n = m.shape[-1]
     bm = b if m.shape[0] == b else 1
     if m.shape[1] == h and h > 1:
-        return m.expand(bm, h, sq, skv).reshape(bm, hk, g * sq, skv)
-    m = m.expand(bm, 1, sq, skv)
+        return m.expand(bm, h, sq, n).reshape(bm, hk, g * sq, n)
+    if sq == 1:
+        return m.expand(bm, 1, g, n)
+    m = m.expand(bm, 1, sq, n)
     return m.repeat(1, 1, g, 1) if g > 1 else m
 
 
@@ -93,20 +111,24 @@ def index_mask(spec: AttentionSpec) -> bool:
 
 def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.Tensor | None = None) -> tuple:
     """The region's outputs from the compiled seed: P·V (b, h, sq, d), then each of ``spec.extra_outputs`` from
-    the seed's column sums of P (b, h, skv) when it has them. Q is packed per KV head, the mask packed and clamped
-    at the dtype's floor (finite: an all-masked tile or split keeps the online softmax defined) — or, where the
-    region's mask is fixed (``fixed``: ``is_causal``'s, built once; an :func:`index_mask`'s broadcast stand-in,
-    never read), that tensor. Rows whose keys are all ``-inf`` get eager's answer: zeros from SDPA, NaN from the
-    decomposed softmax — and there a head's column sums are NaN too, as the sum over its NaN row is in eager."""
+    the seed's column sums of P (b, h, skv) when it has them. Q is packed per KV head, the mask packed — the
+    online-softmax kernels hold masked scores at their floor themselves; for a column-sum plan (whose column pass
+    re-reads the mask) clamped at the dtype's floor, finite — or, where the region's mask is fixed (``fixed``:
+    ``is_causal``'s, built once; an :func:`index_mask`'s broadcast stand-in, never read), that tensor. Rows whose
+    keys are all ``-inf`` get eager's answer: zeros from SDPA, NaN from the decomposed softmax — the online-softmax
+    kernels end such a row at 0/0 themselves; for SDPA and column-sum plans the rows are found on the mask before
+    packing and filled, and there a head's column sums are NaN too, as the sum over its NaN row is in eager."""
     b, h, hk, sq, d = spec.b, spec.h, spec.hk, spec.sq, spec.d
     rows = spec.group * sq
     args = [q.contiguous().reshape(b, hk, rows, d), k.contiguous(), v.contiguous()]
     empty = None
     if fixed is not None:
         args.append(fixed)
-    elif (packed := packed_mask(spec, mask, q.device)) is not None:
-        args.append(packed.clamp_min(max(MASK_FLOOR, torch.finfo(packed.dtype).min)))
-        empty = packed.amax(-1, keepdim=True) == float("-inf")            # (bm, hm, rows, 1)
+    elif (m := additive_mask(spec, mask, q.device)) is not None:
+        packed = _pack(spec, m)
+        args.append(packed.clamp_min(max(MASK_FLOOR, torch.finfo(packed.dtype).min)) if spec.extra_outputs else packed)
+        if spec.extra_outputs or spec.form != "eager":     # the online softmax alone gives eager's NaN itself
+            empty = _pack(spec, m.amax(-1, keepdim=True) == float("-inf"))    # (bm, hm, rows, 1)
     res = compiled(*args)
     out = res[0]
     if empty is not None:
@@ -228,8 +250,7 @@ class AttentionClaimer:
         if spec.extra_outputs:
             seeds, info = self._column_plan(spec, graph, kwargs)
         else:
-            names = ["flash_attention"] + (["flash_decoding"] if blocks(spec.skv, SPLIT_KV) > 1 else [])
-            seeds, info = _build_seeds(spec, names, kwargs), {}
+            seeds, info = _build_seeds(spec, _seeds(spec), kwargs), {}
         if not seeds:
             what = "the column-sum plan" if spec.extra_outputs else "attention seeds"
             return Decline(spec.nodes, Reason.NO_KERNEL, f"{what} ({spec.describe()}): none built")
@@ -347,12 +368,31 @@ def _examples(spec: AttentionSpec, graph: Graph, by_index: bool = False
     return ex, mask_shape, causal
 
 
-def _build_seeds(spec: AttentionSpec, names: Sequence[str], kwargs: dict) -> list[tuple[str, KernelGraph]]:
-    """The named seeds instantiated for ``spec`` and valid at its shapes (the build stage compiles them)."""
+def _seeds(spec: AttentionSpec) -> dict[str, tuple[str, dict]]:
+    """The seeds to build for attention without column sums, by the name they are timed and reported under: the
+    seed and its own parameters. FlashAttention, and split-KV where KV is long enough to split. Decode — one row
+    block of queries (the heads of a KV head packed, a few tokens each) — builds split-KV at each of
+    :func:`.attention_seeds.decode_split_counts` (``flash_decoding/<splits>``), and FlashAttention (a program per
+    batch row and KV head) only where those programs fill half the SMs."""
+    seeds: dict[str, tuple[str, dict]] = {"flash_attention": ("flash_attention", {})}
+    if spec.group * spec.sq <= SEED_TILE:
+        bh, n_sm = spec.b * spec.hk, DeviceModel.current().sm_count
+        counts = decode_split_counts(bh, spec.skv, n_sm)
+        if counts:
+            return ({"flash_attention": ("flash_attention", {})} if 2 * bh >= n_sm else {}) | {
+                f"flash_decoding/{s}": ("flash_decoding", {"splits": s}) for s in counts}
+    if blocks(spec.skv, SPLIT_KV) > 1:
+        seeds["flash_decoding"] = ("flash_decoding", {})
+    return seeds
+
+
+def _build_seeds(spec: AttentionSpec, names: dict[str, tuple[str, dict]], kwargs: dict) -> list[tuple[str, KernelGraph]]:
+    """Each seed of ``names`` (name: the seed and its own parameters) instantiated for ``spec`` and valid at its
+    shapes (the build stage compiles them); one that does not build is left out."""
     built = []
-    for name in names:
+    for name, (seed, own) in names.items():
         try:
-            kg = SEEDS[name](spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d, **kwargs)
+            kg = SEEDS[seed](spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d, **kwargs, **own)
             validate(kg)
             built.append((name, kg))
         except Exception as e:   # a seed that does not build for these shapes: not used

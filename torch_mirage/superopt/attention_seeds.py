@@ -18,8 +18,8 @@ sets the block graph's ``forloop_band`` (:func:`~torch_mirage.ugraph.band_range`
 sees key ``k`` iff ``k <= pos + offset`` (and ``k > pos + offset - window``), so each row block's for-loop runs
 only over the key tiles it can see; the mask is added on the visited tiles that some row sees only in part (the
 diagonal ones) and, where the mask's visible part is 0 (``band[3]``), not loaded on the tiles every row sees. A
-split of the split-KV seed that a row block cannot see runs no iteration and saves m = -inf, l = 0, o = 0, which
-the combine weighs by ``exp(-inf) = 0``.
+split of the split-KV seed that a row block cannot see runs no iteration and saves l = 0, o = 0 and the running
+max's finite start (codegen's ``M_INIT``, far below any score), which the combine weighs by ``exp(M_INIT − max) = 0``.
 
 Column sums of P (H2O's accumulated attention per key) need each row's final max and sum, which a single
 online-softmax pass does not have when it meets a key. :func:`attention_column_sums` composes a plan from
@@ -102,37 +102,86 @@ def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float
                    mask: tuple[int, int] | None = None, dtype: str = "float16", mask_dtype: str = "float32",
                    splits: int | None = None, forloop_range: int | None = None, q_blocks: int | None = None,
                    combine_q_blocks: int | None = None, tile: int = 64, band: tuple | None = None) -> KernelGraph:
-    """The same attention split over KV: kernel 1, grid (b·hk, row blocks, splits), saves each split's
-    (max, sum, out); kernel 2 rescales each by ``exp(m_s − max_s m_s)`` and combines them. Batch and KV heads
-    merge into one grid dim, so a mask must be shared by all of them or given for each: ``mask`` (1, 1) or
-    (b, hk)."""
+    """The same attention split over KV: kernel 1 saves each split's (max, sum, out); kernel 2 rescales each by
+    ``exp(m_s − max_s m_s)`` and combines them. Decode (one row block, ``q_blocks`` 1): grid (hk, b, splits) over
+    Q, K, V as they are, so the mask may be shared by batch rows and / or KV heads or given for each — an HF
+    static-cache mask (b, 1, 1, skv) is read per batch row by every KV head. Several row blocks: grid (b·hk, row
+    blocks, splits), batch and KV heads merged into one grid dim, so a mask must be shared by all of them or given
+    for each: ``mask`` (1, 1) or (b, hk)."""
     masked = mask is not None
-    if masked and tuple(mask) not in ((1, 1), (b, hk)):
-        raise ValueError(f"flash_decoding: a mask of batch/head dims {tuple(mask)} (need (1, 1) or {(b, hk)})")
     splits = splits or blocks(skv, 4 * tile)
     forloop_range = forloop_range or blocks(skv // splits, tile)
     q_blocks = q_blocks or blocks(rows, tile)
-    combine_q_blocks = combine_q_blocks or blocks(rows, 8)
+    # the combine holds (splits, its rows, d) fp32 in registers, rows padded to 16 unless one: decode's few rows
+    # one per program (on the H100 the 64-split decode seed, its combine 64 x 16 padded rows x d 128, never ran)
+    combine_q_blocks = combine_q_blocks or (rows if rows < 16 else blocks(rows, 8))
+    if masked and q_blocks > 1 and tuple(mask) not in ((1, 1), (b, hk)):
+        raise ValueError(f"flash_decoding: a mask of batch/head dims {tuple(mask)} over {q_blocks} row blocks "
+                         f"(need (1, 1) or {(b, hk)}, or one row block)")
     g = new_kernel_graph()
     Q, K, V = g.new_input((b, hk, rows, d), dtype), g.new_input((b, hk, skv, d), dtype), g.new_input((b, hk, skv, d), dtype)
     M = g.new_input((*mask, rows, skv), mask_dtype) if masked else None
     bh = b * hk
-    Q4 = g.reshape(Q, shape=(bh, 1, rows, d))
-    K3, V3 = g.reshape(K, shape=(bh, skv, d)), g.reshape(V, shape=(bh, skv, d))
-    M4 = g.reshape(M, shape=(mask[0] * mask[1], 1, rows, skv)) if masked else None
-    tb = new_threadblock_graph((bh, q_blocks, splits), forloop_range)
-    _band(tb, band, 0, 2, 1, 3 if masked else None)
-    tQ = tb.new_input(Q4, imap=(0, 2, PHI), fmap=PHI)
-    tK = tb.new_input(K3, imap=(0, PHI, 1), fmap=1)
-    tV = tb.new_input(V3, imap=(0, PHI, 1), fmap=1)
-    tM = tb.new_input(M4, imap=(0 if mask[0] * mask[1] > 1 else PHI, 2, 3), fmap=3) if masked else None
+    if q_blocks == 1:
+        ins = [Q, K, V] + ([M] if masked else [])
+        tb = new_threadblock_graph((hk, b, splits), forloop_range)
+        _band(tb, band, 0, 2, 1, 3 if masked else None)
+        tQ = tb.new_input(Q, imap=(1, 0, PHI), fmap=PHI)
+        tK = tb.new_input(K, imap=(1, 0, 2), fmap=2)
+        tV = tb.new_input(V, imap=(1, 0, 2), fmap=2)
+        tM = tb.new_input(M, imap=(1 if mask[1] > 1 else PHI, 0 if mask[0] > 1 else PHI, 3), fmap=3) if masked else None
+        omap = (1, 0, 2)                       # (b, hk, splits·rows, ·): split s writes rows s·rows …
+    else:
+        Q4 = g.reshape(Q, shape=(bh, 1, rows, d))
+        K3, V3 = g.reshape(K, shape=(bh, skv, d)), g.reshape(V, shape=(bh, skv, d))
+        M4 = g.reshape(M, shape=(mask[0] * mask[1], 1, rows, skv)) if masked else None
+        ins = [Q4, K3, V3] + ([M4] if masked else [])
+        tb = new_threadblock_graph((bh, q_blocks, splits), forloop_range)
+        _band(tb, band, 0, 2, 1, 3 if masked else None)
+        tQ = tb.new_input(Q4, imap=(0, 2, PHI), fmap=PHI)
+        tK = tb.new_input(K3, imap=(0, PHI, 1), fmap=1)
+        tV = tb.new_input(V3, imap=(0, PHI, 1), fmap=1)
+        tM = tb.new_input(M4, imap=(0 if mask[0] * mask[1] > 1 else PHI, 2, 3), fmap=3) if masked else None
+        omap = (0, 2, 1)                       # (b·hk, splits, rows, ·)
     acc_dtype = "float32" if dtype in ("float16", "bfloat16") else dtype
     for t in tb.forloop_accum_online_softmax(_scores(tb, tQ, tK, scale, softcap, tM), tV):
-        tb.new_output(t, omap=(0, 2, 1), dtype=acc_dtype)
-    Ms, Ls, Os = g.customized([Q4, K3, V3] + ([M4] if masked else []), tb)      # (b·hk, splits, rows, ·)
+        tb.new_output(t, omap=omap, dtype=acc_dtype)
+    states = g.customized(ins, tb)
+    Ms, Ls, Os = (g.reshape(x, shape=(bh, splits, rows, x.shape[-1])) if q_blocks == 1 else x for x in states)
     Y = split_kv_combine(g, Ms, Ls, Os, bh, combine_q_blocks, dtype)            # (b·hk, 1, rows, d)
     g.mark_output(g.reshape(Y, shape=(b, hk, rows, d)))
     return g.build()
+
+
+DECODE_MIN_KEYS = 128     # the fewest keys a split of decode attention walks (two 64-key tiles)
+DECODE_WAVES = 2          # programs per SM decode attention's split count aims for (two resident per SM)
+
+
+def decode_splits(bh: int, skv: int, n_sm: int) -> int:
+    """The split count of split-KV decode over ``bh`` (batch rows x KV heads) programs per split and ``skv`` keys:
+    FlashAttention-2's ``num_splits_heuristic`` over ``DECODE_WAVES · n_sm`` program slots — the fewest power-of-two
+    splits (each at least ``DECODE_MIN_KEYS`` keys, dividing ``skv``) whose last wave is at least 85% as full as the
+    best one's — so the SMs are full and the combine reads few partial states. 1 where ``bh`` fills the slots."""
+    slots = DECODE_WAVES * n_sm
+    if bh >= 0.8 * slots:
+        return 1
+    choices = [s for s in (2 ** i for i in range(8)) if skv % s == 0 and skv // s >= DECODE_MIN_KEYS] or [1]
+
+    def fill(s: int) -> float:
+        return bh * s / slots / -(-bh * s // slots)
+    best = max(fill(s) for s in choices)
+    return next(s for s in choices if fill(s) >= 0.85 * best)
+
+
+def decode_split_counts(bh: int, skv: int, n_sm: int, tile: int = 64) -> list[int]:
+    """The split counts decode attention times: :func:`decode_splits`' first, then half and twice it where those
+    still split KV (twice: each split at least one ``tile`` of keys); the claimer times them. The heuristic alone
+    left b=1 short (H100, 2026-11-25, bf16, 8 KV heads x 4k slots, the split kernel alone: 32 splits of 128 keys,
+    8.4 µs, 1.46x the KV floor, against 1.04x at b=8 with 4 splits). Empty where KV is not split."""
+    s = decode_splits(bh, skv, n_sm)
+    if s == 1:
+        return []
+    return [s] + [x for x in (s // 2, 2 * s) if x > 1 and skv % x == 0 and skv // x >= tile]
 
 
 SEEDS = {"flash_attention": flash_attention, "flash_decoding": flash_decoding}

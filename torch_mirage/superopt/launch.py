@@ -58,6 +58,10 @@ PROLOGUE_PIPELINES = ((4, 3), (8, 5))
 # (128 x 128 at 3 stages holds 192 KiB of K / V stages next to Q's 32 KiB: at H100's shared-memory limit, left out)
 PREFILL_SCHEDULES = ((128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3))
 PREFILL_MIN_ROWS = 128         # query rows (per grid slice) from which a block graph counts as prefill attention
+# split-KV decode attention (a few query rows — the query heads of one KV head — against one split of the cache; the
+# seed fixed the split count): (keys per tile, num_warps, num_stages). A memory-bound stream of K / V tiles; 128 keys x
+# d 128 at 3 stages holds 192 KiB of K / V stages, the most that fits shared memory (4 stages of 64 keys: 128 KiB)
+DECODE_SCHEDULES = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3))
 PROBE_WAVES = (2, 4)           # programs per SM of the extra candidates :func:`candidates` always adds
 MAX_TILE = 128 * 128           # elements any block tile may hold (registers of one program)
 MAX_STAGE_BYTES = 48 * 1024    # bytes one for-loop iteration loads (x num_stages must fit shared memory)
@@ -244,10 +248,9 @@ def _along_first_inputs(bg: BlockGraph, i: int, name: str) -> Op | None:
     return bg.ops[i]
 
 
-def prefill_attention(bg: BlockGraph) -> tuple[int, int, int] | None:
-    """``(grid dim of the query rows, query rows, keys)`` where ``bg`` is prefill attention — an online softmax
-    whose scores are one matmul of a query tile (not walked by the loop, its rows one grid dim, at least
-    ``PREFILL_MIN_ROWS`` of them) by a key tile walked by the loop (no grid dim over keys) — else None."""
+def _attention_iterators(bg: BlockGraph) -> tuple[Op, Op] | None:
+    """The query and key iterators of an online softmax whose scores are one matmul of a query tile (not walked by
+    the for-loop) by a key tile walked by the for-loop, else None."""
     acc = next((op for op in bg.ops if op.name == "acc_online_softmax"), None)
     if acc is None:
         return None
@@ -257,11 +260,37 @@ def prefill_attention(bg: BlockGraph) -> tuple[int, int, int] | None:
     q, k = (_along_first_inputs(bg, r[0], "iterator") for r in mm.inputs)
     if q is None or k is None or q.attrs["fmap"] is not None or k.attrs["fmap"] is None:
         return None
+    return q, k
+
+
+def prefill_attention(bg: BlockGraph) -> tuple[int, int, int] | None:
+    """``(grid dim of the query rows, query rows, keys)`` where ``bg`` is prefill attention — an online softmax
+    whose scores are one matmul of a query tile (not walked by the loop, its rows one grid dim, at least
+    ``PREFILL_MIN_ROWS`` of them) by a key tile walked by the loop (no grid dim over keys) — else None."""
+    found = _attention_iterators(bg)
+    if found is None:
+        return None
+    q, k = found
     rows_dim, kd = len(q.attrs["shape"]) - 2, k.attrs["fmap"]
     gs = [g for g, m in enumerate(q.attrs["imap"]) if m == rows_dim]
     if len(gs) != 1 or any(m == kd for m in k.attrs["imap"]) or q.attrs["shape"][rows_dim] < PREFILL_MIN_ROWS:
         return None
     return gs[0], q.attrs["shape"][rows_dim], k.attrs["shape"][kd]
+
+
+def split_kv_decode(bg: BlockGraph) -> int | None:
+    """The keys one program walks where ``bg`` is split-KV decode attention — an online softmax of a query tile
+    (one block of fewer than ``PREFILL_MIN_ROWS`` rows: no grid dim over them) against key tiles walked by the
+    loop, one grid dim splitting the keys — else None."""
+    found = _attention_iterators(bg)
+    if found is None:
+        return None
+    q, k = found
+    rows_dim, kd = len(q.attrs["shape"]) - 2, k.attrs["fmap"]
+    gs = [g for g, m in enumerate(k.attrs["imap"]) if m == kd]
+    if len(gs) != 1 or rows_dim in q.attrs["imap"] or q.attrs["shape"][rows_dim] >= PREFILL_MIN_ROWS:
+        return None
+    return k.attrs["shape"][kd] // bg.grid[gs[0]]
 
 
 def prefill_candidates(bg: BlockGraph) -> list[LaunchConfig]:
@@ -277,6 +306,19 @@ def prefill_candidates(bg: BlockGraph) -> list[LaunchConfig]:
         grid = tuple(rows // r if d == g else x for d, x in enumerate(bg.grid))
         if retile(bg, grid, keys // t) is not None:
             out.append(LaunchConfig(grid, keys // t, 1, warps, stages))
+    return out
+
+
+def decode_candidates(bg: BlockGraph) -> list[LaunchConfig]:
+    """:data:`DECODE_SCHEDULES` that re-tile split-KV decode attention ``bg`` (:func:`split_kv_decode`): the same
+    grid (the seed fixed the split count), key tiles of 64 / 128 and the pipeline depth; no further split."""
+    keys = split_kv_decode(bg)
+    if keys is None:
+        return []
+    out = []
+    for t, warps, stages in DECODE_SCHEDULES:
+        if keys % t == 0 and retile(bg, bg.grid, keys // t) is not None:
+            out.append(LaunchConfig(tuple(bg.grid), keys // t, 1, warps, stages))
     return out
 
 
@@ -299,15 +341,16 @@ def _scored(bg: BlockGraph, n_sm: int) -> list[tuple]:
 
 
 def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
-    """Prefill attention: its own schedule plus :func:`prefill_candidates`. Otherwise the μGraph's own schedule
+    """Prefill attention: its own schedule plus :func:`prefill_candidates`; split-KV decode attention: its own
+    schedule plus :func:`decode_candidates`. Otherwise the μGraph's own schedule
     plus the ``limit`` best re-tilings by :func:`estimate_us` and the best with at least ``PROBE_WAVES`` programs
     per SM, each with the (num_warps, num_stages) pairs of ``WARPS_STAGES`` and, where each program walks at least
     ``DEEP_LOOP`` for-loop steps, ``DEEP_PIPELINE``. (Pairs whose stages do not fit shared memory fail to compile
     and are skipped by :func:`choose`.)"""
-    prefill = prefill_candidates(bg)
-    if prefill:
+    fixed = prefill_candidates(bg) or decode_candidates(bg)
+    if fixed:
         base = default_config(bg)
-        return [base] + [c for c in prefill if c != base]
+        return [base] + [c for c in fixed if c != base]
     scored = _scored(bg, n_sm)
     picks = [(tuple(bg.grid), bg.forloop_range, 1)]
     for _, grid, f, s in scored:
@@ -416,7 +459,8 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs, ABBA",
                     space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE,
-                           STREAM_STAGE_BYTES, PROLOGUE_PIPELINES, PREFILL_SCHEDULES] + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
+                           STREAM_STAGE_BYTES, PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES]
+                    + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
     props = torch.cuda.get_device_properties(inputs[0].device)
     configs = {json.dumps(c.to_json(), sort_keys=True): c for c in propose(bg, props.multi_processor_count, limit)}
     want: list = []
