@@ -9,7 +9,14 @@ verifies each with :func:`~torch_mirage.superopt.verify.verify` (finite-field te
 error bound, then the float test). Only a verified μGraph is ever returned. Deepening stops after the
 first depth that yields a verified μGraph, or at the deadline (the best verified so far is kept).
 A big target is searched on shrunk shapes first and its μGraph carried back to the real sizes
-(:mod:`.shrink`); the real sizes are searched only when that finds nothing.
+(:mod:`.shrink`); the real sizes are searched only when that finds nothing. Grouped-query attention is
+searched with its query heads packed onto their KV head (:mod:`.heads`), and the μGraph found for that is
+viewed back and verified again against the region's program.
+
+Softmax: a target holding ``exp(s − max(s))`` (attention, however the user writes it: ``torch.softmax``,
+``F.scaled_dot_product_attention``, the exponentials by hand) is searched with the online-softmax for-loop
+accumulator (its expression is softmax's, see :func:`.expr.expr_of_op`) and with ``scalar_mul`` by the
+constants of the scores (the temperature, which must be applied before the exponential).
 
 Workers: with ``search_workers`` (MIRAGE_SEARCH_WORKERS) > 1 the first level of the canonical DFS (the
 iterators' fmap choice x the first body op, numbered in DFS order) is dealt round-robin to that many
@@ -40,6 +47,7 @@ from ..validate import nbytes, validate
 from ..verify import verify
 from . import expr as E
 from .generate import KIND_ORDER, GenStats, Skeleton, enumerate_skeletons
+from .heads import group_heads, unpack
 from .oracle import SubexprOracle
 from .schedule import schedules
 from .shrink import block_steps, shrink, transfer
@@ -117,6 +125,49 @@ def _eps_values(target: KernelGraph | None) -> tuple[float, ...]:
     return tuple(sorted(found)) or (0.0,)
 
 
+def softmax_scores(targets) -> list:
+    """The scores ``s`` of every ``exp(s − max_n(s))`` in the targets (softmax's stabilised exponential, the
+    expression the online-softmax accumulator computes)."""
+    out = []
+    for e in targets:
+        for t in e.subterms():
+            s = _softmax_score(t)
+            if s is not None and s not in out:
+                out.append(s)
+    return out
+
+
+def _softmax_score(t):
+    if t.op != "fn" or t.attr != "exp" or t.args[0].op != "add":
+        return None
+    terms = t.args[0].args
+    minus_one = E.const(-1)
+    for k, a in enumerate(terms):
+        if a.op != "mul" or len(a.args) != 2 or minus_one not in a.args:
+            continue
+        m = a.args[1] if a.args[0] is minus_one else a.args[0]
+        if m.op == "sym" and m.attr[0] == "reduce_max" and E.add(*(terms[:k] + terms[k + 1:])) is m.args[0]:
+            return m.args[0]
+    return None
+
+
+def _scale_values(target: KernelGraph | None, targets) -> tuple[float, ...]:
+    """The constants a block ``scalar_mul`` may multiply by: those of the target's ``scalar_mul`` ops that are
+    factors of a softmax's scores (outside any function: the temperature), as the target gives them."""
+    consts = set()
+    for s in softmax_scores(targets):
+        stack = [s]
+        while stack:
+            x = stack.pop()
+            if x.op == "const" and x.attr not in (0, 1):
+                consts.add(x)
+            elif x.op in ("add", "mul", "div", "sum"):
+                stack.extend(x.args)
+    found = {float(op.attrs["value"]) for op in (target.ops if target is not None else ())
+             if op.name == "scalar_mul" and E.const(op.attrs["value"]) in consts}
+    return tuple(sorted(found))
+
+
 def _make_oracle(targets, prune: bool, oracle_kwargs: dict):
     if not prune:
         return (lambda e: True), None
@@ -128,30 +179,42 @@ def op_kinds(targets) -> tuple[str, ...]:
     """The body-op kinds to enumerate. A free ``concat`` is not enumerated (concats of admitted parts
     are admitted, so they multiply the space: LoRA at depth 5 did not finish in 60 s); Mirage's LoRA
     macro ``concat_matmul`` is, when a target adds two reductions (the concat identity
-    Σa·b + Σc·d = Σ(a‖c)·(b‖d)); a block row mean and ``sub`` are, when a target centres a row (LayerNorm)."""
+    Σa·b + Σc·d = Σ(a‖c)·(b‖d)); a block row mean and ``sub`` are, when a target centres a row (LayerNorm);
+    the online-softmax accumulator is, when a target holds a softmax."""
     two_sums = any(t.op == "add" and sum(a.op == "sum" for a in t.args) >= 2
                    for e in targets for t in e.subterms())
     centred = any(_centred(t) for e in targets for t in e.subterms())
+    softmax = bool(softmax_scores(targets))
     return tuple(k for k in KIND_ORDER if k != "concat" and (k != "concat_matmul" or two_sums)
-                 and (k not in ("sub", "reduce_mean") or centred))
+                 and (k not in ("sub", "reduce_mean") or centred) and (k != "acc_online_softmax" or softmax))
 
 
 def _centred(t) -> bool:
     """``x - mean(x)`` (LayerNorm's centring): an add of a term with a negative factor over a sum."""
-    def negative(a):
-        return a.op == "mul" and any(f.op == "const" and f.attr < 0 for f in a.args)
+    def negative(a):        # (a softmax's max subtracted is not a centring: no sum of the row under a symbol)
+        return a.op == "mul" and any(f.op == "const" and f.attr < 0 for f in a.args) and \
+            not any(f.op == "sym" for f in a.args)
     return t.op == "add" and any((negative(a) and any(s.op == "sum" for s in a.subterms()))
                                  or (a.op == "sum" and negative(a.args[0])) for a in t.args)
 
 
 def _unreachable(targets) -> str:
     """Why no enumerated block graph can equal the targets ('' when one may): a target holding an
-    uninterpreted symbol (a max, an op without an abstract expression), which no block op kind the
-    generator enumerates computes (softmax's row max). Seeds and given candidates are still verified."""
-    for e in targets:
-        for t in e.subterms():
-            if t.op == "sym":
-                return f"the target holds {t.attr[0]}, which no enumerated block op computes"
+    uninterpreted symbol (a max, an op without an abstract expression) other than a softmax's row max
+    (which the online-softmax accumulator computes), as no block op kind the generator enumerates computes
+    it. Seeds and given candidates are still verified."""
+    stack, seen = list(targets), set()
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        if _softmax_score(t) is not None:
+            stack.append(_softmax_score(t))      # the row max is the accumulator's; the scores must be reachable
+            continue
+        if t.op == "sym":
+            return f"the target holds {t.attr[0]}, which no enumerated block op computes"
+        stack.extend(t.args)
     return ""
 
 
@@ -224,12 +287,15 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         out_shapes = out_shapes or [o.shapes[r[1]] for o, r in zip(outs, target.outputs)]
         out_dtypes = out_dtypes or [o.dtypes[r[1]] for o, r in zip(outs, target.outputs)]
         eps = _eps_values(target)
+        scales = _scale_values(target, targets)
     else:
         targets = list(target)
         if reference is None or out_shapes is None:
             raise ValueError("search: with target expressions, pass reference= (a program to verify against) "
                              "and out_shapes=")
         eps = (0.0,)
+        scales = tuple(float(c.attr) for s in softmax_scores(targets) for c in s.subterms()
+                       if c.op == "const" and c.attr not in (0, 1))
     out_shapes = [tuple(s) for s in out_shapes]
     if budget_s <= 0:
         log.info("μGraph search: budget %.3g s, no search", budget_s)
@@ -247,7 +313,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
 
     workers = load().search_workers if workers is None else workers
     job = dict(targets=targets, reference=reference, inputs=inputs, out_shapes=out_shapes, out_dtypes=out_dtypes,
-               eps=eps, max_ops=max_ops, tile=tile, prune=prune, vkw=vkw, probe=probe,
+               eps=eps, scales=scales, max_ops=max_ops, tile=tile, prune=prune, vkw=vkw, probe=probe,
                oracle_kwargs={**DEFAULT_ORACLE, **(oracle_kwargs or {})}, seeds=seeds,
                extra=list(extra_candidates), whole_rows=_reduction_chain(target))
     if workers > 1:
@@ -256,17 +322,22 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         except Exception as e:  # noqa: BLE001 - e.g. a lambda reference: search in this process
             log.info("μGraph search: the job does not pickle (%s); searching in one process", e)
             workers = 1
-    shrunk = shrink(target, inputs, out_shapes) \
-        if isinstance(target, KernelGraph) and reference is target and not seeds and not extra_candidates else None
+    plain = isinstance(target, KernelGraph) and reference is target and not seeds and not extra_candidates
+    groups = group_heads(target, inputs, out_shapes) if plain else None
+    problem = job if groups is None else dict(job, reference=groups.target, inputs=groups.inputs,
+                                              out_shapes=groups.out_shapes)
+    shrunk = shrink(problem["reference"], problem["inputs"], problem["out_shapes"]) if plain else None
     verified = []
     if shrunk is not None:
-        small_job = dict(job, targets=E.graph_exprs(shrunk.target), reference=shrunk.target, inputs=shrunk.inputs,
+        small_job = dict(problem, targets=E.graph_exprs(shrunk.target), reference=shrunk.target, inputs=shrunk.inputs,
                          out_shapes=shrunk.out_shapes, tile=shrunk.tile)
-        verified = _carried_back(_run_job(small_job, workers, deadline, stats), job, shrunk, stats)
+        verified = _carried_back(_run_job(small_job, workers, deadline, stats), problem, shrunk, stats)
         if not verified and time.monotonic() < deadline:
             log.info("μGraph search: nothing carried back from the shrunk shapes; searching the real sizes")
     if not verified and time.monotonic() < deadline:
-        verified = _run_job(job, workers, deadline, stats)
+        verified = _run_job(problem, workers, deadline, stats)
+    if groups is not None:
+        verified = _unpacked(verified, job, groups, stats)
     stats.seconds = time.monotonic() - t0
     if not verified:
         why = "deadline" if stats.timed_out else f"no verified μGraph within {max_ops} block ops"
@@ -317,6 +388,24 @@ def _carried_back(small: list, job: dict, shrunk, stats: SearchStats) -> list:
             reason = (f"{reason}; verified on the shrunk shapes ({sizes}), carried to the real sizes with the same "
                       f"imaps and splits ({steps} block steps: float-checked by the compile stage)")
         return [(_cost(big), where, big, skel, source, reason, sched)]
+    return []
+
+
+def _unpacked(verified: list, job: dict, groups, stats: SearchStats) -> list:
+    """The cheapest μGraph found for the packed GQA problem (:mod:`.heads`), viewed back to the region's inputs
+    and outputs and verified against its program; [] when none passes."""
+    inputs = job["inputs"]
+    for cost, where, graph, skel, source, reason, sched in sorted(verified, key=lambda v: v[:2]):
+        real = unpack(graph, groups, inputs)
+        verdict = verify(real, job["reference"], [torch.zeros(s, dtype=getattr(torch, d)) for s, d in inputs],
+                         **job["vkw"])
+        if not verdict:
+            stats.rejected_by_verifier += 1
+            log.warning("μGraph search: a μGraph verified on the packed query heads fails unpacked: %s",
+                        verdict.reason)
+            continue
+        return [(cost, where, real, skel, source, f"{verdict.reason}; query heads packed {groups.group} per KV "
+                 "head", sched)]
     return []
 
 
@@ -426,7 +515,8 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
         stats.depth = depth
         gs = GenStats()
         for skel, _ in enumerate_skeletons(inputs, out_shapes, max_ops=depth, exact_ops=True,
-                                           probe_range=probe_range(inputs), eps_values=job["eps"], admits=admits,
+                                           probe_range=probe_range(inputs), eps_values=job["eps"],
+                                           scale_values=job.get("scales", ()), admits=admits,
                                            is_target=is_target, stats=gs, deadline=deadline,
                                            kinds=op_kinds(targets), whole_rows=job.get("whole_rows", False),
                                            share=share):
