@@ -16,7 +16,9 @@ viewed back and verified again against the region's program.
 Softmax: a target holding ``exp(s − max(s))`` (attention, however the user writes it: ``torch.softmax``,
 ``F.scaled_dot_product_attention``, the exponentials by hand) is searched with the online-softmax for-loop
 accumulator (its expression is softmax's, see :func:`.expr.expr_of_op`) and with ``scalar_mul`` by the
-constants of the scores (the temperature, which must be applied before the exponential).
+constants of the scores (the temperature, which must be applied before the exponential). Such a target is
+first taken apart top-down (:mod:`.decompose`, in this process, cheapest tree first); the DFS runs only when
+that verifies nothing.
 
 Workers: with ``search_workers`` (MIRAGE_SEARCH_WORKERS) > 1 the first level of the canonical DFS (the
 iterators' fmap choice x the first body op, numbered in DFS order) is dealt round-robin to that many
@@ -48,6 +50,7 @@ from ..verify import verify
 from . import expr as E
 from .generate import KIND_ORDER, GenStats, Skeleton, enumerate_skeletons
 from .heads import group_heads, unpack
+from . import decompose
 from .oracle import SubexprOracle
 from .schedule import schedules
 from .shrink import block_steps, shrink, transfer
@@ -313,7 +316,8 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
 
     workers = load().search_workers if workers is None else workers
     job = dict(targets=targets, reference=reference, inputs=inputs, out_shapes=out_shapes, out_dtypes=out_dtypes,
-               eps=eps, scales=scales, max_ops=max_ops, tile=tile, prune=prune, vkw=vkw, probe=probe,
+               eps=eps, scales=scales, goal_directed=bool(softmax_scores(targets)), max_ops=max_ops, tile=tile,
+               prune=prune, vkw=vkw, probe=probe,
                oracle_kwargs={**DEFAULT_ORACLE, **(oracle_kwargs or {})}, seeds=seeds,
                extra=list(extra_candidates), whole_rows=_reduction_chain(target))
     if workers > 1:
@@ -351,7 +355,13 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
 
 
 def _run_job(job: dict, workers: int, deadline: float, stats: SearchStats) -> list:
-    """One search over ``job`` in this process or in ``workers`` processes; its counts go into ``stats``."""
+    """One search over ``job`` in this process or in ``workers`` processes; its counts go into ``stats``. A
+    goal-directed job tries :mod:`.decompose`'s skeletons in this process first."""
+    if job.get("goal_directed") and workers > 1:
+        verified = _run_job(dict(job, depths=False), 1, deadline, stats)
+        if verified or time.monotonic() > deadline:
+            return verified
+        job = dict(job, goal_directed=False)
     if workers <= 1:
         verified, st, oracle_stats = _search_share(job, (0, 1), deadline)
         _merge_stats(stats, st)
@@ -498,6 +508,22 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
         for i, g in enumerate(list(extra) + (_seed_graphs(inputs, out_shapes) if job["seeds"] else [])):
             check(g, None, "given" if i < len(extra) else "seed", (-1, i))
 
+    if job.get("goal_directed") and share[0] == 0:      # the target taken apart top-down, cheapest tree first
+        for skel in decompose.skeletons(targets, inputs, out_shapes, kinds=op_kinds(targets),
+                                        probe_range=probe_range(inputs), scale_values=job.get("scales", ()),
+                                        eps_values=job["eps"], max_ops=job["max_ops"]):
+            stats.candidates += 1
+            pos[0] += 1
+            for sched, graph in schedules(skel, inputs, out_shapes, tile=job["tile"], out_dtypes=out_dtypes):
+                stats.schedules += 1
+                if check(graph, skel, "search", (len(skel.ops), -1, pos[0]), sched) or time.monotonic() > deadline:
+                    break
+            if verified or time.monotonic() > deadline:
+                break
+        stats.depth = max((len(v[3].ops) for v in verified), default=0)
+    if not job.get("depths", True):
+        return verified, stats.as_dict(), {}
+
     admits, oracle = _make_oracle(targets, job["prune"], job["oracle_kwargs"])
     if oracle is not None:
         is_target = lambda es: [oracle.equivalent(e) for e in es] == list(range(len(targets)))  # noqa: E731
@@ -507,7 +533,7 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
     unreachable = _unreachable(targets)
     if unreachable:
         log.info("μGraph search: no enumeration (%s)", unreachable)
-    for depth in range(1, 0 if unreachable else job["max_ops"] + 1):
+    for depth in range(1, 0 if unreachable or verified else job["max_ops"] + 1):
         if verified or time.monotonic() > deadline:
             break
         if found_depth is not None and 0 < found_depth.value < depth:
