@@ -1,6 +1,6 @@
 """The search claimer: regions around a matmul, and reduction chains, run the μGraph that the search finds.
 
-For each free matmul node (last first) the claimer grows a region: producers whose every result is
+For each free matmul node and each ``scaled_dot_product_attention`` (last first) the claimer grows a region: producers whose every result is
 read only inside the region (elementwise, reductions, layout: a norm before the matmul, a transposed
 weight), and, while the region has one result read by free elementwise or layout nodes, those readers
 (a gate after the matmul, the view of a flattened matmul back to (batch, seq, n)). Then each free
@@ -21,6 +21,7 @@ import logging
 from typing import Sequence
 
 from .driver import search
+from .reference import is_attention
 from ..compile import compile_ugraph
 
 from ...capture.ops import OpKind
@@ -47,7 +48,7 @@ class SearchClaimer:
         order = {id(n): i for i, n in enumerate(graph.nodes)}
         outcomes: list[Outcome] = []
         last_first = list(reversed(list(free)))
-        anchors = [n for n in last_first if n.op.kind is OpKind.MATMUL] + \
+        anchors = [n for n in last_first if n.op.kind is OpKind.MATMUL or is_attention(n)] + \
             [n for n in last_first if n.op.kind is OpKind.REDUCTION]
         searched: set = set()       # nodes of reduction chains already searched
         for anchor in anchors:

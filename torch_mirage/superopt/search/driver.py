@@ -203,22 +203,42 @@ def _centred(t) -> bool:
 
 def _unreachable(targets) -> str:
     """Why no enumerated block graph can equal the targets ('' when one may): a target holding an
-    uninterpreted symbol (a max, an op without an abstract expression) other than a softmax's row max
-    (which the online-softmax accumulator computes), as no block op kind the generator enumerates computes
-    it. Seeds and given candidates are still verified."""
-    stack, seen = list(targets), set()
-    while stack:
-        t = stack.pop()
+    uninterpreted symbol (a max, an op without an abstract expression), which no block op kind the
+    generator enumerates computes — except a softmax's row max inside ``Σ_n exp(s − max_n s)·…`` (the sum of
+    exponentials and P·V the online-softmax accumulator computes; softmax probabilities on their own are not).
+    Seeds and given candidates are still verified."""
+    seen: set = set()
+
+    def walk(t) -> str:
         if t in seen:
-            continue
+            return ""
         seen.add(t)
-        if _softmax_score(t) is not None:
-            stack.append(_softmax_score(t))      # the row max is the accumulator's; the scores must be reachable
-            continue
         if t.op == "sym":
             return f"the target holds {t.attr[0]}, which no enumerated block op computes"
-        stack.extend(t.args)
+        if _softmax_score(t) is not None:
+            return "the target holds softmax probabilities outside a sum over the keys (no P·V)"
+        parts = t.args
+        if t.op == "sum":
+            body = t.args[0]
+            num, den = (body.args[0], body.args[1]) if body.op == "div" else (body, None)
+            parts = [_softmax_score(f) if _softmax_score(f) is not None and _max_size(f) == t.attr else f
+                     for f in (num.args if num.op == "mul" else (num,))] + ([den] if den is not None else [])
+        for a in parts:
+            why = walk(a)
+            if why:
+                return why
+        return ""
+
+    for e in targets:
+        why = walk(e)
+        if why:
+            return why
     return ""
+
+
+def _max_size(exp_term) -> int:
+    """The row length of the max subtracted in a softmax's ``exp(s − max_n s)``."""
+    return next(a.attr[1] for t in exp_term.args[0].args if t.op == "mul" for a in t.args if a.op == "sym")
 
 
 def _reduction_chain(target) -> bool:

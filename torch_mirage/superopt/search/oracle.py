@@ -24,10 +24,6 @@ axioms A_eq ∪ A_sub. :class:`SubexprOracle` answers that question:
   already ``(x·b)/a``; a candidate that is a quotient ``a/b`` and a target
   that divides by it is the one shape where it may refute too much. T1 checks
   every library prefix against it.)
-* **Function arguments** (structural): a unary function's argument is compared by normal form, as the final
-  equality (:meth:`SubexprOracle.equivalent`) is: a candidate holding ``f(x)`` where no target holds that
-  ``f(x)`` is refuted (``exp`` of unscaled scores under a softmax of scaled ones, ``sqrt`` of a tile's partial
-  sum). The countermodel cannot see this: constants and reduction sizes inside an argument are invisible to it.
 * **Z3** decides what both leave open: the paper's axioms over an
   uninterpreted sort (quantified A_sub and A_eq, the size lemma grounded on
   the concrete sizes of the query), query ``¬ ∨_O sub(E, E_O)``; ``unsat`` =
@@ -123,7 +119,6 @@ class SubexprOracle:
         self._model: dict[Expr, tuple] = {}
         self._target_models = [self.model(t) for t in self.targets]
         self._cache: dict[Expr, bool] = {}
-        self._foreign: dict[Expr, bool] = {}
         self._terms: set[Expr] = set()
         for t in self.targets:
             self._terms.update(t.subterms())
@@ -205,21 +200,11 @@ class SubexprOracle:
 
     # ------------------------------------------------------------ Z3
     def refutes(self, e: Expr) -> bool:
-        """True when the countermodel shows ``e`` is below no target (so no derivation exists), or ``e`` applies
-        a unary function to an argument no target applies it to."""
+        """True when the countermodel shows ``e`` is below no target (so no derivation exists)."""
         if e.op == "concat":
             return any(self.refutes(a) for a in e.args)
-        if self.foreign_fn(e):
-            return True
         m = self.model(e)
         return not any(_model_le(m, t) for t in self._target_models)
-
-    def foreign_fn(self, e: Expr) -> bool:
-        """``e`` holds a unary function application ``f(x)`` that is no target's subterm (memoised)."""
-        got = self._foreign.get(e)
-        if got is None:
-            got = self._foreign[e] = (e.op == "fn" and e not in self._terms) or any(self.foreign_fn(a) for a in e.args)
-        return got
 
     def model(self, e: Expr) -> tuple:
         """``e`` in the countermodel: (inputs, symbols applied (each with its
