@@ -250,10 +250,23 @@ def _fit(kind: str, attrs: tuple, sh: list, dtype: str, ctx: Ctx) -> tuple | Non
         return None
 
 
+def loop_ops(skel: Skeleton) -> int:
+    """Body ops that run at every for-loop step: those reading, directly or not, an iterator with a for-loop dim
+    (before the accumulator); the rest is hoisted out of the loop or runs once after it."""
+    walked = [f is not None for f in skel.fmaps]
+    n = 0
+    for op in skel.ops:
+        w = not op.kind.startswith("acc_") and any(walked[i] for i in op.inputs)
+        n += w
+        walked += [w] * len(VALUE_OUTPUTS.get(op.kind, (0,)))
+    return n
+
+
 def skeletons(targets: Sequence[E.Expr], inputs: Sequence, out_shapes: Sequence, *, kinds: Sequence[str],
               probe_range: int, scale_values: Sequence[float] = (), eps_values: Sequence[float] = (),
               max_ops: int = 8, fmaps_of=None) -> Iterator[Skeleton]:
-    """Skeletons whose replayed expression is the (single) target, cheapest tree first; nothing for several
+    """Skeletons whose replayed expression is the (single) target: fewest ops first, then fewest ops in the
+    for-loop (:func:`loop_ops`: a temperature on the hoisted Q tile, not on every K tile); nothing for several
     outputs or a target the rules do not take apart."""
     if len(targets) != 1 or len(out_shapes) != 1:
         return
@@ -261,12 +274,15 @@ def skeletons(targets: Sequence[E.Expr], inputs: Sequence, out_shapes: Sequence,
     dec = Decomposer(inputs, kinds, scale_values, eps_values)
     trees = [t for t in dec.ways(targets[0]) if dec.cost(t) <= max_ops and dec.shape(t) == tuple(out_shapes[0])]
     seen = set()
-    for tree in trees:
-        for skel in _instantiate(tree, inputs, tuple(out_shapes[0]), probe_range, fmaps_of):
-            key = (skel.fmaps, skel.ops)
-            if key in seen:
-                continue
-            seen.add(key)
+    for _, group in itertools.groupby(trees, key=dec.cost):
+        found = []
+        for tree in group:
+            for skel in _instantiate(tree, inputs, tuple(out_shapes[0]), probe_range, fmaps_of):
+                key = (skel.fmaps, skel.ops)
+                if key not in seen:
+                    seen.add(key)
+                    found.append(skel)
+        for skel in sorted(found, key=loop_ops):
             try:
                 got = E.graph_exprs(to_kernel_graph(skel, inputs))
             except MuGraphError:

@@ -10,8 +10,9 @@ error bound, then the float test). Only a verified μGraph is ever returned. Dee
 first depth that yields a verified μGraph, or at the deadline (the best verified so far is kept).
 A big target is searched on shrunk shapes first and its μGraph carried back to the real sizes
 (:mod:`.shrink`); the real sizes are searched only when that finds nothing. Grouped-query attention is
-searched with its query heads packed onto their KV head (:mod:`.heads`), and the μGraph found for that is
-viewed back and verified again against the region's program.
+searched with its query heads packed onto their KV head (:mod:`.heads`; on the shrunk problem too, packed after
+shrinking); every candidate is viewed back to the region's inputs before it is probed and verified against the
+region's program.
 
 Softmax: a target holding ``exp(s − max(s))`` (attention, however the user writes it: ``torch.softmax``,
 ``F.scaled_dot_product_attention``, the exponentials by hand) is searched with the online-softmax for-loop
@@ -347,21 +348,21 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
             log.info("μGraph search: the job does not pickle (%s); searching in one process", e)
             workers = 1
     plain = isinstance(target, KernelGraph) and reference is target and not seeds and not extra_candidates
-    groups = group_heads(target, inputs, out_shapes) if plain else None
-    problem = job if groups is None else dict(job, reference=groups.target, inputs=groups.inputs,
-                                              out_shapes=groups.out_shapes)
-    shrunk = shrink(problem["reference"], problem["inputs"], problem["out_shapes"]) if plain else None
+    groups = group_heads(inputs, out_shapes) if plain else None
+    problem = job if groups is None else _packed(job, groups)
+    shrunk = shrink(target, inputs, out_shapes) if plain else None
     verified = []
     if shrunk is not None:
-        small_job = dict(problem, targets=E.graph_exprs(shrunk.target), reference=shrunk.target, inputs=shrunk.inputs,
+        small_job = dict(job, targets=E.graph_exprs(shrunk.target), reference=shrunk.target, inputs=shrunk.inputs,
                          out_shapes=shrunk.out_shapes, tile=shrunk.tile)
+        small_groups = group_heads(shrunk.inputs, shrunk.out_shapes) if groups is not None else None
+        if small_groups is not None:
+            small_job = _packed(small_job, small_groups)
         verified = _carried_back(_run_job(small_job, workers, deadline, stats), problem, shrunk, stats)
         if not verified and time.monotonic() < deadline:
             log.info("μGraph search: nothing carried back from the shrunk shapes; searching the real sizes")
     if not verified and time.monotonic() < deadline:
         verified = _run_job(problem, workers, deadline, stats)
-    if groups is not None:
-        verified = _unpacked(verified, job, groups, stats)
     stats.seconds = time.monotonic() - t0
     if not verified:
         why = "deadline" if stats.timed_out else f"no verified μGraph within {max_ops} block ops"
@@ -396,6 +397,7 @@ def _carried_back(small: list, job: dict, shrunk, stats: SearchStats) -> list:
     """The first (cheapest) μGraph verified on the shrunk problem whose schedule carries back to the real
     sizes (:func:`.shrink.transfer`), re-verified there when that is cheap; [] when none does."""
     inputs, out_shapes, out_dtypes = job["inputs"], job["out_shapes"], job["out_dtypes"]
+    run_inputs = job.get("run_inputs", inputs)
     for cost, where, graph, skel, source, reason, sched in sorted(small, key=lambda v: v[:2]):
         real = transfer(skel, sched, inputs, out_shapes, tile=job["tile"], out_dtypes=out_dtypes) \
             if skel is not None and sched is not None else None
@@ -403,9 +405,10 @@ def _carried_back(small: list, job: dict, shrunk, stats: SearchStats) -> list:
             log.debug("μGraph search: a μGraph verified on the shrunk shapes has no real-size schedule like its own")
             continue
         sched, big = real
+        big = _viewed(job, big)
         steps = block_steps(big)
         if steps <= RECHECK_STEPS:
-            verdict = verify(big, job["reference"], [torch.zeros(s, dtype=getattr(torch, d)) for s, d in inputs],
+            verdict = verify(big, job["reference"], [torch.zeros(s, dtype=getattr(torch, d)) for s, d in run_inputs],
                              **job["vkw"])
             if not verdict:
                 stats.rejected_by_verifier += 1
@@ -421,22 +424,15 @@ def _carried_back(small: list, job: dict, shrunk, stats: SearchStats) -> list:
     return []
 
 
-def _unpacked(verified: list, job: dict, groups, stats: SearchStats) -> list:
-    """The cheapest μGraph found for the packed GQA problem (:mod:`.heads`), viewed back to the region's inputs
-    and outputs and verified against its program; [] when none passes."""
-    inputs = job["inputs"]
-    for cost, where, graph, skel, source, reason, sched in sorted(verified, key=lambda v: v[:2]):
-        real = unpack(graph, groups, inputs)
-        verdict = verify(real, job["reference"], [torch.zeros(s, dtype=getattr(torch, d)) for s, d in inputs],
-                         **job["vkw"])
-        if not verdict:
-            stats.rejected_by_verifier += 1
-            log.warning("μGraph search: a μGraph verified on the packed query heads fails unpacked: %s",
-                        verdict.reason)
-            continue
-        return [(cost, where, real, skel, source, f"{verdict.reason}; query heads packed {groups.group} per KV "
-                 "head", sched)]
-    return []
+def _packed(job: dict, groups) -> dict:
+    """``job`` with GQA's query heads packed (:mod:`.heads`): skeletons and schedules on the packed shapes, every
+    candidate viewed back (``unpack``) to ``run_inputs`` and checked against the region's own program."""
+    return dict(job, inputs=groups.inputs, out_shapes=groups.out_shapes, groups=groups, run_inputs=job["inputs"])
+
+
+def _viewed(job: dict, graph: KernelGraph) -> KernelGraph:
+    """A μGraph of ``job``'s (maybe packed) problem on the region's inputs and outputs."""
+    return graph if job.get("groups") is None else unpack(graph, job["groups"], job["run_inputs"])
 
 
 def _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, max_ops, tile) -> str:
@@ -495,14 +491,16 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
     stats = SearchStats()
     inputs, out_shapes, out_dtypes = job["inputs"], job["out_shapes"], job["out_dtypes"]
     reference, vkw, targets = job["reference"], job["vkw"], job["targets"]
+    run_inputs = job.get("run_inputs", inputs)      # the region's inputs (the search's, unless heads are packed)
     gen = torch.Generator().manual_seed(0)
-    probe_in = [torch.randn(s, generator=gen, dtype=torch.float64) for s, _ in inputs]
+    probe_in = [torch.randn(s, generator=gen, dtype=torch.float64) for s, _ in run_inputs]
     ref_out = _run(reference, probe_in)
-    examples = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in inputs]
+    examples = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in run_inputs]
     verified: list = []
     pos = [0]
 
     def check(graph: KernelGraph, skel, source, where, sched=None) -> bool:
+        graph = _viewed(job, graph)
         if job["probe"] and not probe_ok(graph):
             stats.rejected_by_probe += 1
             return False
@@ -512,7 +510,8 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
             log.debug("μGraph search: verifier rejects a candidate: %s", verdict.reason)
             return False
         stats.verified += 1
-        verified.append((_cost(graph), where, graph, skel, source, verdict.reason, sched))
+        why = verdict.reason + (f"; query heads packed {job['groups'].group} per KV head" if job.get("groups") else "")
+        verified.append((_cost(graph), where, graph, skel, source, why, sched))
         return True
 
     def probe_ok(graph: KernelGraph) -> bool:

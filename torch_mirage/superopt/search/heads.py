@@ -8,10 +8,9 @@ hq heads is viewed as (…, hk, g·s, ·), the group's rows stacked, which is a 
 Then all head dims agree and the block graph is ordinary attention, one block per KV head reading its K and V
 tile once for the whole group.
 
-:func:`group_heads` gives the packed problem (its reference is the region's, between the views, so candidates are
-verified against the region's own program); :func:`unpack` puts the views around a μGraph found for it, which
-the driver verifies again against the original reference. Reshapes have the identity as abstract expression, so
-the target expressions do not change.
+:func:`group_heads` gives the packed problem's shapes; :func:`unpack` puts the views around a μGraph found for
+it, and the driver probes and verifies that against the region's own program. Reshapes have the identity as
+abstract expression, so the target expressions do not change.
 """
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ class HeadGroups:
     out_packed: tuple           # per output: its packed shape, or None
     inputs: list                # (shape, dtype) of the packed problem
     out_shapes: list
-    target: KernelGraph         # the region's program on the packed inputs, with packed outputs
 
 
 def _heads(shape) -> int | None:
@@ -41,7 +39,7 @@ def _pack(shape, hk: int) -> tuple:
     return (*lead, hk, (h // hk) * s, d)
 
 
-def group_heads(target: KernelGraph, inputs: Sequence, out_shapes: Sequence) -> HeadGroups | None:
+def group_heads(inputs: Sequence, out_shapes: Sequence) -> HeadGroups | None:
     """The packed problem when the rank ≥ 3 inputs have two head counts hq = g·hk (g > 1) with equal leading
     dims, the hq-head inputs and every output being (…, hq, s, d); None otherwise."""
     inputs = [(tuple(s), d) for s, d in inputs]
@@ -57,14 +55,8 @@ def group_heads(target: KernelGraph, inputs: Sequence, out_shapes: Sequence) -> 
         return None
     packed = tuple(_pack(s, hk) if _heads(s) == hq else None for s, _ in inputs)
     out_packed = tuple(_pack(s, hk) for s in out_shapes)
-    small = [(p or s, d) for p, (s, d) in zip(packed, inputs)]
-    try:
-        ref = _replay(target, [p or s for p, (s, _) in zip(packed, inputs)],
-                      lambda g, i, t: g.reshape(t, shape=inputs[i][0]) if packed[i] else t,
-                      lambda g, k, t: g.reshape(t, shape=out_packed[k]))
-    except MuGraphError:
-        return None
-    return HeadGroups(hq // hk, packed, out_packed, small, list(out_packed), ref)
+    return HeadGroups(hq // hk, packed, out_packed, [(p or s, d) for p, (s, d) in zip(packed, inputs)],
+                      list(out_packed))
 
 
 def unpack(graph: KernelGraph, groups: HeadGroups, inputs: Sequence) -> KernelGraph:
