@@ -28,7 +28,7 @@ from ...capture.ops import OpKind
 from ...context import CompileContext
 from ...failures import describe_error
 from ...partition.region import Claim, Decline, Outcome, Reason, is_convex
-from ..cut import CHAIN, DTYPES, GROW, MAX_NODES, grow, lowered_reference, reference_kernel
+from ..cut import CHAIN, DTYPES, GROW, MAX_NODES, computes, grow, lowered_reference, reference_kernel
 from ..gemv_claim import seed_claim
 from ...timing import random_like
 
@@ -55,7 +55,7 @@ class SearchClaimer:
             if id(anchor) not in free_ids or id(anchor) in searched:
                 continue
             chain = anchor.op.kind is OpKind.REDUCTION
-            nodes = sorted(grow(graph, anchor, free_ids, self.max_nodes, CHAIN if chain else GROW),
+            nodes = sorted(grow(graph, anchor, free_ids, self.max_nodes, CHAIN if chain else GROW, counts=computes),
                            key=lambda n: order[id(n)])
             if not is_convex(graph, nodes):
                 outcomes.append(Decline(nodes, Reason.NOT_CONVEX, f"the region grown around {anchor.name}"))
