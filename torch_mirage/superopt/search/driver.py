@@ -279,7 +279,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
            out_dtypes: Sequence | None = None, max_ops: int = 8, tile: int = 64, prune: bool = True,
            extra_candidates: Sequence[KernelGraph] = (), verify_kwargs: dict | None = None,
            oracle_kwargs: dict | None = None, probe: bool = True, cache=None,
-           workers: int | None = None) -> SearchResult:
+           workers: int | None = None, decompose: bool = True) -> SearchResult:
     """Search for a verified one-kernel μGraph equal to ``target``.
 
     ``target``: a reference :class:`KernelGraph` (pre-defined ops; its outputs give the target
@@ -298,7 +298,8 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     later search for the same target returns it without searching (``source`` "cache"). A corrupted or
     unreadable entry is ignored and rewritten. ``workers`` (default: the ``search_workers`` knob): worker
     processes; above 1 the first-level DFS branches are dealt round-robin to spawned workers (see
-    :func:`_search_parallel`); 1 searches in this process.
+    :func:`_search_parallel`); 1 searches in this process. ``decompose``: take a softmax target apart top-down
+    (:mod:`.decompose`) before the DFS (off: the DFS alone, for measurements).
     """
     t0 = time.monotonic()
     budget_s = load().search_budget_s if budget_s is None else budget_s
@@ -337,7 +338,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
 
     workers = load().search_workers if workers is None else workers
     job = dict(targets=targets, reference=reference, inputs=inputs, out_shapes=out_shapes, out_dtypes=out_dtypes,
-               eps=eps, scales=scales, goal_directed=bool(softmax_scores(targets)), max_ops=max_ops, tile=tile,
+               eps=eps, scales=scales, goal_directed=decompose and bool(softmax_scores(targets)), max_ops=max_ops, tile=tile,
                prune=prune, vkw=vkw, probe=probe,
                oracle_kwargs={**DEFAULT_ORACLE, **(oracle_kwargs or {})}, seeds=seeds,
                extra=list(extra_candidates), whole_rows=_reduction_chain(target))
