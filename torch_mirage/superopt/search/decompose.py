@@ -221,7 +221,8 @@ class Decomposer:
         if x.op != "div" or x.args[1].op != "sum" or x.args[1].attr != n:
             return None
         ex = x.args[1].args[0]
-        if ex.op != "fn" or ex.attr != "exp" or "acc_online_softmax" not in self.kinds:
+        score = E.softmax_score(ex)
+        if score is None or E.softmax_row(ex) != n or "acc_online_softmax" not in self.kinds:
             return None
         num = x.args[0]
         factors = list(num.args if num.op == "mul" else (num,))
@@ -230,11 +231,7 @@ class Decomposer:
         factors.remove(ex)
         if not _has_leaf(factors):
             return None
-        m = [a for t in ex.args[0].args if t.op == "mul" for a in t.args if a.op == "sym"] \
-            if ex.args[0].op == "add" else []
-        if len(m) != 1 or m[0].attr[0] != "reduce_max" or m[0].attr[1] != n:
-            return None
-        return m[0].args[0], E.mul(*factors)
+        return score, E.mul(*factors)
 
 
 # ------------------------------------------------------------------ trees -> skeletons

@@ -49,9 +49,9 @@ from ..executor import execute
 from ..validate import nbytes, validate
 from ..verify import verify
 from . import expr as E
+from . import decompose
 from .generate import KIND_ORDER, GenStats, Skeleton, enumerate_skeletons
 from .heads import group_heads, unpack
-from . import decompose
 from .oracle import SubexprOracle
 from .schedule import schedules
 from .shrink import block_steps, shrink, transfer
@@ -129,37 +129,11 @@ def _eps_values(target: KernelGraph | None) -> tuple[float, ...]:
     return tuple(sorted(found)) or (0.0,)
 
 
-def softmax_scores(targets) -> list:
-    """The scores ``s`` of every ``exp(s − max_n(s))`` in the targets (softmax's stabilised exponential, the
-    expression the online-softmax accumulator computes)."""
-    out = []
-    for e in targets:
-        for t in e.subterms():
-            s = _softmax_score(t)
-            if s is not None and s not in out:
-                out.append(s)
-    return out
-
-
-def _softmax_score(t):
-    if t.op != "fn" or t.attr != "exp" or t.args[0].op != "add":
-        return None
-    terms = t.args[0].args
-    minus_one = E.const(-1)
-    for k, a in enumerate(terms):
-        if a.op != "mul" or len(a.args) != 2 or minus_one not in a.args:
-            continue
-        m = a.args[1] if a.args[0] is minus_one else a.args[0]
-        if m.op == "sym" and m.attr[0] == "reduce_max" and E.add(*(terms[:k] + terms[k + 1:])) is m.args[0]:
-            return m.args[0]
-    return None
-
-
 def _scale_values(target: KernelGraph | None, targets) -> tuple[float, ...]:
     """The constants a block ``scalar_mul`` may multiply by: those of the target's ``scalar_mul`` ops that are
     factors of a softmax's scores (outside any function: the temperature), as the target gives them."""
     consts = set()
-    for s in softmax_scores(targets):
+    for s in E.softmax_scores(targets):
         stack = [s]
         while stack:
             x = stack.pop()
@@ -188,7 +162,7 @@ def op_kinds(targets) -> tuple[str, ...]:
     two_sums = any(t.op == "add" and sum(a.op == "sum" for a in t.args) >= 2
                    for e in targets for t in e.subterms())
     centred = any(_centred(t) for e in targets for t in e.subterms())
-    softmax = bool(softmax_scores(targets))
+    softmax = bool(E.softmax_scores(targets))
     return tuple(k for k in KIND_ORDER if k != "concat" and (k != "concat_matmul" or two_sums)
                  and (k not in ("sub", "reduce_mean") or centred) and (k != "acc_online_softmax" or softmax))
 
@@ -216,13 +190,13 @@ def _unreachable(targets) -> str:
         seen.add(t)
         if t.op == "sym":
             return f"the target holds {t.attr[0]}, which no enumerated block op computes"
-        if _softmax_score(t) is not None:
+        if E.softmax_score(t) is not None:
             return "the target holds softmax probabilities outside a sum over the keys (no P·V)"
         parts = t.args
         if t.op == "sum":
             body = t.args[0]
             num, den = (body.args[0], body.args[1]) if body.op == "div" else (body, None)
-            parts = [_softmax_score(f) if _softmax_score(f) is not None and _max_size(f) == t.attr else f
+            parts = [E.softmax_score(f) if E.softmax_score(f) is not None and E.softmax_row(f) == t.attr else f
                      for f in (num.args if num.op == "mul" else (num,))] + ([den] if den is not None else [])
         for a in parts:
             why = walk(a)
@@ -235,11 +209,6 @@ def _unreachable(targets) -> str:
         if why:
             return why
     return ""
-
-
-def _max_size(exp_term) -> int:
-    """The row length of the max subtracted in a softmax's ``exp(s − max_n s)``."""
-    return next(a.attr[1] for t in exp_term.args[0].args if t.op == "mul" for a in t.args if a.op == "sym")
 
 
 def _reduction_chain(target) -> bool:
@@ -319,7 +288,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
             raise ValueError("search: with target expressions, pass reference= (a program to verify against) "
                              "and out_shapes=")
         eps = (0.0,)
-        scales = tuple(float(c.attr) for s in softmax_scores(targets) for c in s.subterms()
+        scales = tuple(float(c.attr) for s in E.softmax_scores(targets) for c in s.subterms()
                        if c.op == "const" and c.attr not in (0, 1))
     out_shapes = [tuple(s) for s in out_shapes]
     if budget_s <= 0:
@@ -338,8 +307,8 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
 
     workers = load().search_workers if workers is None else workers
     job = dict(targets=targets, reference=reference, inputs=inputs, out_shapes=out_shapes, out_dtypes=out_dtypes,
-               eps=eps, scales=scales, goal_directed=decompose and bool(softmax_scores(targets)), max_ops=max_ops, tile=tile,
-               prune=prune, vkw=vkw, probe=probe,
+               eps=eps, scales=scales, goal_directed=decompose and bool(E.softmax_scores(targets)), max_ops=max_ops,
+               tile=tile, prune=prune, vkw=vkw, probe=probe,
                oracle_kwargs={**DEFAULT_ORACLE, **(oracle_kwargs or {})}, seeds=seeds,
                extra=list(extra_candidates), whole_rows=_reduction_chain(target))
     if workers > 1:
