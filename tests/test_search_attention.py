@@ -19,7 +19,7 @@ from torch_mirage.superopt.builder import new_kernel_graph
 from torch_mirage.superopt.executor import execute
 from torch_mirage.superopt.search import driver as D
 from torch_mirage.superopt.search import expr as E
-from torch_mirage.superopt.search.decompose import skeletons
+from torch_mirage.superopt.search.decompose import loop_ops, skeletons
 from torch_mirage.superopt.search.generate import enumerate_skeletons, to_kernel_graph
 from torch_mirage.superopt.search.heads import group_heads, unpack
 from torch_mirage.superopt.search.oracle import SubexprOracle
@@ -200,6 +200,9 @@ def test_decomposed_skeletons_compute_the_target_and_nothing_else():
     assert sorted(kinds) == sorted(["rms_norm", "rms_norm", "mul", "mul", "scalar_mul", "matmul_t",
                                     "acc_online_softmax", "div"])
     assert [len(s.ops) for s in found] == sorted(len(s.ops) for s in found)
+    # equal cost: fewest ops in the for-loop first (only the K tile's norm and Q·Kᵀ; the temperature and the
+    # weights go on the hoisted side)
+    assert loop_ops(found[0]) == 2 == min(loop_ops(s) for s in found) < max(loop_ops(s) for s in found)
     g = new_kernel_graph()
     X, W1, W3 = (g.new_input(s, "float32") for s in ((4, 8), (8, 6), (8, 6)))
     g.mark_output(g.mul(g.silu(g.matmul(X, W1)), g.matmul(X, W3)))
