@@ -10,7 +10,7 @@
 // number of moves). Profiling (benchmarks/results/search_profile_cpu.md) measured this step as most of
 // the search's own time outside Z3.
 //
-// env = (KIND_ORDER, enabled per kind, eps_values, shapes, dtypes, flags, exprs, op_memo, expr_memo,
+// env = (KIND_ORDER, enabled per kind, eps_values, scale_values, shapes, dtypes, flags, exprs, op_memo, expr_memo,
 //        make_miss, expr_miss); shapes .. exprs are the generator's state lists, read in place.
 // last_rank = (inputs newest first, kind index, inputs, ((attr name, value), ...)) with None values as -1.
 // share = None, or (k, n, base): move idx is kept only when (base + idx + 1) % n == k.
@@ -27,14 +27,16 @@ namespace {
 // Indices into KIND_ORDER (generate.py); checked against the names passed in env at every call.
 enum Kind {
   SILU, EXP, SQRT, RMS_NORM, REDUCE_MEAN, ADD, MUL, DIV, SUB, MATMUL, MATMUL_T, CONCAT, CONCAT_MATMUL, ACC_SUM,
-  ACC_RMS, N_KINDS
+  ACC_RMS, SCALAR_MUL, ACC_ONLINE_SOFTMAX, N_KINDS
 };
 const char* const KIND_NAMES[N_KINDS] = {"silu", "exp", "sqrt", "rms_norm", "reduce_mean", "add", "mul", "div",
                                          "sub", "matmul", "matmul_t", "concat", "concat_matmul", "acc_sum",
-                                         "acc_rms"};
+                                         "acc_rms", "scalar_mul", "acc_online_softmax"};
+constexpr long ABI = 3;     // torch_mirage/superopt/search/native.py: ABI
 
-PyObject* s_dim = nullptr;  // interned "dim"
-PyObject* s_eps = nullptr;  // interned "eps"
+PyObject* s_dim = nullptr;    // interned "dim"
+PyObject* s_eps = nullptr;    // interned "eps"
+PyObject* s_value = nullptr;  // interned "value"
 
 // An owned reference, released at scope exit.
 struct Ref {
@@ -47,7 +49,7 @@ struct Ref {
 };
 
 // Attr kinds of a move: which (name, value) pairs its attrs tuple holds.
-enum AttrForm { NO_ATTRS, EPS, DIM_NONE, DIM, DIM_EPS };
+enum AttrForm { NO_ATTRS, EPS, DIM_NONE, DIM, DIM_EPS, VALUE };
 
 struct Move {
   int kind;
@@ -55,7 +57,7 @@ struct Move {
   int ins[4];
   AttrForm form;
   int dim;       // DIM, DIM_EPS, CONCAT's dim
-  int eps;       // index into eps_values (EPS, DIM_EPS)
+  int eps;       // index into eps_values (EPS, DIM_EPS) or scale_values (VALUE)
   int n_rank;    // number of attr values in the rank
   double rank_attrs[2];
 };
@@ -136,9 +138,10 @@ Move binary(int kind, int i, int j) { return Move{kind, 2, {i, j, 0, 0}, NO_ATTR
 
 // The moves of generate.py's moves(), in the same generation order (stable-sorted afterwards).
 void enumerate_moves(const std::vector<std::vector<long>>& sh, const std::vector<long>& flags, const bool* on,
-                     const std::vector<double>& eps, std::vector<Move>& out) {
+                     const std::vector<double>& eps, const std::vector<double>& scales, std::vector<Move>& out) {
   const int n = static_cast<int>(sh.size());
   const int n_eps = static_cast<int>(eps.size());
+  const int n_scales = static_cast<int>(scales.size());
   for (int i = 0; i < n; ++i) {
     const int nd = static_cast<int>(sh[i].size());
     for (int k : {SILU, EXP, SQRT})
@@ -154,6 +157,12 @@ void enumerate_moves(const std::vector<std::vector<long>>& sh, const std::vector
       m.form = DIM; m.dim = nd - 1; m.n_rank = 1; m.rank_attrs[0] = nd - 1;
       out.push_back(m);
     }
+    if (on[SCALAR_MUL])
+      for (int c = 0; c < n_scales; ++c) {
+        Move m = unary(SCALAR_MUL, i);
+        m.form = VALUE; m.eps = c; m.n_rank = 1; m.rank_attrs[0] = scales[c];
+        out.push_back(m);
+      }
     if (flags[i] == 0) {
       if (on[ACC_SUM]) {
         Move m = unary(ACC_SUM, i);
@@ -187,6 +196,7 @@ void enumerate_moves(const std::vector<std::vector<long>>& sh, const std::vector
       }
       if (on[MATMUL]) out.push_back(binary(MATMUL, i, j));
       if (on[MATMUL_T] && sh[j].size() >= 2) out.push_back(binary(MATMUL_T, i, j));
+      if (on[ACC_ONLINE_SOFTMAX] && i != j && flags[i] == 0) out.push_back(binary(ACC_ONLINE_SOFTMAX, i, j));
     }
   }
   if (!on[CONCAT_MATMUL]) return;
@@ -211,10 +221,14 @@ void enumerate_moves(const std::vector<std::vector<long>>& sh, const std::vector
 PyObject* pair(PyObject* name, PyObject* value) { return PyTuple_Pack(2, name, value); }
 
 // The attrs tuple of a move, as generate.py writes it: sorted (name, value) pairs.
-PyObject* attrs_of(const Move& m, PyObject* eps_values) {
+PyObject* attrs_of(const Move& m, PyObject* eps_values, PyObject* scale_values) {
   switch (m.form) {
     case NO_ATTRS:
       return PyTuple_New(0);
+    case VALUE: {
+      Ref p(pair(s_value, PyTuple_GET_ITEM(scale_values, m.eps)));
+      return p.p ? PyTuple_Pack(1, p.p) : nullptr;
+    }
     case EPS: {
       Ref p(pair(s_eps, PyTuple_GET_ITEM(eps_values, m.eps)));
       return p.p ? PyTuple_Pack(1, p.p) : nullptr;
@@ -291,12 +305,12 @@ bool read_state(PyObject* shapes, PyObject* flags, std::vector<std::vector<long>
 PyObject* children(PyObject*, PyObject* args) {
   PyObject *env, *last, *share;
   if (!PyArg_ParseTuple(args, "O!OO:children", &PyTuple_Type, &env, &last, &share)) return nullptr;
-  PyObject *names, *enabled, *eps_values, *shapes, *dtypes, *flags, *exprs, *op_memo, *expr_memo, *make_miss,
-      *expr_miss;
-  if (!PyArg_ParseTuple(env, "O!O!O!O!O!O!O!O!O!OO:children env", &PyTuple_Type, &names, &PyTuple_Type, &enabled,
-                        &PyTuple_Type, &eps_values, &PyList_Type, &shapes, &PyList_Type, &dtypes, &PyList_Type,
-                        &flags, &PyList_Type, &exprs, &PyDict_Type, &op_memo, &PyDict_Type, &expr_memo, &make_miss,
-                        &expr_miss))
+  PyObject *names, *enabled, *eps_values, *scale_values, *shapes, *dtypes, *flags, *exprs, *op_memo, *expr_memo,
+      *make_miss, *expr_miss;
+  if (!PyArg_ParseTuple(env, "O!O!O!O!O!O!O!O!O!O!OO:children env", &PyTuple_Type, &names, &PyTuple_Type, &enabled,
+                        &PyTuple_Type, &eps_values, &PyTuple_Type, &scale_values, &PyList_Type, &shapes, &PyList_Type,
+                        &dtypes, &PyList_Type, &flags, &PyList_Type, &exprs, &PyDict_Type, &op_memo, &PyDict_Type,
+                        &expr_memo, &make_miss, &expr_miss))
     return nullptr;
   if (PyTuple_GET_SIZE(names) != N_KINDS || PyTuple_GET_SIZE(enabled) != N_KINDS) {
     PyErr_Format(PyExc_ValueError, "search core: expected %d op kinds (KIND_ORDER), got %zd", N_KINDS,
@@ -316,6 +330,8 @@ PyObject* children(PyObject*, PyObject* args) {
   }
   std::vector<double> eps(PyTuple_GET_SIZE(eps_values));
   for (size_t e = 0; e < eps.size(); ++e) eps[e] = PyFloat_AsDouble(PyTuple_GET_ITEM(eps_values, e));
+  std::vector<double> scales(PyTuple_GET_SIZE(scale_values));
+  for (size_t c = 0; c < scales.size(); ++c) scales[c] = PyFloat_AsDouble(PyTuple_GET_ITEM(scale_values, c));
   Rank rank;
   if (PyErr_Occurred() || !parse_rank(last, &rank)) return nullptr;
   long share_k = 0, share_n = 1, share_base = 0;
@@ -335,7 +351,7 @@ PyObject* children(PyObject*, PyObject* args) {
   }
 
   std::vector<Move> all;
-  enumerate_moves(sh, fl, on, eps, all);
+  enumerate_moves(sh, fl, on, eps, scales, all);
   std::vector<Move> moves;
   moves.reserve(all.size());
   for (const Move& m : all)
@@ -355,7 +371,7 @@ PyObject* children(PyObject*, PyObject* args) {
       if (!v) return nullptr;
       PyTuple_SET_ITEM(ins.p, k, v);
     }
-    Ref attrs(attrs_of(m, eps_values));
+    Ref attrs(attrs_of(m, eps_values, scale_values));
     Ref shs(gather(shapes, m)), dts(gather(dtypes, m));
     if (!attrs.p || !shs.p || !dts.p) return nullptr;
     Ref op_key(PyTuple_Pack(4, kind, attrs.p, shs.p, dts.p));
@@ -390,10 +406,11 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "torch_mirage._C",
 PyMODINIT_FUNC PyInit__C() {
   s_dim = PyUnicode_InternFromString("dim");
   s_eps = PyUnicode_InternFromString("eps");
-  if (!s_dim || !s_eps) return nullptr;
+  s_value = PyUnicode_InternFromString("value");
+  if (!s_dim || !s_eps || !s_value) return nullptr;
   PyObject* m = PyModule_Create(&module);
   if (!m) return nullptr;
-  if (PyModule_AddIntConstant(m, "ABI", 2) < 0) {
+  if (PyModule_AddIntConstant(m, "ABI", ABI) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

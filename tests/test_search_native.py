@@ -122,3 +122,26 @@ def test_a_core_of_another_abi_is_not_used(monkeypatch):
     monkeypatch.setattr(importlib, "import_module", lambda name: types.SimpleNamespace(ABI=native.ABI + 1))
     monkeypatch.setattr(native, "_state", {})
     assert native.search_core() is None and "reinstall" in native.why_not()
+
+
+@needs_core
+def test_attention_moves():
+    """The online-softmax accumulator (two values) and scalar_mul by the target's temperature: unpruned at depth 2
+    and with the oracle at depth 4, where FlashAttention's skeleton is among the candidates."""
+    ins = [((1, 2, 4, 8), "float32"), ((1, 2, 16, 8), "float32"), ((1, 2, 16, 8), "float32")]
+    g = new_kernel_graph()
+    q, k, v = (g.new_input(s, d) for s, d in ins)
+    s = g.scalar_mul(g.matmul(q, g.transpose(k)), value=8 ** -0.5)
+    e = g.exp(g.sub(s, g.reduce_max(s, dim=3)))
+    g.mark_output(g.matmul(g.div(e, g.reduce_sum(e, dim=3)), v))
+    ref = g.build()
+    targets, scales = E.graph_exprs(ref), D._scale_values(ref, E.graph_exprs(ref))
+    assert scales == (8 ** -0.5,)
+    kinds = D.op_kinds(targets)
+    (got, st) = _both(ins, [(1, 2, 4, 8)], 2, kinds=kinds, scale_values=scales, fmap_choices=[[None], [2], [2]])
+    assert st["generated"] > 100
+    oracle = SubexprOracle(targets, use_z3=False)
+    (got, st) = _both(ins, [(1, 2, 4, 8)], 4, exact_ops=True, kinds=kinds, scale_values=scales,
+                      admits=oracle.admits, is_target=lambda es: [oracle.equivalent(e) for e in es] == [0],
+                      fmap_choices=[[None], [2], [2]])
+    assert any("acc_online_softmax(v4, v2)" in s and "matmul_t" in s for s, _ in got), got

@@ -27,16 +27,19 @@ FORWARD = {OpKind.ELEMENTWISE, OpKind.LAYOUT}     # a gate after the matmul; the
 MAX_NODES = 32
 
 
-def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW, forward: bool = True) -> list:
+def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW, forward: bool = True,
+         counts=None) -> list:
     """The region around ``anchor`` (a node, or a list of nodes grown together: the sibling matmuls of one
     activation), taking producers of the op ``kinds`` (see the module docstring). ``forward`` False: producers
-    only (no readers of the region's result)."""
+    only (no readers of the region's result). ``counts(node)``: whether a node counts towards ``max_nodes``
+    (default: every node does; :func:`computes` leaves out casts and layout ops)."""
     anchors = list(anchor) if isinstance(anchor, (list, tuple)) else [anchor]
     inside = {id(a): a for a in anchors}
     returned = {id(v) for v in graph.output_values}
     rows = max((_numel(v) for v in anchors[0].inputs if getattr(v, "is_tensor", False)), default=0)
+    size = (lambda: len(inside)) if counts is None else (lambda: sum(1 for n in inside.values() if counts(n)))
     changed = True
-    while changed and len(inside) < max_nodes:
+    while changed and size() < max_nodes:
         changed = False
         for n in list(inside.values()):
             for v in n.inputs:
@@ -59,6 +62,12 @@ def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW, f
                     inside[id(u)] = u
                 changed = True
     return list(inside.values())
+
+
+def computes(node) -> bool:
+    """``node`` does arithmetic: not a layout op (view, permute, expand) and not a cast or copy (flops 0), which the
+    reference lowering makes no ops of."""
+    return node.op.kind is not OpKind.LAYOUT and node.op.flops > 0
 
 
 def _numel(v) -> int:

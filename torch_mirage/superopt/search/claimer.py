@@ -1,6 +1,6 @@
 """The search claimer: regions around a matmul, and reduction chains, run the μGraph that the search finds.
 
-For each free matmul node (last first) the claimer grows a region: producers whose every result is
+For each free matmul node and each ``scaled_dot_product_attention`` (last first) the claimer grows a region: producers whose every result is
 read only inside the region (elementwise, reductions, layout: a norm before the matmul, a transposed
 weight), and, while the region has one result read by free elementwise or layout nodes, those readers
 (a gate after the matmul, the view of a flattened matmul back to (batch, seq, n)). Then each free
@@ -22,11 +22,12 @@ import logging
 from typing import Sequence
 
 from .driver import search
+from .reference import is_attention
 
 from ...capture.ops import OpKind
 from ...context import CompileContext
 from ...partition.region import Claim, Decline, Outcome, Reason, is_convex
-from ..cut import CHAIN, DTYPES, GROW, MAX_NODES, grow, lowered_reference, reference_kernel
+from ..cut import CHAIN, DTYPES, GROW, MAX_NODES, computes, grow, lowered_reference, reference_kernel
 from ..gemv_claim import seed_claim
 from ..ugraph_plan import Alternative, UGraphPlan, random_inputs
 
@@ -46,14 +47,14 @@ class SearchClaimer:
         order = {id(n): i for i, n in enumerate(graph.nodes)}
         outcomes: list[Outcome] = []
         last_first = list(reversed(list(free)))
-        anchors = [n for n in last_first if n.op.kind is OpKind.MATMUL] + \
+        anchors = [n for n in last_first if n.op.kind is OpKind.MATMUL or is_attention(n)] + \
             [n for n in last_first if n.op.kind is OpKind.REDUCTION]
         searched: set = set()       # nodes of reduction chains already searched
         for anchor in anchors:
             if id(anchor) not in free_ids or id(anchor) in searched:
                 continue
             chain = anchor.op.kind is OpKind.REDUCTION
-            nodes = sorted(grow(graph, anchor, free_ids, self.max_nodes, CHAIN if chain else GROW),
+            nodes = sorted(grow(graph, anchor, free_ids, self.max_nodes, CHAIN if chain else GROW, counts=computes),
                            key=lambda n: order[id(n)])
             if not is_convex(graph, nodes):
                 outcomes.append(Decline(nodes, Reason.NOT_CONVEX, f"the region grown around {anchor.name}"))

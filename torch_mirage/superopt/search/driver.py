@@ -9,7 +9,17 @@ verifies each with :func:`~torch_mirage.superopt.verify.verify` (finite-field te
 error bound, then the float test). Only a verified μGraph is ever returned. Deepening stops after the
 first depth that yields a verified μGraph, or at the deadline (the best verified so far is kept).
 A big target is searched on shrunk shapes first and its μGraph carried back to the real sizes
-(:mod:`.shrink`); the real sizes are searched only when that finds nothing.
+(:mod:`.shrink`); the real sizes are searched only when that finds nothing. Grouped-query attention is
+searched with its query heads packed onto their KV head (:mod:`.heads`; on the shrunk problem too, packed after
+shrinking); every candidate is viewed back to the region's inputs before it is probed and verified against the
+region's program.
+
+Softmax: a target holding ``exp(s − max(s))`` (attention, however the user writes it: ``torch.softmax``,
+``F.scaled_dot_product_attention``, the exponentials by hand) is searched with the online-softmax for-loop
+accumulator (its expression is softmax's, see :func:`.expr.expr_of_op`) and with ``scalar_mul`` by the
+constants of the scores (the temperature, which must be applied before the exponential). Such a target is
+first taken apart top-down (:mod:`.decompose`, in this process, cheapest tree first); the DFS runs only when
+that verifies nothing.
 
 Workers: with ``search_workers`` (MIRAGE_SEARCH_WORKERS) > 1 the first level of the canonical DFS (the
 iterators' fmap choice x the first body op, numbered in DFS order) is dealt round-robin to that many
@@ -39,7 +49,9 @@ from ..executor import execute
 from ..validate import nbytes, validate
 from ..verify import verify
 from . import expr as E
+from . import decompose
 from .generate import KIND_ORDER, GenStats, Skeleton, enumerate_skeletons
+from .heads import group_heads, unpack
 from .oracle import SubexprOracle
 from .schedule import schedules
 from .shrink import block_steps, shrink, transfer
@@ -117,6 +129,23 @@ def _eps_values(target: KernelGraph | None) -> tuple[float, ...]:
     return tuple(sorted(found)) or (0.0,)
 
 
+def _scale_values(target: KernelGraph | None, targets) -> tuple[float, ...]:
+    """The constants a block ``scalar_mul`` may multiply by: those of the target's ``scalar_mul`` ops that are
+    factors of a softmax's scores (outside any function: the temperature), as the target gives them."""
+    consts = set()
+    for s in E.softmax_scores(targets):
+        stack = [s]
+        while stack:
+            x = stack.pop()
+            if x.op == "const" and x.attr not in (0, 1):
+                consts.add(x)
+            elif x.op in ("add", "mul", "div", "sum"):
+                stack.extend(x.args)
+    found = {float(op.attrs["value"]) for op in (target.ops if target is not None else ())
+             if op.name == "scalar_mul" and E.const(op.attrs["value"]) in consts}
+    return tuple(sorted(found))
+
+
 def _make_oracle(targets, prune: bool, oracle_kwargs: dict):
     if not prune:
         return (lambda e: True), None
@@ -128,18 +157,21 @@ def op_kinds(targets) -> tuple[str, ...]:
     """The body-op kinds to enumerate. A free ``concat`` is not enumerated (concats of admitted parts
     are admitted, so they multiply the space: LoRA at depth 5 did not finish in 60 s); Mirage's LoRA
     macro ``concat_matmul`` is, when a target adds two reductions (the concat identity
-    Σa·b + Σc·d = Σ(a‖c)·(b‖d)); a block row mean and ``sub`` are, when a target centres a row (LayerNorm)."""
+    Σa·b + Σc·d = Σ(a‖c)·(b‖d)); a block row mean and ``sub`` are, when a target centres a row (LayerNorm);
+    the online-softmax accumulator is, when a target holds a softmax."""
     two_sums = any(t.op == "add" and sum(a.op == "sum" for a in t.args) >= 2
                    for e in targets for t in e.subterms())
     centred = any(_centred(t) for e in targets for t in e.subterms())
+    softmax = bool(E.softmax_scores(targets))
     return tuple(k for k in KIND_ORDER if k != "concat" and (k != "concat_matmul" or two_sums)
-                 and (k not in ("sub", "reduce_mean") or centred))
+                 and (k not in ("sub", "reduce_mean") or centred) and (k != "acc_online_softmax" or softmax))
 
 
 def _centred(t) -> bool:
     """``x - mean(x)`` (LayerNorm's centring): an add of a term with a negative factor over a sum."""
-    def negative(a):
-        return a.op == "mul" and any(f.op == "const" and f.attr < 0 for f in a.args)
+    def negative(a):        # (a softmax's max subtracted is not a centring: no sum of the row under a symbol)
+        return a.op == "mul" and any(f.op == "const" and f.attr < 0 for f in a.args) and \
+            not any(f.op == "sym" for f in a.args)
     return t.op == "add" and any((negative(a) and any(s.op == "sum" for s in a.subterms()))
                                  or (a.op == "sum" and negative(a.args[0])) for a in t.args)
 
@@ -147,11 +179,35 @@ def _centred(t) -> bool:
 def _unreachable(targets) -> str:
     """Why no enumerated block graph can equal the targets ('' when one may): a target holding an
     uninterpreted symbol (a max, an op without an abstract expression), which no block op kind the
-    generator enumerates computes (softmax's row max). Seeds and given candidates are still verified."""
+    generator enumerates computes — except a softmax's row max inside ``Σ_n exp(s − max_n s)·…`` (the sum of
+    exponentials and P·V the online-softmax accumulator computes; softmax probabilities on their own are not).
+    Seeds and given candidates are still verified."""
+    seen: set = set()
+
+    def walk(t) -> str:
+        if t in seen:
+            return ""
+        seen.add(t)
+        if t.op == "sym":
+            return f"the target holds {t.attr[0]}, which no enumerated block op computes"
+        if E.softmax_score(t) is not None:
+            return "the target holds softmax probabilities outside a sum over the keys (no P·V)"
+        parts = t.args
+        if t.op == "sum":
+            body = t.args[0]
+            num, den = (body.args[0], body.args[1]) if body.op == "div" else (body, None)
+            parts = [E.softmax_score(f) if E.softmax_score(f) is not None and E.softmax_row(f) == t.attr else f
+                     for f in (num.args if num.op == "mul" else (num,))] + ([den] if den is not None else [])
+        for a in parts:
+            why = walk(a)
+            if why:
+                return why
+        return ""
+
     for e in targets:
-        for t in e.subterms():
-            if t.op == "sym":
-                return f"the target holds {t.attr[0]}, which no enumerated block op computes"
+        why = walk(e)
+        if why:
+            return why
     return ""
 
 
@@ -192,7 +248,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
            out_dtypes: Sequence | None = None, max_ops: int = 8, tile: int = 64, prune: bool = True,
            extra_candidates: Sequence[KernelGraph] = (), verify_kwargs: dict | None = None,
            oracle_kwargs: dict | None = None, probe: bool = True, cache=None,
-           workers: int | None = None) -> SearchResult:
+           workers: int | None = None, decompose: bool = True) -> SearchResult:
     """Search for a verified one-kernel μGraph equal to ``target``.
 
     ``target``: a reference :class:`KernelGraph` (pre-defined ops; its outputs give the target
@@ -211,7 +267,8 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     later search for the same target returns it without searching (``source`` "cache"). A corrupted or
     unreadable entry is ignored and rewritten. ``workers`` (default: the ``search_workers`` knob): worker
     processes; above 1 the first-level DFS branches are dealt round-robin to spawned workers (see
-    :func:`_search_parallel`); 1 searches in this process.
+    :func:`_search_parallel`); 1 searches in this process. ``decompose``: take a softmax target apart top-down
+    (:mod:`.decompose`) before the DFS (off: the DFS alone, for measurements).
     """
     t0 = time.monotonic()
     budget_s = load().search_budget_s if budget_s is None else budget_s
@@ -224,12 +281,15 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         out_shapes = out_shapes or [o.shapes[r[1]] for o, r in zip(outs, target.outputs)]
         out_dtypes = out_dtypes or [o.dtypes[r[1]] for o, r in zip(outs, target.outputs)]
         eps = _eps_values(target)
+        scales = _scale_values(target, targets)
     else:
         targets = list(target)
         if reference is None or out_shapes is None:
             raise ValueError("search: with target expressions, pass reference= (a program to verify against) "
                              "and out_shapes=")
         eps = (0.0,)
+        scales = tuple(float(c.attr) for s in E.softmax_scores(targets) for c in s.subterms()
+                       if c.op == "const" and c.attr not in (0, 1))
     out_shapes = [tuple(s) for s in out_shapes]
     if budget_s <= 0:
         log.info("μGraph search: budget %.3g s, no search", budget_s)
@@ -247,7 +307,8 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
 
     workers = load().search_workers if workers is None else workers
     job = dict(targets=targets, reference=reference, inputs=inputs, out_shapes=out_shapes, out_dtypes=out_dtypes,
-               eps=eps, max_ops=max_ops, tile=tile, prune=prune, vkw=vkw, probe=probe,
+               eps=eps, scales=scales, goal_directed=decompose and bool(E.softmax_scores(targets)), max_ops=max_ops,
+               tile=tile, prune=prune, vkw=vkw, probe=probe,
                oracle_kwargs={**DEFAULT_ORACLE, **(oracle_kwargs or {})}, seeds=seeds,
                extra=list(extra_candidates), whole_rows=_reduction_chain(target))
     if workers > 1:
@@ -256,17 +317,22 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         except Exception as e:  # noqa: BLE001 - e.g. a lambda reference: search in this process
             log.info("μGraph search: the job does not pickle (%s); searching in one process", e)
             workers = 1
-    shrunk = shrink(target, inputs, out_shapes) \
-        if isinstance(target, KernelGraph) and reference is target and not seeds and not extra_candidates else None
+    plain = isinstance(target, KernelGraph) and reference is target and not seeds and not extra_candidates
+    groups = group_heads(inputs, out_shapes) if plain else None
+    problem = job if groups is None else _packed(job, groups)
+    shrunk = shrink(target, inputs, out_shapes) if plain else None
     verified = []
     if shrunk is not None:
         small_job = dict(job, targets=E.graph_exprs(shrunk.target), reference=shrunk.target, inputs=shrunk.inputs,
                          out_shapes=shrunk.out_shapes, tile=shrunk.tile)
-        verified = _carried_back(_run_job(small_job, workers, deadline, stats), job, shrunk, stats)
+        small_groups = group_heads(shrunk.inputs, shrunk.out_shapes) if groups is not None else None
+        if small_groups is not None:
+            small_job = _packed(small_job, small_groups)
+        verified = _carried_back(_run_job(small_job, workers, deadline, stats), problem, shrunk, stats)
         if not verified and time.monotonic() < deadline:
             log.info("μGraph search: nothing carried back from the shrunk shapes; searching the real sizes")
     if not verified and time.monotonic() < deadline:
-        verified = _run_job(job, workers, deadline, stats)
+        verified = _run_job(problem, workers, deadline, stats)
     stats.seconds = time.monotonic() - t0
     if not verified:
         why = "deadline" if stats.timed_out else f"no verified μGraph within {max_ops} block ops"
@@ -280,7 +346,13 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
 
 
 def _run_job(job: dict, workers: int, deadline: float, stats: SearchStats) -> list:
-    """One search over ``job`` in this process or in ``workers`` processes; its counts go into ``stats``."""
+    """One search over ``job`` in this process or in ``workers`` processes; its counts go into ``stats``. A
+    goal-directed job tries :mod:`.decompose`'s skeletons in this process first."""
+    if job.get("goal_directed") and workers > 1:
+        verified = _run_job(dict(job, depths=False), 1, deadline, stats)
+        if verified or time.monotonic() > deadline:
+            return verified
+        job = dict(job, goal_directed=False)
     if workers <= 1:
         verified, st, oracle_stats = _search_share(job, (0, 1), deadline)
         _merge_stats(stats, st)
@@ -295,6 +367,7 @@ def _carried_back(small: list, job: dict, shrunk, stats: SearchStats) -> list:
     """The first (cheapest) μGraph verified on the shrunk problem whose schedule carries back to the real
     sizes (:func:`.shrink.transfer`), re-verified there when that is cheap; [] when none does."""
     inputs, out_shapes, out_dtypes = job["inputs"], job["out_shapes"], job["out_dtypes"]
+    run_inputs = job.get("run_inputs", inputs)
     for cost, where, graph, skel, source, reason, sched in sorted(small, key=lambda v: v[:2]):
         real = transfer(skel, sched, inputs, out_shapes, tile=job["tile"], out_dtypes=out_dtypes) \
             if skel is not None and sched is not None else None
@@ -302,9 +375,10 @@ def _carried_back(small: list, job: dict, shrunk, stats: SearchStats) -> list:
             log.debug("μGraph search: a μGraph verified on the shrunk shapes has no real-size schedule like its own")
             continue
         sched, big = real
+        big = _viewed(job, big)
         steps = block_steps(big)
         if steps <= RECHECK_STEPS:
-            verdict = verify(big, job["reference"], [torch.zeros(s, dtype=getattr(torch, d)) for s, d in inputs],
+            verdict = verify(big, job["reference"], [torch.zeros(s, dtype=getattr(torch, d)) for s, d in run_inputs],
                              **job["vkw"])
             if not verdict:
                 stats.rejected_by_verifier += 1
@@ -318,6 +392,17 @@ def _carried_back(small: list, job: dict, shrunk, stats: SearchStats) -> list:
                       f"imaps and splits ({steps} block steps: float-checked by the compile stage)")
         return [(_cost(big), where, big, skel, source, reason, sched)]
     return []
+
+
+def _packed(job: dict, groups) -> dict:
+    """``job`` with GQA's query heads packed (:mod:`.heads`): skeletons and schedules on the packed shapes, every
+    candidate viewed back (``unpack``) to ``run_inputs`` and checked against the region's own program."""
+    return dict(job, inputs=groups.inputs, out_shapes=groups.out_shapes, groups=groups, run_inputs=job["inputs"])
+
+
+def _viewed(job: dict, graph: KernelGraph) -> KernelGraph:
+    """A μGraph of ``job``'s (maybe packed) problem on the region's inputs and outputs."""
+    return graph if job.get("groups") is None else unpack(graph, job["groups"], job["run_inputs"])
 
 
 def _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, max_ops, tile) -> str:
@@ -376,14 +461,16 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
     stats = SearchStats()
     inputs, out_shapes, out_dtypes = job["inputs"], job["out_shapes"], job["out_dtypes"]
     reference, vkw, targets = job["reference"], job["vkw"], job["targets"]
+    run_inputs = job.get("run_inputs", inputs)      # the region's inputs (the search's, unless heads are packed)
     gen = torch.Generator().manual_seed(0)
-    probe_in = [torch.randn(s, generator=gen, dtype=torch.float64) for s, _ in inputs]
+    probe_in = [torch.randn(s, generator=gen, dtype=torch.float64) for s, _ in run_inputs]
     ref_out = _run(reference, probe_in)
-    examples = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in inputs]
+    examples = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in run_inputs]
     verified: list = []
     pos = [0]
 
     def check(graph: KernelGraph, skel, source, where, sched=None) -> bool:
+        graph = _viewed(job, graph)
         if job["probe"] and not probe_ok(graph):
             stats.rejected_by_probe += 1
             return False
@@ -393,7 +480,8 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
             log.debug("μGraph search: verifier rejects a candidate: %s", verdict.reason)
             return False
         stats.verified += 1
-        verified.append((_cost(graph), where, graph, skel, source, verdict.reason, sched))
+        why = verdict.reason + (f"; query heads packed {job['groups'].group} per KV head" if job.get("groups") else "")
+        verified.append((_cost(graph), where, graph, skel, source, why, sched))
         return True
 
     def probe_ok(graph: KernelGraph) -> bool:
@@ -409,6 +497,22 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
         for i, g in enumerate(list(extra) + (_seed_graphs(inputs, out_shapes) if job["seeds"] else [])):
             check(g, None, "given" if i < len(extra) else "seed", (-1, i))
 
+    if job.get("goal_directed") and share[0] == 0:      # the target taken apart top-down, cheapest tree first
+        for skel in decompose.skeletons(targets, inputs, out_shapes, kinds=op_kinds(targets),
+                                        probe_range=probe_range(inputs), scale_values=job.get("scales", ()),
+                                        eps_values=job["eps"], max_ops=job["max_ops"]):
+            stats.candidates += 1
+            pos[0] += 1
+            for sched, graph in schedules(skel, inputs, out_shapes, tile=job["tile"], out_dtypes=out_dtypes):
+                stats.schedules += 1
+                if check(graph, skel, "search", (len(skel.ops), -1, pos[0]), sched) or time.monotonic() > deadline:
+                    break
+            if verified or time.monotonic() > deadline:
+                break
+        stats.depth = max((len(v[3].ops) for v in verified), default=0)
+    if not job.get("depths", True):
+        return verified, stats.as_dict(), {}
+
     admits, oracle = _make_oracle(targets, job["prune"], job["oracle_kwargs"])
     if oracle is not None:
         is_target = lambda es: [oracle.equivalent(e) for e in es] == list(range(len(targets)))  # noqa: E731
@@ -418,7 +522,7 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
     unreachable = _unreachable(targets)
     if unreachable:
         log.info("μGraph search: no enumeration (%s)", unreachable)
-    for depth in range(1, 0 if unreachable else job["max_ops"] + 1):
+    for depth in range(1, 0 if unreachable or verified else job["max_ops"] + 1):
         if verified or time.monotonic() > deadline:
             break
         if found_depth is not None and 0 < found_depth.value < depth:
@@ -426,7 +530,8 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
         stats.depth = depth
         gs = GenStats()
         for skel, _ in enumerate_skeletons(inputs, out_shapes, max_ops=depth, exact_ops=True,
-                                           probe_range=probe_range(inputs), eps_values=job["eps"], admits=admits,
+                                           probe_range=probe_range(inputs), eps_values=job["eps"],
+                                           scale_values=job.get("scales", ()), admits=admits,
                                            is_target=is_target, stats=gs, deadline=deadline,
                                            kinds=op_kinds(targets), whole_rows=job.get("whole_rows", False),
                                            share=share):

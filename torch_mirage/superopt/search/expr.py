@@ -21,7 +21,8 @@ Normal form (the constructors produce it; Mirage's A_eq read as rewrite rules):
 * ``max`` (non-LAX) is an uninterpreted ``reduce_max`` symbol whose nested
   sizes merge; ``acc_online_softmax(s, v)`` ends as ``(m, l, o)`` with
   ``m = max_n(s)``, ``l = sum(n, exp(s - m))``, ``o = sum(n, exp(s - m)·v)``, so
-  FlashAttention's ``o / l`` equals a plain ``softmax(s) @ v``.
+  FlashAttention's ``o / l`` equals a plain ``softmax(s) @ v``; :func:`softmax_score` recognises that
+  stabilised exponential in a target (the search's softmax handling starts from it).
 * ``sub(x, y) = x + (-1)·y``; ``rsqrt(x) = 1/sqrt(x)``; ``square(x) = x·x``;
   ``mean_n(x) = (1/n)·sum(n, x)``; ``rms_n(x) = sqrt((1/n)·sum(n, x·x) + eps)``
   and ``rms_norm(x) = x / rms_n(x)``, so both the accumulator ``acc_rms`` and a
@@ -298,6 +299,38 @@ def max_(n: int, x: Expr) -> Expr:
     if x.op == "sym" and x.attr[0] == "reduce_max":
         return max_(n * x.attr[1], x.args[0])
     return sym("reduce_max", (x,), n)
+
+
+def softmax_score(t: Expr) -> Expr | None:
+    """``s`` when ``t`` is softmax's stabilised exponential ``exp(s − max_n s)`` (what the online-softmax
+    accumulator exponentiates), else None."""
+    if t.op != "fn" or t.attr != "exp" or t.args[0].op != "add":
+        return None
+    terms = t.args[0].args
+    minus_one = const(-1)
+    for k, a in enumerate(terms):
+        if a.op != "mul" or len(a.args) != 2 or minus_one not in a.args:
+            continue
+        m = a.args[1] if a.args[0] is minus_one else a.args[0]
+        if m.op == "sym" and m.attr[0] == "reduce_max" and add(*(terms[:k] + terms[k + 1:])) is m.args[0]:
+            return m.args[0]
+    return None
+
+
+def softmax_row(t: Expr) -> int:
+    """The row length ``n`` of the max in a softmax exponential ``exp(s − max_n s)`` (:func:`softmax_score`)."""
+    return next(a.attr[1] for x in t.args[0].args if x.op == "mul" for a in x.args if a.op == "sym")
+
+
+def softmax_scores(targets: Sequence[Expr]) -> list[Expr]:
+    """The scores ``s`` of every ``exp(s − max_n s)`` in ``targets``, each once."""
+    out: list[Expr] = []
+    for e in targets:
+        for t in e.subterms():
+            s = softmax_score(t)
+            if s is not None and s not in out:
+                out.append(s)
+    return out
 
 
 def sqrt(x: Expr) -> Expr:

@@ -70,8 +70,19 @@ def _rank(kind: str, inputs: tuple, attrs: tuple) -> tuple:
 
 
 KIND_ORDER = ("silu", "exp", "sqrt", "rms_norm", "reduce_mean", "add", "mul", "div", "sub", "matmul", "matmul_t",
-              "concat", "concat_matmul", "acc_sum", "acc_rms")
+              "concat", "concat_matmul", "acc_sum", "acc_rms", "scalar_mul", "acc_online_softmax")
 _KIND_INDEX = {k: i for i, k in enumerate(KIND_ORDER)}
+# The block-op outputs that become skeleton values, for ops with more than one: the online-softmax accumulator's
+# sum of exponentials l and unnormalised output o (its running max m only rescales inside the accumulator).
+VALUE_OUTPUTS = {"acc_online_softmax": (1, 2)}
+# The kinds enumerated unless told otherwise: the online-softmax accumulator only for a target with a softmax
+# (driver.op_kinds), a scalar_mul only with scale_values.
+DEFAULT_KINDS = tuple(k for k in KIND_ORDER if k != "acc_online_softmax")
+
+
+def n_values(kind: str) -> int:
+    """How many skeleton values an op of ``kind`` adds (value indices count them, iterators first)."""
+    return len(VALUE_OUTPUTS.get(kind, (0,)))
 
 
 @dataclass(frozen=True)
@@ -86,9 +97,11 @@ class Skeleton:
     def __str__(self) -> str:
         n = len(self.fmaps)
         parts = [f"v{i}=iter{i}[fmap={f}]" for i, f in enumerate(self.fmaps)]
-        for k, op in enumerate(self.ops):
+        for op in self.ops:
             a = "".join(f", {k_}={v}" for k_, v in op.attrs)
-            parts.append(f"v{n + k}={op.kind}({', '.join(f'v{i}' for i in op.inputs)}{a})")
+            outs = ", ".join(f"v{n + k}" for k in range(n_values(op.kind)))
+            parts.append(f"{outs}={op.kind}({', '.join(f'v{i}' for i in op.inputs)}{a})")
+            n += n_values(op.kind)
         return "; ".join(parts) + f"; save {', '.join(f'v{i}' for i in self.outputs)}"
 
 
@@ -129,6 +142,9 @@ def build_block(skel: Skeleton, inputs: Sequence, *, grid=(1,), forloop_range=No
             vals.append(tb.matmul(tb.concat([a, b], dim=len(a.shape) - 1), tb.concat([c, d], dim=len(c.shape) - 2)))
         elif op.kind == "concat":
             vals.append(tb.concat(xs, **at))
+        elif op.kind in VALUE_OUTPUTS:
+            outs = tb.add_op(op.kind, xs, **at)
+            vals.extend(outs[j] for j in VALUE_OUTPUTS[op.kind])
         else:
             vals.append(tb._one(op.kind, xs, at))
     for k, v in enumerate(skel.outputs):
@@ -161,16 +177,17 @@ class _State:
     exprs: list = field(default_factory=list)
     uses: list = field(default_factory=list)
     keys: set = field(default_factory=set)      # duplicate detection: (expr, is accumulator) or structural keys
-    key_of: list = field(default_factory=list)  # each body op's key, in op order
+    key_of: list = field(default_factory=list)  # each body op's keys (one per value it adds), in op order
     ops: list = field(default_factory=list)
 
 
 def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int, probe_range: int = 2,
                         exact_ops: bool = False, eps_values: Sequence[float] = (0.0,),
+                        scale_values: Sequence[float] = (),
                         admits: Callable = lambda e: True, is_target: Callable | None = None,
                         expr_of: Callable | None | str = "auto", stats: GenStats | None = None,
                         deadline: float | None = None, fmap_choices: Sequence | None = None,
-                        kinds: Sequence[str] = KIND_ORDER, whole_rows: bool = True,
+                        kinds: Sequence[str] = DEFAULT_KINDS, whole_rows: bool = True,
                         share: tuple[int, int] = (0, 1),
                         native: bool | None = None) -> Iterator[tuple[Skeleton, tuple]]:
     """Yield ``(skeleton, output expressions)`` for every complete block graph of at most ``max_ops``
@@ -180,6 +197,10 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
     ``stats.timed_out`` is set. ``share``: ``(k, n)`` enumerates only the first-level branches (the
     iterators' fmap choice and the first body op, numbered in DFS order) whose index is k mod n, for
     splitting the search among n workers; ``stats.branch`` is the index of the branch being expanded.
+    ``scale_values``: the constants a ``scalar_mul`` may multiply by (softmax's temperature: the driver takes
+    them from the target). ``acc_online_softmax`` adds two values, its sum of exponentials and its unnormalised
+    output (:data:`VALUE_OUTPUTS`); its expression (:func:`.expr.expr_of_op`) is softmax's, so ``o / l``
+    equals a plain ``softmax(s) @ v`` target.
     ``whole_rows``: a skeleton whose iterators have no for-loop dim runs its loop once (each block holds
     whole rows, an accumulator is the identity: a norm chain); off, it is probed like the others.
     ``native``: expand states with the C++ core (:mod:`.native`: the same children in the same order);
@@ -217,6 +238,10 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         return e
 
     def expr_miss(kind, args, shapes, op):
+        """The expression of the new value (a tuple of them for an op of several values)."""
+        if kind in VALUE_OUTPUTS:
+            es = expr_of(op, list(args), ctx, in_shapes=list(shapes))
+            return tuple(es[j] for j in VALUE_OUTPUTS[kind])
         if kind == "concat_matmul":
             c1, c2, mm = op
             e1 = expr_of(c1, list(args[:2]), ctx, in_shapes=list(shapes[:2]))[0]
@@ -225,21 +250,28 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         return expr_of(op, list(args), ctx, in_shapes=list(shapes))[0]
 
     def push(kind, ins, attrs, op, e):
-        """Append the value of block op ``op`` (for matmul_t: its matmul) with expression ``e`` unless
-        it is a duplicate value or ``admits`` rejects its expression. An accumulator's value is not a
-        duplicate of its operand's (with a for-loop range of 1 both have one expression)."""
-        key = (e, kind.startswith("acc_")) if expr_of is not None else (kind, ins, attrs)
+        """Append the value(s) of block op ``op`` (for matmul_t: its matmul) with expression ``e`` (a tuple
+        for an op of several values) unless one is a duplicate value or ``admits`` rejects its expression.
+        An accumulator's value is not a duplicate of its operand's (with a for-loop range of 1 both have one
+        expression)."""
+        outs = VALUE_OUTPUTS.get(kind, (0,))
+        es = e if len(outs) > 1 else (e,)
+        acc = kind.startswith("acc_")
+        keys = tuple((x, acc) for x in es) if expr_of is not None else \
+            tuple((kind, ins, attrs, j) for j in outs)
         stats.generated += 1
-        if key in st.keys:
+        if any(k in st.keys for k in keys) or len(set(keys)) < len(keys):
             stats.duplicates += 1
             return False
-        if e is not None and not admits(e):
+        if any(x is not None and not admits(x) for x in es):
             stats.pruned += 1
             return False
-        flag = 1 if kind.startswith("acc_") else st.flags[ins[0]]
+        flag = 1 if acc else st.flags[ins[0]]
         last = op[-1] if isinstance(op, tuple) else op
-        st.shapes.append(last.shapes[0]); st.dtypes.append(last.dtypes[0]); st.flags.append(flag)
-        st.exprs.append(e); st.uses.append(0); st.keys.add(key); st.key_of.append(key)
+        for j, x, key in zip(outs, es, keys):
+            st.shapes.append(last.shapes[j]); st.dtypes.append(last.dtypes[j]); st.flags.append(flag)
+            st.exprs.append(x); st.uses.append(0); st.keys.add(key)
+        st.key_of.append(keys)
         st.ops.append(SkelOp(kind, ins, attrs))
         for i in ins:
             st.uses[i] += 1
@@ -249,8 +281,9 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
         sk = st.ops.pop()
         for i in sk.inputs:
             st.uses[i] -= 1
-        st.shapes.pop(); st.dtypes.pop(); st.flags.pop(); st.uses.pop(); st.exprs.pop()
-        st.keys.discard(st.key_of.pop())
+        for key in st.key_of.pop():
+            st.shapes.pop(); st.dtypes.pop(); st.flags.pop(); st.uses.pop(); st.exprs.pop()
+            st.keys.discard(key)
 
     def make(kind, ins, attrs):
         """The block op for a skeleton op on values ``ins`` (None if shapes do not fit)."""
@@ -287,6 +320,8 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                 out += [("rms_norm", (i,), (("eps", e),)) for e in eps_values]
             if "reduce_mean" in kinds and len(st.shapes[i]) >= 1 and st.shapes[i][-1] > 1:
                 out.append(("reduce_mean", (i,), (("dim", len(st.shapes[i]) - 1),)))   # a row's mean in the block
+            if "scalar_mul" in kinds:
+                out += [("scalar_mul", (i,), (("value", c),)) for c in scale_values]
             if st.flags[i] == 0:
                 if "acc_sum" in kinds:
                     out += [("acc_sum", (i,), (("dim", None),)), ("acc_sum", (i,), (("dim", len(st.shapes[i]) - 1),))]
@@ -305,6 +340,8 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
                     out.append(("matmul", (i, j), ()))
                 if "matmul_t" in kinds and len(st.shapes[j]) >= 2:
                     out.append(("matmul_t", (i, j), ()))
+                if "acc_online_softmax" in kinds and i != j and st.flags[i] == 0:   # (scores, values)
+                    out.append(("acc_online_softmax", (i, j), ()))
         if "concat_matmul" in kinds:
             out += concat_matmuls()
         ranked = [(r, m) for m in out if (r := _rank(*m)) > last_rank]
@@ -331,8 +368,9 @@ def enumerate_skeletons(inputs: Sequence, out_shapes: Sequence, *, max_ops: int,
     if expr_of is not None and native is not False:
         core = N.search_core()
         if core is not None:
-            envs = {r: (KIND_ORDER, tuple(k in kinds for k in KIND_ORDER), tuple(eps_values), st.shapes, st.dtypes,
-                        st.flags, st.exprs, om, em, make_miss, expr_miss) for r, (om, em) in memos.items()}
+            envs = {r: (KIND_ORDER, tuple(k in kinds for k in KIND_ORDER), tuple(eps_values), tuple(scale_values),
+                        st.shapes, st.dtypes, st.flags, st.exprs, om, em, make_miss, expr_miss)
+                    for r, (om, em) in memos.items()}
             children = lambda last_rank, share_base=None: core.children(  # noqa: E731
                 envs[ctx.forloop_range], last_rank, None if share_base is None else (share[0], share[1], share_base))
         elif native:

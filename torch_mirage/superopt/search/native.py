@@ -14,7 +14,7 @@ import logging
 
 log = logging.getLogger("torch_mirage")
 
-ABI = 2             # bumped with every change of the core's calling convention (checked against _C.ABI)
+ABI = 3             # bumped with every change of the core's calling convention (checked against _C.ABI)
 _state: dict = {}
 
 

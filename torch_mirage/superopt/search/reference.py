@@ -378,6 +378,12 @@ def _sdpa_op(n):
     return _SDPA.get(parts[1]) if len(parts) > 2 and parts[0] == "aten" else None
 
 
+def is_attention(node) -> bool:
+    """``node`` is a scaled_dot_product_attention ATen op (opaque in the capture) that lowers to its softmax
+    decomposition (:func:`_lower_sdpa`; masks, causal and dropout still decline there)."""
+    return _op_name(node) == "opaque" and _sdpa_op(node) is not None
+
+
 def _lower_sdpa(g: KernelBuilder, n, arg) -> Tensor:
     """``softmax(q·kᵀ·scale) @ v`` in kernel ops (the decomposition Inductor gives
     ``torch.softmax``), GQA's grouped heads made explicit (kv head ``i`` serves

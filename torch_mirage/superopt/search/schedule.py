@@ -3,8 +3,8 @@
 A :class:`~.generate.Skeleton` fixes which tensor dim each iterator's for-loop walks; this module
 chooses the numbers Mirage's ``dim_strategy`` enumerates: the for-loop range (a common divisor of
 the fmapped dims, tiles near ``tile`` elements), a 1-D grid over one output dim (``blocks(size,
-tile)`` blocks, the saver's omap maps the grid to it; a rank-3 output's leading batch dim gets a
-second grid dim) and each iterator's imap (φ or one of its dims that is not its fmap and divides by
+tile)`` blocks, the saver's omap maps the grid to it; each leading dim of a rank ≥ 3 output (all but its
+last two: a batch dim, attention's heads) gets a grid dim of its own, one index per block) and each iterator's imap (φ or one of its dims that is not its fmap and divides by
 the grid). Every schedule yielded is a valid μGraph
 (``validate.problems`` is empty) whose outputs have the target's shapes; which imaps compute the
 right function is for the caller's checks (the float probe and the verifier in :mod:`.driver`).
@@ -41,7 +41,7 @@ def grids(out_shapes: Sequence, tile: int, rows: bool = False) -> list[tuple[int
     row per block along each leading dim, for rows too long for ``tile`` of them to fit a block."""
     shape = out_shapes[0]
     out, fine = [], []
-    for d in reversed(range(1 if len(shape) == 3 else 0, len(shape))):   # rank 3: dim 0 is the batch grid dim
+    for d in reversed(range(len(shape) - 2 if len(shape) >= 3 else 0, len(shape))):   # the rest: lead_dims
         if all(len(s) == len(shape) and s[d] == shape[d] for s in out_shapes):
             g = blocks(shape[d], tile)
             if g > 1:
@@ -51,13 +51,22 @@ def grids(out_shapes: Sequence, tile: int, rows: bool = False) -> list[tuple[int
     return out + [(None, 1)] + fine
 
 
-def _batch_dim(out_shapes, inputs, fmaps):
-    """For rank-3 outputs (batch, rows, cols): (batch size, per-input imap entry: 0 for the inputs of the
-    output's rank with that leading size and no for-loop over it, else φ); None otherwise."""
+MAX_GRID_DIMS = 3
+
+
+def lead_dims(out_shapes, inputs, fmaps) -> list[tuple[int, int, list]]:
+    """For outputs of rank ≥ 3 (…, rows, cols): each leading dim of size > 1 that all outputs share, as (dim,
+    size, per-input imap entry: that dim for the inputs of the output's rank with that size there and no for-loop
+    over it, else φ); at most two (the grid has three dims)."""
     shape = out_shapes[0]
-    if len(shape) != 3 or shape[0] == 1 or any(len(s) != 3 or s[0] != shape[0] for s in out_shapes):
-        return None
-    return shape[0], [0 if len(s) == 3 and s[0] == shape[0] and f != 0 else None for (s, _), f in zip(inputs, fmaps)]
+    if len(shape) < 3 or any(len(s) != len(shape) or s[:-2] != shape[:-2] for s in out_shapes):
+        return []
+    out = []
+    for d in range(len(shape) - 2):
+        if shape[d] > 1 and len(out) < MAX_GRID_DIMS - 1:
+            out.append((d, shape[d], [d if len(s) == len(shape) and s[d] == shape[d] and f != d else None
+                                      for (s, _), f in zip(inputs, fmaps)]))
+    return out
 
 
 def schedules(skel: Skeleton, inputs: Sequence, out_shapes: Sequence, *, tile: int = 64,
@@ -74,14 +83,13 @@ def schedules(skel: Skeleton, inputs: Sequence, out_shapes: Sequence, *, tile: i
                 opts = [None] if g == 1 else \
                     [d for d in range(len(shape)) if d != f and shape[d] % g == 0 and shape[d] > 1] + [None]
                 options.append([(d,) for d in opts])
-            batch = _batch_dim(out_shapes, inputs, skel.fmaps)
+            lead = lead_dims(out_shapes, inputs, skel.fmaps)
             for imaps in itertools.product(*options):
                 if g > 1 and all(m == (None,) for m in imaps):
                     continue      # every block would compute the same tile
                 grid, omap = (g,), (odim,)
-                if batch is not None:     # a second grid dim walks the leading (batch) dim: 2-d tiles per block
-                    b, maps = batch
-                    grid, omap, imaps = (g, b), (odim, 0), tuple(m + (bm,) for m, bm in zip(imaps, maps))
+                for d, size, maps in lead:     # a grid dim per leading dim (batch, heads): 2-d tiles per block
+                    grid, omap, imaps = grid + (size,), omap + (d,), tuple(m + (bm,) for m, bm in zip(imaps, maps))
                 sched = dict(grid=grid, forloop_range=frange, imaps=list(imaps), omap=omap,
                              out_dtypes=list(out_dtypes) if out_dtypes else None)
                 try:
