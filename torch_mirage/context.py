@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+from .analysis.graph import GraphAnalysis, analyse
 from .cache import DiskCache
 from .config import Config, load
 from .failures import FailureLog, stage
@@ -49,6 +50,7 @@ class CompileContext:
     static_input_indices: Sequence[int] = ()
     target: Target = field(default_factory=Target.current)
     failures: FailureLog | None = None   # failures that changed what runs, logged grouped at the end
+    analysis: GraphAnalysis | None = None   # the analyse stage's facts about the graph being compiled
 
     def __post_init__(self) -> None:
         if self.failures is None:
@@ -62,6 +64,13 @@ class CompileContext:
         given."""
         return cls(config if config is not None else load(), GraphReport(0, "inference"), cache,
                    target=target if target is not None else Target.current())
+
+    def analysis_of(self, graph) -> GraphAnalysis:
+        """The analyse stage's facts about ``graph``: the pipeline's, or computed here once for a claimer run on its
+        own (a test, a script)."""
+        if self.analysis is None or self.analysis.graph is not graph:
+            self.analysis = analyse(graph)
+        return self.analysis
 
     @property
     def interpret(self) -> bool:

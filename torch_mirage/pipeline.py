@@ -1,8 +1,9 @@
 """The pipeline, top to bottom, for one functional ATen graph.
 
-capture (AOTAutograd, in :mod:`torch_mirage.backend`) → lower → partition
-(claimers, each running the analyses it needs — properties, cost — and
-returning ``Claim(nodes, plan)`` or a typed ``Decline``) → build (plans to
+capture (AOTAutograd, in :mod:`torch_mirage.backend`) → lower → analyse (the
+graph's value properties and its device's cost model, once:
+:mod:`torch_mirage.analysis.graph`) → partition (claimers, each reading that
+analysis and returning ``Claim(nodes, plan)`` or a typed ``Decline``) → build (plans to
 kernels, :mod:`torch_mirage.build`; launch configurations and alternative
 μGraphs tuned through :mod:`torch_mirage.tune`) → check (each kernel against
 eager) → measure (GPU: each region against Inductor's) → assemble (kernels +
@@ -26,6 +27,7 @@ from functorch.compile import make_boxed_func
 from .capture.ir import Graph, Node, connected_components
 from .capture.lower import lower
 from .analysis.cost import CostModel, matmul_rows, skinny_matmul
+from .analysis.graph import analyse
 from .build import build_regions
 from .capture.ops import OpKind
 from .config import Config
@@ -108,12 +110,12 @@ def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext
                 raise MirageError(f"claimer {claimer.name} claimed a non-convex region {outcome.ops}")
             regions.append(Region.of_claim(outcome, claimer.name))
             free = [n for n in free if id(n) not in taken]
-    regions.extend(_unclaimed_regions(graph, free, ctx.config, passed))
+    regions.extend(_unclaimed_regions(graph, free, ctx.config, passed, ctx.analysis_of(graph).cost))
     return regions
 
 
 def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config,
-                       passed: Sequence[Decline] = ()) -> list[Region]:
+                       passed: Sequence[Decline] = (), model: CostModel | None = None) -> list[Region]:
     """Connected groups of unclaimed nodes, each a fallback region with its reason and the declines that
     concern its nodes; memory-bound groups a claimer passed over as too small are named in the detail."""
     out = []
@@ -123,7 +125,7 @@ def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config,
             reason, detail = Reason.OPAQUE_OP, ", ".join(sorted({n.target_name for n in nodes if n.kind is OpKind.OPAQUE}))
         elif any(not (v.meta and v.meta.is_static) for n in nodes for v in n.outputs if v.meta):
             reason, detail = Reason.DYNAMIC_SHAPE, ""
-        elif OpKind.MATMUL in kinds and not (skinny := _skinny_matmuls(nodes)):
+        elif OpKind.MATMUL in kinds and not (skinny := _skinny_matmuls(nodes, model or CostModel())):
             reason, detail = Reason.COMPUTE_BOUND, ""
         elif OpKind.MATMUL in kinds:
             reason, detail = Reason.NOT_CLAIMED, f"memory-bound matmul {skinny}"
@@ -140,10 +142,9 @@ def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config,
     return out
 
 
-def _skinny_matmuls(nodes: Sequence[Node]) -> str:
+def _skinny_matmuls(nodes: Sequence[Node], model: CostModel) -> str:
     """The memory-bound matmuls among ``nodes`` (:func:`~.analysis.cost.skinny_matmul`), described; empty when
     any matmul of the group is compute-bound (the group is then the library call's)."""
-    model = CostModel()
     described = []
     for n in nodes:
         if n.kind is not OpKind.MATMUL:
@@ -192,6 +193,8 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
         if report.kind == "inference" and (device := input_device(example_inputs)) is not None:
             move_constants_to_device(gm, device)   # once, before anything reads the constants
         graph = lower(gm, list(example_inputs))
+    with ctx.stage("analyse"):
+        ctx.analysis = analyse(graph)
     with ctx.stage("partition"):
         claimers = default_claimers(config) if claimers is None else claimers
         regions = claim_regions(graph, claimers, ctx)

@@ -545,8 +545,10 @@ def _sdpa_at(node: Node, values: dict | None) -> AttentionSpec | None:
     return spec
 
 
-def find_attention(graph: Graph, nodes: Sequence[Node] | None = None) -> list[AttentionSpec]:
-    """Every attention region among ``nodes`` (default: the whole graph) whose inner values nothing else reads."""
+def find_attention(graph: Graph, nodes: Sequence[Node] | None = None,
+                   values: dict | None = None) -> list[AttentionSpec]:
+    """Every attention region among ``nodes`` (default: the whole graph) whose inner values nothing else reads.
+    ``values``: the graph's value properties (the analyse stage's), else computed here when a mask needs them."""
 
     class _Values(dict):
         """The graph's value properties, computed on the first look-up (only masked regions need them)."""
@@ -561,7 +563,7 @@ def find_attention(graph: Graph, nodes: Sequence[Node] | None = None) -> list[At
                     pass
             return super().get(key, default)
 
-    values = _Values()
+    values = _Values() if values is None else values
     pool = list(graph.nodes if nodes is None else nodes)
     allowed = {id(n) for n in pool}
     outputs = {id(v) for v in graph.output_values}

@@ -26,6 +26,7 @@ import torch
 
 from ..analysis.cost import CostModel
 from ..analysis.device import DeviceModel
+from ..analysis.graph import GraphAnalysis
 from ..capture.ir import Graph, Node, Value, connected_components, topo_sorted
 from ..capture.ops import OpKind
 from ..codegen.stitch_ops import node_support, reduction_spec
@@ -47,17 +48,17 @@ def device_model() -> Any:
     return DeviceModel.current() if torch.cuda.is_available() else DeviceModel.profile("H100")
 
 
-def predicted_us(nodes: Sequence[Node], graph: Graph, device: Any) -> float | None:
+def predicted_us(nodes: Sequence[Node], analysis: GraphAnalysis, device: Any) -> float | None:
     try:
-        return CostModel(device).region_cost(list(nodes), graph).predicted_us
+        return analysis.region_cost(nodes, CostModel(device)).predicted_us
     except Exception as e:  # the report loses one figure; claiming goes on
         log.debug("torch_mirage stitch: cost model failed on %s: %s", [n.name for n in nodes], e)
         return None
 
 
-def _memory_us(nodes: Sequence[Node], graph: Graph, device: Any) -> float | None:
+def _memory_us(nodes: Sequence[Node], analysis: GraphAnalysis, device: Any) -> float | None:
     try:
-        return CostModel(device).region_cost(list(nodes), graph).memory_us
+        return analysis.region_cost(nodes, CostModel(device)).memory_us
     except Exception:  # no cost model for this region (e.g. symbolic sizes): no size threshold applies
         return None
 
@@ -452,7 +453,7 @@ class StitchClaimer:
             if not worth_claiming(compute):
                 outcomes.append(Decline(compute, Reason.TOO_LITTLE_WORK))
                 continue
-            memory_us = _memory_us(compute, graph, device)
+            memory_us = _memory_us(compute, ctx.analysis_of(graph), device)
             if memory_us is not None and memory_us < min_us:
                 # too little traffic to pay for a kernel of its own: Inductor fuses it with its neighbours
                 outcomes.append(Decline(compute, Reason.BELOW_MIN_REGION, f"{memory_us:.2f} µs of memory traffic"))
@@ -473,5 +474,5 @@ class StitchClaimer:
             return Decline(compute, Reason.NOT_CLAIMED, "a stored value lies outside the group's iteration space")
         summary = plan.summary()
         return Claim(nodes, plan, detail=f"stitch: {summary['thread_mapping']}",
-                     info=dict(summary, predicted_us=predicted_us(nodes, graph, device),
+                     info=dict(summary, predicted_us=predicted_us(nodes, ctx.analysis_of(graph), device),
                                device_profile=getattr(device, "name", str(device))))

@@ -35,7 +35,7 @@ import torch
 from .cut import DTYPES
 
 from ..analysis.attention import AttentionSpec, find_attention
-from ..analysis.cost import CostModel
+from ..analysis.graph import GraphAnalysis, analyse
 from ..analysis.device import DeviceModel
 from ..capture.ir import Graph, Node
 from ..capture.lower import constant_value
@@ -152,14 +152,15 @@ def _as_meta(t: torch.Tensor, meta) -> torch.Tensor:
 
 
 def plan_candidates(spec: AttentionSpec, graph: Graph, mask_shape: tuple | None = None,
-                    model: CostModel | None = None) -> list[Candidate]:
+                    analysis: GraphAnalysis | None = None) -> list[Candidate]:
     """The kernels a plan for attention with column sums may use (:data:`.attention_seeds.PLAN_KERNELS`), each
     costed by the cost model as the IR nodes it computes and the values it writes: FlashAttention (P·V) with or
     without the row statistics, the column-sum pass (recomputes the scores, reads the statistics; under GQA only
     for a mask shared by batch rows and KV heads or given for each — ``mask_shape``, the packed mask's (bm, hm)),
     and for short KV the row-block kernel (both outputs; with more than one row block per head, plus their partial
-    sums written and read once and the kernel adding them)."""
-    model = model or CostModel()
+    sums written and read once and the kernel adding them). ``analysis``: the graph's (default: computed here)."""
+    analysis = analysis or analyse(graph)
+    model = analysis.cost
     reductions = [x for r in spec.extra_outputs for x in r.nodes]
     skip = {id(x) for x in reductions}
     core = [x for x in spec.nodes if id(x) not in skip]
@@ -178,7 +179,7 @@ def plan_candidates(spec: AttentionSpec, graph: Graph, mask_shape: tuple | None 
     column_pass.sort(key=lambda x: order[id(x)])
 
     def us(nodes, outputs) -> float:
-        return model.region_cost(nodes, graph, outputs=outputs).predicted_us
+        return analysis.region_cost(nodes, outputs=outputs).predicted_us
 
     cands = [Candidate("flash", us(core, [spec.output]), PLAN_KERNELS["flash"].produces),
              Candidate("flash_stats", us(core, [spec.output, *stats]), PLAN_KERNELS["flash_stats"].produces)]
@@ -210,7 +211,8 @@ class AttentionClaimer:
 
     def claim(self, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> list[Outcome]:
         outcomes: list[Outcome] = []
-        for spec in find_attention(graph, free):
+        analysis = ctx.analysis_of(graph)
+        for spec in find_attention(graph, free, analysis.values):
             why = self._unsupported(spec, ctx.target) or (
                 None if is_convex(graph, spec.nodes) else (Reason.NOT_CONVEX, "not convex"))
             if why is not None:
@@ -243,12 +245,12 @@ class AttentionClaimer:
         use_band = ctx.config.attention_band
         # the mask from indices only where every kernel of the plan walks the band (the row-block kernel has none)
         by_index = use_band and index_mask(spec) and not (
-            spec.extra_outputs and "row_block" in _plan(plan_candidates(spec, graph, (1, 1))))
+            spec.extra_outputs and "row_block" in _plan(plan_candidates(spec, graph, (1, 1), ctx.analysis_of(graph))))
         with unset_fake_temporarily():
             _, mask_shape, fixed = _examples(spec, graph, by_index)
         kwargs = _seed_kwargs(spec, dtype, mask_shape, use_band)
         if spec.extra_outputs:
-            seeds, info = self._column_plan(spec, graph, kwargs)
+            seeds, info = self._column_plan(spec, graph, kwargs, ctx.analysis_of(graph))
         else:
             seeds, info = _build_seeds(spec, _seeds(spec), kwargs), {}
         if not seeds:
@@ -276,10 +278,10 @@ class AttentionClaimer:
         return Claim(nodes, plan, detail=alternatives[0].detail, info=info)
 
     @staticmethod
-    def _column_plan(spec: AttentionSpec, graph: Graph, kwargs: dict) -> tuple[list, dict]:
+    def _column_plan(spec: AttentionSpec, graph: Graph, kwargs: dict, analysis: GraphAnalysis) -> tuple[list, dict]:
         """P·V and the column sums of P by the plan the BLP picks among :func:`plan_candidates`: ``([(name,
         μGraph)], info)``, no μGraph where none is valid."""
-        cands = plan_candidates(spec, graph, kwargs["mask"])
+        cands = plan_candidates(spec, graph, kwargs["mask"], analysis)
         info = {"plan_us": {c.name: round(c.cost_us, 2) for c in cands}}
         try:
             names = info["plan"] = _plan(cands)

@@ -93,7 +93,7 @@ class GemvClaimer:
 
     def claim(self, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> list[Outcome]:
         free_ids = {id(n) for n in free}
-        model = CostModel()
+        model = ctx.analysis_of(graph).cost
         outcomes: list[Outcome] = []
         for anchor in reversed(list(free)):
             if id(anchor) not in free_ids or anchor.kind is not OpKind.MATMUL or skinny_matmul(anchor, model) is None:
