@@ -186,7 +186,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
 
 def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
                    claimers: Sequence[Claimer] | None) -> Any:
-    """lower → partition → build → check → measure → assemble; raises :class:`WholeGraphToInductor` when mirage
+    """lower → analyse → partition → build → check → measure → assemble; raises :class:`WholeGraphToInductor` when mirage
     keeps no region of a forward / inference graph."""
     report, config = ctx.report, ctx.config
     with ctx.stage("lower"):
