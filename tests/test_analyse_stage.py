@@ -1,6 +1,7 @@
 """The analyse stage (torch_mirage/analysis/graph.py): the graph's value properties and cost model are computed
 once, before partitioning; claimers cost their regions with them instead of re-running the value analysis over the
-whole graph for each question, and claim exactly what they claimed before."""
+whole graph for each question, and claim exactly what they claimed before. The build stage after it runs inside the
+graph's tuning budget (``MIRAGE_TUNE_BUDGET_S``; the budget's own rules are tests/test_tune.py's)."""
 import torch
 import torch.nn.functional as F
 
@@ -58,3 +59,17 @@ def test_compile_runs_the_analyse_stage_before_partition():
     (graph,) = backend.report.graphs
     stages = list(graph.stage_times_ms)
     assert stages.index("lower") < stages.index("analyse") < stages.index("partition")
+
+
+def test_the_build_stage_runs_inside_the_graphs_tuning_budget(monkeypatch):
+    from torch_mirage import pipeline, tune
+
+    seen = []
+    real = pipeline.build_regions
+    monkeypatch.setattr(pipeline, "build_regions", lambda *a: seen.append(tune._BUDGET.get()) or real(*a))
+    torch._dynamo.reset()
+    fn = torch.compile(_block, backend=torch_mirage.MirageBackend(options={"min_region_us": 0.0, "tune_budget_s": 7.5}))
+    xs = _inputs()
+    for got, want in zip(fn(*xs), _block(*xs)):
+        assert_close(got, want, torch.float32)
+    assert len(seen) == 1 and seen[0][1] == 7.5 and tune._BUDGET.get() is None

@@ -74,3 +74,45 @@ def test_partial_timings_are_not_cached(tmp_path):
 
     tune(["a", "b", "c"], time_half, cache=cache, key=key)
     assert cache.get_json(key) is None
+
+
+def test_a_spent_budget_takes_the_first_candidate_that_builds_untimed(caplog):
+    from torch_mirage.tune import budget
+
+    def build(name):
+        if name == "a":
+            raise RuntimeError("out of shared memory")
+        return name
+
+    calls = []
+    with caplog.at_level(logging.INFO, logger="torch_mirage"), budget(1e-9):
+        t = tune(["a", "b", "c"], _timer(calls), build=build, label="launch config")
+        again = tune(["c", "a", "b"], _timer(calls), build=build, label="launch config")
+    assert (t.winner, again.winner) == ("b", "c") and calls == [] and t.times == {}
+    assert t.dropped == {"a": "build: RuntimeError", "c": "tuning budget spent"}
+    assert caplog.text.count("tuning budget (MIRAGE_TUNE_BUDGET_S=1e-09) is spent") == 1
+
+
+def test_the_budget_stops_building_but_times_what_was_built(tmp_path):
+    import time
+    from torch_mirage.tune import budget
+
+    def slow_build(name):
+        time.sleep(0.05)
+        return name
+
+    cache = DiskCache(str(tmp_path))
+    key = cache_key(kind="test-budget")
+    with budget(0.06):
+        t = tune(["a", "b", "c"], _timer([]), build=slow_build, cache=cache, key=key)
+    assert set(t.times) == {"a", "b"} and t.winner == "b" and t.dropped == {"c": "tuning budget spent"}
+    assert t.budget_spent and cache.get_json(key) is None          # not every candidate timed: not cached
+    t = tune(["a", "b", "c"], _timer([]), build=slow_build)   # outside a budget: no limit
+    assert t.winner == "b" and set(t.times) == {"a", "b", "c"}
+
+
+def test_choices_outside_a_budget_are_unlimited_and_budget_zero_is_no_limit():
+    from torch_mirage.tune import budget
+
+    with budget(0):
+        assert tune(["a", "b"], _timer([])).winner == "b"

@@ -8,9 +8,15 @@ dropped), checked (one that disagrees with the caller's reference is dropped), t
 (:func:`.timing.alternating_medians`: clock and temperature drift meet every candidate alike) and the fastest
 wins. The times are cached under the caller's key when every candidate that was built got a time, so a later
 compile of the same choice on the same device reads the winner back without building or timing anything.
+
+:func:`budget` bounds the seconds the choices made inside it may spend (the build stage's, by
+``MIRAGE_TUNE_BUDGET_S``): once spent, a choice that the cache cannot answer takes its first candidate that builds
+and passes the check, untimed and uncached (a later compile with time left tunes it).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,6 +26,30 @@ from .timing import alternating_medians
 
 log = logging.getLogger("torch_mirage")
 
+# (deadline on time.perf_counter, seconds given, whether the spent budget was logged); None: no limit
+_BUDGET: contextvars.ContextVar[list | None] = contextvars.ContextVar("torch_mirage_tune_budget", default=None)
+
+
+@contextlib.contextmanager
+def budget(seconds: float | None):
+    """Choices made inside share ``seconds`` of tuning (``None`` or 0: no limit)."""
+    token = _BUDGET.set([time.perf_counter() + seconds, seconds, False] if seconds else None)
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
+
+
+def _budget_spent(label: str) -> bool:
+    state = _BUDGET.get()
+    if state is None or time.perf_counter() < state[0]:
+        return False
+    if not state[2]:
+        state[2] = True
+        log.info("torch_mirage: the tuning budget (MIRAGE_TUNE_BUDGET_S=%g) is spent; each %s and later choice of this "
+                 "graph takes its first candidate untimed", state[1], label)
+    return True
+
 
 @dataclass
 class Tuned:
@@ -28,6 +58,7 @@ class Tuned:
     built: dict[str, Any] = field(default_factory=dict)     # what ``build`` returned, per surviving candidate
     dropped: dict[str, str] = field(default_factory=dict)   # why a candidate was not timed
     cached: bool = False                                 # the times were read from the cache
+    budget_spent: bool = False                           # candidates left unbuilt or untimed by :func:`budget`
 
 
 def _progress(names: Sequence[str], desc: str | None):
@@ -57,7 +88,13 @@ def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
             return Tuned(min(times, key=times.get), dict(times), cached=True)
     out = Tuned(None)
     start = time.perf_counter()
+    if _budget_spent(label):
+        return _first_that_builds(names, build, check, out)
     for name in _progress(names, progress):
+        if out.built and _budget_spent(label):   # the budget ran out while building: time what is built
+            out.budget_spent = True
+            out.dropped.update({n: "tuning budget spent" for n in names if n not in out.built and n not in out.dropped})
+            break
         try:
             made = build(name) if build is not None else None
         except Exception as e:   # a candidate Triton cannot compile (registers, shared memory) is skipped
@@ -80,9 +117,27 @@ def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
     if out.times:
         out.winner = min(out.times, key=out.times.get)
         log.info("torch_mirage: %s", ", ".join(f"{label} {n}: {us:.2f} µs" for n, us in out.times.items()))
-        if cache is not None and key is not None and len(out.times) == len(out.built):
+        if cache is not None and key is not None and len(out.times) == len(out.built) and not out.budget_spent:
             cache.put_json(key, {"times": out.times})
     # compile time a user pays: where it goes (builds are Triton compiles; timing is the CUDA-graph replays)
     log.info("torch_mirage: tuned %d %s candidates in %.2f s (%d built in %.2f s, %d timed)", len(names), label,
              time.perf_counter() - start, len(out.built), built_s, len(out.times))
+    return out
+
+
+def _first_that_builds(names: Sequence[str], build, check, out: Tuned) -> Tuned:
+    """The untimed choice once the budget is spent: the first candidate that builds and passes the check."""
+    out.budget_spent = True
+    for name in names:
+        try:
+            made = build(name) if build is not None else None
+        except Exception as e:
+            out.dropped[name] = f"build: {type(e).__name__}"
+            continue
+        if check is not None and (problem := check(name, made)) is not None:
+            out.dropped[name] = problem
+            continue
+        out.winner, out.built[name] = name, made
+        out.dropped.update({n: "tuning budget spent" for n in names if n != name and n not in out.dropped})
+        break
     return out
