@@ -168,6 +168,18 @@ def test_quick_cli_writes_json_and_table(tmp_path, capsys):
     assert len(merged["cases"]) == 2
 
 
+def test_quick_cli_reports_mirages_cold_and_warm_compile(tmp_path):
+    out = tmp_path / "bench"
+    rc = cli.main(["--quick", "--workloads", "bias_gelu", "--modes", "mirage", "--llms", "none", "--out", str(out)])
+    assert rc == 0
+    (case,) = json.loads((out / "results.json").read_text())["cases"]
+    m = case["modes"]["mirage"]
+    assert m["status"] == "ok" and m["graphs"] >= 1
+    assert 0 < m["warm_compile_s"] and 0 < m["compile_s"]
+    cell = f"{m['compile_s']:.1f} / {m['warm_compile_s'] / m['graphs']:.2f}"
+    assert f"| {cell} |" in (out / "results.md").read_text()
+
+
 def test_merge_combines_modes_of_the_same_case():
     def case(modes):
         return report.case_record("w", "[4]", 1, "float16", 100, 0, 1.0, 2,

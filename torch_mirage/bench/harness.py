@@ -194,6 +194,8 @@ class ModeResult:
     us_min: float | None = None
     us_max: float | None = None
     compile_s: float | None = None     # wall time of the first call (compile, autotune, run)
+    warm_compile_s: float | None = None   # mirage: the same first call again after a Dynamo reset (caches warm)
+    graphs: int | None = None          # mirage: graphs compiled (the warm compile's per-graph share divides by it)
     rel_err: float | None = None       # worst relative error against the reference
     tolerance: float | None = None
     error: str | None = None
@@ -255,6 +257,8 @@ def run_mode(spec: CaseSpec, mode: str, compiler: Callable, refs: dict[int, list
                 res.status, res.rel_err, res.error = "failed", worst, f"wrong result (seed {seed}): {why}"
                 return res
         res.rel_err = worst
+        if mode == "mirage":
+            res.warm_compile_s = _warm_compile_s(spec, compiler, next(iter(refs)), device)
         if timing is not None:
             sets = [spec.make_inputs(s) for s in range(timing["sets"])]
             with torch.no_grad():
@@ -267,9 +271,24 @@ def run_mode(spec: CaseSpec, mode: str, compiler: Callable, refs: dict[int, list
         res.status, res.error = "failed", _short(e)
     finally:
         res.mirage = mirage_summary(info)
+        res.graphs = res.mirage["graphs"] if res.mirage else None
         info.clear()
         _free()
     return res
+
+
+def _warm_compile_s(spec: CaseSpec, compiler: Callable, seed: int, device: torch.device) -> float:
+    """Seconds of a second first call after a Dynamo reset: what a user's next process pays with mirage's disk
+    cache (and Triton's and Inductor's) warm."""
+    torch._dynamo.reset()
+    fn = compiler(spec.fn, {})
+    inputs = spec.make_inputs(seed)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        run_outputs(fn, inputs, spec.mutates)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def run_case(spec: CaseSpec, modes: Sequence[str], dtype: torch.dtype, device: torch.device,
@@ -306,6 +325,8 @@ def run_case(spec: CaseSpec, modes: Sequence[str], dtype: torch.dtype, device: t
 def _line(name: str, r: ModeResult) -> str:
     t = f"{r.us:9.2f} us" if r.us is not None else "    -     "
     c = f"compile {r.compile_s:6.1f} s" if r.compile_s is not None else " " * 16
+    if r.warm_compile_s is not None:
+        c += f" (warm {r.warm_compile_s:.1f} s)"
     e = f"err {r.rel_err:.2e}" if r.rel_err is not None else ""
     tail = f"  FAILED {r.error}" if r.status == "failed" else ""
     return f"  {name:<34} {r.mode:<22} {t}  {c}  {e}{tail}"

@@ -126,6 +126,14 @@ def _cell(m: dict | None, timing: bool) -> str:
     return f"{m['us']:.1f}" if timing and m.get("us") is not None else "ok"
 
 
+def _compile_cell(m: dict | None) -> str:
+    """Mirage's cold compile (first call) and its warm one per graph, in seconds."""
+    if not m or m.get("compile_s") is None:
+        return "—"
+    warm, graphs = m.get("warm_compile_s"), m.get("graphs") or 1
+    return f"{m['compile_s']:.1f}" + (f" / {warm / graphs:.2f}" if warm is not None else "")
+
+
 def _num(x: float | None, fmt: str) -> str:
     return format(x, fmt) if x is not None else "—"
 
@@ -144,16 +152,18 @@ def markdown(doc: dict) -> str:
     modes = _modes(doc["cases"])
     if doc["cases"]:
         lines += ["", ("µs per call (median, inside one CUDA graph, inputs rotated past 3× L2); "
-                       "speedup = best Inductor µs ÷ mirage µs; floor ÷ mirage = fraction of the floor reached."
+                       "speedup = best Inductor µs ÷ mirage µs; floor ÷ mirage = fraction of the floor reached; "
+                       "mirage compile: the first call's seconds (cold on a fresh machine) / the same call again "
+                       "after a Dynamo reset, with the caches the first filled, per graph compiled."
                        if timing else "ok = matches the higher-precision reference on fresh random inputs; "
                        "FAIL = wrong result or error (listed below). Tiny shapes (every dimension scaled down)."), "",
-                  "| workload | b | dtype | floor µs | " + " | ".join(modes) + " | speedup | floor ÷ mirage |",
-                  "|---|---:|---|---:|" + "---:|" * len(modes) + "---:|---:|"]
+                  "| workload | b | dtype | floor µs | " + " | ".join(modes) + " | speedup | floor ÷ mirage | mirage compile s |",
+                  "|---|---:|---|---:|" + "---:|" * len(modes) + "---:|---:|---:|"]
         for c in doc["cases"]:
             cells = [_cell(c["modes"].get(m), timing) for m in modes]
             lines.append(f"| {c['workload']} | {c['batch']} | {c['dtype']} | {_num(c['floor_us'], '.1f')} | "
                          + " | ".join(cells) + f" | {_num(c['speedup_vs_best_inductor'], '.2f')} | "
-                         f"{_num(c['fraction_of_floor'], '.2f')} |")
+                         f"{_num(c['fraction_of_floor'], '.2f')} | {_compile_cell(c['modes'].get('mirage'))} |")
         failures = [(c, m, r) for c in doc["cases"] for m, r in c["modes"].items() if r["status"] == "failed"]
         if failures:
             lines += ["", "Failures:", ""]
