@@ -263,15 +263,24 @@ def _attention_iterators(bg: BlockGraph) -> tuple[Op, Op] | None:
     return q, k
 
 
-def prefill_attention(bg: BlockGraph) -> tuple[int, int, int] | None:
-    """``(grid dim of the query rows, query rows, keys)`` where ``bg`` is prefill attention — an online softmax
-    whose scores are one matmul of a query tile (not walked by the loop, its rows one grid dim, at least
-    ``PREFILL_MIN_ROWS`` of them) by a key tile walked by the loop (no grid dim over keys) — else None."""
+def _attention_dims(bg: BlockGraph) -> tuple | None:
+    """``(query iterator, key iterator, the query rows' dim, the key dim the loop walks)`` of an online-softmax
+    block graph (:func:`_attention_iterators`), else None."""
     found = _attention_iterators(bg)
     if found is None:
         return None
     q, k = found
-    rows_dim, kd = len(q.attrs["shape"]) - 2, k.attrs["fmap"]
+    return q, k, len(q.attrs["shape"]) - 2, k.attrs["fmap"]
+
+
+def prefill_attention(bg: BlockGraph) -> tuple[int, int, int] | None:
+    """``(grid dim of the query rows, query rows, keys)`` where ``bg`` is prefill attention — an online softmax
+    whose scores are one matmul of a query tile (not walked by the loop, its rows one grid dim, at least
+    ``PREFILL_MIN_ROWS`` of them) by a key tile walked by the loop (no grid dim over keys) — else None."""
+    found = _attention_dims(bg)
+    if found is None:
+        return None
+    q, k, rows_dim, kd = found
     gs = [g for g, m in enumerate(q.attrs["imap"]) if m == rows_dim]
     if len(gs) != 1 or any(m == kd for m in k.attrs["imap"]) or q.attrs["shape"][rows_dim] < PREFILL_MIN_ROWS:
         return None
@@ -282,11 +291,10 @@ def split_kv_decode(bg: BlockGraph) -> int | None:
     """The keys one program walks where ``bg`` is split-KV decode attention — an online softmax of a query tile
     (one block of fewer than ``PREFILL_MIN_ROWS`` rows: no grid dim over them) against key tiles walked by the
     loop, one grid dim splitting the keys — else None."""
-    found = _attention_iterators(bg)
+    found = _attention_dims(bg)
     if found is None:
         return None
-    q, k = found
-    rows_dim, kd = len(q.attrs["shape"]) - 2, k.attrs["fmap"]
+    q, k, rows_dim, kd = found
     gs = [g for g, m in enumerate(k.attrs["imap"]) if m == kd]
     if len(gs) != 1 or rows_dim in q.attrs["imap"] or q.attrs["shape"][rows_dim] >= PREFILL_MIN_ROWS:
         return None
