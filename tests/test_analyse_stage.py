@@ -72,4 +72,4 @@ def test_the_build_stage_runs_inside_the_graphs_tuning_budget(monkeypatch):
     xs = _inputs()
     for got, want in zip(fn(*xs), _block(*xs)):
         assert_close(got, want, torch.float32)
-    assert len(seen) == 1 and seen[0][1] == 7.5 and tune._BUDGET.get() is None
+    assert len(seen) == 1 and seen[0].seconds == 7.5 and tune._BUDGET.get() is None

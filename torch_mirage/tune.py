@@ -26,14 +26,23 @@ from .timing import alternating_medians
 
 log = logging.getLogger("torch_mirage")
 
-# (deadline on time.perf_counter, seconds given, whether the spent budget was logged); None: no limit
-_BUDGET: contextvars.ContextVar[list | None] = contextvars.ContextVar("torch_mirage_tune_budget", default=None)
+BUDGET_SPENT = "tuning budget spent"   # why a candidate was left out once the budget ran out
+
+
+@dataclass
+class _Budget:
+    seconds: float
+    deadline: float            # on time.perf_counter
+    logged: bool = False       # the one log line saying it is spent
+
+
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("torch_mirage_tune_budget", default=None)
 
 
 @contextlib.contextmanager
 def budget(seconds: float | None):
     """Choices made inside share ``seconds`` of tuning (``None`` or 0: no limit)."""
-    token = _BUDGET.set([time.perf_counter() + seconds, seconds, False] if seconds else None)
+    token = _BUDGET.set(_Budget(seconds, time.perf_counter() + seconds) if seconds else None)
     try:
         yield
     finally:
@@ -42,12 +51,12 @@ def budget(seconds: float | None):
 
 def _budget_spent(label: str) -> bool:
     state = _BUDGET.get()
-    if state is None or time.perf_counter() < state[0]:
+    if state is None or time.perf_counter() < state.deadline:
         return False
-    if not state[2]:
-        state[2] = True
+    if not state.logged:
+        state.logged = True
         log.info("torch_mirage: the tuning budget (MIRAGE_TUNE_BUDGET_S=%g) is spent; each %s and later choice of this "
-                 "graph takes its first candidate untimed", state[1], label)
+                 "graph takes its first candidate untimed", state.seconds, label)
     return True
 
 
@@ -88,25 +97,17 @@ def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
             return Tuned(min(times, key=times.get), dict(times), cached=True)
     out = Tuned(None)
     start = time.perf_counter()
-    if _budget_spent(label):
-        return _first_that_builds(names, build, check, out)
+    if _budget_spent(label):   # the untimed choice: the first candidate that builds and passes the check
+        out.budget_spent = True
+        out.winner = next((n for n in names if _build_checked(n, build, check, out, label)), None)
+        out.dropped.update({n: BUDGET_SPENT for n in names if n not in out.built and n not in out.dropped})
+        return out
     for name in _progress(names, progress):
         if out.built and _budget_spent(label):   # the budget ran out while building: time what is built
             out.budget_spent = True
-            out.dropped.update({n: "tuning budget spent" for n in names if n not in out.built and n not in out.dropped})
+            out.dropped.update({n: BUDGET_SPENT for n in names if n not in out.built and n not in out.dropped})
             break
-        try:
-            made = build(name) if build is not None else None
-        except Exception as e:   # a candidate Triton cannot compile (registers, shared memory) is skipped
-            log.info("torch_mirage: %s %s failed to build or run (%s: %s)", label, name, type(e).__name__, e)
-            out.dropped[name] = f"build: {type(e).__name__}"
-            continue
-        problem = check(name, made) if check is not None else None
-        if problem is not None:
-            log.warning("torch_mirage: %s %s %s; not used", label, name, problem)
-            out.dropped[name] = problem
-            continue
-        out.built[name] = made
+        _build_checked(name, build, check, out, label)
 
     def failed(name: str, e: Exception) -> None:   # one that cannot be timed (not capturable, say) is not chosen
         log.info("torch_mirage: timing %s %s failed (%s: %s)", label, name, type(e).__name__, e)
@@ -125,19 +126,19 @@ def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
     return out
 
 
-def _first_that_builds(names: Sequence[str], build, check, out: Tuned) -> Tuned:
-    """The untimed choice once the budget is spent: the first candidate that builds and passes the check."""
-    out.budget_spent = True
-    for name in names:
-        try:
-            made = build(name) if build is not None else None
-        except Exception as e:
-            out.dropped[name] = f"build: {type(e).__name__}"
-            continue
-        if check is not None and (problem := check(name, made)) is not None:
-            out.dropped[name] = problem
-            continue
-        out.winner, out.built[name] = name, made
-        out.dropped.update({n: "tuning budget spent" for n in names if n != name and n not in out.dropped})
-        break
-    return out
+
+def _build_checked(name: str, build, check, out: Tuned, label: str) -> bool:
+    """Build ``name`` and check it: into ``out.built``, or into ``out.dropped`` with why; True when it is kept."""
+    try:
+        made = build(name) if build is not None else None
+    except Exception as e:   # a candidate Triton cannot compile (registers, shared memory) is skipped
+        log.info("torch_mirage: %s %s failed to build or run (%s: %s)", label, name, type(e).__name__, e)
+        out.dropped[name] = f"build: {type(e).__name__}"
+        return False
+    problem = check(name, made) if check is not None else None
+    if problem is not None:
+        log.warning("torch_mirage: %s %s %s; not used", label, name, problem)
+        out.dropped[name] = problem
+        return False
+    out.built[name] = made
+    return True

@@ -243,13 +243,9 @@ def run_mode(spec: CaseSpec, mode: str, compiler: Callable, refs: dict[int, list
         for i, (seed, ref) in enumerate(refs.items()):
             inputs = spec.make_inputs(seed)
             _poison(device, 2 * spec.set_bytes)
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                outs = run_outputs(fn, inputs, spec.mutates)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            outs, seconds = _timed_call(fn, inputs, spec.mutates, device)
             if i == 0 and mode != "eager":
-                res.compile_s = time.perf_counter() - t0
+                res.compile_s = seconds
             ok, err, why = check(outs, ref, tol)
             worst = max(worst, err) if not math.isnan(err) else err
             del inputs, outs
@@ -257,14 +253,16 @@ def run_mode(spec: CaseSpec, mode: str, compiler: Callable, refs: dict[int, list
                 res.status, res.rel_err, res.error = "failed", worst, f"wrong result (seed {seed}): {why}"
                 return res
         res.rel_err = worst
-        if mode == "mirage":
-            res.warm_compile_s = _warm_compile_s(spec, compiler, next(iter(refs)), device)
         if timing is not None:
             sets = [spec.make_inputs(s) for s in range(timing["sets"])]
             with torch.no_grad():
                 t = time_in_cuda_graph(fn, sets, timing["target_ms"], timing["repeats"])
             del sets
             res.us, res.us_min, res.us_max = t["us"], t["us_min"], t["us_max"]
+        if mode == "mirage":   # after the timing: the Dynamo reset it makes would send ``fn`` to compile again
+            torch._dynamo.reset()
+            res.warm_compile_s = _timed_call(compiler(spec.fn, {}), spec.make_inputs(next(iter(refs))),
+                                             spec.mutates, device)[1]
         res.status = "ok"
     except Exception as e:   # a mode that cannot compile or run is a result, not a crash
         log.debug("bench: %s %s failed", spec.name, mode, exc_info=True)
@@ -277,18 +275,15 @@ def run_mode(spec: CaseSpec, mode: str, compiler: Callable, refs: dict[int, list
     return res
 
 
-def _warm_compile_s(spec: CaseSpec, compiler: Callable, seed: int, device: torch.device) -> float:
-    """Seconds of a second first call after a Dynamo reset: what a user's next process pays with mirage's disk
-    cache (and Triton's and Inductor's) warm."""
-    torch._dynamo.reset()
-    fn = compiler(spec.fn, {})
-    inputs = spec.make_inputs(seed)
+def _timed_call(fn: Callable, inputs: Sequence, mutates: Sequence[int], device: torch.device) -> tuple[list, float]:
+    """``fn``'s outputs on ``inputs`` and the call's wall seconds (a first call: its compile included; a mirage
+    call after a Dynamo reset: the warm compile, with the caches the first filled)."""
     t0 = time.perf_counter()
     with torch.no_grad():
-        run_outputs(fn, inputs, spec.mutates)
+        outs = run_outputs(fn, inputs, mutates)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return outs, time.perf_counter() - t0
 
 
 def run_case(spec: CaseSpec, modes: Sequence[str], dtype: torch.dtype, device: torch.device,

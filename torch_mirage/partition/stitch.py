@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..analysis.cost import CostModel
+from ..analysis.cost import Cost, CostModel
 from ..analysis.device import DeviceModel
 from ..analysis.graph import GraphAnalysis
 from ..capture.ir import Graph, Node, Value, connected_components, topo_sorted
@@ -48,18 +48,13 @@ def device_model() -> Any:
     return DeviceModel.current() if torch.cuda.is_available() else DeviceModel.profile("H100")
 
 
-def predicted_us(nodes: Sequence[Node], analysis: GraphAnalysis, device: Any) -> float | None:
+def _cost(nodes: Sequence[Node], analysis: GraphAnalysis, device: Any) -> Cost | None:
+    """``nodes`` as one kernel on ``device``; None where the cost model has no answer (symbolic sizes, say): the
+    report then lacks the figure and no size threshold applies."""
     try:
-        return analysis.region_cost(nodes, CostModel(device)).predicted_us
-    except Exception as e:  # the report loses one figure; claiming goes on
+        return analysis.region_cost(nodes, CostModel(device))
+    except Exception as e:
         log.debug("torch_mirage stitch: cost model failed on %s: %s", [n.name for n in nodes], e)
-        return None
-
-
-def _memory_us(nodes: Sequence[Node], analysis: GraphAnalysis, device: Any) -> float | None:
-    try:
-        return analysis.region_cost(nodes, CostModel(device)).memory_us
-    except Exception:  # no cost model for this region (e.g. symbolic sizes): no size threshold applies
         return None
 
 
@@ -453,7 +448,8 @@ class StitchClaimer:
             if not worth_claiming(compute):
                 outcomes.append(Decline(compute, Reason.TOO_LITTLE_WORK))
                 continue
-            memory_us = _memory_us(compute, ctx.analysis_of(graph), device)
+            cost = _cost(compute, ctx.analysis_of(graph), device)
+            memory_us = None if cost is None else cost.memory_us
             if memory_us is not None and memory_us < min_us:
                 # too little traffic to pay for a kernel of its own: Inductor fuses it with its neighbours
                 outcomes.append(Decline(compute, Reason.BELOW_MIN_REGION, f"{memory_us:.2f} µs of memory traffic"))
@@ -474,5 +470,5 @@ class StitchClaimer:
             return Decline(compute, Reason.NOT_CLAIMED, "a stored value lies outside the group's iteration space")
         summary = plan.summary()
         return Claim(nodes, plan, detail=f"stitch: {summary['thread_mapping']}",
-                     info=dict(summary, predicted_us=predicted_us(nodes, ctx.analysis_of(graph), device),
+                     info=dict(summary, predicted_us=getattr(_cost(nodes, ctx.analysis_of(graph), device), "predicted_us", None),
                                device_profile=getattr(device, "name", str(device))))
