@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels and the package, then run the named steps, each under its own
 # time limit (STEP_LIMIT_S, or step@SECONDS), logging to $OUT/<step>.log.
-# Steps: gputests gputest:<pytest -k expr> pytest:<pytest args> stitch stitchq stitchsweep mirageset mirageprofile bench:<part>
+# Steps: gputests gpushards:<N> (the gpu suite in N parallel pytest processes) gputest:<pytest -k expr> pytest:<pytest args> stitch stitchq stitchsweep mirageset mirageprofile bench:<part>
 #        llmab:<args of benchmarks/llm_ab.py> attnprobe:<args of benchmarks/attention_probe.py>
 #        attnkernel:<args of benchmarks/attention_kernel_gpu.py> hf:<models, e.g. qwen2,phi3> (the HF model bench,
 #        default attention, one process per model; MIRAGE_LOG_LEVEL=INFO logs each tuned choice's compile seconds)
@@ -26,6 +26,14 @@ for arg in "$@"; do
   log="$OUT/$(printf %s "$step" | tr -c 'A-Za-z0-9_.-' _ | cut -c1-80).log"   # file names stay short
   case "$step" in
     gputests) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -p no:cacheprovider ;;
+    gpushards:*)   # the gpu suite in N pytest processes at once (Triton compiles are CPU-bound; the GPU is shared)
+      n=${step#gpushards:}; d=$(mktemp -d)
+      python3 -m pytest tests -q -m gpu -p no:cacheprovider --collect-only 2>/dev/null | grep '::' > "$d/ids"
+      for i in $(seq 0 $((n - 1))); do
+        ( timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider --durations=8 $(awk -v n="$n" -v i="$i" 'NR % n == i' "$d/ids") \
+            > "$d/shard$i.log" 2>&1; echo "shard $i rc=$?" >> "$d/shard$i.log" ) &
+      done
+      wait; cat "$d"/shard*.log; ! grep -q 'rc=[^0]' "$d"/shard*.log ;;
     gputest:*) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -p no:cacheprovider -k "${step#gputest:}" ;;
     pytest:*) timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider ${step#pytest:} ;;   # CPU tests run on CUDA too
     stitch)   timeout "$LIMIT" python3 benchmarks/stitch_gpu_check.py ;;
