@@ -10,7 +10,7 @@ from torch_mirage.build import built_regions
 from torch_mirage.config import load
 from torch_mirage.context import CompileContext, Target
 from torch_mirage.partition.region import Reason, claims
-from torch_mirage.superopt.claim import LibraryClaimer
+from torch_mirage.superopt.search.claimer import SearchClaimer
 from torch_mirage.superopt.ugraph_plan import Alternative
 from torch_mirage.testing.aten import trace_ir
 from helpers import assert_close
@@ -23,7 +23,7 @@ def _lora(x, w, a, b):
 def _lora_claim(ctx):
     xs = torch.randn(8, 16), torch.randn(16, 12), torch.randn(16, 2), torch.randn(2, 12)
     graph = trace_ir(_lora, *xs)
-    (claim,) = claims(LibraryClaimer(["lora"]).claim(graph, list(graph.nodes), ctx))
+    (claim,) = claims(SearchClaimer(seeds=["lora"], enumerates=False).claim(graph, list(graph.nodes), ctx))
     return graph, xs, claim
 
 
@@ -47,7 +47,7 @@ def test_an_alternative_that_does_not_compile_is_dropped_and_another_runs(monkey
     claim.plan.alternatives = [Alternative("first", lora.graph, "the first alternative", {"ugraph": "first"}), lora]
     calls = _failing_first(monkeypatch, 1)
     with caplog.at_level(logging.INFO, logger="torch_mirage"):
-        (region,) = built_regions([claim], graph, ctx, "ugraph-library")
+        (region,) = built_regions([claim], graph, ctx, "ugraph-search")
     assert len(calls) == 2 and region.compiled_by == "mirage" and region.info["ugraph"] == "lora"
     assert region.detail == lora.detail and "ugraph_us" not in region.info      # one left: nothing timed
     assert any("μGraph first of μGraph lora" in r.getMessage() and "does not compile" in r.getMessage()
@@ -66,10 +66,10 @@ def test_a_plan_none_of_whose_alternatives_compiles_goes_to_the_fallback(monkeyp
     _failing_first(monkeypatch, 2)
     if strict:
         with pytest.raises(RuntimeError, match="alternative 1 does not compile"):
-            built_regions([claim], graph, ctx, "ugraph-library")
+            built_regions([claim], graph, ctx, "ugraph-search")
         return
-    (region,) = built_regions([claim], graph, ctx, "ugraph-library")
+    (region,) = built_regions([claim], graph, ctx, "ugraph-search")
     assert region.compiled_by == "inductor" and region.reason is Reason.COMPILE_ERROR and region.kernel is None
     assert "alternative 2 does not compile" in region.detail
-    assert [(d.claimer, d.reason) for d in region.declines] == [("ugraph-library", Reason.COMPILE_ERROR)]
+    assert [(d.claimer, d.reason) for d in region.declines] == [("ugraph-search", Reason.COMPILE_ERROR)]
     assert len(ctx.failures) == 1

@@ -15,7 +15,6 @@ from torch_mirage.partition.stitch import StitchClaimer
 from torch_mirage.pipeline import MirageError, claim_regions
 from torch_mirage.report import DeclineReport
 from torch_mirage.superopt.attention_claim import AttentionClaimer
-from torch_mirage.superopt.claim import LibraryClaimer
 from torch_mirage.superopt.search.claimer import SearchClaimer
 from torch_mirage.superopt.ugraph_plan import UGraphPlan
 from torch_mirage.testing.aten import trace_ir
@@ -108,7 +107,7 @@ def test_claimers_compile_nothing_they_return_plans(monkeypatch, claimer):
         graph, chosen = trace_ir(lambda x: torch.softmax(x, -1), torch.randn(3, 5)), StitchClaimer()
     else:
         xs = torch.randn(8, 16), torch.randn(16, 12), torch.randn(16, 2), torch.randn(2, 12)
-        graph, chosen = trace_ir(_lora, *xs), LibraryClaimer(["lora"])
+        graph, chosen = trace_ir(_lora, *xs), SearchClaimer(seeds=["lora"], enumerates=False)
     (claim,) = claims(chosen.claim(graph, list(graph.nodes), ctx))
     assert not hasattr(claim, "kernel")
     assert isinstance(claim.plan, StitchPlan if claimer == "stitch" else UGraphPlan)
@@ -135,8 +134,8 @@ def test_the_library_plan_builds_to_a_kernel_that_matches_eager():
     xs = torch.randn(8, 16), torch.randn(16, 12), torch.randn(16, 2), torch.randn(2, 12)
     graph = trace_ir(_lora, *xs)
     ctx = CompileContext.standalone(target=Target.INTERPRETER)
-    (region,) = built_regions(LibraryClaimer(["lora"]).claim(graph, list(graph.nodes), ctx), graph, ctx,
-                              "ugraph-library")
+    (region,) = built_regions(SearchClaimer(seeds=["lora"], enumerates=False).claim(graph, list(graph.nodes), ctx), graph, ctx,
+                              "ugraph-search")
     assert region.compiled_by == "mirage" and region.info["ugraph"] == "lora" and region.info["launch"]
     assert region.info["ugraph_hash"] == region.plan.alternatives[0].graph.hash()[:16]
     inputs = dict(zip([v.name for v in graph.inputs], xs))
@@ -200,6 +199,6 @@ def test_claimers_take_the_target_from_the_context_not_the_environment():
 
     x, w, a, b = torch.randn(8, 16), torch.randn(16, 12), torch.randn(16, 2), torch.randn(2, 12)
     graph = trace_ir(lambda x, w, a, b: x @ w + (x @ a) @ b, x, w, a, b)
-    assert claims(LibraryClaimer(["lora"]).claim(graph, list(graph.nodes), cuda)) == []
+    assert claims(SearchClaimer(seeds=["lora"], enumerates=False).claim(graph, list(graph.nodes), cuda)) == []
     outcomes = SearchClaimer(budget_s=0.0).claim(graph, list(graph.nodes), cuda)
     assert claims(outcomes) == [] and {d.reason for d in outcomes} == {Reason.UNSUPPORTED_DEVICE}

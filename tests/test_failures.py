@@ -237,24 +237,20 @@ def test_gpu_failing_stage_runs_inductor_in_our_cuda_graph_unless_that_failed(st
 
 
 def test_a_ugraph_too_large_for_block_memory_declines_without_a_warning(monkeypatch, caplog):
-    """A library μGraph whose tiles need more than one SM's memory at the model's sizes (gated_mlp at hidden 1024
-    on the H100) is a decline, not a failure: no warning, even under strict."""
-    import torch_mirage.superopt.claim as library_claim
-    from torch_mirage.superopt.claim import _planned
+    """A library seed whose tiles need more than one SM's memory at the model's sizes (gated_mlp at hidden 1024
+    on the H100) is no seed, not a failure: no warning, even under strict."""
+    from torch_mirage.superopt.search import seeds
     from torch_mirage.superopt import library
     from torch_mirage.superopt.validate import InvalidMuGraph
-    from torch_mirage.config import load
-    from torch_mirage.context import CompileContext
 
     def too_large(*args, **kwargs):
         raise InvalidMuGraph(["kernel graph op 3 (customized) body: its tensors need 1458176 bytes of block-level "
                               "memory, capacity 232448"])
 
-    monkeypatch.setattr(library_claim, "validate", too_large)
-
-    strict = CompileContext.standalone(load({"strict": True}))
+    monkeypatch.setattr(seeds, "validate", too_large)
     workload = library.WORKLOADS["gated_mlp"]
     with caplog.at_level(logging.INFO, logger="torch_mirage"):
-        assert _planned(workload, (4, 8, 16), "float32", {}, strict) is None
+        assert seeds._instance(workload, (4, 8, 16), "float32", {}) is None
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert any("does not fit block memory" in r.getMessage() for r in caplog.records)
+    assert any("not valid at these sizes" in r.getMessage() and "block-level memory" in r.getMessage()
+               for r in caplog.records)

@@ -1,4 +1,5 @@
-"""The μGraph library claimer: user programs that compute a hand-built μGraph run it (Triton interpreter on CPU)."""
+"""The μGraph library as the search's seeds: user programs that compute a hand-built μGraph run it, however they
+are written (Triton interpreter on CPU)."""
 import os
 
 import pytest
@@ -9,7 +10,8 @@ import torch_mirage
 from helpers import assert_close
 from torch_mirage.numerics import rms_norm
 from torch_mirage.superopt import library
-from torch_mirage.superopt.claim import LibraryClaimer, dims_from_shapes, ugraph_shapes
+from torch_mirage.superopt.search.claimer import SearchClaimer
+from torch_mirage.superopt.search.seeds import SEED_WORKLOADS, dims_from_shapes, folded
 
 # tests/conftest.py turns the interpreter on when there is no GPU; setting it here would leak into GPU tests
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -31,9 +33,9 @@ def _compile(fn, claimers=None, **options):
 
 
 def _library_only():
-    """The library claimer alone: in the default order the weight-streaming claimer takes memory-bound gated MLPs
-    and RMSNorm + Linear first, with their norm and epilogue (tests/test_gemv_claim.py)."""
-    return [LibraryClaimer()]
+    """The library's seeds alone (no enumeration): in the default order the weight-streaming claimer takes
+    memory-bound gated MLPs and RMSNorm + Linear first, with their norm and epilogue (tests/test_gemv_claim.py)."""
+    return [SearchClaimer(seeds=SEED_WORKLOADS, enumerates=False)]
 
 
 def _inputs(shapes, dtype):
@@ -41,7 +43,7 @@ def _inputs(shapes, dtype):
 
 
 def _library_regions(report):
-    return [r for r in report.regions if r.claimer == "ugraph-library"]
+    return [r for r in report.regions if r.claimer == "ugraph-search" and "seed" in r.info.get("source", "")]
 
 
 def attention(q, k, v):
@@ -71,7 +73,7 @@ def test_library_program_runs_its_ugraph(name, fn, shapes, dtype):
     assert_close(out, fn(*[x.double() for x in xs]).to(dtype), dtype)
     (region,) = _library_regions(report)
     assert region.compiled_by == "mirage" and region.info["ugraph"] == name, str(report)
-    assert region.info["dims"] == list(dims_from_shapes(library.WORKLOADS[name], ugraph_shapes(name, shapes)))
+    assert region.info["dims"] == list(dims_from_shapes(library.WORKLOADS[name], folded(name, shapes)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -115,7 +117,7 @@ def test_attention_runs_the_faster_of_its_ugraphs(monkeypatch, fa_us, fd_us, cho
 
 def test_programs_that_differ_are_not_claimed():
     """Other wiring, another constant, an inner value read elsewhere, bf16 under the interpreter (which computes
-    bf16 wrongly): no μGraph, eager's result."""
+    bf16 wrongly): no seed verifies, eager's result."""
     def scaled(x, w, a, b):
         return x @ w + (x @ a) @ b * 2
 
@@ -131,18 +133,18 @@ def test_programs_that_differ_are_not_claimed():
              (other_constant, [(24, 40), (40, 56), (40, 56)]),
              (inner_read, [(24, 40), (40, 56), (40, 8), (8, 56)])]
     for fn, shapes in cases:
-        compiled, report = _compile(fn)
+        compiled, report = _compile(fn, _library_only())
         xs = _inputs(shapes, torch.float32)
         assert_close(compiled(*xs), fn(*[x.double() for x in xs]))
         assert not _library_regions(report), f"{fn.__name__}: {report}"
-    compiled, report = _compile(lora)
+    compiled, report = _compile(lora, _library_only())
     xs = _inputs([(24, 40), (40, 56), (40, 8), (8, 56)], torch.bfloat16)
     assert_close(compiled(*xs), lora(*[x.double() for x in xs]).bfloat16(), torch.bfloat16)
     assert not _library_regions(report)
 
 
-def test_library_claimer_can_be_switched_off():
-    compiled, report = _compile(lora, ugraph_library=False)
+def test_library_seeds_can_be_switched_off():
+    compiled, report = _compile(lora, ugraph_library=False, search=False)
     xs = _inputs([(24, 40), (40, 56), (40, 8), (8, 56)], torch.float32)
     assert_close(compiled(*xs), lora(*xs))
     assert not _library_regions(report)
@@ -205,27 +207,24 @@ def copy_double(module):
     return copy.deepcopy(module).double()
 
 
-def test_a_program_that_does_not_trace_skips_its_workload_only(monkeypatch, caplog):
-    """The library claimer failing to trace a program must not cost the graph its other regions."""
-    import torch_mirage.superopt.claim as claim
+def test_forms_the_library_was_not_written_for_run_its_ugraph():
+    """No written form is matched: LoRA with its terms swapped and its arguments in another order, RMSNorm written
+    with a division by a square root, each verified equal to a seed, run the library's own μGraph (same hash)."""
+    def lora_swapped(a, b, x, w):
+        return (x @ a) @ b + x @ w
 
-    def broken(*args):
-        raise RuntimeError("no tracing today")
+    def rmsnorm_by_division(w, x, g):
+        return (x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5) * g) @ w
 
-    claim.program_graph.cache_clear()
-    monkeypatch.setitem(claim.PROGRAMS, "lora", (broken,))
-    try:
-        def fn(x, w, a, b, y):
-            return lora(x, w, a, b), torch.softmax(y * 2, -1)
-        compiled, report = _compile(fn, min_region_us=0)
-        xs = _inputs([(24, 40), (40, 56), (40, 8), (8, 56), (8, 33)], torch.float32)
-        out, sm = compiled(*xs)
-        assert_close(out, lora(*[x.double() for x in xs[:4]]).float())
-        assert_close(sm, torch.softmax(xs[4].double() * 2, -1).float())
-        assert not _library_regions(report) and any(r.claimer == "stitch" for r in report.regions), str(report)
-        assert "does not trace" in caplog.text
-    finally:
-        claim.program_graph.cache_clear()
+    cases = [(lora_swapped, [(40, 8), (8, 56), (24, 40), (40, 56)], "lora", library.lora(24, 40, 56, 8, dtype="float32")),
+             (rmsnorm_by_division, [(48, 40), (12, 48), (48,)], "rmsnorm_linear",
+              library.rmsnorm_linear(12, 48, 40, dtype="float32", eps=1e-5))]
+    for fn, shapes, name, kgraph in cases:
+        compiled, report = _compile(fn, _library_only())
+        xs = [torch.randn(s) * (s[-2] ** -0.5 if len(s) > 1 else 1.0) for s in shapes]
+        assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+        (region,) = _library_regions(report)
+        assert region.info["ugraph"] == name and region.info["ugraph_hash"] == kgraph.hash()[:16], str(report)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -42,9 +42,9 @@ from .runtime.choose import declared_mutations, is_timeable, mutated_inputs
 from .runtime.inductor_quiet import without_artifact_warning
 from .runtime.measure import check_regions, keep_faster
 from .superopt.attention_claim import AttentionClaimer
-from .superopt.claim import DEFAULT_WORKLOADS, LibraryClaimer
 from .superopt.gemv_claim import GemvClaimer
 from .superopt.search.claimer import SearchClaimer
+from .superopt.search.seeds import SEED_WORKLOADS
 from .tune import budget as tune_budget
 
 log = logging.getLogger("torch_mirage")
@@ -74,18 +74,24 @@ class MirageError(RuntimeError):
         self.node = node
 
 
+AHEAD = ("qknorm_attention",)        # library seeds tried before the attention claimer
+WIDER = ("lora", "ntrans")          # library seeds tried before the weight-streaming claimer
+
+
 def default_claimers(config: Config) -> list[Claimer]:
     """Claiming passes in priority order (earlier passes see the graph first)."""
-    # QK-norm attention (norms + attention in one μGraph) is matched before the attention claimer takes the
-    # attention alone; LoRA (three matmuls in one kernel: no weight-streaming cut holds it) and nTrans next;
-    # memory-bound matmuls with their norm and epilogue (one weight-streaming kernel) before the library's
-    # RMSNorm + Linear and gated MLP could take the matmuls without the norm or the residual; the search after
-    # the library, stitching last
-    ahead, wider = ("qknorm_attention",), ("lora", "ntrans")
-    library = ([LibraryClaimer(ahead), AttentionClaimer(), LibraryClaimer(wider), GemvClaimer(),
-                LibraryClaimer([w for w in DEFAULT_WORKLOADS if w not in ahead + wider])]
-               if config.ugraph_library else [])
-    return library + ([SearchClaimer()] if config.search else []) + ([StitchClaimer()] if config.stitch else [])
+    # With the library (``ugraph_library``): the search's library seeds alone for QK-norm attention (norms +
+    # attention in one μGraph) before the attention claimer takes the attention alone, then for LoRA (three
+    # matmuls in one kernel: no weight-streaming cut holds it) and nTrans; memory-bound matmuls with their norm and
+    # epilogue (one weight-streaming kernel) before RMSNorm + Linear and gated MLP could take the matmuls without
+    # the norm or the residual; then the search (``search``: every seed first, then the enumeration); stitching last
+    stitch = [StitchClaimer()] if config.stitch else []
+    if not config.ugraph_library:
+        return ([SearchClaimer()] if config.search else []) + stitch
+    rest = tuple(w for w in SEED_WORKLOADS if w not in AHEAD + WIDER)
+    return [SearchClaimer(seeds=AHEAD, enumerates=False), AttentionClaimer(),
+            SearchClaimer(seeds=WIDER, enumerates=False), GemvClaimer(),
+            SearchClaimer(seeds=rest, enumerates=config.search)] + stitch
 
 
 def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext) -> list[Region]:

@@ -8,12 +8,18 @@ reduction node (last first) anchors a reduction chain the same way without matmu
 ``rms(α·(rms(H)+X)+X)``, a norm with its residual add); the nodes of a chain whose search found
 nothing anchor no second search; a chain also grows forward from a row statistic (a mean, a variance) to
 the ops that apply it (LayerNorm's centring and scaling). The region's reference program
-(:func:`.reference.reference_of`) is searched (:func:`.driver.search`, seeds off, the ``search_budget_s``
-budget); a verified μGraph becomes the region's plan (the build stage compiles it). Where the search finds
+(:func:`.reference.reference_of`) is searched (:func:`.driver.search`, the ``search_budget_s`` budget): first
+the claimer's library seeds (:mod:`.seeds`: the hand-built μGraphs instantiated at the region's dims and
+verified against its program), then the enumeration; a verified μGraph becomes the region's plan (the build
+stage compiles it; a seed runs as the library's own μGraph, its inputs bound by :func:`.seeds.seed_kernel`).
+A claimer with ``enumerates=False`` tries its seeds only and says nothing of a region none fits (the pipeline
+runs such passes ahead of the attention and weight-streaming claimers, where today's claims need them: QK-norm
+attention before attention takes the attention alone; LoRA and nTrans before a matmul's cut could take part of
+them). Where the search finds
 nothing within its budget for a region around a matmul, the region's weight-streaming seed
 (:func:`..gemv_claim.seed_claim`, verified the same way) is claimed instead, so that a norm before the matmul is
 not left to a second, smaller cut of its own. A region that does not lower, or for which neither is found, is left
-to the next claimers. Behind the ``search`` knob.
+to the next claimers. The enumeration is behind the ``search`` knob, the seeds behind ``ugraph_library``.
 """
 from __future__ import annotations
 
@@ -26,10 +32,11 @@ from .reference import is_attention
 
 from ...capture.ops import OpKind
 from ...context import CompileContext
-from ...partition.region import Claim, Decline, Outcome, Reason, is_convex
+from ...partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
 from ..cut import CHAIN, DTYPES, GROW, MAX_NODES, computes, grow, lowered_reference, reference_kernel
 from ..gemv_claim import seed_claim
 from ..ugraph_plan import Alternative, UGraphPlan, random_inputs
+from .seeds import Seed, arity, seed_kernel
 
 log = logging.getLogger("torch_mirage")
 
@@ -38,15 +45,48 @@ log = logging.getLogger("torch_mirage")
 class SearchClaimer:
     name = "ugraph-search"
 
-    def __init__(self, budget_s: float | None = None, max_nodes: int = MAX_NODES):
+    def __init__(self, budget_s: float | None = None, max_nodes: int = MAX_NODES, seeds: Sequence[str] = (),
+                 enumerates: bool = True):
         self.budget_s = budget_s
         self.max_nodes = max_nodes
+        self.seeds = tuple(seeds)           # library workloads tried first (.seeds.SEED_WORKLOADS' names)
+        self.enumerates = enumerates        # False: the seeds only, silent where none verifies
 
     def claim(self, graph, free: Sequence, ctx: CompileContext) -> list[Outcome]:
         free_ids = {id(n) for n in free}
+        outcomes = self._seeded(graph, free, free_ids, ctx) if self.seeds else []
+        return outcomes + (self._searched(graph, free, free_ids, ctx) if self.enumerates else [])
+
+    def _seeded(self, graph, free: Sequence, free_ids: set, ctx: CompileContext) -> list[Outcome]:
+        """Subprograms a library seed verifies for: at each free node (last first) the region of its producers
+        (:func:`.cut.grow` without readers: the node is the region's output), then that region with its leading
+        elementwise ops peeled (an add on the activation that belongs to the program before), each tried against
+        the seeds; the first verified one is claimed."""
+        order = {id(n): i for i, n in enumerate(graph.nodes)}
+        arities = {arity(w) for w in self.seeds}
+        outcomes: list[Outcome] = []
+        for anchor in reversed(list(free)):
+            if id(anchor) not in free_ids or anchor.op.kind not in GROW:
+                continue
+            region = sorted(grow(graph, anchor, free_ids, self.max_nodes, GROW, forward=False, counts=computes),
+                            key=lambda n: order[id(n)])
+            for nodes in peeled(region, anchor):
+                if not any(n.op.kind in (OpKind.MATMUL, OpKind.REDUCTION) or is_attention(n) for n in nodes):
+                    break
+                if len([v for v in inputs_of(nodes) if v.is_tensor]) not in arities or not is_convex(graph, nodes):
+                    continue
+                outcome = self._claim(graph, nodes, ctx, seeds_only=True)
+                if isinstance(outcome, Claim):
+                    free_ids -= {id(n) for n in nodes}
+                    outcomes.append(outcome)
+                    break
+        return outcomes
+
+    def _searched(self, graph, free: Sequence, free_ids: set, ctx: CompileContext) -> list[Outcome]:
+        """Regions grown around matmuls, attention and reduction chains, searched (see the module docstring)."""
         order = {id(n): i for i, n in enumerate(graph.nodes)}
         outcomes: list[Outcome] = []
-        last_first = list(reversed(list(free)))
+        last_first = [n for n in reversed(list(free)) if id(n) in free_ids]
         anchors = [n for n in last_first if n.op.kind is OpKind.MATMUL or is_attention(n)] + \
             [n for n in last_first if n.op.kind is OpKind.REDUCTION]
         searched: set = set()       # nodes of reduction chains already searched
@@ -67,20 +107,25 @@ class SearchClaimer:
             outcomes.append(outcome)
         return outcomes
 
-    def _claim(self, graph, nodes: list, ctx: CompileContext) -> Outcome:
+    def _claim(self, graph, nodes: list, ctx: CompileContext, seeds_only: bool = False) -> Outcome | None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         ref = lowered_reference(nodes, graph, ctx)
         if isinstance(ref, Decline):
             log.debug("torch_mirage: search claimer: region at %s: %s", nodes[-1].target_name, ref.detail)
-            return ref
+            return None if seeds_only else ref
         metas = [v.meta for v in ref.inputs]
         budget = self.budget_s if self.budget_s is not None else ctx.config.search_budget_s
         specs = [(tuple(m.shape), DTYPES[m.dtype]) for m in metas]
         with unset_fake_temporarily():      # the search runs real tensors (probe, verifier)
             result = search(ref.graph, specs, budget_s=budget, cache=ctx.cache, workers=ctx.config.search_workers,
+                            seeds=self.seeds, seeds_only=seeds_only,
                             verify_kwargs=dict(error_bound=ctx.config.verify_error_bound,
                                                trials=ctx.config.verify_trials))
+            if result.best is None and seeds_only:
+                return None
+            if result.seed is not None:
+                return _seed_claim(graph, nodes, ref, result.seed, result.source)
             if result.best is None:
                 log.info("torch_mirage: μGraph search found nothing for %d nodes (%s)", len(nodes), result.reason)
                 seeded = seed_claim(graph, nodes, ref, ctx) if any(op.name == "matmul" for op in ref.graph.ops) \
@@ -101,3 +146,35 @@ class SearchClaimer:
                           functools.partial(reference_kernel, nodes, graph, ref),
                           what=f"searched μGraph of {len(nodes)} ops")
         return Claim(list(nodes), plan, detail=detail, info=info)
+
+
+def _seed_claim(graph, nodes: list, ref, seed: Seed, source: str) -> Claim:
+    """``nodes`` claimed with a verified library seed: the library's μGraph at the region's dims, the region's
+    inputs bound to it by :func:`.seeds.seed_kernel`."""
+    positions = {id(v): i for i, v in enumerate(inputs_of(nodes))}
+    order = [positions[id(ref.inputs[j])] for j in seed.order]
+    metas = [ref.inputs[j].meta for j in seed.order]
+    (out,) = outputs_of(nodes, graph)
+    dtype = DTYPES[metas[0].dtype]
+    detail = seed.describe()
+    plan = UGraphPlan([Alternative(seed.name, seed.graph, detail, {"ugraph": seed.name})],
+                      functools.partial(random_inputs, metas, seed.shapes),
+                      functools.partial(seed_kernel, order, seed.transposed, seed.shapes, tuple(out.meta.shape)),
+                      what=f"{detail} {dtype}")
+    return Claim(list(nodes), plan, detail=detail,
+                 info={"source": "seed" if source == "seed" else f"{source} (seed)", "dims": list(seed.dims),
+                       "dtype": dtype, "verified": seed.reason})
+
+
+def peeled(region: list, anchor, levels: int = 2):
+    """``region``, then up to ``levels`` times without its leading elementwise ops (those reading only values from
+    outside it; never ``anchor``)."""
+    nodes = list(region)
+    for _ in range(levels + 1):
+        yield nodes
+        inside = {id(n) for n in nodes}
+        leading = {id(n) for n in nodes if n is not anchor and n.op.kind is OpKind.ELEMENTWISE and not any(
+            getattr(v, "producer", None) is not None and id(v.producer) in inside for v in n.inputs)}
+        if not leading:
+            return
+        nodes = [n for n in nodes if id(n) not in leading]

@@ -14,6 +14,11 @@ searched with its query heads packed onto their KV head (:mod:`.heads`; on the s
 shrinking); every candidate is viewed back to the region's inputs before it is probed and verified against the
 region's program.
 
+Seeds: with ``seeds`` (the search claimer passes the ``ugraph_library`` knob's), the hand-built library's
+μGraphs are tried first (:mod:`.seeds`: each instantiated at the dims the target's input shapes fix, its inputs
+bound by shape, probed and verified against the target like any candidate); a verified one ends the search at
+once (``source`` "seed"), so the common forms cost no enumeration. It is cached like a search result.
+
 Softmax: a target holding ``exp(s − max(s))`` (attention, however the user writes it: ``torch.softmax``,
 ``F.scaled_dot_product_attention``, the exponentials by hand) is searched with the online-softmax for-loop
 accumulator (its expression is softmax's, see :func:`.expr.expr_of_op`) and with ``scalar_mul`` by the
@@ -44,7 +49,6 @@ from ...config import load
 from ...numerics import relative_error, tolerance
 from ...ugraph import KernelGraph, from_dict
 
-from .. import library as L
 from ..executor import execute
 from ..validate import nbytes, validate
 from ..verify import verify
@@ -54,6 +58,7 @@ from .generate import KIND_ORDER, GenStats, Skeleton, enumerate_skeletons
 from .heads import group_heads, unpack
 from .oracle import SubexprOracle
 from .schedule import schedules
+from .seeds import SEED_WORKLOADS, Seed, find_seed
 from .shrink import block_steps, shrink, transfer
 
 log = logging.getLogger("torch_mirage")
@@ -92,8 +97,9 @@ class SearchResult:
     best: KernelGraph | None
     stats: SearchStats
     skeleton: Skeleton | None = None
-    source: str = ""                # "search" or "seed"
+    source: str = ""                # "search", "seed" or "cache"
     reason: str = ""                # the winning verdict, or why nothing was found
+    seed: Seed | None = None        # where the μGraph is a library seed: its binding to the region's inputs
 
 
 def _specs(inputs) -> list[tuple[tuple, str]]:
@@ -223,28 +229,9 @@ def _cost(g: KernelGraph) -> tuple:
     return (len(body.ops), sum(nbytes(s, d) for op in body.ops for s, d in zip(op.shapes, op.dtypes)))
 
 
-def _seed_graphs(inputs, out_shapes) -> list[KernelGraph]:
-    """The hand-built library's μGraphs whose input shapes fit (seeds; still verified)."""
-    shapes = [s for s, _ in inputs]
-    dt = inputs[0][1]
-    out = []
-    try:
-        if len(shapes) == 3 and len(shapes[0]) == 2 and len(shapes[1]) == 1:
-            (m, k), (n,) = shapes[0], shapes[2][1:]
-            out.append(L.rmsnorm_linear(m, k, n, dtype=dt))
-        if len(shapes) == 3 and len(shapes[1]) == 2 and shapes[1] == shapes[2]:
-            (m, k), n = shapes[0], shapes[1][1]
-            out.append(L.gated_mlp(m, k, n, dtype=dt))
-        if len(shapes) == 4:
-            (m, k), (_, n), (_, r) = shapes[0], shapes[1], shapes[2]
-            out.append(L.lora(m, k, n, r, dtype=dt))
-    except Exception as e:  # noqa: BLE001 - a seed that does not build is no seed
-        log.debug("μGraph search: a seed did not build: %s", e)
-    return [g for g in out if [tuple(s) for op in g.ops if op.name == "customized" for s in op.shapes] == out_shapes]
-
-
-def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | None = None, seeds: bool = False,
-           *, reference: Callable | KernelGraph | None = None, out_shapes: Sequence | None = None,
+def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | None = None,
+           seeds: bool | Sequence[str] = False, *, seeds_only: bool = False,
+           reference: Callable | KernelGraph | None = None, out_shapes: Sequence | None = None,
            out_dtypes: Sequence | None = None, max_ops: int = 8, tile: int = 64, prune: bool = True,
            extra_candidates: Sequence[KernelGraph] = (), verify_kwargs: dict | None = None,
            oracle_kwargs: dict | None = None, probe: bool = True, cache=None,
@@ -255,8 +242,11 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     expressions, shapes and dtypes, and it is the program candidates are verified against), or a
     sequence of target :class:`~.expr.Expr` (then ``reference``, ``out_shapes`` are required).
     ``inputs``: tensors or (shape, dtype) pairs, in input-index order. ``budget_s``: wall-clock
-    budget (default: the ``search_budget_s`` knob); 0 returns no graph at once. ``seeds``: also try
-    the hand-built library's μGraphs first (verified like any candidate). ``prune``: abstract-
+    budget (default: the ``search_budget_s`` knob); 0 returns no graph at once. ``seeds``: first try
+    these hand-built library workloads (True: :data:`.seeds.SEED_WORKLOADS`), each instantiated for the target's
+    input shapes and verified against it like any candidate (:func:`.seeds.find_seed`); a verified one is the
+    result (``source`` "seed", ``seed`` its binding to the inputs: the library's μGraph itself, whose inputs may
+    be ordered and shaped unlike the target's). ``seeds_only``: no enumeration after them. ``prune``: abstract-
     expression pruning (off: every op is kept; the candidate set is the same, only slower).
     ``extra_candidates``: μGraphs verified before the search (tests plant wrong ones here).
     ``oracle_kwargs``: passed to :class:`~.oracle.SubexprOracle` over :data:`DEFAULT_ORACLE` (e.g.
@@ -296,20 +286,39 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         return SearchResult(None, stats, reason="budget 0")
     deadline = t0 + budget_s
     vkw = dict(verify_kwargs or {})
-    key = _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, max_ops, tile) \
+    names = tuple(SEED_WORKLOADS if seeds is True else (seeds or ()))
+    key = _cache_key(target, targets, inputs, out_shapes, out_dtypes, names, seeds_only, max_ops, tile) \
         if cache is not None and not extra_candidates else None
     if key is not None:
         hit = _cache_get(cache, key)
         if hit is not None:
             stats.seconds = time.monotonic() - t0
             log.info("μGraph search: cached μGraph (%.3f s)", stats.seconds)
-            return SearchResult(hit, stats, source="cache", reason="cached verified μGraph")
+            return SearchResult(hit[0], stats, source="cache", reason="cached verified μGraph", seed=hit[1])
+
+    if names and isinstance(target, KernelGraph) and reference is target:
+        def counts(what: str) -> None:
+            if what == "candidate":
+                stats.candidates += 1
+            else:
+                setattr(stats, what, getattr(stats, what) + 1)
+        seed = find_seed(target, inputs, out_shapes, names, eps, vkw, counts)
+        if seed is not None:
+            stats.seconds = time.monotonic() - t0
+            if key is not None:
+                cache.put_json(key, {"graph": seed.graph.to_dict(), "source": "seed", "seed": seed.to_dict(),
+                                     "stats": stats.as_dict()})
+            log.info("μGraph search: seed %s verified in %.2f s", seed.describe(), stats.seconds)
+            return SearchResult(seed.graph, stats, source="seed", reason=seed.reason, seed=seed)
+    if seeds_only:
+        stats.seconds = time.monotonic() - t0
+        return SearchResult(None, stats, reason="no seed verified")
 
     workers = load().search_workers if workers is None else workers
     job = dict(targets=targets, reference=reference, inputs=inputs, out_shapes=out_shapes, out_dtypes=out_dtypes,
                eps=eps, scales=scales, goal_directed=decompose and bool(E.softmax_scores(targets)), max_ops=max_ops,
                tile=tile, prune=prune, vkw=vkw, probe=probe,
-               oracle_kwargs={**DEFAULT_ORACLE, **(oracle_kwargs or {})}, seeds=seeds,
+               oracle_kwargs={**DEFAULT_ORACLE, **(oracle_kwargs or {})},
                extra=list(extra_candidates), whole_rows=_reduction_chain(target))
     if workers > 1:
         try:
@@ -317,7 +326,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         except Exception as e:  # noqa: BLE001 - e.g. a lambda reference: search in this process
             log.info("μGraph search: the job does not pickle (%s); searching in one process", e)
             workers = 1
-    plain = isinstance(target, KernelGraph) and reference is target and not seeds and not extra_candidates
+    plain = isinstance(target, KernelGraph) and reference is target and not extra_candidates
     groups = group_heads(inputs, out_shapes) if plain else None
     problem = job if groups is None else _packed(job, groups)
     shrunk = shrink(target, inputs, out_shapes) if plain else None
@@ -405,22 +414,23 @@ def _viewed(job: dict, graph: KernelGraph) -> KernelGraph:
     return graph if job.get("groups") is None else unpack(graph, job["groups"], job["run_inputs"])
 
 
-def _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, max_ops, tile) -> str:
+def _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, seeds_only, max_ops, tile) -> str:
     tgt = target.hash() if isinstance(target, KernelGraph) else [str(e) for e in targets]
-    return cache_key(kind="ugraph-search", target=tgt, inputs=[[list(s), d] for s, d in inputs],
+    return cache_key(kind="ugraph-search/2", target=tgt, inputs=[[list(s), d] for s, d in inputs],
                      out_shapes=[list(s) for s in out_shapes], out_dtypes=list(out_dtypes or []),
-                     seeds=seeds, max_ops=max_ops, tile=tile)
+                     seeds=list(seeds), seeds_only=seeds_only, max_ops=max_ops, tile=tile)
 
 
-def _cache_get(cache, key: str) -> KernelGraph | None:
-    """The cached μGraph, or None when absent or unusable (then the search runs and rewrites it)."""
+def _cache_get(cache, key: str) -> tuple[KernelGraph, Seed | None] | None:
+    """The cached μGraph (with its seed binding, for a seed), or None when absent or unusable (then the search
+    runs and rewrites it)."""
     entry = cache.get_json(key)
     if entry is None:
         return None
     try:
         g = from_dict(entry["graph"])
         validate(g)
-        return g
+        return g, (Seed.from_dict(entry["seed"], g) if entry.get("seed") is not None else None)
     except Exception as e:  # noqa: BLE001 - a bad entry is a miss, never an error
         log.warning("μGraph search: cache entry %s unusable (%s: %s); searching again", key[:16],
                     type(e).__name__, e)
@@ -492,10 +502,9 @@ def _search_share(job: dict, share: tuple[int, int], deadline: float, found_dept
             return False
         return _close(got, ref_out)
 
-    if share[0] == 0:       # given and seed μGraphs: checked once, by the first share, ahead of the search
-        extra = job["extra"]
-        for i, g in enumerate(list(extra) + (_seed_graphs(inputs, out_shapes) if job["seeds"] else [])):
-            check(g, None, "given" if i < len(extra) else "seed", (-1, i))
+    if share[0] == 0:       # given μGraphs: checked once, by the first share, ahead of the search
+        for i, g in enumerate(job["extra"]):
+            check(g, None, "given", (-1, i))
 
     if job.get("goal_directed") and share[0] == 0:      # the target taken apart top-down, cheapest tree first
         for skel in decompose.skeletons(targets, inputs, out_shapes, kinds=op_kinds(targets),

@@ -1,0 +1,52 @@
+"""Claim parity after the library's exact-form matcher retired (issue 15): every bench workload the library claimed
+is still claimed, by the search's library seeds or the analysis claimers, eager-equal, and where the μGraph is a
+library seed it is the library's own μGraph at the workload's dims (the same hash: the same kernel on the GPU).
+The bench's functions (torch_mirage/bench/workloads.py) at their --quick sizes, b = 1 and 8, in the interpreter."""
+import os
+
+import pytest
+import torch
+
+import torch_mirage
+from helpers import assert_close
+from torch_mirage.bench.workloads import WORKLOADS
+from torch_mirage.superopt import library
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+
+EPS = 1e-6      # numerics.rms_norm's default, which the bench's functions use
+
+
+def _library_graph(name: str, d: dict):
+    """The μGraph the library claimer ran for this bench workload at sizes ``d`` (None: attention, claimed by
+    analysis)."""
+    build = {
+        "rmsnorm_linear": lambda: library.rmsnorm_linear(d["M"], d["D"], d["N"], dtype="float32", eps=EPS),
+        "gated_mlp": lambda: library.gated_mlp(d["M"], d["D"], d["N"], dtype="float32"),
+        "gated_mlp_llama8b": lambda: library.gated_mlp(d["M"], d["D"], d["N"], dtype="float32"),
+        "qknorm_attention": lambda: library.qknorm_attention(d["B"], d["H"], d["M"], d["N"], d["E"],
+                                                             dtype="float32", eps=EPS),
+        "lora": lambda: library.lora(d["M"], d["D"], d["N"], d["R"], dtype="float32"),
+        "ntrans": lambda: library.ntrans(d["M"], d["D"], dtype="float32", eps=EPS),
+    }.get(name)
+    return build() if build else None
+
+
+@pytest.mark.parametrize("b", [1, 8])
+@pytest.mark.parametrize("name", ["rmsnorm_linear", "gated_mlp", "gated_mlp_llama8b", "gqa", "qknorm_attention",
+                                  "lora", "ntrans"])
+def test_bench_workload_keeps_its_claim_and_ugraph(name, b):
+    w = WORKLOADS[name]
+    xs = w.make_inputs(b, torch.float32, "cpu", seed=b, quick=True)
+    report = torch_mirage.Report()
+    compiled = torch.compile(w.fn, backend=torch_mirage.MirageBackend(report=report))
+    assert_close(compiled(*xs), w.fn(*[x.double() for x in xs]).float())
+    (region,) = report.regions
+    assert region.compiled_by == "mirage", str(report)
+    expected = _library_graph(name, w.dims(b, quick=True))
+    if expected is None:
+        assert region.claimer == "attention" and region.info["ugraph"] == "flash_attention", str(report)
+    else:
+        assert region.claimer == "ugraph-search" and "seed" in region.info["source"], str(report)
+        assert region.info["ugraph_hash"] == expected.hash()[:16], str(report)
