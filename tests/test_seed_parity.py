@@ -2,6 +2,7 @@
 is still claimed, by the search's library seeds or the analysis claimers, eager-equal, and where the μGraph is a
 library seed it is the library's own μGraph at the workload's dims (the same hash: the same kernel on the GPU).
 The bench's functions (torch_mirage/bench/workloads.py) at their --quick sizes, b = 1 and 8, in the interpreter."""
+import dataclasses
 import os
 
 import pytest
@@ -10,12 +11,16 @@ import torch
 import torch_mirage
 from helpers import assert_close
 from torch_mirage.bench.workloads import WORKLOADS
+from torch_mirage.config import Config
 from torch_mirage.superopt import library
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
 
 EPS = 1e-6      # numerics.rms_norm's default, which the bench's functions use
+# the knob's own default (conftest sets 0 for the suite): at these tiny sizes it leaves the matmuls to the library's
+# seeds, as it left them to the library claimer (the weight-streaming claimer runs first in both orders)
+MIN_REGION_US = next(f.default for f in dataclasses.fields(Config) if f.name == "min_region_us")
 
 
 def _library_graph(name: str, d: dict):
@@ -40,7 +45,8 @@ def test_bench_workload_keeps_its_claim_and_ugraph(name, b):
     w = WORKLOADS[name]
     xs = w.make_inputs(b, torch.float32, "cpu", seed=b, quick=True)
     report = torch_mirage.Report()
-    compiled = torch.compile(w.fn, backend=torch_mirage.MirageBackend(report=report))
+    compiled = torch.compile(w.fn, backend=torch_mirage.MirageBackend(options={"min_region_us": MIN_REGION_US},
+                                                                              report=report))
     assert_close(compiled(*xs), w.fn(*[x.double() for x in xs]).float())
     (region,) = report.regions
     assert region.compiled_by == "mirage", str(report)
