@@ -53,6 +53,8 @@ class SearchClaimer:
         self.enumerates = enumerates        # False: the seeds only, silent where none verifies
 
     def claim(self, graph, free: Sequence, ctx: CompileContext) -> list[Outcome]:
+        if any(v.meta is not None and not v.meta.is_static for n in free for v in n.outputs):
+            return []   # symbolic sizes: no μGraph is drawn for them, and comparing them would add Dynamo guards
         free_ids = {id(n) for n in free}
         outcomes = self._seeded(graph, free, free_ids, ctx) if self.seeds else []
         return outcomes + (self._searched(graph, free, free_ids, ctx) if self.enumerates else [])
