@@ -41,7 +41,7 @@ from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
 from .compile import DTYPES as TORCH_DTYPES
 from .gemv_seed import NotStreamable, gemv_seed
 from .launch import streaming_candidates
-from .cut import GROW, MAX_NODES, grow, lowered_reference, reference_kernel
+from .cut import GROW, MAX_NODES, computes, grow, lowered_reference, reference_kernel
 from .search.reference import Reference
 from .search.shrink import SMALL_TILE, shrink
 from .ugraph_plan import Alternative, UGraphPlan, random_inputs
@@ -78,10 +78,12 @@ def cuts(graph: Graph, anchor: Node, free: Sequence[Node], free_ids: set, model:
     the sibling cut of a gated MLP holds no SiLU·mul and comes after the cut that does."""
     order = {id(n): i for i, n in enumerate(graph.nodes)}
     out: list[list[Node]] = []
-    tries = [(siblings(anchor, free, free_ids, model), GROW, True)] + \
-        [(anchor, kinds, forward) for kinds in (GROW, LAYOUT, NONE) for forward in (True, False)]
-    for start, kinds, forward in tries:
-        nodes = sorted(grow(graph, start, free_ids, MAX_NODES, kinds, forward), key=lambda n: order[id(n)])
+    family = siblings(anchor, free, free_ids, model)
+    tries = [(family, GROW, True, True)] * (len(family) > 1) + [(family, GROW, True, False)] + \
+        [(anchor, kinds, forward, False) for kinds in (GROW, LAYOUT, NONE) for forward in (True, False)]
+    for start, kinds, forward, every in tries:
+        nodes = sorted(grow(graph, start, free_ids, MAX_NODES, kinds, forward, computes if every else None, every),
+                       key=lambda n: order[id(n)])
         if all({id(n) for n in nodes} != {id(n) for n in c} for c in out):
             out.append(nodes)
     return sorted(out, key=len, reverse=True)
