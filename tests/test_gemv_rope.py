@@ -12,7 +12,9 @@ import torch.nn.functional as F
 import torch_mirage
 from helpers import assert_close
 from torch_mirage.bench import workloads
+from torch_mirage.superopt.gemv_claim import verified_instance
 from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed
+from torch_mirage.superopt.verify import verify
 from torch_mirage.superopt.search.reference import reference_of
 from torch_mirage.capture.lower import trace
 
@@ -138,3 +140,17 @@ def test_qkv_rope_on_gpu(b):
         assert_close(g, w.to(bf), bf)
     (region,) = report.regions
     assert region.compiled_by == "mirage" and region.claimer == "ugraph-gemv", str(report)
+
+
+def test_rotary_region_verifies_at_two_heads():
+    """Its (b, h, 1, d) views keep a region with RoPE from shrinking size by size; the verifier still checks it at
+    small sizes: two heads of the head size, the hidden size two heads, its for-loop and grid split as at the real
+    sizes (a 4096-wide region takes seconds per verification instead of tens)."""
+    fn = qkv_rope(rotate_cat, hd=32)
+    graph = trace(fn, _inputs(1, torch.float32, d=256, hd=32, heads=8, kv_heads=2))
+    ref = reference_of(graph.nodes, graph).graph
+    program, seed = verified_instance(ref, gemv_seed(ref))
+    assert program is not ref and max(max(s) for op in program.ops for s in op.shapes) == 64
+    (q_block,) = [op.body for op in seed.ops if op.name == "customized" and op.shapes[0][-1] == 64][:1]
+    assert q_block.grid == (2,) and q_block.forloop_range > 1
+    assert verify(seed, program, [torch.zeros(op.attrs["shape"]) for op in program.inputs])

@@ -39,11 +39,11 @@ from ..capture.ops import OpKind
 from ..context import CompileContext
 from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
 from .compile import DTYPES as TORCH_DTYPES
-from .gemv_seed import NotStreamable, gemv_seed
+from .gemv_seed import NotStreamable, gemv_seed, rotation_groups
 from .launch import streaming_candidates
 from .cut import GROW, MAX_NODES, computes, grow, lowered_reference, reference_kernel
 from .search.reference import Reference
-from .search.shrink import SMALL_TILE, shrink
+from .search.shrink import SMALL_TILE, head_size_map, shrink
 from .ugraph_plan import Alternative, UGraphPlan, random_inputs
 from .validate import problems
 from .verify import verify
@@ -164,11 +164,15 @@ def verified_instance(ref: KernelGraph, seed: KernelGraph, gains_on_weights: boo
                       ) -> tuple[KernelGraph, KernelGraph]:
     """(reference, seed) the verifier checks: ``ref`` and its seed where ``ref`` is small; else both at the search's
     shrunk sizes (:func:`.search.shrink.shrink`: the executor steps every block and for-loop step in Python, a
-    minute for a 4096 x 14336 weight), the seed drawn in the same form (``gains_on_weights``, see
+    minute for a 4096 x 14336 weight; a region with RoPE's rotation in heads of d, whose sizes do not shrink one by
+    one, to two heads of d, :func:`.search.shrink.head_size_map`), the seed drawn in the same form (``gains_on_weights``, see
     :func:`.gemv_seed.gemv_seed`) with the shrunk problem's tile so that the grid and the for-loop split there as at
     the real sizes: the same construction, other counts."""
     outs = [ref.ops[r[0]].shapes[r[1]] for r in ref.outputs]
-    small = shrink(ref, [(tuple(op.attrs["shape"]), op.attrs["dtype"]) for op in ref.inputs], outs)
+    ins = [(tuple(op.attrs["shape"]), op.attrs["dtype"]) for op in ref.inputs]
+    small = shrink(ref, ins, outs)
+    if small is None and len(heads := rotation_groups(ref)) == 1:    # heads of (b, h, 1, d) views: shrink h
+        small = shrink(ref, ins, outs, functools.partial(head_size_map, head=heads.pop()))
     if small is None:
         return ref, seed
     return small.target, gemv_seed(small.target, tile=SMALL_TILE, gains_on_weights=gains_on_weights)

@@ -146,6 +146,12 @@ def rotation(rd: _Reader, r: Ref) -> tuple[Ref, int, tuple] | None:
     return src, group, tuple(h[3] for h in halves)
 
 
+def rotation_groups(ref: KernelGraph) -> set[int]:
+    """The head sizes of the rotations (:func:`rotation`) in ``ref``."""
+    rd = _Reader(ref)
+    return {rot[1] for i, op in enumerate(ref.ops) if op.name == "concat" and (rot := rotation(rd, Ref(i, 0)))}
+
+
 def streamed_dims(ref: KernelGraph) -> tuple[int, int, int]:
     """``(m, k, n)`` of the reference's first matmul: rows, reduced dim, output columns."""
     mm = next((op for op in ref.ops if op.name == "matmul"), None)
