@@ -9,7 +9,12 @@ behind a ``transpose``, and
   expressions. An RMSNorm ``x · rsqrt(mean(x²) + eps) · g`` is the tile factors ``x``, ``g`` and the row scale
   ``rsqrt(mean(x²) + eps)``;
 * the ops after the matmuls are elementwise over their results (m, n), row tensors (m, n) and column vectors (n,):
-  a residual add, a bias, SiLU·mul of a gated MLP; each output is computed from matmuls of one width n.
+  a residual add, a bias, SiLU·mul of a gated MLP; each output is computed from matmuls of one width n;
+* or RoPE's rotation of a result viewed as heads (b, h, 1, d): a ``concat`` of the two halves of each head of one
+  value swapped, one or both negated (:func:`rotation`, read off the cat / neg / slice structure: HF's
+  ``rotate_half``, or slices stacked and flattened), with tensors the same for every head (cos, sin: (m, d) or
+  (d,)). Such a width's block graph holds one head per block, so the rotation is a permutation inside the tile
+  (the ``rotate_half`` block op).
 
 The seed (Mirage's RMSNorm + Linear, generalised) has one block graph per matmul width (a QKV projection: two or
 three, each recomputing the row scales): grid over n, for-loop over k. In the loop the tile factors' product meets

@@ -18,6 +18,7 @@ re-verifies it at the real size when that is cheap; the compile stage's float ch
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -117,9 +118,5 @@ def transfer(skel: Skeleton, small_schedule: dict, inputs: Sequence, out_shapes:
 
 
 def block_steps(graph: KernelGraph) -> int:
-    """Grid blocks x for-loop steps of a one-kernel μGraph: the executor's work, in Python steps."""
-    body = next(op.body for op in graph.ops if op.name == "customized")
-    n = 1
-    for g in body.grid:
-        n *= g
-    return n * body.forloop_range
+    """Grid blocks x for-loop steps of a μGraph's block graphs, summed: the executor's work, in Python steps."""
+    return sum(math.prod(op.body.grid) * op.body.forloop_range for op in graph.ops if op.name == "customized")
