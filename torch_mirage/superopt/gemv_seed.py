@@ -274,8 +274,8 @@ class _Block:
         width = self.k if side == "k" else self.n
         if last == width and (len(shape) == 1 or (lead == 1 and self.m != 1)):
             return f"vec_{side}"
-        if last == width and lead == self.m or side == "n" and last * lead == self.m * width and \
-                (self.head is None or last % self.head == 0):
+        if last == width and lead == self.m or side == "n" and self.head is not None and \
+                last * lead == self.m * width and last % self.head == 0:      # (b, h, 1, d): rows in heads
             return f"rows_{side}"
         if last == 1 and lead == self.m:
             return "stat"
