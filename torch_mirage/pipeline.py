@@ -45,7 +45,7 @@ from .superopt.attention_claim import AttentionClaimer
 from .superopt.claim import DEFAULT_WORKLOADS, LibraryClaimer
 from .superopt.gemv_claim import GemvClaimer
 from .superopt.search.claimer import SearchClaimer
-from .tune import budget as tune_budget
+from .tune import budget as tune_budget, compile_workers
 
 log = logging.getLogger("torch_mirage")
 
@@ -199,7 +199,7 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
     with ctx.stage("partition"):
         claimers = default_claimers(config) if claimers is None else claimers
         regions = claim_regions(graph, claimers, ctx)
-    with ctx.stage("build"), tune_budget(config.tune_budget_s):
+    with ctx.stage("build"), tune_budget(config.tune_budget_s), compile_workers(config.compile_workers):
         build_regions(regions, graph, ctx)
     if config.check_regions:
         with ctx.stage("check"):
