@@ -9,7 +9,8 @@ import torch
 
 from torch_mirage import compile_pool
 from torch_mirage.codegen.aot import compile_ahead
-from torch_mirage.tune import budget, compile_workers, tune
+from torch_mirage.compile_pool import compile_workers
+from torch_mirage.tune import budget, tune
 
 SPEED = {"a": 3.0, "b": 1.0, "c": 2.0, "d": 4.0}
 

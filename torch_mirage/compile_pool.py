@@ -9,13 +9,21 @@ CUDA context per worker nor the kernels pickled back. The pool knows nothing of 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from .config import load
+
 log = logging.getLogger("torch_mirage")
+
+# the threads of the compile being made (the knob's setting: 0 = the usable cores); None: the knob as the environment
+# sets it (a choice made outside a graph's compile, by a test or a script)
+_SETTING: contextvars.ContextVar[int | None] = contextvars.ContextVar("torch_mirage_compile_workers", default=None)
 
 
 @dataclass
@@ -35,6 +43,23 @@ def usable_cores() -> int:
 def resolve_workers(setting: int) -> int:
     """Threads for a ``MIRAGE_COMPILE_WORKERS`` setting: 0 means the usable cores."""
     return usable_cores() if setting == 0 else setting
+
+
+@contextlib.contextmanager
+def compile_workers(setting: int):
+    """Compiles ahead inside use ``setting`` threads (``MIRAGE_COMPILE_WORKERS``: 0 = the usable cores, 1 = none
+    ahead: each kernel compiles when it first runs)."""
+    token = _SETTING.set(setting)
+    try:
+        yield
+    finally:
+        _SETTING.reset(token)
+
+
+def workers() -> int:
+    """Threads for compiles ahead here: the enclosing :func:`compile_workers`, else the environment's knob."""
+    setting = _SETTING.get()
+    return resolve_workers(load().compile_workers if setting is None else setting)
 
 
 def run_all(names: Sequence[str], job: Callable[[str], Any], workers: int) -> PoolRun | None:

@@ -29,6 +29,7 @@ from .capture.lower import lower
 from .analysis.cost import CostModel, matmul_rows, skinny_matmul
 from .analysis.graph import analyse
 from .build import build_regions
+from .compile_pool import compile_workers
 from .capture.ops import OpKind
 from .config import Config
 from .context import CompileContext
@@ -45,7 +46,7 @@ from .superopt.attention_claim import AttentionClaimer
 from .superopt.claim import DEFAULT_WORKLOADS, LibraryClaimer
 from .superopt.gemv_claim import GemvClaimer
 from .superopt.search.claimer import SearchClaimer
-from .tune import budget as tune_budget, compile_workers
+from .tune import budget as tune_budget
 
 log = logging.getLogger("torch_mirage")
 

@@ -5,7 +5,7 @@ Every measured choice mirage makes goes through :func:`tune`: the launch configu
 for a region against Inductor's (:mod:`.runtime.measure`) and the whole graph against Inductor's compile on its
 first call (:class:`.runtime.choose.FasterOf`). A caller that can compile a candidate's kernels without running
 them passes ``precompile``: those compiles run first, all at once in a pool of threads
-(:func:`~.compile_pool.run_all`, ``MIRAGE_COMPILE_WORKERS`` of them, :func:`compile_workers`), so that the loop
+(:mod:`.compile_pool`, ``MIRAGE_COMPILE_WORKERS`` of them), so that the loop
 after them only launches kernels already compiled. Candidates are then built in order (one that fails to build is
 dropped), checked (one that disagrees with the caller's reference is dropped), timed in the order A B … B A
 (:func:`.timing.alternating_medians`: clock and temperature drift meet every candidate alike) and the fastest
@@ -25,9 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .config import load
 
-from .compile_pool import resolve_workers, run_all
+from .compile_pool import run_all, workers
 from .timing import alternating_medians
 
 log = logging.getLogger("torch_mirage")
@@ -43,9 +42,6 @@ class _Budget:
 
 
 _BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("torch_mirage_tune_budget", default=None)
-# threads that run the choices' ahead-of-time compiles (the setting as the knob takes it: 0 = the usable cores);
-# None: the knob as the environment sets it (a choice made outside a graph's compile, by a test or a script)
-_WORKERS: contextvars.ContextVar[int | None] = contextvars.ContextVar("torch_mirage_compile_workers", default=None)
 
 
 @contextlib.contextmanager
@@ -56,22 +52,6 @@ def budget(seconds: float | None):
         yield
     finally:
         _BUDGET.reset(token)
-
-
-@contextlib.contextmanager
-def compile_workers(setting: int):
-    """Choices made inside compile their candidates with ``setting`` threads (``MIRAGE_COMPILE_WORKERS``: 0 = the
-    usable cores, 1 = no pool: each candidate compiles when its build first runs it)."""
-    token = _WORKERS.set(setting)
-    try:
-        yield
-    finally:
-        _WORKERS.reset(token)
-
-
-def _workers() -> int:
-    setting = _WORKERS.get()
-    return resolve_workers(load().compile_workers if setting is None else setting)
 
 
 def _budget_spent(label: str) -> bool:
@@ -132,7 +112,7 @@ def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
         out.dropped.update({n: BUDGET_SPENT for n in names if n not in out.built and n not in out.dropped})
         return out
     if precompile is not None:
-        compiled = run_all(names, precompile, _workers())
+        compiled = run_all(names, precompile, workers())
         if compiled is not None:
             log.info("torch_mirage: compiled %d %s candidates in %.2f s (%d threads; %d failed, their builds say why)",
                      len(names), label, time.perf_counter() - start, compiled.workers, len(compiled.errors))

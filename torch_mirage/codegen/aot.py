@@ -1,6 +1,8 @@
 """Ahead-of-time compiles of generated kernels: a kernel compiled for a launch's arguments without running it.
 
-:func:`compile_ahead` calls Triton's ``JITFunction.warmup`` with the arguments and options of a launch: Triton
+A launcher (:class:`~torch_mirage.superopt.compile.BlockLauncher`, :class:`.stitch_launch.StitchLauncher`) assembles
+its kernels' arguments once and hands them to :func:`run_kernel` for a call or to :func:`compile_ahead` for a warmup, so
+the two cannot differ. :func:`compile_ahead` calls Triton's ``JITFunction.warmup`` with the arguments and options of a launch: Triton
 specialises them as the launch will (pointer dtypes and 16-byte alignment, integers equal to 1 or divisible by 16,
 constexprs, ``num_warps`` / ``num_stages``), compiles, keeps the kernel in the function's cache and launches
 nothing; the launch after it finds the kernel compiled. A buffer the launch allocates itself is passed as a meta
@@ -18,6 +20,11 @@ import torch
 from ..context import Target
 
 _BIND = threading.Lock()
+
+
+def run_kernel(fn: Any, *args: Any, grid: tuple, **meta: Any) -> None:
+    """Run ``fn`` on ``grid`` (compiling it first where its cache has no kernel for these arguments)."""
+    fn[grid](*args, **meta)
 
 
 def compile_ahead(fn: Any, *args: Any, grid: tuple, device: torch.device, **meta: Any) -> None:
