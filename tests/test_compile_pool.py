@@ -117,3 +117,58 @@ def test_compile_ahead_compiles_nothing_under_the_interpreter(monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     compile_ahead(Kernel(), torch.empty(2, device="meta"), 2, grid=(1,), device=torch.device("cpu"), num_warps=4)
+
+
+# ---------------------------------------------------------------- a warmup compiles what the call will launch
+def _key(args):
+    """What Triton's cache key reads of a launch's arguments: a tensor's dtype and 16-byte alignment (a meta
+    tensor, as compile_ahead passes it on, has address 0), every other argument's value."""
+    return [(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _recorders(monkeypatch, module):
+    calls, warmups = [], []
+
+    def run_kernel(fn, *args, grid, **meta):
+        calls.append((fn, tuple(grid), _key(args), meta))
+        return real(fn, *args, grid=grid, **meta)
+
+    def compile_ahead(fn, *args, grid, device, **meta):
+        # nothing real but the caller's inputs: outputs and workspaces are meta tensors
+        assert all(a.is_meta or any(a is x for x in inputs) for a in args if isinstance(a, torch.Tensor))
+        warmups.append((fn, tuple(grid), _key(args), meta))
+
+    real, inputs = module.run_kernel, []
+    monkeypatch.setattr(module, "run_kernel", run_kernel)
+    monkeypatch.setattr(module, "compile_ahead", compile_ahead)
+    return calls, warmups, inputs
+
+
+@pytest.mark.parametrize("shape", [(3, 17), (1, 65536)], ids=["row", "split-row"])
+def test_a_stitch_warmup_compiles_the_launches_its_call_makes(monkeypatch, shape):
+    from torch_mirage.codegen import stitch_launch
+    from test_stitch_codegen import _rows, _vec, rmsnorm, stitched
+
+    calls, warmups, _ = _recorders(monkeypatch, stitch_launch)
+    x, g = _rows(shape, torch.float32), _vec(shape[-1], torch.float32)
+    region, _ = stitched(rmsnorm, x, g)
+    region.kernel.warmup()
+    assert calls and warmups == calls     # same kernels, grids, options and argument specialisation
+    if shape == (1, 65536):
+        assert len(calls) == 2            # the partial statistics, then the combining kernel
+
+
+def test_a_block_launcher_warmup_compiles_the_launches_its_call_makes(monkeypatch, tmp_path):
+    from torch_mirage.superopt import compile as compile_module, library
+    from torch_mirage.superopt.launch import LaunchConfig
+
+    calls, warmups, inputs = _recorders(monkeypatch, compile_module)
+    g = library.rmsnorm_linear(3, 256, 96, dtype="float32")
+    op = next(o for o in g.ops if o.name == "customized")
+    config = LaunchConfig(tuple(op.body.grid), op.body.forloop_range, split=2)
+    xs = [torch.randn(i.attrs["shape"]) for i in g.inputs]
+    inputs.extend(xs)
+    launcher = compile_module.BlockLauncher(op.body, config, [x.dim() for x in xs], str(tmp_path))
+    launcher(*xs)
+    launcher.warmup(*xs)
+    assert len(calls) == 2 and warmups == calls   # the split kernel and its combine kernel, as the call runs them

@@ -66,8 +66,9 @@ class StitchLauncher:
         metas = [v.meta for v in self.inputs]
         if not metas or any(m is None or not m.is_static for m in metas):
             return
+        device = next((m.device for m in metas if m.device.type == "cuda"), metas[0].device)   # not a CPU scalar's
         tensors = [torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta") for m in metas]
-        self._launch(tensors, functools.partial(compile_ahead, device=metas[0].device))
+        self._launch(tensors, functools.partial(compile_ahead, device=device))
 
     def _launch(self, tensors: Sequence[torch.Tensor], run: Callable[..., Any]) -> tuple:
         plan, mapping = self.plan, self.plan.mapping
