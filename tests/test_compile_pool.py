@@ -68,9 +68,9 @@ def test_candidates_compile_in_the_pool_before_the_first_build_and_build_in_orde
         t = tune(list("abcd"), _time_half, build=build, precompile=precompile, label="launch config")
     kinds = [e[0] for e in events]
     assert kinds == ["compile"] * 4 + ["build"] * 4           # every compile done before the first build
-    assert {e[1] for e in events[:4]} == set("abcd") and all(e[2].startswith("torch_mirage_compile") for e in events[:4])
-    assert [e[1] for e in events[4:]] == list("abcd") and all(e[2] == threading.current_thread().name
-                                                               for e in events[4:])
+    compiles, builds = events[:4], events[4:]
+    assert {e[1] for e in compiles} == set("abcd") and all(e[2].startswith("torch_mirage_compile") for e in compiles)
+    assert [e[1] for e in builds] == list("abcd") and all(e[2] == threading.current_thread().name for e in builds)
     assert t.winner == "b" and list(t.built) == list("abcd") and list(t.times) == list("abcd")
     assert "compiled 4 launch config candidates" in caplog.text and "4 threads; 0 failed" in caplog.text
 

@@ -25,8 +25,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from .cache import cache_key
 from .capture.ir import Graph
 from .codegen.stitch_launch import build_kernel
-from .compile_pool import run_all, workers
 from .codegen.stitch_plan import StitchPlan
+from .compile_pool import run_all, workers
 from .context import CompileContext, Target
 from .failures import describe_error, nodes_summary, note, stage
 from .partition.region import Decline, Outcome, Reason, Region, claims

@@ -62,17 +62,17 @@ def workers() -> int:
     return resolve_workers(load().compile_workers if setting is None else setting)
 
 
-def run_all(names: Sequence[str], job: Callable[[str], Any], workers: int) -> PoolRun | None:
-    """``job(name)`` for every name, on up to ``workers`` threads at once; returns once all have finished, with
-    what each that failed raised. None, and nothing run, where that would be one thread (``workers`` 1 or a
+def run_all(names: Sequence[str], job: Callable[[str], Any], threads: int) -> PoolRun | None:
+    """``job(name)`` for every name, on up to ``threads`` threads at once; returns once all have finished, with
+    what each that failed raised. None, and nothing run, where that would be one thread (``threads`` 1 or a
     single name): the caller's own loop then compiles as it goes."""
     names = list(names)
-    workers = min(workers, len(names))
-    if workers <= 1:
+    threads = min(threads, len(names))
+    if threads <= 1:
         return None
-    with ThreadPoolExecutor(workers, thread_name_prefix="torch_mirage_compile") as pool:
+    with ThreadPoolExecutor(threads, thread_name_prefix="torch_mirage_compile") as pool:
         futures = [(name, pool.submit(job, name)) for name in names]
-    run = PoolRun(workers)
+    run = PoolRun(threads)
     for name, future in futures:
         error = future.exception()
         if error is not None:

@@ -4,10 +4,10 @@ Every measured choice mirage makes goes through :func:`tune`: the launch configu
 (:func:`.superopt.launch.choose`), alternative μGraphs of one program (:func:`.build.fastest`), mirage's kernel
 for a region against Inductor's (:mod:`.runtime.measure`) and the whole graph against Inductor's compile on its
 first call (:class:`.runtime.choose.FasterOf`). A caller that can compile a candidate's kernels without running
-them passes ``precompile``: those compiles run first, all at once in a pool of threads
-(:mod:`.compile_pool`, ``MIRAGE_COMPILE_WORKERS`` of them), so that the loop
-after them only launches kernels already compiled. Candidates are then built in order (one that fails to build is
-dropped), checked (one that disagrees with the caller's reference is dropped), timed in the order A B … B A
+them passes ``precompile``: those compiles run first, all at once in a pool of threads (:mod:`.compile_pool`,
+``MIRAGE_COMPILE_WORKERS`` of them), so that the loop after them only launches kernels already compiled.
+Candidates are then built in order (one that fails to build is dropped), checked (one that disagrees with the
+caller's reference is dropped), timed in the order A B … B A
 (:func:`.timing.alternating_medians`: clock and temperature drift meet every candidate alike) and the fastest
 wins. The times are cached under the caller's key when every candidate that was built got a time, so a later
 compile of the same choice on the same device reads the winner back without building or timing anything.
@@ -24,7 +24,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
-
 
 from .compile_pool import run_all, workers
 from .timing import alternating_medians

@@ -1,11 +1,12 @@
 """Ahead-of-time compiles of generated kernels: a kernel compiled for a launch's arguments without running it.
 
-A launcher (:class:`~torch_mirage.superopt.compile.BlockLauncher`, :class:`.stitch_launch.StitchLauncher`) assembles
-its kernels' arguments once and hands them to :func:`run_kernel` for a call or to :func:`compile_ahead` for a warmup, so
-the two cannot differ. :func:`compile_ahead` calls Triton's ``JITFunction.warmup`` with the arguments and options of a launch: Triton
-specialises them as the launch will (pointer dtypes and 16-byte alignment, integers equal to 1 or divisible by 16,
-constexprs, ``num_warps`` / ``num_stages``), compiles, keeps the kernel in the function's cache and launches
-nothing; the launch after it finds the kernel compiled. A buffer the launch allocates itself is passed as a meta
+A launcher (:class:`~torch_mirage.superopt.compile.BlockLauncher`, :class:`.stitch_launch.StitchLauncher`)
+assembles its kernels' arguments in one place and hands them to :func:`run_kernel` for a call or to
+:func:`compile_ahead` for a warmup, so the two cannot differ. :func:`compile_ahead` calls Triton's
+``JITFunction.warmup`` with the arguments and options of a launch: Triton specialises them as the launch will
+(pointer dtypes and 16-byte alignment, integers equal to 1 or divisible by 16, constexprs, ``num_warps`` /
+``num_stages``), compiles, keeps the kernel in the function's cache and launches nothing; the launch after it finds
+the kernel compiled. A buffer the launch allocates itself is passed as a meta
 tensor (or a dtype): Triton takes its address as aligned, as a fresh allocation's is. Compiles of different kernels
 may run in threads at once (:mod:`torch_mirage.compile_pool`); under Triton's interpreter nothing is compiled and
 :func:`compile_ahead` does nothing.

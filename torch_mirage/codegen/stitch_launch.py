@@ -90,7 +90,8 @@ class StitchLauncher:
             env[id(v)] = out
             strides = list(meta.stride) if len(meta.shape) == len(space) else list(meta.stride) + [0]
             args.append(out)
-            args.extend(0 if s == 1 else st for s, st in zip(list(meta.shape) + [1] * (len(space) - len(meta.shape)), strides))
+            shape = list(meta.shape) + [1] * (len(space) - len(meta.shape))
+            args.extend(0 if s == 1 else st for s, st in zip(shape, strides))
         meta = dict(BLOCK_M=mapping.block_m, BLOCK_N=mapping.block_n, num_warps=mapping.num_warps)
         if self.partials_fn is not None:
             args.append(torch.empty(self.ws_elems, dtype=torch.float32, device=device))
