@@ -30,7 +30,8 @@ for arg in "$@"; do
       n=${step#gpushards:}; d=$(mktemp -d)
       python3 -m pytest tests -q -m gpu -p no:cacheprovider --collect-only 2>/dev/null | grep '::' > "$d/ids"
       for i in $(seq 0 $((n - 1))); do
-        ( timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider --durations=8 $(awk -v n="$n" -v i="$i" 'NR % n == i' "$d/ids") \
+        awk -v n="$n" -v i="$i" 'NR % n == i' "$d/ids" > "$d/ids$i"   # ids may hold spaces: one per line
+        ( mapfile -t ids < "$d/ids$i"; timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider --durations=8 "${ids[@]}" \
             > "$d/shard$i.log" 2>&1; echo "shard $i rc=$?" >> "$d/shard$i.log" ) &
       done
       wait; cat "$d"/shard*.log; ! grep -q 'rc=[^0]' "$d"/shard*.log ;;

@@ -170,6 +170,19 @@ def test_prefill_candidates():
     assert any(c.split > 1 for c in candidates(decode, 132))
 
 
+def test_underfilled_prefill_also_times_retilings():
+    """Two heads of 256 query rows against 4096 keys make at most 8 programs at the prefill schedules: the
+    roofline re-tilings (smaller row blocks, key splits) are timed besides them, the prefill schedules first."""
+    bg = _body(flash_attention(1, 2, 256, 4096, 64, scale=0.125, dtype="float16"))
+    assert prefill_attention(bg) is not None
+    cands = candidates(bg, 132)
+    assert cands[0] == default_config(bg)
+    prefill = [c for c in cands if c.split == 1 and math.prod(c.grid) <= 8]
+    assert len(prefill) >= 4 and cands[:len(prefill)] == prefill
+    assert any(c.split > 1 or math.prod(c.grid) > 8 for c in cands)
+    assert len(set(cands)) == len(cands)
+
+
 def test_decode_split_count_fills_the_sms():
     """Llama-3-8B decode over a 4k cache (8 KV heads): b=1 splits KV 32 ways and b=8 4 ways (256 programs, about
     two per SM of 132); a batch that fills the SMs by itself is not split; every split walks at least 128 keys."""

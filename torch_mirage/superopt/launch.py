@@ -57,6 +57,7 @@ PROLOGUE_PIPELINES = ((4, 3), (8, 5))
 # 2-4 stages — plus 64-row tiles for short sequences (more programs); they replace the roofline-ranked re-tilings
 # (128 x 128 at 3 stages holds 192 KiB of K / V stages next to Q's 32 KiB: at H100's shared-memory limit, left out)
 PREFILL_SCHEDULES = ((128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3))
+FILLED_SM_FRACTION = 2         # attention's own schedules are timed alone where one fills 1 / this many of the SMs
 PREFILL_MIN_ROWS = 128         # query rows (per grid slice) from which a block graph counts as prefill attention
 # split-KV decode attention (a few query rows — the query heads of one KV head — against one split of the cache; the
 # seed fixed the split count): (keys per tile, num_warps, num_stages). A memory-bound stream of K / V tiles; 128 keys x
@@ -350,7 +351,8 @@ def _scored(bg: BlockGraph, n_sm: int) -> list[tuple]:
 
 def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
     """Prefill attention: its own schedule plus :func:`prefill_candidates`; split-KV decode attention: its own
-    schedule plus :func:`decode_candidates`. Otherwise the μGraph's own schedule
+    schedule plus :func:`decode_candidates` — alone where one of them fills ``1 / FILLED_SM_FRACTION`` of the
+    SMs, else followed by the re-tilings below. Otherwise the μGraph's own schedule
     plus the ``limit`` best re-tilings by :func:`estimate_us` and the best with at least ``PROBE_WAVES`` programs
     per SM, each with the (num_warps, num_stages) pairs of ``WARPS_STAGES`` and, where each program walks at least
     ``DEEP_LOOP`` for-loop steps, ``DEEP_PIPELINE``. (Pairs whose stages do not fit shared memory fail to compile
@@ -358,7 +360,14 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
     fixed = prefill_candidates(bg) or decode_candidates(bg)
     if fixed:
         base = default_config(bg)
-        return [base] + [c for c in fixed if c != base]
+        fixed = [base] + [c for c in fixed if c != base]
+        if max(math.prod(c.grid) * c.split for c in fixed) * FILLED_SM_FRACTION >= n_sm:
+            return fixed
+        # too few programs to fill the SMs (a few heads of a short prefill against a long cache): the roofline
+        # re-tilings and key splits below are timed too (H100 11-25, qknorm attention 2 heads x 256 x 4096 fp16:
+        # 56.9 µs at the best prefill schedule's 8 programs, against 11.1 before prefill schedules replaced them)
+    else:
+        fixed = []
     scored = _scored(bg, n_sm)
     picks = [(tuple(bg.grid), bg.forloop_range, 1)]
     for _, grid, f, s in scored:
@@ -375,7 +384,7 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
     configs = [LaunchConfig(g, f, s, w, st) for g, f, s in picks
                for w, st in (*WARPS_STAGES, *([DEEP_PIPELINE] if f // s >= DEEP_LOOP else []))]
     configs += _stream_configs(bg, scored, n_sm)
-    return configs
+    return fixed + [c for c in configs if c not in fixed]
 
 
 def _stream_configs(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> list[LaunchConfig]:
@@ -457,7 +466,10 @@ def _disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Sequence[torch.Tensor], *,
            cache: Any = None, limit: int = 4, propose: Callable[..., list[LaunchConfig]] = candidates) -> LaunchConfig:
-    """The launch config to use for ``bg`` on ``inputs``; ``build(config)`` returns ``run(*inputs) -> outputs``;
+    """The launch config to use for ``bg`` on ``inputs``; ``build(config)`` returns ``run(*inputs) -> outputs``
+    (with ``run.warmup(*inputs)``, as a :class:`~.compile.BlockLauncher` has, the candidates compile at once in the
+    compile pool before the first runs: :func:`~torch_mirage.tune.tune`'s ``precompile``; ``build`` must then be
+    safe to call from several threads);
     ``propose(bg, n_sm, limit)`` lists the configs timed (:func:`candidates`, :func:`streaming_candidates`).
     Every candidate's outputs must agree with the first one's (the μGraph's own schedule) to the re-tiling
     tolerance of the lowest precision involved; the fastest that agrees wins (:func:`~torch_mirage.tune.tune`)."""
@@ -473,11 +485,18 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     configs = {json.dumps(c.to_json(), sort_keys=True): c for c in propose(bg, props.multi_processor_count, limit)}
     want: list = []
     sets: list = []
+    launchers: dict[str, Callable] = {}   # the launchers the compile pool built, by candidate
+
+    def precompile(name: str) -> None:   # in a pool thread: codegen and Triton's compile, nothing launched
+        run = launchers[name] = build(configs[name])
+        warmup = getattr(run, "warmup", None)
+        if warmup is not None:
+            warmup(*inputs)
 
     def make(name: str) -> tuple:   # the timing sets only when the cache has no answer
         if not sets:
             sets.extend(rotated_input_sets(inputs, props.L2_cache_size, max_sets=16))
-        run = build(configs[name])
+        run = launchers.pop(name) if name in launchers else build(configs[name])
         return run, run(*inputs)
 
     def agrees(name: str, made: tuple) -> str | None:
@@ -493,7 +512,8 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
         return None
 
     tuned = tune(list(configs), lambda name, made: _time_samples(made[0], inputs, sets), build=make, check=agrees,
-                 cache=cache, key=key, label="launch config", progress="torch_mirage: tuning a μGraph kernel")
+                 cache=cache, key=key, label="launch config", progress="torch_mirage: tuning a μGraph kernel",
+                 precompile=precompile)
     return configs[tuned.winner] if tuned.winner is not None else base
 
 
