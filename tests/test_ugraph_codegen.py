@@ -337,3 +337,30 @@ def test_a_config_with_nan_where_the_reference_has_numbers_disagrees():
     both = want.clone()
     both[2] = float("nan")
     assert launch._disagreement(both, both.clone()) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_warmup_in_a_thread_compiles_the_launch_so_that_the_call_compiles_nothing(tmp_path):
+    """BlockLauncher.warmup (the compile pool's job) compiles the kernel and the split's combine kernel for the
+    call's arguments: the call after it finds both compiled (Triton's cache key matched) and is right."""
+    import threading
+
+    g = library.rmsnorm_linear(2, 512, 768, dtype="float16")
+    op = next(o for o in g.ops if o.name == "customized")
+    split = next(c for c in launch.candidates(op.body, torch.cuda.get_device_properties(0).multi_processor_count)
+                 if c.split > 1)
+    xs = _inputs("rmsnorm_linear", (2, 512, 768), torch.float16, seed=3)
+    launcher = BlockLauncher(op.body, split, [x.dim() for x in xs], str(tmp_path))
+    fns = [launcher.fn, launcher.combine_fn]
+    if not all(hasattr(fn, "device_caches") for fn in fns):
+        pytest.skip("this Triton keeps its kernels elsewhere")
+    compiled = lambda: [len(fn.device_caches[torch.cuda.current_device()][0]) for fn in fns]   # noqa: E731
+    before = compiled()
+    worker = threading.Thread(target=launcher.warmup, args=xs)
+    worker.start()
+    worker.join()
+    assert compiled() == [n + 1 for n in before]
+    (got,) = launcher(*xs)
+    assert compiled() == [n + 1 for n in before]          # nothing compiled again
+    _check("rmsnorm_linear", got, xs, torch.float16)

@@ -3,7 +3,8 @@
 Claimers return plans, never kernels (:mod:`.partition.region`). This stage turns each mirage region's plan into
 a callable from the region's input tensors to its output tensors, dispatching on the plan's type
 (:func:`kernel_of`): a :class:`~.codegen.stitch_plan.StitchPlan` is emitted, written and loaded as one stitched
-Triton kernel (:func:`~.codegen.stitch_launch.build_kernel`); a :class:`~.superopt.ugraph_plan.UGraphPlan` has each
+Triton kernel (:func:`~.codegen.stitch_launch.build_kernel`; on a GPU all of them compiled at once in the compile
+pool, :mod:`.compile_pool`, at the end of the stage); a :class:`~.superopt.ugraph_plan.UGraphPlan` has each
 of its μGraphs compiled (:func:`~.superopt.compile.compile_ugraph`, whose launch configurations are tuned on a GPU)
 and, where it has several, the fastest chosen on a GPU — both choices through :func:`~.tune.tune`, the one loop of
 candidates, check, timing and winner cache. A plan that fails to build leaves its region to the fallback (reason
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -24,7 +26,8 @@ from .cache import cache_key
 from .capture.ir import Graph
 from .codegen.stitch_launch import build_kernel
 from .codegen.stitch_plan import StitchPlan
-from .context import CompileContext
+from .compile_pool import run_all, workers
+from .context import CompileContext, Target
 from .failures import describe_error, nodes_summary, note, stage
 from .partition.region import Decline, Outcome, Reason, Region, claims
 from .superopt.compile import compile_ugraph
@@ -42,19 +45,31 @@ class Built:
     kernel: Callable[..., tuple]                           # (*region inputs) -> tuple(region outputs)
     detail: str | None = None                              # the region's detail (None: the claim's stands)
     info: dict[str, Any] = field(default_factory=dict)     # facts added to the region's info
+    warmup: Callable[[], None] | None = None               # compiles the kernel without running it (any thread)
 
 
 def build_regions(regions: Sequence[Region], graph: Graph, ctx: CompileContext) -> None:
     """The build stage: every mirage region without a kernel gets the one its plan builds, or goes to the
-    fallback with the error (:func:`build_region`)."""
+    fallback with the error (:func:`build_region`). The kernels that are not compiled by then (the stitch kernels:
+    nothing tunes them) compile at once in the compile pool, before the check stage first runs them."""
+    warmups: dict[str, Callable[[], None]] = {}
     for region in regions:
         if region.compiled_by == "mirage" and region.kernel is None:
-            build_region(region, graph, ctx)
+            warmup = build_region(region, graph, ctx)
+            if warmup is not None:
+                warmups[f"{region.claimer} kernel for {nodes_summary(region.nodes)} ({len(warmups)})"] = warmup
+    if ctx.target is Target.CUDA and warmups:
+        start = time.perf_counter()
+        compiled = run_all(list(warmups), lambda name: warmups[name](), workers())
+        if compiled is not None:   # a kernel that failed to compile fails again in the check stage, which says why
+            log.info("torch_mirage: compiled %d region kernels ahead in %.2f s (%d threads; %d failed)", len(warmups),
+                     time.perf_counter() - start, compiled.workers, len(compiled.errors))
 
 
-def build_region(region: Region, graph: Graph, ctx: CompileContext) -> None:
+def build_region(region: Region, graph: Graph, ctx: CompileContext) -> Callable[[], None] | None:
     """``region``'s kernel from its plan; a plan that fails to build leaves the region to the fallback, with the
-    error as its detail and a :class:`Decline` of the claimer (raised under ``strict``)."""
+    error as its detail and a :class:`Decline` of the claimer (raised under ``strict``). Returns what compiles the
+    kernel ahead where the build left that to its first run (:attr:`Built.warmup`), else None."""
     try:
         # the compile runs under AOT's fake mode; compiling and timing a kernel needs real tensors
         with unset_fake_temporarily(), stage("build"):
@@ -69,11 +84,12 @@ def build_region(region: Region, graph: Graph, ctx: CompileContext) -> None:
         region.declines.append(Decline(region.nodes, Reason.COMPILE_ERROR, detail, region.claimer))
         region.compiled_by, region.reason, region.detail, region.kernel = \
             ctx.config.fallback, Reason.COMPILE_ERROR, detail, None
-        return
+        return None
     region.kernel = built.kernel
     if built.detail is not None:
         region.detail = built.detail
     region.info.update(built.info)
+    return built.warmup
 
 
 def built_regions(outcomes: Sequence[Outcome], graph: Graph, ctx: CompileContext, claimer: str = "") -> list[Region]:
@@ -96,7 +112,7 @@ def kernel_of(plan: Any, region: Region, graph: Graph, ctx: CompileContext) -> B
 def _stitch(plan: StitchPlan, region: Region, graph: Graph, ctx: CompileContext) -> Built:
     """One stitched Triton kernel: emitted, written into the cache and loaded."""
     kernel, path = build_kernel(plan, region.inputs, ctx.config.cache_dir)
-    return Built(kernel, info={"kernel_source": path})
+    return Built(kernel, info={"kernel_source": path}, warmup=kernel.warmup)
 
 
 @kernel_of.register

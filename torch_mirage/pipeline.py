@@ -29,6 +29,7 @@ from .capture.lower import lower
 from .analysis.cost import CostModel, matmul_rows, skinny_matmul
 from .analysis.graph import analyse
 from .build import build_regions
+from .compile_pool import compile_workers
 from .capture.ops import OpKind
 from .config import Config
 from .context import CompileContext
@@ -205,7 +206,7 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
     with ctx.stage("partition"):
         claimers = default_claimers(config) if claimers is None else claimers
         regions = claim_regions(graph, claimers, ctx)
-    with ctx.stage("build"), tune_budget(config.tune_budget_s):
+    with ctx.stage("build"), tune_budget(config.tune_budget_s), compile_workers(config.compile_workers):
         build_regions(regions, graph, ctx)
     if config.check_regions:
         with ctx.stage("check"):

@@ -3,8 +3,11 @@
 Every measured choice mirage makes goes through :func:`tune`: the launch configuration of a μGraph kernel
 (:func:`.superopt.launch.choose`), alternative μGraphs of one program (:func:`.build.fastest`), mirage's kernel
 for a region against Inductor's (:mod:`.runtime.measure`) and the whole graph against Inductor's compile on its
-first call (:class:`.runtime.choose.FasterOf`). Candidates are built in order (one that fails to build is
-dropped), checked (one that disagrees with the caller's reference is dropped), timed in the order A B … B A
+first call (:class:`.runtime.choose.FasterOf`). A caller that can compile a candidate's kernels without running
+them passes ``precompile``: those compiles run first, all at once in a pool of threads (:mod:`.compile_pool`,
+``MIRAGE_COMPILE_WORKERS`` of them), so that the loop after them only launches kernels already compiled.
+Candidates are then built in order (one that fails to build is dropped), checked (one that disagrees with the
+caller's reference is dropped), timed in the order A B … B A
 (:func:`.timing.alternating_medians`: clock and temperature drift meet every candidate alike) and the fastest
 wins. The times are cached under the caller's key when every candidate that was built got a time, so a later
 compile of the same choice on the same device reads the winner back without building or timing anything.
@@ -22,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from .compile_pool import run_all, workers
 from .timing import alternating_medians
 
 log = logging.getLogger("torch_mirage")
@@ -80,7 +84,8 @@ def _progress(names: Sequence[str], desc: str | None):
 
 def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
          build: Callable[[str], Any] | None = None, check: Callable[[str, Any], str | None] | None = None,
-         cache: Any = None, key: str | None = None, label: str = "candidate", progress: str | None = None) -> Tuned:
+         cache: Any = None, key: str | None = None, label: str = "candidate", progress: str | None = None,
+         precompile: Callable[[str], Any] | None = None) -> Tuned:
     """Choose the fastest of ``names``.
 
     ``build(name)``: makes the candidate (its result is passed to ``check`` and ``time_half``); raising drops it.
@@ -88,6 +93,9 @@ def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
     ``time_half(name, built)``: per-call µs samples of one half of the A B … B A schedule; raising drops it.
     ``cache`` / ``key``: a :class:`~.cache.DiskCache` and the key of this choice (the caller's versioned key):
     cached times whose winner is still among ``names`` are returned as they are.
+    ``precompile(name)``: compiles the candidate's kernels without running anything on the device; called from
+    worker threads, for every candidate at once, before the first build. What it raises is ignored: the build
+    meets the same error and drops the candidate with it, as without a pool.
     """
     names = list(names)
     if cache is not None and key is not None:
@@ -102,6 +110,11 @@ def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
         out.winner = next((n for n in names if _build_checked(n, build, check, out, label)), None)
         out.dropped.update({n: BUDGET_SPENT for n in names if n not in out.built and n not in out.dropped})
         return out
+    if precompile is not None:
+        compiled = run_all(names, precompile, workers())
+        if compiled is not None:
+            log.info("torch_mirage: compiled %d %s candidates in %.2f s (%d threads; %d failed, their builds say why)",
+                     len(names), label, time.perf_counter() - start, compiled.workers, len(compiled.errors))
     for name in _progress(names, progress):
         if out.built and _budget_spent(label):   # the budget ran out while building: time what is built
             out.budget_spent = True

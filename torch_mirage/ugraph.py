@@ -118,6 +118,28 @@ def _concat(ins, at, ctx):
     return (tuple(out),)
 
 
+def _slice(ins, at, ctx):
+    s = list(ins[0])
+    d = _dim(s, at["dim"], "slice")
+    chunks, start, stop = at["chunks"], at["start"], at["stop"]
+    if chunks < 1 or s[d] % chunks or not 0 <= start < stop <= chunks:
+        raise _err(f"slice: chunks [{start}, {stop}) of {chunks} along dim {d} of {tuple(s)}")
+    s[d] = s[d] // chunks * (stop - start)
+    return (tuple(s),)
+
+
+def _slice_chunks(x, dim, chunks, start, stop):
+    size = x.shape[dim] // chunks
+    return x.narrow(dim, start * size, (stop - start) * size)
+
+
+def _rotate_half(ins, at, ctx):
+    s, g = tuple(ins[0]), at["group"]
+    if not s or g < 2 or g % 2 or s[-1] % g or len(at["signs"]) != 2 or any(x not in (1, -1) for x in at["signs"]):
+        raise _err(f"rotate_half: last dim of {s} in groups of {g} (even), signs {at['signs']} (two of ±1)")
+    return (s,)
+
+
 def _transpose(ins, at, ctx):
     s = ins[0]
     if len(s) < 2:
@@ -305,6 +327,9 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     OpSpec("matmul", "matmul", 2, KB, _matmul, "matmul"),
     OpSpec("concat", "layout", None, KB, _concat, "concat", ("dim",)),
     OpSpec("transpose", "layout", 1, KB, _transpose, layout=lambda x: x.transpose(-1, -2)),
+    OpSpec("slice", "layout", 1, frozenset({K}), _slice, attrs=("dim", "chunks", "start", "stop"),
+           layout=_slice_chunks),
+    OpSpec("rotate_half", "layout", 1, KB, _rotate_half, "rotate_half", ("group", "signs")),
     OpSpec("reshape", "layout", 1, frozenset({K}), _reshape, attrs=("shape",),
            layout=lambda x, shape: x.reshape(shape)),
     OpSpec("customized", "graph", None, frozenset({K}), _customized, dtype=_dt_saved),

@@ -429,11 +429,31 @@ class _Emitter:
                 expr = f"tl.permute({x.name}, {perm})"
             nat = x.pshape[:-2] + (x.pshape[-1], x.pshape[-2])
             return [self.assign("v", expr, out, x.dtype, natural=nat)]
+        if name == "rotate_half":
+            return [self.rotate_half(xs[0], out, a["group"], a["signs"])]
         if name == "concat":
             dim = a["dim"] - (len(op.shapes[0]) - len(out))
             return [Val(f"<concat of {len(xs)}>", out, "float32", tuple(xs), dim)]
         raise CodegenError(f"μGraph codegen: block op {name!r} (output {op.shapes[0]}) is not supported; "
                            "rewrite it with supported block ops or run the μGraph with the reference executor")
+
+    def rotate_half(self, x: Val, out, group: int, signs) -> Val:
+        """RoPE's rotation inside each ``group`` of the tile's last dim in registers: the tile viewed as
+        (…, groups, 2, group / 2), its halves split apart (``tl.split`` of the pair axis moved last) and joined
+        back swapped, each times its sign."""
+        last = x.shape[-1] if x.shape else 1
+        if x.trans or padded(last) != last or last % group:
+            raise CodegenError(f"μGraph codegen: rotate_half of a tile {x.shape} (held transposed: {x.trans}) in "
+                               f"groups of {group}: the tile's last dim must be whole groups, a power of two")
+        lead = x.pshape[:-1]
+        rank = len(lead) + 3
+        swap = tuple(range(rank - 2)) + (rank - 1, rank - 2)
+        first, second = self.fresh("x"), self.fresh("x")
+        self.line(f"{first}, {second} = tl.split(tl.permute(tl.reshape({self.f32(x)}, "
+                  f"{lead + (last // group, 2, group // 2)}), {swap}))")
+        a, b = (f"-{v}" if sg < 0 else v for v, sg in zip((second, first), signs))
+        return self.assign("v", f"tl.reshape(tl.permute(tl.join({a}, {b}), {swap}), {x.pshape})", out,
+                           natural=x.pshape)
 
     def emit_thread(self, op: Op, xs: list[Val]) -> list[Val]:
         tg = op.body

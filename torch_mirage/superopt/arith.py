@@ -18,7 +18,8 @@ instance). The op table in ``ugraph.py`` names, for each op, the method here
 that evaluates it.
 
 Primitives: ``matmul, add, sub, mul, div, exp, sqrt, rsqrt, silu, neg, square,
-sum, max, zeros, full, concat``.
+sum, max, zeros, full, concat``. ``rotate_half`` (RoPE's pairing of the two halves of a head) is a composite of
+``neg`` and ``concat``.
 """
 from __future__ import annotations
 
@@ -130,6 +131,14 @@ class Arith(abc.ABC):
         """``sqrt(total / count + eps)``: the root of a mean of squares."""
         ms = self.div(total, self.const(count, total))
         return self.sqrt(self.scalar_add(ms, eps) if eps else ms)
+
+    def rotate_half(self, x: Tensor, group: int, signs: tuple = (-1, 1)) -> Tensor:
+        """RoPE's rotation within each group of ``group`` columns of the last dim: the group's halves (x1, x2)
+        become ``(signs[0]·x2, signs[1]·x1)`` (HF's ``rotate_half``: signs (-1, 1))."""
+        halves = x.reshape(*x.shape[:-1], x.shape[-1] // group, 2, group // 2)
+        x1, x2 = halves[..., 0:1, :], halves[..., 1:2, :]
+        parts = [self.neg(p) if s < 0 else p for p, s in zip((x2, x1), signs)]
+        return self.concat(parts, -2).reshape(x.shape)
 
     def rms_norm(self, x: Tensor, eps: float = 0.0) -> Tensor:
         """``x / sqrt(mean(x², last dim) + eps)`` (no weight; multiply it after)."""

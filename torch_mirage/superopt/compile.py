@@ -13,6 +13,7 @@ share memory.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ..codegen.aot import compile_ahead, run_kernel
 from ..codegen.loader import load_source
 from ..codegen.ugraph_triton import BlockKernel, CodegenError, emit_block_kernel, module_source, order_by_depth
 from ..config import load
@@ -77,6 +79,19 @@ class BlockLauncher:
                 for t, (s, d) in zip(outs or [None] * len(self.out_specs), self.out_specs)]
         ws = [t if t is not None else torch.empty(s, dtype=d, device=dev)
               for t, (s, d) in zip(workspaces or [None] * len(self.ws_specs), self.ws_specs)]
+        self._launch(inputs, outs, ws, run_kernel)
+        return outs
+
+    def warmup(self, *inputs: torch.Tensor) -> None:
+        """Compile this launch's kernel(s) for ``inputs`` without running them (:func:`.codegen.aot.compile_ahead`;
+        any thread): the outputs and workspaces as meta tensors, aligned as the fresh or arena buffers of a call."""
+        outs = [torch.empty(s, dtype=d, device="meta") for s, d in self.out_specs]
+        ws = [torch.empty(s, dtype=d, device="meta") for s, d in self.ws_specs]
+        self._launch(inputs, outs, ws, functools.partial(compile_ahead, device=inputs[0].device))
+
+    def _launch(self, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor],
+                run: Callable[..., Any]) -> None:
+        """``run(fn, *args, grid=, **meta)`` for the kernel (and the combine kernel after a split)."""
         args: list[Any] = []
         for t in inputs:
             args += [t, *t.stride()]
@@ -86,11 +101,10 @@ class BlockLauncher:
         extra = {"NUM_STAGES": self.config.num_stages} if self.kernel.pipelined else {}
         opts = {"num_warps": self.config.num_warps, "num_stages": self.config.num_stages}
         if self.combine_fn is None:
-            self.fn[self.launch_grid](*args, *out_args, **extra, **opts)
+            run(self.fn, *args, *out_args, grid=self.launch_grid, **extra, **opts)
         else:
-            self.fn[self.launch_grid](*args, *ws, **extra, **opts)
-            self.combine_fn[self.combine_grid](*out_args, *ws, num_warps=self.config.num_warps)
-        return outs
+            run(self.fn, *args, *ws, grid=self.launch_grid, **extra, **opts)
+            run(self.combine_fn, *out_args, *ws, grid=self.combine_grid, num_warps=self.config.num_warps)
 
 
 def _grid3(grid: Sequence[int]) -> tuple:

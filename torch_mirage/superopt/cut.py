@@ -28,11 +28,12 @@ MAX_NODES = 32
 
 
 def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW, forward: bool = True,
-         counts=None) -> list:
+         counts=None, every_result: bool = False) -> list:
     """The region around ``anchor`` (a node, or a list of nodes grown together: the sibling matmuls of one
     activation), taking producers of the op ``kinds`` (see the module docstring). ``forward`` False: producers
-    only (no readers of the region's result). ``counts(node)``: whether a node counts towards ``max_nodes``
-    (default: every node does; :func:`computes` leaves out casts and layout ops)."""
+    only (no readers of the region's result); ``every_result``: the readers of each of several results (a QKV
+    projection's RoPE on q and k). ``counts(node)``: whether a node counts towards ``max_nodes`` (default: every
+    node does; :func:`computes` leaves out casts and layout ops)."""
     anchors = list(anchor) if isinstance(anchor, (list, tuple)) else [anchor]
     inside = {id(a): a for a in anchors}
     returned = {id(v) for v in graph.output_values}
@@ -52,7 +53,7 @@ def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW, f
                     changed = True
         outs = [v for n in inside.values() for v in n.outputs
                 if id(v) in returned or any(id(u) not in inside for u in v.users)]
-        ahead = outs if len(outs) == 1 and forward else []
+        ahead = outs if (len(outs) == 1 or every_result) and forward else []
         if kinds is CHAIN:      # a row statistic (mean, variance) goes on to where it is applied to the rows
             ahead = ahead + [v for v in outs if _numel(v) < rows and v not in ahead]
         for v in ahead:

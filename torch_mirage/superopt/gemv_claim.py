@@ -9,7 +9,9 @@ cuts the larger has the lower roofline estimate):
 
 1. the free memory-bound matmuls reading the same activation (:func:`siblings`: a QKV projection's three, a gated
    MLP's two) with the producers read only inside — the RMSNorm of the rows joins them (each matmul width gets a
-   block graph of its own in the seed, each recomputing the norm's row scale);
+   block graph of its own in the seed, each recomputing the norm's row scale), first with the elementwise and
+   layout readers of every result (RoPE on a QKV projection's q and k, up to the attention and the cache write;
+   then without the views of a result for readers outside, :func:`layout_tails_dropped`), then without readers;
 2. the matmul with producers of every kind (the norm, a gated MLP's sibling, the weight's transpose) and the
    elementwise readers of a single result (a residual add, SiLU·mul); then without the readers;
 3. the same with layout producers only, then with none (the activation arrives through a permute the reference
@@ -39,11 +41,11 @@ from ..capture.ops import OpKind
 from ..context import CompileContext
 from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
 from .compile import DTYPES as TORCH_DTYPES
-from .gemv_seed import NotStreamable, gemv_seed
+from .gemv_seed import NotStreamable, gemv_seed, rotation_groups
 from .launch import streaming_candidates
-from .cut import GROW, MAX_NODES, grow, lowered_reference, reference_kernel
+from .cut import GROW, MAX_NODES, computes, grow, lowered_reference, reference_kernel
 from .search.reference import Reference
-from .search.shrink import SMALL_TILE, shrink
+from .search.shrink import SMALL_TILE, block_steps, head_size_map, shrink
 from .ugraph_plan import Alternative, UGraphPlan, random_inputs
 from .validate import problems
 from .verify import verify
@@ -51,6 +53,10 @@ from .verify import verify
 log = logging.getLogger("torch_mirage")
 
 LAYOUT = frozenset({OpKind.LAYOUT})
+# A seed whose sizes do not shrink is verified at its own: the executor steps every block and for-loop step in
+# Python (a QKV projection of 4096 with its output regrouped for GQA attention: 3072 steps, tens of seconds); above
+# this many steps the cut is declined and the next, smaller one tried (the regrouping views left out).
+MAX_VERIFY_STEPS = 1024
 NONE: frozenset = frozenset()
 
 
@@ -78,13 +84,29 @@ def cuts(graph: Graph, anchor: Node, free: Sequence[Node], free_ids: set, model:
     the sibling cut of a gated MLP holds no SiLU·mul and comes after the cut that does."""
     order = {id(n): i for i, n in enumerate(graph.nodes)}
     out: list[list[Node]] = []
-    tries = [(siblings(anchor, free, free_ids, model), GROW, True)] + \
-        [(anchor, kinds, forward) for kinds in (GROW, LAYOUT, NONE) for forward in (True, False)]
-    for start, kinds, forward in tries:
-        nodes = sorted(grow(graph, start, free_ids, MAX_NODES, kinds, forward), key=lambda n: order[id(n)])
-        if all({id(n) for n in nodes} != {id(n) for n in c} for c in out):
-            out.append(nodes)
+    family = siblings(anchor, free, free_ids, model)
+    tries = [(family, GROW, True, True)] * (len(family) > 1) + [(family, GROW, True, False)] + \
+        [(anchor, kinds, forward, False) for kinds in (GROW, LAYOUT, NONE) for forward in (True, False)]
+    for start, kinds, forward, every in tries:
+        grown = grow(graph, start, free_ids, MAX_NODES, kinds, forward, computes if every else None, every)
+        for nodes in [grown, layout_tails_dropped(grown)] if every else [grown]:
+            nodes = sorted(nodes, key=lambda n: order[id(n)])
+            if all({id(n) for n in nodes} != {id(n) for n in c} for c in out):
+                out.append(nodes)
     return sorted(out, key=len, reverse=True)
+
+
+def layout_tails_dropped(nodes: list[Node]) -> list[Node]:
+    """``nodes`` without the layout ops that only reshape a result for readers outside (q's regrouping for the
+    attention): the kernel writes the value before them, and the views run as views."""
+    nodes = list(nodes)
+    while True:
+        inside = {id(n) for n in nodes}
+        tails = [n for n in nodes if n.kind is OpKind.LAYOUT and n.inputs and n.inputs[0].producer is not None
+                 and id(n.inputs[0].producer) in inside and not any(id(u) in inside for v in n.outputs for u in v.users)]
+        if not tails:
+            return nodes
+        nodes = [n for n in nodes if all(n is not t for t in tails)]
 
 
 class GemvClaimer:
@@ -140,6 +162,9 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
         return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is not valid: {'; '.join(invalid)}")
     metas = [v.meta for v in ref.inputs]
     program, candidate = verified_instance(ref.graph, seed)
+    if program is ref.graph and (steps := block_steps(candidate)) > MAX_VERIFY_STEPS:
+        return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is too large to verify at its own sizes "
+                       f"({steps} block steps; its sizes do not shrink): a smaller cut is tried")
     examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=TORCH_DTYPES[op.attrs["dtype"]]) for op in program.inputs]
     with unset_fake_temporarily():      # the verifier runs real tensors
         verdict = verify(candidate, program, examples, error_bound=ctx.config.verify_error_bound,
@@ -162,11 +187,15 @@ def verified_instance(ref: KernelGraph, seed: KernelGraph, gains_on_weights: boo
                       ) -> tuple[KernelGraph, KernelGraph]:
     """(reference, seed) the verifier checks: ``ref`` and its seed where ``ref`` is small; else both at the search's
     shrunk sizes (:func:`.search.shrink.shrink`: the executor steps every block and for-loop step in Python, a
-    minute for a 4096 x 14336 weight), the seed drawn in the same form (``gains_on_weights``, see
+    minute for a 4096 x 14336 weight; a region with RoPE's rotation in heads of d, whose sizes do not shrink one by
+    one, to two heads of d, :func:`.search.shrink.head_size_map`), the seed drawn in the same form (``gains_on_weights``, see
     :func:`.gemv_seed.gemv_seed`) with the shrunk problem's tile so that the grid and the for-loop split there as at
     the real sizes: the same construction, other counts."""
     outs = [ref.ops[r[0]].shapes[r[1]] for r in ref.outputs]
-    small = shrink(ref, [(tuple(op.attrs["shape"]), op.attrs["dtype"]) for op in ref.inputs], outs)
+    ins = [(tuple(op.attrs["shape"]), op.attrs["dtype"]) for op in ref.inputs]
+    small = shrink(ref, ins, outs)
+    if small is None and len(heads := rotation_groups(ref)) == 1:    # heads of (b, h, 1, d) views: shrink h
+        small = shrink(ref, ins, outs, functools.partial(head_size_map, head=heads.pop()))
     if small is None:
         return ref, seed
     return small.target, gemv_seed(small.target, tile=SMALL_TILE, gains_on_weights=gains_on_weights)

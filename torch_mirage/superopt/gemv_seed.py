@@ -9,7 +9,12 @@ behind a ``transpose``, and
   expressions. An RMSNorm ``x · rsqrt(mean(x²) + eps) · g`` is the tile factors ``x``, ``g`` and the row scale
   ``rsqrt(mean(x²) + eps)``;
 * the ops after the matmuls are elementwise over their results (m, n), row tensors (m, n) and column vectors (n,):
-  a residual add, a bias, SiLU·mul of a gated MLP; each output is computed from matmuls of one width n.
+  a residual add, a bias, SiLU·mul of a gated MLP; each output is computed from matmuls of one width n;
+* or RoPE's rotation of a result viewed as heads (b, h, 1, d): a ``concat`` of the two halves of each head of one
+  value swapped, one or both negated (:func:`rotation`, read off the cat / neg / slice structure: HF's
+  ``rotate_half``, or slices stacked and flattened), with tensors the same for every head (cos, sin: (m, d) or
+  (d,)). Such a width's block graph holds one head per block, so the rotation is a permutation inside the tile
+  (the ``rotate_half`` block op).
 
 The seed (Mirage's RMSNorm + Linear, generalised) has one block graph per matmul width (a QKV projection: two or
 three, each recomputing the row scales): grid over n, for-loop over k. In the loop the tile factors' product meets
@@ -31,6 +36,7 @@ verifies it against the reference (a large one shrunk, :func:`.search.shrink.shr
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Callable
 
 from ..ugraph import KernelGraph, Ref
@@ -114,6 +120,43 @@ def _factors(rd: _Reader, r: Ref, inverse: bool = False) -> list[tuple[Ref, bool
     return [(r, inverse)]
 
 
+def rotation(rd: _Reader, r: Ref) -> tuple[Ref, int, tuple] | None:
+    """RoPE's pairing read off a ``concat``: ``(source, group, signs)`` where ``r`` joins the two halves of each
+    ``group`` columns of ``source`` swapped, each possibly negated (``cat((-x2, x1), -1)`` of ``x1, x2 =
+    x.chunk(2, -1)``: signs (-1, 1)); the concat along the last dim, or along the one before of parts of extent 1
+    there (``torch.stack((-x2, x1), -2)`` before a flatten). None where ``r`` is not of that form."""
+    r = rd.through_reshapes(r)
+    op = rd.op(r)
+    shape = rd.shape(r)
+    if op.name != "concat" or len(op.inputs) != 2 or not shape:
+        return None
+    dim = op.attrs["dim"] % len(shape)
+    if dim != len(shape) - 1 and not (dim == len(shape) - 2 and all(rd.shape(x)[-2] == 1 for x in op.inputs)):
+        return None
+    halves = []
+    for x in op.inputs:
+        x, sign = rd.through_reshapes(x), 1
+        while rd.op(x).name == "neg":
+            x, sign = rd.through_reshapes(rd.op(x).inputs[0]), -sign
+        cut = rd.op(x)
+        if cut.name != "slice" or cut.attrs["dim"] % len(rd.shape(x)) != len(rd.shape(x)) - 1:
+            return None
+        halves.append((cut.inputs[0], Fraction(cut.attrs["start"], cut.attrs["chunks"]),
+                       Fraction(cut.attrs["stop"], cut.attrs["chunks"]), sign))
+    (src, *_), (other, *_) = halves
+    group = rd.shape(src)[-1]
+    if rd.through_reshapes(src) != rd.through_reshapes(other) or [h[1:3] for h in halves] != \
+            [(Fraction(1, 2), Fraction(1)), (Fraction(0), Fraction(1, 2))] or group % 2:
+        return None
+    return src, group, tuple(h[3] for h in halves)
+
+
+def rotation_groups(ref: KernelGraph) -> set[int]:
+    """The head sizes of the rotations (:func:`rotation`) in ``ref``."""
+    rd = _Reader(ref)
+    return {rot[1] for i, op in enumerate(ref.ops) if op.name == "concat" and (rot := rotation(rd, Ref(i, 0)))}
+
+
 def streamed_dims(ref: KernelGraph) -> tuple[int, int, int]:
     """``(m, k, n)`` of the reference's first matmul: rows, reduced dim, output columns."""
     mm = next((op for op in ref.ops if op.name == "matmul"), None)
@@ -153,7 +196,11 @@ def gemv_seed(ref: KernelGraph, tile: int = 64, gains_on_weights: bool = False) 
         if not outs:
             raise NotStreamable(f"the matmul(s) of width {n} reach no output")
         group = [i for i in mms if widths[i] == n]
-        ys = _Block(seed, n).build(a, group, [weights[i] for i in group], [ref.outputs[j] for j in outs])
+        heads = {rot[1] for i in ref.ancestors([ref.outputs[j].op for j in outs]) if ref.ops[i].name == "concat"
+                 and (rot := rotation(rd, Ref(i, 0))) is not None}
+        if len(heads) > 1 or heads and n % min(heads):
+            raise NotStreamable(f"rotations in groups of {sorted(heads)} over {n} columns: one head size is needed")
+        ys = _Block(seed, n, min(heads) if heads else None).build(a, group, [weights[i] for i in group], [ref.outputs[j] for j in outs])
         results.update(zip(outs, ys))
     for j, r in enumerate(ref.outputs):
         y, shape = results[j], rd.shape(r)
@@ -186,9 +233,9 @@ class _Block:
     """The block graph of one matmul width n: grid over n, for-loop over k; the translation of reference values
     into its tiles (the prologue is translated again in each block graph: each recomputes the row scales)."""
 
-    def __init__(self, seed: _Seed, n: int):
-        self.seed, self.rd, self.m, self.k, self.n = seed, seed.rd, seed.m, seed.k, n
-        self.tb = new_threadblock_graph((_parts(n, seed.tile),), _loop_parts(seed.k, seed.tile))
+    def __init__(self, seed: _Seed, n: int, head: int | None = None):
+        self.seed, self.rd, self.m, self.k, self.n, self.head = seed, seed.rd, seed.m, seed.k, n, head
+        self.tb = new_threadblock_graph((n // head if head else _parts(n, seed.tile),), _loop_parts(seed.k, seed.tile))
         self.sources: list[Tensor] = []
         self.iters: dict[tuple, Tensor] = {}             # (ref input op, role) -> block iterator
         self.tiles: dict[Ref, Tensor] = {}               # ref value -> block tile (loop side)
@@ -197,7 +244,8 @@ class _Block:
     # ---------------------------------------------------------------- inputs
     def _iterator(self, i: int, role: str) -> Tensor:
         """Block iterator over kernel input ``i`` as ``role``: rows_k (m, k), vec_k (k,), col_k (k, 1), rows_n
-        (m, n), vec_n (n,), weight (k, n), weight_t (n, k), stat (m, 1)."""
+        (m, n), vec_n (n,), weight (k, n), weight_t (n, k), stat (m, 1); with a rotation, rows_head (m, head) and
+        vec_head (head,): the same for every head (RoPE's cos and sin), the block's tile one head."""
         key = (i, role)
         if key in self.iters:
             return self.iters[key]
@@ -205,7 +253,8 @@ class _Block:
         shape, imap, fmap = {"rows_k": ((m, k), (PHI,), 1), "vec_k": ((k,), (PHI,), 0), "col_k": ((k, 1), (PHI,), 0),
                              "rows_n": ((m, n), (1,), PHI), "vec_n": ((n,), (0,), PHI),
                              "weight": ((k, n), (1,), 0), "weight_t": ((n, k), (0,), 1),
-                             "stat": ((m, 1), (PHI,), PHI)}[role]
+                             "stat": ((m, 1), (PHI,), PHI),
+                             "rows_head": ((m, self.head), (PHI,), PHI), "vec_head": ((self.head,), (PHI,), PHI)}[role]
         src = self.seed.view(i, shape)
         if any(t is src for t in self.sources):     # one iterator per kernel tensor: a second role reads a view
             src = self.seed.g.reshape(self.seed.kin[i], shape=shape)
@@ -225,10 +274,13 @@ class _Block:
         width = self.k if side == "k" else self.n
         if last == width and (len(shape) == 1 or (lead == 1 and self.m != 1)):
             return f"vec_{side}"
-        if last == width and lead == self.m:
+        if last == width and lead == self.m or side == "n" and self.head is not None and \
+                last * lead == self.m * width and last % self.head == 0:      # (b, h, 1, d): rows in heads
             return f"rows_{side}"
         if last == 1 and lead == self.m:
             return "stat"
+        if side == "n" and self.head is not None and last == self.head and lead in (1, self.m):
+            return "rows_head" if lead == self.m and (self.m != 1 or len(shape) > 1) else "vec_head"
         raise NotStreamable(f"input {self.rd.describe(r)} is neither rows ({self.m}, {width}), a vector "
                             f"({width},) nor a row statistic ({self.m}, 1)")
 
@@ -287,6 +339,12 @@ class _Block:
                 self.after[r] = self._iterator(r.op, self._input_role(r, "n"))
             elif op.name in ROW_REDUCTIONS or op.name == "matmul":
                 raise NotStreamable(f"{self.rd.describe(r)} after the matmul: only elementwise ops stream")
+            elif op.name == "concat":
+                rot = rotation(self.rd, r)
+                if rot is None or rot[1] != self.head:
+                    raise NotStreamable(f"{self.rd.describe(r)} after the matmul is not a rotation of head halves")
+                src, group, signs = rot
+                self.after[r] = self.tb.rotate_half(self.epilogue(src), group=group, signs=signs)
             else:
                 self.after[r] = self._elementwise(r, self.epilogue)
         return self.after[r]
@@ -313,7 +371,7 @@ class _Block:
                 acc = (self.tb.div if inv else self.tb.mul)(acc, self.stat(f))
             self.after[Ref(i, 0)] = acc
         for r in outs:
-            if self.rd.shape(r)[-1] != self.n or math.prod(self.rd.shape(r)[:-1]) != self.m:
+            if math.prod(self.rd.shape(r)) != self.m * self.n or self.rd.shape(r)[-1] not in (self.n, self.head):
                 raise NotStreamable(f"output {self.rd.describe(r)} is not ({self.m}, {self.n}) rows")
             self.tb.new_output(self.epilogue(r), omap=(1,), dtype=self.rd.dtype(r))
         return self.seed.g.customized(self.sources, self.tb)

@@ -466,7 +466,10 @@ def _disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Sequence[torch.Tensor], *,
            cache: Any = None, limit: int = 4, propose: Callable[..., list[LaunchConfig]] = candidates) -> LaunchConfig:
-    """The launch config to use for ``bg`` on ``inputs``; ``build(config)`` returns ``run(*inputs) -> outputs``;
+    """The launch config to use for ``bg`` on ``inputs``; ``build(config)`` returns ``run(*inputs) -> outputs``
+    (with ``run.warmup(*inputs)``, as a :class:`~.compile.BlockLauncher` has, the candidates compile at once in the
+    compile pool before the first runs: :func:`~torch_mirage.tune.tune`'s ``precompile``; ``build`` must then be
+    safe to call from several threads);
     ``propose(bg, n_sm, limit)`` lists the configs timed (:func:`candidates`, :func:`streaming_candidates`).
     Every candidate's outputs must agree with the first one's (the μGraph's own schedule) to the re-tiling
     tolerance of the lowest precision involved; the fastest that agrees wins (:func:`~torch_mirage.tune.tune`)."""
@@ -482,11 +485,18 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     configs = {json.dumps(c.to_json(), sort_keys=True): c for c in propose(bg, props.multi_processor_count, limit)}
     want: list = []
     sets: list = []
+    launchers: dict[str, Callable] = {}   # the launchers the compile pool built, by candidate
+
+    def precompile(name: str) -> None:   # in a pool thread: codegen and Triton's compile, nothing launched
+        run = launchers[name] = build(configs[name])
+        warmup = getattr(run, "warmup", None)
+        if warmup is not None:
+            warmup(*inputs)
 
     def make(name: str) -> tuple:   # the timing sets only when the cache has no answer
         if not sets:
             sets.extend(rotated_input_sets(inputs, props.L2_cache_size, max_sets=16))
-        run = build(configs[name])
+        run = launchers.pop(name) if name in launchers else build(configs[name])
         return run, run(*inputs)
 
     def agrees(name: str, made: tuple) -> str | None:
@@ -502,7 +512,8 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
         return None
 
     tuned = tune(list(configs), lambda name, made: _time_samples(made[0], inputs, sets), build=make, check=agrees,
-                 cache=cache, key=key, label="launch config", progress="torch_mirage: tuning a μGraph kernel")
+                 cache=cache, key=key, label="launch config", progress="torch_mirage: tuning a μGraph kernel",
+                 precompile=precompile)
     return configs[tuned.winner] if tuned.winner is not None else base
 
 

@@ -13,7 +13,8 @@ two dims (``nn.Linear``'s weight) → transpose; view / reshape / squeeze /
 unsqueeze → reshape; expand → broadcasting, made explicit by concatenated
 copies only where a reshape needs it (GQA's ``repeat_kv``); clone → nothing; add / sub / mul / div with tensors or scalars → add / sub / mul /
 div / scalar_add / scalar_mul; pow 2 / 0.5 / -0.5 → square / sqrt / rsqrt;
-rsqrt / sqrt / exp / silu / neg; Inductor's decomposed SiLU
+rsqrt / sqrt / exp / silu / neg; split / slice (unit step) → slice ops of whole chunks, cat → concat; a permute
+that moves only dims of size 1 → reshape; Inductor's decomposed SiLU
 ``a / (1 + exp(-a))`` and ``a · sigmoid(a)`` → silu; sum / mean / amax over dims → reduce ops;
 var_mean (LayerNorm's decomposition) → a mean and the centred mean of squares with its correction
 (then a reshape when ``keepdim`` is false); scaled_dot_product_attention (CPU / flash /
@@ -319,6 +320,8 @@ def _lower(g: KernelBuilder, n, env: dict, ref: Reference) -> None:
             perm = [p % rank for p in args[1]]
         if perm == list(range(rank)):
             put(x)
+        elif [p for p in perm if x.shape[p] != 1] == [d for d in range(rank) if x.shape[d] != 1]:
+            put(_reshape(g, x, out.meta.shape, n))      # moves only dims of size 1: (b, 1, h, d) -> (b, h, 1, d)
         elif rank >= 2 and perm == list(range(rank - 2)) + [rank - 1, rank - 2]:
             put(g.transpose(x))
         else:
@@ -336,10 +339,46 @@ def _lower(g: KernelBuilder, n, env: dict, ref: Reference) -> None:
             raise _Decline(n, "expand that is not a broadcast", f"{xs} -> {shape}")
         put(x)         # kept unexpanded: elementwise ops and matmul broadcast it
         return
+    if name in ("split", "slice"):
+        _lower_slices(g, n, arg(0), env)
+        return
+    if name == "cat":
+        parts = [env[id(v)] if _is_value(v) and id(v) in env else None for v in args[0]]
+        if any(p is None for p in parts):
+            raise _Decline(n, "cat of a value not computed in the region")
+        put(g.concat(parts, dim=(args[1] if len(args) > 1 else n.kwargs.get("dim", 0)) % len(out.meta.shape)))
+        return
     if name == "opaque" and _sdpa_op(n) is not None:
         put(_lower_sdpa(g, n, arg))
         return
     raise _Decline(n, f"op {name} has no μGraph kernel op", n.target_name)
+
+
+def _lower_slices(g: KernelBuilder, n, x: Tensor, env: dict) -> None:
+    """``split`` / ``split_with_sizes`` / ``slice`` (step 1) / ``select`` -> ``slice`` ops, each a run of equal
+    chunks of the dim (the chunk the gcd of the cut points, so that the search's shrunk sizes keep the cuts)."""
+    rank = len(x.shape)
+    if "select" in n.target_name:
+        raise _Decline(n, "select drops a dim", "index with a slice of length 1 instead")
+    at = 1 if "aten.slice" in n.target_name else 2
+    dim = (n.args[at] if len(n.args) > at else n.kwargs.get("dim", 0)) % rank
+    size = x.shape[dim]
+    if at == 1:
+        start, end, step = (list(n.args[2:5]) + [None, None, 1][len(n.args[2:5]):])[:3]
+        start = 0 if start is None else (start + size if start < 0 else min(start, size))
+        end = size if end is None else (end + size if end < 0 else min(end, size))
+        if step != 1 or not 0 <= start < end:
+            raise _Decline(n, f"slice [{start}:{end}:{step}] of dim {dim}", "only non-empty unit-step slices lower")
+        cuts = [(start, end)]
+    else:
+        sizes = n.args[1]
+        sizes = [min(sizes, size - i) for i in range(0, size, sizes)] if isinstance(sizes, int) else list(sizes)
+        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+        cuts = list(zip([0] + ends[:-1], ends))
+    unit = math.gcd(size, *[c for cut in cuts for c in cut])
+    for v, (a, b) in zip(n.outputs, cuts):
+        env[id(v)] = x if (a, b) == (0, size) else \
+            g.slice(x, dim=dim, chunks=size // unit, start=a // unit, stop=b // unit)
 
 
 def _lower_var_mean(g: KernelBuilder, n, x: Tensor, env: dict) -> None:

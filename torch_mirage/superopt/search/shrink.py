@@ -18,6 +18,7 @@ re-verifies it at the real size when that is cheap; the compile stage's float ch
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -58,12 +59,24 @@ def size_map(sizes: Sequence[int]) -> dict[int, int] | None:
     return out
 
 
-def shrink(target: KernelGraph, inputs: Sequence, out_shapes: Sequence) -> ShrunkProblem | None:
-    """``target`` rebuilt at small sizes, or None when it does not shrink consistently."""
+def head_size_map(sizes: Sequence[int], head: int) -> dict[int, int] | None:
+    """Real size -> small size for a problem in heads of ``head`` (RoPE's rotation pairs the halves of each): the
+    head, its half and sizes up to 2 kept, a multiple of the head two heads at most, any other size 2 at most
+    (heads counted, rows), so that a size of whole heads maps to the small heads times the head; None when
+    nothing shrinks."""
+    sizes = sorted(set(sizes))
+    keep = {1, 2, head // 2, head}
+    out = {d: d if d in keep else head * min(d // head, 2) if d % head == 0 else min(d, 2) for d in sizes}
+    return None if all(out[d] == d for d in sizes) or not sizes or sizes[-1] < SHRINK_ABOVE else out
+
+
+def shrink(target: KernelGraph, inputs: Sequence, out_shapes: Sequence, sizes_of=size_map) -> ShrunkProblem | None:
+    """``target`` rebuilt at small sizes (``sizes_of``: real sizes -> their map, or None), or None when it does not
+    shrink consistently."""
     sizes = {d for s, _ in inputs for d in s} | {d for s in out_shapes for d in s} | \
         {d for op in target.ops for s in op.shapes for d in s} | \
         {d for op in target.ops for d in (op.attrs.get("shape") or ())}
-    m = size_map(sizes)
+    m = sizes_of(sizes)
     if m is None:
         return None
 
@@ -105,9 +118,5 @@ def transfer(skel: Skeleton, small_schedule: dict, inputs: Sequence, out_shapes:
 
 
 def block_steps(graph: KernelGraph) -> int:
-    """Grid blocks x for-loop steps of a one-kernel μGraph: the executor's work, in Python steps."""
-    body = next(op.body for op in graph.ops if op.name == "customized")
-    n = 1
-    for g in body.grid:
-        n *= g
-    return n * body.forloop_range
+    """Grid blocks x for-loop steps of a μGraph's block graphs, summed: the executor's work, in Python steps."""
+    return sum(math.prod(op.body.grid) * op.body.forloop_range for op in graph.ops if op.name == "customized")

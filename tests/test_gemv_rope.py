@@ -1,0 +1,156 @@
+"""The QKV projection of a Llama decode layer as one weight-streaming μGraph: RMSNorm prologue, the q / k / v
+GEMVs and RoPE's rotation in the epilogue (superopt/gemv_seed.py reads the pairing of each head's halves off the
+region's cat / neg / slice structure: one head per block, a ``rotate_half`` block op), written two ways (HF's
+``rotate_half`` with chunk and cat; slices joined by stack and flatten), batch 1 and 3, fp32 and fp16 (Triton
+interpreter on CPU), equal to eager; the bench's decode layer runs in fewer kernels with its caches as eager's."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_mirage
+from helpers import assert_close
+from torch_mirage.bench import workloads
+from torch_mirage.superopt.gemv_claim import verified_instance
+from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed
+from torch_mirage.superopt.verify import verify
+from torch_mirage.superopt.search.reference import reference_of
+from torch_mirage.capture.lower import trace
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+D, HD, EPS = 64, 16, 1e-5
+
+
+def rotate_cat(x):                     # HF: chunk and cat
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_stack(x):                   # slices, stacked on a new dim and flattened back
+    half = x.shape[-1] // 2
+    return torch.stack((x[..., half:].neg(), x[..., :half]), dim=-2).flatten(-2)
+
+
+def rms_norm(x, g):
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * g
+
+
+def qkv_rope(rotate, hd=HD):
+    def fn(x, cos, sin, g, wq, wk, wv):
+        b, t, _ = x.shape
+        h = rms_norm(x, g)
+        q = F.linear(h, wq).view(b, t, -1, hd).transpose(1, 2)
+        k = F.linear(h, wk).view(b, t, -1, hd).transpose(1, 2)
+        v = F.linear(h, wv).view(b, t, -1, hd).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin, v
+    return fn
+
+
+def _inputs(b, dtype, d=D, hd=HD, heads=4, kv_heads=2, device="cpu"):
+    w = lambda n: torch.randn(n, d, device=device) * d ** -0.5                         # noqa: E731
+    angle = torch.rand(b, 1, hd // 2, device=device) * 6.0
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    xs = [torch.randn(b, 1, d, device=device), cos, sin, 1 + 0.1 * torch.randn(d, device=device),
+          w(heads * hd), w(kv_heads * hd), w(kv_heads * hd)]
+    return [x.to(dtype) for x in xs]
+
+
+def _compile(fn):
+    report = torch_mirage.Report()
+    opts = dict(min_region_us=0, measure_regions=False)
+    return torch.compile(fn, backend=torch_mirage.MirageBackend(options=opts, report=report)), report
+
+
+@interpreted
+@pytest.mark.parametrize("rotate", [rotate_cat, rotate_stack])
+@pytest.mark.parametrize("b,dtype", [(1, torch.float32), (3, torch.float16)])
+def test_qkv_rope_is_one_streaming_kernel(rotate, b, dtype):
+    torch._dynamo.reset()
+    fn = qkv_rope(rotate)
+    xs = _inputs(b, dtype)
+    compiled, report = _compile(fn)
+    got = compiled(*xs)
+    want = fn(*[x.double() for x in xs])
+    for g, w in zip(got, want):
+        assert_close(g, w.to(dtype), dtype)
+    (region,) = report.regions
+    assert region.compiled_by == "mirage" and region.claimer == "ugraph-gemv", str(report)
+    assert sum("aten.mm" in op for op in region.ops) == 3 and any("cat" in op for op in region.ops), region.ops
+
+
+def test_rotation_must_pair_the_halves_of_a_head():
+    """A concat that does not swap the two halves of each head (here: the halves kept in place, one negated)
+    is no rotation: the seed declines it rather than stream a wrong epilogue."""
+    def not_rope(x, cos, sin, g, wq, wk, wv):
+        q = F.linear(rms_norm(x, g), wq).view(x.shape[0], 1, -1, HD).transpose(1, 2)
+        x1, x2 = q.chunk(2, dim=-1)
+        return q * cos.unsqueeze(1) + torch.cat((x1, -x2), dim=-1) * sin.unsqueeze(1)
+
+    graph = trace(not_rope, _inputs(1, torch.float32))
+    with pytest.raises(NotStreamable, match="is not"):
+        gemv_seed(reference_of(graph.nodes, graph).graph)
+
+
+@interpreted
+@pytest.mark.parametrize("b", [1, 2])
+def test_decode_layer_qkv_rope_in_one_kernel(b):
+    """The bench's decode layer: norm + Q, K, V + RoPE of q and k are one weight-streaming region (the
+    rotate_half ops no Inductor kernel of their own), output and KV caches as eager's (the new slots written, the
+    rest untouched)."""
+    torch._dynamo.reset()
+    wl = workloads.WORKLOADS["llama_layer_decode"]
+    args = wl.make_inputs(b, torch.float32, "cpu", 0, quick=True)
+    before = [a.clone() for a in args]
+    eager_args = [a.clone() for a in args]
+    want = wl.fn(*eager_args)
+    compiled, report = _compile(wl.fn)
+    assert_close(compiled(*args), want)
+    slots = args[4]
+    kept = torch.ones(args[5].shape[2], dtype=torch.bool)
+    kept[slots] = False
+    for i, a in enumerate(args):
+        if i in wl.mutates:
+            assert torch.equal(a[:, :, kept], before[i][:, :, kept]), f"input {i}: slots outside the new token's"
+            assert_close(a[:, :, slots], eager_args[i][:, :, slots])
+        else:
+            assert torch.equal(a, before[i]), f"input {i} written"
+    (qkv,) = [r for r in report.regions if r.claimer == "ugraph-gemv" and sum("aten.mm" in o for o in r.ops) == 3]
+    assert sum("cat" in op for op in qkv.ops) == 2, qkv.ops
+    assert not [r for r in report.regions if r.compiled_by != "mirage" and any("cat" in op for op in r.ops)]
+    assert len(report.regions) == 9, str(report)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("b", [1, 8])
+def test_qkv_rope_on_gpu(b):
+    """bf16 at Llama-8B widths (4096, 32 heads of 128, 8 KV heads): one tuned weight-streaming kernel for norm +
+    Q, K, V + RoPE, equal to eager within bf16 tolerance."""
+    torch._dynamo.reset()
+    bf = torch.bfloat16
+    fn = qkv_rope(rotate_cat, hd=128)
+    xs = _inputs(b, bf, d=4096, hd=128, heads=32, kv_heads=8, device="cuda")
+    compiled, report = _compile(fn)
+    got = compiled(*xs)
+    for g, w in zip(got, fn(*[x.double() for x in xs])):
+        assert_close(g, w.to(bf), bf)
+    (region,) = report.regions
+    assert region.compiled_by == "mirage" and region.claimer == "ugraph-gemv", str(report)
+
+
+def test_rotary_region_verifies_at_two_heads():
+    """Its (b, h, 1, d) views keep a region with RoPE from shrinking size by size; the verifier still checks it at
+    small sizes: two heads of the head size, the hidden size two heads, its for-loop and grid split as at the real
+    sizes (a 4096-wide region takes seconds per verification instead of tens)."""
+    fn = qkv_rope(rotate_cat, hd=32)
+    graph = trace(fn, _inputs(1, torch.float32, d=256, hd=32, heads=8, kv_heads=2))
+    ref = reference_of(graph.nodes, graph).graph
+    program, seed = verified_instance(ref, gemv_seed(ref))
+    assert program is not ref and max(max(s) for op in program.ops for s in op.shapes) == 64
+    (q_block,) = [op.body for op in seed.ops if op.name == "customized" and op.shapes[0][-1] == 64][:1]
+    assert q_block.grid == (2,) and q_block.forloop_range > 1
+    assert verify(seed, program, [torch.zeros(op.attrs["shape"]) for op in program.inputs])
