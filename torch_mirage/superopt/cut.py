@@ -4,7 +4,9 @@
 the given op kinds whose every result is read inside (a norm before a matmul, a transposed weight, a gated MLP's
 sibling matmul) and, while the region has one result read by free elementwise or layout nodes, those readers (a
 gate after the matmul, a residual add, the view of a flattened matmul back to (batch, seq, n)); a reduction chain
-(kinds :data:`CHAIN`) also goes on from a row statistic to the ops that apply it. :func:`reference_kernel` wraps a
+(kinds :data:`CHAIN`) also goes on from a row statistic to the ops that apply it. :func:`levels` are the smaller
+cuts ending at an anchor: its producers one step further back at a time (the sub-programs a library seed may be,
+inside a larger region). :func:`reference_kernel` wraps a
 compiled μGraph of the cut's reference (:func:`.search.reference.reference_of`) as the region's kernel;
 :func:`lowered_reference` is that reference, or the decline of a cut that has none the target can run.
 """
@@ -63,6 +65,39 @@ def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW, f
                     inside[id(u)] = u
                 changed = True
     return list(inside.values())
+
+
+def levels(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW, counts=None):
+    """The cuts whose one result is ``anchor``'s, smallest first: ``anchor``, then each time with the producers (of
+    ``kinds``, free, every result read inside) of the cut before, until none is left or ``max_nodes`` nodes count
+    (``counts(node)``, as in :func:`grow`). Nodes that do not count (layout ops, casts) join the cut as soon as they
+    can: they are no step of their own."""
+    inside = {id(anchor): anchor}
+    returned = {id(v) for v in graph.output_values}
+    counts = counts or (lambda n: True)
+
+    def addable() -> list:
+        found: dict = {}
+        for n in list(inside.values()):
+            for v in n.inputs:
+                p = getattr(v, "producer", None)
+                if p is None or id(p) in inside or id(p) in found or id(p) not in free_ids or p.op.kind not in kinds:
+                    continue
+                if all(id(u) in inside for w in p.outputs for u in w.users) and \
+                        not any(id(w) in returned for w in p.outputs):
+                    found[id(p)] = p
+        return list(found.values())
+
+    def close():        # the nodes that count for nothing, as far as they go
+        while free := [p for p in addable() if not counts(p)]:
+            inside.update((id(p), p) for p in free)
+
+    close()
+    yield list(inside.values())
+    while sum(1 for n in inside.values() if counts(n)) < max_nodes and (step := addable()):
+        inside.update((id(p), p) for p in step)
+        close()
+        yield list(inside.values())
 
 
 def computes(node) -> bool:

@@ -24,6 +24,7 @@ to the next claimers. The enumeration is behind the ``search`` knob, the seeds b
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from typing import Sequence
 
@@ -33,7 +34,7 @@ from .reference import is_attention
 from ...capture.ops import OpKind
 from ...context import CompileContext
 from ...partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
-from ..cut import CHAIN, DTYPES, GROW, MAX_NODES, computes, grow, lowered_reference, reference_kernel
+from ..cut import CHAIN, DTYPES, GROW, MAX_NODES, computes, grow, levels, lowered_reference, reference_kernel
 from ..gemv_claim import seed_claim
 from ..ugraph_plan import Alternative, UGraphPlan, random_inputs
 from .seeds import Seed, arity, seed_kernel
@@ -62,8 +63,9 @@ class SearchClaimer:
     def _seeded(self, graph, free: Sequence, free_ids: set, ctx: CompileContext) -> list[Outcome]:
         """Subprograms a library seed verifies for: at each free node (last first) the region of its producers
         (:func:`.cut.grow` without readers: the node is the region's output), then that region with its leading
-        elementwise ops peeled (an add on the activation that belongs to the program before), each tried against
-        the seeds; the first verified one is claimed."""
+        elementwise ops peeled (an add on the activation that belongs to the program before), then the smaller
+        cuts ending at the node (:func:`.cut.levels`, largest first: a gated MLP inside the region that also holds
+        the norm before it), each tried against the seeds; the first verified one is claimed."""
         order = {id(n): i for i, n in enumerate(graph.nodes)}
         arities = {arity(w) for w in self.seeds}
         outcomes: list[Outcome] = []
@@ -72,9 +74,7 @@ class SearchClaimer:
                 continue
             region = sorted(grow(graph, anchor, free_ids, self.max_nodes, GROW, forward=False, counts=computes),
                             key=lambda n: order[id(n)])
-            for nodes in peeled(region, anchor):
-                if not any(n.op.kind in (OpKind.MATMUL, OpKind.REDUCTION) or is_attention(n) for n in nodes):
-                    break
+            for nodes in candidates(graph, region, anchor, free_ids, self.max_nodes, order):
                 if len([v for v in inputs_of(nodes) if v.is_tensor]) not in arities or not is_convex(graph, nodes):
                     continue
                 outcome = self._claim(graph, nodes, ctx, seeds_only=True)
@@ -168,11 +168,25 @@ def _seed_claim(graph, nodes: list, ref, seed: Seed, source: str) -> Claim:
                        "dtype": dtype, "verified": seed.reason})
 
 
-def peeled(region: list, anchor, levels: int = 2):
-    """``region``, then up to ``levels`` times without its leading elementwise ops (those reading only values from
+def candidates(graph, region: list, anchor, free_ids: set, max_nodes: int, order: dict):
+    """The cuts ending at ``anchor`` that a seed is tried on, each once, in graph order: ``region`` and its
+    :func:`peeled` forms, then the :func:`.cut.levels` from ``anchor``, largest first; only those with a matmul, a
+    reduction or an attention (a seed's program has one)."""
+    seen: set = set()
+    smaller = reversed(list(levels(graph, anchor, free_ids, max_nodes, GROW, counts=computes)))
+    for nodes in itertools.chain(peeled(region, anchor), smaller):
+        key = frozenset(id(n) for n in nodes)
+        if key in seen or not any(n.op.kind in (OpKind.MATMUL, OpKind.REDUCTION) or is_attention(n) for n in nodes):
+            continue
+        seen.add(key)
+        yield sorted(nodes, key=lambda n: order[id(n)])
+
+
+def peeled(region: list, anchor, times: int = 2):
+    """``region``, then up to ``times`` times without its leading elementwise ops (those reading only values from
     outside it; never ``anchor``)."""
     nodes = list(region)
-    for _ in range(levels + 1):
+    for _ in range(times + 1):
         yield nodes
         inside = {id(n) for n in nodes}
         leading = {id(n) for n in nodes if n is not anchor and n.op.kind is OpKind.ELEMENTWISE and not any(
