@@ -202,6 +202,34 @@ def test_llama_style_mlp_of_linear_layers():
     assert [r.info["ugraph"] for r in _library_regions(report)] == ["gated_mlp"], str(report)
 
 
+def test_gated_mlp_inside_a_larger_region_runs_its_ugraph():
+    """The gate / up half of a Llama MLP after an RMSNorm whose output only it reads (so the region of the mul's
+    producers also holds the norm, and no seed is that whole region): the seed binds the smaller cut ending at the
+    mul (the library's seeds alone: in the default order the weight-streaming claimer takes this memory-bound
+    MLP whole, with its norm)."""
+    class NormMLP(torch.nn.Module):
+        def __init__(self, dim, hidden):
+            super().__init__()
+            self.g = torch.nn.Parameter(1 + 0.1 * torch.randn(dim))
+            self.gate = torch.nn.Linear(dim, hidden, bias=False)
+            self.up = torch.nn.Linear(dim, hidden, bias=False)
+
+        def forward(self, h):
+            x = rms_norm(h, 1e-6, self.g)
+            return F.silu(self.gate(x)) * self.up(x)
+
+    mlp = NormMLP(40, 56).eval()
+    compiled, report = _compile(mlp, _library_only())
+    h = torch.randn(2, 12, 40)
+    with torch.no_grad():
+        out = compiled(h)
+        ref = copy_double(mlp)(h.double())
+    assert_close(out, ref.float())
+    regions = [r for r in _library_regions(report) if r.info["ugraph"] == "gated_mlp"]
+    assert len(regions) == 1 and regions[0].info["dims"] == [24, 40, 56], str(report)
+    assert not any(n.startswith("pow") or n.startswith("rsqrt") for n in regions[0].ops), str(report)
+
+
 def copy_double(module):
     import copy
     return copy.deepcopy(module).double()
