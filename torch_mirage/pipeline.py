@@ -85,7 +85,8 @@ def default_claimers(config: Config) -> list[Claimer]:
     # attention in one μGraph) before the attention claimer takes the attention alone, then for LoRA (three
     # matmuls in one kernel: no weight-streaming cut holds it) and nTrans; memory-bound matmuls with their norm and
     # epilogue (one weight-streaming kernel) before RMSNorm + Linear and gated MLP could take the matmuls without
-    # the norm or the residual; then the search (``search``: every seed first, then the enumeration); stitching last
+    # the norm or the residual; then the search claimer: every seed, then the enumeration where ``search`` is on
+    # (off by default); stitching last
     stitch = [StitchClaimer()] if config.stitch else []
     if not config.ugraph_library:
         return ([SearchClaimer()] if config.search else []) + stitch
