@@ -192,13 +192,7 @@ def test_llama_style_mlp_of_linear_layers():
         def forward(self, x):
             return self.down(F.silu(self.gate(x)) * self.up(x))
 
-    mlp = MLP(40, 56).eval()
-    compiled, report = _compile(mlp, _library_only())
-    x = torch.randn(2, 12, 40)
-    with torch.no_grad():
-        out = compiled(x)
-        ref = copy_double(mlp)(x.double())
-    assert_close(out, ref.float())
+    report = _library_run_equals_double(MLP(40, 56).eval(), torch.randn(2, 12, 40))
     assert [r.info["ugraph"] for r in _library_regions(report)] == ["gated_mlp"], str(report)
 
 
@@ -218,16 +212,20 @@ def test_gated_mlp_inside_a_larger_region_runs_its_ugraph():
             x = rms_norm(h, 1e-6, self.g)
             return F.silu(self.gate(x)) * self.up(x)
 
-    mlp = NormMLP(40, 56).eval()
-    compiled, report = _compile(mlp, _library_only())
-    h = torch.randn(2, 12, 40)
-    with torch.no_grad():
-        out = compiled(h)
-        ref = copy_double(mlp)(h.double())
-    assert_close(out, ref.float())
+    report = _library_run_equals_double(NormMLP(40, 56).eval(), torch.randn(2, 12, 40))
     regions = [r for r in _library_regions(report) if r.info["ugraph"] == "gated_mlp"]
     assert len(regions) == 1 and regions[0].info["dims"] == [24, 40, 56], str(report)
     assert not any(n.startswith("pow") or n.startswith("rsqrt") for n in regions[0].ops), str(report)
+
+
+def _library_run_equals_double(module, x):
+    """``module(x)`` compiled with the library's seeds alone equals its float64 copy; the compile's report."""
+    compiled, report = _compile(module, _library_only())
+    with torch.no_grad():
+        out = compiled(x)
+        ref = copy_double(module)(x.double())
+    assert_close(out, ref.float())
+    return report
 
 
 def copy_double(module):
