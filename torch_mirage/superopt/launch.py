@@ -366,8 +366,6 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
         # too few programs to fill the SMs (a few heads of a short prefill against a long cache): the roofline
         # re-tilings and key splits below are timed too (H100 11-25, qknorm attention 2 heads x 256 x 4096 fp16:
         # 56.9 µs at the best prefill schedule's 8 programs, against 11.1 before prefill schedules replaced them)
-    else:
-        fixed = []
     scored = _scored(bg, n_sm)
     picks = [(tuple(bg.grid), bg.forloop_range, 1)]
     for _, grid, f, s in scored:
