@@ -56,3 +56,24 @@ def test_bench_workload_keeps_its_claim_and_ugraph(name, b):
     else:
         assert region.claimer == "ugraph-search" and "seed" in region.info["source"], str(report)
         assert region.info["ugraph_hash"] == expected.hash()[:16], str(report)
+
+
+@pytest.mark.parametrize("scale", [64 ** -0.5, 0.3])
+def test_qknorm_seed_keeps_the_programs_scale_at_shrunk_sizes(scale):
+    """Head size 64 is shrunk for the verifier; the seed's score scale is the program's (1/√64 or any other), not
+    1/√d of the shrunk head size — with that, every binding failed the probe and the norms ran apart."""
+    from torch_mirage.numerics import rms_norm
+
+    def qknorm(q, k, v, gq, gk):
+        s = (rms_norm(q, EPS, gq) @ rms_norm(k, EPS, gk).transpose(-2, -1)) * scale
+        return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+    xs = [torch.randn(s) for s in [(1, 2, 64, 64), (1, 2, 256, 64), (1, 2, 256, 64), (64,), (64,)]]
+    report = torch_mirage.Report()
+    compiled = torch.compile(qknorm, backend=torch_mirage.MirageBackend(options={"min_region_us": 0}, report=report))
+    assert_close(compiled(*xs), qknorm(*[x.double() for x in xs]).float())
+    (region,) = report.regions
+    assert region.claimer == "ugraph-search" and region.info["ugraph"] == "qknorm_attention", str(report)
+    assert "shrunk" in region.info["verified"], str(report)
+    assert region.info["ugraph_hash"] == library.qknorm_attention(1, 2, 64, 256, 64, dtype="float32", eps=EPS,
+                                                                  scale=scale).hash()[:16], str(report)

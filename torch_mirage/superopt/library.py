@@ -111,17 +111,18 @@ def lora_ref(x, w, a, b):
 
 
 # ------------------------------------------------------------------ attention
-def _attention_block(tb, tQ, tK, tV, d: int):
-    """Scores, online-softmax accumulation, ``o / l`` — shared by the FlashAttention-style graphs."""
-    s = tb.scalar_mul(tb.matmul(tQ, tb.transpose(tK)), value=1.0 / math.sqrt(d))
+def _attention_block(tb, tQ, tK, tV, d: int, scale: float | None = None):
+    """Scores (times ``scale``, default ``1/√d``), online-softmax accumulation, ``o / l`` — shared by the
+    FlashAttention-style graphs."""
+    s = tb.scalar_mul(tb.matmul(tQ, tb.transpose(tK)), value=1.0 / math.sqrt(d) if scale is None else scale)
     m, l, o = tb.forloop_accum_online_softmax(s, tV)
     return m, l, o
 
 
 def gqa_flashattention(b: int, h: int, sq: int, kv: int, d: int, *, dtype: str = "float16",
                        q_blocks: int | None = None, forloop_range: int | None = None, tile: int = 64,
-                       qknorm_eps: float | None = None) -> KernelGraph:
-    """``softmax(Q Kᵀ/√d) V``: Q(b,h,sq,d), K,V(b,h,kv,d) [+ Gq(d), Gk(d) when
+                       qknorm_eps: float | None = None, scale: float | None = None) -> KernelGraph:
+    """``softmax(Q Kᵀ·scale) V`` (scale default ``1/√d``): Q(b,h,sq,d), K,V(b,h,kv,d) [+ Gq(d), Gk(d) when
     ``qknorm_eps`` is set]. Grid (h, b, q row blocks); the for-loop walks KV."""
     q_blocks = q_blocks or blocks(sq, tile)
     forloop_range = forloop_range or blocks(kv, tile)
@@ -137,7 +138,7 @@ def gqa_flashattention(b: int, h: int, sq: int, kv: int, d: int, *, dtype: str =
         tGk = tb.new_input(norms[1], imap=(PHI, PHI, PHI), fmap=PHI)
         tQ = tb.mul(tb.rms_norm(tQ, eps=qknorm_eps), tGq)
         tK = tb.mul(tb.rms_norm(tK, eps=qknorm_eps), tGk)
-    _, l, o = _attention_block(tb, tQ, tK, tV, d)
+    _, l, o = _attention_block(tb, tQ, tK, tV, d, scale)
     tb.new_output(tb.div(o, l), omap=(1, 0, 2))
     (Y,) = g.customized([Q, Kt, V, *norms], tb)
     g.mark_output(Y)
@@ -150,9 +151,10 @@ def attention_ref(q, k, v):
 
 
 def qknorm_attention(b: int, h: int, sq: int, kv: int, d: int, *, dtype: str = "float16", eps: float = 0.0,
-                     **schedule) -> KernelGraph:
-    """QKNorm fused into attention: ``attention(rms(Q)·Gq, rms(K)·Gk, V)``."""
-    return gqa_flashattention(b, h, sq, kv, d, dtype=dtype, qknorm_eps=eps, **schedule)
+                     scale: float | None = None, **schedule) -> KernelGraph:
+    """QKNorm fused into attention: ``attention(rms(Q)·Gq, rms(K)·Gk, V)`` (scores times ``scale``, default
+    ``1/√d``)."""
+    return gqa_flashattention(b, h, sq, kv, d, dtype=dtype, qknorm_eps=eps, scale=scale, **schedule)
 
 
 def qknorm_attention_ref(q, k, v, gq, gk, eps: float = 0.0):

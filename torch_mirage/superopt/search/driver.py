@@ -302,7 +302,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
                 stats.candidates += 1
             else:
                 setattr(stats, what, getattr(stats, what) + 1)
-        seed = find_seed(target, inputs, out_shapes, names, eps, vkw, counts)
+        seed = find_seed(target, inputs, out_shapes, names, eps, vkw, counts, scales)
         if seed is not None:
             stats.seconds = time.monotonic() - t0
             if key is not None:

@@ -37,8 +37,11 @@ log = logging.getLogger("torch_mirage")
 # the library workloads tried as seeds by default (attention itself is claimed by analysis, with its own seeds:
 # superopt/attention_claim.py; FlashDecoding is one of its alternatives)
 SEED_WORKLOADS = ("qknorm_attention", "lora", "ntrans", "rmsnorm_linear", "gated_mlp")
-# keyword constants a μGraph takes that the shapes do not fix: drawn from the reference's constants
-CONSTANTS: dict[str, tuple[str, ...]] = {"ntrans": ("eps",), "rmsnorm_linear": ("eps",), "qknorm_attention": ("eps",)}
+# keyword constants a μGraph takes that the shapes do not fix: drawn from the reference's constants (a norm's
+# eps; attention's score scale, which is the program's own and not 1/√d of the shrunk head size the verifier
+# checks at, nor always 1/√d at all)
+CONSTANTS: dict[str, tuple[str, ...]] = {"ntrans": ("eps",), "rmsnorm_linear": ("eps",),
+                                         "qknorm_attention": ("eps", "scale")}
 # the μGraph input whose rows may come with leading dims — a (batch, seq, k) activation for an (m, k) one — and
 # then the output carries the same leading dims
 BATCHED_INPUT = {"lora": 0, "gated_mlp": 0, "rmsnorm_linear": 0}
@@ -201,10 +204,13 @@ def _probe_ok(candidate: KernelGraph, reference: KernelGraph, shapes: Sequence[t
 
 def find_seed(ref: KernelGraph, inputs: Sequence[tuple[tuple, str]], out_shapes: Sequence[tuple],
               workloads: Sequence[str], eps_values: Sequence[float], verify_kwargs: dict,
-              counts: Callable[[str], None] = lambda what: None) -> Seed | None:
+              counts: Callable[[str], None] = lambda what: None, scale_values: Sequence[float] = ()
+              ) -> Seed | None:
     """The first library workload of ``workloads`` whose μGraph, bound to the region's inputs by shape, the
     verifier proves equal to ``ref`` (the region's reference, inputs ``inputs`` as (shape, dtype)); None when none
-    is. ``counts(what)`` is told of each "candidate", "rejected_by_probe", "rejected_by_verifier", "verified"."""
+    is. Constants (:data:`CONSTANTS`) are drawn from ``eps_values`` and ``scale_values`` (the reference's softmax
+    temperatures; none: ``1/√d`` at the real dims, kept at the shrunk ones). ``counts(what)`` is told of each
+    "candidate", "rejected_by_probe", "rejected_by_verifier", "verified"."""
     if len(out_shapes) != 1 or len({d for _, d in inputs}) != 1:
         return None
     dtype = inputs[0][1]
@@ -215,8 +221,7 @@ def find_seed(ref: KernelGraph, inputs: Sequence[tuple[tuple, str]], out_shapes:
     for name in workloads:
         workload = library.WORKLOADS[name]
         for order, transposed, dims in bindings(workload, in_shapes, transposable):
-            for eps in (eps_values if CONSTANTS.get(name) else (None,)):
-                constants = {k: float(eps) for k in CONSTANTS.get(name, ())}
+            for constants in _constant_choices(CONSTANTS.get(name, ()), dims, eps_values, scale_values):
                 graph = _instance(workload, dims, dtype, constants)
                 if graph is None or not _views(out_shape, _out_shape(graph)):
                     continue
@@ -241,6 +246,16 @@ def find_seed(ref: KernelGraph, inputs: Sequence[tuple[tuple, str]], out_shapes:
                 where = "" if candidate is graph else "; verified on the shrunk shapes"
                 return Seed(name, graph, tuple(order), transposed, shapes, dims, constants, verdict.reason + where)
     return None
+
+
+def _constant_choices(names: Sequence[str], dims: tuple, eps_values: Sequence[float],
+                      scale_values: Sequence[float]) -> list[dict]:
+    """Every assignment of the μGraph's keyword constants ``names``: eps from ``eps_values``; the score scale
+    from ``scale_values``, else ``1/√d`` of the real head size (the last dim), fixed so that the shrunk instance
+    scales as the program does."""
+    pools = {"eps": [float(e) for e in eps_values],
+             "scale": [float(s) for s in scale_values] or [float(dims[-1]) ** -0.5]}
+    return [dict(zip(names, values)) for values in itertools.product(*(pools[n] for n in names))]
 
 
 def _views(out_shape: tuple, graph_out: tuple) -> bool:
