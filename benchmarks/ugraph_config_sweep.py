@@ -44,6 +44,7 @@ SEED_VARIANTS = {
     "rmsnorm_linear_t": ("rmsnorm_linear", (0, 1, 2), lambda x, g, w: F.linear(rms_norm(x, weight=g), w)),
     "linear": ("rmsnorm_linear", (0, 2), lambda x, w: x @ w),
     "linear_t": ("rmsnorm_linear", (0, 2), lambda x, w: F.linear(x, w)),
+    "gated_mlp_llama8b_t": ("gated_mlp_llama8b", (0, 1, 2), lambda x, w1, w3: F.silu(F.linear(x, w1)) * F.linear(x, w3)),
 }
 
 

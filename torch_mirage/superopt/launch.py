@@ -48,6 +48,14 @@ STREAM_PIPELINE = (4, 5)
 # within it (H100: the probe's one weight, 32 x 256 fp16, is 16 KiB; the gated MLP's two weights were fastest at
 # 2 x 64 x 64 or 2 x 32 x 128, also 16 KiB per step, and slower at 2 x 32 x 256, its stream before 11-25 e)
 STREAM_STAGE_BYTES = 16 * 1024
+# the contiguous piece of each weight row a streamed tile should read (:func:`run_bytes`), and the loop tiles tried
+# to get it: the one-wave stream keeps STREAM_STAGE_BYTES by narrowing the K tile, which for nn.Linear's (n, k)
+# weight is the contiguous dim (H100 11-26, llama_layer_decode b1 bf16: gate / up in one kernel at 2 x 256 x 32
+# tiles, 64-byte pieces, 128.3 µs against a floor of 78; a plain Triton GEMV over the same bytes reading 8 x 512
+# tiles took 85.8). :func:`contiguous_streams` adds the unsplit re-tilings that read pieces this long, over waves.
+STREAM_RUN_BYTES = 512
+RUN_TILES = (256, 512)
+MIN_STREAM_TILE = 16       # and whose tiles hold at least this many rows (a row per program reads too little)
 # (num_warps, num_stages) of the stream where the norm's sums walk a loop of their own, besides STREAM_PIPELINE: the
 # dot loop then also reads x·g through registers (H100 sweep 11-25 e, RMSNorm + Linear 2 x 4096 x 4096 bf16: 18.3 µs
 # at 4 / 5 against 14.1 for the bare GEMV, 29.0 with the sums in the dot loop); fewer stages and more warps are timed
@@ -190,7 +198,7 @@ def _grid_choices(bg: BlockGraph, g: int) -> list[int]:
     return [bg.grid[g]]
 
 
-def _loop_choices(bg: BlockGraph, grid) -> list[int]:
+def _loop_choices(bg: BlockGraph, grid, tiles: Sequence[int] = LOOP_TILES) -> list[int]:
     for it in bg.iterators:
         d = it.attrs["fmap"]
         if d is None:
@@ -199,7 +207,7 @@ def _loop_choices(bg: BlockGraph, grid) -> list[int]:
         for g, m in enumerate(it.attrs["imap"]):
             if m == d:
                 extent //= grid[g]
-        return sorted({extent // t for t in LOOP_TILES if extent % t == 0 and extent >= t} | {bg.forloop_range})
+        return sorted({extent // t for t in tiles if extent % t == 0 and extent >= t} | {bg.forloop_range})
     return [bg.forloop_range]
 
 
@@ -208,11 +216,22 @@ def _tile_bytes(it: Op) -> int:
     return math.prod(padded(x) for x in it.shapes[0]) * size
 
 
+def _streamed(bg: BlockGraph) -> list[Op]:
+    """The iterators that the grid splits and the loop walks: a weight-streaming kernel's weights."""
+    return [it for it in bg.iterators if it.attrs["fmap"] is not None and any(m is not None for m in it.attrs["imap"])]
+
+
 def streamed_bytes(bg: BlockGraph) -> int:
     """Bytes one for-loop step of a program loads from the iterators that the grid splits and the loop walks: the
     weight tiles of a weight-streaming kernel (the activation rows every program reads are not counted)."""
-    return sum(_tile_bytes(it) for it in bg.iterators
-               if it.attrs["fmap"] is not None and any(m is not None for m in it.attrs["imap"]))
+    return sum(_tile_bytes(it) for it in _streamed(bg))
+
+
+def run_bytes(bg: BlockGraph) -> int:
+    """The shortest piece of contiguous memory a streamed tile reads per row: its last dim (the stored tensor's
+    contiguous one) in bytes — the K tile for ``nn.Linear``'s (n, k) weight, the N tile for a (k, n) one."""
+    return min((padded(it.shapes[0][-1]) * _tile_bytes(it) // math.prod(padded(x) for x in it.shapes[0])
+                for it in _streamed(bg)), default=0)
 
 
 def estimate_us(bg: BlockGraph, split: int, n_sm: int, bandwidth: float = 3.0e6) -> float | None:
@@ -401,22 +420,49 @@ def _stream_configs(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> list[
     return configs
 
 
+def contiguous_streams(bg: BlockGraph, n_sm: int) -> list[tuple[tuple, int]]:
+    """``(grid, forloop_range)`` of unsplit re-tilings of at least one wave of programs whose streamed tiles read
+    pieces of at least ``STREAM_RUN_BYTES`` (loop tiles of ``RUN_TILES``), tiles of at least ``MIN_STREAM_TILE`` a
+    side and no padding: per piece length the
+    one whose step loads closest to ``STREAM_STAGE_BYTES`` (at most twice that), as many waves as that takes."""
+    best: dict[int, tuple] = {}
+    for grid in _product([_grid_choices(bg, g) for g in range(len(bg.grid))]):
+        if math.prod(grid) < n_sm:
+            continue
+        for f in _loop_choices(bg, grid, RUN_TILES):
+            tiled = retile(bg, grid, f)
+            if tiled is None or estimate_us(tiled, 1, n_sm) is None or \
+                    any(x < MIN_STREAM_TILE or padded(x) != x for it in _streamed(tiled) for x in it.shapes[0]):
+                continue
+            run, stage = run_bytes(tiled), streamed_bytes(tiled)
+            if run < STREAM_RUN_BYTES or stage > 2 * STREAM_STAGE_BYTES:
+                continue
+            score = (abs(stage - STREAM_STAGE_BYTES), -math.prod(grid))
+            if run not in best or score < best[run][0]:
+                best[run] = (score, tuple(grid), f)
+    return [(g, f) for _, g, f in (best[r] for r in sorted(best))]
+
+
 def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
     """The launches of a weight-streaming (memory-bound matmul) kernel: the μGraph's own schedule at the first of
     ``WARPS_STAGES`` and, where its loop has at least ``DEEP_LOOP`` steps, at ``DEEP_PIPELINE`` (the library gated
     MLP's tuned winner: its μGraph is the seed's); the one-wave stream of :func:`_stream_configs`; the
     best-estimated split-K (a combine kernel after it; also with the sums' loop of its own where there is one) and
     split-N of more than one wave and at most ``PROBE_WAVES[-1]`` programs per SM, at the first of ``WARPS_STAGES``;
-    the best-estimated unsplit loop of at least ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``. Up to twelve configs
-    (seven without a norm) where :func:`candidates` gives about twenty:
+    the best-estimated unsplit loop of at least ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``; the
+    :func:`contiguous_streams` at ``STREAM_PIPELINE`` (with a norm: also with its sums in a loop of their own). Up
+    to sixteen configs (nine without a norm) where :func:`candidates` gives about twenty:
     each costs a Triton compile, and a decode layer has one such kernel per projection."""
     scored = _scored(bg, n_sm)
     warps, stages = WARPS_STAGES[0]
     own = (tuple(bg.grid), bg.forloop_range)
+    has_sums = bool(prologue_accumulators(bg))
     configs = [LaunchConfig(*own, 1, warps, stages)]
     if bg.forloop_range >= DEEP_LOOP:
         configs.append(LaunchConfig(*own, 1, *DEEP_PIPELINE))
     configs += _stream_configs(bg, scored, n_sm)
+    for g, f in contiguous_streams(bg, n_sm):        # with a norm's sums also in a loop of their own
+        configs += [LaunchConfig(g, f, 1, *STREAM_PIPELINE, prologue=p) for p in (False, True)[:1 + has_sums]]
     split_k = next(((g, f, s) for _, g, f, s in scored if s > 1), None)
     split_n = next(((g, f, s) for _, g, f, s in scored
                     if s == 1 and n_sm < math.prod(g) <= PROBE_WAVES[-1] * n_sm), None)
@@ -477,7 +523,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs, ABBA",
                     space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE,
-                           STREAM_STAGE_BYTES, PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES]
+                           STREAM_STAGE_BYTES, STREAM_RUN_BYTES, RUN_TILES, PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES]
                     + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
     props = torch.cuda.get_device_properties(inputs[0].device)
     configs = {json.dumps(c.to_json(), sort_keys=True): c for c in propose(bg, props.multi_processor_count, limit)}
