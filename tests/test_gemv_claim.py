@@ -25,10 +25,13 @@ from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph
 from torch_mirage.superopt.gemv_claim import verified_instance
 from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed
 from torch_mirage.superopt import library
-from torch_mirage.superopt.launch import (DEEP_PIPELINE, STREAM_PIPELINE, STREAM_STAGE_BYTES, LaunchConfig,
-                                          retile, streamed_bytes, streaming_candidates)
+from torch_mirage.superopt.launch import (DEEP_PIPELINE, MIN_STREAM_TILE, STREAM_PIPELINE, STREAM_RUN_BYTES,
+                                          STREAM_STAGE_BYTES, LaunchConfig, contiguous_streams, retile, run_bytes,
+                                          streamed_bytes, streaming_candidates)
+from torch_mirage.codegen.ugraph_triton import emit_block_kernel
 from torch_mirage.superopt.search.reference import reference_of
 from torch_mirage.capture.lower import trace
+from torch_mirage.numerics import rms_norm
 from torch_mirage.superopt.verify import verify
 from torch_mirage.ugraph import Ref
 
@@ -219,6 +222,43 @@ def test_every_streaming_launch_matches_the_reference(tmp_path):
     for cfg in configs:
         (got,) = BlockLauncher(op.body, cfg, [a.dim() for a in args], str(tmp_path))(*args)
         assert_close(got, want)
+
+
+@interpreted
+@pytest.mark.parametrize("rows", [1, 3])
+def test_linear_weights_stream_along_their_contiguous_k(rows, tmp_path):
+    """nn.Linear's (n, k) weight is contiguous along k: the launches include unsplit streams over at least a wave
+    whose weight tiles read pieces of at least ``STREAM_RUN_BYTES`` with sides of at least ``MIN_STREAM_TILE``
+    (the one-wave stream narrows K instead); at one row their kernels multiply-sum along the tile's loaded axis (no
+    transpose of a narrow tile feeds the sum); all equal eager, with and without the norm's sums in a loop of their own."""
+    n_sm = 4
+    def fn(x, g, w):
+        return F.linear(rms_norm(x, EPS, g), w)
+    xs = [torch.randn(rows, 1024), 1 + 0.1 * torch.randn(1024), torch.randn(512, 1024) / 32]
+    graph = trace(fn, xs)
+    ref = reference_of(graph.nodes, graph)
+    seed = gemv_seed(ref.graph)
+    (op,) = [o for o in seed.ops if o.name == "customized"]
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    ins = [xs[pos[id(v)]] for v in ref.inputs]
+    args = [ins[seed.ops[r[0]].attrs["index"]] for r in op.inputs]
+    want = fn(*[x.double() for x in xs]).float()
+    streams = contiguous_streams(op.body, n_sm)
+    assert streams
+    configs = streaming_candidates(op.body, n_sm)
+    for grid, f in streams:
+        tiled = retile(op.body, grid, f)
+        assert math.prod(grid) >= n_sm and run_bytes(tiled) >= STREAM_RUN_BYTES
+        assert all(x >= MIN_STREAM_TILE for it in tiled.iterators if it.attrs["fmap"] is not None
+                   and any(m is not None for m in it.attrs["imap"]) for x in it.shapes[0])
+        chosen = [c for c in configs if (c.grid, c.forloop_range, c.split) == (grid, f, 1)]
+        assert {c.prologue for c in chosen} == {False, True}, configs
+        source = emit_block_kernel(tiled, [a.dim() for a in args]).source
+        if rows == 1:     # one row: the multiply-sum (more rows pad to tl.dot's 16)
+            assert "axis=2)" in source and "[:, :, None] *" not in source, source
+        for cfg in chosen:
+            (got,) = BlockLauncher(op.body, cfg, [a.dim() for a in args], str(tmp_path))(*args)
+            assert_close(got, want)
 
 
 @interpreted
