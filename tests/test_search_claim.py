@@ -37,13 +37,70 @@ def lora(x, w, a, b):
     return x @ w + (x @ a) @ b
 
 
+def lora_swapped(a, b, x, w):
+    """The adapter's term first, the arguments in another order."""
+    return (x @ a) @ b + x @ w
+
+
+class LoraLinear(torch.nn.Module):
+    """PEFT-style: nn.Linear base layer plus nn.Linear A and B, weights stored (out, in)."""
+    def __init__(self, k=32, n=24, r=8):
+        super().__init__()
+        self.base, self.lora_a, self.lora_b = (torch.nn.Linear(k, n, bias=False), torch.nn.Linear(k, r, bias=False),
+                                               torch.nn.Linear(r, n, bias=False))
+
+    def forward(self, x):
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+def sigmoid_gated_mlp(x, w1, w3):
+    """SiLU spelled out: g·sigmoid(g), the up projection first."""
+    up = x @ w3
+    g = x @ w1
+    return up * (g * torch.sigmoid(g))
+
+
+class _HFRMSNorm(torch.nn.Module):     # LlamaRMSNorm: fp32 upcast, eps, the weight after the cast back
+    def __init__(self, d):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(d))
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+class NormProjection(torch.nn.Module):
+    """HF modules: an RMSNorm module, then nn.Linear (weight (out, in))."""
+    def __init__(self, k=32, n=24):
+        super().__init__()
+        self.norm, self.proj = _HFRMSNorm(k), torch.nn.Linear(k, n, bias=False)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+def rmsnorm_div_sqrt(x, g, w):
+    """x / sqrt(mean(x²) + eps) instead of x · rsqrt(…), the gain on the other side."""
+    return (g * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5))) @ w
+
+
+# Each workload in at least three forms (issue 15's acceptance): LoRA, the gated MLP and RMSNorm + Linear here;
+# nTrans in test_search_reductions.py; GQA and QK-norm attention in test_search_attention.py.
 @interpreted
 @pytest.mark.parametrize("fn,shapes", [(lora, [(4, 32), (32, 24), (32, 8), (8, 24)]),
+                                       (lora_swapped, [(32, 8), (8, 24), (4, 32), (32, 24)]),
+                                       (LoraLinear().requires_grad_(False), [(4, 32)]),   # inference: no saved activations
                                        (gated_mlp, [(4, 32), (32, 24), (32, 24)]),
                                        (linear_gated_mlp, [(4, 32), (24, 32), (24, 32)]),
+                                       (sigmoid_gated_mlp, [(4, 32), (32, 24), (32, 24)]),
                                        (rmsnorm_linear, [(4, 32), (32,), (32, 24)]),
-                                       (rmsnorm_linear_3d, [(2, 4, 32), (32,), (32, 24)])],
-                         ids=["lora", "gated_mlp", "linear_gated_mlp", "rmsnorm", "rmsnorm_3d_eps"])
+                                       (rmsnorm_linear_3d, [(2, 4, 32), (32,), (32, 24)]),
+                                       (NormProjection().requires_grad_(False), [(2, 4, 32)]),
+                                       (rmsnorm_div_sqrt, [(4, 32), (32,), (32, 24)])],
+                         ids=["lora", "lora_swapped", "lora_nn_linear", "gated_mlp", "linear_gated_mlp",
+                              "sigmoid_gated_mlp", "rmsnorm", "rmsnorm_3d_eps", "rmsnorm_hf_modules",
+                              "rmsnorm_div_sqrt"])
 def test_search_claims_a_fused_region(fn, shapes):
     report = torch_mirage.Report()
     opts = dict(ugraph_library=False, stitch=False, search=True, search_budget_s=25.0, measure_regions=False,
