@@ -6,7 +6,9 @@ Not rotated past L2: per-kernel times of one call, for comparison within a run.
 
     python benchmarks/layer_kernels_gpu.py 1      # or: benchmarks/device_check.sh layerkernels:1
 """
-import sys, os, torch
+import sys
+
+import torch
 sys.path.insert(0, '.')
 import torch_mirage
 from torch_mirage.bench.workloads import WORKLOADS

@@ -200,6 +200,19 @@ def test_skinny_matmuls_are_memory_bound_and_wide_ones_compute_bound():
     assert region.reason is Reason.NOT_CLAIMED and "memory-bound matmul" in region.detail, str(report)
 
 
+def _seed_kernel_op(fn, xs):
+    """(the weight-streaming seed's customized op, its arguments, fn's float64 result) for 2-D inputs ``xs`` (no
+    kernel reshapes)."""
+    graph = trace(fn, xs)
+    ref = reference_of(graph.nodes, graph)
+    seed = gemv_seed(ref.graph)
+    (op,) = [o for o in seed.ops if o.name == "customized"]
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    ins = [xs[pos[id(v)]] for v in ref.inputs]
+    args = [ins[seed.ops[r[0]].attrs["index"]] for r in op.inputs]
+    return op, args, fn(*[x.double() for x in xs]).float()
+
+
 @interpreted
 def test_every_streaming_launch_matches_the_reference(tmp_path):
     """The launches :func:`streaming_candidates` proposes for a norm + matmul + residual seed — the own schedule,
@@ -208,14 +221,7 @@ def test_every_streaming_launch_matches_the_reference(tmp_path):
     each compute the reference (on the GPU :func:`choose` also drops a launch that disagrees with the own schedule)."""
     fn = FORMS[10][1]
     xs = [torch.randn(3, 512), 1 + 0.1 * torch.randn(512), torch.randn(64, 512) / 512 ** 0.5, torch.randn(3, 64)]
-    graph = trace(fn, xs)
-    ref = reference_of(graph.nodes, graph)
-    seed = gemv_seed(ref.graph)
-    (op,) = [o for o in seed.ops if o.name == "customized"]
-    pos = {id(v): i for i, v in enumerate(graph.inputs)}
-    ins = [xs[pos[id(v)]] for v in ref.inputs]
-    args = [ins[seed.ops[r[0]].attrs["index"]] for r in op.inputs]       # 2-D inputs: no kernel reshapes
-    want = fn(*[x.double() for x in xs]).float()
+    op, args, want = _seed_kernel_op(fn, xs)
     configs = streaming_candidates(op.body, n_sm=4)
     assert any(c.split > 1 and c.prologue for c in configs) and any(c.split == 1 and c.prologue for c in configs), configs
     assert any(c.sums_after for c in configs), configs
@@ -235,14 +241,7 @@ def test_linear_weights_stream_along_their_contiguous_k(rows, tmp_path):
     def fn(x, g, w):
         return F.linear(rms_norm(x, EPS, g), w)
     xs = [torch.randn(rows, 1024), 1 + 0.1 * torch.randn(1024), torch.randn(512, 1024) / 32]
-    graph = trace(fn, xs)
-    ref = reference_of(graph.nodes, graph)
-    seed = gemv_seed(ref.graph)
-    (op,) = [o for o in seed.ops if o.name == "customized"]
-    pos = {id(v): i for i, v in enumerate(graph.inputs)}
-    ins = [xs[pos[id(v)]] for v in ref.inputs]
-    args = [ins[seed.ops[r[0]].attrs["index"]] for r in op.inputs]
-    want = fn(*[x.double() for x in xs]).float()
+    op, args, want = _seed_kernel_op(fn, xs)
     streams = contiguous_streams(op.body, n_sm)
     assert streams
     configs = streaming_candidates(op.body, n_sm)
