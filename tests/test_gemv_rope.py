@@ -3,6 +3,7 @@ GEMVs and RoPE's rotation in the epilogue (superopt/gemv_seed.py reads the pairi
 region's cat / neg / slice structure: one head per block, a ``rotate_half`` block op), written two ways (HF's
 ``rotate_half`` with chunk and cat; slices joined by stack and flatten), batch 1 and 3, fp32 and fp16 (Triton
 interpreter on CPU), equal to eager; the bench's decode layer runs in fewer kernels with its caches as eager's."""
+import math
 import os
 
 import pytest
@@ -80,6 +81,44 @@ def test_qkv_rope_is_one_streaming_kernel(rotate, b, dtype):
     (region,) = report.regions
     assert region.compiled_by == "mirage" and region.claimer == "ugraph-gemv", str(report)
     assert sum("aten.mm" in op for op in region.ops) == 3 and any("cat" in op for op in region.ops), region.ops
+
+
+@interpreted
+def test_head_bound_grids_get_a_split_that_fills_a_wave(tmp_path):
+    """RoPE fixes the grid at one block per head (4 and 2 here, 32 and 8 for Llama-3-8B): where no unsplit
+    re-tiling fills the SMs, the launches include the split-K with the fewest splits that fills a wave
+    (:func:`wave_split`); every launch of each block graph, rotation in its combine kernel where split, equals
+    eager."""
+    from torch_mirage.superopt.compile import BlockLauncher
+    from torch_mirage.superopt.launch import WAVE_FILL, _scored, streaming_candidates, wave_split
+
+    fn, n_sm = qkv_rope(rotate_cat), 16
+    xs = _inputs(1, torch.float32, d=512)     # a long enough K to split (loop tiles of at least 32)
+    graph = trace(fn, xs)
+    ref = reference_of(graph.nodes, graph)
+    seed = gemv_seed(ref.graph)
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    ins = [xs[pos[id(v)]] for v in ref.inputs]
+
+    def arg(r):        # a kernel input, or a kernel reshape of one
+        src = seed.ops[r[0]]
+        return ins[src.attrs["index"]] if src.name == "input" else arg(src.inputs[0]).reshape(src.shapes[0])
+
+    want = [w.float() for w in fn(*[x.double() for x in xs])]
+    for op in (o for o in seed.ops if o.name == "customized"):
+        grid, split = op.body.grid, wave_split(_scored(op.body, n_sm), n_sm)
+        assert split is not None and split[0] == tuple(grid), (grid, split)
+        assert split[2] > 1 and math.prod(grid) * split[2] >= WAVE_FILL * n_sm > math.prod(grid) * split[2] / 2
+        configs = streaming_candidates(op.body, n_sm)
+        assert any((c.grid, c.forloop_range, c.split) == split for c in configs), configs
+        args = [arg(r) for r in op.inputs]
+        outs = [BlockLauncher(op.body, cfg, [a.dim() for a in args], str(tmp_path))(*args) for cfg in configs]
+        for got in outs[1:]:
+            for g, first in zip(got, outs[0]):
+                assert_close(g, first)
+    compiled, _ = _compile(fn)
+    for g, w in zip(compiled(*xs), want):
+        assert_close(g, w)
 
 
 def test_rotation_must_pair_the_halves_of_a_head():

@@ -449,9 +449,9 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     MLP's tuned winner: its μGraph is the seed's); the one-wave stream of :func:`_stream_configs`; the
     best-estimated split-K (a combine kernel after it; also with the sums' loop of its own where there is one) and
     split-N of more than one wave and at most ``PROBE_WAVES[-1]`` programs per SM, at the first of ``WARPS_STAGES``;
-    the best-estimated unsplit loop of at least ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``; the
-    :func:`contiguous_streams` at ``STREAM_PIPELINE`` (with a norm: also with its sums in a loop of their own). Up
-    to sixteen configs (nine without a norm) where :func:`candidates` gives about twenty:
+    the best-estimated unsplit loop of at least ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``; the split-K that just fills
+    a wave (:func:`wave_split`, also with the sums' loop of its own); the :func:`contiguous_streams` at ``STREAM_PIPELINE`` (with a norm: also with its sums in a loop of their own). Up
+    to eighteen configs (ten without a norm) where :func:`candidates` gives about twenty:
     each costs a Triton compile, and a decode layer has one such kernel per projection."""
     scored = _scored(bg, n_sm)
     warps, stages = WARPS_STAGES[0]
@@ -466,15 +466,34 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     split_k = next(((g, f, s) for _, g, f, s in scored if s > 1), None)
     split_n = next(((g, f, s) for _, g, f, s in scored
                     if s == 1 and n_sm < math.prod(g) <= PROBE_WAVES[-1] * n_sm), None)
-    for pick in (split_k, split_n):
+    for pick in (split_k, split_n, fill := wave_split(scored, n_sm)):
         if pick is not None:
             configs.append(LaunchConfig(pick[0], pick[1], pick[2], warps, stages))
-    if split_k is not None and prologue_accumulators(bg):    # each split's share of the sums in a loop of its own
-        configs.append(LaunchConfig(*split_k, warps, stages, prologue=True))
+    for pick in (split_k, fill) if has_sums else ():   # each split's share of the sums in a loop of its own
+        if pick is not None:
+            configs.append(LaunchConfig(*pick, warps, stages, prologue=True))
     deep = next(((g, f) for _, g, f, s in scored if s == 1 and f >= DEEP_LOOP), None)
     if deep is not None:
         configs.append(LaunchConfig(deep[0], deep[1], 1, *DEEP_PIPELINE))
     return list(dict.fromkeys(configs))
+
+
+WAVE_FILL = 0.9       # the fraction of the SMs a split-K of :func:`wave_split` fills
+
+
+def wave_split(scored: Sequence[tuple], n_sm: int) -> tuple | None:
+    """``(grid, forloop_range, split)`` where no unsplit re-tiling fills a wave of ``n_sm`` programs (a grid fixed
+    by whole heads: the RoPE projection's 32 or 8 blocks): the split-K with the fewest splits that fills one (to
+    ``WAVE_FILL``: 32 heads x 4 splits = 128 programs count on 132 SMs), at its
+    best estimate — the fewest partial states for the combine kernel to read (H100 11-26, decode QKV + RoPE: the
+    k / v projection at 32 splits spent 6.2 µs in its combine against 11.3 in the main kernel); else None."""
+    if any(s == 1 and math.prod(g) >= n_sm for _, g, _, s in scored):
+        return None
+    fills = [(s, est, g, f) for est, g, f, s in scored if s > 1 and math.prod(g) * s >= WAVE_FILL * n_sm]
+    if not fills:
+        return None
+    _, _, g, f = min(fills, key=lambda x: (x[0], x[1]))
+    return g, f, min(x[0] for x in fills)
 
 
 def streaming_pick(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> tuple | None:
