@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from ..capture.ir import Node
 from ..capture.ops import OpKind
 from ..context import CompileContext, Target
 from ..partition.region import Decline, Reason, inputs_of, outputs_of
@@ -141,3 +142,16 @@ def lowered_reference(nodes: list, graph, ctx: CompileContext) -> Reference | De
     if not ctx.target.runs_on(metas[0].device.type):
         return Decline(nodes, Reason.UNSUPPORTED_DEVICE, str(metas[0].device))
     return ref
+
+
+def layout_tails_dropped(nodes: list[Node]) -> list[Node]:
+    """``nodes`` without the layout ops that only reshape a result for readers outside (q's regrouping for the
+    attention): the kernel writes the value before them, and the views run as views."""
+    nodes = list(nodes)
+    while True:
+        inside = {id(n) for n in nodes}
+        tails = [n for n in nodes if n.kind is OpKind.LAYOUT and n.inputs and n.inputs[0].producer is not None
+                 and id(n.inputs[0].producer) in inside and not any(id(u) in inside for v in n.outputs for u in v.users)]
+        if not tails:
+            return nodes
+        nodes = [n for n in nodes if all(n is not t for t in tails)]

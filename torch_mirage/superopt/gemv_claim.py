@@ -11,7 +11,7 @@ cuts the larger has the lower roofline estimate):
    MLP's two) with the producers read only inside — the RMSNorm of the rows joins them (each matmul width gets a
    block graph of its own in the seed, each recomputing the norm's row scale), first with the elementwise and
    layout readers of every result (RoPE on a QKV projection's q and k, up to the attention and the cache write;
-   then without the views of a result for readers outside, :func:`layout_tails_dropped`), then without readers;
+   then without the views of a result for readers outside, :func:`.cut.layout_tails_dropped`), then without readers;
 2. the matmul with producers of every kind (the norm, a gated MLP's sibling, the weight's transpose) and the
    elementwise readers of a single result (a residual add, SiLU·mul); then without the readers;
 3. the same with layout producers only, then with none (the activation arrives through a permute the reference
@@ -44,7 +44,7 @@ from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
 from .compile import DTYPES as TORCH_DTYPES
 from .gemv_seed import NotStreamable, gemv_seed, rotation_groups
 from .launch import streaming_candidates
-from .cut import GROW, MAX_NODES, computes, grow, lowered_reference, reference_kernel
+from .cut import GROW, MAX_NODES, computes, grow, layout_tails_dropped, lowered_reference, reference_kernel
 from .search.reference import Reference
 from .search.shrink import SMALL_TILE, block_steps, head_size_map, shrink
 from .ugraph_plan import Alternative, UGraphPlan, random_inputs
@@ -114,19 +114,6 @@ def weight_views(anchor: Node, free_ids: set) -> list[Node]:
         readers.add(id(w.producer))
         w = next(v for v in w.producer.inputs if v.is_tensor)
     return chain
-
-
-def layout_tails_dropped(nodes: list[Node]) -> list[Node]:
-    """``nodes`` without the layout ops that only reshape a result for readers outside (q's regrouping for the
-    attention): the kernel writes the value before them, and the views run as views."""
-    nodes = list(nodes)
-    while True:
-        inside = {id(n) for n in nodes}
-        tails = [n for n in nodes if n.kind is OpKind.LAYOUT and n.inputs and n.inputs[0].producer is not None
-                 and id(n.inputs[0].producer) in inside and not any(id(u) in inside for v in n.outputs for u in v.users)]
-        if not tails:
-            return nodes
-        nodes = [n for n in nodes if all(n is not t for t in tails)]
 
 
 class GemvClaimer:

@@ -34,7 +34,8 @@ from .reference import is_attention
 from ...capture.ops import OpKind
 from ...context import CompileContext
 from ...partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
-from ..cut import CHAIN, DTYPES, GROW, MAX_NODES, computes, grow, levels, lowered_reference, reference_kernel
+from ..cut import (CHAIN, DTYPES, GROW, MAX_NODES, computes, grow, layout_tails_dropped, levels, lowered_reference,
+                   reference_kernel)
 from ..gemv_claim import seed_claim
 from ..ugraph_plan import Alternative, UGraphPlan, random_inputs
 from .seeds import Seed, arity, seed_kernel
@@ -96,8 +97,13 @@ class SearchClaimer:
             if id(anchor) not in free_ids or id(anchor) in searched:
                 continue
             chain = anchor.op.kind is OpKind.REDUCTION
-            nodes = sorted(grow(graph, anchor, free_ids, self.max_nodes, CHAIN if chain else GROW, counts=computes),
-                           key=lambda n: order[id(n)])
+            grown = grow(graph, anchor, free_ids, self.max_nodes, CHAIN if chain else GROW, counts=computes)
+            if len(outputs_of(grown, graph)) > 1:
+                # without views of a result for readers outside (a norm's output viewed for each of the q, k, v
+                # projections: three more outputs the μGraph would write, none found within the op limit); a
+                # single output keeps its view (the search finds (b, s, n) rows from (b, s, k) ones, not a reshape)
+                grown = layout_tails_dropped(grown)
+            nodes = sorted(grown, key=lambda n: order[id(n)])
             if not is_convex(graph, nodes):
                 outcomes.append(Decline(nodes, Reason.NOT_CONVEX, f"the region grown around {anchor.name}"))
                 continue
@@ -129,7 +135,8 @@ class SearchClaimer:
             if result.seed is not None:
                 return _seed_claim(graph, nodes, ref, result.seed, result.source)
             if result.best is None:
-                log.info("torch_mirage: μGraph search found nothing for %d nodes (%s)", len(nodes), result.reason)
+                log.info("torch_mirage: μGraph search found nothing for %d nodes (%s): %s", len(nodes), result.reason,
+                         ", ".join(n.target_name for n in nodes))
                 seeded = seed_claim(graph, nodes, ref, ctx) if any(op.name == "matmul" for op in ref.graph.ops) \
                     else None
                 if isinstance(seeded, Claim):   # the region whole, not cut smaller: its weight-streaming seed

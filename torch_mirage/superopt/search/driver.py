@@ -293,6 +293,9 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
         hit = _cache_get(cache, key)
         if hit is not None:
             stats.seconds = time.monotonic() - t0
+            if hit[0] is None:      # an exhaustive search of the same target found nothing
+                log.info("μGraph search: cached: nothing found (%s)", hit[2])
+                return SearchResult(None, stats, source="cache", reason=f"cached: {hit[2]}")
             log.info("μGraph search: cached μGraph (%.3f s)", stats.seconds)
             return SearchResult(hit[0], stats, source="cache", reason="cached verified μGraph", seed=hit[1])
 
@@ -346,6 +349,8 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     if not verified:
         why = "deadline" if stats.timed_out else f"no verified μGraph within {max_ops} block ops"
         log.info("μGraph search: nothing found (%s); %s", why, stats.as_dict())
+        if key is not None and not stats.timed_out and stats.seconds < budget_s:   # exhaustive: nothing, again
+            cache.put_json(key, {"nothing": why, "stats": stats.as_dict()})
         return SearchResult(None, stats, reason=why)
     cost, _, best, skel, source, reason, _ = min(verified, key=lambda v: v[:2])
     if key is not None:
@@ -421,16 +426,20 @@ def _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, seeds_onl
                      seeds=list(seeds), seeds_only=seeds_only, max_ops=max_ops, tile=tile)
 
 
-def _cache_get(cache, key: str) -> tuple[KernelGraph, Seed | None] | None:
-    """The cached μGraph (with its seed binding, for a seed), or None when absent or unusable (then the search
-    runs and rewrites it)."""
+def _cache_get(cache, key: str) -> tuple[KernelGraph | None, Seed | None, str] | None:
+    """``(μGraph, its seed binding for a seed, "")``, or ``(None, None, why)`` where an exhaustive search of the
+    same target found nothing (a model's repeated layers search each distinct region once: on a tiny Qwen2, 2-core
+    CPU, 11-26, the second layer's 9-node region cost the same 6 s again); None when absent or unusable (then the
+    search runs and rewrites it)."""
     entry = cache.get_json(key)
     if entry is None:
         return None
     try:
+        if "nothing" in entry:
+            return None, None, str(entry["nothing"])
         g = from_dict(entry["graph"])
         validate(g)
-        return g, (Seed.from_dict(entry["seed"], g) if entry.get("seed") is not None else None)
+        return g, (Seed.from_dict(entry["seed"], g) if entry.get("seed") is not None else None), ""
     except Exception as e:  # noqa: BLE001 - a bad entry is a miss, never an error
         log.warning("μGraph search: cache entry %s unusable (%s: %s); searching again", key[:16],
                     type(e).__name__, e)
