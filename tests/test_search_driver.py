@@ -182,3 +182,26 @@ def test_disk_cache_warm_and_corrupted(tmp_path):
                    cache=cache)
     assert other.best is None
 
+
+
+def test_an_exhaustive_miss_is_cached_and_a_timed_out_one_is_not(tmp_path):
+    """A search that explored everything within its op limit and found nothing is cached: the same target (a
+    model's next layer) gets the answer at once, without generating; one cut by its deadline is not cached."""
+    from torch_mirage.cache import DiskCache
+    cache = DiskCache(str(tmp_path / "a"), "search")
+    ref = _gated_mlp()
+    cold = search(ref, _specs(ref), budget_s=20, tile=8, max_ops=3, oracle_kwargs=FRONT, cache=cache)
+    assert cold.best is None and not cold.stats.timed_out and cold.stats.generated > 0, cold.reason
+    t = time.monotonic()
+    warm = search(ref, _specs(ref), budget_s=20, tile=8, max_ops=3, oracle_kwargs=FRONT, cache=cache)
+    assert time.monotonic() - t < 1.0
+    assert warm.best is None and warm.source == "cache" and warm.stats.generated == 0
+    assert warm.reason == f"cached: {cold.reason}"
+    # a larger op limit is another question: it searches (and finds the fused μGraph)
+    found = search(ref, _specs(ref), budget_s=20, tile=8, oracle_kwargs=FRONT, cache=cache)
+    assert found.best is not None and found.source == "search"
+    cut = DiskCache(str(tmp_path / "b"), "search")
+    slow = _rms_mean_rsqrt()
+    timed_out = search(slow, _specs(slow), budget_s=0.5, tile=8, prune=False, cache=cut)
+    assert timed_out.best is None and timed_out.stats.timed_out
+    assert not list((tmp_path / "b").rglob("*.bin"))

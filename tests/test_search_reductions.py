@@ -95,6 +95,20 @@ def test_search_claims_hf_residual_rmsnorm():
     assert region.info["verified"] >= 1 and "rms_norm" in region.info["ugraph"]
 
 
+@interpreter_only
+def test_a_norm_viewed_for_several_readers_is_searched_without_its_views():
+    """A norm whose result leaves the region through several views (as for a QKV projection's three matmuls):
+    the region is the norm alone — its views run as views — and the search finds it (with the views inside it
+    had four outputs and no μGraph within the op limit)."""
+    def fn(x, g):
+        h = _rms_rsqrt(x) * g
+        return h.view(8, 32), h.view(2, 2, 2, 32).sin(), h.view(2, 4, 2, 16).cos()
+
+    region = _claimed(fn, [(2, 4, 32), (32,)])
+    assert region.info["source"] == "search", region.info
+    assert not any("view" in op for op in region.ops), region.ops
+
+
 # ------------------------------------------------------------------ the driver on nTrans' reference μGraph
 M, N = 4, 32
 FRONT = dict(use_z3=False)     # the structural front decides alone: deterministic and fast
