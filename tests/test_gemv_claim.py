@@ -251,7 +251,7 @@ def test_linear_weights_stream_along_their_contiguous_k(rows, tmp_path):
         assert all(x >= MIN_STREAM_TILE for it in tiled.iterators if it.attrs["fmap"] is not None
                    and any(m is not None for m in it.attrs["imap"]) for x in it.shapes[0])
         chosen = [c for c in configs if (c.grid, c.forloop_range, c.split) == (grid, f, 1)]
-        assert {c.prologue for c in chosen} == {False, True}, configs
+        assert {(c.prologue, c.sums_after) for c in chosen} == {(False, False), (True, False), (True, True)}, configs
         source = emit_block_kernel(tiled, [a.dim() for a in args]).source
         if rows == 1:     # one row: the multiply-sum (more rows pad to tl.dot's 16)
             assert "axis=2)" in source and "[:, :, None] *" not in source, source

@@ -450,9 +450,10 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     best-estimated split-K (a combine kernel after it; also with the sums' loop of its own where there is one) and
     split-N of more than one wave and at most ``PROBE_WAVES[-1]`` programs per SM, at the first of ``WARPS_STAGES``;
     the best-estimated unsplit loop of at least ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``; the split-K that just fills
-    a wave (:func:`wave_split`, also with the sums' loop of its own); the :func:`contiguous_streams` at ``STREAM_PIPELINE`` (with a norm: also with its sums in a loop of their own). Up
-    to eighteen configs (ten without a norm) where :func:`candidates` gives about twenty:
-    each costs a Triton compile, and a decode layer has one such kernel per projection."""
+    a wave (:func:`wave_split`, also with the sums' loop of its own); the :func:`contiguous_streams` at
+    ``STREAM_PIPELINE`` (with a norm: also with its sums in a loop of their own, before or after the dot loop). Up to
+    twenty configs (ten without a norm), each a Triton compile (in parallel: ``compile_workers``); a decode layer
+    has one such kernel per projection."""
     scored = _scored(bg, n_sm)
     warps, stages = WARPS_STAGES[0]
     own = (tuple(bg.grid), bg.forloop_range)
@@ -461,8 +462,10 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     if bg.forloop_range >= DEEP_LOOP:
         configs.append(LaunchConfig(*own, 1, *DEEP_PIPELINE))
     configs += _stream_configs(bg, scored, n_sm)
-    for g, f in contiguous_streams(bg, n_sm):        # with a norm's sums also in a loop of their own
-        configs += [LaunchConfig(g, f, 1, *STREAM_PIPELINE, prologue=p) for p in (False, True)[:1 + has_sums]]
+    for g, f in contiguous_streams(bg, n_sm):    # with a norm's sums also in a loop of their own, before or after
+        configs.append(LaunchConfig(g, f, 1, *STREAM_PIPELINE))     # the dot loop (after: the stream starts at once)
+        if has_sums:
+            configs += [LaunchConfig(g, f, 1, *STREAM_PIPELINE, prologue=True, sums_after=a) for a in (False, True)]
     split_k = next(((g, f, s) for _, g, f, s in scored if s > 1), None)
     split_n = next(((g, f, s) for _, g, f, s in scored
                     if s == 1 and n_sm < math.prod(g) <= PROBE_WAVES[-1] * n_sm), None)
