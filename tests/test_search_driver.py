@@ -184,9 +184,10 @@ def test_disk_cache_warm_and_corrupted(tmp_path):
 
 
 
-def test_an_exhaustive_miss_is_cached_and_a_timed_out_one_is_not(tmp_path):
+def test_misses_are_cached_a_timed_out_one_for_its_budget(tmp_path):
     """A search that explored everything within its op limit and found nothing is cached: the same target (a
-    model's next layer) gets the answer at once, without generating; one cut by its deadline is not cached."""
+    model's next layer) gets the answer at once, without generating; one cut by its deadline answers searches of
+    at most its budget, and a longer budget searches again."""
     from torch_mirage.cache import DiskCache
     cache = DiskCache(str(tmp_path / "a"), "search")
     ref = _gated_mlp()
@@ -204,4 +205,7 @@ def test_an_exhaustive_miss_is_cached_and_a_timed_out_one_is_not(tmp_path):
     slow = _rms_mean_rsqrt()
     timed_out = search(slow, _specs(slow), budget_s=0.5, tile=8, prune=False, cache=cut)
     assert timed_out.best is None and timed_out.stats.timed_out
-    assert not list((tmp_path / "b").rglob("*.bin"))
+    again = search(slow, _specs(slow), budget_s=0.4, tile=8, prune=False, cache=cut)
+    assert again.source == "cache" and again.reason == "cached: deadline" and again.stats.generated == 0
+    longer = search(slow, _specs(slow), budget_s=0.8, tile=8, prune=False, cache=cut)
+    assert longer.source != "cache" and longer.stats.generated > 0

@@ -290,7 +290,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     key = _cache_key(target, targets, inputs, out_shapes, out_dtypes, names, seeds_only, max_ops, tile) \
         if cache is not None and not extra_candidates else None
     if key is not None:
-        hit = _cache_get(cache, key)
+        hit = _cache_get(cache, key, budget_s)
         if hit is not None:
             stats.seconds = time.monotonic() - t0
             if hit[0] is None:      # an exhaustive search of the same target found nothing
@@ -349,8 +349,11 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     if not verified:
         why = "deadline" if stats.timed_out else f"no verified μGraph within {max_ops} block ops"
         log.info("μGraph search: nothing found (%s); %s", why, stats.as_dict())
-        if key is not None and not stats.timed_out and stats.seconds < budget_s:   # exhaustive: nothing, again
-            cache.put_json(key, {"nothing": why, "stats": stats.as_dict()})
+        if key is not None and (stats.timed_out or stats.seconds < budget_s):
+            # exhaustive: nothing, again; cut by the deadline: nothing again within as many seconds (a model's
+            # repeated layers: on a tiny Gemma-2, 2-core CPU, 11-26, each layer's MLP region spent its 30 s)
+            cache.put_json(key, {"nothing": why, "budget_s": budget_s if stats.timed_out else None,
+                                 "stats": stats.as_dict()})
         return SearchResult(None, stats, reason=why)
     cost, _, best, skel, source, reason, _ = min(verified, key=lambda v: v[:2])
     if key is not None:
@@ -426,17 +429,19 @@ def _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, seeds_onl
                      seeds=list(seeds), seeds_only=seeds_only, max_ops=max_ops, tile=tile)
 
 
-def _cache_get(cache, key: str) -> tuple[KernelGraph | None, Seed | None, str] | None:
+def _cache_get(cache, key: str, budget_s: float) -> tuple[KernelGraph | None, Seed | None, str] | None:
     """``(μGraph, its seed binding for a seed, "")``, or ``(None, None, why)`` where an exhaustive search of the
-    same target found nothing (a model's repeated layers search each distinct region once: on a tiny Qwen2, 2-core
-    CPU, 11-26, the second layer's 9-node region cost the same 6 s again); None when absent or unusable (then the
-    search runs and rewrites it)."""
+    same target found nothing, or one of at least ``budget_s`` seconds ran out of time (a model's repeated layers
+    search each distinct region once: on a tiny Qwen2, 2-core CPU, 11-26, the second layer's 9-node region cost the
+    same 6 s again); None when absent, unusable, or a miss of a shorter budget (then the search runs and rewrites
+    it)."""
     entry = cache.get_json(key)
     if entry is None:
         return None
     try:
         if "nothing" in entry:
-            return None, None, str(entry["nothing"])
+            cut = entry.get("budget_s")
+            return None if cut is not None and float(cut) < budget_s else (None, None, str(entry["nothing"]))
         g = from_dict(entry["graph"])
         validate(g)
         return g, (Seed.from_dict(entry["seed"], g) if entry.get("seed") is not None else None), ""
