@@ -109,6 +109,26 @@ def test_a_norm_viewed_for_several_readers_is_searched_without_its_views():
     assert not any("view" in op for op in region.ops), region.ops
 
 
+@interpreter_only
+def test_the_graphs_search_budget_bounds_its_regions_together():
+    """``search_graph_budget_s`` bounds the enumeration of all of a graph's regions together: the first region
+    searched gets at most what is left, and once it is spent the rest are declined saying so (Inductor runs
+    them), the results still eager's."""
+    def fn(h, x, alpha, y):
+        return ntrans_rsqrt(h, x, alpha), F.layer_norm(y + 1.0, (y.shape[-1],))
+
+    report = torch_mirage.Report()
+    opts = dict(ugraph_library=False, stitch=False, search=True, search_budget_s=25.0, search_graph_budget_s=0.3,
+                measure_regions=False, cache=False)
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(options=opts, report=report))
+    xs = [torch.randn(4, 32) for _ in range(4)]
+    for got, want in zip(compiled(*xs), fn(*xs)):
+        assert_close(got, want)
+    spent = [r for r in report.regions if any("search_graph_budget_s) is spent" in d.detail for d in r.declines)]
+    assert spent, str(report)
+    assert not [r for r in report.regions if r.claimer == "ugraph-search" and r.info.get("search_s", 0) > 2.0]
+
+
 # ------------------------------------------------------------------ the driver on nTrans' reference μGraph
 M, N = 4, 32
 FRONT = dict(use_z3=False)     # the structural front decides alone: deterministic and fast

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import time
 from typing import Sequence
 
 from .driver import search
@@ -93,6 +94,8 @@ class SearchClaimer:
         anchors = [n for n in last_first if n.op.kind is OpKind.MATMUL or is_attention(n)] + \
             [n for n in last_first if n.op.kind is OpKind.REDUCTION]
         searched: set = set()       # nodes of reduction chains already searched
+        graph_budget = ctx.config.search_graph_budget_s
+        spent, told = 0.0, False
         for anchor in anchors:
             if id(anchor) not in free_ids or id(anchor) in searched:
                 continue
@@ -109,13 +112,24 @@ class SearchClaimer:
                 continue
             if chain:
                 searched |= {id(n) for n in nodes}
-            outcome = self._claim(graph, nodes, ctx)
+            left = None if graph_budget <= 0 else max(0.0, graph_budget - spent)
+            if left == 0.0 and not told:
+                log.info("torch_mirage: the graph's μGraph search budget (search_graph_budget_s = %g s) is spent: "
+                         "no more enumeration in this graph", graph_budget)
+                told = True
+            t0 = time.monotonic()
+            outcome = self._claim(graph, nodes, ctx, budget_s=left)
+            spent += time.monotonic() - t0
             if isinstance(outcome, Claim):
                 free_ids -= {id(n) for n in nodes}
             outcomes.append(outcome)
         return outcomes
 
-    def _claim(self, graph, nodes: list, ctx: CompileContext, seeds_only: bool = False) -> Outcome | None:
+    def _claim(self, graph, nodes: list, ctx: CompileContext, seeds_only: bool = False,
+               budget_s: float | None = None) -> Outcome | None:
+        """``nodes`` claimed with the μGraph the search finds for them (its seeds first; the enumeration within
+        the claimer's or the config's per-region budget, or ``budget_s`` where that is less: what is left of the
+        graph's budget), else with its weight-streaming seed, else a decline."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         ref = lowered_reference(nodes, graph, ctx)
@@ -124,6 +138,8 @@ class SearchClaimer:
             return None if seeds_only else ref
         metas = [v.meta for v in ref.inputs]
         budget = self.budget_s if self.budget_s is not None else ctx.config.search_budget_s
+        if budget_s is not None:
+            budget = min(budget, budget_s)
         specs = [(tuple(m.shape), DTYPES[m.dtype]) for m in metas]
         with unset_fake_temporarily():      # the search runs real tensors (probe, verifier)
             result = search(ref.graph, specs, budget_s=budget, cache=ctx.cache, workers=ctx.config.search_workers,
@@ -142,7 +158,8 @@ class SearchClaimer:
                 if isinstance(seeded, Claim):   # the region whole, not cut smaller: its weight-streaming seed
                     seeded.info["search"] = f"found nothing ({result.reason}); the weight-streaming seed verified"
                     return seeded
-                why = result.reason + (f"; {seeded.detail}" if seeded is not None else "")
+                why = ("the graph's search budget (search_graph_budget_s) is spent" if budget_s == 0.0
+                       else result.reason) + (f"; {seeded.detail}" if seeded is not None else "")
                 return Decline(nodes, Reason.NOT_FOUND, why)
         s = result.stats
         info = {"source": result.source, "generated": s.generated, "pruned": s.pruned,
