@@ -35,6 +35,8 @@ deadline. A worker that dies loses its share (logged); the others' results are s
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import multiprocessing as mp
 import os
@@ -422,11 +424,26 @@ def _viewed(job: dict, graph: KernelGraph) -> KernelGraph:
     return graph if job.get("groups") is None else unpack(graph, job["groups"], job["run_inputs"])
 
 
+@functools.cache
+def _code_digest() -> str:
+    """A digest of the search's own source (this package and the library its seeds come from): a cached answer,
+    above all "nothing found", belongs to the code that gave it — the package version alone does not change
+    between commits."""
+    h = hashlib.sha256()
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = [os.path.join(here, f) for f in sorted(os.listdir(here)) if f.endswith(".py")]
+    for path in files + [os.path.join(os.path.dirname(here), "library.py")]:
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
 def _cache_key(target, targets, inputs, out_shapes, out_dtypes, seeds, seeds_only, max_ops, tile) -> str:
     tgt = target.hash() if isinstance(target, KernelGraph) else [str(e) for e in targets]
-    return cache_key(kind="ugraph-search/2", target=tgt, inputs=[[list(s), d] for s, d in inputs],
-                     out_shapes=[list(s) for s in out_shapes], out_dtypes=list(out_dtypes or []),
-                     seeds=list(seeds), seeds_only=seeds_only, max_ops=max_ops, tile=tile)
+    return cache_key(kind="ugraph-search/2", code=_code_digest(), target=tgt,
+                     inputs=[[list(s), d] for s, d in inputs], out_shapes=[list(s) for s in out_shapes],
+                     out_dtypes=list(out_dtypes or []), seeds=list(seeds), seeds_only=seeds_only, max_ops=max_ops,
+                     tile=tile)
 
 
 def _cache_get(cache, key: str, budget_s: float) -> tuple[KernelGraph | None, Seed | None, str] | None:
