@@ -70,6 +70,8 @@ M_INIT = -3.0e38
 REDUCERS = {"reduce_sum": ("tl.sum", "0.0"), "reduce_mean": ("tl.sum", "0.0"), "reduce_max": ("tl.max", NEG_INF)}
 # how the combine kernel folds two partial accumulator states
 FOLD = {"acc_sum": "{a} + {b}", "acc_mean": "{a} + {b}", "acc_rms": "{a} + {b}", "acc_max": "tl.maximum({a}, {b})"}
+# the most rows (n) of a transposed weight tile that a one-row matmul multiply-sums along its loaded axis
+NARROW_ROWS = 32
 
 
 class CodegenError(MuGraphError):
@@ -532,10 +534,6 @@ class _Emitter:
         if tuple(out) != res.shape:
             return self.assign("v", res.name, out, natural=res.pshape)
         return res
-
-
-# the most rows (n) of a transposed weight tile that the broadcast multiply-sum reduces along its loaded axis
-NARROW_ROWS = 32
 
 
 # ------------------------------------------------------------------ accumulators

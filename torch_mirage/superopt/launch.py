@@ -56,6 +56,7 @@ STREAM_STAGE_BYTES = 16 * 1024
 STREAM_RUN_BYTES = 512
 RUN_TILES = (256, 512)
 MIN_STREAM_TILE = 16       # and whose tiles hold at least this many rows (a row per program reads too little)
+WAVE_FILL = 0.9            # the fraction of the SMs a split-K of :func:`wave_split` fills
 # (num_warps, num_stages) of the stream where the norm's sums walk a loop of their own, besides STREAM_PIPELINE: the
 # dot loop then also reads x·g through registers (H100 sweep 11-25 e, RMSNorm + Linear 2 x 4096 x 4096 bf16: 18.3 µs
 # at 4 / 5 against 14.1 for the bare GEMV, 29.0 with the sums in the dot loop); fewer stages and more warps are timed
@@ -422,9 +423,9 @@ def _stream_configs(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> list[
 
 def contiguous_streams(bg: BlockGraph, n_sm: int) -> list[tuple[tuple, int]]:
     """``(grid, forloop_range)`` of unsplit re-tilings of at least one wave of programs whose streamed tiles read
-    pieces of at least ``STREAM_RUN_BYTES`` (loop tiles of ``RUN_TILES``), tiles of at least ``MIN_STREAM_TILE`` a
-    side and no padding: per piece length the
-    one whose step loads closest to ``STREAM_STAGE_BYTES`` (at most twice that), as many waves as that takes."""
+    pieces of at least ``STREAM_RUN_BYTES`` (loop tiles of ``RUN_TILES``), with sides of at least
+    ``MIN_STREAM_TILE`` and no padding: per piece length the one whose step loads closest to ``STREAM_STAGE_BYTES``
+    (at most twice that), as many waves as that takes."""
     best: dict[int, tuple] = {}
     for grid in _product([_grid_choices(bg, g) for g in range(len(bg.grid))]):
         if math.prod(grid) < n_sm:
@@ -479,9 +480,6 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     if deep is not None:
         configs.append(LaunchConfig(deep[0], deep[1], 1, *DEEP_PIPELINE))
     return list(dict.fromkeys(configs))
-
-
-WAVE_FILL = 0.9       # the fraction of the SMs a split-K of :func:`wave_split` fills
 
 
 def wave_split(scored: Sequence[tuple], n_sm: int) -> tuple | None:
