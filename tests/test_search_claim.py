@@ -151,3 +151,20 @@ def test_the_compiles_options_reach_the_search_and_its_verifier(monkeypatch):
     assert calls, "the search claimer did not search"
     assert all((kw["budget_s"], kw["workers"], kw["verify_kwargs"]) ==
                (7.0, 3, {"error_bound": 1e-3, "trials": 5}) for kw in calls), calls
+
+
+@interpreted
+def test_budget_zero_gives_inductor_with_one_log_line(caplog):
+    """search_budget_s = 0: no search, and no weight-streaming seed in its place — the region is Inductor's, and
+    one log line says why."""
+    import logging
+    report = torch_mirage.Report()
+    opts = dict(ugraph_library=False, stitch=False, search=True, search_budget_s=0.0, measure_regions=False,
+                cache=False)
+    compiled = torch.compile(linear_gated_mlp, backend=torch_mirage.MirageBackend(options=opts, report=report))
+    xs = [torch.randn(4, 32), torch.randn(24, 32), torch.randn(24, 32)]
+    with caplog.at_level(logging.INFO, logger="torch_mirage"):
+        assert_close(compiled(*xs), linear_gated_mlp(*xs))
+    assert all(r.compiled_by == "inductor" for r in report.regions), str(report)
+    said = [r for r in caplog.records if "search budget 0" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]

@@ -60,6 +60,10 @@ class SearchClaimer:
             return []   # symbolic sizes: no μGraph is drawn for them, and comparing them would add Dynamo guards
         free_ids = {id(n) for n in free}
         outcomes = self._seeded(graph, free, free_ids, ctx) if self.seeds else []
+        if self.enumerates and (self.budget_s if self.budget_s is not None else ctx.config.search_budget_s) <= 0:
+            log.info("torch_mirage: μGraph search budget 0 (search_budget_s): no search; its regions go to %s",
+                     ctx.config.fallback)
+            return outcomes
         return outcomes + (self._searched(graph, free, free_ids, ctx) if self.enumerates else [])
 
     def _seeded(self, graph, free: Sequence, free_ids: set, ctx: CompileContext) -> list[Outcome]:
