@@ -60,11 +60,12 @@ class SearchClaimer:
             return []   # symbolic sizes: no μGraph is drawn for them, and comparing them would add Dynamo guards
         free_ids = {id(n) for n in free}
         outcomes = self._seeded(graph, free, free_ids, ctx) if self.seeds else []
-        if self.enumerates and (self.budget_s if self.budget_s is not None else ctx.config.search_budget_s) <= 0:
+        if not self.enumerates:
+            return outcomes
+        if (self.budget_s if self.budget_s is not None else ctx.config.search_budget_s) <= 0:
             log.info("torch_mirage: μGraph search budget 0 (search_budget_s): no search; its regions go to %s",
                      ctx.config.fallback)
-            return outcomes
-        return outcomes + (self._searched(graph, free, free_ids, ctx) if self.enumerates else [])
+        return outcomes + self._searched(graph, free, free_ids, ctx)
 
     def _seeded(self, graph, free: Sequence, free_ids: set, ctx: CompileContext) -> list[Outcome]:
         """Subprograms a library seed verifies for: at each free node (last first) the region of its producers
@@ -116,7 +117,7 @@ class SearchClaimer:
                 continue
             if chain:
                 searched |= {id(n) for n in nodes}
-            left = None if graph_budget <= 0 else max(0.0, graph_budget - spent)
+            left = None if graph_budget <= 0 else max(0.0, graph_budget - spent)   # None: no graph limit
             if left == 0.0 and not told:
                 log.info("torch_mirage: the graph's μGraph search budget (search_graph_budget_s = %g s) is spent: "
                          "no more enumeration in this graph", graph_budget)
@@ -142,6 +143,8 @@ class SearchClaimer:
             return None if seeds_only else ref
         metas = [v.meta for v in ref.inputs]
         budget = self.budget_s if self.budget_s is not None else ctx.config.search_budget_s
+        if budget <= 0 and not seeds_only:      # no search asked for: no seed stands in either (claim() says so)
+            return Decline(nodes, Reason.NOT_FOUND, "search budget 0 (search_budget_s): no search")
         if budget_s is not None:
             budget = min(budget, budget_s)
         specs = [(tuple(m.shape), DTYPES[m.dtype]) for m in metas]
