@@ -91,8 +91,11 @@ def cuts(graph: Graph, anchor: Node, free: Sequence[Node], free_ids: set, model:
     views = weight_views(anchor, free_ids)
     for start, kinds, forward, every in tries:
         grown = grow(graph, start, free_ids, MAX_NODES, kinds, forward, computes if every else None, every)
-        with_views = grown + [v for v in views if all(v is not n for n in grown)]
-        for nodes in [grown, layout_tails_dropped(grown)] if every else [with_views, grown]:
+        if every:
+            variants = [grown, layout_tails_dropped(grown)]
+        else:   # first with the weight's own views
+            variants = [grown + [v for v in views if all(v is not n for n in grown)], grown]
+        for nodes in variants:
             nodes = sorted(nodes, key=lambda n: order[id(n)])
             if all({id(n) for n in nodes} != {id(n) for n in c} for c in out):
                 out.append(nodes)

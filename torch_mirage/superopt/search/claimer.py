@@ -62,10 +62,14 @@ class SearchClaimer:
         outcomes = self._seeded(graph, free, free_ids, ctx) if self.seeds else []
         if not self.enumerates:
             return outcomes
-        if (self.budget_s if self.budget_s is not None else ctx.config.search_budget_s) <= 0:
+        if self._region_budget(ctx) <= 0:
             log.info("torch_mirage: μGraph search budget 0 (search_budget_s): no search; its regions go to %s",
                      ctx.config.fallback)
         return outcomes + self._searched(graph, free, free_ids, ctx)
+
+    def _region_budget(self, ctx: CompileContext) -> float:
+        """Seconds one region's search may take: the claimer's own budget, else the config's."""
+        return self.budget_s if self.budget_s is not None else ctx.config.search_budget_s
 
     def _seeded(self, graph, free: Sequence, free_ids: set, ctx: CompileContext) -> list[Outcome]:
         """Subprograms a library seed verifies for: at each free node (last first) the region of its producers
@@ -142,7 +146,7 @@ class SearchClaimer:
             log.debug("torch_mirage: search claimer: region at %s: %s", nodes[-1].target_name, ref.detail)
             return None if seeds_only else ref
         metas = [v.meta for v in ref.inputs]
-        budget = self.budget_s if self.budget_s is not None else ctx.config.search_budget_s
+        budget = self._region_budget(ctx)
         if budget <= 0 and not seeds_only:      # no search asked for: no seed stands in either (claim() says so)
             return Decline(nodes, Reason.NOT_FOUND, "search budget 0 (search_budget_s): no search")
         if budget_s is not None:
