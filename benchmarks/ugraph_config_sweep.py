@@ -45,6 +45,25 @@ SEED_VARIANTS = {
     "linear": ("rmsnorm_linear", (0, 2), lambda x, w: x @ w),
     "linear_t": ("rmsnorm_linear", (0, 2), lambda x, w: F.linear(x, w)),
     "gated_mlp_llama8b_t": ("gated_mlp_llama8b", (0, 1, 2), lambda x, w1, w3: F.silu(F.linear(x, w1)) * F.linear(x, w3)),
+    # Llama's post-attention norm + gate / up (the gain: an input of EXTRA_INPUTS)
+    "rmsnorm_gated_mlp_t": ("gated_mlp_llama8b", (0, 1, 2),
+                            lambda x, w1, w3, g: (lambda h: F.silu(F.linear(h, w1)) * F.linear(h, w3))(rms_norm(x, weight=g))),
+    # Llama's input norm + q projection + RoPE (HF's rotate_half over 32 heads of 128; cos / sin: EXTRA_INPUTS)
+    "rmsnorm_rope_q_t": ("rmsnorm_linear", (0, 1, 2), lambda x, g, w, cos, sin: _rope(
+        F.linear(rms_norm(x, weight=g), w).view(x.shape[0], 1, -1, 128).transpose(1, 2), cos, sin)),
+}
+
+
+def _rope(q, cos, sin):
+    half = q.shape[-1] // 2
+    return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+
+
+# inputs appended to a SEED_VARIANTS program's (from its first input and the dtype): a norm gain, RoPE's cos / sin
+EXTRA_INPUTS = {
+    "rmsnorm_gated_mlp_t": lambda x, dt: [1 + 0.1 * torch.randn(x.shape[-1], device="cuda", dtype=dt)],
+    "rmsnorm_rope_q_t": lambda x, dt: [torch.randn(128, device="cuda", dtype=dt).cos(),
+                                       torch.randn(128, device="cuda", dtype=dt).sin()],
 }
 
 
@@ -61,6 +80,8 @@ def seed_case(name: str, batch: int, dtype: torch.dtype, gains_on_weights: bool 
         fn = wl.fn
     if name.endswith("_t"):      # the square (k, n) weight stored transposed
         xs = [x.t().contiguous() if i > 0 and x.dim() == 2 else x for i, x in enumerate(xs)]
+    if name in EXTRA_INPUTS:
+        xs += EXTRA_INPUTS[name](xs[0], dtype)
     graph = trace(fn, [x.cpu() for x in xs])
     ref = reference_of(graph.nodes, graph)
     kg = gemv_seed(ref.graph, gains_on_weights=gains_on_weights)

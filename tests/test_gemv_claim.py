@@ -25,7 +25,7 @@ from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph
 from torch_mirage.superopt.gemv_claim import verified_instance
 from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed
 from torch_mirage.superopt import library
-from torch_mirage.superopt.launch import (DEEP_PIPELINE, MIN_STREAM_TILE, STREAM_PIPELINE, STREAM_RUN_BYTES,
+from torch_mirage.superopt.launch import (CONTIGUOUS_PIPELINES, DEEP_PIPELINE, MIN_STREAM_TILE, STREAM_PIPELINE, STREAM_RUN_BYTES,
                                           STREAM_STAGE_BYTES, LaunchConfig, contiguous_streams, retile, run_bytes,
                                           streamed_bytes, streaming_candidates)
 from torch_mirage.codegen.ugraph_triton import emit_block_kernel
@@ -236,7 +236,8 @@ def test_linear_weights_stream_along_their_contiguous_k(rows, tmp_path):
     """nn.Linear's (n, k) weight is contiguous along k: the launches include unsplit streams over at least a wave
     whose weight tiles read pieces of at least ``STREAM_RUN_BYTES`` with sides of at least ``MIN_STREAM_TILE``
     (the one-wave stream narrows K instead); at one row their kernels multiply-sum along the tile's loaded axis (no
-    transpose of a narrow tile feeds the sum); all equal eager, with and without the norm's sums in a loop of their own."""
+    transpose of a narrow tile feeds the sum); all equal eager, at each of ``CONTIGUOUS_PIPELINES`` and with the norm's
+    sums in a loop of their own."""
     n_sm = 4
     def fn(x, g, w):
         return F.linear(rms_norm(x, EPS, g), w)
@@ -251,7 +252,8 @@ def test_linear_weights_stream_along_their_contiguous_k(rows, tmp_path):
         assert all(x >= MIN_STREAM_TILE for it in tiled.iterators if it.attrs["fmap"] is not None
                    and any(m is not None for m in it.attrs["imap"]) for x in it.shapes[0])
         chosen = [c for c in configs if (c.grid, c.forloop_range, c.split) == (grid, f, 1)]
-        assert {(c.prologue, c.sums_after) for c in chosen} == {(False, False), (True, False), (True, True)}, configs
+        assert {(c.num_warps, c.num_stages, c.prologue) for c in chosen} == \
+            {(*p, False) for p in CONTIGUOUS_PIPELINES} | {(*CONTIGUOUS_PIPELINES[0], True)}, configs
         source = emit_block_kernel(tiled, [a.dim() for a in args]).source
         if rows == 1:     # one row: the multiply-sum (more rows pad to tl.dot's 16)
             assert "axis=2)" in source and "[:, :, None] *" not in source, source

@@ -56,6 +56,11 @@ STREAM_STAGE_BYTES = 16 * 1024
 STREAM_RUN_BYTES = 512
 RUN_TILES = (256, 512)
 MIN_STREAM_TILE = 16       # and whose tiles hold at least this many rows (a row per program reads too little)
+# (num_warps, num_stages) of those contiguous streams: few warps and few stages (H100 sweep 11-26, Llama-3-8B norm +
+# gate / up 1 x 4096 x 2·14336 bf16, 896 programs of 16 x 512 or 16 x 256 tiles: 85.8-88.9 µs, 0.88-0.91 of copy, at
+# 1 / 4 and 2 / 3, against 107.0-121.4 at 4 / 5; o_proj 1 x 4096 x 4096, 256 x 16 x 512: 14.5 against 15.5 at 4 / 4;
+# 8-row tiles over 1792 programs: 108.4). The norm's sums in a loop of their own are timed at the first pair.
+CONTIGUOUS_PIPELINES = ((2, 3), (1, 4))
 WAVE_FILL = 0.9            # the fraction of the SMs a split-K of :func:`wave_split` fills
 # (num_warps, num_stages) of the stream where the norm's sums walk a loop of their own, besides STREAM_PIPELINE: the
 # dot loop then also reads x·g through registers (H100 sweep 11-25 e, RMSNorm + Linear 2 x 4096 x 4096 bf16: 18.3 µs
@@ -451,8 +456,8 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     best-estimated split-K (a combine kernel after it; also with the sums' loop of its own where there is one) and
     split-N of more than one wave and at most ``PROBE_WAVES[-1]`` programs per SM, at the first of ``WARPS_STAGES``;
     the best-estimated unsplit loop of at least ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``; the split-K that just fills
-    a wave (:func:`wave_split`, also with the sums' loop of its own); the :func:`contiguous_streams` at
-    ``STREAM_PIPELINE`` (with a norm: also with its sums in a loop of their own, before or after the dot loop). Up to
+    a wave (:func:`wave_split`, also with the sums' loop of its own); the :func:`contiguous_streams` at each of
+    ``CONTIGUOUS_PIPELINES`` (with a norm: also with its sums in a loop of their own, at the first). Up to
     twenty configs (ten without a norm), each a Triton compile (in parallel: ``compile_workers``); a decode layer
     has one such kernel per projection."""
     scored = _scored(bg, n_sm)
@@ -463,10 +468,10 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     if bg.forloop_range >= DEEP_LOOP:
         configs.append(LaunchConfig(*own, 1, *DEEP_PIPELINE))
     configs += _stream_configs(bg, scored, n_sm)
-    for g, f in contiguous_streams(bg, n_sm):    # with a norm's sums also in a loop of their own, before or after
-        configs.append(LaunchConfig(g, f, 1, *STREAM_PIPELINE))     # the dot loop (after: the stream starts at once)
+    for g, f in contiguous_streams(bg, n_sm):    # with a norm's sums also in a loop of their own
+        configs += [LaunchConfig(g, f, 1, w, st) for w, st in CONTIGUOUS_PIPELINES]
         if has_sums:
-            configs += [LaunchConfig(g, f, 1, *STREAM_PIPELINE, prologue=True, sums_after=a) for a in (False, True)]
+            configs.append(LaunchConfig(g, f, 1, *CONTIGUOUS_PIPELINES[0], prologue=True))
     split_k = next(((g, f, s) for _, g, f, s in scored if s > 1), None)
     split_n = next(((g, f, s) for _, g, f, s in scored
                     if s == 1 and n_sm < math.prod(g) <= PROBE_WAVES[-1] * n_sm), None)
@@ -542,7 +547,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
         return base
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs, ABBA",
-                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE,
+                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE, CONTIGUOUS_PIPELINES,
                            STREAM_STAGE_BYTES, STREAM_RUN_BYTES, RUN_TILES, PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES]
                     + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
     props = torch.cuda.get_device_properties(inputs[0].device)
