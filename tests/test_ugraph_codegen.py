@@ -111,7 +111,8 @@ def test_combine_tiling_keeps_the_grid_where_an_epilogue_op_reduces_the_chunked_
     assert launch.combine_tiling(bg, 2).grid == bg.grid
     fa = next(o for o in library.gqa_flashattention(1, 2, 64, 32, 16, q_blocks=1, forloop_range=4).ops
               if o.name == "customized").body
-    assert launch.combine_tiling(fa, 4).grid == (2, 1, 4)        # 64 rows in chunks of 16
+    assert launch.combine_tiling(fa, 4).grid == (2, 1, 64)       # 64 query rows, one per combine program
+    assert launch.combine_tiling(fa, 4, programs=8).grid == (2, 1, 4)   # the fewest chunks that reach ``programs``
     assert launch.combine_tiling(fa, 1).grid == fa.grid          # no split: no combine kernel
 
 
