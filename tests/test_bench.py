@@ -199,6 +199,9 @@ def test_merge_combines_modes_of_the_same_case():
     assert c["best_inductor_us"] == 3.0 and c["speedup_vs_best_inductor"] == 1.5 and c["fraction_of_floor"] == 0.5
     (r,) = merged["llm"]
     assert set(r["modes"]) == {"eager", "mirage"}
+    third = dict(second, env={"run": 3})
+    remerged = report.merge([merged, third])      # a merged file merged again keeps the parts it came from
+    assert len(remerged["parts"]) == 3 and remerged["parts"][-1]["env"] == {"run": 3}
 
 
 def test_cli_refuses_timing_without_gpu(tmp_path):

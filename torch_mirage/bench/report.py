@@ -108,7 +108,9 @@ def merge(docs: Sequence[dict]) -> dict:
     out["notes"] = list(dict.fromkeys(n for d in docs for n in d.get("notes", [])))
     out["timing"] = all(d["timing"] for d in docs)
     out["note"] = "" if out["timing"] else QUICK_NOTE
-    out["parts"] = [{"env": d["env"], "ceilings": d["ceilings"], "settings": d["settings"]} for d in docs]
+    # a merged document brings the parts it was merged from (re-merging a results file keeps its history)
+    out["parts"] = [p for d in docs
+                    for p in d.get("parts") or [{"env": d["env"], "ceilings": d["ceilings"], "settings": d["settings"]}]]
     return out
 
 
