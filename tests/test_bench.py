@@ -204,6 +204,22 @@ def test_merge_combines_modes_of_the_same_case():
     assert len(remerged["parts"]) == 3 and remerged["parts"][-1]["env"] == {"run": 3}
 
 
+def test_the_table_counts_kernels_per_call_where_the_profiler_saw_them():
+    """Issue 17 (kernels per decoder layer): each mode's kernel count in one column, in the modes' order; no column
+    where none was counted (off CUDA)."""
+    def doc(counts):
+        modes = {m: {"status": "ok", "us": us, "kernels": counts.get(m)}
+                 for m, us in (("inductor", 210.0), ("mirage", 196.0))}
+        case = report.case_record("llama_layer_decode", "[b]", 1, "bfloat16", 100, 0, 150.0, 2, modes)
+        return {"cases": [case], "llm": [], "timing": True, "env": {"device": "d", "torch": "t", "torch_mirage": "m"},
+                "ceilings": None, "settings": {}}
+    counted = report.markdown(doc({"inductor": 22, "mirage": 11}))
+    assert "kernels / call (inductor / mirage) |" in counted and counted.rstrip().endswith("| 22 / 11 |")
+    unseen = report.markdown(doc({"inductor": 22}))
+    assert unseen.rstrip().endswith("| 22 / — |")
+    assert "kernels / call" not in report.markdown(doc({}))
+
+
 def test_cli_refuses_timing_without_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("has a GPU")

@@ -24,7 +24,7 @@ import torch
 from ..backend import MirageBackend
 from ..numerics import relative_error, tolerance
 from ..report import Report
-from ..timing import cuda_graph_timing, plain_timing
+from ..timing import count_device_kernels, cuda_graph_timing, plain_timing
 from . import workloads as W
 
 log = logging.getLogger("torch_mirage")
@@ -200,6 +200,7 @@ class ModeResult:
     tolerance: float | None = None
     error: str | None = None
     mirage: dict | None = None         # what the mirage backend did (regions, fallbacks)
+    kernels: int | None = None         # GPU kernels one call launches (profiler; None off CUDA or unseen in a graph)
 
 
 @dataclass
@@ -259,6 +260,8 @@ def run_mode(spec: CaseSpec, mode: str, compiler: Callable, refs: dict[int, list
                 t = time_in_cuda_graph(fn, sets, timing["target_ms"], timing["repeats"])
             del sets
             res.us, res.us_min, res.us_max = t["us"], t["us_min"], t["us_max"]
+            with torch.no_grad():   # issue 17: kernels per decoder layer; one more call, its outputs not checked
+                res.kernels = count_device_kernels(fn, *spec.make_inputs(next(iter(refs))))
         if mode == "mirage":   # after the timing: the Dynamo reset it makes would send ``fn`` to compile again
             torch._dynamo.reset()
             res.warm_compile_s = _timed_call(compiler(spec.fn, {}), spec.make_inputs(next(iter(refs))),

@@ -152,6 +152,8 @@ def markdown(doc: dict) -> str:
     if not timing:
         lines.append(f"**{QUICK_NOTE}**")
     modes = _modes(doc["cases"])
+    # GPU kernels one call launches, per mode (profiler; issue 17: kernels per decoder layer), where any was counted
+    counted = any(r.get("kernels") is not None for c in doc["cases"] for r in c["modes"].values())
     if doc["cases"]:
         lines += ["", ("µs per call (median, inside one CUDA graph, inputs rotated past 3× L2); "
                        "speedup = best Inductor µs ÷ mirage µs; floor ÷ mirage = fraction of the floor reached; "
@@ -159,13 +161,16 @@ def markdown(doc: dict) -> str:
                        "after a Dynamo reset, with the caches the first filled, per graph compiled."
                        if timing else "ok = matches the higher-precision reference on fresh random inputs; "
                        "FAIL = wrong result or error (listed below). Tiny shapes (every dimension scaled down)."), "",
-                  "| workload | b | dtype | floor µs | " + " | ".join(modes) + " | speedup | floor ÷ mirage | mirage compile s |",
-                  "|---|---:|---|---:|" + "---:|" * len(modes) + "---:|---:|---:|"]
+                  "| workload | b | dtype | floor µs | " + " | ".join(modes) + " | speedup | floor ÷ mirage | mirage compile s |"
+                  + (f" kernels / call ({' / '.join(modes)}) |" if counted else ""),
+                  "|---|---:|---|---:|" + "---:|" * len(modes) + "---:|---:|---:|" + ("---:|" if counted else "")]
         for c in doc["cases"]:
             cells = [_cell(c["modes"].get(m), timing) for m in modes]
+            kernels = " / ".join(_num((c["modes"].get(m) or {}).get("kernels"), "d") for m in modes)
             lines.append(f"| {c['workload']} | {c['batch']} | {c['dtype']} | {_num(c['floor_us'], '.1f')} | "
                          + " | ".join(cells) + f" | {_num(c['speedup_vs_best_inductor'], '.2f')} | "
-                         f"{_num(c['fraction_of_floor'], '.2f')} | {_compile_cell(c['modes'].get('mirage'))} |")
+                         f"{_num(c['fraction_of_floor'], '.2f')} | {_compile_cell(c['modes'].get('mirage'))} |"
+                         + (f" {kernels} |" if counted else ""))
         failures = [(c, m, r) for c in doc["cases"] for m, r in c["modes"].items() if r["status"] == "failed"]
         if failures:
             lines += ["", "Failures:", ""]
