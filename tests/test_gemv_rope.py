@@ -87,10 +87,11 @@ def test_qkv_rope_is_one_streaming_kernel(rotate, b, dtype):
 def test_head_bound_grids_get_a_split_that_fills_a_wave(tmp_path):
     """RoPE fixes the grid at one block per head (4 and 2 here, 32 and 8 for Llama-3-8B): where no unsplit
     re-tiling fills the SMs, the launches include the split-K with the fewest splits that fills a wave
-    (:func:`wave_split`); every launch of each block graph, rotation in its combine kernel where split, equals
-    eager."""
+    (:func:`wave_split`), at the first of ``WARPS_STAGES`` and at ``FILL_PIPELINE``; every launch of each block
+    graph, rotation in its combine kernel where split, equals eager."""
     from torch_mirage.superopt.compile import BlockLauncher
-    from torch_mirage.superopt.launch import WAVE_FILL, _scored, streaming_candidates, wave_split
+    from torch_mirage.superopt.launch import FILL_PIPELINE, WARPS_STAGES, WAVE_FILL, _scored, streaming_candidates, \
+        wave_split
 
     fn, n_sm = qkv_rope(rotate_cat), 16
     xs = _inputs(1, torch.float32, d=512)     # a long enough K to split (loop tiles of at least 32)
@@ -110,7 +111,9 @@ def test_head_bound_grids_get_a_split_that_fills_a_wave(tmp_path):
         assert split is not None and split[0] == tuple(grid), (grid, split)
         assert split[2] > 1 and math.prod(grid) * split[2] >= WAVE_FILL * n_sm > math.prod(grid) * split[2] / 2
         configs = streaming_candidates(op.body, n_sm)
-        assert any((c.grid, c.forloop_range, c.split) == split for c in configs), configs
+        pipelines = {(c.num_warps, c.num_stages) for c in configs
+                     if (c.grid, c.forloop_range, c.split, c.prologue) == (*split, False)}
+        assert pipelines == {WARPS_STAGES[0], FILL_PIPELINE}, configs
         args = [arg(r) for r in op.inputs]
         outs = [BlockLauncher(op.body, cfg, [a.dim() for a in args], str(tmp_path))(*args) for cfg in configs]
         for got in outs[1:]:

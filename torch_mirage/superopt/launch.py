@@ -62,6 +62,9 @@ MIN_STREAM_TILE = 16       # and whose tiles hold at least this many rows (a row
 # 8-row tiles over 1792 programs: 108.4). The norm's sums in a loop of their own are timed at the first pair.
 CONTIGUOUS_PIPELINES = ((2, 3), (1, 4))
 WAVE_FILL = 0.9            # the fraction of the SMs a split-K of :func:`wave_split` fills
+# that split-K is also timed at 2 warps / 3 stages (H100 sweep 11-26, norm + q projection + RoPE 1 x 4096 x 4096 bf16,
+# 32 heads x 4 splits: 18.4 µs with its combine, against 20.0 at the 4 / 3 of WARPS_STAGES[0] and 20.6 at 8 / 3)
+FILL_PIPELINE = (2, 3)
 # (num_warps, num_stages) of the stream where the norm's sums walk a loop of their own, besides STREAM_PIPELINE: the
 # dot loop then also reads x·g through registers (H100 sweep 11-25 e, RMSNorm + Linear 2 x 4096 x 4096 bf16: 18.3 µs
 # at 4 / 5 against 14.1 for the bare GEMV, 29.0 with the sums in the dot loop); fewer stages and more warps are timed
@@ -459,8 +462,9 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     best-estimated split-K (a combine kernel after it; also with the sums' loop of its own where there is one) and
     split-N of more than one wave and at most ``PROBE_WAVES[-1]`` programs per SM, at the first of ``WARPS_STAGES``;
     the best-estimated unsplit loop of at least ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``; the split-K that just fills
-    a wave (:func:`wave_split`, also with the sums' loop of its own); the :func:`contiguous_streams` at each of
-    ``CONTIGUOUS_PIPELINES`` (with a norm: also with its sums in a loop of their own, at the first). Up to
+    a wave (:func:`wave_split`, also at ``FILL_PIPELINE`` and with the sums' loop of its own); the
+    :func:`contiguous_streams` at each of ``CONTIGUOUS_PIPELINES`` (with a norm: also with its sums in a loop of
+    their own, at the first). Up to
     twenty configs (ten without a norm), each a Triton compile (in parallel: ``compile_workers``); a decode layer
     has one such kernel per projection."""
     scored = _scored(bg, n_sm)
@@ -481,6 +485,8 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     for pick in (split_k, split_n, fill := wave_split(scored, n_sm)):
         if pick is not None:
             configs.append(LaunchConfig(pick[0], pick[1], pick[2], warps, stages))
+    if fill is not None:
+        configs.append(LaunchConfig(*fill, *FILL_PIPELINE))
     for pick in (split_k, fill) if has_sums else ():   # each split's share of the sums in a loop of its own
         if pick is not None:
             configs.append(LaunchConfig(*pick, warps, stages, prologue=True))
@@ -550,7 +556,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
         return base
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs, ABBA",
-                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE, CONTIGUOUS_PIPELINES,
+                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE, CONTIGUOUS_PIPELINES, FILL_PIPELINE,
                            STREAM_STAGE_BYTES, STREAM_RUN_BYTES, RUN_TILES, PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES]
                     + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
     props = torch.cuda.get_device_properties(inputs[0].device)
