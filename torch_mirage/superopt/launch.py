@@ -158,8 +158,9 @@ def combine_tiling(bg: BlockGraph, split: int, programs: int = COMBINE_PROGRAMS)
     dim multiplied by the smallest chunk count that gives at least ``programs`` programs (else the most
     programs), or ``bg`` itself. A chunking is used only where it cuts each accumulator state along one dim
     into equal power-of-two parts (so a program's part is a slice of what one partial program wrote), of at
-    least 16 along the state's last dim (:func:`_chunks_states`), and the ops after the accumulators that the chunking reshapes are elementwise (a
-    reduction or matmul over the chunked dim would see a part of its operand)."""
+    least 16 along the state's last dim (:func:`_chunks_states`), and the ops after the accumulators that the
+    chunking reshapes are elementwise (a reduction or matmul over the chunked dim would see a part of its
+    operand)."""
     if split <= 1 or math.prod(bg.grid) >= programs:
         return bg
     body, epi = bg.phases()
@@ -464,9 +465,8 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     the best-estimated unsplit loop of at least ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``; the split-K that just fills
     a wave (:func:`wave_split`, also at ``FILL_PIPELINE`` and with the sums' loop of its own); the
     :func:`contiguous_streams` at each of ``CONTIGUOUS_PIPELINES`` (with a norm: also with its sums in a loop of
-    their own, at the first). Up to
-    twenty configs (ten without a norm), each a Triton compile (in parallel: ``compile_workers``); a decode layer
-    has one such kernel per projection."""
+    their own, at the first). Up to twenty configs (ten without a norm), each a Triton compile (in parallel:
+    ``compile_workers``); a decode layer has one such kernel per projection."""
     scored = _scored(bg, n_sm)
     warps, stages = WARPS_STAGES[0]
     own = (tuple(bg.grid), bg.forloop_range)
@@ -556,8 +556,9 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
         return base
     key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs, ABBA",
-                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE, CONTIGUOUS_PIPELINES, FILL_PIPELINE,
-                           STREAM_STAGE_BYTES, STREAM_RUN_BYTES, RUN_TILES, PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES]
+                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE,
+                           CONTIGUOUS_PIPELINES, FILL_PIPELINE, STREAM_STAGE_BYTES, STREAM_RUN_BYTES, RUN_TILES,
+                           PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES]
                     + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
     props = torch.cuda.get_device_properties(inputs[0].device)
     configs = {json.dumps(c.to_json(), sort_keys=True): c for c in propose(bg, props.multi_processor_count, limit)}
