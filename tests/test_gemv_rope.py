@@ -124,6 +124,75 @@ def test_head_bound_grids_get_a_split_that_fills_a_wave(tmp_path):
         assert_close(g, w)
 
 
+@interpreted
+@pytest.mark.parametrize("rotate", [rotate_cat, rotate_stack])
+def test_paired_halves_form_equals_eager_at_every_launch(rotate, tmp_path):
+    """The paired-halves form (a block holds matching slices of both halves of a head, the weight read through two
+    strided half views, a saved concat of the pair): verified against the region's program, and every launch the
+    tuner would time — slices of the half heads, splits — equals the head-per-block seed's result and eager."""
+    from torch_mirage.config import Config
+    from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph
+    from torch_mirage.superopt.gemv_claim import verified_halves
+    from torch_mirage.superopt.launch import streaming_candidates
+
+    fn = qkv_rope(rotate)
+    xs = _inputs(1, torch.float32, d=128)
+    graph = trace(fn, xs)
+    ref = reference_of(graph.nodes, graph)
+    halves = verified_halves(ref.graph, Config())
+    assert halves is not None
+    slices = [o for o in halves.ops if o.name == "slice"]
+    assert slices and all(o.attrs["chunks"] == 2 for o in slices)          # the weights' halves: views, no copy
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    ins = [xs[pos[id(v)]] for v in ref.inputs]
+    want = compile_ugraph(gemv_seed(ref.graph), ins, tune=False)(*ins)
+    got = compile_ugraph(halves, ins, tune=False)(*ins)
+    eager = fn(*[x.double() for x in xs])
+    for g, w in zip(got, want):
+        assert_close(g, w)
+    assert sorted(tuple(g.shape) for g in got) == sorted(tuple(e.shape) for e in eager)
+
+    def arg(r):        # a kernel input, or a kernel view (reshape / slice) of one
+        src = halves.ops[r[0]]
+        if src.name == "input":
+            return ins[src.attrs["index"]]
+        x = arg(src.inputs[0])
+        if src.name == "slice":
+            size = x.shape[src.attrs["dim"]] // src.attrs["chunks"]
+            return x.narrow(src.attrs["dim"], src.attrs["start"] * size, (src.attrs["stop"] - src.attrs["start"]) * size)
+        return x.reshape(src.shapes[0])
+    for op in (o for o in halves.ops if o.name == "customized"):
+        args = [arg(r) for r in op.inputs]
+        configs = streaming_candidates(op.body, 4)
+        assert any(c.grid[1] > op.body.grid[1] for c in configs), configs     # finer slices of the half heads
+        outs = [BlockLauncher(op.body, cfg, [a.dim() for a in args], str(tmp_path))(*args) for cfg in configs]
+        for other in outs[1:]:
+            for g, first in zip(other, outs[0]):
+                assert_close(g, first)
+
+
+def test_paired_halves_need_a_rotation_and_one_row():
+    """Without RoPE's rotation, or with more than one row, the paired-halves form does not apply: no second
+    alternative is offered."""
+    from torch_mirage.config import Config
+    from torch_mirage.superopt.gemv_claim import verified_halves
+
+    def fn(x, g, wv):
+        return F.linear(rms_norm(x, g), wv)
+    xs = [torch.randn(1, 1, D), 1 + 0.1 * torch.randn(D), torch.randn(2 * HD, D)]
+    graph = trace(fn, xs)
+    ref = reference_of(graph.nodes, graph)
+    assert verified_halves(ref.graph, Config()) is None
+    with pytest.raises(NotStreamable, match="rotation"):
+        gemv_seed(ref.graph, halves=True)
+    xs = _inputs(3, torch.float32)
+    graph = trace(qkv_rope(rotate_cat), xs)
+    ref = reference_of(graph.nodes, graph)
+    assert verified_halves(ref.graph, Config()) is None
+    with pytest.raises(NotStreamable, match="one row"):
+        gemv_seed(ref.graph, halves=True)
+
+
 def test_rotation_must_pair_the_halves_of_a_head():
     """A concat that does not swap the two halves of each head (here: the halves kept in place, one negated)
     is no rotation: the seed declines it rather than stream a wrong epilogue."""

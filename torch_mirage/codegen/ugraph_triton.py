@@ -299,10 +299,29 @@ class _Emitter:
         starts = [" + ".join(f"pid_{g} * {tile[d]}" for g, m in enumerate(op.attrs["omap"]) if m == d) or "0"
                   for d in range(len(tile))]
         full = [t * math.prod(bg.grid[g] for g, m in enumerate(op.attrs["omap"]) if m == d) for d, t in enumerate(tile)]
-        offs, mask = self.offsets(f"out{k}", full, tile, starts)
-        value = self.conform(v, strip(tile)[0])
-        extra = f", mask={mask}" if mask else ""
-        self.line(f"tl.store(out{k}_ptr + {offs}, {value}.to({TL[op.attrs['dtype']]}){extra})")
+        for part, part_tile, part_starts in self._saved_parts(v, tile, starts):
+            offs, mask = self.offsets(f"out{k}", full, part_tile, part_starts)
+            value = self.conform(part, strip(part_tile)[0])
+            extra = f", mask={mask}" if mask else ""
+            self.line(f"tl.store(out{k}_ptr + {offs}, {value}.to({TL[op.attrs['dtype']]}){extra})")
+
+    @staticmethod
+    def _saved_parts(v: Val, tile, starts):
+        """(value, its tile, its starts) of each store a saver makes: ``v`` whole, or each part of a saved
+        ``concat`` (RoPE's paired halves) at its offset along the concat dim."""
+        if not v.parts:
+            return [(v, tuple(tile), starts)]
+        d = v.cat_dim + len(tile) - len(v.shape)
+        out, at = [], 0
+        for p in v.parts:
+            lead = len(tile) - len(p.shape)
+            extent = p.shape[d - lead] if d >= lead else 1
+            part_tile = tuple(extent if j == d else t for j, t in enumerate(tile))
+            shifted = list(starts)
+            shifted[d] = str(at) if starts[d] == "0" else f"{starts[d]} + {at}"
+            out.append((p, part_tile, shifted))
+            at += extent
+        return out
 
     # -------------------------------------------------------------- plan: order and tile orientation
     def order(self, idx) -> list[int]:

@@ -14,7 +14,8 @@ behind a ``transpose``, and
   value swapped, one or both negated (:func:`rotation`, read off the cat / neg / slice structure: HF's
   ``rotate_half``, or slices stacked and flattened), with tensors the same for every head (cos, sin: (m, d) or
   (d,)). Such a width's block graph holds one head per block, so the rotation is a permutation inside the tile
-  (the ``rotate_half`` block op).
+  (the ``rotate_half`` block op); or, with ``halves`` (one row), matching slices of both halves of a head
+  (:class:`_HalvesBlock`), so that launches need not keep a whole head per block.
 
 The seed (Mirage's RMSNorm + Linear, generalised) has one block graph per matmul width (a QKV projection: two or
 three, each recomputing the row scales): grid over n, for-loop over k. In the loop the tile factors' product meets
@@ -166,9 +167,11 @@ def streamed_dims(ref: KernelGraph) -> tuple[int, int, int]:
     return math.prod(mm.shapes[0][:-1]), ref.ops[a[0]].shapes[a[1]][-1], mm.shapes[0][-1]
 
 
-def gemv_seed(ref: KernelGraph, tile: int = 64, gains_on_weights: bool = False) -> KernelGraph:
+def gemv_seed(ref: KernelGraph, tile: int = 64, gains_on_weights: bool = False, halves: bool = False) -> KernelGraph:
     """The weight-streaming μGraph of ``ref`` (see the module docstring; ``gains_on_weights``: the activation's
-    vector factors scale the weight tiles); :class:`NotStreamable` when ``ref`` is not of that form."""
+    vector factors scale the weight tiles; ``halves``: a rotated width's block holds matching slices of both halves
+    of a head, :class:`_HalvesBlock`, instead of the whole head); :class:`NotStreamable` when ``ref`` is not of
+    that form (with ``halves``, also where no width is rotated)."""
     rd = _Reader(ref)
     mms = [i for i, op in enumerate(ref.ops) if op.name == "matmul"]
     if not mms:
@@ -189,6 +192,8 @@ def gemv_seed(ref: KernelGraph, tile: int = 64, gains_on_weights: bool = False) 
         if len(found) != 1:
             raise NotStreamable(f"output {rd.describe(r)} reads {len(found)} matmul widths: one is needed")
         group_of.append(found.pop())
+    if halves and not rotation_groups(ref):
+        raise NotStreamable("no rotation: paired halves apply to RoPE's heads only")
     seed = _Seed(rd, m, k, tile, gains_on_weights)
     results: dict[int, Tensor] = {}
     for n in dict.fromkeys(widths[i] for i in mms):   # one block graph per width (a QKV projection: three)
@@ -200,7 +205,8 @@ def gemv_seed(ref: KernelGraph, tile: int = 64, gains_on_weights: bool = False) 
                  and (rot := rotation(rd, Ref(i, 0))) is not None}
         if len(heads) > 1 or heads and n % min(heads):
             raise NotStreamable(f"rotations in groups of {sorted(heads)} over {n} columns: one head size is needed")
-        ys = _Block(seed, n, min(heads) if heads else None).build(a, group, [weights[i] for i in group], [ref.outputs[j] for j in outs])
+        block = _HalvesBlock(seed, n, min(heads)) if halves and heads else _Block(seed, n, min(heads) if heads else None)
+        ys = block.build(a, group, [weights[i] for i in group], [ref.outputs[j] for j in outs])
         results.update(zip(outs, ys))
     for j, r in enumerate(ref.outputs):
         y, shape = results[j], rd.shape(r)
@@ -232,6 +238,7 @@ class _Seed:
 class _Block:
     """The block graph of one matmul width n: grid over n, for-loop over k; the translation of reference values
     into its tiles (the prologue is translated again in each block graph: each recomputes the row scales)."""
+    K_DIM = 1        # the k dim of a loop-side tile
 
     def __init__(self, seed: _Seed, n: int, head: int | None = None):
         self.seed, self.rd, self.m, self.k, self.n, self.head = seed, seed.rd, seed.m, seed.k, n, head
@@ -319,7 +326,7 @@ class _Block:
                 x = op.inputs[0]
                 if op.attrs.get("dim") not in (len(self.rd.shape(x)) - 1, -1) or self.rd.shape(x)[-1] != self.k:
                     raise NotStreamable(f"{self.rd.describe(r)} does not reduce the rows' last dim ({self.k})")
-                acc = self.tb.forloop_accum(self.tile(x), "sum", dim=1)
+                acc = self.tb.forloop_accum(self.tile(x), "sum", dim=self.K_DIM)
                 self.after[r] = self.tb.scalar_mul(acc, value=1.0 / self.k) if op.name == "reduce_mean" else acc
             elif op.name == "input":
                 self.after[r] = self._iterator(r.op, "stat")
@@ -374,4 +381,126 @@ class _Block:
             if math.prod(self.rd.shape(r)) != self.m * self.n or self.rd.shape(r)[-1] not in (self.n, self.head):
                 raise NotStreamable(f"output {self.rd.describe(r)} is not ({self.m}, {self.n}) rows")
             self.tb.new_output(self.epilogue(r), omap=(1,), dtype=self.rd.dtype(r))
+        return self.seed.g.customized(self.sources, self.tb)
+
+
+class _HalvesBlock(_Block):
+    """The block graph of one rotated width in paired halves (``gemv_seed(halves=True)``): RoPE pairs column i of a
+    head with column i + d/2, so a block holds matching slices of both halves of one head — grid (heads, slices of
+    d/2), each weight read through its two halves, strided views of the stored (n, k) weight (kernel ``reshape`` to
+    (heads, 2, d/2, k) and ``slice``: no copy), each in (1, 1, c, kt) tiles that read whole rows along k. Every value
+    after the loop is a pair of half tiles (m, 1, 1, c): elementwise ops act on each half, the rotation swaps the
+    pair with its signs, and a saver stores ``concat`` of the pair into the output viewed (m, heads, 2, d/2). One
+    row only (decode at batch 1, where heads alone leave the SMs idle)."""
+    K_DIM = 3
+
+    def __init__(self, seed: _Seed, n: int, head: int):
+        if head % 2:
+            raise NotStreamable(f"heads of {head}: paired halves need an even head size")
+        if seed.m != 1:     # the rows would lead the half tiles (m, 1, 1, c): a batched block matmul
+            raise NotStreamable(f"{seed.m} rows: paired halves stream one row (decode at batch 1)")
+        self.seed, self.rd, self.m, self.k, self.n, self.head = seed, seed.rd, seed.m, seed.k, n, head
+        self.tb = new_threadblock_graph((n // head, _parts(head // 2, seed.tile)), _loop_parts(seed.k, seed.tile))
+        self.sources, self.iters, self.tiles, self.after = [], {}, {}, {}
+        self.pairs: dict[Ref, tuple[Tensor, Tensor]] = {}
+        self.halves: dict[tuple, Tensor] = {}
+
+    def _half(self, i: int, shape: tuple, dim: int, half: int) -> Tensor:
+        """Kernel input ``i`` viewed as ``shape`` (dim ``dim`` of size 2: the halves) and sliced to ``half``."""
+        key = (i, shape, dim, half)
+        if key not in self.halves:
+            self.halves[key] = self.seed.g.slice(self.seed.view(i, shape), dim=dim, chunks=2, start=half,
+                                                 stop=half + 1)
+        return self.halves[key]
+
+    def _iterator(self, i: int, role: str, half: int | None = None) -> Tensor:
+        key = (i, role, half)
+        if key in self.iters:
+            return self.iters[key]
+        m, k, heads, d2 = self.m, self.k, self.n // self.head, self.head // 2
+        if role in ("rows_k", "vec_k", "stat"):     # the same for both halves
+            shape, fmap = {"rows_k": ((m, 1, 1, k), 3), "vec_k": ((1, 1, 1, k), 3), "stat": ((m, 1, 1, 1), PHI)}[role]
+            src = self.seed.view(i, shape)
+            if any(t is src for t in self.sources):
+                src = self.seed.g.reshape(self.seed.kin[i], shape=shape)
+            imap = (PHI, PHI)
+        elif half is None:
+            raise NotStreamable(f"input {self.rd.describe(Ref(i, 0))} as {role} needs a half")
+        elif role == "weight_t":
+            src, imap, fmap = self._half(i, (heads, 2, d2, k), 1, half), (0, 2), 3
+        else:    # after the loop, read through a mean accumulator: (…, 2, d/2) views sliced to the half
+            shape, imap = {"rows_n": ((m, heads, 2, d2), (1, 3)), "vec_n": ((1, heads, 2, d2), (1, 3)),
+                           "rows_head": ((m, 1, 2, d2), (PHI, 3)), "vec_head": ((1, 1, 2, d2), (PHI, 3))}[role]
+            src, fmap = self._half(i, shape, 2, half), PHI
+        self.sources.append(src)
+        t = self.tb.new_input(src, imap=imap, fmap=fmap)
+        if role == "weight_t":
+            t = self.tb.transpose(t)
+        if fmap is None:
+            t = self.tb.forloop_accum(t, "mean")
+        self.iters[key] = t
+        return t
+
+    def pair(self, r: Ref) -> tuple[Tensor, Tensor]:
+        """The two half tiles of an (m, n) value after the loop."""
+        r = self.rd.through_reshapes(r)
+        if r not in self.pairs:
+            op = self.rd.op(r)
+            if op.name == "input":
+                role = self._input_role(r, "n")
+                self.pairs[r] = (self.after_stat(r),) * 2 if role == "stat" else \
+                    tuple(self._iterator(r.op, role, h) for h in (0, 1))
+            elif op.name in ROW_REDUCTIONS or op.name == "matmul":
+                raise NotStreamable(f"{self.rd.describe(r)} after the matmul: only elementwise ops stream")
+            elif op.name == "concat":
+                rot = rotation(self.rd, r)
+                if rot is None or rot[1] != self.head:
+                    raise NotStreamable(f"{self.rd.describe(r)} after the matmul is not a rotation of head halves")
+                src, _, signs = rot
+                a, b = self.pair(src)      # rotate_half: (s0 · second half, s1 · first half)
+                self.pairs[r] = tuple(x if s == 1 else self.tb.scalar_mul(x, value=-1.0)
+                                      for x, s in ((b, signs[0]), (a, signs[1])))
+            elif op.name in ELEMENTWISE:
+                if any(self._row_stat(x) for x in op.inputs):    # a row scale: the same tile for both halves
+                    args = [(self.stat(x),) * 2 if self._row_stat(x) else self.pair(x) for x in op.inputs]
+                else:
+                    args = [self.pair(x) for x in op.inputs]
+                self.pairs[r] = tuple(getattr(self.tb, op.name)(*[a[h] for a in args], **dict(op.attrs))
+                                      for h in (0, 1))
+            else:
+                raise NotStreamable(f"{self.rd.describe(r)} is not elementwise")
+        return self.pairs[r]
+
+    def after_stat(self, r: Ref) -> Tensor:
+        return self._iterator(r.op, "stat")
+
+    def _row_stat(self, r: Ref) -> bool:
+        shape = self.rd.shape(self.rd.through_reshapes(r))
+        return bool(shape) and shape[-1] == 1 and math.prod(shape[:-1]) == self.m and self.n != 1
+
+    def build(self, a: Ref, mms: list[int], weights: list[tuple[Ref, bool]], outs: list[Ref]) -> list[Tensor]:
+        if self.seed.gains_on_weights:
+            raise NotStreamable("paired halves take the gains on the rows")
+        factors = _factors(self.rd, a)
+        scales = [(f, inv) for f, inv in factors if self.rd.shape(f)[-1:] == (1,) and self.k != 1]
+        tiles = [(f, inv) for f, inv in factors if (f, inv) not in scales]
+        if not tiles or tiles[0][1]:
+            raise NotStreamable("the activation has no row tensor factor")
+        lhs = self.tile(tiles[0][0])
+        for f, inv in tiles[1:]:
+            lhs = (self.tb.div if inv else self.tb.mul)(lhs, self.tile(f))
+        for i, (w, transposed) in zip(mms, weights):
+            if not transposed:
+                raise NotStreamable("paired halves read nn.Linear's (n, k) weight, stored along k")
+            pair = []
+            for half in (0, 1):
+                acc = self.tb.forloop_accum(self.tb.matmul(lhs, self._iterator(w.op, "weight_t", half)), "sum")
+                for f, inv in scales:
+                    acc = (self.tb.div if inv else self.tb.mul)(acc, self.stat(f))
+                pair.append(acc)
+            self.pairs[Ref(i, 0)] = tuple(pair)
+        for r in outs:
+            if math.prod(self.rd.shape(r)) != self.m * self.n or self.rd.shape(r)[-1] not in (self.n, self.head):
+                raise NotStreamable(f"output {self.rd.describe(r)} is not ({self.m}, {self.n}) rows")
+            self.tb.new_output(self.tb.concat(list(self.pair(r)), dim=2), omap=(1, 3), dtype=self.rd.dtype(r))
         return self.seed.g.customized(self.sources, self.tb)

@@ -434,18 +434,19 @@ def _stream_configs(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> list[
 
 
 def contiguous_streams(bg: BlockGraph, n_sm: int) -> list[tuple[tuple, int]]:
-    """``(grid, forloop_range)`` of unsplit re-tilings of at least one wave of programs whose streamed tiles read
-    pieces of at least ``STREAM_RUN_BYTES`` (loop tiles of ``RUN_TILES``), with sides of at least
-    ``MIN_STREAM_TILE`` and no padding: per piece length the one whose step loads closest to ``STREAM_STAGE_BYTES``
+    """``(grid, forloop_range)`` of unsplit re-tilings of at least one wave of programs (to ``WAVE_FILL``: 32 heads
+    x 4 slices of RoPE's paired halves count on 132 SMs) whose streamed tiles read pieces of at least
+    ``STREAM_RUN_BYTES`` (loop tiles of ``RUN_TILES``), with sides of at least ``MIN_STREAM_TILE`` (leading unit
+    dims aside) and no padding: per piece length the one whose step loads closest to ``STREAM_STAGE_BYTES``
     (at most twice that), as many waves as that takes."""
     best: dict[int, tuple] = {}
     for grid in _product([_grid_choices(bg, g) for g in range(len(bg.grid))]):
-        if math.prod(grid) < n_sm:
+        if math.prod(grid) < WAVE_FILL * n_sm:
             continue
         for f in _loop_choices(bg, grid, RUN_TILES):
             tiled = retile(bg, grid, f)
             if tiled is None or estimate_us(tiled, 1, n_sm) is None or \
-                    any(x < MIN_STREAM_TILE or padded(x) != x for it in _streamed(tiled) for x in it.shapes[0]):
+                    any(x < MIN_STREAM_TILE or padded(x) != x for it in _streamed(tiled) for x in strip(it.shapes[0])[0]):
                 continue
             run, stage = run_bytes(tiled), streamed_bytes(tiled)
             if run < STREAM_RUN_BYTES or stage > 2 * STREAM_STAGE_BYTES:
