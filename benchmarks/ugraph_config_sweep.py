@@ -11,6 +11,7 @@ on the weight tiles.
 
     python benchmarks/ugraph_config_sweep.py --workload rmsnorm_linear --batches 1 8 --limit 8
     python benchmarks/ugraph_config_sweep.py --seed --workload rmsnorm_linear gated_mlp --extra 128:16:1 --pairs 4:5
+    python benchmarks/ugraph_config_sweep.py --seed --halves --workload rmsnorm_rope_q_t --batches 1
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ EXTRA_INPUTS = {
 }
 
 
-def seed_case(name: str, batch: int, dtype: torch.dtype, gains_on_weights: bool = False):
+def seed_case(name: str, batch: int, dtype: torch.dtype, gains_on_weights: bool = False, halves: bool = False):
     """(block graph, its inputs on the GPU, propose) of the weight-streaming seed of bench workload ``name`` or of
     a :data:`SEED_VARIANTS` program (``_t``: the weight stored (n, k), nn.Linear's layout); ``gains_on_weights``:
     the seed form with the norm's gain on the weight tiles."""
@@ -84,14 +85,20 @@ def seed_case(name: str, batch: int, dtype: torch.dtype, gains_on_weights: bool 
         xs += EXTRA_INPUTS[name](xs[0], dtype)
     graph = trace(fn, [x.cpu() for x in xs])
     ref = reference_of(graph.nodes, graph)
-    kg = gemv_seed(ref.graph, gains_on_weights=gains_on_weights)
+    kg = gemv_seed(ref.graph, gains_on_weights=gains_on_weights, halves=halves)
     op = next(o for o in kg.ops if o.name == "customized")
     pos = {id(v): i for i, v in enumerate(graph.inputs)}
     ins = [xs[pos[id(v)]] for v in ref.inputs]
 
-    def arg(r):        # the kernel op's input: a graph input, or a kernel reshape of one (a gain as a (k, 1) column)
-        src = kg.ops[r[0]]
-        return ins[src.attrs["index"]] if src.name == "input" else arg(src.inputs[0]).reshape(src.shapes[0])
+    def arg(r):        # the kernel op's input: a graph input, or a kernel view of one (a gain as a (k, 1) column,
+        src = kg.ops[r[0]]                                              # a half of RoPE's heads: reshape / slice)
+        if src.name == "input":
+            return ins[src.attrs["index"]]
+        x = arg(src.inputs[0])
+        if src.name == "slice":
+            size = x.shape[src.attrs["dim"]] // src.attrs["chunks"]
+            return x.narrow(src.attrs["dim"], src.attrs["start"] * size, (src.attrs["stop"] - src.attrs["start"]) * size)
+        return x.reshape(src.shapes[0])
     return op.body, [arg(r) for r in op.inputs], streaming_candidates
 
 
@@ -107,6 +114,7 @@ def main() -> None:
     p.add_argument("--seed", action="store_true", help="the weight-streaming seed of the bench workload")
     p.add_argument("--dtype", default="bfloat16", help="--seed: the inputs' dtype")
     p.add_argument("--gain-on-weights", action="store_true", help="--seed: the form with the gain on the weight tiles")
+    p.add_argument("--halves", action="store_true", help="--seed: RoPE's heads in paired halves (one row)")
     p.add_argument("--only-extra", action="store_true", help="time the --extra re-tilings only (no candidates)")
     p.add_argument("--pairs", nargs="*", default=[], metavar="WARPS:STAGES",
                    help=f"(num_warps, num_stages) pairs (default: {' '.join(f'{w}:{s}' for w, s in PAIRS)})")
@@ -120,7 +128,7 @@ def main() -> None:
         for b in args.batches:
             if args.seed:
                 dims = (name, b)
-                bg, xs, propose = seed_case(name, b, getattr(torch, args.dtype), args.gain_on_weights)
+                bg, xs, propose = seed_case(name, b, getattr(torch, args.dtype), args.gain_on_weights, args.halves)
             else:
                 dims = library.bench_dims(name, b)
                 kg = library.WORKLOADS[name].build(*dims)
