@@ -35,7 +35,7 @@ from torch_mirage.superopt.launch import LaunchConfig, candidates, choose, strea
 from torch_mirage.superopt.search.reference import reference_of  # noqa: E402
 from torch_mirage.timing import cuda_graph_time_us, rotated_input_sets  # noqa: E402
 from torch_mirage.superopt import library  # noqa: E402
-from torch_mirage.superopt.compile import BlockLauncher  # noqa: E402
+from torch_mirage.superopt.compile import BlockLauncher, op_arguments  # noqa: E402
 
 PAIRS = ((2, 3), (4, 3), (4, 5), (8, 4), (8, 6))
 
@@ -71,7 +71,7 @@ EXTRA_INPUTS = {
 def seed_case(name: str, batch: int, dtype: torch.dtype, gains_on_weights: bool = False, halves: bool = False):
     """(block graph, its inputs on the GPU, propose) of the weight-streaming seed of bench workload ``name`` or of
     a :data:`SEED_VARIANTS` program (``_t``: the weight stored (n, k), nn.Linear's layout); ``gains_on_weights``:
-    the seed form with the norm's gain on the weight tiles."""
+    the seed form with the norm's gain on the weight tiles; ``halves``: RoPE's heads in paired halves."""
     base, keep, fn = SEED_VARIANTS.get(name, (name, None, None))
     wl = workloads.WORKLOADS[base]
     xs = wl.make_inputs(batch, dtype, "cuda", 0)
@@ -89,17 +89,7 @@ def seed_case(name: str, batch: int, dtype: torch.dtype, gains_on_weights: bool 
     op = next(o for o in kg.ops if o.name == "customized")
     pos = {id(v): i for i, v in enumerate(graph.inputs)}
     ins = [xs[pos[id(v)]] for v in ref.inputs]
-
-    def arg(r):        # the kernel op's input: a graph input, or a kernel view of one (a gain as a (k, 1) column,
-        src = kg.ops[r[0]]                                              # a half of RoPE's heads: reshape / slice)
-        if src.name == "input":
-            return ins[src.attrs["index"]]
-        x = arg(src.inputs[0])
-        if src.name == "slice":
-            size = x.shape[src.attrs["dim"]] // src.attrs["chunks"]
-            return x.narrow(src.attrs["dim"], src.attrs["start"] * size, (src.attrs["stop"] - src.attrs["start"]) * size)
-        return x.reshape(src.shapes[0])
-    return op.body, [arg(r) for r in op.inputs], streaming_candidates
+    return op.body, op_arguments(kg, op, ins), streaming_candidates
 
 
 def main() -> None:

@@ -131,7 +131,7 @@ def test_paired_halves_form_equals_eager_at_every_launch(rotate, tmp_path):
     strided half views, a saved concat of the pair): verified against the region's program, and every launch the
     tuner would time — slices of the half heads, splits — equals the head-per-block seed's result and eager."""
     from torch_mirage.config import Config
-    from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph
+    from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph, op_arguments
     from torch_mirage.superopt.gemv_claim import verified_halves
     from torch_mirage.superopt.launch import streaming_candidates
 
@@ -152,17 +152,8 @@ def test_paired_halves_form_equals_eager_at_every_launch(rotate, tmp_path):
         assert_close(g, w)
     assert sorted(tuple(g.shape) for g in got) == sorted(tuple(e.shape) for e in eager)
 
-    def arg(r):        # a kernel input, or a kernel view (reshape / slice) of one
-        src = halves.ops[r[0]]
-        if src.name == "input":
-            return ins[src.attrs["index"]]
-        x = arg(src.inputs[0])
-        if src.name == "slice":
-            size = x.shape[src.attrs["dim"]] // src.attrs["chunks"]
-            return x.narrow(src.attrs["dim"], src.attrs["start"] * size, (src.attrs["stop"] - src.attrs["start"]) * size)
-        return x.reshape(src.shapes[0])
     for op in (o for o in halves.ops if o.name == "customized"):
-        args = [arg(r) for r in op.inputs]
+        args = op_arguments(halves, op, ins)
         configs = streaming_candidates(op.body, 4)
         assert any(c.grid[1] > op.body.grid[1] for c in configs), configs     # finer slices of the half heads
         outs = [BlockLauncher(op.body, cfg, [a.dim() for a in args], str(tmp_path))(*args) for cfg in configs]

@@ -236,6 +236,20 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def op_arguments(kgraph: KernelGraph, op: Any, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors kernel op ``op`` of ``kgraph`` reads, given the μGraph's ``inputs``: each an input or a chain of
+    layout ops over one (reshape, slice, transpose), evaluated as ``compile_ugraph`` does (views, no copy). For
+    timing or testing one graph-defined op alone (``BlockLauncher(op.body, ...)(*op_arguments(...))``)."""
+    def value(r) -> torch.Tensor:
+        src = kgraph.ops[r[0]]
+        if src.name == "input":
+            return inputs[src.attrs["index"]]
+        if src.spec.layout is None:
+            raise ValueError(f"op_arguments: {src.name} is not a view of an input; run the whole μGraph instead")
+        return src.spec.layout(value(src.inputs[0]), **src.attrs)
+    return [value(r) for r in op.inputs]
+
+
 def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], *, cache: Any = None,
                    cache_dir: str | None = None, tune: bool | None = None, limit: int = 4,
                    target: Target | None = None, propose: Callable[..., list] = candidates) -> CompiledUGraph:

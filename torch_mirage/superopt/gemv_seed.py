@@ -336,6 +336,28 @@ class _Block:
                 raise NotStreamable(f"{self.rd.describe(r)} is not a row statistic ({self.m}, 1)")
         return self.after[r]
 
+    def _rotation(self, r: Ref) -> tuple:
+        """RoPE's rotation at concat ``r`` (:func:`rotation`) in this block's heads, or :class:`NotStreamable`."""
+        rot = rotation(self.rd, r)
+        if rot is None or rot[1] != self.head:
+            raise NotStreamable(f"{self.rd.describe(r)} after the matmul is not a rotation of head halves")
+        return rot
+
+    def _rows(self, a: Ref) -> tuple[Tensor, list, list]:
+        """The loop-side product of the activation's tile factors, its row scales and (``gains_on_weights``) its
+        gains for the weight tiles."""
+        factors = _factors(self.rd, a)
+        scales = [(f, inv) for f, inv in factors if self.rd.shape(f)[-1:] == (1,) and self.k != 1]
+        tiles = [(f, inv) for f, inv in factors if (f, inv) not in scales]
+        gains = [(f, inv) for f, inv in tiles if self.seed.gains_on_weights and self._is_gain(f)]
+        tiles = [t for t in tiles if t not in gains]
+        if not tiles or tiles[0][1]:
+            raise NotStreamable("the activation has no row tensor factor")
+        lhs = self.tile(tiles[0][0])
+        for f, inv in tiles[1:]:
+            lhs = (self.tb.div if inv else self.tb.mul)(lhs, self.tile(f))
+        return lhs, scales, gains
+
     def epilogue(self, r: Ref) -> Tensor:
         """An (m, n) value after the loop: the matmul results, then elementwise ops over them, rows (m, n) and
         vectors (n,)."""
@@ -347,10 +369,7 @@ class _Block:
             elif op.name in ROW_REDUCTIONS or op.name == "matmul":
                 raise NotStreamable(f"{self.rd.describe(r)} after the matmul: only elementwise ops stream")
             elif op.name == "concat":
-                rot = rotation(self.rd, r)
-                if rot is None or rot[1] != self.head:
-                    raise NotStreamable(f"{self.rd.describe(r)} after the matmul is not a rotation of head halves")
-                src, group, signs = rot
+                src, group, signs = self._rotation(r)
                 self.after[r] = self.tb.rotate_half(self.epilogue(src), group=group, signs=signs)
             else:
                 self.after[r] = self._elementwise(r, self.epilogue)
@@ -359,16 +378,7 @@ class _Block:
     # ---------------------------------------------------------------- the graph
     def build(self, a: Ref, mms: list[int], weights: list[tuple[Ref, bool]], outs: list[Ref]) -> list[Tensor]:
         """The block graph computing ``outs`` from matmuls ``mms`` of activation ``a``; the kernel op's results."""
-        factors = _factors(self.rd, a)
-        scales = [(f, inv) for f, inv in factors if self.rd.shape(f)[-1:] == (1,) and self.k != 1]
-        tiles = [(f, inv) for f, inv in factors if (f, inv) not in scales]
-        gains = [(f, inv) for f, inv in tiles if self.seed.gains_on_weights and self._is_gain(f)]
-        tiles = [t for t in tiles if t not in gains]
-        if not tiles or tiles[0][1]:
-            raise NotStreamable("the activation has no row tensor factor")
-        lhs = self.tile(tiles[0][0])
-        for f, inv in tiles[1:]:
-            lhs = (self.tb.div if inv else self.tb.mul)(lhs, self.tile(f))
+        lhs, scales, gains = self._rows(a)
         for i, (w, transposed) in zip(mms, weights):
             rhs = self._iterator(w.op, "weight_t" if transposed else "weight")
             for f, inv in gains:                  # (x·g)·W = x·(g·W): a column of g scales the weight tile
@@ -453,10 +463,7 @@ class _HalvesBlock(_Block):
             elif op.name in ROW_REDUCTIONS or op.name == "matmul":
                 raise NotStreamable(f"{self.rd.describe(r)} after the matmul: only elementwise ops stream")
             elif op.name == "concat":
-                rot = rotation(self.rd, r)
-                if rot is None or rot[1] != self.head:
-                    raise NotStreamable(f"{self.rd.describe(r)} after the matmul is not a rotation of head halves")
-                src, _, signs = rot
+                src, _, signs = self._rotation(r)
                 a, b = self.pair(src)      # rotate_half: (s0 · second half, s1 · first half)
                 self.pairs[r] = tuple(x if s == 1 else self.tb.scalar_mul(x, value=-1.0)
                                       for x, s in ((b, signs[0]), (a, signs[1])))
@@ -481,14 +488,7 @@ class _HalvesBlock(_Block):
     def build(self, a: Ref, mms: list[int], weights: list[tuple[Ref, bool]], outs: list[Ref]) -> list[Tensor]:
         if self.seed.gains_on_weights:
             raise NotStreamable("paired halves take the gains on the rows")
-        factors = _factors(self.rd, a)
-        scales = [(f, inv) for f, inv in factors if self.rd.shape(f)[-1:] == (1,) and self.k != 1]
-        tiles = [(f, inv) for f, inv in factors if (f, inv) not in scales]
-        if not tiles or tiles[0][1]:
-            raise NotStreamable("the activation has no row tensor factor")
-        lhs = self.tile(tiles[0][0])
-        for f, inv in tiles[1:]:
-            lhs = (self.tb.div if inv else self.tb.mul)(lhs, self.tile(f))
+        lhs, scales, _ = self._rows(a)
         for i, (w, transposed) in zip(mms, weights):
             if not transposed:
                 raise NotStreamable("paired halves read nn.Linear's (n, k) weight, stored along k")
