@@ -164,25 +164,10 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
     """``nodes`` (whose reference is ``ref``) claimed with their weight-streaming seed, verified against ``ref``
     (the build stage compiles it, launches from :func:`.launch.streaming_candidates`); a decline where the region
     has no seed or the verifier rejects it."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    try:
-        seed = gemv_seed(ref.graph)
-    except NotStreamable as e:
-        return Decline(nodes, Reason.NO_KERNEL, f"not a weight-streaming matmul region: {e}")
-    if invalid := problems(seed):
-        return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is not valid: {'; '.join(invalid)}")
+    seed, verdict = verified_seed(ref.graph, ctx.config)
+    if seed is None:
+        return Decline(nodes, Reason.NO_KERNEL, verdict)
     metas = [v.meta for v in ref.inputs]
-    program, candidate = verified_instance(ref.graph, seed)
-    if program is ref.graph and (steps := block_steps(candidate)) > MAX_VERIFY_STEPS:
-        return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is too large to verify at its own sizes "
-                       f"({steps} block steps; its sizes do not shrink): a smaller cut is tried")
-    examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=TORCH_DTYPES[op.attrs["dtype"]]) for op in program.inputs]
-    with unset_fake_temporarily():      # the verifier runs real tensors
-        verdict = verify(candidate, program, examples, error_bound=ctx.config.verify_error_bound,
-                         trials=ctx.config.verify_trials)
-    if not verdict:
-        return Decline(nodes, Reason.NO_KERNEL, f"the weight-streaming seed is not verified: {verdict.reason}")
     mms = [n for n in nodes if n.kind is OpKind.MATMUL]
     _, a, _ = matmul_operands(mms[0])
     rows, k, n = matmul_rows(mms[0]), a.meta.shape[-1], mms[0].outputs[0].meta.shape[-1]
@@ -195,35 +180,47 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
                       functools.partial(random_inputs, metas), functools.partial(reference_kernel, nodes, graph, ref),
                       what=f"weight-streaming μGraph of {len(nodes)} ops on {', '.join(_describe(m) for m in metas)}",
                       propose=streaming_candidates)
-    info = {"rows": rows, "k": k, "n": n, "matmuls": len(mms), "verified": verdict.reason}
+    info = {"rows": rows, "k": k, "n": n, "matmuls": len(mms), "verified": verdict}
     return Claim(list(nodes), plan, detail=detail, info=info)
+
+
+def verified_seed(ref: KernelGraph, config, halves: bool = False) -> tuple[KernelGraph | None, str]:
+    """``(seed, the verifier's reason)``: the weight-streaming seed of ``ref`` (``halves``: its paired-halves form)
+    verified against it with ``config``'s verifier settings; ``(None, why not)`` where ``ref`` has no such seed, it
+    is not valid, too large to verify at its own sizes, or not verified."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    try:
+        seed = gemv_seed(ref, halves=halves)
+        program, candidate = verified_instance(ref, seed, halves=halves)
+    except NotStreamable as e:
+        return None, f"not a weight-streaming matmul region: {e}"
+    if invalid := problems(seed):
+        return None, f"the weight-streaming seed is not valid: {'; '.join(invalid)}"
+    if program is ref and (steps := block_steps(candidate)) > MAX_VERIFY_STEPS:
+        return None, (f"the weight-streaming seed is too large to verify at its own sizes ({steps} block steps; its "
+                      "sizes do not shrink): a smaller cut is tried")
+    examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=TORCH_DTYPES[op.attrs["dtype"]]) for op in program.inputs]
+    with unset_fake_temporarily():      # the verifier runs real tensors
+        verdict = verify(candidate, program, examples, error_bound=config.verify_error_bound,
+                         trials=config.verify_trials)
+    if not verdict:
+        return None, f"the weight-streaming seed is not verified: {verdict.reason}"
+    return seed, verdict.reason
 
 
 def verified_halves(ref: KernelGraph, config) -> KernelGraph | None:
     """The paired-halves form of a rotated seed (:class:`.gemv_seed._HalvesBlock`: a block holds matching slices of
     both halves of a head, so its launches may stream the weight in contiguous tiles over more programs than heads),
-    verified like the seed (``config``'s verifier settings); None where the region has no rotation or the form does not apply or verify. The build
-    stage compiles both forms and on a GPU keeps the faster (H100 11-26: the head-per-block q projection + RoPE
-    ran 18.4-24.5 µs over 64 launches where the same bytes without RoPE stream in 14.5)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
+    verified like the seed (:func:`verified_seed`); None where the region has no rotation or the form does not
+    apply or verify. The build stage compiles both forms and on a GPU keeps the faster (H100 11-26: the
+    head-per-block q projection + RoPE ran 18.4-24.5 µs over 64 launches where the same bytes without RoPE stream
+    in 14.5)."""
     if not rotation_groups(ref):
         return None
-    try:
-        halves = gemv_seed(ref, halves=True)
-        program, candidate = verified_instance(ref, halves, halves=True)
-    except NotStreamable as e:
-        log.debug("torch_mirage: no paired-halves form: %s", e)
-        return None
-    if problems(halves) or (program is ref and block_steps(candidate) > MAX_VERIFY_STEPS):
-        return None
-    examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=TORCH_DTYPES[op.attrs["dtype"]]) for op in program.inputs]
-    with unset_fake_temporarily():
-        verdict = verify(candidate, program, examples, error_bound=config.verify_error_bound,
-                         trials=config.verify_trials)
-    if not verdict:
-        log.info("torch_mirage: the paired-halves weight-streaming form is not verified (%s); not offered", verdict.reason)
-        return None
+    halves, why = verified_seed(ref, config, halves=True)
+    if halves is None:
+        log.info("torch_mirage: no paired-halves weight-streaming form (%s)", why)
     return halves
 
 

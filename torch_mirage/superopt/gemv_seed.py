@@ -458,7 +458,7 @@ class _HalvesBlock(_Block):
             op = self.rd.op(r)
             if op.name == "input":
                 role = self._input_role(r, "n")
-                self.pairs[r] = (self.after_stat(r),) * 2 if role == "stat" else \
+                self.pairs[r] = (self._iterator(r.op, "stat"),) * 2 if role == "stat" else \
                     tuple(self._iterator(r.op, role, h) for h in (0, 1))
             elif op.name in ROW_REDUCTIONS or op.name == "matmul":
                 raise NotStreamable(f"{self.rd.describe(r)} after the matmul: only elementwise ops stream")
@@ -477,9 +477,6 @@ class _HalvesBlock(_Block):
             else:
                 raise NotStreamable(f"{self.rd.describe(r)} is not elementwise")
         return self.pairs[r]
-
-    def after_stat(self, r: Ref) -> Tensor:
-        return self._iterator(r.op, "stat")
 
     def _row_stat(self, r: Ref) -> bool:
         shape = self.rd.shape(self.rd.through_reshapes(r))

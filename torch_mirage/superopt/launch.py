@@ -508,8 +508,8 @@ def wave_split(scored: Sequence[tuple], n_sm: int) -> tuple | None:
     fills = [(s, est, g, f) for est, g, f, s in scored if s > 1 and math.prod(g) * s >= WAVE_FILL * n_sm]
     if not fills:
         return None
-    _, _, g, f = min(fills, key=lambda x: (x[0], x[1]))
-    return g, f, min(x[0] for x in fills)
+    s, _, g, f = min(fills, key=lambda x: (x[0], x[1]))
+    return g, f, s
 
 
 def streaming_pick(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> tuple | None:
