@@ -40,6 +40,18 @@ from torch_mirage.superopt.compile import BlockLauncher, op_arguments  # noqa: E
 PAIRS = ((2, 3), (4, 3), (4, 5), (8, 4), (8, 6))
 
 
+def _qkv_rope(x, cos, sin, g, wq, wk, wv):
+    h = rms_norm(x, 1e-5, g)
+    heads = [F.linear(h, w).view(x.shape[0], 1, -1, 128).transpose(1, 2) for w in (wq, wk, wv)]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return _rope(heads[0], cos, sin), _rope(heads[1], cos, sin), heads[2]
+
+
+def _rope(q, cos, sin):
+    half = q.shape[-1] // 2
+    return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+
+
 # --seed programs beyond the bench's: (bench workload whose inputs they take, which of those, program)
 SEED_VARIANTS = {
     "rmsnorm_linear_t": ("rmsnorm_linear", (0, 1, 2), lambda x, g, w: F.linear(rms_norm(x, weight=g), w)),
@@ -52,12 +64,9 @@ SEED_VARIANTS = {
     # Llama's input norm + q projection + RoPE (HF's rotate_half over 32 heads of 128; cos / sin: EXTRA_INPUTS)
     "rmsnorm_rope_q_t": ("rmsnorm_linear", (0, 1, 2), lambda x, g, w, cos, sin: _rope(
         F.linear(rms_norm(x, weight=g), w).view(x.shape[0], 1, -1, 128).transpose(1, 2), cos, sin)),
+    # llama_layer_decode's QKV region: input norm, q / k / v projections, RoPE on q and k (kernel ops: --op)
+    "rmsnorm_rope_qkv_t": ("llama_layer_decode", (0, 1, 2, 7, 8, 9, 10), _qkv_rope),
 }
-
-
-def _rope(q, cos, sin):
-    half = q.shape[-1] // 2
-    return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
 
 
 # inputs appended to a SEED_VARIANTS program's (from its first input and the dtype): a norm gain, RoPE's cos / sin
@@ -68,10 +77,12 @@ EXTRA_INPUTS = {
 }
 
 
-def seed_case(name: str, batch: int, dtype: torch.dtype, gains_on_weights: bool = False, halves: bool = False):
+def seed_case(name: str, batch: int, dtype: torch.dtype, gains_on_weights: bool = False, halves: bool = False,
+              op_index: int = 0):
     """(block graph, its inputs on the GPU, propose) of the weight-streaming seed of bench workload ``name`` or of
     a :data:`SEED_VARIANTS` program (``_t``: the weight stored (n, k), nn.Linear's layout); ``gains_on_weights``:
-    the seed form with the norm's gain on the weight tiles; ``halves``: RoPE's heads in paired halves."""
+    the seed form with the norm's gain on the weight tiles; ``halves``: RoPE's heads in paired halves; ``op_index``:
+    which of the seed's kernel ops (customized ops in graph order)."""
     base, keep, fn = SEED_VARIANTS.get(name, (name, None, None))
     wl = workloads.WORKLOADS[base]
     xs = wl.make_inputs(batch, dtype, "cuda", 0)
@@ -79,14 +90,14 @@ def seed_case(name: str, batch: int, dtype: torch.dtype, gains_on_weights: bool 
         xs = [xs[i] for i in keep]
     else:
         fn = wl.fn
-    if name.endswith("_t"):      # the square (k, n) weight stored transposed
+    if name.endswith("_t") and base != "llama_layer_decode":      # the square (k, n) weight stored transposed
         xs = [x.t().contiguous() if i > 0 and x.dim() == 2 else x for i, x in enumerate(xs)]
     if name in EXTRA_INPUTS:
         xs += EXTRA_INPUTS[name](xs[0], dtype)
     graph = trace(fn, [x.cpu() for x in xs])
     ref = reference_of(graph.nodes, graph)
     kg = gemv_seed(ref.graph, gains_on_weights=gains_on_weights, halves=halves)
-    op = next(o for o in kg.ops if o.name == "customized")
+    op = [o for o in kg.ops if o.name == "customized"][op_index]
     pos = {id(v): i for i, v in enumerate(graph.inputs)}
     ins = [xs[pos[id(v)]] for v in ref.inputs]
     return op.body, op_arguments(kg, op, ins), streaming_candidates
@@ -105,6 +116,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", help="--seed: the inputs' dtype")
     p.add_argument("--gain-on-weights", action="store_true", help="--seed: the form with the gain on the weight tiles")
     p.add_argument("--halves", action="store_true", help="--seed: RoPE's heads in paired halves (one row)")
+    p.add_argument("--op", type=int, default=0, help="--seed: which kernel op of the seed (0: the first)")
     p.add_argument("--only-extra", action="store_true", help="time the --extra re-tilings only (no candidates)")
     p.add_argument("--pairs", nargs="*", default=[], metavar="WARPS:STAGES",
                    help=f"(num_warps, num_stages) pairs (default: {' '.join(f'{w}:{s}' for w, s in PAIRS)})")
@@ -118,7 +130,8 @@ def main() -> None:
         for b in args.batches:
             if args.seed:
                 dims = (name, b)
-                bg, xs, propose = seed_case(name, b, getattr(torch, args.dtype), args.gain_on_weights, args.halves)
+                bg, xs, propose = seed_case(name, b, getattr(torch, args.dtype), args.gain_on_weights, args.halves,
+                                               args.op)
             else:
                 dims = library.bench_dims(name, b)
                 kg = library.WORKLOADS[name].build(*dims)

@@ -162,6 +162,43 @@ def test_paired_halves_form_equals_eager_at_every_launch(rotate, tmp_path):
                 assert_close(g, first)
 
 
+@interpreted
+def test_few_kv_heads_stream_one_row_slices(tmp_path):
+    """A width of few heads (k / v: 2 heads of 16 here, 8 of 128 in Llama-3-8B) fills the SMs only with slices of
+    one row of each half: those unsplit streams are among the contiguous ones (sides of one count, over at most
+    ``PROBE_WAVES[-1]`` waves; sides between one and ``MIN_STREAM_TILE`` do not: they pad) and equal the seed."""
+    from torch_mirage.config import Config
+    from torch_mirage.superopt.compile import BlockLauncher, op_arguments
+    from torch_mirage.superopt.gemv_claim import verified_halves
+    from torch_mirage.superopt.launch import (CONTIGUOUS_PIPELINES, MIN_STREAM_TILE, PROBE_WAVES, LaunchConfig,
+                                              contiguous_streams, retile, strip)
+
+    fn = qkv_rope(rotate_cat)
+    xs = _inputs(1, torch.float32, d=512)
+    graph = trace(fn, xs)
+    ref = reference_of(graph.nodes, graph)
+    halves = verified_halves(ref.graph, Config())
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    ins = [xs[pos[id(v)]] for v in ref.inputs]
+    n_sm = 8
+    kv = [o for o in halves.ops if o.name == "customized"][-1]
+    assert kv.body.grid[0] == 2                                              # the k / v heads
+    streams = contiguous_streams(kv.body, n_sm)
+    rows = {min(strip(it.shapes[0])[0][:-1]) for g, f in streams for it in retile(kv.body, g, f).iterators
+            if it.attrs["fmap"] is not None and any(m is not None for m in it.attrs["imap"])}
+    assert 1 in rows and not any(1 < r < MIN_STREAM_TILE for r in rows), streams
+    assert all(math.prod(g) <= PROBE_WAVES[-1] * n_sm for g, _ in streams)
+    args = op_arguments(halves, kv, ins)
+    ranks = [a.dim() for a in args]
+    own = BlockLauncher(kv.body, LaunchConfig(tuple(kv.body.grid), kv.body.forloop_range, 1, 4, 3), ranks,
+                        str(tmp_path))(*args)                 # the seed's own schedule (equal to eager: above)
+    for grid, f in streams:
+        for w, st in CONTIGUOUS_PIPELINES:
+            got = BlockLauncher(kv.body, LaunchConfig(grid, f, 1, w, st), ranks, str(tmp_path))(*args)
+            for g, r in zip(got, own):
+                assert_close(g, r)
+
+
 def test_paired_halves_need_a_rotation_and_one_row():
     """Without RoPE's rotation, or with more than one row, the paired-halves form does not apply: no second
     alternative is offered."""

@@ -55,7 +55,11 @@ STREAM_STAGE_BYTES = 16 * 1024
 # tiles took 85.8). :func:`contiguous_streams` adds the unsplit re-tilings that read pieces this long, over waves.
 STREAM_RUN_BYTES = 512
 RUN_TILES = (256, 512)
-MIN_STREAM_TILE = 16       # and whose tiles hold at least this many rows (a row per program reads too little)
+# and whose tiles hold at least this many rows (a row per program reads too little), or exactly one over at most
+# PROBE_WAVES[-1] waves: sides in between pad to 16 (H100 sweep 11-27, llama_layer_decode's k / v projection + RoPE in paired halves, 8 heads x 64
+# slices of one row, 4 rows of 1 x 512 per step: 8.84 µs at 1 / 4; 8 x 16 slices of 4 rows: 29-44; 8 x 4 slices of
+# 16 rows need 8 splits to fill the SMs: 15.8 with its combine)
+MIN_STREAM_TILE = 16
 # (num_warps, num_stages) of those contiguous streams: few warps and few stages (H100 sweep 11-26, Llama-3-8B norm +
 # gate / up 1 x 4096 x 2·14336 bf16, 896 programs of 16 x 512 or 16 x 256 tiles: 85.8-88.9 µs, 0.88-0.91 of copy, at
 # 1 / 4 and 2 / 3, against 107.0-121.4 at 4 / 5; o_proj 1 x 4096 x 4096, 256 x 16 x 512: 14.5 against 15.5 at 4 / 4;
@@ -436,8 +440,9 @@ def _stream_configs(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> list[
 def contiguous_streams(bg: BlockGraph, n_sm: int) -> list[tuple[tuple, int]]:
     """``(grid, forloop_range)`` of unsplit re-tilings of at least one wave of programs (to ``WAVE_FILL``: 32 heads
     x 4 slices of RoPE's paired halves count on 132 SMs) whose streamed tiles read pieces of at least
-    ``STREAM_RUN_BYTES`` (loop tiles of ``RUN_TILES``), with sides of at least ``MIN_STREAM_TILE`` (leading unit
-    dims aside) and no padding: per piece length the one whose step loads closest to ``STREAM_STAGE_BYTES``
+    ``STREAM_RUN_BYTES`` (loop tiles of ``RUN_TILES``), with sides of at least ``MIN_STREAM_TILE`` (or of one, over
+    at most ``PROBE_WAVES[-1]`` waves: a row per program adds up only where few rows leave few programs) and no
+    padding: per piece length the one whose step loads closest to ``STREAM_STAGE_BYTES``
     (at most twice that), as many waves as that takes."""
     best: dict[int, tuple] = {}
     for grid in _product([_grid_choices(bg, g) for g in range(len(bg.grid))]):
@@ -446,7 +451,8 @@ def contiguous_streams(bg: BlockGraph, n_sm: int) -> list[tuple[tuple, int]]:
         for f in _loop_choices(bg, grid, RUN_TILES):
             tiled = retile(bg, grid, f)
             if tiled is None or estimate_us(tiled, 1, n_sm) is None or \
-                    any(x < MIN_STREAM_TILE or padded(x) != x for it in _streamed(tiled) for x in strip(it.shapes[0])[0]):
+                    any(x < MIN_STREAM_TILE and (x > 1 or math.prod(grid) > PROBE_WAVES[-1] * n_sm) or padded(x) != x
+                        for it in _streamed(tiled) for x in strip(it.shapes[0])[0]):
                 continue
             run, stage = run_bytes(tiled), streamed_bytes(tiled)
             if run < STREAM_RUN_BYTES or stage > 2 * STREAM_STAGE_BYTES:
