@@ -1,6 +1,7 @@
 """Generated Triton for μGraphs (Triton interpreter on the CPU): every hand-built μGraph matches its
 PyTorch program (fp64 reference) on odd shapes in fp32 and fp16, under re-tiling and split-K / split-KV
 too; a golden copy of one kernel's source shows codegen changes in review."""
+import dataclasses
 import math
 import os
 
@@ -283,6 +284,25 @@ def test_tuned_kernels_on_gpu(name, dims, sched, dtype):
     assert_close(got, want, dtype)
 
 
+
+@pytest.mark.parametrize("name,dims,sched,cfg,finer", [s for s in SPLITS if s[3].split > 1],
+                         ids=[f"{s[0]}-{'x'.join(map(str, s[1]))}" for s in SPLITS if s[3].split > 1])
+def test_split_folded_by_the_last_program_matches_eager(name, dims, sched, cfg, finer, tmp_path):
+    """``combine_in_kernel``: one kernel — each split program stores its states and counts its arrival, the tile's
+    last folds them — equal to eager on two calls with fresh inputs (the counters are left at zero for the next)."""
+    g = library.WORKLOADS[name].build(*dims, dtype="float16", **sched)
+    (op,) = [o for o in g.ops if o.name == "customized"]
+    cfg = dataclasses.replace(cfg, combine_in_kernel=True)
+    xs = _inputs(name, dims, torch.float16, seed=11)
+    run = BlockLauncher(op.body, cfg, [x.dim() for x in xs], str(tmp_path))
+    assert run.combine_fn is None and run.kernel.counters == math.prod(cfg.grid)
+    assert "tl.atomic_add(cnt_ptr" in run.source
+    for seed in (11, 12):
+        xs = _inputs(name, dims, torch.float16, seed=seed)
+        (got,) = run(*xs)
+        _check(name, got, xs, torch.float16)
+        assert not run.counters(got.device)[0].any()
+
 def _softcap_masked_reference(q, k, v, m, scale, cap):
     s = torch.tanh(q.double() @ k.double().transpose(-1, -2) * scale / cap) * cap + m.double()
     return torch.softmax(s, -1) @ v.double()
@@ -365,3 +385,34 @@ def test_warmup_in_a_thread_compiles_the_launch_so_that_the_call_compiles_nothin
     (got,) = launcher(*xs)
     assert compiled() == [n + 1 for n in before]          # nothing compiled again
     _check("rmsnorm_linear", got, xs, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("split", [4, 16])
+def test_split_folded_by_the_last_program_on_gpu(split):
+    """The in-kernel fold at decode widths (2 x 4096 x 4096, 64 tiles x ``split`` programs, all resident at once):
+    every one of 64 calls with fresh inputs — eager, then replayed in a CUDA graph — equals eager, so no tile folds
+    before all its states are stored (the arrival counter's release / acquire) and the counters return to zero."""
+    dims = (2, 4096, 4096)
+    g = library.WORKLOADS["rmsnorm_linear"].build(*dims, dtype="float16", grid=64, forloop_range=64)
+    (op,) = [o for o in g.ops if o.name == "customized"]
+    xs = [x.cuda() for x in _inputs("rmsnorm_linear", dims, torch.float16, seed=5)]
+    run = BlockLauncher(op.body, LaunchConfig((64,), 64, split, 4, 3, combine_in_kernel=True),
+                        [x.dim() for x in xs], str(pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / "fold-gpu"))
+    assert run.combine_fn is None
+    out = run(*xs)[0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(*xs, outs=[out])[0]
+    gen = torch.Generator(device="cuda").manual_seed(split)
+    for call in range(64):
+        for x in xs:
+            x.copy_(torch.randn(x.shape, generator=gen, device="cuda", dtype=torch.float32))
+        if call % 2:
+            graph.replay()
+        else:
+            run(*xs, outs=[out])
+        torch.cuda.synchronize()
+        _check("rmsnorm_linear", out, xs, torch.float16)
+    assert not run.counters(out.device)[0].any()

@@ -150,6 +150,7 @@ class BlockKernel:
     outputs: list = field(default_factory=list)        # (shape, dtype) of each saver's kernel tensor
     pipelined: bool = False                            # has a for-loop (takes NUM_STAGES)
     combine_grid: tuple = ()                           # the combine kernel's grid (split > 1)
+    counters: int = 0                                  # arrival counters (int32, zeroed once) of an in-kernel combine
 
 
 class _Emitter:
@@ -802,13 +803,16 @@ def _variant(bg: BlockGraph) -> list[bool]:
     return var
 
 
-def _header(name: str, bg: BlockGraph, n_inputs: int, in_ranks, out_ranks, n_ws: int, pipelined: bool) -> list[str]:
+def _header(name: str, bg: BlockGraph, n_inputs: int, in_ranks, out_ranks, n_ws: int, pipelined: bool,
+            counters: bool = False) -> list[str]:
     params = []
     for i in range(n_inputs):
         params += [f"in{i}_ptr"] + [f"in{i}_s{d}" for d in range(in_ranks[i])]
     for k, r in enumerate(out_ranks):
         params += [f"out{k}_ptr"] + [f"out{k}_s{d}" for d in range(r)]
     params += [f"ws{j}_ptr" for j in range(n_ws)]
+    if counters:
+        params.append("cnt_ptr")
     if pipelined:
         params.append("NUM_STAGES: tl.constexpr")
     return ["@triton.jit", f"def {name}({', '.join(params)}):"]
@@ -866,7 +870,8 @@ def prologue_accumulators(bg: BlockGraph) -> list[int]:
 
 def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", split: int = 1,
                       combine: BlockGraph | None = None, prologue: bool = False, order=None,
-                      transposed=None, target: Target = Target.INTERPRETER, sums_after: bool = False) -> BlockKernel:
+                      transposed=None, target: Target = Target.INTERPRETER, sums_after: bool = False,
+                      combine_in_kernel: bool = False) -> BlockKernel:
     """Triton source for one graph-defined op, for ``target`` (the interpreter's forms run anywhere). ``in_ranks``: rank of each kernel input (its strides are
     arguments). ``combine``: the re-tiling of ``bg`` whose grid the combine kernel runs on (split > 1;
     default ``bg``'s own grid). ``prologue``: the :func:`prologue_accumulators` walk the for-loop range in a
@@ -874,7 +879,9 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     ``sums_after`` (they are read only after the loop: the main loop's loads start at once). ``order`` (a
     topological order of ``bg``'s ops; default: depth order) and ``transposed`` (ops whose tiles are held
     transposed, see :class:`LayoutRules`; default: its ``default``) are the μGraph optimiser's plan
-    (``superopt.optimise``)."""
+    (``superopt.optimise``). ``combine_in_kernel`` (split > 1): no combine kernel — each program stores its partial
+    states, counts its arrival on its tile's counter, and the last of the tile's ``split`` programs to arrive folds
+    them (:func:`_fold_split`) and resets the counter (one launch less; the fold runs on ``bg``'s grid)."""
     if bg.forloop_range % split:
         raise CodegenError(f"μGraph codegen: split {split} does not divide forloop_range {bg.forloop_range}")
     ph = phases(bg)
@@ -944,6 +951,20 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
                 e.line(f"tl.store(ws{j}_ptr + ({_pid_flat(bg.grid)} * {split} + split) * {ws[j]} + "
                        f"{e.flat(st.pshape)}, {st.name})")
                 j += 1
+        if combine_in_kernel:
+            tile = _pid_flat(bg.grid)
+            e.line("tl.debug_barrier()")           # every thread's partial stores before the arrival (release)
+            e.line(f"arrived = tl.atomic_add(cnt_ptr + {tile}, 1, sem='acq_rel')")
+            e.line(f"if arrived == {split - 1}:")    # the tile's last program: the others' states are visible
+            fold = _Emitter(bg, 0, 1, order, transposed, target)
+            fold.indent, fold.count = e.indent + 1, e.count
+            _fold_split(fold, bg, bg, accs, epi, ws, split, in_kernel=True)
+            fold.line(f"tl.store(cnt_ptr + {tile}, 0)")    # ready for the next launch
+            e.lines += fold.lines
+            e.aranges |= fold.aranges
+            head = _header(name, bg, n_inputs, in_ranks, out_ranks, len(ws), loop, counters=True)
+            return BlockKernel(_finish(e, head), name, None, tuple(bg.grid), split, ws, outputs, loop,
+                               counters=math.prod(bg.grid))
         source = _finish(e, head)
         fine = combine or bg
         src = _emit_combine(bg, fine, name + "_combine", accs, epi, out_ranks, ws, split, order, transposed, target)
@@ -1046,6 +1067,19 @@ def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ra
         if r > 1:
             e.line(f"chunk = pid_{g} % {r}")
     e.pid_lines = len(e.lines)
+    _fold_split(e, bg, fine, accs, epi, ws, split)
+    params = [p for j, r in enumerate(out_ranks) for p in [f"out{j}_ptr"] + [f"out{j}_s{d}" for d in range(r)]]
+    params += [f"ws{j}_ptr" for j in range(len(ws))]
+    return _finish(e, ["@triton.jit", f"def {name}({', '.join(params)}):"])
+
+
+def _fold_split(e: _Emitter, bg: BlockGraph, fine: BlockGraph, accs, epi, ws, split: int, in_kernel: bool = False) -> None:
+    """Lines that fold the ``split`` partial states of each accumulator (``ws{j}_ptr``, as the split programs of
+    ``bg`` stored them) for the running program of ``fine`` (``pid_*`` bound), then its finals, epilogue and
+    savers: the combine kernel's body, or the last arriving program's (``in_kernel``: its loads skip L1, read
+    where the other programs' stores met: L2)."""
+    cache = ", cache_modifier='.cg'" if in_kernel else ""
+    ratio = tuple(f // c for f, c in zip(fine.grid, bg.grid))
     flat = _pid_flat(bg.grid, ratio)
     env: dict[Ref, Val] = {}
     k = 0
@@ -1058,7 +1092,7 @@ def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ra
 
         def load(j: int, shape, s, full) -> str:
             offs = e.flat(tuple(padded(x) for x in shape), full)
-            return f"tl.load(ws{j}_ptr + ({flat} * {split} + {s}) * {ws[j]} + {offs})"
+            return f"tl.load(ws{j}_ptr + ({flat} * {split} + {s}) * {ws[j]} + {offs}{cache})"
         states = [e.assign("acc", load(j, sh, 0, c), sh) for j, sh, c in zip(idx, shapes, coarse)]
         e.line(f"for s in tl.static_range(1, {split}):")
         e.indent += 1
@@ -1068,9 +1102,6 @@ def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ra
         for n, v in enumerate(_acc_final(e, bg, op, states)):
             e.put(env, Ref(i, n), v)
     _epilogue(e, fine, epi, env)
-    params = [p for j, r in enumerate(out_ranks) for p in [f"out{j}_ptr"] + [f"out{j}_s{d}" for d in range(r)]]
-    params += [f"ws{j}_ptr" for j in range(len(ws))]
-    return _finish(e, ["@triton.jit", f"def {name}({', '.join(params)}):"])
 
 
 def module_source(kernels: list[BlockKernel]) -> str:

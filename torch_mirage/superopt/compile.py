@@ -60,7 +60,8 @@ class BlockLauncher:
                                                      combine_tiling(tiled, config.split), config.prologue,
                                                      self.plan.order, self.plan.transposed,
                                                      Target.current() if target is None else target,
-                                                     sums_after=config.sums_after)
+                                                     sums_after=config.sums_after,
+                                                     combine_in_kernel=config.combine_in_kernel and config.split > 1)
         self.source = module_source([self.kernel])
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
         self.fn = getattr(module, self.kernel.name)
@@ -71,6 +72,18 @@ class BlockLauncher:
         self.out_specs = [(tuple(s), DTYPES[d]) for s, d in self.kernel.outputs]
         programs = grid[0] * grid[1] * grid[2] * config.split
         self.ws_specs = [((n * programs,), torch.float32) for n in self.kernel.workspaces]
+        self._counters: dict[torch.device, torch.Tensor] = {}
+
+    def counters(self, device: torch.device) -> list[torch.Tensor]:
+        """The in-kernel combine's arrival counters on ``device`` (zeroed once; the kernel leaves them zero), or
+        none. Kept per launcher: two launches of one launcher must not overlap in time (one stream)."""
+        if not self.kernel.counters:
+            return []
+        if device.type == "meta":
+            return [torch.empty(self.kernel.counters, dtype=torch.int32, device=device)]
+        if device not in self._counters:
+            self._counters[device] = torch.zeros(self.kernel.counters, dtype=torch.int32, device=device)
+        return [self._counters[device]]
 
     def __call__(self, *inputs: torch.Tensor, outs: Sequence[torch.Tensor] | None = None,
                  workspaces: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -100,7 +113,9 @@ class BlockLauncher:
             out_args += [t, *t.stride()]
         extra = {"NUM_STAGES": self.config.num_stages} if self.kernel.pipelined else {}
         opts = {"num_warps": self.config.num_warps, "num_stages": self.config.num_stages}
-        if self.combine_fn is None:
+        if self.kernel.counters:
+            run(self.fn, *args, *out_args, *ws, *self.counters(outs[0].device), grid=self.launch_grid, **extra, **opts)
+        elif self.combine_fn is None:
             run(self.fn, *args, *out_args, grid=self.launch_grid, **extra, **opts)
         else:
             run(self.fn, *args, *ws, grid=self.launch_grid, **extra, **opts)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -102,6 +102,7 @@ class LaunchConfig:
     num_stages: int = 2
     prologue: bool = False    # matmul-free accumulators in a for-loop of their own (ugraph_triton.prologue_accumulators)
     sums_after: bool = False  # with prologue: that loop runs after the main loop, not before it
+    combine_in_kernel: bool = False  # split > 1: the last program of a tile to finish folds its states (no combine kernel)
 
     def to_json(self) -> dict:
         return {**asdict(self), "grid": list(self.grid)}
@@ -472,7 +473,8 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     the best-estimated unsplit loop of at least ``DEEP_LOOP`` steps at ``DEEP_PIPELINE``; the split-K that just fills
     a wave (:func:`wave_split`, also at ``FILL_PIPELINE`` and with the sums' loop of its own); the
     :func:`contiguous_streams` at each of ``CONTIGUOUS_PIPELINES`` (with a norm: also with its sums in a loop of
-    their own, at the first). Up to twenty configs (ten without a norm), each a Triton compile (in parallel:
+    their own, at the first); each split whose sums share the dot loop also folded by its tiles' last programs
+    (``combine_in_kernel``: one launch, no combine kernel). Up to 23 configs (13 without a norm), each a Triton compile (in parallel:
     ``compile_workers``); a decode layer has one such kernel per projection."""
     scored = _scored(bg, n_sm)
     warps, stages = WARPS_STAGES[0]
@@ -500,6 +502,7 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     deep = next(((g, f) for _, g, f, s in scored if s == 1 and f >= DEEP_LOOP), None)
     if deep is not None:
         configs.append(LaunchConfig(deep[0], deep[1], 1, *DEEP_PIPELINE))
+    configs += [replace(c, combine_in_kernel=True) for c in configs if c.split > 1 and not c.prologue]
     return list(dict.fromkeys(configs))
 
 
