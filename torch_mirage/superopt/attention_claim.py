@@ -375,14 +375,15 @@ def _seeds(spec: AttentionSpec) -> dict[str, tuple[str, dict]]:
     seed and its own parameters. FlashAttention, and split-KV where KV is long enough to split. Decode — one row
     block of queries (the heads of a KV head packed, a few tokens each) — builds split-KV at each of
     :func:`.attention_seeds.decode_split_counts` (``flash_decoding/<splits>``), and FlashAttention (a program per
-    batch row and KV head) only where those programs fill half the SMs."""
+    batch row and KV head, whose launches split KV too: each tile's last split program folds the states, one
+    kernel where ``flash_decoding`` takes two)."""
     seeds: dict[str, tuple[str, dict]] = {"flash_attention": ("flash_attention", {})}
     if spec.group * spec.sq <= SEED_TILE:
         bh, n_sm = spec.b * spec.hk, DeviceModel.current().sm_count
         counts = decode_split_counts(bh, spec.skv, n_sm)
         if counts:
-            return ({"flash_attention": ("flash_attention", {})} if 2 * bh >= n_sm else {}) | {
-                f"flash_decoding/{s}": ("flash_decoding", {"splits": s}) for s in counts}
+            return {f"flash_decoding/{s}": ("flash_decoding", {"splits": s}) for s in counts} | {
+                "flash_attention": ("flash_attention", {})}
     if blocks(spec.skv, SPLIT_KV) > 1:
         seeds["flash_decoding"] = ("flash_decoding", {})
     return seeds
