@@ -16,7 +16,7 @@ from torch_mirage.context import Target
 from torch_mirage.superopt.attention_seeds import decode_split_counts, decode_splits, flash_attention, flash_decoding
 from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph
 from torch_mirage.superopt.launch import (LaunchConfig, candidates, default_config, prefill_attention,
-                                          split_kv_decode)
+                                          split_kv_decode, whole_kv_decode)
 from torch_mirage.ugraph import BlockGraph
 
 interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -205,7 +205,21 @@ def test_decode_candidates():
     assert {(c.forloop_range, c.num_warps, c.num_stages) for c in cands} >= {(2, 4, 3), (2, 4, 4), (1, 4, 2), (1, 8, 3)}
     assert all(c.split == 1 and c.grid == bg.grid for c in cands)
     prefill = _body(flash_attention(1, 32, 1024, 1024, 128, scale=0.088, dtype="float16"))
-    assert split_kv_decode(prefill) is None
+    assert split_kv_decode(prefill) is None and whole_kv_decode(prefill) is None
+
+
+def test_flash_attention_at_decode_splits_keys_folded_in_kernel():
+    """FlashAttention at decode (a program per KV head walking all 4096 keys): its launches split the keys at the
+    decode split counts, each folded by its tiles' last program (one kernel), over 64-key tiles; alone, since they
+    fill the SMs."""
+    bg = _body(flash_attention(1, 8, 4, 4096, 128, scale=0.088, mask=(1, 1), dtype="bfloat16"))
+    assert whole_kv_decode(bg) == 4096 and split_kv_decode(bg) is None
+    cands = candidates(bg, 132)
+    assert cands[0] == default_config(bg)
+    split = cands[1:]
+    assert split and all(c.combine_in_kernel and c.grid == bg.grid and 4096 // c.forloop_range == 64 for c in split)
+    assert {c.split for c in split} == set(decode_split_counts(8, 4096, 132)) and len(split) == 2 * len(
+        {c.split for c in split})
 
 
 @interp

@@ -84,6 +84,9 @@ PREFILL_MIN_ROWS = 128         # query rows (per grid slice) from which a block 
 # seed fixed the split count): (keys per tile, num_warps, num_stages). A memory-bound stream of K / V tiles; 128 keys x
 # d 128 at 3 stages holds 192 KiB of K / V stages, the most that fits shared memory (4 stages of 64 keys: 128 KiB)
 DECODE_SCHEDULES = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3))
+# the schedules FlashAttention's decode launches split at (H100 11-26 c, llama_layer_decode b1 bf16, 8 KV heads x 4k
+# keys: 16 splits of 64-key tiles at 4 / 3, folded in-kernel, 11.7 µs in one kernel against split-KV's 8.8 + 2.5)
+DECODE_FOLD_SCHEDULES = 2
 PROBE_WAVES = (2, 4)           # programs per SM of the extra candidates :func:`candidates` always adds
 MAX_TILE = 128 * 128           # elements any block tile may hold (registers of one program)
 MAX_STAGE_BYTES = 48 * 1024    # bytes one for-loop iteration loads (x num_stages must fit shared memory)
@@ -329,14 +332,30 @@ def split_kv_decode(bg: BlockGraph) -> int | None:
     """The keys one program walks where ``bg`` is split-KV decode attention — an online softmax of a query tile
     (one block of fewer than ``PREFILL_MIN_ROWS`` rows: no grid dim over them) against key tiles walked by the
     loop, one grid dim splitting the keys — else None."""
+    found = _decode_key_grid(bg)
+    if found is None or len(found[1]) != 1:
+        return None
+    return found[0] // bg.grid[found[1][0]]
+
+
+def whole_kv_decode(bg: BlockGraph) -> int | None:
+    """The keys where ``bg`` is decode attention as FlashAttention writes it — :func:`split_kv_decode`'s query
+    tile, but no grid dim over the keys: each program's loop walks them all — else None."""
+    found = _decode_key_grid(bg)
+    return found[0] if found is not None and not found[1] else None
+
+
+def _decode_key_grid(bg: BlockGraph) -> tuple[int, list[int]] | None:
+    """(keys, the grid dims splitting them) of decode attention ``bg`` (one query block of fewer than
+    ``PREFILL_MIN_ROWS`` rows: a grid dim over them, if any, of one program), else None."""
     found = _attention_dims(bg)
     if found is None:
         return None
     q, k, rows_dim, kd = found
-    gs = [g for g, m in enumerate(k.attrs["imap"]) if m == kd]
-    if len(gs) != 1 or rows_dim in q.attrs["imap"] or q.attrs["shape"][rows_dim] >= PREFILL_MIN_ROWS:
+    if any(m == rows_dim and bg.grid[g] > 1 for g, m in enumerate(q.attrs["imap"])) or \
+            q.attrs["shape"][rows_dim] >= PREFILL_MIN_ROWS:
         return None
-    return k.attrs["shape"][kd] // bg.grid[gs[0]]
+    return k.attrs["shape"][kd], [g for g, m in enumerate(k.attrs["imap"]) if m == kd]
 
 
 def prefill_candidates(bg: BlockGraph) -> list[LaunchConfig]:
@@ -355,17 +374,24 @@ def prefill_candidates(bg: BlockGraph) -> list[LaunchConfig]:
     return out
 
 
-def decode_candidates(bg: BlockGraph) -> list[LaunchConfig]:
+def decode_candidates(bg: BlockGraph, n_sm: int) -> list[LaunchConfig]:
     """:data:`DECODE_SCHEDULES` that re-tile split-KV decode attention ``bg`` (:func:`split_kv_decode`): the same
-    grid (the seed fixed the split count), key tiles of 64 / 128 and the pipeline depth; no further split."""
+    grid (the seed fixed the split count), key tiles of 64 / 128 and the pipeline depth; no further split. Decode
+    attention whose programs walk every key (:func:`whole_kv_decode`): the launch splits them at each of
+    :func:`~.attention_seeds.decode_split_counts`, folded in-kernel (one kernel), at the first
+    ``DECODE_FOLD_SCHEDULES`` of ``DECODE_SCHEDULES``."""
     keys = split_kv_decode(bg)
+    if keys is not None:
+        return [LaunchConfig(tuple(bg.grid), keys // t, 1, warps, stages) for t, warps, stages in DECODE_SCHEDULES
+                if keys % t == 0 and retile(bg, bg.grid, keys // t) is not None]
+    keys = whole_kv_decode(bg)
     if keys is None:
         return []
-    out = []
-    for t, warps, stages in DECODE_SCHEDULES:
-        if keys % t == 0 and retile(bg, bg.grid, keys // t) is not None:
-            out.append(LaunchConfig(tuple(bg.grid), keys // t, 1, warps, stages))
-    return out
+    from .attention_seeds import decode_split_counts    # (attention_seeds builds on this module's callers)
+    return [LaunchConfig(tuple(bg.grid), keys // t, s, warps, stages, combine_in_kernel=True)
+            for s in decode_split_counts(math.prod(bg.grid), keys, n_sm)
+            for t, warps, stages in DECODE_SCHEDULES[:DECODE_FOLD_SCHEDULES]
+            if keys % (t * s) == 0 and retile(bg, bg.grid, keys // t) is not None]
 
 
 def _scored(bg: BlockGraph, n_sm: int) -> list[tuple]:
@@ -394,7 +420,7 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
     per SM, each with the (num_warps, num_stages) pairs of ``WARPS_STAGES`` and, where each program walks at least
     ``DEEP_LOOP`` for-loop steps, ``DEEP_PIPELINE``; each split at the first pair also with ``combine_in_kernel``.
     (Pairs whose stages do not fit shared memory fail to compile and are skipped by :func:`choose`.)"""
-    fixed = prefill_candidates(bg) or decode_candidates(bg)
+    fixed = prefill_candidates(bg) or decode_candidates(bg, n_sm)
     if fixed:
         base = default_config(bg)
         fixed = [base] + [c for c in fixed if c != base]
