@@ -16,6 +16,7 @@ on the weight tiles.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -116,6 +117,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", help="--seed: the inputs' dtype")
     p.add_argument("--gain-on-weights", action="store_true", help="--seed: the form with the gain on the weight tiles")
     p.add_argument("--halves", action="store_true", help="--seed: RoPE's heads in paired halves (one row)")
+    p.add_argument("--fold", action="store_true", help="time each split also folded in-kernel (combine_in_kernel)")
     p.add_argument("--op", type=int, default=0, help="--seed: which kernel op of the seed (0: the first)")
     p.add_argument("--only-extra", action="store_true", help="time the --extra re-tilings only (no candidates)")
     p.add_argument("--pairs", nargs="*", default=[], metavar="WARPS:STAGES",
@@ -150,6 +152,9 @@ def main() -> None:
             configs = [LaunchConfig(grid, f, s, warps, stages, pro) for grid, f, s in sorted(tilings)
                        for warps, stages in pairs for pro in fission]
             configs = list(dict.fromkeys(configs + (proposed if args.seed else [])))
+            if args.fold:
+                configs = list(dict.fromkeys(configs + [dataclasses.replace(c, combine_in_kernel=True)
+                                                        for c in configs if c.split > 1]))
             t0 = time.time()
             chosen = None if args.only_extra else choose(bg, lambda cfg: BlockLauncher(bg, cfg, ranks, cache_dir), xs,
                                                          propose=propose)
