@@ -29,6 +29,7 @@ from ..numerics import relative_error, same_non_finite, tolerance
 from ..timing import cuda_graph_timing, rotated_input_sets
 from ..tune import tune
 from ..ugraph import BlockGraph, Ctx, MuGraphError, Op, ThreadGraph, make_op
+from .attention_seeds import decode_split_counts
 
 log = logging.getLogger("torch_mirage")
 
@@ -387,7 +388,6 @@ def decode_candidates(bg: BlockGraph, n_sm: int) -> list[LaunchConfig]:
     keys = whole_kv_decode(bg)
     if keys is None:
         return []
-    from .attention_seeds import decode_split_counts    # (attention_seeds builds on this module's callers)
     return [LaunchConfig(tuple(bg.grid), keys // t, s, warps, stages, combine_in_kernel=True)
             for s in decode_split_counts(math.prod(bg.grid), keys, n_sm)
             for t, warps, stages in DECODE_SCHEDULES[:DECODE_FOLD_SCHEDULES]
