@@ -73,3 +73,28 @@ def test_a_plan_none_of_whose_alternatives_compiles_goes_to_the_fallback(monkeyp
     assert "alternative 2 does not compile" in region.detail
     assert [(d.claimer, d.reason) for d in region.declines] == [("ugraph-search", Reason.COMPILE_ERROR)]
     assert len(ctx.failures) == 1
+
+
+def test_a_cached_choice_of_alternatives_compiles_only_its_winner(monkeypatch, tmp_path):
+    """A warm compile: the cache holds the timed choice among the plan's μGraphs (on a GPU; the key is faked for
+    the interpreter here), so only the winner is compiled, and the report carries the cached times. A winner that
+    then fails to compile makes the stage build every alternative, as a cold compile does."""
+    from torch_mirage.cache import DiskCache
+
+    ctx = CompileContext.standalone(target=Target.INTERPRETER, cache=DiskCache(str(tmp_path)))
+    graph, xs, claim = _lora_claim(ctx)
+    (lora,) = claim.plan.alternatives
+    claim.plan.alternatives = [Alternative("first", lora.graph, "the first alternative", {"ugraph": "first"}), lora]
+    monkeypatch.setattr(build, "_alternatives_key", lambda graphs, examples, cache: "alternatives-key")
+    ctx.cache.put_json("alternatives-key", {"times": {"first": 9.0, "lora": 4.0}})
+    calls = _failing_first(monkeypatch, 0)
+    (region,) = built_regions([claim], graph, ctx, "ugraph-search")
+    assert len(calls) == 1 and region.info["ugraph"] == "lora" and region.info["ugraph_us"] == {"first": 9.0, "lora": 4.0}
+    inputs = dict(zip([v.name for v in graph.inputs], xs))
+    assert_close(region.kernel(*[inputs[v.name] for v in region.inputs])[0], _lora(*xs))
+
+    graph, xs, claim = _lora_claim(ctx)
+    claim.plan.alternatives = [Alternative("first", lora.graph, "the first alternative", {"ugraph": "first"}), lora]
+    calls = _failing_first(monkeypatch, 1)          # the cached winner fails: both are built, the first runs
+    (region,) = built_regions([claim], graph, ctx, "ugraph-search")
+    assert len(calls) == 3 and region.compiled_by == "mirage"

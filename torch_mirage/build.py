@@ -34,7 +34,7 @@ from .superopt.compile import compile_ugraph
 from .superopt.launch import candidates
 from .superopt.ugraph_plan import Alternative, UGraphPlan
 from .timing import cuda_graph_timing, rotated_input_sets
-from .tune import tune
+from .tune import cached_choice, tune
 
 log = logging.getLogger("torch_mirage")
 
@@ -117,8 +117,21 @@ def _stitch(plan: StitchPlan, region: Region, graph: Graph, ctx: CompileContext)
 
 @kernel_of.register
 def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext) -> Built:
-    """Each of the plan's μGraphs compiled (launches tuned on a GPU); of several, the fastest on a GPU."""
+    """Each of the plan's μGraphs compiled (launches tuned on a GPU); of several, the fastest on a GPU. Where the
+    cache already holds that choice for these μGraphs and device, only its winner is compiled (a warm compile
+    builds one alternative, not all); should it fail, every alternative is built as on a cold compile."""
     examples = plan.examples()
+    hit = cached_choice(ctx.cache, _alternatives_key([a.graph for a in plan.alternatives], examples, ctx.cache),
+                        [a.name for a in plan.alternatives]) if len(plan.alternatives) > 1 else None
+    if hit is not None:
+        chosen = next(a for a in plan.alternatives if a.name == hit.winner)
+        try:
+            compiled = compile_ugraph(chosen.graph, examples, cache=ctx.cache, cache_dir=ctx.config.cache_dir,
+                                      target=ctx.target, propose=plan.propose or candidates)
+            return _built(plan, chosen, compiled, hit.times)
+        except Exception as e:
+            log.info("torch_mirage: cached μGraph choice %s of %s does not compile (%s: %s); building all",
+                     chosen.name, plan.what, type(e).__name__, e)
     built: list[tuple[Alternative, Any]] = []
     errors: list[Exception] = []
     for alternative in plan.alternatives:
@@ -136,11 +149,24 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
     if not built:
         raise errors[-1]
     (chosen, compiled), times = fastest(built, examples, ctx.cache)
+    return _built(plan, chosen, compiled, times)
+
+
+def _built(plan: UGraphPlan, chosen: Alternative, compiled: Any, times: dict[str, float]) -> Built:
     info = {**chosen.info, "ugraph_hash": chosen.graph.hash()[:16],
             "launch": [c.to_json() for c in compiled.configs]}
     if times:
         info["ugraph_us"] = {name: round(us, 2) for name, us in times.items()}
     return Built(plan.bind(compiled), chosen.detail, info)
+
+
+def _alternatives_key(graphs: Sequence[Any], examples: list, cache: Any) -> str | None:
+    """The cache key of the choice among μGraphs ``graphs`` on the examples' device; None off CUDA (nothing is
+    timed there) or without a cache."""
+    if cache is None or examples[0].device.type != "cuda":
+        return None
+    return cache_key(kind="ugraph-alternatives/2", graphs=[g.hash() for g in graphs],
+                     device=torch.cuda.get_device_name(examples[0].device))
 
 
 def _timing_sets(examples: list) -> list | None:
@@ -162,10 +188,7 @@ def fastest(built: list[tuple[Alternative, Any]], examples: list, cache: Any) ->
     if len(built) == 1:
         return built[0], {}
     by_name = {a.name: (a, c) for a, c in built}
-    key = None
-    if cache is not None and examples[0].device.type == "cuda":
-        key = cache_key(kind="ugraph-alternatives/2", graphs=[a.graph.hash() for a, _ in built],
-                        device=torch.cuda.get_device_name(examples[0].device))
+    key = _alternatives_key([a.graph for a, _ in built], examples, cache)
     sets: list = []
 
     def timing_sets(name: str) -> list:        # the copies only when the cache has no answer

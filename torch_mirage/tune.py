@@ -74,6 +74,19 @@ class Tuned:
     budget_spent: bool = False                           # candidates left unbuilt or untimed by :func:`budget`
 
 
+def cached_choice(cache: Any, key: str | None, names: Sequence[str]) -> Tuned | None:
+    """The choice :func:`tune` stored under ``key`` (its times; the fastest the winner) where that winner is one of
+    ``names``, else None — what :func:`tune` returns on a hit, for a caller that wants to know before building."""
+    if cache is None or key is None:
+        return None
+    hit = cache.get_json(key)
+    times = hit.get("times") if isinstance(hit, dict) else None
+    if isinstance(times, dict) and times and all(isinstance(v, (int, float)) for v in times.values()) \
+            and min(times, key=times.get) in names:
+        return Tuned(min(times, key=times.get), dict(times), cached=True)
+    return None
+
+
 def _progress(names: Sequence[str], desc: str | None):
     if desc is None:
         return names
@@ -98,11 +111,9 @@ def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
     meets the same error and drops the candidate with it, as without a pool.
     """
     names = list(names)
-    if cache is not None and key is not None:
-        hit = cache.get_json(key)
-        times = hit.get("times") if isinstance(hit, dict) else None
-        if isinstance(times, dict) and times and min(times, key=times.get) in names:
-            return Tuned(min(times, key=times.get), dict(times), cached=True)
+    hit = cached_choice(cache, key, names)
+    if hit is not None:
+        return hit
     out = Tuned(None)
     start = time.perf_counter()
     if _budget_spent(label):   # the untimed choice: the first candidate that builds and passes the check
