@@ -57,9 +57,9 @@ STREAM_STAGE_BYTES = 16 * 1024
 STREAM_RUN_BYTES = 512
 RUN_TILES = (256, 512)
 # and whose tiles hold at least this many rows (a row per program reads too little), or exactly one over at most
-# PROBE_WAVES[-1] waves: sides in between pad to 16 (H100 sweep 11-27, llama_layer_decode's k / v projection + RoPE in paired halves, 8 heads x 64
-# slices of one row, 4 rows of 1 x 512 per step: 8.84 µs at 1 / 4; 8 x 16 slices of 4 rows: 29-44; 8 x 4 slices of
-# 16 rows need 8 splits to fill the SMs: 15.8 with its combine)
+# PROBE_WAVES[-1] waves: sides in between pad to 16 (H100 sweep 11-26 c, llama_layer_decode's k / v projection + RoPE
+# in paired halves, 8 heads x 64 slices of one row, 4 rows of 1 x 512 per step: 8.84 µs at 1 / 4; 8 x 16 slices of
+# 4 rows: 29-44; 8 x 4 slices of 16 rows need 8 splits to fill the SMs: 15.8 with its combine)
 MIN_STREAM_TILE = 16
 # (num_warps, num_stages) of those contiguous streams: few warps and few stages (H100 sweep 11-26, Llama-3-8B norm +
 # gate / up 1 x 4096 x 2·14336 bf16, 896 programs of 16 x 512 or 16 x 256 tiles: 85.8-88.9 µs, 0.88-0.91 of copy, at
@@ -331,8 +331,8 @@ def prefill_attention(bg: BlockGraph) -> tuple[int, int, int] | None:
 
 def split_kv_decode(bg: BlockGraph) -> int | None:
     """The keys one program walks where ``bg`` is split-KV decode attention — an online softmax of a query tile
-    (one block of fewer than ``PREFILL_MIN_ROWS`` rows: no grid dim over them) against key tiles walked by the
-    loop, one grid dim splitting the keys — else None."""
+    (one block of fewer than ``PREFILL_MIN_ROWS`` rows: no grid dim over them but one of size 1) against key tiles
+    walked by the loop, one grid dim splitting the keys — else None."""
     found = _decode_key_grid(bg)
     if found is None or len(found[1]) != 1:
         return None
