@@ -516,11 +516,25 @@ class _Emitter:
                                f"({a.shape} @ {b.shape}); only (A1‖A2)·(B1‖B2) = A1·B1 + A2·B2 is emitted")
         return list(zip(a.parts or [a], b.parts or [b]))
 
+    def rows_of(self, a: Val, b: Val) -> Val:
+        """``a`` (m, 1, …, 1, k) times a 2-d ``b`` as the 2-d rows (m, k): the batch dims ``b`` broadcasts over are
+        all 1 but the first, so the batched product is one (m, k) @ (k, n) (RoPE's paired halves at several rows:
+        rows lead the half tiles)."""
+        if len(b.shape) != 2 or len(a.shape) <= 2 or any(x != 1 for x in a.shape[1:-2]) or a.shape[-2] != 1 \
+                or a.parts or a.trans:
+            return a
+        x, dt = (a.name, a.dtype) if a.scale == 1.0 else (self.f32(a), "float32")
+        shape = (a.shape[0], a.shape[-1])
+        return self.assign("a", f"tl.reshape({x}, {tuple(padded(e) for e in shape)})", shape, dt)
+
     def matmul(self, a: Val, b: Val, out, acc: Val | None = None) -> Val:
         """``a @ b`` (+ ``acc``): ``tl.dot`` when every dim is ≥ 16, else a broadcast multiply-sum (along the last
         axis of ``b``'s source tile where ``b`` is a transpose)."""
+        parts = [(self.rows_of(pa, pb), pb) for pa, pb in self.matmul_parts(a, b)]
         expr = acc.name if acc is not None else None
-        for pa, pb in self.matmul_parts(a, b):
+        if acc is not None and len(acc.shape) > 2 and len(parts[0][0].shape) == 2:     # rows_of's (m, 1, …, c) state
+            expr = f"tl.reshape({acc.name}, {(padded(parts[0][0].shape[0]), padded(parts[0][1].shape[-1]))})"
+        for pa, pb in parts:
             if len(pa.shape) != 2 or len(pb.shape) != 2:
                 raise CodegenError(f"μGraph codegen: batched block matmul {pa.shape} @ {pb.shape} is not supported; "
                                    "map the batch dims to grid dims (imap) so each block multiplies 2-d tiles")
@@ -551,7 +565,7 @@ class _Emitter:
                 term = f"tl.sum({am}[:, :, None] * {bm}[None, :, :], axis=1)"
                 expr = self.assign("d", term if expr is None else f"{expr} + {term}", (pa.shape[0], pb.shape[1])).name
         res = Val(expr, (a.shape[0], b.shape[1]), "float32")
-        if tuple(out) != res.shape:
+        if tuple(out) != res.shape:     # (m, c) rows of a lhs with unit middle dims: back to (m, 1, …, c)
             return self.assign("v", res.name, out, natural=res.pshape)
         return res
 

@@ -23,7 +23,7 @@ The first cut whose reference program (:func:`.search.reference.reference_of`) h
 region at the search's shrunk sizes, :func:`verified_instance`, the instance at its own sizes checked against
 eager by the backend's check stage like every region) is claimed; the build stage compiles it
 (:func:`.compile.compile_ugraph`; on a GPU the launches of :func:`.launch.streaming_candidates` — one-wave stream,
-split-K, split-N — ranked by the roofline estimate and timed). Where the region rotates heads (RoPE) at one row, the
+split-K, split-N — ranked by the roofline estimate and timed). Where the region rotates heads (RoPE), the
 seed's paired-halves form (:func:`verified_halves`) is a second alternative, verified the same way; the build stage
 compiles both and on a GPU keeps the faster. On a GPU the backend also times it against Inductor's version and
 keeps the faster.

@@ -14,7 +14,7 @@ behind a ``transpose``, and
   value swapped, one or both negated (:func:`rotation`, read off the cat / neg / slice structure: HF's
   ``rotate_half``, or slices stacked and flattened), with tensors the same for every head (cos, sin: (m, d) or
   (d,)). Such a width's block graph holds one head per block, so the rotation is a permutation inside the tile
-  (the ``rotate_half`` block op); or, with ``halves`` (one row), matching slices of both halves of a head
+  (the ``rotate_half`` block op); or, with ``halves``, matching slices of both halves of a head
   (:class:`_HalvesBlock`), so that launches need not keep a whole head per block.
 
 The seed (Mirage's RMSNorm + Linear, generalised) has one block graph per matmul width (a QKV projection: two or
@@ -400,15 +400,14 @@ class _HalvesBlock(_Block):
     d/2), each weight read through its two halves, strided views of the stored (n, k) weight (kernel ``reshape`` to
     (heads, 2, d/2, k) and ``slice``: no copy), each in (1, 1, c, kt) tiles that read whole rows along k. Every value
     after the loop is a pair of half tiles (m, 1, 1, c): elementwise ops act on each half, the rotation swaps the
-    pair with its signs, and a saver stores ``concat`` of the pair into the output viewed (m, heads, 2, d/2). One
-    row only (decode at batch 1, where heads alone leave the SMs idle)."""
+    pair with its signs, and a saver stores ``concat`` of the pair into the output viewed (m, heads, 2, d/2). The
+    rows lead the half tiles; each loop step multiplies the (m, 1, 1, kt) rows by a (kt, c) half tile as one 2-d
+    product (the codegen's :meth:`~torch_mirage.codegen.ugraph_triton._Emitter.rows_of`)."""
     K_DIM = 3
 
     def __init__(self, seed: _Seed, n: int, head: int):
         if head % 2:
             raise NotStreamable(f"heads of {head}: paired halves need an even head size")
-        if seed.m != 1:     # the rows would lead the half tiles (m, 1, 1, c): a batched block matmul
-            raise NotStreamable(f"{seed.m} rows: paired halves stream one row (decode at batch 1)")
         self.seed, self.rd, self.m, self.k, self.n, self.head = seed, seed.rd, seed.m, seed.k, n, head
         self.tb = new_threadblock_graph((n // head, _parts(head // 2, seed.tile)), _loop_parts(seed.k, seed.tile))
         self.sources, self.iters, self.tiles, self.after = [], {}, {}, {}
