@@ -416,3 +416,16 @@ def test_split_folded_by_the_last_program_on_gpu(split):
         torch.cuda.synchronize()
         _check("rmsnorm_linear", out, xs, torch.float16)
     assert not run.counters(out.device)[0].any()
+
+
+@pytest.mark.parametrize("in_kernel", [False, True])
+def test_split_states_store_and_read_only_their_valid_part(in_kernel, tmp_path):
+    """Partial states with a padded dim (3 rows in a 16-row tile) are stored under a mask and read back under one
+    (0 in the padding): the combine moves the valid bytes only."""
+    g = library.WORKLOADS["rmsnorm_linear"].build(3, 15, 21, dtype="float16", grid=3, forloop_range=5)
+    (op,) = [o for o in g.ops if o.name == "customized"]
+    run = BlockLauncher(op.body, LaunchConfig((7,), 5, 5, combine_in_kernel=in_kernel), [2, 1, 2], str(tmp_path))
+    stores = [ln for ln in run.source.splitlines() if "tl.store(ws" in ln]
+    loads = [ln for ln in run.source.splitlines() if "tl.load(ws" in ln]
+    assert stores and loads and all("mask=" in ln for ln in stores + loads), run.source
+    assert all("other=0.0" in ln for ln in loads)

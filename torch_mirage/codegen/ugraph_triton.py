@@ -961,9 +961,10 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     if split > 1:
         j = 0
         for i in accs:
-            for st in states[i]:
+            for st in states[i]:       # the state's valid part only: padded rows are neither written nor read
+                mask = e.mask(st.shape, st.trans)
                 e.line(f"tl.store(ws{j}_ptr + ({_pid_flat(bg.grid)} * {split} + split) * {ws[j]} + "
-                       f"{e.flat(st.pshape)}, {st.name})")
+                       f"{e.flat(st.pshape)}, {st.name}{f', mask={mask}' if mask else ''})")
                 j += 1
         if combine_in_kernel:
             tile = _pid_flat(bg.grid)
@@ -1091,7 +1092,9 @@ def _fold_split(e: _Emitter, bg: BlockGraph, fine: BlockGraph, accs, epi, ws, sp
     """Lines that fold the ``split`` partial states of each accumulator (``ws{j}_ptr``, as the split programs of
     ``bg`` stored them) for the running program of ``fine`` (``pid_*`` bound), then its finals, epilogue and
     savers: the combine kernel's body, or the last arriving program's (``in_kernel``: its loads skip L1, read
-    where the other programs' stores met: L2)."""
+    where the other programs' stores met: L2). Only the states' valid parts were stored and are read (a padded dim
+    reads 0): FlashAttention's decode fold of 16 splits of 4 query rows padded to 16 would read 128 KiB per head in
+    one program, 32 KiB of it valid."""
     cache = ", cache_modifier='.cg'" if in_kernel else ""
     ratio = tuple(f // c for f, c in zip(fine.grid, bg.grid))
     flat = _pid_flat(bg.grid, ratio)
@@ -1106,7 +1109,9 @@ def _fold_split(e: _Emitter, bg: BlockGraph, fine: BlockGraph, accs, epi, ws, sp
 
         def load(j: int, shape, s, full) -> str:
             offs = e.flat(tuple(padded(x) for x in shape), full)
-            return f"tl.load(ws{j}_ptr + ({flat} * {split} + {s}) * {ws[j]} + {offs}{cache})"
+            mask = e.mask(shape)     # padded rows (a decode head's 4 query rows in 16) are not read: 0 there
+            return f"tl.load(ws{j}_ptr + ({flat} * {split} + {s}) * {ws[j]} + {offs}" + \
+                (f", mask={mask}, other=0.0" if mask else "") + f"{cache})"
         states = [e.assign("acc", load(j, sh, 0, c), sh) for j, sh, c in zip(idx, shapes, coarse)]
         e.line(f"for s in tl.static_range(1, {split}):")
         e.indent += 1
