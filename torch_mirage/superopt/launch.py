@@ -418,8 +418,9 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
     SMs, else followed by the re-tilings below. Otherwise the μGraph's own schedule
     plus the ``limit`` best re-tilings by :func:`estimate_us` and the best with at least ``PROBE_WAVES`` programs
     per SM, each with the (num_warps, num_stages) pairs of ``WARPS_STAGES`` and, where each program walks at least
-    ``DEEP_LOOP`` for-loop steps, ``DEEP_PIPELINE``; each split at the first pair also with ``combine_in_kernel``.
-    (Pairs whose stages do not fit shared memory fail to compile and are skipped by :func:`choose`.)"""
+    ``DEEP_LOOP`` for-loop steps, ``DEEP_PIPELINE``. (Pairs whose stages do not fit shared memory fail to compile
+    and are skipped by :func:`choose`.) Splits here keep their combine kernel: the in-kernel fold is timed for
+    weight streams and decode attention, where the H100 kept it."""
     fixed = prefill_candidates(bg) or decode_candidates(bg, n_sm)
     if fixed:
         base = default_config(bg)
@@ -445,9 +446,6 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
     configs = [LaunchConfig(g, f, s, w, st) for g, f, s in picks
                for w, st in (*WARPS_STAGES, *([DEEP_PIPELINE] if f // s >= DEEP_LOOP else []))]
     configs += _stream_configs(bg, scored, n_sm)
-    # a split at the first pair also folded by its tiles' last programs (one launch: no combine kernel)
-    configs += [replace(c, combine_in_kernel=True) for c in configs
-                if c.split > 1 and (c.num_warps, c.num_stages) == WARPS_STAGES[0]]
     return fixed + [c for c in configs if c not in fixed]
 
 
