@@ -1,5 +1,6 @@
 """The search claimer: with the library claimer off, a region around a matmul runs a searched μGraph."""
 import os
+import time
 
 import pytest
 import torch
@@ -168,3 +169,36 @@ def test_budget_zero_gives_inductor_with_one_log_line(caplog):
     assert all(r.compiled_by == "inductor" for r in report.regions), str(report)
     said = [r for r in caplog.records if "search budget 0" in r.getMessage()]
     assert len(said) == 1, [r.getMessage() for r in caplog.records]
+
+
+def gelu_tanh_projection(x, w):
+    """Gemma-2's gate projection: one matmul, then GELU-tanh's polynomial and tanh — a GEMM and its epilogue."""
+    return F.gelu(x @ w, approximate="tanh")
+
+
+def transposed_projection(x, w):
+    """One matmul and elementwise ops, its result transposed between them: no weight-streaming seed."""
+    return (x @ w).t() * 2.0
+
+
+@interpreted
+@pytest.mark.parametrize("fn,rows", [(gelu_tanh_projection, 1), (gelu_tanh_projection, 64), (transposed_projection, 8)])
+def test_a_gemm_with_an_elementwise_epilogue_is_not_enumerated(fn, rows):
+    """One matmul with elementwise ops only is not enumerated (the generator does not reach the μGraph of a long
+    epilogue within its budget; Inductor's GEMM templates fuse it): its weight-streaming seed runs where it applies,
+    else the region is left to Inductor with the reason — at once, not after the 25 s budget, and eager-equal."""
+    report = torch_mirage.Report()
+    opts = dict(ugraph_library=False, stitch=False, search=True, search_budget_s=25.0, measure_regions=False,
+                cache=False)
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(options=opts, report=report))
+    xs = [torch.randn(rows, 64), torch.randn(64, 32) / 8]
+    t0 = time.perf_counter()
+    assert_close(compiled(*xs), fn(*xs))
+    assert time.perf_counter() - t0 < 20.0
+    searched = [r for r in report.regions if r.claimer == "ugraph-search"]
+    if fn is gelu_tanh_projection:
+        assert len(searched) == 1 and searched[0].info["search"].startswith("not enumerated"), report.regions
+    else:
+        assert not searched
+        declines = [d for r in report.regions for d in r.declines if d.claimer == "ugraph-search"]
+        assert any("one matmul with elementwise ops: not enumerated" in d.detail for d in declines), report.regions
