@@ -3,7 +3,8 @@
 # time limit (STEP_LIMIT_S, or step@SECONDS), logging to $OUT/<step>.log.
 # Steps: gputests gpushards:<N> (the gpu suite in N parallel pytest processes) gputest:<pytest -k expr> pytest:<pytest args> stitch stitchq stitchsweep mirageset mirageprofile bench:<part>
 #        layerkernels:<batch> (benchmarks/layer_kernels_gpu.py) llmab:<args of benchmarks/llm_ab.py> attnprobe:<args of benchmarks/attention_probe.py>
-#        attnkernel:<args of benchmarks/attention_kernel_gpu.py> hf:<models, e.g. qwen2,phi3> (the HF model bench,
+#        attnkernel:<args of benchmarks/attention_kernel_gpu.py> pdlprobe:<args of benchmarks/pdl_probe.py>
+#        hf:<models, e.g. qwen2,phi3> (the HF model bench,
 #        default attention, one process per model; MIRAGE_LOG_LEVEL=INFO logs each tuned choice's compile seconds)
 #        (quote a step with spaces as one argument).
 #   benchmarks/device_check.sh gputests@400 stitch mirageset
@@ -47,7 +48,8 @@ for arg in "$@"; do
     attnkernel:*) timeout "$LIMIT" python3 benchmarks/attention_kernel_gpu.py ${step#attnkernel:} ;;
     hf:*)     models=${step#hf:}; MODELS="${models//,/ }" BUDGET_S=$((LIMIT - 60)) PYTHON=python3 timeout "$LIMIT" bash benchmarks/hf_models_gpu.sh quick ;;
     layerkernels:*) timeout "$LIMIT" python3 benchmarks/layer_kernels_gpu.py ${step#layerkernels:} ;;
-    llmab:*)  timeout "$LIMIT" python3 benchmarks/llm_ab.py ${step#llmab:} ;;   # "llmab:--model M --scenario S" splits
+    llmab:*)  timeout "$LIMIT" python3 benchmarks/llm_ab.py ${step#llmab:} ;;
+    pdlprobe:*) OUT="$OUT" timeout "$LIMIT" python3 benchmarks/pdl_probe.py ${step#pdlprobe:} ;;   # "pdlprobe:" = defaults   # "llmab:--model M --scenario S" splits
     bench:*)  BUDGET_S=$((LIMIT - 40)) timeout "$LIMIT" bash benchmarks/run_h100.sh ${step#bench:} ;;   # "bench:PART ARGS..." splits
     *) echo "unknown step $step" ;;
   esac > "$log" 2>&1

@@ -1,0 +1,130 @@
+"""Probe: how much of a decode layer's per-kernel overhead Programmatic Dependent Launch (PDL) can hide.
+
+A chain of ``--kernels`` GEMVs, y_i = W_i · y_(i-1) (bf16 nn.Linear-style (n, k) weights, one row, fp32
+accumulation), each a plain Triton kernel streaming its weight in 16-row x ``BLOCK_K`` tiles over n / 16 programs,
+replayed in one CUDA graph with the weights rotated past L2. Three variants, each timed the same way:
+
+- ``plain``: ordinary launches (what mirage's kernels do today);
+- ``pdl``: launched with ``launch_pdl=True``; each kernel lets its dependents launch at once
+  (``gdc_launch_dependents``) and waits for its predecessor (``gdc_wait``) before loading anything;
+- ``pdl+tile0``: as ``pdl``, but each kernel loads its first weight tile *before* the wait — the weights do not
+  depend on the previous kernel, only the activation does — so that load overlaps the predecessor's tail.
+
+Prints µs per kernel and the fraction of copy bandwidth for each (the floor is the weights' bytes at the copy
+bandwidth measured here) and checks every variant against torch. NOTES (2026-11-26, third session) says why
+this matters: at b1 a Llama layer's 8 kernels each lose a roughly fixed 2-4 µs.
+
+    python benchmarks/pdl_probe.py [--kernels 8] [--n 4096] [--k 4096]
+    TRITON_INTERPRET=1 python benchmarks/pdl_probe.py --cpu-check     # the plain kernel's arithmetic only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gemv_kernel(w_ptr, x_ptr, y_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                USE_PDL: tl.constexpr, TILE0_EARLY: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows[:, None] * K
+    if TILE0_EARLY:                       # the weight does not depend on the previous kernel: load before the wait
+        w0 = tl.load(w_rows + cols[None, :])
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()          # the activation is the previous kernel's output
+    x0 = tl.load(x_ptr + cols)
+    if not TILE0_EARLY:
+        w0 = tl.load(w_rows + cols[None, :])
+    acc = tl.sum(w0.to(tl.float32) * x0.to(tl.float32)[None, :], axis=1)
+    for kk in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
+        w = tl.load(w_rows + (kk + cols)[None, :])
+        x = tl.load(x_ptr + kk + cols)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty))
+
+
+def chain(weights, x, outs, variant: str, block_n: int = 16, block_k: int = 512, warps: int = 2, stages: int = 3):
+    pdl, early = variant != "plain", variant == "pdl+tile0"
+    extra = {"launch_pdl": True} if pdl else {}
+    src = x
+    for w, y in zip(weights, outs):
+        n, k = w.shape
+        gemv_kernel[(n // block_n,)](w, src, y, K=k, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl,
+                                     TILE0_EARLY=early, NUM_STAGES=stages, num_warps=warps, **extra)
+        src = y
+    return outs[-1]
+
+
+def reference(weights, x):
+    y = x.float()
+    for w in weights:
+        y = (w.float() @ y).to(x.dtype).float()
+    return y
+
+
+def cpu_check() -> None:
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(64, 64, generator=gen) / 8 for _ in range(3)]
+    x = torch.randn(64, generator=gen)
+    outs = [torch.empty(64) for _ in ws]
+    got = chain(ws, x, outs, "plain", block_k=32, warps=1)
+    want = reference(ws, x)
+    err = (got - want).abs().max().item()
+    print(json.dumps({"cpu_check": "plain", "max_abs_err": err}))
+    assert err < 1e-3, err
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--kernels", type=int, default=8)
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--cpu-check", action="store_true")
+    args = p.parse_args()
+    if args.cpu_check:
+        return cpu_check()
+    from torch_mirage.analysis.device import calibrate
+    from torch_mirage.timing import cuda_graph_time_us
+    copy_bps = calibrate().measured_copy_bandwidth
+    dev, bf = "cuda", torch.bfloat16
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    nbytes = args.kernels * args.n * args.k * 2
+    sets_n = max(2, -(-3 * l2 // nbytes))          # weight sets rotated past L2
+    gen = torch.Generator(device=dev).manual_seed(0)
+    sets = [[[torch.randn(args.n, args.k, device=dev, dtype=bf, generator=gen) * args.k ** -0.5
+              for _ in range(args.kernels)], torch.randn(args.k, device=dev, dtype=bf, generator=gen)]
+            for _ in range(sets_n)]
+    outs = [torch.empty(args.n, device=dev, dtype=bf) for _ in range(args.kernels)]
+    floor_us = nbytes / copy_bps * 1e6
+    rows = {}
+    for variant in ("plain", "pdl", "pdl+tile0"):
+        try:
+            got = chain(*sets[0], outs, variant).float()
+            want = reference(*sets[0])
+            err = ((got - want).norm() / want.norm()).item()
+            us = cuda_graph_time_us(lambda ws, x: chain(ws, x, outs, variant), sets, replays=10, repeats=5)
+        except Exception as e:      # PDL missing from this Triton / driver: say so, keep the other rows
+            print(f"{variant}: failed ({type(e).__name__}: {str(e)[:200]})")
+            continue
+        rows[variant] = {"us": round(us, 2), "us_per_kernel": round(us / args.kernels, 2),
+                         "floor_fraction": round(floor_us / us, 3), "rel_err": err}
+        print(f"{variant:10s} {us:8.2f} µs  {us / args.kernels:6.2f} µs/kernel  {floor_us / us:5.2f} of the floor"
+              f"  err {err:.1e}")
+    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+           "kernels": args.kernels, "n": args.n, "k": args.k, "floor_us": round(floor_us, 2), "variants": rows}
+    print(json.dumps(out))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "pdl_probe.json"), "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
