@@ -48,8 +48,8 @@ for arg in "$@"; do
     attnkernel:*) timeout "$LIMIT" python3 benchmarks/attention_kernel_gpu.py ${step#attnkernel:} ;;
     hf:*)     models=${step#hf:}; MODELS="${models//,/ }" BUDGET_S=$((LIMIT - 60)) PYTHON=python3 timeout "$LIMIT" bash benchmarks/hf_models_gpu.sh quick ;;
     layerkernels:*) timeout "$LIMIT" python3 benchmarks/layer_kernels_gpu.py ${step#layerkernels:} ;;
-    llmab:*)  timeout "$LIMIT" python3 benchmarks/llm_ab.py ${step#llmab:} ;;
-    pdlprobe:*) OUT="$OUT" timeout "$LIMIT" python3 benchmarks/pdl_probe.py ${step#pdlprobe:} ;;   # "pdlprobe:" = defaults   # "llmab:--model M --scenario S" splits
+    llmab:*)  timeout "$LIMIT" python3 benchmarks/llm_ab.py ${step#llmab:} ;;   # "llmab:--model M --scenario S" splits
+    pdlprobe:*) OUT="$OUT" timeout "$LIMIT" python3 benchmarks/pdl_probe.py ${step#pdlprobe:} ;;   # "pdlprobe:" = defaults
     bench:*)  BUDGET_S=$((LIMIT - 40)) timeout "$LIMIT" bash benchmarks/run_h100.sh ${step#bench:} ;;   # "bench:PART ARGS..." splits
     *) echo "unknown step $step" ;;
   esac > "$log" 2>&1

@@ -106,7 +106,7 @@ class LaunchConfig:
     num_stages: int = 2
     prologue: bool = False    # matmul-free accumulators in a for-loop of their own (ugraph_triton.prologue_accumulators)
     sums_after: bool = False  # with prologue: that loop runs after the main loop, not before it
-    combine_in_kernel: bool = False  # split > 1: the last program of a tile to finish folds its states (no combine kernel)
+    combine_in_kernel: bool = False  # split > 1: a tile's last program folds its states (no combine kernel)
 
     def to_json(self) -> dict:
         return {**asdict(self), "grid": list(self.grid)}
@@ -501,8 +501,8 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     a wave (:func:`wave_split`, also at ``FILL_PIPELINE`` and with the sums' loop of its own); the
     :func:`contiguous_streams` at each of ``CONTIGUOUS_PIPELINES`` (with a norm: also with its sums in a loop of
     their own, at the first); each split whose sums share the dot loop also folded by its tiles' last programs
-    (``combine_in_kernel``: one launch, no combine kernel). Up to 23 configs (13 without a norm), each a Triton compile (in parallel:
-    ``compile_workers``); a decode layer has one such kernel per projection."""
+    (``combine_in_kernel``: one launch, no combine kernel). Up to 23 configs (13 without a norm), each a Triton
+    compile (in parallel: ``compile_workers``); a decode layer has one such kernel per projection."""
     scored = _scored(bg, n_sm)
     warps, stages = WARPS_STAGES[0]
     own = (tuple(bg.grid), bg.forloop_range)
