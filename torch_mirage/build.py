@@ -121,14 +121,16 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
     cache already holds that choice for these μGraphs and device, only its winner is compiled (a warm compile
     builds one alternative, not all); should it fail, every alternative is built as on a cold compile."""
     examples = plan.examples()
+
+    def compile_one(alternative: Alternative) -> Any:
+        return compile_ugraph(alternative.graph, examples, cache=ctx.cache, cache_dir=ctx.config.cache_dir,
+                              target=ctx.target, propose=plan.propose or candidates)
     hit = cached_choice(ctx.cache, _alternatives_key([a.graph for a in plan.alternatives], examples, ctx.cache),
                         [a.name for a in plan.alternatives]) if len(plan.alternatives) > 1 else None
     if hit is not None:
         chosen = next(a for a in plan.alternatives if a.name == hit.winner)
         try:
-            compiled = compile_ugraph(chosen.graph, examples, cache=ctx.cache, cache_dir=ctx.config.cache_dir,
-                                      target=ctx.target, propose=plan.propose or candidates)
-            return _built(plan, chosen, compiled, hit.times)
+            return _built(plan, chosen, compile_one(chosen), hit.times)
         except Exception as e:
             log.info("torch_mirage: cached μGraph choice %s of %s does not compile (%s: %s); building all",
                      chosen.name, plan.what, type(e).__name__, e)
@@ -136,8 +138,7 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
     errors: list[Exception] = []
     for alternative in plan.alternatives:
         try:
-            compiled = compile_ugraph(alternative.graph, examples, cache=ctx.cache, cache_dir=ctx.config.cache_dir,
-                                      target=ctx.target, propose=plan.propose or candidates)
+            compiled = compile_one(alternative)
         except Exception as e:   # one alternative that does not compile: the others may
             if ctx.config.strict or len(plan.alternatives) == 1:
                 raise

@@ -956,7 +956,9 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     for i, (wide, dim) in e.wide.items():
         st = states[i][0]
         e.line(f"{st.name} = {st.name} + {_conform_expr(f'tl.sum({wide.name}, axis={dim}, keep_dims=True)', wide, dim, st)}")
-    head = _header(name, bg, n_inputs, in_ranks, [] if split > 1 else out_ranks, len(ws), loop)
+    in_kernel = split > 1 and combine_in_kernel      # the outputs are written here, after the fold
+    head = _header(name, bg, n_inputs, in_ranks, out_ranks if split == 1 or in_kernel else [], len(ws), loop,
+                   counters=in_kernel)
     outputs = [(_saved(bg, s), s.attrs["dtype"]) for s in savers]
     if split > 1:
         j = 0
@@ -966,7 +968,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
                 e.line(f"tl.store(ws{j}_ptr + ({_pid_flat(bg.grid)} * {split} + split) * {ws[j]} + "
                        f"{e.flat(st.pshape)}, {st.name}{f', mask={mask}' if mask else ''})")
                 j += 1
-        if combine_in_kernel:
+        if in_kernel:
             tile = _pid_flat(bg.grid)
             e.line("tl.debug_barrier()")           # every thread's partial stores before the arrival (release)
             e.line(f"arrived = tl.atomic_add(cnt_ptr + {tile}, 1, sem='acq_rel')")
@@ -977,7 +979,6 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
             fold.line(f"tl.store(cnt_ptr + {tile}, 0)")    # ready for the next launch
             e.lines += fold.lines
             e.aranges |= fold.aranges
-            head = _header(name, bg, n_inputs, in_ranks, out_ranks, len(ws), loop, counters=True)
             return BlockKernel(_finish(e, head), name, None, tuple(bg.grid), split, ws, outputs, loop,
                                counters=math.prod(bg.grid))
         source = _finish(e, head)

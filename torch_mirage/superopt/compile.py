@@ -61,7 +61,7 @@ class BlockLauncher:
                                                      self.plan.order, self.plan.transposed,
                                                      Target.current() if target is None else target,
                                                      sums_after=config.sums_after,
-                                                     combine_in_kernel=config.combine_in_kernel and config.split > 1)
+                                                     combine_in_kernel=config.combine_in_kernel)
         self.source = module_source([self.kernel])
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
         self.fn = getattr(module, self.kernel.name)
