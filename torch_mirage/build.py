@@ -156,6 +156,8 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
 def _built(plan: UGraphPlan, chosen: Alternative, compiled: Any, times: dict[str, float]) -> Built:
     info = {**chosen.info, "ugraph_hash": chosen.graph.hash()[:16],
             "launch": [c.to_json() for c in compiled.configs]}
+    if getattr(compiled, "sibling_launches", None):
+        info["sibling_launches"] = compiled.sibling_launches     # kernel ops launched together, per launch
     if times:
         info["ugraph_us"] = {name: round(us, 2) for name, us in times.items()}
     return Built(plan.bind(compiled), chosen.detail, info)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from ..context import Target
 from ..ugraph import MASK_FLOOR, BlockGraph, Graph, MuGraphError, Op, Ref, band_geometry, band_mask_dims
@@ -151,6 +151,8 @@ class BlockKernel:
     pipelined: bool = False                            # has a for-loop (takes NUM_STAGES)
     combine_grid: tuple = ()                           # the combine kernel's grid (split > 1)
     counters: int = 0                                  # arrival counters (int32, zeroed once) of an in-kernel combine
+    params: list = field(default_factory=list)         # the kernel's parameter names, in order
+    flat_pid: bool = False                             # its program comes as ``lin`` (a sibling launch's part)
 
 
 class _Emitter:
@@ -818,7 +820,15 @@ def _variant(bg: BlockGraph) -> list[bool]:
 
 
 def _header(name: str, bg: BlockGraph, n_inputs: int, in_ranks, out_ranks, n_ws: int, pipelined: bool,
-            counters: bool = False) -> list[str]:
+            counters: bool = False, flat_pid: bool = False) -> list[str]:
+    params = _params(n_inputs, in_ranks, out_ranks, n_ws, pipelined, counters, flat_pid)
+    return ["@triton.jit", f"def {name}({', '.join(params)}):"]
+
+
+def _params(n_inputs: int, in_ranks, out_ranks, n_ws: int, pipelined: bool, counters: bool = False,
+            flat_pid: bool = False) -> list[str]:
+    """A block kernel's parameters: each input's and output's pointer and strides, the split workspaces, the arrival
+    counters, ``lin`` (the program, where a sibling launch passes it: :func:`emit_sibling_kernel`), NUM_STAGES."""
     params = []
     for i in range(n_inputs):
         params += [f"in{i}_ptr"] + [f"in{i}_s{d}" for d in range(in_ranks[i])]
@@ -827,21 +837,33 @@ def _header(name: str, bg: BlockGraph, n_inputs: int, in_ranks, out_ranks, n_ws:
     params += [f"ws{j}_ptr" for j in range(n_ws)]
     if counters:
         params.append("cnt_ptr")
+    if flat_pid:
+        params.append("lin")
     if pipelined:
         params.append("NUM_STAGES: tl.constexpr")
-    return ["@triton.jit", f"def {name}({', '.join(params)}):"]
+    return params
 
 
-def _pids(e: _Emitter, grid: tuple, split: int, reverse=frozenset()) -> None:
-    """Program ids per grid dim; a dim in ``reverse`` is walked from its last program (:func:`heaviest_first`)."""
+def _pids(e: _Emitter, grid: tuple, split: int, reverse=frozenset(), flat_pid: bool = False) -> None:
+    """Program ids per grid dim; a dim in ``reverse`` is walked from its last program (:func:`heaviest_first`).
+    ``flat_pid``: the launch's program ids are unpacked from ``lin`` (a sibling launch's part), dim 0 fastest as
+    Triton orders a grid's programs."""
+    launch = [grid[0] * split, *grid[1:]]
+
+    def program(g: int) -> str:
+        if not flat_pid:
+            return f"tl.program_id({g})"
+        inner = math.prod(launch[:g])
+        q = f"(lin // {inner})" if inner > 1 else "lin"
+        return q if g == len(launch) - 1 else f"({q} % {launch[g]})"
     for g in range(len(grid)):
         if g == 0 and split > 1:
-            e.line(f"pid_0 = tl.program_id(0) // {split}")
-            e.line(f"split = tl.program_id(0) % {split}")
+            e.line(f"pid_0 = {program(0)} // {split}")
+            e.line(f"split = {program(0)} % {split}")
         elif g in reverse:
-            e.line(f"pid_{g} = {grid[g] - 1} - tl.program_id({g})")
+            e.line(f"pid_{g} = {grid[g] - 1} - {program(g)}")
         else:
-            e.line(f"pid_{g} = tl.program_id({g})")
+            e.line(f"pid_{g} = {program(g)}")
 
 
 def _pid_flat(grid: tuple, ratio: tuple = ()) -> str:
@@ -885,7 +907,7 @@ def prologue_accumulators(bg: BlockGraph) -> list[int]:
 def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", split: int = 1,
                       combine: BlockGraph | None = None, prologue: bool = False, order=None,
                       transposed=None, target: Target = Target.INTERPRETER, sums_after: bool = False,
-                      combine_in_kernel: bool = False) -> BlockKernel:
+                      combine_in_kernel: bool = False, flat_pid: bool = False) -> BlockKernel:
     """Triton source for one graph-defined op, for ``target`` (the interpreter's forms run anywhere). ``in_ranks``: rank of each kernel input (its strides are
     arguments). ``combine``: the re-tiling of ``bg`` whose grid the combine kernel runs on (split > 1;
     default ``bg``'s own grid). ``prologue``: the :func:`prologue_accumulators` walk the for-loop range in a
@@ -895,9 +917,14 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     transposed, see :class:`LayoutRules`; default: its ``default``) are the μGraph optimiser's plan
     (``superopt.optimise``). ``combine_in_kernel`` (split > 1): no combine kernel — each program stores its partial
     states, counts its arrival on its tile's counter, and the last of the tile's ``split`` programs to arrive folds
-    them (:func:`_fold_split`) and resets the counter (one launch less; the fold runs on ``bg``'s grid)."""
+    them (:func:`_fold_split`) and resets the counter (one launch less; the fold runs on ``bg``'s grid).
+    ``flat_pid``: the kernel is a part of a sibling launch (:func:`emit_sibling_kernel`), its program passed as
+    ``lin``; a split with a combine kernel cannot be one (the combine is a second launch)."""
     if bg.forloop_range % split:
         raise CodegenError(f"μGraph codegen: split {split} does not divide forloop_range {bg.forloop_range}")
+    if flat_pid and split > 1 and not combine_in_kernel:
+        raise CodegenError(f"μGraph codegen: a split of {split} with a combine kernel is two launches, not a part of "
+                           f"a sibling launch (fold it in-kernel)")
     ph = phases(bg)
     accs, epi, fused = ph.accumulators, ph.epilogue, ph.fused
     for i in accs:
@@ -910,7 +937,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     ws = [math.prod(padded(x) for x in s) for s in state_shapes] if split > 1 else []
     n_inputs = len(in_ranks)
     e = _Emitter(bg, n_inputs, split, order, transposed, target)
-    _pids(e, bg.grid, split, heaviest_first(bg, split))
+    _pids(e, bg.grid, split, heaviest_first(bg, split), flat_pid)
     e.pid_lines = len(e.lines)
     env: dict[Ref, Val] = {}
     per = bg.forloop_range // split
@@ -957,8 +984,9 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
         st = states[i][0]
         e.line(f"{st.name} = {st.name} + {_conform_expr(f'tl.sum({wide.name}, axis={dim}, keep_dims=True)', wide, dim, st)}")
     in_kernel = split > 1 and combine_in_kernel      # the outputs are written here, after the fold
-    head = _header(name, bg, n_inputs, in_ranks, out_ranks if split == 1 or in_kernel else [], len(ws), loop,
-                   counters=in_kernel)
+    kept_outs = out_ranks if split == 1 or in_kernel else []
+    head = _header(name, bg, n_inputs, in_ranks, kept_outs, len(ws), loop, counters=in_kernel, flat_pid=flat_pid)
+    params = _params(n_inputs, in_ranks, kept_outs, len(ws), loop, in_kernel, flat_pid)
     outputs = [(_saved(bg, s), s.attrs["dtype"]) for s in savers]
     if split > 1:
         j = 0
@@ -980,17 +1008,49 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
             e.lines += fold.lines
             e.aranges |= fold.aranges
             return BlockKernel(_finish(e, head), name, None, tuple(bg.grid), split, ws, outputs, loop,
-                               counters=math.prod(bg.grid))
+                               counters=math.prod(bg.grid), params=params, flat_pid=flat_pid)
         source = _finish(e, head)
         fine = combine or bg
         src = _emit_combine(bg, fine, name + "_combine", accs, epi, out_ranks, ws, split, order, transposed, target)
         return BlockKernel(source + "\n\n" + src, name, name + "_combine", tuple(bg.grid), split, ws, outputs, loop,
-                           tuple(fine.grid))
+                           tuple(fine.grid), params=params)
     for i in accs:
         for j, v in enumerate(_acc_final(e, bg, bg.ops[i], states[i])):
             e.put(env, Ref(i, j), v)
     _epilogue(e, bg, epi, env)
-    return BlockKernel(_finish(e, head), name, None, tuple(bg.grid), 1, [], outputs, loop)
+    return BlockKernel(_finish(e, head), name, None, tuple(bg.grid), 1, [], outputs, loop, params=params,
+                       flat_pid=flat_pid)
+
+
+def emit_sibling_kernel(name: str, parts: Sequence[BlockKernel]) -> str:
+    """One kernel that runs independent block kernels ``parts`` (each emitted with ``flat_pid``) side by side: its
+    programs are the parts' programs one after another (the first part's, then the second's, …), each running its
+    part's body as a function call with its own program index. One launch for several graph-defined ops that do not
+    read each other's outputs: a decode layer's q and k / v projections stream their weights as one kernel, and
+    the fixed cost of a launch is paid once. Parameters: each part's, prefixed ``p{j}_``."""
+    if any(not k.flat_pid or k.combine for k in parts):
+        raise CodegenError("μGraph codegen: a sibling launch's parts are single kernels emitted with flat_pid")
+    params, calls, start = [], [], 0
+    for j, k in enumerate(parts):
+        own = [p.split(":")[0] for p in k.params]
+        params += [f"p{j}_{p}" for p in k.params if p != "lin"]
+        calls.append((start, f"{k.name}({_offset_args(own, j, start)})"))
+        start += math.prod(k.grid) * k.split
+    lines = ["@triton.jit", f"def {name}({', '.join(params)}):", "    lin = tl.program_id(0)"]
+    for n, (_, call) in enumerate(calls):
+        depth = "    " * (n + 1)
+        if n < len(calls) - 1:
+            lines.append(f"{depth}if lin < {calls[n + 1][0]}:")
+            lines.append(f"{depth}    {call}")
+            lines.append(f"{depth}else:")
+        else:
+            lines.append(f"{depth}{call}")
+    return "\n".join(lines) + "\n"
+
+
+def _offset_args(own: Sequence[str], j: int, start: int) -> str:
+    """A part's call arguments: its parameters as the sibling kernel names them, its program ``lin - start``."""
+    return ", ".join((f"lin - {start}" if start else "lin") if p == "lin" else f"p{j}_{p}" for p in own)
 
 
 def _band_bounds(e: _Emitter, bg: BlockGraph, lo: str, hi: str) -> list[tuple[str, str, bool]]:

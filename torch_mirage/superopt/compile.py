@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -30,6 +31,7 @@ from ..ugraph import BlockGraph, KernelGraph, Ref
 from .arith import TorchArith
 from .launch import LaunchConfig, candidates, choose, combine_tiling, default_config, retile
 from .optimise import plan_block
+from .siblings import SiblingLauncher, faster_apart, sibling_groups
 from .validate import SMEM_BYTES, validate
 
 log = logging.getLogger("torch_mirage")
@@ -49,7 +51,7 @@ class BlockLauncher:
     """One graph-defined op at one launch config: generated module, launch grid, output / workspace specs."""
 
     def __init__(self, bg: BlockGraph, config: LaunchConfig, in_ranks: Sequence[int], cache_dir: str,
-                 name: str = "ugraph_kernel", target: Target | None = None):
+                 name: str = "ugraph_kernel", target: Target | None = None, flat_pid: bool = False):
         tiled = retile(bg, config.grid, config.forloop_range)
         if tiled is None:
             raise CodegenError(f"launch config {config} does not re-tile the block graph (grid {bg.grid}, "
@@ -61,13 +63,15 @@ class BlockLauncher:
                                                      self.plan.order, self.plan.transposed,
                                                      Target.current() if target is None else target,
                                                      sums_after=config.sums_after,
-                                                     combine_in_kernel=config.combine_in_kernel)
+                                                     combine_in_kernel=config.combine_in_kernel,
+                                                     flat_pid=flat_pid)
         self.source = module_source([self.kernel])
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
         self.fn = getattr(module, self.kernel.name)
         self.combine_fn = getattr(module, self.kernel.combine) if self.kernel.combine else None
         grid = _grid3(self.kernel.grid)
         self.launch_grid = (grid[0] * config.split, grid[1], grid[2])
+        self.programs = math.prod(self.launch_grid)
         self.combine_grid = _grid3(self.kernel.combine_grid)
         self.out_specs = [(tuple(s), DTYPES[d]) for s, d in self.kernel.outputs]
         programs = grid[0] * grid[1] * grid[2] * config.split
@@ -105,21 +109,31 @@ class BlockLauncher:
     def _launch(self, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor],
                 run: Callable[..., Any]) -> None:
         """``run(fn, *args, grid=, **meta)`` for the kernel (and the combine kernel after a split)."""
-        args: list[Any] = []
-        for t in inputs:
-            args += [t, *t.stride()]
-        out_args: list[Any] = []
-        for t in outs:
-            out_args += [t, *t.stride()]
-        extra = {"NUM_STAGES": self.config.num_stages} if self.kernel.pipelined else {}
         opts = {"num_warps": self.config.num_warps, "num_stages": self.config.num_stages}
+        args, extra = self.arguments(inputs, outs, ws)
+        run(self.fn, *args, grid=self.launch_grid, **extra, **opts)
+        if self.combine_fn is not None:
+            run(self.combine_fn, *_tensor_args(outs), *ws, grid=self.combine_grid, num_warps=self.config.num_warps)
+
+    def arguments(self, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor]
+                  ) -> tuple[list[Any], dict[str, int]]:
+        """The kernel's positional arguments (in its parameters' order; a flat-pid part's ``lin`` left out: its
+        sibling launch passes it) and its constexpr ``NUM_STAGES`` (where it loops)."""
+        args = _tensor_args(inputs)
+        if self.combine_fn is None:
+            args += _tensor_args(outs)
+        args += list(ws)
         if self.kernel.counters:
-            run(self.fn, *args, *out_args, *ws, *self.counters(outs[0].device), grid=self.launch_grid, **extra, **opts)
-        elif self.combine_fn is None:
-            run(self.fn, *args, *out_args, grid=self.launch_grid, **extra, **opts)
-        else:
-            run(self.fn, *args, *ws, grid=self.launch_grid, **extra, **opts)
-            run(self.combine_fn, *out_args, *ws, grid=self.combine_grid, num_warps=self.config.num_warps)
+            args += self.counters(outs[0].device if outs else inputs[0].device)
+        return args, ({"NUM_STAGES": self.config.num_stages} if self.kernel.pipelined else {})
+
+
+def _tensor_args(tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """Each tensor followed by its strides, as a block kernel takes its inputs and outputs."""
+    args: list[Any] = []
+    for t in tensors:
+        args += [t, *t.stride()]
+    return args
 
 
 def _grid3(grid: Sequence[int]) -> tuple:
@@ -131,6 +145,9 @@ def _grid3(grid: Sequence[int]) -> tuple:
 class _Step:
     index: int            # kernel op index
     launcher: BlockLauncher | None
+    siblings: Any = None  # a SiblingLauncher run at this step for ``group`` (this op the group's last)
+    group: tuple = ()     # the kernel ops (indices) of that sibling launch
+    deferred: bool = False   # a sibling launch's earlier part: it runs with the group at the group's last step
 
 
 @dataclass
@@ -149,8 +166,10 @@ class CompiledUGraph:
 
     def __init__(self, graph: KernelGraph, steps: list[_Step], plan: dict, arena_bytes: int):
         self.graph, self.steps, self.plan, self.arena_bytes = graph, steps, plan, arena_bytes
-        self.sources = [s.launcher.source for s in steps if s.launcher is not None]
+        self.sources = [s.launcher.source for s in steps if s.launcher is not None] + \
+            [s.siblings.source for s in steps if s.siblings is not None]
         self.configs = [s.launcher.config for s in steps if s.launcher is not None]
+        self.sibling_launches = [list(s.group) for s in steps if s.siblings is not None]   # kernel ops per launch
         self._arith = TorchArith()
 
     def __call__(self, *inputs: torch.Tensor) -> tuple:
@@ -170,12 +189,41 @@ class CompiledUGraph:
             if op.name == "input":
                 env[Ref(step.index, 0)] = inputs[op.attrs["index"]]
                 continue
+            if step.deferred:
+                continue
+            if step.siblings is not None:
+                yield self._run_siblings(step, env, arena)
+                continue
             xs = [env[Ref(*r)] for r in op.inputs]
             fn = self._step_fn(step, op, arena)
             res = fn(*xs)
             for j, t in enumerate(res):
                 env[Ref(step.index, j)] = t
             yield StepRun(step.index, op.name, step.launcher.config if step.launcher else None, fn, xs, list(res))
+
+    def _run_siblings(self, step: _Step, env: dict, arena: torch.Tensor | None) -> StepRun:
+        """One launch for the graph-defined ops of ``step.group``: every part's outputs into ``env``."""
+        g, launcher = self.graph, step.siblings
+        xs = [[env[Ref(*r)] for r in g.ops[i].inputs] for i in step.group]
+        outs = [[self._buffer(arena, ("out", i, j), s, d) for j, (s, d) in enumerate(p.out_specs)]
+                for i, p in zip(step.group, launcher.parts)]
+        ws = [[self._buffer(arena, ("ws", i, j), s, d) for j, (s, d) in enumerate(p.ws_specs)]
+              for i, p in zip(step.group, launcher.parts)]
+        counts = [len(x) for x in xs]
+
+        def fn(*flat: torch.Tensor) -> list:
+            parts, k = [], 0
+            for n in counts:
+                parts.append(list(flat[k:k + n]))
+                k += n
+            return [o for res in launcher(parts, outs=outs, workspaces=ws) for o in res]
+        res = fn(*[t for x in xs for t in x])
+        k = 0
+        for i, p in zip(step.group, launcher.parts):
+            for j in range(len(p.out_specs)):
+                env[Ref(i, j)] = res[k]
+                k += 1
+        return StepRun(step.index, "siblings", step.launcher.config, fn, [t for x in xs for t in x], res)
 
     def _step_fn(self, step: _Step, op: Any, arena: torch.Tensor | None) -> Callable[..., list]:
         if step.launcher is not None:
@@ -207,6 +255,9 @@ def plan_memory(graph: KernelGraph, steps: list[_Step]) -> tuple[dict, int]:
     """Arena offsets for intermediate kernel tensors and workspaces: greedy by size over lifetimes."""
     order = [s.index for s in steps]
     pos = {i: k for k, i in enumerate(order)}
+    for s in steps:             # a sibling launch's parts run (read, write) at the group's last step
+        for i in s.group:
+            pos[i] = pos[s.index]
     root: dict[Ref, Any] = {}
     last: dict[Any, int] = {}
     buffers: dict[Any, tuple[int, int]] = {}     # key -> (bytes, first position)
@@ -267,13 +318,17 @@ def op_arguments(kgraph: KernelGraph, op: Any, inputs: Sequence[torch.Tensor]) -
 
 def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], *, cache: Any = None,
                    cache_dir: str | None = None, tune: bool | None = None, limit: int = 4,
-                   target: Target | None = None, propose: Callable[..., list] = candidates) -> CompiledUGraph:
+                   target: Target | None = None, propose: Callable[..., list] = candidates,
+                   siblings: bool | None = None) -> CompiledUGraph:
     """Generated Triton for every graph-defined op of ``kgraph``; launch configs tuned on ``example_inputs``
     when they are CUDA tensors (``tune=False``: the μGraph's own schedule), among those ``propose`` lists
     (:func:`.launch.candidates`, or :func:`.launch.streaming_candidates` for a weight-streaming kernel). Returns
     ``callable(*tensors)``. Sources go under ``cache_dir``'s ``kernels/`` (a claimer passes its configuration's;
     default: the disk cache's directory, else the configuration read from the environment). ``target``: where the
-    kernels run (the compile context's; default: :meth:`Target.current`), which picks CUDA-only instruction forms."""
+    kernels run (the compile context's; default: :meth:`Target.current`), which picks CUDA-only instruction forms.
+    ``siblings``: graph-defined ops that read nothing the others write run as one launch
+    (:mod:`.siblings`) — where tuned, only where that times faster than their separate launches (``None``); always
+    (``True``, each part's launch as tuned alone); never (``False``)."""
     target = Target.current() if target is None else target
     validate(kgraph)
     ins = kgraph.inputs
@@ -315,5 +370,42 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
         for j, t in enumerate(res):
             env[Ref(i, j)] = t
         steps.append(_Step(i, launcher))
+    if siblings is not False and (siblings or tune):
+        _join_siblings(kgraph, steps, env, cache, cache_dir, target, timed=not siblings)
     plan, size = plan_memory(kgraph, steps)
     return CompiledUGraph(kgraph, steps, plan, size)
+
+
+def _join_siblings(kgraph: KernelGraph, steps: list[_Step], env: dict, cache: Any, cache_dir: str,
+                   target: Target, timed: bool) -> None:
+    """Each group of :func:`.siblings.sibling_groups` made one launch at its last step (``timed``: only where the
+    launch times faster than the parts apart on ``env``'s example tensors; else at the first part's ``num_warps``).
+    A part whose split folds in a combine kernel (two launches) does not join."""
+    by_index = {s.index: s for s in steps}
+
+    def can_join(i: int) -> bool:
+        launcher = by_index[i].launcher
+        return launcher is not None and launcher.combine_fn is None
+    for group in sibling_groups(kgraph, [s.index for s in steps], can_join):
+        parts = [by_index[i].launcher for i in group]
+        xs = [[env[Ref(*r)] for r in kgraph.ops[i].inputs] for i in group]
+        name = "ugraph_siblings_" + "_".join(map(str, group))
+
+        def build(num_warps: int, group=group, parts=parts, xs=xs, name=name) -> SiblingLauncher:
+            flat = [BlockLauncher(kgraph.ops[i].body, p.config, [x.dim() for x in xx], cache_dir, p.kernel.name,
+                                  target, flat_pid=True) for i, p, xx in zip(group, parts, xs)]
+            return SiblingLauncher(flat, num_warps, cache_dir, name)
+        try:
+            joined = faster_apart(parts, build, xs, cache) if timed else build(parts[0].config.num_warps)
+        except Exception as e:    # the parts still run apart: nothing is lost
+            if not timed:
+                raise
+            log.info("torch_mirage: sibling launch of μGraph ops %s failed (%s: %s); launched apart", group,
+                     type(e).__name__, e)
+            continue
+        if joined is None:
+            continue
+        log.info("torch_mirage: μGraph ops %s run as one launch (%s)", group, joined.path)
+        for i in group[:-1]:
+            by_index[i].deferred = True
+        by_index[group[-1]].siblings, by_index[group[-1]].group = joined, tuple(group)

@@ -1,0 +1,165 @@
+"""Sibling launches: independent graph-defined ops of one μGraph run as one kernel.
+
+A μGraph's kernel ops run one launch each. Where two or more of them read nothing the others write — a decode
+layer's q and k / v projections, each streaming its own weight from the same normed row — one launch can run
+them all: :func:`~torch_mirage.codegen.ugraph_triton.emit_sibling_kernel` lays their programs side by side and
+each program runs its part's body. The fixed cost of a launch (H100, inside a CUDA graph: 2-4 µs per kernel of a
+decode layer, NOTES 11-26) is then paid once, and the parts' weight streams overlap instead of draining one after
+the other.
+
+This module owns which ops may share a launch (:func:`sibling_groups`), the launcher of such a group
+(:class:`SiblingLauncher`) and the measured choice between it and the separate launches (:func:`faster_apart`):
+each part keeps the launch configuration tuned for it alone; the group's one launch takes one ``num_warps``, so
+each part's is a candidate; the separate launches are the reference every candidate must agree with.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..cache import cache_key
+from ..codegen.aot import compile_ahead, run_kernel
+from ..codegen.loader import load_source
+from ..codegen.ugraph_triton import emit_sibling_kernel, module_source
+from ..numerics import tolerance
+from ..timing import cuda_graph_timing, rotated_input_sets
+from ..tune import tune
+from ..ugraph import KernelGraph
+
+log = logging.getLogger("torch_mirage")
+
+APART = "apart"     # the candidate that launches each part on its own
+
+
+def sibling_groups(kgraph: KernelGraph, order: Sequence[int], can_join: Callable[[int], bool]) -> list[list[int]]:
+    """Groups of two or more graph-defined ops of ``kgraph`` (indices, in ``order``: the order the runner walks)
+    that may run as one launch at the position of the group's last op: consecutive among the ops ``can_join``
+    accepts, none reading (through any chain of ops) what an earlier one of the group writes, and no op between
+    the group's first and last reading it either (the earlier parts' outputs exist only once the launch ran)."""
+    below: dict[int, set[int]] = {}            # op -> the ops it reads, transitively
+    for i in order:
+        seen: set[int] = set()
+        for r in kgraph.ops[i].inputs:
+            seen |= {r[0]} | below.get(r[0], set())
+        below[i] = seen
+    groups: list[list[int]] = []
+    group: list[int] = []
+    for i in order:
+        op = kgraph.ops[i]
+        reads_group = any(j in below[i] for j in group)
+        if op.name == "customized" and can_join(i) and not reads_group:
+            group.append(i)
+            continue
+        if reads_group or (op.name == "customized"):   # the group ends before an op that needs it or cannot join
+            if len(group) > 1:
+                groups.append(group)
+            group = [i] if op.name == "customized" and can_join(i) else []
+    if len(group) > 1:
+        groups.append(group)
+    return groups
+
+
+class SiblingLauncher:
+    """One launch of several :class:`~.compile.BlockLauncher` parts, each emitted with ``flat_pid`` at its own
+    launch configuration; ``num_warps`` is the launch's. Called with each part's inputs, it returns each part's
+    outputs (``outs`` / ``workspaces``: each part's, as a part's launcher takes them)."""
+
+    def __init__(self, parts: Sequence[Any], num_warps: int, cache_dir: str, name: str):
+        self.parts, self.num_warps, self.name = list(parts), num_warps, name
+        kernels = [p.kernel for p in self.parts]
+        self.source = module_source(kernels) + "\n\n" + emit_sibling_kernel(name, kernels)
+        module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
+        self.fn = getattr(module, name)
+        self.grid = (sum(p.programs for p in self.parts), 1, 1)
+        self.num_stages = max(p.config.num_stages for p in self.parts)
+
+    def __call__(self, inputs: Sequence[Sequence[torch.Tensor]], outs: Sequence[Sequence[Any]] | None = None,
+                 workspaces: Sequence[Sequence[Any]] | None = None) -> list[list[torch.Tensor]]:
+        outs = outs or [None] * len(self.parts)
+        workspaces = workspaces or [None] * len(self.parts)
+        made_outs, made_ws = [], []
+        for p, xs, o, w in zip(self.parts, inputs, outs, workspaces):
+            dev = xs[0].device
+            made_outs.append([t if t is not None else torch.empty(s, dtype=d, device=dev)
+                              for t, (s, d) in zip(o or [None] * len(p.out_specs), p.out_specs)])
+            made_ws.append([t if t is not None else torch.empty(s, dtype=d, device=dev)
+                            for t, (s, d) in zip(w or [None] * len(p.ws_specs), p.ws_specs)])
+        self._launch(inputs, made_outs, made_ws, run_kernel)
+        return made_outs
+
+    def warmup(self, inputs: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Compile the launch's kernel for ``inputs`` without running it (outputs and workspaces as meta tensors)."""
+        outs = [[torch.empty(s, dtype=d, device="meta") for s, d in p.out_specs] for p in self.parts]
+        ws = [[torch.empty(s, dtype=d, device="meta") for s, d in p.ws_specs] for p in self.parts]
+        self._launch(inputs, outs, ws, lambda fn, *a, **k: compile_ahead(fn, *a, device=inputs[0][0].device, **k))
+
+    def _launch(self, inputs, outs, ws, run: Callable[..., Any]) -> None:
+        args: list[Any] = []
+        for p, xs, o, w in zip(self.parts, inputs, outs, ws):
+            own, extra = p.arguments(xs, o, w)
+            args += own + list(extra.values())       # a part's NUM_STAGES closes its parameters
+        run(self.fn, *args, grid=self.grid, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def faster_apart(parts: Sequence[Any], build: Callable[[int], SiblingLauncher], inputs: Sequence[Sequence[torch.Tensor]],
+                 cache: Any = None) -> SiblingLauncher | None:
+    """The sibling launch of ``parts`` (their launchers, each alone) where one times faster than the separate
+    launches on these CUDA ``inputs`` (each part's), else None. ``build(num_warps)`` makes the sibling launcher
+    (its parts emitted with ``flat_pid``); each part's ``num_warps`` is a candidate. Every candidate's outputs must
+    agree with the separate launches' to the tolerance of the lowest precision involved."""
+    counts = [len(xs) for xs in inputs]
+    flat = [t for xs in inputs for t in xs]
+
+    def split(ts: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        out, k = [], 0
+        for n in counts:
+            out.append(list(ts[k:k + n]))
+            k += n
+        return out
+
+    warps = sorted({p.config.num_warps for p in parts})
+    names = [APART] + [f"one launch, {w} warps" for w in warps]
+    runs: dict[str, Callable] = {}
+    want: list[torch.Tensor] = []
+    sets: list = []
+
+    def make(name: str) -> Callable:
+        if name == APART:
+            run = lambda *ts: [o for p, xs in zip(parts, split(ts)) for o in p(*xs)]     # noqa: E731
+        else:
+            launcher = build(warps[names.index(name) - 1])
+            run = lambda *ts: [o for outs in launcher(split(ts)) for o in outs]           # noqa: E731
+            run.launcher = launcher
+        runs[name] = run
+        outs = run(*flat)
+        if not want:
+            want.extend(o.clone() for o in outs)
+        return outs
+
+    def agrees(name: str, outs: list) -> str | None:
+        half = [t.dtype for t in (*outs, *flat) if t.dtype in (torch.float16, torch.bfloat16)]
+        tol = tolerance(half[0] if half else torch.float32, "retile")
+        for o, w in zip(outs, want):
+            err = ((o.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30)).item()
+            if not err <= tol:
+                return f"disagrees with the separate launches (relative error {err:.2e})"
+        return None
+
+    def time_half(name: str, _outs: Any) -> list[float]:
+        if not sets:
+            sets.extend(rotated_input_sets(flat, torch.cuda.get_device_properties(flat[0].device).L2_cache_size,
+                                           max_sets=16))
+        return cuda_graph_timing(runs[name], sets, replays=10, repeats=3)["samples"]
+
+    key = None
+    if cache is not None:
+        key = cache_key(kind="ugraph-siblings", graphs=[p.kernel.source for p in parts],
+                        configs=[p.config.to_json() for p in parts], strides=[list(t.stride()) for t in flat],
+                        device=torch.cuda.get_device_name(flat[0].device))
+    tuned = tune(names, time_half, build=make, check=agrees, cache=cache, key=key, label="sibling launch")
+    if tuned.winner in (None, APART):
+        return None
+    launcher = getattr(runs.get(tuned.winner), "launcher", None)
+    return launcher if launcher is not None else build(warps[names.index(tuned.winner) - 1])
