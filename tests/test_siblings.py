@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import assert_close
+from helpers import assert_close, rel_error
 from torch_mirage.capture.lower import trace
 from torch_mirage.codegen.ugraph_triton import CodegenError, emit_block_kernel
 from torch_mirage.config import Config
+from torch_mirage.numerics import tolerance
 from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph, op_arguments
 from torch_mirage.superopt.gemv_claim import verified_halves
 from torch_mirage.superopt.gemv_seed import gemv_seed
@@ -139,23 +140,27 @@ def test_compiled_ugraph_runs_siblings_as_one_launch(rows):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows", [1, 8])
 def test_sibling_launch_is_timed_on_the_gpu(rows, tmp_path):
-    """bf16 at Llama-8B widths: the tuned μGraph (launches timed, the joined launch kept only where faster) equals
-    eager, and so does the joined launch forced on."""
+    """bf16 at Llama widths (2048 wide here, 16 heads of 128, 4 KV heads): the tuned μGraph (launches timed, the
+    joined launch kept only where faster) equals eager, and so does the joined launch forced on at the same
+    tuned launches (read back from the cache)."""
+    from torch_mirage.cache import DiskCache
+
     bf = torch.bfloat16
     fn = qkv_rope(rotate_cat, hd=128)
-    xs = _inputs(rows, bf, d=4096, hd=128, heads=32, kv_heads=8, device="cuda")
+    xs = _inputs(rows, bf, d=2048, hd=128, heads=16, kv_heads=4, device="cuda")
     graph = trace(fn, xs)
     ref = reference_of(graph.nodes, graph)
     pos = {id(v): i for i, v in enumerate(graph.inputs)}
     ins = [xs[pos[id(v)]] for v in ref.inputs]
     eager = fn(*[x.double() for x in xs])
     halves = verified_halves(ref.graph, Config())
+    cache = DiskCache(str(tmp_path))
     for siblings in (None, True):
-        compiled = compile_ugraph(halves, ins, cache_dir=str(tmp_path), siblings=siblings)
+        compiled = compile_ugraph(halves, ins, cache=cache, cache_dir=str(tmp_path), siblings=siblings)
         if siblings:
             assert compiled.sibling_launches
         for _ in range(3):
             got = compiled(*ins)
-            for g in got:
-                (e,) = [e for e in eager if e.shape == g.shape][:1]
-                assert_close(g, e.to(bf), bf)
+            assert sorted(g.shape for g in got) == sorted(e.shape for e in eager)
+            for g in got:      # k and v have one shape: each output equals one of eager's
+                assert any(g.shape == e.shape and rel_error(g, e.to(bf)) <= tolerance(bf) for e in eager)
