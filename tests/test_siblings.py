@@ -157,8 +157,9 @@ def test_sibling_launch_is_timed_on_the_gpu(rows, tmp_path):
     cache = DiskCache(str(tmp_path))
     for siblings in (None, True):
         compiled = compile_ugraph(halves, ins, cache=cache, cache_dir=str(tmp_path), siblings=siblings)
-        if siblings:
-            assert compiled.sibling_launches
+        if siblings:     # a part tuned to a split with a combine kernel (two launches) cannot join
+            joinable = [s for s in compiled.steps if s.launcher is not None and s.launcher.combine_fn is None]
+            assert len(compiled.sibling_launches) == (len(joinable) > 1)
         for _ in range(3):
             got = compiled(*ins)
             assert sorted(g.shape for g in got) == sorted(e.shape for e in eager)
