@@ -243,6 +243,33 @@ def test_decode_retiled_matches_reference(tile):
     assert_close(out, _reference(*ins, 0.25, None).float(), torch.float32)
 
 
+@interp
+@pytest.mark.parametrize("splits", [32, 64])
+def test_fold_of_many_splits_walks_chunks(splits, tmp_path):
+    """More than ``FOLD_UNROLLED`` split states are folded in unrolled chunks of ``FOLD_CHUNK`` (a first chunk, then a
+    loop of chunks): FlashAttention at decode with its keys split, folded by a combine kernel and in-kernel by each
+    tile's last program, equal to fp64, a whole split's keys masked included; splits of up to ``FOLD_UNROLLED``
+    stay unrolled whole."""
+    from torch_mirage.codegen.ugraph_triton import FOLD_CHUNK, FOLD_UNROLLED
+
+    assert splits > FOLD_UNROLLED and splits % FOLD_CHUNK == 0
+    b, hk, rows, skv, d = 1, 2, 4, 8 * splits, 16
+    ins = [torch.randn(b, hk, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d),
+           torch.randn(b, 1, rows, skv)]
+    ins[3][..., 8 * splits - 24:] = -1e30                   # the last three splits' keys: all masked
+    want = _reference(*ins, 0.25, None).float()
+    bg = _body(flash_attention(b, hk, rows, skv, d, scale=0.25, mask=(b, 1), dtype="float32"))
+    for in_kernel in (False, True):
+        cfg = LaunchConfig(tuple(bg.grid), skv // 4, splits, 4, 2, combine_in_kernel=in_kernel)
+        launcher = BlockLauncher(bg, cfg, [4, 4, 4, 4], str(tmp_path), f"fold{int(in_kernel)}", Target.INTERPRETER)
+        assert "for chunk in tl.range(1, " in launcher.source
+        for _ in range(2):                                 # an in-kernel fold leaves its counters zero
+            assert_close(launcher(*ins)[0], want, torch.float32)
+    small = LaunchConfig(tuple(bg.grid), skv // 4, FOLD_UNROLLED, 4, 2, combine_in_kernel=True)
+    assert "for chunk" not in BlockLauncher(bg, small, [4, 4, 4, 4], str(tmp_path), "fold16",
+                                            Target.INTERPRETER).source
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

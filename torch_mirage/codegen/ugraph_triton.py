@@ -1149,6 +1149,14 @@ def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ra
     return _finish(e, ["@triton.jit", f"def {name}({', '.join(params)}):"])
 
 
+# A fold of up to FOLD_UNROLLED split states is unrolled whole; of more, it walks them in unrolled chunks of
+# FOLD_CHUNK (a first chunk, then a loop of chunks). Triton's compile time grows faster than the unrolled length
+# (sm_90, decode attention's fold of 16 x 128 states, benchmarks/compile_time_cpu.py: 16 splits 1.6 s, 32 4.2 s,
+# 64 18 s whole; 32 or 64 in chunks of 8, 1.6 s), and the H100 tuner has kept 16 or fewer where it timed more.
+FOLD_UNROLLED = 16
+FOLD_CHUNK = 8
+
+
 def _fold_split(e: _Emitter, bg: BlockGraph, fine: BlockGraph, accs, epi, ws, split: int, in_kernel: bool = False) -> None:
     """Lines that fold the ``split`` partial states of each accumulator (``ws{j}_ptr``, as the split programs of
     ``bg`` stored them) for the running program of ``fine`` (``pid_*`` bound), then its finals, epilogue and
@@ -1174,11 +1182,21 @@ def _fold_split(e: _Emitter, bg: BlockGraph, fine: BlockGraph, accs, epi, ws, sp
             return f"tl.load(ws{j}_ptr + ({flat} * {split} + {s}) * {ws[j]} + {offs}" + \
                 (f", mask={mask}, other=0.0" if mask else "") + f"{cache})"
         states = [e.assign("acc", load(j, sh, 0, c), sh) for j, sh, c in zip(idx, shapes, coarse)]
-        e.line(f"for s in tl.static_range(1, {split}):")
+        unroll = FOLD_CHUNK if split > FOLD_UNROLLED and split % FOLD_CHUNK == 0 else split
+        e.line(f"for s in tl.static_range(1, {unroll}):")
         e.indent += 1
         others = [e.assign("w", load(j, sh, "s", c), sh) for j, sh, c in zip(idx, shapes, coarse)]
         _combine(e, op, states, others)
         e.indent -= 1
+        if unroll < split:          # the rest in a loop of unrolled chunks: compile time stays that of one chunk
+            e.line(f"for chunk in tl.range(1, {split // unroll}):")
+            e.indent += 1
+            e.line(f"for part in tl.static_range({unroll}):")
+            e.indent += 1
+            e.line(f"later = chunk * {unroll} + part")
+            others = [e.assign("w", load(j, sh, "later", c), sh) for j, sh, c in zip(idx, shapes, coarse)]
+            _combine(e, op, states, others)
+            e.indent -= 2
         for n, v in enumerate(_acc_final(e, bg, op, states)):
             e.put(env, Ref(i, n), v)
     _epilogue(e, fine, epi, env)
