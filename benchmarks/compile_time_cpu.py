@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -104,16 +103,17 @@ def decode_attention(rows_of_batch=(1, 8)) -> list[dict]:
 
 
 def qkv_siblings(rows: int = 1) -> list[dict]:
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from test_gemv_rope import _inputs, qkv_rope, rotate_cat
+    from ugraph_config_sweep import SEED_VARIANTS     # this directory: the layer's QKV + RoPE program
 
+    from torch_mirage.bench import workloads
     from torch_mirage.capture.lower import trace
     from torch_mirage.config import Config
     from torch_mirage.superopt.gemv_claim import verified_halves
     from torch_mirage.superopt.search.reference import reference_of
 
-    xs = _inputs(rows, torch.float32, d=4096, hd=128, heads=32, kv_heads=8)
-    graph = trace(qkv_rope(rotate_cat, hd=128), xs)
+    base, keep, fn = SEED_VARIANTS["rmsnorm_rope_qkv_t"]
+    xs = workloads.WORKLOADS[base].make_inputs(rows, torch.float32, "cpu", 0)
+    graph = trace(fn, [xs[i] for i in keep])
     halves = verified_halves(reference_of(graph.nodes, graph).graph, Config())
     ops = [o for o in halves.ops if o.name == "customized"]
     # the launches the H100 tuner kept at b1 (NOTES 11-27): q at (32, 4) x 8 steps, k / v at (8, 64) x 8
@@ -124,7 +124,8 @@ def qkv_siblings(rows: int = 1) -> list[dict]:
         s = _kernel_seconds(op.body, cfg, r, ["bfloat16"] * len(r), ["bfloat16"] * 4)
         out.append({"case": "qkv-part", "config": cfg.to_json(), "compile_s": round(s, 2)})
         print(f"qkv part {cfg.grid}: {s:6.2f} s", flush=True)
-    parts = [emitted(op.body, cfg, r, f"part{j}", flat_pid=True) for j, (op, cfg, r) in enumerate(zip(ops, cfgs, ranks))]
+    parts = [emitted(op.body, cfg, r, f"part{j}", flat_pid=True)
+             for j, (op, cfg, r) in enumerate(zip(ops, cfgs, ranks))]
     source = module_source(parts) + "\n\n" + emit_sibling_kernel("siblings", parts)
     params = [f"p{j}_{p}" for j, k in enumerate(parts) for p in k.params if p != "lin"]
     stages = {f"p{j}_NUM_STAGES": c.num_stages for j, (k, c) in enumerate(zip(parts, cfgs)) if k.pipelined}

@@ -579,6 +579,18 @@ def _disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
     return relative_error(got, want, where=want) if same_non_finite(got, want) else float("inf")
 
 
+def retile_problem(outs: Sequence[torch.Tensor], want: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                   reference: str) -> str | None:
+    """Why the outputs of another launch of the same kernel(s) disagree with ``want`` (``reference`` names what gave
+    it), or None: re-tilings sum in another order, so the lowest precision among the inputs and outputs bounds the
+    agreement (:func:`~torch_mirage.numerics.tolerance`'s ``retile``)."""
+    half = [t.dtype for t in (*outs, *inputs) if t.dtype in (torch.float16, torch.bfloat16)]
+    err = max((_disagreement(o, w) for o, w in zip(outs, want)), default=0.0)
+    if err > tolerance(half[0] if half else torch.float32, "retile"):
+        return f"disagrees with {reference} (relative error {err:.2e})"
+    return None
+
+
 def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Sequence[torch.Tensor], *,
            cache: Any = None, limit: int = 4, propose: Callable[..., list[LaunchConfig]] = candidates) -> LaunchConfig:
     """The launch config to use for ``bg`` on ``inputs``; ``build(config)`` returns ``run(*inputs) -> outputs``
@@ -620,20 +632,15 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
         if not want:
             want.extend(o.clone() for o in outs)
             return None
-        # re-tilings sum in another order: the lowest precision among inputs and outputs bounds the agreement
-        half = [t.dtype for t in (*outs, *inputs) if t.dtype in (torch.float16, torch.bfloat16)]
-        err = max((_disagreement(o, w) for o, w in zip(outs, want)), default=0.0)
-        if err > tolerance(half[0] if half else torch.float32, "retile"):
-            return f"disagrees with the μGraph's own schedule (relative error {err:.2e})"
-        return None
+        return retile_problem(outs, want, inputs, "the μGraph's own schedule")
 
-    tuned = tune(list(configs), lambda name, made: _time_samples(made[0], inputs, sets), build=make, check=agrees,
+    tuned = tune(list(configs), lambda name, made: time_launches(made[0], inputs, sets), build=make, check=agrees,
                  cache=cache, key=key, label="launch config", progress="torch_mirage: tuning a μGraph kernel",
                  precompile=precompile)
     return configs[tuned.winner] if tuned.winner is not None else base
 
 
-def _time_samples(run: Callable, inputs: Sequence[torch.Tensor], sets: Sequence[Sequence[torch.Tensor]]) -> list[float]:
+def time_launches(run: Callable, inputs: Sequence[torch.Tensor], sets: Sequence[Sequence[torch.Tensor]]) -> list[float]:
     """µs-per-call samples of ``run`` replayed in a CUDA graph over ``sets``; ``do_bench`` where capture fails."""
     try:
         return cuda_graph_timing(run, sets, replays=10, repeats=3)["samples"]

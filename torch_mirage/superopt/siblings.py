@@ -23,10 +23,10 @@ from ..cache import cache_key
 from ..codegen.aot import compile_ahead, run_kernel
 from ..codegen.loader import load_source
 from ..codegen.ugraph_triton import emit_sibling_kernel, module_source
-from ..numerics import tolerance
-from ..timing import cuda_graph_timing, rotated_input_sets
+from ..timing import rotated_input_sets
 from ..tune import tune
 from ..ugraph import KernelGraph
+from .launch import retile_problem, time_launches
 
 log = logging.getLogger("torch_mirage")
 
@@ -103,12 +103,13 @@ class SiblingLauncher:
         run(self.fn, *args, grid=self.grid, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-def faster_apart(parts: Sequence[Any], build: Callable[[int], SiblingLauncher], inputs: Sequence[Sequence[torch.Tensor]],
-                 cache: Any = None) -> SiblingLauncher | None:
+def faster_apart(parts: Sequence[Any], build: Callable[[int], SiblingLauncher],
+                 inputs: Sequence[Sequence[torch.Tensor]], cache: Any = None) -> SiblingLauncher | None:
     """The sibling launch of ``parts`` (their launchers, each alone) where one times faster than the separate
     launches on these CUDA ``inputs`` (each part's), else None. ``build(num_warps)`` makes the sibling launcher
-    (its parts emitted with ``flat_pid``); each part's ``num_warps`` is a candidate. Every candidate's outputs must
-    agree with the separate launches' to the tolerance of the lowest precision involved."""
+    (its parts emitted with ``flat_pid``; called from the compile pool's threads, all candidates at once); each part's
+    ``num_warps`` is a candidate. Every candidate's outputs must agree with the separate launches' to the tolerance
+    of the lowest precision involved."""
     counts = [len(xs) for xs in inputs]
     flat = [t for xs in inputs for t in xs]
 
@@ -124,12 +125,18 @@ def faster_apart(parts: Sequence[Any], build: Callable[[int], SiblingLauncher], 
     runs: dict[str, Callable] = {}
     want: list[torch.Tensor] = []
     sets: list = []
+    compiled: dict[str, SiblingLauncher] = {}     # what the compile pool built, by candidate
+
+    def precompile(name: str) -> None:            # in a pool thread: codegen and Triton's compile, nothing launched
+        if name != APART:                         # (the parts alone are compiled already)
+            launcher = compiled[name] = build(warps[names.index(name) - 1])
+            launcher.warmup(inputs)
 
     def make(name: str) -> Callable:
         if name == APART:
             run = lambda *ts: [o for p, xs in zip(parts, split(ts)) for o in p(*xs)]     # noqa: E731
         else:
-            launcher = build(warps[names.index(name) - 1])
+            launcher = compiled.pop(name, None) or build(warps[names.index(name) - 1])
             run = lambda *ts: [o for outs in launcher(split(ts)) for o in outs]           # noqa: E731
             run.launcher = launcher
         runs[name] = run
@@ -138,27 +145,19 @@ def faster_apart(parts: Sequence[Any], build: Callable[[int], SiblingLauncher], 
             want.extend(o.clone() for o in outs)
         return outs
 
-    def agrees(name: str, outs: list) -> str | None:
-        half = [t.dtype for t in (*outs, *flat) if t.dtype in (torch.float16, torch.bfloat16)]
-        tol = tolerance(half[0] if half else torch.float32, "retile")
-        for o, w in zip(outs, want):
-            err = ((o.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30)).item()
-            if not err <= tol:
-                return f"disagrees with the separate launches (relative error {err:.2e})"
-        return None
-
     def time_half(name: str, _outs: Any) -> list[float]:
         if not sets:
             sets.extend(rotated_input_sets(flat, torch.cuda.get_device_properties(flat[0].device).L2_cache_size,
                                            max_sets=16))
-        return cuda_graph_timing(runs[name], sets, replays=10, repeats=3)["samples"]
+        return time_launches(runs[name], flat, sets)
 
     key = None
     if cache is not None:
         key = cache_key(kind="ugraph-siblings", graphs=[p.kernel.source for p in parts],
                         configs=[p.config.to_json() for p in parts], strides=[list(t.stride()) for t in flat],
                         device=torch.cuda.get_device_name(flat[0].device))
-    tuned = tune(names, time_half, build=make, check=agrees, cache=cache, key=key, label="sibling launch")
+    tuned = tune(names, time_half, build=make, cache=cache, key=key, label="sibling launch", precompile=precompile,
+                 check=lambda name, outs: retile_problem(outs, want, flat, "the separate launches"))
     if tuned.winner in (None, APART):
         return None
     launcher = getattr(runs.get(tuned.winner), "launcher", None)
