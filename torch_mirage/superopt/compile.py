@@ -31,7 +31,7 @@ from ..ugraph import BlockGraph, KernelGraph, Ref
 from .arith import TorchArith
 from .launch import LaunchConfig, candidates, choose, combine_tiling, default_config, retile
 from .optimise import plan_block
-from .siblings import SiblingLauncher, faster_apart, sibling_groups
+from .siblings import SiblingLauncher, faster_apart, regroup, sibling_groups
 from .validate import SMEM_BYTES, validate
 
 log = logging.getLogger("torch_mirage")
@@ -74,8 +74,7 @@ class BlockLauncher:
         self.programs = math.prod(self.launch_grid)
         self.combine_grid = _grid3(self.kernel.combine_grid)
         self.out_specs = [(tuple(s), DTYPES[d]) for s, d in self.kernel.outputs]
-        programs = grid[0] * grid[1] * grid[2] * config.split
-        self.ws_specs = [((n * programs,), torch.float32) for n in self.kernel.workspaces]
+        self.ws_specs = [((n * self.programs,), torch.float32) for n in self.kernel.workspaces]
         self._counters: dict[torch.device, torch.Tensor] = {}
 
     def counters(self, device: torch.device) -> list[torch.Tensor]:
@@ -91,19 +90,23 @@ class BlockLauncher:
 
     def __call__(self, *inputs: torch.Tensor, outs: Sequence[torch.Tensor] | None = None,
                  workspaces: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        dev = inputs[0].device
-        outs = [t if t is not None else torch.empty(s, dtype=d, device=dev)
-                for t, (s, d) in zip(outs or [None] * len(self.out_specs), self.out_specs)]
-        ws = [t if t is not None else torch.empty(s, dtype=d, device=dev)
-              for t, (s, d) in zip(workspaces or [None] * len(self.ws_specs), self.ws_specs)]
+        outs, ws = self.buffers(inputs[0].device, outs, workspaces)
         self._launch(inputs, outs, ws, run_kernel)
         return outs
+
+    def buffers(self, device: Any, outs: Sequence[Any] | None = None, workspaces: Sequence[Any] | None = None
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The launch's outputs and split workspaces: those given (an arena's views), the rest fresh on ``device``
+        ("meta" for a warmup: Triton takes a fresh buffer's address as aligned)."""
+        made = [[t if t is not None else torch.empty(s, dtype=d, device=device)
+                 for t, (s, d) in zip(given or [None] * len(specs), specs)]
+                for given, specs in ((outs, self.out_specs), (workspaces, self.ws_specs))]
+        return made[0], made[1]
 
     def warmup(self, *inputs: torch.Tensor) -> None:
         """Compile this launch's kernel(s) for ``inputs`` without running them (:func:`.codegen.aot.compile_ahead`;
         any thread): the outputs and workspaces as meta tensors, aligned as the fresh or arena buffers of a call."""
-        outs = [torch.empty(s, dtype=d, device="meta") for s, d in self.out_specs]
-        ws = [torch.empty(s, dtype=d, device="meta") for s, d in self.ws_specs]
+        outs, ws = self.buffers("meta")
         self._launch(inputs, outs, ws, functools.partial(compile_ahead, device=inputs[0].device))
 
     def _launch(self, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor],
@@ -212,11 +215,7 @@ class CompiledUGraph:
         counts = [len(x) for x in xs]
 
         def fn(*flat: torch.Tensor) -> list:
-            parts, k = [], 0
-            for n in counts:
-                parts.append(list(flat[k:k + n]))
-                k += n
-            return [o for res in launcher(parts, outs=outs, workspaces=ws) for o in res]
+            return [o for res in launcher(regroup(counts, flat), outs=outs, workspaces=ws) for o in res]
         res = fn(*[t for x in xs for t in x])
         k = 0
         for i, p in zip(step.group, launcher.parts):

@@ -14,6 +14,7 @@ each part's is a candidate; the separate launches are the reference every candid
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Sequence
 
@@ -31,6 +32,15 @@ from .launch import retile_problem, time_launches
 log = logging.getLogger("torch_mirage")
 
 APART = "apart"     # the candidate that launches each part on its own
+
+
+def regroup(counts: Sequence[int], flat: Sequence[Any]) -> list[list[Any]]:
+    """``flat`` cut into consecutive lists of ``counts`` items: each part's tensors of a sibling launch's flat list."""
+    out, k = [], 0
+    for n in counts:
+        out.append(list(flat[k:k + n]))
+        k += n
+    return out
 
 
 def sibling_groups(kgraph: KernelGraph, order: Sequence[int], can_join: Callable[[int], bool]) -> list[list[int]]:
@@ -79,21 +89,15 @@ class SiblingLauncher:
                  workspaces: Sequence[Sequence[Any]] | None = None) -> list[list[torch.Tensor]]:
         outs = outs or [None] * len(self.parts)
         workspaces = workspaces or [None] * len(self.parts)
-        made_outs, made_ws = [], []
-        for p, xs, o, w in zip(self.parts, inputs, outs, workspaces):
-            dev = xs[0].device
-            made_outs.append([t if t is not None else torch.empty(s, dtype=d, device=dev)
-                              for t, (s, d) in zip(o or [None] * len(p.out_specs), p.out_specs)])
-            made_ws.append([t if t is not None else torch.empty(s, dtype=d, device=dev)
-                            for t, (s, d) in zip(w or [None] * len(p.ws_specs), p.ws_specs)])
-        self._launch(inputs, made_outs, made_ws, run_kernel)
-        return made_outs
+        made = [p.buffers(xs[0].device, o, w) for p, xs, o, w in zip(self.parts, inputs, outs, workspaces)]
+        self._launch(inputs, [o for o, _ in made], [w for _, w in made], run_kernel)
+        return [o for o, _ in made]
 
     def warmup(self, inputs: Sequence[Sequence[torch.Tensor]]) -> None:
         """Compile the launch's kernel for ``inputs`` without running it (outputs and workspaces as meta tensors)."""
-        outs = [[torch.empty(s, dtype=d, device="meta") for s, d in p.out_specs] for p in self.parts]
-        ws = [[torch.empty(s, dtype=d, device="meta") for s, d in p.ws_specs] for p in self.parts]
-        self._launch(inputs, outs, ws, lambda fn, *a, **k: compile_ahead(fn, *a, device=inputs[0][0].device, **k))
+        made = [p.buffers("meta") for p in self.parts]
+        self._launch(inputs, [o for o, _ in made], [w for _, w in made],
+                     lambda fn, *a, **k: compile_ahead(fn, *a, device=inputs[0][0].device, **k))
 
     def _launch(self, inputs, outs, ws, run: Callable[..., Any]) -> None:
         args: list[Any] = []
@@ -112,13 +116,7 @@ def faster_apart(parts: Sequence[Any], build: Callable[[int], SiblingLauncher],
     of the lowest precision involved."""
     counts = [len(xs) for xs in inputs]
     flat = [t for xs in inputs for t in xs]
-
-    def split(ts: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-        out, k = [], 0
-        for n in counts:
-            out.append(list(ts[k:k + n]))
-            k += n
-        return out
+    split = functools.partial(regroup, counts)
 
     warps = sorted({p.config.num_warps for p in parts})
     names = [APART] + [f"one launch, {w} warps" for w in warps]
