@@ -80,3 +80,26 @@ def test_reshape_merging_big_dims_does_not_shrink():
     g.mark_output(g.matmul(g.reshape(x, shape=(640, 288)), w))
     ref = g.build()
     assert shrink(ref, [((2, 320, 288), "float32"), ((288, 300), "float32")], [(640, 300)]) is None
+
+
+def test_compact_map_shrinks_kept_sizes_and_keeps_reshapes():
+    """The search shrinks sizes up to KEEP too (the verifier then steps fewer blocks): the next free of 3, 4, ...,
+    or with ``products`` the product of two mapped sizes (8 x 2 heads merged into 16 by a reshape: 3 x 2); the
+    driver tries the maps in order until one rebuilds the target, the conservative map last."""
+    from torch_mirage.capture.lower import trace
+    from torch_mirage.superopt.search.reference import reference_of
+    from torch_mirage.superopt.search.shrink import SIZE_MAPS, compact_size_map
+
+    sizes = [1, 2, 8, 16, 64, 256, 4096]
+    assert compact_size_map(sizes) == {1: 1, 2: 2, 8: 3, 16: 4, 64: 15, 256: 32, 4096: 48}
+    assert compact_size_map(sizes, products=True)[16] == 6
+    assert compact_size_map([1, 2, 64, 4096]) is None            # nothing kept above 2: the plain map serves
+    assert SIZE_MAPS[-1] is size_map
+    graph = trace(lambda q, k: (q.reshape(16, 256, 64) @ k.reshape(16, 4096, 64).transpose(1, 2)).reshape(8, 2, 256, 4096),
+                  [torch.randn(8, 2, 256, 64), torch.randn(8, 2, 4096, 64)])
+    ref = reference_of(graph.nodes, graph).graph
+    ins = [((8, 2, 256, 64), "float32"), ((8, 2, 4096, 64), "float32")]
+    out = [(8, 2, 256, 4096)]
+    assert shrink(ref, ins, out, compact_size_map) is None       # 3 x 2 is not 4: the reshape does not shrink
+    small = shrink(ref, ins, out, SIZE_MAPS[1])
+    assert small is not None and small.inputs[0][0] == (3, 2, 32, 15)

@@ -18,6 +18,7 @@ re-verifies it at the real size when that is cheap; the compile stage's float ch
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -57,6 +58,37 @@ def size_map(sizes: Sequence[int]) -> dict[int, int] | None:
     out.update(zip(mid, free))
     out.update({d: SMALL_TILE * (i + 2) for i, d in enumerate(d for d in sizes if d > BIG)})
     return out
+
+
+def compact_size_map(sizes: Sequence[int], products: bool = False) -> dict[int, int] | None:
+    """:func:`size_map` with the kept sizes above 2 made small too, so that the verifier's executor steps fewer
+    blocks (a decode batch of 8 rows, 8 KV heads): in increasing order each gets the next free of 3, 4, ...; with
+    ``products``, a size that is the product of two sizes already mapped gets the product of their images instead
+    (8 x 2 heads merged into 16 by a reshape: 3 x 2 = 6). The larger sizes map as in :func:`size_map`. None where
+    :func:`size_map` is, where nothing kept would shrink, or where two sizes would meet. A map that breaks a
+    reshape makes :func:`shrink` return None: the driver tries the next map (:data:`SIZE_MAPS`)."""
+    m = size_map(sizes)
+    if m is None:
+        return None
+    out = {d: v for d, v in m.items() if d > KEEP or d <= 2}
+    used = set(out.values())
+    nxt = 3
+    for d in sorted(d for d in m if 2 < d <= KEEP):
+        product = next((out[a] * out[d // a] for a in sorted(out) if 1 < a <= KEEP and d % a == 0
+                        and d // a in out and 1 < d // a <= KEEP), None) if products else None
+        if product is None:
+            while nxt in used:
+                nxt += 1
+            product = nxt
+        if product in used or product > KEEP:
+            return None
+        out[d] = product
+        used.add(product)
+    return None if out == m else out
+
+
+# the maps the search driver shrinks a problem with, the smallest first (each tried until one rebuilds the target)
+SIZE_MAPS = (compact_size_map, functools.partial(compact_size_map, products=True), size_map)
 
 
 def head_size_map(sizes: Sequence[int], head: int) -> dict[int, int] | None:
