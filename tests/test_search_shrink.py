@@ -95,8 +95,9 @@ def test_compact_map_shrinks_kept_sizes_and_keeps_reshapes():
     assert compact_size_map(sizes, products=True)[16] == 6
     assert compact_size_map([1, 2, 64, 4096]) is None            # nothing kept above 2: the plain map serves
     assert SIZE_MAPS[-1] is size_map
-    graph = trace(lambda q, k: (q.reshape(16, 256, 64) @ k.reshape(16, 4096, 64).transpose(1, 2)).reshape(8, 2, 256, 4096),
-                  [torch.randn(8, 2, 256, 64), torch.randn(8, 2, 4096, 64)])
+    def scores(q, k):      # heads merged into the batch for a bmm, as HF's eager attention does
+        return (q.reshape(16, 256, 64) @ k.reshape(16, 4096, 64).transpose(1, 2)).reshape(8, 2, 256, 4096)
+    graph = trace(scores, [torch.randn(8, 2, 256, 64), torch.randn(8, 2, 4096, 64)])
     ref = reference_of(graph.nodes, graph).graph
     ins = [((8, 2, 256, 64), "float32"), ((8, 2, 4096, 64), "float32")]
     out = [(8, 2, 256, 4096)]
