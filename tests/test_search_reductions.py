@@ -231,3 +231,22 @@ def test_a_row_max_is_not_enumerated():
     g.mark_output(g.div(e, g.reduce_sum(e, dim=1)))
     r = search(g.build(), [((M, N), "float32")], budget_s=20, oracle_kwargs=FRONT, workers=1)
     assert r.best is None and r.stats.generated == 0 and r.stats.seconds < 5.0
+
+
+def test_rows_that_fit_one_block_when_shrunk_split_over_the_grid_at_the_real_size():
+    """nTrans at 8 x 4096 (the bench's b1) is searched shrunk (4096 -> 32): there the whole problem fits one block;
+    at the real size no one-block schedule is valid, so the μGraph carried back splits its rows over the grid, and
+    is verified at the real size (before: no schedule of the same structure, and the search ran again at the real
+    size); eager-equal."""
+    m, n = 8, 4096
+    g = new_kernel_graph()
+    H, X, A = (g.new_input((m, n), "float32") for _ in range(3))
+    g.mark_output(_rms_mean_rsqrt(g, g.add(g.mul(A, g.add(_rms_mean_rsqrt(g, H), X)), X)))
+    r = search(g.build(), [((m, n), "float32")] * 3, budget_s=25, oracle_kwargs=FRONT, workers=1)
+    assert r.best is not None, r.reason
+    assert "its grid split otherwise at the real sizes" in r.reason, r.reason
+    body = next(op.body for op in r.best.ops if op.name == "customized")
+    assert body.grid == (m,) and body.forloop_range == 1
+    h, x, a = torch.randn(m, n), torch.randn(m, n), torch.rand(m, n)
+    (y,) = execute(r.best, [h, x, a])
+    assert_close(y, L.ntrans_ref(h, x, a))

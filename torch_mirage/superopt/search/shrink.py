@@ -142,11 +142,25 @@ def _structure(sched: dict) -> tuple:
 def transfer(skel: Skeleton, small_schedule: dict, inputs: Sequence, out_shapes: Sequence, *, tile: int,
              out_dtypes: Sequence | None = None) -> tuple[dict, KernelGraph] | None:
     """The real-size (schedule, μGraph) of ``skel`` with ``small_schedule``'s structure, or None."""
+    return next(transfers(skel, small_schedule, inputs, out_shapes, tile=tile, out_dtypes=out_dtypes), None)
+
+
+def transfers(skel: Skeleton, small_schedule: dict, inputs: Sequence, out_shapes: Sequence, *, tile: int,
+              out_dtypes: Sequence | None = None, exact: bool = True):
+    """Real-size ``(schedule, μGraph)`` of ``skel`` with ``small_schedule``'s structure; with ``exact`` False and
+    none of that structure, those that only split the grid otherwise (same for-loop or none): the whole small
+    problem fits one block where the real one must split its rows over the grid (a norm chain's 8 rows of 4096,
+    each row's reductions whole in its block). Those are not verified by the small problem's verification: the
+    caller verifies each at the real size."""
     want = _structure(small_schedule)
+    alike = []
     for sched, graph in schedules(skel, inputs, out_shapes, tile=tile, out_dtypes=out_dtypes):
         if _structure(sched) == want:
-            return sched, graph
-    return None
+            yield sched, graph
+            return
+        if not exact and (sched["forloop_range"] > 1) == want[3]:
+            alike.append((sched, graph))
+    yield from alike
 
 
 def block_steps(graph: KernelGraph) -> int:
