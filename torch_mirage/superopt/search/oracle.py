@@ -102,13 +102,23 @@ def _lin_part(x: Expr, y: Expr) -> bool:
     return False
 
 
+# Z3 is not asked again in a search once this many of its answers in a row were unknown (its per-query timeout):
+# the queries left would most likely time out too, and an unknown decides as a skipped query does. At the Mirage
+# set's real shapes on the 2-core CPU every one of its 11-15 queries per search timed out (200 ms each: ~3 s of a
+# 4-5 s search) and none was decided (benchmarks/results/NOTES.md, 11-27).
+Z3_UNKNOWN_RUN = 3
+
+
 class SubexprOracle:
     """Is a candidate expression an abstract subexpression of one of ``targets``?"""
 
     def __init__(self, targets: Sequence[Expr], *, use_z3: bool = True, z3_timeout_ms: int = 200,
-                 z3_total_s: float = 10.0, strict: bool | None = None, disk_cache=None):
+                 z3_total_s: float = 10.0, strict: bool | None = None, disk_cache=None,
+                 z3_unknown_run: int = Z3_UNKNOWN_RUN):
         self.targets = list(targets)
         self.use_z3 = use_z3
+        self.z3_unknown_run = int(z3_unknown_run)
+        self._unknown_run = 0           # Z3's unknowns (timeouts) in a row, this search
         self.strict = (not use_z3) if strict is None else bool(strict)
         self.z3_timeout_ms = int(z3_timeout_ms)
         self.z3_total_s = float(z3_total_s)
@@ -254,7 +264,7 @@ class SubexprOracle:
         key = str(e)
         if key in self._disk_answers:
             return self._disk_answers[key]
-        if self.z3_seconds >= self.z3_total_s:
+        if self.z3_seconds >= self.z3_total_s or self._unknown_run >= self.z3_unknown_run:
             self.stats["z3_skipped"] += 1
             return not self.strict
         t0 = time.perf_counter()
@@ -273,7 +283,9 @@ class SubexprOracle:
         self.stats["z3"] += 1
         if verdict is None:
             self.stats["z3_unknown"] += 1
+            self._unknown_run += 1
             return not self.strict
+        self._unknown_run = 0
         self.stats["z3_unsat" if verdict else "z3_sat"] += 1
         self._disk_answers[key] = verdict
         return verdict
