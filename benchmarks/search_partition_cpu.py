@@ -1,11 +1,12 @@
 """The μGraph search's share of a cold compile, on the CPU: each Mirage-set workload at the bench's shapes (fp16
 inputs, batch 1 and 8) compiled with the search on and the library's seeds off, stopped after the partition stage
 (where the search runs; no kernel is compiled or run). Per case: the partition seconds, whether the search claimed
-the region and how it shrank the problem. ``--maps conservative`` searches with :func:`.shrink.size_map` alone (the
+the region and how it shrank the problem. ``--library``: the default path instead (the library's seeds verified,
+no search). ``--maps conservative`` searches with :func:`.shrink.size_map` alone (the
 sizes up to 16 kept), as before 2026-11-27, for a before / after on one machine.
 
     python benchmarks/search_partition_cpu.py [--workloads gqa qknorm_attention] [--batches 1 8]
-        [--maps default|conservative] [--out FILE]
+        [--maps default|conservative] [--library] [--out FILE]
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch  # noqa: E402
 import torch_mirage  # noqa: E402
 import torch_mirage.pipeline as pipeline  # noqa: E402
 from torch_mirage.bench import workloads  # noqa: E402
-from torch_mirage.superopt.search import driver, shrink  # noqa: E402
+from torch_mirage.superopt.search import shrink  # noqa: E402
 
 MIRAGE_SET = ("rmsnorm_linear", "gated_mlp", "gated_mlp_llama8b", "gqa", "qknorm_attention", "lora", "ntrans")
 
@@ -33,7 +34,7 @@ class _Stop(Exception):
     """Raised in place of the build stage: the partition stage's work is all that is timed."""
 
 
-def partition_seconds(name: str, batch: int) -> dict:
+def partition_seconds(name: str, batch: int, library: bool = False) -> dict:
     torch._dynamo.reset()       # a fresh compile of each case (the same function at another batch recompiles)
     wl = workloads.WORKLOADS[name]
     args = wl.make_inputs(batch, torch.float16, "cpu", 0)
@@ -58,8 +59,8 @@ def partition_seconds(name: str, batch: int) -> dict:
     log.setLevel(logging.INFO)
     try:
         with tempfile.TemporaryDirectory() as cache:
-            torch_mirage.explain(wl.fn, *args, options=dict(search=True, ugraph_library=False,
-                                                            measure_regions=False, cache_dir=cache))
+            opts = dict(search=False) if library else dict(search=True, ugraph_library=False)
+            torch_mirage.explain(wl.fn, *args, options=dict(opts, measure_regions=False, cache_dir=cache))
     finally:
         pipeline.claim_regions, pipeline.build_regions = claim, build
         log.removeHandler(said)
@@ -86,20 +87,21 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=list(MIRAGE_SET))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--maps", choices=["default", "conservative"], default="default")
+    ap.add_argument("--library", action="store_true", help="the default path instead: the library's seeds, no search")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.maps == "conservative":
-        driver.SIZE_MAPS = (shrink.size_map,)
+        shrink.SIZE_MAPS = (shrink.size_map,)
     rows = []
     for name in args.workloads:
         for b in args.batches:
-            row = partition_seconds(name, b)
+            row = partition_seconds(name, b, args.library)
             rows.append(row)
             print(f"{name:18s} b{b}  partition {row['partition_s']:6.2f} s  found {row['found']!s:5s}  "
                   f"shrunk {row['shrunk']}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"maps": args.maps, "torch": torch.__version__, "machine": f"{os.cpu_count()} CPU cores",
+            json.dump({"maps": args.maps, "library": args.library, "torch": torch.__version__, "machine": f"{os.cpu_count()} CPU cores",
                        "rows": rows}, f, indent=1)
 
 

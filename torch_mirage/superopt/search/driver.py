@@ -61,7 +61,7 @@ from .heads import group_heads, unpack
 from .oracle import SubexprOracle
 from .schedule import schedules
 from .seeds import SEED_WORKLOADS, Seed, find_seed
-from .shrink import SIZE_MAPS, block_steps, shrink, transfer, transfers
+from .shrink import block_steps, shrunk_problems, transfer, transfers
 
 log = logging.getLogger("torch_mirage")
 
@@ -334,8 +334,7 @@ def search(target: KernelGraph | Sequence, inputs: Sequence, budget_s: float | N
     plain = isinstance(target, KernelGraph) and reference is target and not extra_candidates
     groups = group_heads(inputs, out_shapes) if plain else None
     problem = job if groups is None else _packed(job, groups)
-    shrunk = next((small for sizes_of in SIZE_MAPS if (small := shrink(target, inputs, out_shapes, sizes_of))
-                   is not None), None) if plain else None
+    shrunk = next(iter(shrunk_problems(target, inputs, out_shapes)), None) if plain else None
     verified = []
     if shrunk is not None:
         small_job = dict(job, targets=E.graph_exprs(shrunk.target), reference=shrunk.target, inputs=shrunk.inputs,

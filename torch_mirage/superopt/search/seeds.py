@@ -30,7 +30,7 @@ from ..builder import new_kernel_graph
 from ..executor import execute
 from ..validate import InvalidMuGraph, validate
 from ..verify import verify
-from .shrink import SMALL_TILE, shrink
+from .shrink import SMALL_TILE, shrunk_problems
 
 log = logging.getLogger("torch_mirage")
 
@@ -216,7 +216,7 @@ def find_seed(ref: KernelGraph, inputs: Sequence[tuple[tuple, str]], out_shapes:
     dtype = inputs[0][1]
     in_shapes = [tuple(s) for s, _ in inputs]
     out_shape = tuple(out_shapes[0])
-    small = None
+    smalls = None
     transposable = transposed_inputs(ref)
     for name in workloads:
         workload = library.WORKLOADS[name]
@@ -227,9 +227,11 @@ def find_seed(ref: KernelGraph, inputs: Sequence[tuple[tuple, str]], out_shapes:
                     continue
                 counts("candidate")
                 shapes = tuple(tuple(s) for s in workload.input_shapes(*dims))
-                if small is None:
-                    small = shrink(ref, inputs, out_shapes) or False
-                check = _checked(workload, order, transposed, dims, dtype, constants, graph, shapes, ref, small)
+                if smalls is None:      # the region at small sizes, the smallest map first (none: its own sizes)
+                    smalls = shrunk_problems(ref, inputs, out_shapes) or [False]
+                check = next((c for small in smalls if (c := _checked(workload, order, transposed, dims, dtype,
+                                                                       constants, graph, shapes, ref, small))
+                              is not None), None)
                 if check is None:
                     continue
                 candidate, program, example_shapes = check

@@ -91,6 +91,16 @@ def compact_size_map(sizes: Sequence[int], products: bool = False) -> dict[int, 
 SIZE_MAPS = (compact_size_map, functools.partial(compact_size_map, products=True), size_map)
 
 
+def shrunk_problems(target: KernelGraph, inputs: Sequence, out_shapes: Sequence) -> list[ShrunkProblem]:
+    """``target`` shrunk by each of :data:`SIZE_MAPS` that rebuilds it, the smallest first (none: [])."""
+    out = []
+    for sizes_of in SIZE_MAPS:
+        small = shrink(target, inputs, out_shapes, sizes_of)
+        if small is not None and all(small.sizes != o.sizes for o in out):
+            out.append(small)
+    return out
+
+
 def head_size_map(sizes: Sequence[int], head: int) -> dict[int, int] | None:
     """Real size -> small size for a problem in heads of ``head`` (RoPE's rotation pairs the halves of each): the
     head, its half and sizes up to 2 kept, a multiple of the head two heads at most, any other size 2 at most
