@@ -17,7 +17,7 @@ from helpers import assert_close  # noqa: E402
 
 from torch_mirage.superopt import launch  # noqa: E402
 from torch_mirage.superopt.launch import LaunchConfig, retile  # noqa: E402
-from torch_mirage.codegen.ugraph_triton import emit_block_kernel, module_source, order_by_depth  # noqa: E402
+from torch_mirage.codegen.ugraph_triton import FOLD_UNROLLED, emit_block_kernel, module_source, order_by_depth  # noqa: E402
 from torch_mirage.superopt import builder, library  # noqa: E402
 from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph  # noqa: E402
 
@@ -80,6 +80,8 @@ SPLITS = [
     ("qknorm_attention", (2, 1, 32, 16, 16), dict(q_blocks=1, forloop_range=2), LaunchConfig((1, 2, 1), 2, 2), True),
     ("rmsnorm_linear", (3, 32, 64), dict(grid=1, forloop_range=2), LaunchConfig((1,), 2, 2), True),
     ("gated_mlp", (5, 32, 64), dict(grid=2, forloop_range=2), LaunchConfig((2,), 2, 2), True),
+    # 32 split states: folded in unrolled chunks (ugraph_triton.FOLD_CHUNK) after the first
+    ("rmsnorm_linear", (3, 64, 24), dict(grid=1, forloop_range=32), LaunchConfig((1,), 32, 32), False),
 ]
 
 
@@ -93,6 +95,7 @@ def test_retiled_and_split_kernels_match_eager(name, dims, sched, cfg, finer, tm
     assert (run.combine_fn is not None) == (cfg.split > 1)
     assert (math.prod(run.combine_grid) > math.prod(cfg.grid)) == finer, run.combine_grid
     assert ("chunk = " in run.source) == finer
+    assert ("for chunk in tl.range(" in run.source) == (cfg.split > FOLD_UNROLLED)   # many states: in chunks
     (got,) = run(*xs)
     _check(name, got, xs, torch.float16)
 
@@ -297,6 +300,7 @@ def test_split_folded_by_the_last_program_matches_eager(name, dims, sched, cfg, 
     run = BlockLauncher(op.body, cfg, [x.dim() for x in xs], str(tmp_path))
     assert run.combine_fn is None and run.kernel.counters == math.prod(cfg.grid)
     assert "tl.atomic_add(cnt_ptr" in run.source
+    assert ("for chunk in tl.range(" in run.source) == (cfg.split > FOLD_UNROLLED)
     for seed in (11, 12):
         xs = _inputs(name, dims, torch.float16, seed=seed)
         (got,) = run(*xs)
