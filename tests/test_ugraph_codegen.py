@@ -17,7 +17,8 @@ from helpers import assert_close  # noqa: E402
 
 from torch_mirage.superopt import launch  # noqa: E402
 from torch_mirage.superopt.launch import LaunchConfig, retile  # noqa: E402
-from torch_mirage.codegen.ugraph_triton import FOLD_UNROLLED, emit_block_kernel, module_source, order_by_depth  # noqa: E402
+from torch_mirage.codegen.ugraph_triton import (FOLD_UNROLLED, emit_block_kernel, module_source,  # noqa: E402
+                                                order_by_depth)
 from torch_mirage.superopt import builder, library  # noqa: E402
 from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph  # noqa: E402
 
