@@ -819,9 +819,7 @@ def _variant(bg: BlockGraph) -> list[bool]:
     return var
 
 
-def _header(name: str, bg: BlockGraph, n_inputs: int, in_ranks, out_ranks, n_ws: int, pipelined: bool,
-            counters: bool = False, flat_pid: bool = False) -> list[str]:
-    params = _params(n_inputs, in_ranks, out_ranks, n_ws, pipelined, counters, flat_pid)
+def _header(name: str, params: Sequence[str]) -> list[str]:
     return ["@triton.jit", f"def {name}({', '.join(params)}):"]
 
 
@@ -985,8 +983,8 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
         e.line(f"{st.name} = {st.name} + {_conform_expr(f'tl.sum({wide.name}, axis={dim}, keep_dims=True)', wide, dim, st)}")
     in_kernel = split > 1 and combine_in_kernel      # the outputs are written here, after the fold
     kept_outs = out_ranks if split == 1 or in_kernel else []
-    head = _header(name, bg, n_inputs, in_ranks, kept_outs, len(ws), loop, counters=in_kernel, flat_pid=flat_pid)
     params = _params(n_inputs, in_ranks, kept_outs, len(ws), loop, in_kernel, flat_pid)
+    head = _header(name, params)
     outputs = [(_saved(bg, s), s.attrs["dtype"]) for s in savers]
     if split > 1:
         j = 0
@@ -1036,7 +1034,7 @@ def emit_sibling_kernel(name: str, parts: Sequence[BlockKernel]) -> str:
         params += [f"p{j}_{p}" for p in k.params if p != "lin"]
         calls.append((start, f"{k.name}({_offset_args(own, j, start)})"))
         start += math.prod(k.grid) * k.split
-    lines = ["@triton.jit", f"def {name}({', '.join(params)}):", "    lin = tl.program_id(0)"]
+    lines = _header(name, params) + ["    lin = tl.program_id(0)"]
     for n, (_, call) in enumerate(calls):
         depth = "    " * (n + 1)
         if n < len(calls) - 1:
@@ -1146,7 +1144,7 @@ def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ra
     _fold_split(e, bg, fine, accs, epi, ws, split)
     params = [p for j, r in enumerate(out_ranks) for p in [f"out{j}_ptr"] + [f"out{j}_s{d}" for d in range(r)]]
     params += [f"ws{j}_ptr" for j in range(len(ws))]
-    return _finish(e, ["@triton.jit", f"def {name}({', '.join(params)}):"])
+    return _finish(e, _header(name, params))
 
 
 # A fold of up to FOLD_UNROLLED split states is unrolled whole; of more, it walks them in unrolled chunks of

@@ -61,7 +61,7 @@ from .heads import group_heads, unpack
 from .oracle import SubexprOracle
 from .schedule import schedules
 from .seeds import SEED_WORKLOADS, Seed, find_seed
-from .shrink import block_steps, shrunk_problems, transfer, transfers
+from .shrink import block_steps, shrunk_problems, transfers
 
 log = logging.getLogger("torch_mirage")
 
@@ -384,7 +384,7 @@ def _run_job(job: dict, workers: int, deadline: float, stats: SearchStats) -> li
 
 def _carried_back(small: list, job: dict, shrunk, stats: SearchStats) -> list:
     """The first (cheapest) μGraph verified on the shrunk problem whose schedule carries back to the real
-    sizes (:func:`.shrink.transfer`), re-verified there when that is cheap; [] when none does. Where no real-size
+    sizes (:func:`.shrink.transfers`), re-verified there when that is cheap; [] when none does. Where no real-size
     schedule has the small one's structure, one that only splits the grid otherwise is taken
     (:func:`.shrink.transfers`), verified at the real size (when that is cheap; else none)."""
     inputs, out_shapes, out_dtypes = job["inputs"], job["out_shapes"], job["out_dtypes"]
@@ -393,26 +393,26 @@ def _carried_back(small: list, job: dict, shrunk, stats: SearchStats) -> list:
     for cost, where, graph, skel, source, reason, sched in sorted(small, key=lambda v: v[:2]):
         if skel is None or sched is None:
             continue
-        exact = transfer(skel, sched, inputs, out_shapes, tile=job["tile"], out_dtypes=out_dtypes)
-        reals = [exact] if exact is not None else \
-            list(transfers(skel, sched, inputs, out_shapes, tile=job["tile"], out_dtypes=out_dtypes, exact=False))
+        reals = list(transfers(skel, sched, inputs, out_shapes, tile=job["tile"], out_dtypes=out_dtypes,
+                               exact=False))
         if not reals:
             log.debug("μGraph search: a μGraph verified on the shrunk shapes has no real-size schedule like its own")
             continue
-        for real_sched, big in reals:
+        exact = reals[0][2]         # the small schedule's own structure (then the only one), or grid splits like it
+        for real_sched, big, _ in reals:
             big = _viewed(job, big)
             steps = block_steps(big)
             if steps <= RECHECK_STEPS:
                 verdict = verify(big, job["reference"], examples, **job["vkw"])
                 if not verdict:
                     stats.rejected_by_verifier += 1
-                    (log.warning if exact is not None else log.debug)(
+                    (log.warning if exact else log.debug)(
                         "μGraph search: a μGraph verified on the shrunk shapes fails at the real sizes: %s",
                         verdict.reason)
                     continue
                 why = f"{verdict.reason}; found on the shrunk shapes" + \
-                    ("" if exact is not None else ", its grid split otherwise at the real sizes")
-            elif exact is None:
+                    ("" if exact else ", its grid split otherwise at the real sizes")
+            elif not exact:
                 continue          # another grid split than the one verified, and too big to verify here
             else:
                 sizes = ", ".join(f"{a}->{b}" for a, b in shrunk.sizes.items() if a != b)

@@ -10,7 +10,7 @@ at those sizes op by op (a reshape whose sizes do not map consistently means no 
 schedules are drawn with tiles of :data:`SMALL_TILE`, so that a dim split over the grid or a for-loop
 at the real size is split at the small size too, and one that is not is not.
 
-A μGraph verified on the shrunk problem is carried back by :func:`transfer`: the real-size schedule
+A μGraph verified on the shrunk problem is carried back by :func:`transfers`: the real-size schedule
 of the same skeleton with the same imaps, omap and split structure (which dims the grid and the
 for-loop walk; only the counts differ). That μGraph is the verified one with longer tiles. The driver
 re-verifies it at the real size when that is cheap; the compile stage's float check against eager
@@ -149,27 +149,21 @@ def _structure(sched: dict) -> tuple:
             sched["forloop_range"] > 1)
 
 
-def transfer(skel: Skeleton, small_schedule: dict, inputs: Sequence, out_shapes: Sequence, *, tile: int,
-             out_dtypes: Sequence | None = None) -> tuple[dict, KernelGraph] | None:
-    """The real-size (schedule, μGraph) of ``skel`` with ``small_schedule``'s structure, or None."""
-    return next(transfers(skel, small_schedule, inputs, out_shapes, tile=tile, out_dtypes=out_dtypes), None)
-
-
 def transfers(skel: Skeleton, small_schedule: dict, inputs: Sequence, out_shapes: Sequence, *, tile: int,
               out_dtypes: Sequence | None = None, exact: bool = True):
-    """Real-size ``(schedule, μGraph)`` of ``skel`` with ``small_schedule``'s structure; with ``exact`` False and
-    none of that structure, those that only split the grid otherwise (same for-loop or none): the whole small
-    problem fits one block where the real one must split its rows over the grid (a norm chain's 8 rows of 4096,
-    each row's reductions whole in its block). Those are not verified by the small problem's verification: the
-    caller verifies each at the real size."""
+    """Real-size ``(schedule, μGraph, True)`` of ``skel`` with ``small_schedule``'s structure; with ``exact``
+    False and none of that structure, ``(schedule, μGraph, False)`` for those that only split the grid otherwise
+    (same for-loop or none): the whole small problem fits one block where the real one must split its rows over the
+    grid (a norm chain's 8 rows of 4096, each row's reductions whole in its block). Those are not verified by the
+    small problem's verification: the caller verifies each at the real size. One walk of the schedules."""
     want = _structure(small_schedule)
     alike = []
     for sched, graph in schedules(skel, inputs, out_shapes, tile=tile, out_dtypes=out_dtypes):
         if _structure(sched) == want:
-            yield sched, graph
+            yield sched, graph, True
             return
         if not exact and (sched["forloop_range"] > 1) == want[3]:
-            alike.append((sched, graph))
+            alike.append((sched, graph, False))
     yield from alike
 
 
