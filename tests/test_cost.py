@@ -187,6 +187,7 @@ def test_current_reads_the_device():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone
 @gpu
 def test_calibrate_measures_below_the_datasheet():
     dev = calibrate()
