@@ -20,6 +20,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/device.txt"
+failed=()
 for arg in "$@"; do
   step=${arg%@*}; LIMIT=${STEP_LIMIT_S:-280}
   [[ $arg == *@* ]] && LIMIT=${arg##*@}     # step@SECONDS: this step's own limit
@@ -56,8 +57,10 @@ for arg in "$@"; do
     bench:*)  BUDGET_S=$((LIMIT - 40)) timeout "$LIMIT" bash benchmarks/run_h100.sh ${step#bench:} ;;   # "bench:PART ARGS..." splits
     *) echo "unknown step $step" ;;
   esac > "$log" 2>&1
-  echo "rc=$?"; tail -25 "$log"
+  rc=$?; echo "rc=$rc"; tail -25 "$log"; (( rc )) && failed+=("$step (rc $rc)")
   # only 8 files come back from a device call: keep the JSON, the table and the step log
   rm -f "$OUT"/*.png "$OUT"/*.gpu.txt
   part=${step#bench:}; [[ $step == bench:* ]] && rm -f "$OUT/${part%% *}.log" "$OUT/${part%% *}.md"   # the step log holds the part's log; merge rebuilds the table
 done
+(( ${#failed[@]} )) && { printf 'failed step: %s\n' "${failed[@]}"; exit 1; }
+exit 0

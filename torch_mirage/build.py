@@ -158,6 +158,8 @@ def _built(plan: UGraphPlan, chosen: Alternative, compiled: Any, times: dict[str
             "launch": [c.to_json() for c in compiled.configs]}
     if getattr(compiled, "sibling_launches", None):
         info["sibling_launches"] = compiled.sibling_launches     # kernel ops launched together, per launch
+    if getattr(compiled, "stored_updates", 0):
+        info["stored_updates"] = compiled.stored_updates         # cache writes its kernels store (superopt.updates)
     if times:
         info["ugraph_us"] = {name: round(us, 2) for name, us in times.items()}
     return Built(plan.bind(compiled), chosen.detail, info)

@@ -12,13 +12,16 @@ import torch
 
 
 def random_like(meta, device=None) -> torch.Tensor:
-    """Real-valued test data for a TensorMeta: normal floats, small non-negative ints, random bools."""
+    """Real-valued test data for a TensorMeta: normal floats, small non-negative ints (distinct in a short vector),
+    random bools."""
     device = device or meta.device
     shape, dtype = tuple(meta.shape), meta.dtype
     if dtype.is_floating_point:
         t = torch.randn(shape, device=device, dtype=torch.float32).to(dtype)
     elif dtype == torch.bool:
         t = torch.rand(shape, device=device) > 0.5
+    elif len(shape) == 1 and 1 < shape[0] <= 8:     # positions (a cache write's): distinct, as an index needs
+        t = torch.randperm(8, device=device)[:shape[0]].to(dtype)
     else:
         t = torch.randint(0, 8, shape, device=device, dtype=dtype)
     if not meta.is_contiguous and all(s > 0 for s in shape):

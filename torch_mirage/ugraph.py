@@ -153,6 +153,16 @@ def _reshape(ins, at, ctx):
     return (tuple(at["shape"]),)
 
 
+def _index_copy(ins, at, ctx):
+    dst, index, src = (tuple(x) for x in ins)
+    d = _dim(dst, at["dim"], "index_copy")
+    if len(index) != 1 or len(src) != len(dst) or src[d] != index[0] or \
+            any(a != b for i, (a, b) in enumerate(zip(src, dst)) if i != d):
+        raise _err(f"index_copy along dim {d}: {src} rows into {dst} at {index} positions (the source must be the "
+                   f"destination's shape with the positions' count along dim {d})")
+    return (dst,)
+
+
 def _input(ins, at, ctx):
     return (tuple(at["shape"]),)
 
@@ -284,7 +294,7 @@ class OpSpec:
     """One op of the μGraph vocabulary.
 
     ``arity`` None = variadic; ``kind``: io | elementwise | reduction | matmul |
-    layout | accum | graph; ``arith``: the :class:`~.arith.Arith` method that
+    layout | accum | graph | update; ``arith``: the :class:`~.arith.Arith` method that
     evaluates it (attrs passed as keywords; accumulators call ``arith`` and
     ``arith + '_final'``); ``layout``: the arithmetic-free tensor function of a
     layout op (attrs as keywords); ``lax``: inside Mirage's LAX fragment."""
@@ -332,6 +342,9 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     OpSpec("rotate_half", "layout", 1, KB, _rotate_half, "rotate_half", ("group", "signs")),
     OpSpec("reshape", "layout", 1, frozenset({K}), _reshape, attrs=("shape",),
            layout=lambda x, shape: x.reshape(shape)),
+    # an indexed update: the destination (a kernel input) with its rows at the positions (an int input) replaced by
+    # the source's, as ``Tensor.index_copy`` (a static KV cache's write; see superopt.updates)
+    OpSpec("index_copy", "update", 3, frozenset({K}), _index_copy, "index_copy", ("dim",), lax=False),
     OpSpec("customized", "graph", None, frozenset({K}), _customized, dtype=_dt_saved),
     OpSpec("thread", "graph", None, frozenset({B}), _thread, dtype=_dt_body),
     _accum("acc_sum"),

@@ -73,7 +73,8 @@ def mirage_summary(info: dict) -> dict | None:
             "region_times": [{"claimer": r.claimer, "kept": r.compiled_by, "ops": len(r.ops),
                               "matmuls": sum(o.startswith(("aten.mm", "aten.bmm", "aten.addmm")) for o in r.ops),
                               "mirage_us": r.info["mirage_us"], "inductor_us": r.info["inductor_us"],
-                              "launch": r.info.get("launch"), "sibling_launches": r.info.get("sibling_launches")}
+                              "launch": r.info.get("launch"), "sibling_launches": r.info.get("sibling_launches"),
+                              "stored_updates": r.info.get("stored_updates")}
                              for r in regions if "mirage_us" in r.info],
             "stage_ms": _summed_stage_ms(report.graphs)}
 

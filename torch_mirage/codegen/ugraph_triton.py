@@ -155,6 +155,25 @@ class BlockKernel:
     flat_pid: bool = False                             # its program comes as ``lin`` (a sibling launch's part)
 
 
+@dataclass(frozen=True)
+class StoreThrough:
+    """Saver ``saver``'s tile stored into a destination at positions as well (a KV cache's write,
+    :mod:`..superopt.updates`): the saved kernel tensor, read row-major, is a value of shape ``shape`` (reshapes
+    only) whose dim ``dim`` is the destination's positions, ``pos[i]`` for its ``i``; the other dims are the
+    destination's own. ``only``: the saver's own output is not stored (nothing else reads it). The kernel takes
+    ``dst{t}_ptr``, its strides and ``pos{t}_ptr`` after its outputs."""
+    saver: int
+    shape: tuple
+    dim: int
+    dtype: str
+    only: bool = False
+
+
+def _through_params(through: Sequence[StoreThrough]) -> list[str]:
+    return [p for t, th in enumerate(through)
+            for p in [f"dst{t}_ptr", *(f"dst{t}_s{d}" for d in range(len(th.shape))), f"pos{t}_ptr"]]
+
+
 class _Emitter:
     """Writes one kernel's lines. Constant factors are folded: a ``scalar_mul`` binds its input times a pending
     ``Val.scale`` (no code), which the one reader in its phase multiplies in where it reads the value — one
@@ -164,8 +183,9 @@ class _Emitter:
     written walks only tiles every row of the block sees whole, where the band's mask is 0 (not loaded)."""
 
     def __init__(self, bg: BlockGraph, n_inputs: int, split: int, order=None, transposed=None,
-                 target: Target = Target.INTERPRETER):
+                 target: Target = Target.INTERPRETER, through: Sequence[StoreThrough] = ()):
         self.bg, self.split, self.n_inputs, self.target = bg, split, n_inputs, target
+        self.through = {th.saver: (t, th) for t, th in enumerate(through)}
         self.band_zero: int | None = None
         self.band: dict | None = None      # the band's geometry where its mask is computed from indices (index_mask)
         self.wide: dict[int, tuple] = {}    # deferred column sums: acc op -> (whole-tile accumulator, reduced dim)
@@ -302,11 +322,49 @@ class _Emitter:
         starts = [" + ".join(f"pid_{g} * {tile[d]}" for g, m in enumerate(op.attrs["omap"]) if m == d) or "0"
                   for d in range(len(tile))]
         full = [t * math.prod(bg.grid[g] for g, m in enumerate(op.attrs["omap"]) if m == d) for d, t in enumerate(tile)]
+        t, through = self.through.get(k, (None, None))
         for part, part_tile, part_starts in self._saved_parts(v, tile, starts):
-            offs, mask = self.offsets(f"out{k}", full, part_tile, part_starts)
             value = self.conform(part, strip(part_tile)[0])
-            extra = f", mask={mask}" if mask else ""
-            self.line(f"tl.store(out{k}_ptr + {offs}, {value}.to({TL[op.attrs['dtype']]}){extra})")
+            if through is None or not through.only:
+                offs, mask = self.offsets(f"out{k}", full, part_tile, part_starts)
+                extra = f", mask={mask}" if mask else ""
+                self.line(f"tl.store(out{k}_ptr + {offs}, {value}.to({TL[op.attrs['dtype']]}){extra})")
+            if through is not None:
+                offs, mask = self.through_offsets(t, through, full, part_tile, part_starts)
+                extra = f", mask={mask}" if mask else ""
+                self.line(f"tl.store(dst{t}_ptr + {offs}, {value}.to({TL[through.dtype]}){extra})")
+
+    def through_offsets(self, t: int, th: StoreThrough, full, tile, starts) -> tuple[str, str | None]:
+        """Offsets (and mask) in destination ``t`` of a saved tile (see :class:`StoreThrough`): each element's
+        row-major index in the saved tensor, unravelled in ``th.shape``; the positions' dim looked up."""
+        kept, n = strip(tile)
+        rank = len(kept)
+        coords = []
+        for d in range(len(full)):
+            if d < n:
+                coords.append(f"({starts[d]})")
+            else:
+                ar = self.r(padded(tile[d]))
+                idx = ar if starts[d] == "0" else f"({starts[d]} + {ar})"
+                coords.append(f"{idx}{_expand(rank, d - n)}")
+        flat = " + ".join(c if math.prod(full[d + 1:]) == 1 else f"{c} * {math.prod(full[d + 1:])}"
+                          for d, c in enumerate(coords) if full[d] > 1) or "0"
+        flat_name = self.fresh("flat")
+        self.line(f"{flat_name} = {flat}")
+        terms = []
+        for d, extent in enumerate(th.shape):
+            inner = math.prod(th.shape[d + 1:])
+            if extent == 1:
+                index = "0"
+            else:
+                index = flat_name if inner == 1 else f"({flat_name} // {inner})"
+                if d > 0:
+                    index = f"({index} % {extent})"
+            if d == th.dim:
+                index = f"tl.load(pos{t}_ptr + {index})" if index != "0" else f"tl.load(pos{t}_ptr)"
+            if index != "0":
+                terms.append(f"{index} * dst{t}_s{d}")
+        return " + ".join(terms) or "0", self.mask(kept)
 
     @staticmethod
     def _saved_parts(v: Val, tile, starts):
@@ -824,14 +882,17 @@ def _header(name: str, params: Sequence[str]) -> list[str]:
 
 
 def _params(n_inputs: int, in_ranks, out_ranks, n_ws: int, pipelined: bool, counters: bool = False,
-            flat_pid: bool = False) -> list[str]:
-    """A block kernel's parameters: each input's and output's pointer and strides, the split workspaces, the arrival
-    counters, ``lin`` (the program, where a sibling launch passes it: :func:`emit_sibling_kernel`), NUM_STAGES."""
+            flat_pid: bool = False, through: Sequence[StoreThrough] = ()) -> list[str]:
+    """A block kernel's parameters: each input's and output's pointer and strides (with the outputs, the
+    destinations of its :class:`StoreThrough` s), the split workspaces, the arrival counters, ``lin`` (the
+    program, where a sibling launch passes it: :func:`emit_sibling_kernel`), NUM_STAGES."""
     params = []
     for i in range(n_inputs):
         params += [f"in{i}_ptr"] + [f"in{i}_s{d}" for d in range(in_ranks[i])]
     for k, r in enumerate(out_ranks):
         params += [f"out{k}_ptr"] + [f"out{k}_s{d}" for d in range(r)]
+    if out_ranks:
+        params += _through_params(through)
     params += [f"ws{j}_ptr" for j in range(n_ws)]
     if counters:
         params.append("cnt_ptr")
@@ -905,7 +966,8 @@ def prologue_accumulators(bg: BlockGraph) -> list[int]:
 def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", split: int = 1,
                       combine: BlockGraph | None = None, prologue: bool = False, order=None,
                       transposed=None, target: Target = Target.INTERPRETER, sums_after: bool = False,
-                      combine_in_kernel: bool = False, flat_pid: bool = False) -> BlockKernel:
+                      combine_in_kernel: bool = False, flat_pid: bool = False,
+                      through: Sequence[StoreThrough] = ()) -> BlockKernel:
     """Triton source for one graph-defined op, for ``target`` (the interpreter's forms run anywhere). ``in_ranks``: rank of each kernel input (its strides are
     arguments). ``combine``: the re-tiling of ``bg`` whose grid the combine kernel runs on (split > 1;
     default ``bg``'s own grid). ``prologue``: the :func:`prologue_accumulators` walk the for-loop range in a
@@ -917,7 +979,9 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     states, counts its arrival on its tile's counter, and the last of the tile's ``split`` programs to arrive folds
     them (:func:`_fold_split`) and resets the counter (one launch less; the fold runs on ``bg``'s grid).
     ``flat_pid``: the kernel is a part of a sibling launch (:func:`emit_sibling_kernel`), its program passed as
-    ``lin``; a split with a combine kernel cannot be one (the combine is a second launch)."""
+    ``lin``; a split with a combine kernel cannot be one (the combine is a second launch). ``through``: savers
+    whose tiles are stored into a destination at positions as well (:class:`StoreThrough`), by whichever kernel
+    stores the outputs."""
     if bg.forloop_range % split:
         raise CodegenError(f"μGraph codegen: split {split} does not divide forloop_range {bg.forloop_range}")
     if flat_pid and split > 1 and not combine_in_kernel:
@@ -934,7 +998,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     state_shapes = [strip(s)[0] for i in accs for s in bg.ops[i].shapes]
     ws = [math.prod(padded(x) for x in s) for s in state_shapes] if split > 1 else []
     n_inputs = len(in_ranks)
-    e = _Emitter(bg, n_inputs, split, order, transposed, target)
+    e = _Emitter(bg, n_inputs, split, order, transposed, target, through)
     _pids(e, bg.grid, split, heaviest_first(bg, split), flat_pid)
     e.pid_lines = len(e.lines)
     env: dict[Ref, Val] = {}
@@ -983,7 +1047,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
         e.line(f"{st.name} = {st.name} + {_conform_expr(f'tl.sum({wide.name}, axis={dim}, keep_dims=True)', wide, dim, st)}")
     in_kernel = split > 1 and combine_in_kernel      # the outputs are written here, after the fold
     kept_outs = out_ranks if split == 1 or in_kernel else []
-    params = _params(n_inputs, in_ranks, kept_outs, len(ws), loop, in_kernel, flat_pid)
+    params = _params(n_inputs, in_ranks, kept_outs, len(ws), loop, in_kernel, flat_pid, through)
     head = _header(name, params)
     outputs = [(_saved(bg, s), s.attrs["dtype"]) for s in savers]
     if split > 1:
@@ -999,7 +1063,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
             e.line("tl.debug_barrier()")           # every thread's partial stores before the arrival (release)
             e.line(f"arrived = tl.atomic_add(cnt_ptr + {tile}, 1, sem='acq_rel')")
             e.line(f"if arrived == {split - 1}:")    # the tile's last program: the others' states are visible
-            fold = _Emitter(bg, 0, 1, order, transposed, target)
+            fold = _Emitter(bg, 0, 1, order, transposed, target, through)
             fold.indent, fold.count = e.indent + 1, e.count
             _fold_split(fold, bg, bg, accs, epi, ws, split, in_kernel=True)
             fold.line(f"tl.store(cnt_ptr + {tile}, 0)")    # ready for the next launch
@@ -1009,7 +1073,8 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
                                counters=math.prod(bg.grid), params=params, flat_pid=flat_pid)
         source = _finish(e, head)
         fine = combine or bg
-        src = _emit_combine(bg, fine, name + "_combine", accs, epi, out_ranks, ws, split, order, transposed, target)
+        src = _emit_combine(bg, fine, name + "_combine", accs, epi, out_ranks, ws, split, order, transposed, target,
+                            through)
         return BlockKernel(source + "\n\n" + src, name, name + "_combine", tuple(bg.grid), split, ws, outputs, loop,
                            tuple(fine.grid), params=params)
     for i in accs:
@@ -1130,12 +1195,12 @@ def _saved(bg: BlockGraph, s: Op) -> tuple:
 
 
 def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ranks, ws, split: int, order=None,
-                  transposed=None, target: Target = Target.INTERPRETER) -> str:
+                  transposed=None, target: Target = Target.INTERPRETER, through: Sequence[StoreThrough] = ()) -> str:
     """The kernel after a split op: fold the ``split`` partial states, finals, epilogue, savers. It runs on
     ``fine``'s grid (``bg``'s, or one dim of it multiplied: see ``launch.combine_tiling``); a program there
     reads its chunk of the states its program of ``bg`` wrote."""
     ratio = tuple(f // c for f, c in zip(fine.grid, bg.grid))
-    e = _Emitter(fine, 0, 1, order, transposed, target)
+    e = _Emitter(fine, 0, 1, order, transposed, target, through)
     _pids(e, fine.grid, 1)
     for g, r in enumerate(ratio):
         if r > 1:
@@ -1143,7 +1208,7 @@ def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ra
     e.pid_lines = len(e.lines)
     _fold_split(e, bg, fine, accs, epi, ws, split)
     params = [p for j, r in enumerate(out_ranks) for p in [f"out{j}_ptr"] + [f"out{j}_s{d}" for d in range(r)]]
-    params += [f"ws{j}_ptr" for j in range(len(ws))]
+    params += _through_params(through) + [f"ws{j}_ptr" for j in range(len(ws))]
     return _finish(e, _header(name, params))
 
 

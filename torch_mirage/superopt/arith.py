@@ -223,6 +223,9 @@ class TorchArith(Arith):
     def div(self, a, b):
         return a / b
 
+    def index_copy(self, dst, index, src, dim):
+        return dst.index_copy(dim, index.long(), src.to(dst.dtype))
+
     def exp(self, x):
         return torch.exp(x)
 

@@ -24,7 +24,8 @@ import torch
 
 from ..codegen.aot import compile_ahead, run_kernel
 from ..codegen.loader import load_source
-from ..codegen.ugraph_triton import BlockKernel, CodegenError, emit_block_kernel, module_source, order_by_depth
+from ..codegen.ugraph_triton import (BlockKernel, CodegenError, StoreThrough, emit_block_kernel, module_source,
+                                     order_by_depth)
 from ..config import load
 from ..context import Target
 from ..ugraph import BlockGraph, KernelGraph, Ref
@@ -32,11 +33,13 @@ from .arith import TorchArith
 from .launch import LaunchConfig, candidates, choose, combine_tiling, default_config, retile
 from .optimise import plan_block
 from .siblings import SiblingLauncher, faster_apart, regroup, sibling_groups
+from .updates import store_through
 from .validate import SMEM_BYTES, validate
 
 log = logging.getLogger("torch_mirage")
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
+          "int64": torch.int64, "int32": torch.int32}
 ALIGN = 256
 VIEW_OPS = {"reshape", "transpose"}
 
@@ -51,7 +54,8 @@ class BlockLauncher:
     """One graph-defined op at one launch config: generated module, launch grid, output / workspace specs."""
 
     def __init__(self, bg: BlockGraph, config: LaunchConfig, in_ranks: Sequence[int], cache_dir: str,
-                 name: str = "ugraph_kernel", target: Target | None = None, flat_pid: bool = False):
+                 name: str = "ugraph_kernel", target: Target | None = None, flat_pid: bool = False,
+                 through: Sequence[StoreThrough] = ()):
         tiled = retile(bg, config.grid, config.forloop_range)
         if tiled is None:
             raise CodegenError(f"launch config {config} does not re-tile the block graph (grid {bg.grid}, "
@@ -64,7 +68,8 @@ class BlockLauncher:
                                                      Target.current() if target is None else target,
                                                      sums_after=config.sums_after,
                                                      combine_in_kernel=config.combine_in_kernel,
-                                                     flat_pid=flat_pid)
+                                                     flat_pid=flat_pid, through=through)
+        self.through = tuple(through)
         self.source = module_source([self.kernel])
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
         self.fn = getattr(module, self.kernel.name)
@@ -89,9 +94,10 @@ class BlockLauncher:
         return [self._counters[device]]
 
     def __call__(self, *inputs: torch.Tensor, outs: Sequence[torch.Tensor] | None = None,
-                 workspaces: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                 workspaces: Sequence[torch.Tensor] | None = None, targets: Sequence[tuple] = ()) -> list[torch.Tensor]:
+        """Run the kernel(s); ``targets``: the (destination, positions) tensors of its :class:`StoreThrough` s."""
         outs, ws = self.buffers(inputs[0].device, outs, workspaces)
-        self._launch(inputs, outs, ws, run_kernel)
+        self._launch(inputs, outs, ws, run_kernel, targets)
         return outs
 
     def buffers(self, device: Any, outs: Sequence[Any] | None = None, workspaces: Sequence[Any] | None = None
@@ -110,21 +116,28 @@ class BlockLauncher:
         self._launch(inputs, outs, ws, functools.partial(compile_ahead, device=inputs[0].device))
 
     def _launch(self, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor],
-                run: Callable[..., Any]) -> None:
+                run: Callable[..., Any], targets: Sequence[tuple] = ()) -> None:
         """``run(fn, *args, grid=, **meta)`` for the kernel (and the combine kernel after a split)."""
         opts = {"num_warps": self.config.num_warps, "num_stages": self.config.num_stages}
-        args, extra = self.arguments(inputs, outs, ws)
+        args, extra = self.arguments(inputs, outs, ws, targets)
         run(self.fn, *args, grid=self.launch_grid, **extra, **opts)
         if self.combine_fn is not None:
-            run(self.combine_fn, *_tensor_args(outs), *ws, grid=self.combine_grid, num_warps=self.config.num_warps)
+            run(self.combine_fn, *_tensor_args(outs), *self._target_args(targets), *ws, grid=self.combine_grid,
+                num_warps=self.config.num_warps)
 
-    def arguments(self, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor]
-                  ) -> tuple[list[Any], dict[str, int]]:
+    def _target_args(self, targets: Sequence[tuple]) -> list[Any]:
+        if len(targets) != len(self.through):
+            raise ValueError(f"{self.kernel.name} stores through {len(self.through)} destination(s), "
+                             f"given {len(targets)}")
+        return [a for dst, pos in targets for a in (dst, *dst.stride(), pos)]
+
+    def arguments(self, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor],
+                  targets: Sequence[tuple] = ()) -> tuple[list[Any], dict[str, int]]:
         """The kernel's positional arguments (in its parameters' order; a flat-pid part's ``lin`` left out: its
         sibling launch passes it) and its constexpr ``NUM_STAGES`` (where it loops)."""
         args = _tensor_args(inputs)
         if self.combine_fn is None:
-            args += _tensor_args(outs)
+            args += _tensor_args(outs) + self._target_args(targets)
         args += list(ws)
         if self.kernel.counters:
             args += self.counters(outs[0].device if outs else inputs[0].device)
@@ -151,6 +164,8 @@ class _Step:
     siblings: Any = None  # a SiblingLauncher run at this step for ``group`` (this op the group's last)
     group: tuple = ()     # the kernel ops (indices) of that sibling launch
     deferred: bool = False   # a sibling launch's earlier part: it runs with the group at the group's last step
+    targets: tuple = ()      # (destination, positions) Refs of the launcher's StoreThroughs (superopt.updates)
+    stored: bool = False     # an index_copy whose rows the producing kernel stored itself
 
 
 @dataclass
@@ -173,6 +188,8 @@ class CompiledUGraph:
             [s.siblings.source for s in steps if s.siblings is not None]
         self.configs = [s.launcher.config for s in steps if s.launcher is not None]
         self.sibling_launches = [list(s.group) for s in steps if s.siblings is not None]   # kernel ops per launch
+        self.stored_updates = sum(s.stored for s in steps)    # index_copy ops a kernel did (superopt.updates)
+        self._by_index = {s.index: s for s in steps}
         self._arith = TorchArith()
 
     def __call__(self, *inputs: torch.Tensor) -> tuple:
@@ -198,7 +215,7 @@ class CompiledUGraph:
                 yield self._run_siblings(step, env, arena)
                 continue
             xs = [env[Ref(*r)] for r in op.inputs]
-            fn = self._step_fn(step, op, arena)
+            fn = self._step_fn(step, op, arena, [(env[d], env[p]) for d, p in step.targets])
             res = fn(*xs)
             for j, t in enumerate(res):
                 env[Ref(step.index, j)] = t
@@ -213,9 +230,11 @@ class CompiledUGraph:
         ws = [[self._buffer(arena, ("ws", i, j), s, d) for j, (s, d) in enumerate(p.ws_specs)]
               for i, p in zip(step.group, launcher.parts)]
         counts = [len(x) for x in xs]
+        targets = [[(env[d], env[p]) for d, p in self._by_index[i].targets] for i in step.group]
 
         def fn(*flat: torch.Tensor) -> list:
-            return [o for res in launcher(regroup(counts, flat), outs=outs, workspaces=ws) for o in res]
+            return [o for res in launcher(regroup(counts, flat), outs=outs, workspaces=ws, targets=targets)
+                    for o in res]
         res = fn(*[t for x in xs for t in x])
         k = 0
         for i, p in zip(step.group, launcher.parts):
@@ -224,11 +243,15 @@ class CompiledUGraph:
                 k += 1
         return StepRun(step.index, "siblings", step.launcher.config, fn, [t for x in xs for t in x], res)
 
-    def _step_fn(self, step: _Step, op: Any, arena: torch.Tensor | None) -> Callable[..., list]:
+    def _step_fn(self, step: _Step, op: Any, arena: torch.Tensor | None, targets: list) -> Callable[..., list]:
         if step.launcher is not None:
             outs = [self._buffer(arena, ("out", step.index, j), s, d) for j, (s, d) in enumerate(step.launcher.out_specs)]
             ws = [self._buffer(arena, ("ws", step.index, j), s, d) for j, (s, d) in enumerate(step.launcher.ws_specs)]
-            return lambda *xs: step.launcher(*xs, outs=outs, workspaces=ws)
+            return lambda *xs: step.launcher(*xs, outs=outs, workspaces=ws, targets=targets)
+        if op.name == "index_copy" and self.graph.ops[op.inputs[0][0]].name == "input":
+            if step.stored:     # the producing kernel wrote the rows: the destination is the result
+                return lambda dst, positions, src: [dst]
+            return lambda dst, positions, src: [dst.index_copy_(op.attrs["dim"], positions, src.to(dst.dtype))]
         if op.spec.layout is not None:
             return lambda *xs: [op.spec.layout(*xs, **op.attrs)]
         fn = getattr(self._arith, op.spec.arith)
@@ -371,8 +394,38 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
         steps.append(_Step(i, launcher))
     if siblings is not False and (siblings or tune):
         _join_siblings(kgraph, steps, env, cache, cache_dir, target, timed=not siblings)
+    _store_through(kgraph, steps, env, cache_dir, target)
     plan, size = plan_memory(kgraph, steps)
     return CompiledUGraph(kgraph, steps, plan, size)
+
+
+def _store_through(kgraph: KernelGraph, steps: list[_Step], env: dict, cache_dir: str, target: Target) -> None:
+    """The kernels that store a cache write's rows themselves (:func:`.updates.store_through`), rebuilt at the launch
+    configuration tuned without it (a sibling launch with its parts): each such ``index_copy`` launches nothing."""
+    found = store_through(kgraph)
+    if not found:
+        return
+    by_index = {s.index: s for s in steps}
+    per_op: dict[int, list] = {}
+    for ts in found:
+        if by_index[ts.op].launcher is not None:
+            per_op.setdefault(ts.op, []).append(ts)
+
+    def launcher(i: int, flat_pid: bool = False) -> BlockLauncher:
+        old = by_index[i].launcher
+        ranks = [env[Ref(*r)].dim() for r in kgraph.ops[i].inputs]
+        return BlockLauncher(kgraph.ops[i].body, old.config, ranks, cache_dir, old.kernel.name, target, flat_pid,
+                             [ts.through for ts in per_op.get(i, [])])
+    for i, items in per_op.items():
+        by_index[i].launcher = launcher(i)
+        by_index[i].targets = tuple((ts.dst, ts.positions) for ts in items)
+        for ts in items:
+            by_index[ts.update].stored = True
+        log.info("torch_mirage: μGraph op %d stores %d update(s) itself (%s)", i, len(items), by_index[i].launcher.path)
+    for s in steps:
+        if s.siblings is not None and any(i in per_op for i in s.group):
+            s.siblings = SiblingLauncher([launcher(i, flat_pid=True) for i in s.group], s.siblings.num_warps,
+                                         cache_dir, s.siblings.name)
 
 
 def _join_siblings(kgraph: KernelGraph, steps: list[_Step], env: dict, cache: Any, cache_dir: str,

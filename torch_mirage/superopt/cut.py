@@ -20,7 +20,7 @@ from ..capture.ir import Node
 from ..capture.ops import OpKind
 from ..context import CompileContext, Target
 from ..partition.region import Decline, Reason, inputs_of, outputs_of
-from .search.reference import Decline as NotLowered, Reference, reference_of
+from .search.reference import Decline as NotLowered, Reference, indexed_update, reference_of
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -135,13 +135,44 @@ def lowered_reference(nodes: list, graph, ctx: CompileContext) -> Reference | De
     ref = reference_of(nodes, graph)
     if isinstance(ref, NotLowered):
         return Decline(nodes, Reason.NOT_LOWERED, str(ref))
-    metas = [v.meta for v in ref.inputs]
+    metas = [v.meta for i, v in enumerate(ref.inputs) if i not in positions_only(ref.graph)]
     if any(m.dtype not in DTYPES for m in metas) or \
             (ctx.target is Target.INTERPRETER and any(m.dtype == torch.bfloat16 for m in metas)):
         return Decline(nodes, Reason.UNSUPPORTED_DTYPE, ", ".join(sorted({str(m.dtype) for m in metas})))
     if not ctx.target.runs_on(metas[0].device.type):
         return Decline(nodes, Reason.UNSUPPORTED_DEVICE, str(metas[0].device))
     return ref
+
+
+def positions_only(g) -> set[int]:
+    """The input indices of μGraph ``g`` read only as an ``index_copy``'s positions (integer tensors)."""
+    users: dict[int, set] = {}
+    for op in g.ops:
+        for k, r in enumerate(op.inputs):
+            src = g.ops[r[0]]
+            if src.name == "input":
+                users.setdefault(src.attrs["index"], set()).add((op.name, k))
+    return {i for i, u in users.items() if u == {("index_copy", 1)}}
+
+
+def cache_writes(graph, nodes: list, free_ids: set) -> list:
+    """The free ``index_copy`` / ``index_put`` nodes (:func:`.search.reference.indexed_update`) that write a result
+    of ``nodes`` into a graph input at positions a graph input
+    holds, where nothing else reads that input's old value (its other readers write the result back: ``copy_``):
+    a static KV cache's update, which the region's kernel can store itself (:mod:`.updates`)."""
+    inside = {id(n) for n in nodes}
+    found = []
+    for n in nodes:
+        for v in n.outputs:
+            for u in v.users:
+                update = indexed_update(u) if id(u) not in inside and id(u) in free_ids else None
+                if update is None or update[3] is not v or update[0].producer is not None or \
+                        update[2].producer is not None:
+                    continue
+                dst = update[0]
+                if all(w is u or w.target_name == "aten.copy_.default" for w in dst.users):
+                    found.append(u)
+    return found
 
 
 def layout_tails_dropped(nodes: list[Node]) -> list[Node]:

@@ -12,6 +12,8 @@ cuts the larger has the lower roofline estimate):
    block graph of its own in the seed, each recomputing the norm's row scale), first with the elementwise and
    layout readers of every result (RoPE on a QKV projection's q and k, up to the attention and the cache write;
    then without the views of a result for readers outside, :func:`.cut.layout_tails_dropped`), then without readers;
+   each of these first with the static KV cache writes of its results (:func:`.cut.cache_writes`: the seed is built
+   and verified without them, :func:`.updates.split_updates`, and its kernel stores the new rows itself);
 2. the matmul with producers of every kind (the norm, a gated MLP's sibling, the weight's transpose) and the
    elementwise readers of a single result (a residual add, SiLU·mul); then without the readers;
 3. the same with layout producers only, then with none (the activation arrives through a permute the reference
@@ -46,10 +48,11 @@ from ..partition.region import Claim, Decline, Outcome, Reason, is_convex
 from .compile import DTYPES as TORCH_DTYPES
 from .gemv_seed import NotStreamable, gemv_seed, rotation_groups
 from .launch import streaming_candidates
-from .cut import GROW, MAX_NODES, computes, grow, layout_tails_dropped, lowered_reference, reference_kernel
+from .cut import GROW, MAX_NODES, cache_writes, computes, grow, layout_tails_dropped, lowered_reference, reference_kernel
 from .search.reference import Reference
 from .search.shrink import SMALL_TILE, block_steps, head_size_map, shrink
 from .ugraph_plan import Alternative, UGraphPlan, random_inputs
+from .updates import split_updates, with_updates
 from .validate import problems
 from .verify import verify
 
@@ -95,8 +98,11 @@ def cuts(graph: Graph, anchor: Node, free: Sequence[Node], free_ids: set, model:
         grown = grow(graph, start, free_ids, MAX_NODES, kinds, forward, computes if every else None, every)
         if every:
             variants = [grown, layout_tails_dropped(grown)]
+            if writes := cache_writes(graph, grown, free_ids):   # the views the writes read are no tails then
+                variants = [grown + writes, layout_tails_dropped(grown + writes)] + variants
         else:   # first with the weight's own views
             variants = [grown + [v for v in views if all(v is not n for n in grown)], grown]
+            variants = [v + w for v in variants if (w := cache_writes(graph, v, free_ids))] + variants
         for nodes in variants:
             nodes = sorted(nodes, key=lambda n: order[id(n)])
             if all({id(n) for n in nodes} != {id(n) for n in c} for c in out):
@@ -190,6 +196,8 @@ def verified_seed(ref: KernelGraph, config, halves: bool = False) -> tuple[Kerne
     is not valid, too large to verify at its own sizes, or not verified."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    program_with_updates = ref
+    ref, updates = split_updates(ref)      # a cache write: the seed computes what it writes (superopt.updates)
     try:
         seed = gemv_seed(ref, halves=halves)
         program, candidate = verified_instance(ref, seed, halves=halves)
@@ -206,7 +214,7 @@ def verified_seed(ref: KernelGraph, config, halves: bool = False) -> tuple[Kerne
                          trials=config.verify_trials)
     if not verdict:
         return None, f"the weight-streaming seed is not verified: {verdict.reason}"
-    return seed, verdict.reason
+    return with_updates(seed, updates, program_with_updates), verdict.reason
 
 
 def verified_halves(ref: KernelGraph, config) -> KernelGraph | None:

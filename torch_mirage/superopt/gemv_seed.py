@@ -388,7 +388,7 @@ class _Block:
                 acc = (self.tb.div if inv else self.tb.mul)(acc, self.stat(f))
             self.after[Ref(i, 0)] = acc
         for r in outs:
-            if math.prod(self.rd.shape(r)) != self.m * self.n or self.rd.shape(r)[-1] not in (self.n, self.head):
+            if math.prod(self.rd.shape(r)) != self.m * self.n:     # (m, n) rows, or a reshape of them: (b, h, 1, d)
                 raise NotStreamable(f"output {self.rd.describe(r)} is not ({self.m}, {self.n}) rows")
             self.tb.new_output(self.epilogue(r), omap=(1,), dtype=self.rd.dtype(r))
         return self.seed.g.customized(self.sources, self.tb)
@@ -496,7 +496,7 @@ class _HalvesBlock(_Block):
                 pair.append(acc)
             self.pairs[Ref(i, 0)] = tuple(pair)
         for r in outs:
-            if math.prod(self.rd.shape(r)) != self.m * self.n or self.rd.shape(r)[-1] not in (self.n, self.head):
+            if math.prod(self.rd.shape(r)) != self.m * self.n:     # (m, n) rows, or a reshape of them: (b, h, 1, d)
                 raise NotStreamable(f"output {self.rd.describe(r)} is not ({self.m}, {self.n}) rows")
             self.tb.new_output(self.tb.concat(list(self.pair(r)), dim=2), omap=(1, 3), dtype=self.rd.dtype(r))
         return self.seed.g.customized(self.sources, self.tb)

@@ -86,11 +86,12 @@ class SiblingLauncher:
         self.num_stages = max(p.config.num_stages for p in self.parts)
 
     def __call__(self, inputs: Sequence[Sequence[torch.Tensor]], outs: Sequence[Sequence[Any]] | None = None,
-                 workspaces: Sequence[Sequence[Any]] | None = None) -> list[list[torch.Tensor]]:
+                 workspaces: Sequence[Sequence[Any]] | None = None, targets: Sequence[Sequence[tuple]] | None = None
+                 ) -> list[list[torch.Tensor]]:
         outs = outs or [None] * len(self.parts)
         workspaces = workspaces or [None] * len(self.parts)
         made = [p.buffers(xs[0].device, o, w) for p, xs, o, w in zip(self.parts, inputs, outs, workspaces)]
-        self._launch(inputs, [o for o, _ in made], [w for _, w in made], run_kernel)
+        self._launch(inputs, [o for o, _ in made], [w for _, w in made], run_kernel, targets)
         return [o for o, _ in made]
 
     def warmup(self, inputs: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -99,10 +100,10 @@ class SiblingLauncher:
         self._launch(inputs, [o for o, _ in made], [w for _, w in made],
                      lambda fn, *a, **k: compile_ahead(fn, *a, device=inputs[0][0].device, **k))
 
-    def _launch(self, inputs, outs, ws, run: Callable[..., Any]) -> None:
+    def _launch(self, inputs, outs, ws, run: Callable[..., Any], targets=None) -> None:
         args: list[Any] = []
-        for p, xs, o, w in zip(self.parts, inputs, outs, ws):
-            own, extra = p.arguments(xs, o, w)
+        for p, xs, o, w, tg in zip(self.parts, inputs, outs, ws, targets or [()] * len(self.parts)):
+            own, extra = p.arguments(xs, o, w, tg)
             args += own + list(extra.values())       # a part's NUM_STAGES closes its parameters
         run(self.fn, *args, grid=self.grid, num_warps=self.num_warps, num_stages=self.num_stages)
 

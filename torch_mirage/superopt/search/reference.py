@@ -18,7 +18,9 @@ that moves only dims of size 1 → reshape; Inductor's decomposed SiLU
 ``a / (1 + exp(-a))`` and ``a · sigmoid(a)`` → silu; sum / mean / amax over dims → reduce ops;
 var_mean (LayerNorm's decomposition) → a mean and the centred mean of squares with its correction
 (then a reshape when ``keepdim`` is false); scaled_dot_product_attention (CPU / flash /
-efficient / cuDNN ATen ops, GQA heads included; no mask, causal or dropout) → its softmax decomposition. Only nodes that an output needs are lowered. dtype casts are not ops: the
+efficient / cuDNN ATen ops, GQA heads included; no mask, causal or dropout) → its softmax decomposition;
+``index_copy`` (or the ``index_put`` Inductor decomposes it into) of a graph input at positions a graph input
+holds → ``index_copy`` (a KV cache's write). Only nodes that an output needs are lowered. dtype casts are not ops: the
 computation is tracked in its float dtype and an fp32 upcast is recorded in
 ``Reference.upcast``. In-place ATen forms (``add_``) lower like their
 functional forms.
@@ -348,10 +350,44 @@ def _lower(g: KernelBuilder, n, env: dict, ref: Reference) -> None:
             raise _Decline(n, "cat of a value not computed in the region")
         put(g.concat(parts, dim=(args[1] if len(args) > 1 else n.kwargs.get("dim", 0)) % len(out.meta.shape)))
         return
+    if (update := indexed_update(n)) is not None:     # a static KV cache's write (superopt.updates)
+        dst, dim, index, src = update
+        if dst.producer is not None or index.producer is not None:
+            raise _Decline(n, "an indexed update of a value computed in the region", "only a graph input is updated")
+        put(g.index_copy(env[id(dst)], env[id(index)], env[id(src)], dim=dim))
+        return
     if name == "opaque" and _sdpa_op(n) is not None:
         put(_lower_sdpa(g, n, arg))
         return
     raise _Decline(n, f"op {name} has no μGraph kernel op", n.target_name)
+
+
+def indexed_update(n):
+    """``(destination, dim, positions, source)`` of a node that writes the rows of ``source`` into ``destination``
+    at ``positions`` along ``dim``: ``index_copy(dst, dim, pos, src)``, or ``index_put(dst, [None, .., pos], src)``
+    (what Inductor's decompositions make of ``index_copy_``) with ``src`` of the destination's shape but for
+    ``len(pos)`` along ``dim``; None for any other node."""
+    args = n.args
+    if n.target_name == "aten.index_copy.default" and len(args) == 4:
+        dst, dim, index, src = args
+    elif n.target_name == "aten.index_put.default" and len(args) >= 3 and not (len(args) > 3 and args[3]) \
+            and not n.kwargs.get("accumulate", False) and isinstance(args[1], (list, tuple)):
+        dst, indices, src = args[:3]
+        given = [k for k, x in enumerate(indices) if x is not None]
+        if len(given) != 1:
+            return None
+        dim, index = given[0], indices[given[0]]
+    else:
+        return None
+    if not all(_is_value(x) for x in (dst, index, src)) or not isinstance(dim, int):
+        return None
+    shape, rows = tuple(dst.meta.shape), tuple(src.meta.shape)
+    if len(index.meta.shape) != 1 or index.meta.dtype.is_floating_point or len(rows) != len(shape):
+        return None
+    dim %= len(shape)
+    if rows[dim] != index.meta.shape[0] or any(a != b for k, (a, b) in enumerate(zip(rows, shape)) if k != dim):
+        return None
+    return dst, dim, index, src
 
 
 def _lower_slices(g: KernelBuilder, n, x: Tensor, env: dict) -> None:

@@ -1,0 +1,178 @@
+"""A static KV cache's write taken into the projection kernel that computes it (superopt/updates.py): the weight-
+streaming claimer takes ``index_copy_`` (HF's ``StaticCache``; ``index_put`` after Inductor's decompositions) into the
+region, the seed is verified without it and gets it back, and the generated kernel stores the new rows into the
+cache itself (codegen ``StoreThrough``); caches equal eager's, their other slots untouched; where the cache's old
+value is read elsewhere, the write stays outside. Kernels run in Triton's interpreter on the CPU."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_mirage
+from helpers import assert_close
+from torch_mirage.capture.lower import trace
+from torch_mirage.numerics import rms_norm
+from torch_mirage.superopt.builder import new_kernel_graph, new_threadblock_graph
+from torch_mirage.superopt.compile import compile_ugraph
+from torch_mirage.superopt.executor import execute
+from torch_mirage.superopt.search.reference import reference_of
+from torch_mirage.superopt.updates import split_updates, store_through, updates_of, with_updates
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+D, KV, HD, SLOTS = 48 + 5, 2, 16, 23
+
+
+def kv_projection(x, g, wk, wv, pos, k_cache, v_cache):
+    """A decode step's K and V projections (nn.Linear weights) after an RMSNorm, written into a static cache as HF
+    does; returns the caches' new rows as the attention would read them."""
+    b = x.shape[0]
+    h = rms_norm(x, 1e-5, g)
+    k = F.linear(h, wk).view(b, 1, KV, HD).transpose(1, 2)
+    v = F.linear(h, wv).view(b, 1, KV, HD).transpose(1, 2)
+    k_cache.index_copy_(2, pos, k)
+    v_cache.index_copy_(2, pos, v)
+    return k_cache.sum(dim=2), v_cache[:, :, :4]
+
+
+def old_value_read(x, g, wk, wv, pos, k_cache, v_cache):
+    """As :func:`kv_projection`, but the K cache's old contents are read too: its write cannot be made in place by
+    the projection kernel."""
+    before = k_cache.sum(dim=2)
+    new = kv_projection(x, g, wk, wv, pos, k_cache, v_cache)
+    return before, *new
+
+
+def _inputs(b: int):
+    x = torch.randn(b, 1, D)
+    g = 1 + 0.1 * torch.randn(D)
+    wk, wv = (torch.randn(KV * HD, D) * D ** -0.5 for _ in range(2))
+    pos = torch.randint(0, SLOTS, (1,))
+    caches = [torch.randn(b, KV, SLOTS, HD) for _ in range(2)]
+    return [x, g, wk, wv, pos, *caches]
+
+
+def _compile(fn):
+    report = torch_mirage.Report()
+    opts = dict(min_region_us=0, measure_regions=False, cache=False)    # the region is kept: its kernel is tested
+    return torch.compile(fn, fullgraph=True, backend=torch_mirage.MirageBackend(options=opts, report=report)), report
+
+
+@interpreted
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("fn", [kv_projection, old_value_read])
+def test_cache_write_in_the_projection_kernel(fn, rows):
+    torch._dynamo.reset()
+    args = _inputs(rows)
+    eager_args = [a.clone() for a in args]
+    want = fn(*eager_args)
+    compiled, report = _compile(fn)
+    got = compiled(*args)
+    assert_close(got, want)
+    for i in (5, 6):                                  # both caches: as eager left them, every slot
+        assert torch.equal(args[i], eager_args[i]) or assert_close(args[i], eager_args[i]) is None
+    mirage = [r for r in report.regions if r.compiled_by == "mirage" and r.claimer == "ugraph-gemv"]
+    assert mirage, str(report)
+    writes = [r for r in mirage if any(op.startswith(("aten.index_put", "aten.index_copy")) for op in r.ops)]
+    (region,) = writes
+    taken = 2 if fn is kv_projection else 1            # k's old value is read: its write stays outside
+    assert sum(op.startswith("aten.index_put") for op in region.ops) == taken, str(report)
+    assert region.info.get("stored_updates") == taken, str(report)
+
+    args2 = _inputs(rows)                              # a second call, other positions and contents
+    args2[4] = torch.tensor([(int(args[4]) + 7) % SLOTS])
+    eager2 = [a.clone() for a in args2]
+    assert_close(compiled(*args2), fn(*eager2))
+    for i in (5, 6):
+        assert_close(args2[i], eager2[i])
+
+
+def test_updates_split_off_and_put_back():
+    """The core of a program with a cache write computes the written value as its output (in the projection's rows,
+    without the views as heads) and drops the cache and position inputs; putting the write back gives the
+    program's results again."""
+    args = _inputs(2)
+    graph = trace(kv_projection, args)
+    last = max(i for i, n in enumerate(graph.nodes) if n.target_name == "aten.index_put.default")
+    nodes = graph.nodes[:last + 1]                              # the projections and the writes
+    ref = reference_of(nodes, graph)
+    program = ref.graph
+    assert len(updates_of(program)) == 2
+    core, updates = split_updates(program)
+    assert not [op for op in core.ops if op.name == "index_copy"]
+    assert len(core.inputs) == len(program.inputs) - 3          # the two caches and the positions
+    assert [tuple(core.shape(r)) for r in core.outputs] == [(2, KV * HD)] * 2
+    back = with_updates(core, updates, program)
+    ins = [a.clone() for a in args[:4]] + [torch.tensor([5])] + [a.clone() for a in args[5:]]
+    for got, want in zip(execute(back, [x.clone() for x in ins]), execute(program, [x.clone() for x in ins])):
+        assert torch.equal(got, want)
+
+
+@interpreted
+def test_store_through_writes_the_rows_at_their_positions():
+    """A μGraph whose graph-defined op saves (rows, n) that an update writes at positions as (b, h, 1, d): the
+    kernel stores them into the destination itself, the update step launches nothing, and other rows stay."""
+    b, h, d, slots = 3, 2, 16, 9
+    g = new_kernel_graph()
+    x = g.new_input((b, h * d), "float32")
+    cache = g.new_input((b, h, slots, d), "float32")
+    pos = g.new_input((1,), "int64")
+    tb = new_threadblock_graph((h,), 1)
+    t = tb.new_input(x, imap=(1,), fmap=None)
+    tb.new_output(tb.forloop_accum(tb.scalar_mul(t, value=2.0), "sum"), omap=(1,))
+    (y,) = g.customized([x], tb)
+    g.mark_output(g.index_copy(cache, pos, g.reshape(y, shape=(b, h, 1, d)), dim=2))
+    mu = g.build()
+    (found,) = store_through(mu)
+    assert found.through.only and found.through.shape == (b, h, 1, d)
+    xs = [torch.randn(b, h * d), torch.randn(b, h, slots, d), torch.tensor([5])]
+    compiled = compile_ugraph(mu, xs, tune=False)
+    assert compiled.stored_updates == 1
+    want = xs[1].clone()
+    want[:, :, 5] = (2 * xs[0]).view(b, h, d)
+    (out,) = compiled(*xs)
+    assert out.data_ptr() == xs[1].data_ptr()          # updated in place
+    assert_close(xs[1], want)
+
+
+def qkv_projection(x, g, wq, wk, wv, pos, k_cache, v_cache):
+    """Norm + Q, K, V projections of a decode step (GQA widths), K and V written into a static cache."""
+    b, heads, kv, hd = x.shape[0], wq.shape[0] // k_cache.shape[3], k_cache.shape[1], k_cache.shape[3]
+    h = rms_norm(x, 1e-5, g)
+    q = F.linear(h, wq).view(b, 1, heads, hd).transpose(1, 2)
+    k = F.linear(h, wk).view(b, 1, kv, hd).transpose(1, 2)
+    v = F.linear(h, wv).view(b, 1, kv, hd).transpose(1, 2)
+    k_cache.index_copy_(2, pos, k)
+    v_cache.index_copy_(2, pos, v)
+    return q, k_cache.sum(dim=2), v_cache[:, :, -4:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 8])
+def test_cache_write_on_gpu(rows):
+    """bf16 at Llama-8B widths (d 4096, 32 query and 8 KV heads of 128), tuned: the K / V kernel stores the cache
+    rows itself (also where it joins the Q kernel in one launch); caches and outputs match eager over two calls at
+    other positions."""
+    torch._dynamo.reset()
+    dev, dt, d, heads, kv, hd, slots = "cuda", torch.bfloat16, 4096, 32, 8, 128, 256
+
+    def inputs(position):
+        w = lambda n: (torch.randn(n, d, device=dev) * d ** -0.5).to(dt)      # noqa: E731
+        return [torch.randn(rows, 1, d, device=dev).to(dt), (1 + 0.1 * torch.randn(d, device=dev)).to(dt),
+                w(heads * hd), w(kv * hd), w(kv * hd), torch.tensor([position], device=dev),
+                torch.randn(rows, kv, slots, hd, device=dev).to(dt), torch.randn(rows, kv, slots, hd, device=dev).to(dt)]
+    compiled, report = _compile(qkv_projection)
+    for position in (3, slots - 1):
+        args = inputs(position)
+        eager = [a.clone() for a in args]
+        want = qkv_projection(*eager)
+        got = compiled(*args)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        for i in (6, 7):
+            torch.testing.assert_close(args[i].float(), eager[i].float(), rtol=2e-2, atol=2e-2)
+    writes = [r for r in report.regions if r.compiled_by == "mirage" and any("index_put" in op for op in r.ops)]
+    assert len(writes) == 1 and writes[0].info.get("stored_updates") == 2, str(report)
+    print(writes[0].info)
