@@ -3,6 +3,7 @@ streaming claimer takes ``index_copy_`` (HF's ``StaticCache``; ``index_put`` aft
 region, the seed is verified without it and gets it back, and the generated kernel stores the new rows into the
 cache itself (codegen ``StoreThrough``); caches equal eager's, their other slots untouched; where the cache's old
 value is read elsewhere, the write stays outside. Kernels run in Triton's interpreter on the CPU."""
+import inspect
 import os
 
 import pytest
@@ -176,3 +177,41 @@ def test_cache_write_on_gpu(rows):
     writes = [r for r in report.regions if r.compiled_by == "mirage" and any("index_put" in op for op in r.ops)]
     assert len(writes) == 1 and writes[0].info.get("stored_updates") == 2, str(report)
     print(writes[0].info)
+
+
+@interpreted
+def test_hf_llama_decode_writes_its_cache_in_the_qkv_kernels():
+    """A tiny HF Llama (2 layers, fp32) decoding one token into a ``StaticCache``: each layer's QKV kernel stores
+    its K / V rows into the cache (the positions come from the cache's counter, computed outside the region); logits
+    and every cache tensor equal eager's."""
+    transformers = pytest.importorskip("transformers")
+    del transformers
+    from torch_mirage.bench import llm
+    torch._dynamo.reset()
+    model, config = llm.build_model(llm.MODELS["llama3-8b-4l"], torch.float32, torch.device("cpu"), quick=True)
+    cache = llm.static_cache(config, 1, 32, torch.device("cpu"), torch.float32)
+    ids, position = torch.randint(0, config.vocab_size, (1, 1)), 5
+
+    def step(ids, position_ids, cache_position):
+        return model(input_ids=ids, position_ids=position_ids, cache_position=cache_position, past_key_values=cache,
+                     use_cache=True).logits
+    args = (ids, torch.tensor([[position]]), torch.tensor([position]))
+    state = llm.KVState(cache, position, 1, "cache_position" in inspect.signature(model.forward).parameters, "test")
+    with torch.no_grad():
+        step(*args)                                   # allocates the cache's tensors (lazily, in 5.x)
+        for t in llm.cache_tensors(cache):
+            t.copy_(torch.randn_like(t))
+        state.save()
+        state.set_position()                          # 5.x writes at the cache's own counter: put it back
+        want = step(*args)
+        want_cache = [t.clone() for t in llm.cache_tensors(cache)]
+        state.restore()
+        report = torch_mirage.Report()
+        compiled = torch.compile(step, backend=torch_mirage.MirageBackend(
+            options=dict(min_region_us=0, measure_regions=False, cache=False), report=report))
+        got = compiled(*args)
+    assert_close(got, want)
+    for t, w in zip(llm.cache_tensors(cache), want_cache):
+        assert_close(t, w)
+    writes = [r for r in report.regions if r.compiled_by == "mirage" and r.info.get("stored_updates")]
+    assert len(writes) == config.num_hidden_layers and all(r.info["stored_updates"] == 2 for r in writes), str(report)

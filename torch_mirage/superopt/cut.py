@@ -157,9 +157,9 @@ def positions_only(g) -> set[int]:
 
 def cache_writes(graph, nodes: list, free_ids: set) -> list:
     """The free ``index_copy`` / ``index_put`` nodes (:func:`.search.reference.indexed_update`) that write a result
-    of ``nodes`` into a graph input at positions a graph input
-    holds, where nothing else reads that input's old value (its other readers write the result back: ``copy_``):
-    a static KV cache's update, which the region's kernel can store itself (:mod:`.updates`)."""
+    of ``nodes`` into a graph input at positions computed outside ``nodes`` (a graph input, or HF's cache counter
+    plus an ``arange``), where nothing else reads that input's old value (its other readers write the result back:
+    ``copy_``): a static KV cache's update, which the region's kernel can store itself (:mod:`.updates`)."""
     inside = {id(n) for n in nodes}
     found = []
     for n in nodes:
@@ -167,7 +167,7 @@ def cache_writes(graph, nodes: list, free_ids: set) -> list:
             for u in v.users:
                 update = indexed_update(u) if id(u) not in inside and id(u) in free_ids else None
                 if update is None or update[3] is not v or update[0].producer is not None or \
-                        update[2].producer is not None:
+                        (update[2].producer is not None and id(update[2].producer) in inside):
                     continue
                 dst = update[0]
                 if all(w is u or w.target_name == "aten.copy_.default" for w in dst.users):

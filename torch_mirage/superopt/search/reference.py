@@ -19,8 +19,8 @@ that moves only dims of size 1 → reshape; Inductor's decomposed SiLU
 var_mean (LayerNorm's decomposition) → a mean and the centred mean of squares with its correction
 (then a reshape when ``keepdim`` is false); scaled_dot_product_attention (CPU / flash /
 efficient / cuDNN ATen ops, GQA heads included; no mask, causal or dropout) → its softmax decomposition;
-``index_copy`` (or the ``index_put`` Inductor decomposes it into) of a graph input at positions a graph input
-holds → ``index_copy`` (a KV cache's write). Only nodes that an output needs are lowered. dtype casts are not ops: the
+``index_copy`` (or the ``index_put`` Inductor decomposes it into) of a graph input at positions the region reads
+→ ``index_copy`` (a KV cache's write). Only nodes that an output needs are lowered. dtype casts are not ops: the
 computation is tracked in its float dtype and an fp32 upcast is recorded in
 ``Reference.upcast``. In-place ATen forms (``add_``) lower like their
 functional forms.
@@ -352,8 +352,9 @@ def _lower(g: KernelBuilder, n, env: dict, ref: Reference) -> None:
         return
     if (update := indexed_update(n)) is not None:     # a static KV cache's write (superopt.updates)
         dst, dim, index, src = update
-        if dst.producer is not None or index.producer is not None:
-            raise _Decline(n, "an indexed update of a value computed in the region", "only a graph input is updated")
+        if dst.producer is not None or not any(index is v for v in ref.inputs):
+            raise _Decline(n, "an indexed update of a value computed in the region, or at positions computed in it",
+                           "only a graph input is updated, at positions the region reads")
         put(g.index_copy(env[id(dst)], env[id(index)], env[id(src)], dim=dim))
         return
     if name == "opaque" and _sdpa_op(n) is not None:
