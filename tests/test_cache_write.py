@@ -15,7 +15,9 @@ from helpers import assert_close
 from torch_mirage.capture.lower import trace
 from torch_mirage.numerics import rms_norm
 from torch_mirage.superopt.builder import new_kernel_graph, new_threadblock_graph
-from torch_mirage.superopt.compile import compile_ugraph
+from torch_mirage.codegen.ugraph_triton import StoreThrough
+from torch_mirage.superopt.compile import BlockLauncher, compile_ugraph
+from torch_mirage.superopt.launch import LaunchConfig
 from torch_mirage.superopt.executor import execute
 from torch_mirage.superopt.search.reference import reference_of
 from torch_mirage.superopt.updates import split_updates, store_through, updates_of, with_updates
@@ -215,3 +217,29 @@ def test_hf_llama_decode_writes_its_cache_in_the_qkv_kernels():
         assert_close(t, w)
     writes = [r for r in report.regions if r.compiled_by == "mirage" and r.info.get("stored_updates")]
     assert len(writes) == config.num_hidden_layers and all(r.info["stored_updates"] == 2 for r in writes), str(report)
+
+
+@interpreted
+@pytest.mark.parametrize("split, in_kernel", [(1, False), (2, False), (2, True)])
+def test_store_through_after_a_split(split, in_kernel, tmp_path):
+    """A GEMV whose result is written at positions: the rows land in the destination whether the kernel stores its
+    outputs itself, a combine kernel after a split-K does, or the split's last program (in-kernel fold)."""
+    b, k, h, d, slots = 3, 64, 2, 16, 7
+    g = new_kernel_graph()
+    x, w = g.new_input((b, k), "float32"), g.new_input((k, h * d), "float32")
+    tb = new_threadblock_graph((h,), 4)
+    acc = tb.forloop_accum(tb.matmul(tb.new_input(x, imap=(None,), fmap=1), tb.new_input(w, imap=(1,), fmap=0)), "sum")
+    tb.new_output(acc, omap=(1,))
+    (y,) = g.customized([x, w], tb)
+    g.mark_output(y)
+    body = next(op.body for op in g.build().ops if op.name == "customized")
+    through = StoreThrough(0, (b, h, 1, d), 2, "float32", only=False)
+    cfg = LaunchConfig(grid=(h,), forloop_range=4, split=split, combine_in_kernel=in_kernel)
+    launcher = BlockLauncher(body, cfg, [2, 2], str(tmp_path), through=[through])
+    xs = [torch.randn(b, k), torch.randn(k, h * d)]
+    cache, pos = torch.randn(b, h, slots, d), torch.tensor([4])
+    want = cache.clone()
+    want[:, :, 4] = (xs[0] @ xs[1]).view(b, h, d)
+    (out,) = launcher(*xs, targets=[(cache, pos)])
+    assert_close(out, xs[0] @ xs[1])                  # ``only`` False: its own output is stored too
+    assert_close(cache, want)
