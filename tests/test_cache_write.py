@@ -165,7 +165,7 @@ def test_cache_write_on_gpu(rows):
         w = lambda n: (torch.randn(n, d, device=dev) * d ** -0.5).to(dt)      # noqa: E731
         return [torch.randn(rows, 1, d, device=dev).to(dt), (1 + 0.1 * torch.randn(d, device=dev)).to(dt),
                 w(heads * hd), w(kv * hd), w(kv * hd), torch.tensor([position], device=dev),
-                torch.randn(rows, kv, slots, hd, device=dev).to(dt), torch.randn(rows, kv, slots, hd, device=dev).to(dt)]
+                *(torch.randn(rows, kv, slots, hd, device=dev).to(dt) for _ in range(2))]
     compiled, report = _compile(qkv_projection)
     for position in (3, slots - 1):
         args = inputs(position)

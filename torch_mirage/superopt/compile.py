@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..codegen.aot import compile_ahead, run_kernel
+from ..compile_pool import run_all, workers
 from ..codegen.loader import load_source
 from ..codegen.ugraph_triton import (BlockKernel, CodegenError, StoreThrough, emit_block_kernel, module_source,
                                      order_by_depth)
@@ -109,11 +110,12 @@ class BlockLauncher:
                 for given, specs in ((outs, self.out_specs), (workspaces, self.ws_specs))]
         return made[0], made[1]
 
-    def warmup(self, *inputs: torch.Tensor) -> None:
-        """Compile this launch's kernel(s) for ``inputs`` without running them (:func:`.codegen.aot.compile_ahead`;
-        any thread): the outputs and workspaces as meta tensors, aligned as the fresh or arena buffers of a call."""
+    def warmup(self, *inputs: torch.Tensor, targets: Sequence[tuple] = ()) -> None:
+        """Compile this launch's kernel(s) for ``inputs`` (and ``targets``, see :meth:`__call__`) without running
+        them (:func:`.codegen.aot.compile_ahead`; any thread): the outputs and workspaces as meta tensors, aligned as
+        the fresh or arena buffers of a call."""
         outs, ws = self.buffers("meta")
-        self._launch(inputs, outs, ws, functools.partial(compile_ahead, device=inputs[0].device))
+        self._launch(inputs, outs, ws, functools.partial(compile_ahead, device=inputs[0].device), targets)
 
     def _launch(self, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor],
                 run: Callable[..., Any], targets: Sequence[tuple] = ()) -> None:
@@ -416,16 +418,29 @@ def _store_through(kgraph: KernelGraph, steps: list[_Step], env: dict, cache_dir
         ranks = [env[Ref(*r)].dim() for r in kgraph.ops[i].inputs]
         return BlockLauncher(kgraph.ops[i].body, old.config, ranks, cache_dir, old.kernel.name, target, flat_pid,
                              [ts.through for ts in per_op.get(i, [])])
+
+    def args(i: int) -> tuple[list, list]:     # op i's example inputs and targets
+        return ([env[Ref(*r)] for r in kgraph.ops[i].inputs],
+                [(env[ts.dst], env[ts.positions]) for ts in per_op.get(i, [])])
+    jobs: dict[str, Callable[[], None]] = {}      # the rebuilt kernels, compiled ahead in the pool at once
     for i, items in per_op.items():
-        by_index[i].launcher = launcher(i)
-        by_index[i].targets = tuple((ts.dst, ts.positions) for ts in items)
+        step = by_index[i]
+        step.launcher = launcher(i)
+        step.targets = tuple((ts.dst, ts.positions) for ts in items)
         for ts in items:
             by_index[ts.update].stored = True
-        log.info("torch_mirage: μGraph op %d stores %d update(s) itself (%s)", i, len(items), by_index[i].launcher.path)
+        if not step.deferred and step.siblings is None:
+            ins, tg = args(i)
+            jobs[f"op{i}"] = functools.partial(step.launcher.warmup, *ins, targets=tg)
+        log.info("torch_mirage: μGraph op %d stores %d update(s) itself (%s)", i, len(items), step.launcher.path)
     for s in steps:
         if s.siblings is not None and any(i in per_op for i in s.group):
             s.siblings = SiblingLauncher([launcher(i, flat_pid=True) for i in s.group], s.siblings.num_warps,
                                          cache_dir, s.siblings.name)
+            jobs[s.siblings.name] = functools.partial(s.siblings.warmup, [args(i)[0] for i in s.group],
+                                                      [args(i)[1] for i in s.group])
+    if env and next(iter(env.values())).is_cuda:
+        run_all(list(jobs), lambda name: jobs[name](), workers())
 
 
 def _join_siblings(kgraph: KernelGraph, steps: list[_Step], env: dict, cache: Any, cache_dir: str,

@@ -94,11 +94,13 @@ class SiblingLauncher:
         self._launch(inputs, [o for o, _ in made], [w for _, w in made], run_kernel, targets)
         return [o for o, _ in made]
 
-    def warmup(self, inputs: Sequence[Sequence[torch.Tensor]]) -> None:
-        """Compile the launch's kernel for ``inputs`` without running it (outputs and workspaces as meta tensors)."""
+    def warmup(self, inputs: Sequence[Sequence[torch.Tensor]], targets: Sequence[Sequence[tuple]] | None = None
+               ) -> None:
+        """Compile the launch's kernel for ``inputs`` (and each part's ``targets``) without running it (outputs and
+        workspaces as meta tensors)."""
         made = [p.buffers("meta") for p in self.parts]
         self._launch(inputs, [o for o, _ in made], [w for _, w in made],
-                     lambda fn, *a, **k: compile_ahead(fn, *a, device=inputs[0][0].device, **k))
+                     lambda fn, *a, **k: compile_ahead(fn, *a, device=inputs[0][0].device, **k), targets)
 
     def _launch(self, inputs, outs, ws, run: Callable[..., Any], targets=None) -> None:
         args: list[Any] = []
