@@ -355,7 +355,8 @@ def _lower(g: KernelBuilder, n, env: dict, ref: Reference) -> None:
         if dst.producer is not None or not any(index is v for v in ref.inputs):
             raise _Decline(n, "an indexed update of a value computed in the region, or at positions computed in it",
                            "only a graph input is updated, at positions the region reads")
-        put(g.index_copy(env[id(dst)], env[id(index)], env[id(src)], dim=dim))
+        rows = tuple(dst.meta.shape[:dim]) + tuple(index.meta.shape) + tuple(dst.meta.shape[dim + 1:])
+        put(g.index_copy(env[id(dst)], env[id(index)], _reshape(g, env[id(src)], rows, n), dim=dim))
         return
     if name == "opaque" and _sdpa_op(n) is not None:
         put(_lower_sdpa(g, n, arg))
@@ -367,7 +368,8 @@ def indexed_update(n):
     """``(destination, dim, positions, source)`` of a node that writes the rows of ``source`` into ``destination``
     at ``positions`` along ``dim``: ``index_copy(dst, dim, pos, src)``, or ``index_put(dst, [None, .., pos], src)``
     (what Inductor's decompositions make of ``index_copy_``) with ``src`` of the destination's shape but for
-    ``len(pos)`` along ``dim``; None for any other node."""
+    ``len(pos)`` along ``dim`` (leading unit dims may be missing, as slice assignment's values drop them); None for
+    any other node."""
     args = n.args
     if n.target_name == "aten.index_copy.default" and len(args) == 4:
         dst, dim, index, src = args
@@ -383,9 +385,10 @@ def indexed_update(n):
     if not all(_is_value(x) for x in (dst, index, src)) or not isinstance(dim, int):
         return None
     shape, rows = tuple(dst.meta.shape), tuple(src.meta.shape)
-    if len(index.meta.shape) != 1 or index.meta.dtype.is_floating_point or len(rows) != len(shape):
+    if len(index.meta.shape) != 1 or index.meta.dtype.is_floating_point or len(rows) > len(shape):
         return None
     dim %= len(shape)
+    rows = (1,) * (len(shape) - len(rows)) + rows      # slice assignment's values may drop leading unit dims
     if rows[dim] != index.meta.shape[0] or any(a != b for k, (a, b) in enumerate(zip(rows, shape)) if k != dim):
         return None
     return dst, dim, index, src
