@@ -374,7 +374,7 @@ def test_llm_driver_checks_every_mode(fake_transformers, monkeypatch):
             assert twice["status"] == "ok" and twice["rel_err"] == 0.0, twice
     doc = report.new_document({"device": "cpu", "torch": "x", "torch_mirage": "y"}, None, {}, False)
     doc["llm"] = records
-    assert "| llama3-8b-4l | decode b1 ctx64 | float32 | noisy |" in report.markdown(doc)
+    assert "| llama3-8b-4l | sdpa | decode b1 ctx64 | float32 | noisy |" in report.markdown(doc)
 
 
 def test_llm_modes_timed_in_alternating_rounds(fake_transformers, monkeypatch):
@@ -542,3 +542,28 @@ def test_mirage_summary_says_where_compile_time_went():
     assert summary["graphs"] == 1 and summary["regions"] >= 1
     assert summary["stage_ms"] and all(v >= 0 for v in summary["stage_ms"].values())
     assert summary["untimed"] == [] and summary["choices"] == [] and summary["region_times"] == []   # CPU: nothing timed
+
+
+def test_llm_attention_implementations():
+    """``--llm-attn``: each model once per implementation (``default`` its own; no model twice); Llama with HF's
+    eager attention decodes through mirage equal to eager, and the report keeps the two implementations apart."""
+    from torch_mirage.bench import llm, report
+
+    got = [(s.name, s.attn) for s in llm.get(["llama3-8b-4l", "gemma2-9b-4l"], ["default", "eager"])]
+    assert got == [("llama3-8b-4l", "sdpa"), ("llama3-8b-4l", "eager"), ("gemma2-9b-4l", "eager")]
+    pytest.importorskip("transformers")
+    import torch._inductor.config as inductor_config
+
+    spec = llm.get(["llama3-8b-4l"], ["eager"])[0]
+    model, config = llm.build_model(spec, torch.float32, torch.device("cpu"), quick=True)
+    assert model.config._attn_implementation == "eager"
+    decode = llm.scenarios([1], quick=True)[0]
+    with inductor_config.patch(compile_threads=1):
+        r = llm.run_scenario(spec, model, config, decode, True, torch.float32, ["eager", "mirage"],
+                             torch.device("cpu"), None, echo=lambda line: None)
+    _check_llm_record(r, ["eager", "mirage"])
+    other = dict(r, attn_implementation="sdpa")
+    env = {"device": "CPU", "torch": torch.__version__, "torch_mirage": "test"}
+    doc = report.merge([dict(report.new_document(env, None, {}, False), llm=[x]) for x in (r, other)])
+    assert sorted(x["attn_implementation"] for x in doc["llm"]) == ["eager", "sdpa"]
+    assert "| llama3-8b-4l | eager |" in report.markdown(doc)

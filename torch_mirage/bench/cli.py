@@ -87,6 +87,9 @@ def parser() -> argparse.ArgumentParser:
                    f"'none' for none. Known: {' '.join(llm.MODELS)}")
     p.add_argument("--llm-modes", nargs="+", type=_names(list(llm.LLM_MODES)),
                    help=f"modes for the LLMs (default: {' '.join(llm.LLM_MODES)})")
+    p.add_argument("--llm-attn", nargs="+", type=_names(list(llm.ATTENTION)),
+                   help="HF attention implementations for the LLMs: 'default' (each model's own: sdpa, Gemma-2 "
+                   "eager), 'sdpa', 'eager' (default: default); each model runs once per implementation")
     p.add_argument("--llm-dtype", default="bfloat16", choices=list(DTYPES),
                    help="dtype of the LLMs (default: bfloat16; --quick on a CPU: float32)")
     p.add_argument("--models", nargs="+", type=_names(list(models.MODELS)),
@@ -150,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = _list(args.batch) or ([1] if quick else [1, 8])
     dtypes = [DTYPES[d] for d in (_list(args.dtype) or (["float32"] if not cuda else ["float16", "bfloat16"]))]
     llm_names = _list(args.llms) or (list(llm.QUICK_DEFAULT) if quick else None)
-    llm_specs = [] if llm_names == ["none"] else llm.get(llm_names)
+    llm_specs = [] if llm_names == ["none"] else llm.get(llm_names, _list(args.llm_attn) or ["default"])
     llm_modes = _list(args.llm_modes) or list(llm.LLM_MODES)
     llm_dtype = torch.float32 if not cuda else DTYPES[args.llm_dtype]
     timing_cfg = {"target_ms": args.target_ms, "repeats": args.repeats} if timing else None
@@ -194,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for spec in llm_specs:
             if over_budget(spec.name):
                 continue
-            print(f"{spec.name} ({str(llm_dtype).replace('torch.', '')})", flush=True)
+            print(f"{spec.name} ({str(llm_dtype).replace('torch.', '')}, attention {spec.attn})", flush=True)
             def keep(record: dict) -> None:
                 doc["llm"].append(record)
                 report.write_json(doc, os.path.join(args.out, f"{args.name}.json"))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -77,8 +77,17 @@ MODELS: dict[str, LLMSpec] = {m.name: m for m in [
 QUICK_DEFAULT = ("llama3-8b-4l",)
 
 
-def get(names: Sequence[str] | None) -> list[LLMSpec]:
-    return select(MODELS, names, "LLM(s)")
+ATTENTION = ("default", "sdpa", "eager")   # "default": each model's own (sdpa; eager for Gemma-2's soft-cap)
+
+
+def get(names: Sequence[str] | None, attention: Sequence[str] = ("default",)) -> list[LLMSpec]:
+    """The named models, each once per attention implementation in ``attention`` (``default``: its own; a model
+    whose own is the one named is not run twice)."""
+    out: list[LLMSpec] = []
+    for spec in select(MODELS, names, "LLM(s)"):
+        for attn in dict.fromkeys(spec.attn if a == "default" else a for a in attention):
+            out.append(spec if attn == spec.attn else replace(spec, attn=attn))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def merge(docs: Sequence[dict]) -> dict:
                 m["workload"], m["shapes"], m["batch"], m["dtype"], m["bytes"], m["flops"], m["floor_us"],
                 m["sets"], m["modes"])   # best Inductor, speedup and floor fraction over the combined modes
         for r in d.get("llm", []):
-            add(llm, (r["model"], r["scenario"], r["dtype"]), r)
+            add(llm, (r["model"], r["scenario"], r["dtype"], r.get("attn_implementation")), r)
     out["cases"], out["llm"] = list(cases.values()), list(llm.values())
     done = {f"{c['workload']} b{c['batch']} {c['dtype']}" for c in out["cases"]} | {r["model"] for r in out["llm"]}
     out["not_run"] = sorted({w for d in docs for w in d.get("not_run", [])} - done)
@@ -178,13 +178,14 @@ def markdown(doc: dict) -> str:
     if doc.get("llm"):
         lines += ["", "## End-to-end LLMs (random weights)", "",
                   "kernels / layer: GPU kernels one step launches (profiler), over the model's layers.", "",
-                  "| model | scenario | dtype | mode | ms / step | tokens / s | compile s | peak GiB | kernels / layer "
-                  "| status |",
-                  "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
+                  "| model | attention | scenario | dtype | mode | ms / step | tokens / s | compile s | peak GiB "
+                  "| kernels / layer | status |",
+                  "|---|---|---|---|---|---:|---:|---:|---:|---:|---|"]
         for r in doc["llm"]:
             for m, x in r["modes"].items():
                 status = "ok" if x["status"] == "ok" else f"{x['status']}: {(x.get('error') or '')[:80]}"
-                lines.append(f"| {r['model']} | {r['scenario']} | {r['dtype']} | {m} | {_num(x.get('ms'), '.3f')} | "
+                lines.append(f"| {r['model']} | {r.get('attn_implementation') or '—'} | {r['scenario']} | {r['dtype']} "
+                             f"| {m} | {_num(x.get('ms'), '.3f')} | "
                              f"{_num(x.get('tokens_per_s'), ',.0f')} | {_num(x.get('compile_s'), '.1f')} | "
                              f"{_num(x.get('peak_gib'), '.2f')} | {_num(x.get('kernels_per_layer'), '.1f')} | "
                              f"{status} |")
