@@ -202,3 +202,30 @@ def test_a_gemm_with_an_elementwise_epilogue_is_not_enumerated(fn, rows):
         assert not searched
         declines = [d for r in report.regions for d in r.declines if d.claimer == "ugraph-search"]
         assert any("one matmul with elementwise ops: not enumerated" in d.detail for d in declines), report.regions
+
+
+def test_compute_bound_gemms_are_not_enumerated():
+    """A prefill's gated MLP (512 rows: both matmuls compute-bound, neither reading the other's result) is left to
+    Inductor's GEMM templates without a search; the same at 4 rows (weight streaming) and attention (a matmul of a
+    matmul's softmax) are still searched."""
+    from torch_mirage.capture.lower import trace
+    from torch_mirage.config import load
+    from torch_mirage.context import CompileContext
+    from torch_mirage.numerics import rms_norm
+    from torch_mirage.superopt.search.claimer import compute_bound_gemms
+
+    def mlp(x, g, w1, w3):
+        h = rms_norm(x, 1e-5, g)
+        return F.silu(F.linear(h, w1)) * F.linear(h, w3)
+
+    def attention(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+    ctx = CompileContext.standalone(load({}))
+    weights = [torch.randn(1024), torch.randn(2048, 1024), torch.randn(2048, 1024)]
+    for fn, args, skipped in ((mlp, [torch.randn(512, 1024), *weights], True),
+                              (mlp, [torch.randn(4, 1024), *weights], False),
+                              (attention, [torch.randn(4, 512, 64) for _ in range(3)], False)):
+        graph = trace(fn, args)
+        why = compute_bound_gemms(list(graph.nodes), ctx.analysis_of(graph).cost)
+        assert (why is not None) == skipped, (fn.__name__, args[0].shape, why)
+        assert why is None or "2 compute-bound matmul(s)" in why
