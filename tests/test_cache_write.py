@@ -252,3 +252,32 @@ def test_store_through_after_a_split(split, in_kernel, tmp_path):
     (out,) = launcher(*xs, targets=[(cache, pos)])
     assert_close(out, xs[0] @ xs[1])                  # ``only`` False: its own output is stored too
     assert_close(cache, want)
+
+
+def kv_projection_cast(x, g, wk, wv, pos, k_cache, v_cache):
+    """As :func:`kv_projection`, the cache held in another dtype than the projections compute in (a cast before the
+    write, as PyTorch asks)."""
+    b = x.shape[0]
+    h = rms_norm(x, 1e-5, g)
+    k_cache.index_copy_(2, pos, F.linear(h, wk).view(b, 1, KV, HD).transpose(1, 2).to(k_cache.dtype))
+    v_cache.index_copy_(2, pos, F.linear(h, wv).view(b, 1, KV, HD).transpose(1, 2).to(v_cache.dtype))
+    return k_cache.float().sum(dim=2), v_cache[:, :, :4]
+
+
+@interpreted
+def test_cache_in_another_dtype():
+    """A half-precision cache written from fp32 projections: whether the writes join the kernel (the cast then
+    stores half) or stay outside, projections and caches equal eager's."""
+    torch._dynamo.reset()
+    args = _inputs(2)
+    args[5], args[6] = args[5].half(), args[6].half()
+    eager_args = [a.clone() for a in args]
+    want = kv_projection_cast(*eager_args)
+    compiled, report = _compile(kv_projection_cast)
+    assert_close(compiled(*args), want)
+    for i in (5, 6):
+        assert_close(args[i], eager_args[i])
+    mirage = [r for r in report.regions if r.compiled_by == "mirage" and r.claimer == "ugraph-gemv"]
+    assert mirage, str(report)
+    for r in mirage:
+        assert r.info.get("stored_updates", 0) == sum("index_put" in op for op in r.ops), str(report)

@@ -170,6 +170,8 @@ def cache_writes(graph, nodes: list, free_ids: set) -> list:
                         (update[2].producer is not None and id(update[2].producer) in inside):
                     continue
                 dst = update[0]
+                if dst.meta.dtype not in DTYPES or dst.meta.dtype != v.meta.dtype:
+                    continue        # a cache in another dtype (fp8) or a cast on the way: the write stays outside
                 if all(w is u or w.target_name == "aten.copy_.default" for w in dst.users):
                     found.append(u)
     return found
