@@ -193,8 +193,9 @@ def test_cache_write_on_gpu(rows):
 @interpreted
 def test_hf_llama_decode_writes_its_cache_in_the_qkv_kernels():
     """A tiny HF Llama (2 layers, fp32) decoding one token into a ``StaticCache``: each layer's QKV kernel stores
-    its K / V rows into the cache (the positions come from the cache's counter, computed outside the region); logits
-    and every cache tensor equal eager's."""
+    its K / V rows into the cache (the positions come from the cache's counter, computed outside the region), and
+    its attention reads the cache's KV heads without HF's repeat_kv copy; logits and every cache tensor equal
+    eager's."""
     transformers = pytest.importorskip("transformers")
     del transformers
     from torch_mirage.bench import llm
@@ -226,6 +227,10 @@ def test_hf_llama_decode_writes_its_cache_in_the_qkv_kernels():
         assert_close(t, w)
     writes = [r for r in report.regions if r.compiled_by == "mirage" and r.info.get("stored_updates")]
     assert len(writes) == config.num_hidden_layers and all(r.info["stored_updates"] == 2 for r in writes), str(report)
+    # the attention reads the cache's KV heads as written: HF's repeat_kv before SDPA copies nothing
+    attention = [r for r in report.regions if r.compiled_by == "mirage" and r.claimer == "attention"]
+    hk = config.num_key_value_heads
+    assert len(attention) == config.num_hidden_layers and all(f"hk={hk} " in r.info["attention"] for r in attention)
 
 
 @interpreted

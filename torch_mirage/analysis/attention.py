@@ -9,7 +9,8 @@ An attention region is ``softmax(mask(softcap(scale · Q Kᵀ))) · V`` wherever
   softmax decomposed into ``amax / sub / exp / sum / div`` with any casts around it, then ``P·V``;
 * from the fused SDPA ATen ops (``_scaled_dot_product_{flash,efficient,cudnn}_attention``,
   ``_scaled_dot_product_flash_attention_for_cpu``, ``scaled_dot_product_attention``) with their ``attn_mask`` /
-  ``is_causal`` / ``scale`` / GQA (fewer K/V heads) arguments.
+  ``is_causal`` / ``scale`` / GQA (fewer K/V heads) arguments; K and V repeated per query-head group by
+  ``repeat_kv`` before the op (HF does, where it passes a mask) are read as the KV heads, the repeat in the region.
 
 :func:`find_attention` returns one :class:`AttentionSpec` per region found: its shape parameters, scale, soft-cap,
 mask (kind and the value that carries it), the capture-IR nodes it covers and the values it reads. A mask tensor's
@@ -521,14 +522,18 @@ def _sdpa_at(node: Node, values: dict | None) -> AttentionSpec | None:
         return None
     if any(o.users for o in node.outputs[1:]):
         return None
+    repeats: list[Node] = []        # HF's repeat_kv before SDPA (with a mask it does not pass enable_gqa): read
+    k0, v0 = _unrepeat(k, repeats), _unrepeat(v, repeats)      # the KV heads themselves, no copy per query head
+    if k0 is k or v0 is v or _shape(k0) != _shape(v0):
+        k0, v0, repeats = k, v, []
     b, h, sq, d = _shape(q)
-    _, hk, skv, _ = _shape(k)
-    if _shape(k)[0] != b or _shape(v) != _shape(k) or h % hk:
+    _, hk, skv, _ = _shape(k0)
+    if _shape(k0)[0] != b or _shape(v0) != _shape(k0) or h % hk:
         return None
     scale = kw.get("scale")
     spec = AttentionSpec(b, h, hk, sq, skv, d, float(scale) if scale is not None else 1.0 / math.sqrt(d),
-                         dtype=q.meta.dtype, form=node.target_name.split(".")[1], q=q, k=k, v=v,
-                         output=node.outputs[0], nodes=[node])
+                         dtype=q.meta.dtype, form=node.target_name.split(".")[1], q=q, k=k0, v=v0,
+                         output=node.outputs[0], nodes=repeats + [node])
     if kw.get("is_causal"):
         if mask is not None:
             return None
