@@ -286,3 +286,14 @@ def test_cache_in_another_dtype():
     assert mirage, str(report)
     for r in mirage:
         assert r.info.get("stored_updates", 0) == sum("index_put" in op for op in r.ops), str(report)
+
+
+def test_random_positions_are_distinct():
+    """Example inputs for a short position vector (a write of a few tokens) never repeat a position: an index_copy
+    with repeated positions has no defined result to check a kernel against."""
+    from torch_mirage.timing import random_like
+
+    meta = torch.empty(5, dtype=torch.int64)
+    for _ in range(20):
+        pos = random_like(meta, "cpu")
+        assert pos.dtype == torch.int64 and len(set(pos.tolist())) == 5 and 0 <= int(pos.min()) and int(pos.max()) < 8
