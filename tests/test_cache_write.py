@@ -297,3 +297,25 @@ def test_random_positions_are_distinct():
     for _ in range(20):
         pos = random_like(meta, "cpu")
         assert pos.dtype == torch.int64 and len(set(pos.tolist())) == 5 and 0 <= int(pos.min()) and int(pos.max()) < 8
+
+
+def kv_projection_returned(x, g, wk, wv, pos, k_cache, v_cache):
+    """The caches written, and the K cache itself returned (an output aliasing a mutated input)."""
+    kv_projection(x, g, wk, wv, pos, k_cache, v_cache)
+    return k_cache, v_cache * 1.0
+
+
+@interpreted
+def test_returned_cache_is_the_input_written_in_place():
+    torch._dynamo.reset()
+    compiled, report = _compile(kv_projection_returned)
+    for _ in range(2):                                  # two calls, other contents and positions
+        args = _inputs(2)
+        eager = [a.clone() for a in args]
+        want = kv_projection_returned(*eager)
+        got = compiled(*args)
+        assert_close(got, want)
+        assert got[0].data_ptr() == args[5].data_ptr()   # as eager: the mutated input itself
+        for i in (5, 6):
+            assert_close(args[i], eager[i])
+    assert any(r.info.get("stored_updates") == 2 for r in report.regions), str(report)
