@@ -319,3 +319,35 @@ def test_returned_cache_is_the_input_written_in_place():
         for i in (5, 6):
             assert_close(args[i], eager[i])
     assert any(r.info.get("stored_updates") == 2 for r in report.regions), str(report)
+
+
+@interpreted
+def test_cache_write_in_a_sibling_launch():
+    """Q and K / V of different widths are two graph-defined ops; joined in one launch (forced here: the CPU does not
+    time), the K / V part still stores the cache rows itself."""
+    from torch_mirage.config import load
+    from torch_mirage.context import CompileContext
+    from torch_mirage.partition.region import Claim
+    from torch_mirage.superopt.gemv_claim import GemvClaimer
+
+    heads, b = 4, 2
+    x, g = torch.randn(b, 1, D), 1 + 0.1 * torch.randn(D)
+    wq, wk, wv = (torch.randn(n * HD, D) * D ** -0.5 for n in (heads, KV, KV))
+    caches = [torch.randn(b, KV, SLOTS, HD) for _ in range(2)]
+    args = [x, g, wq, wk, wv, torch.tensor([6]), *caches]
+    graph = trace(qkv_projection, args)
+    ctx = CompileContext.standalone(load({"min_region_us": 0}))
+    (claim,) = [o for o in GemvClaimer().claim(graph, list(graph.nodes), ctx)
+                if isinstance(o, Claim) and any("index_put" in n.target_name for n in o.nodes)]
+    mu = claim.plan.alternatives[0].graph
+    ref = claim.plan.bind.args[2]           # the region's reference (reference_kernel's): the μGraph's inputs
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    examples = [args[pos[id(v)]].clone() for v in ref.inputs]
+    compiled = compile_ugraph(mu, examples, tune=False, siblings=True)
+    assert compiled.sibling_launches and compiled.stored_updates == 2
+    eager = [a.clone() for a in args]
+    qkv_projection(*eager)
+    compiled(*examples)
+    written = [t for t in examples if t.shape == caches[0].shape]
+    for got, want in zip(written, eager[6:]):
+        assert_close(got, want)

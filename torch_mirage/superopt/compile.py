@@ -423,22 +423,23 @@ def _store_through(kgraph: KernelGraph, steps: list[_Step], env: dict, cache_dir
         return ([env[Ref(*r)] for r in kgraph.ops[i].inputs],
                 [(env[ts.dst], env[ts.positions]) for ts in per_op.get(i, [])])
     jobs: dict[str, Callable[[], None]] = {}      # the rebuilt kernels, compiled ahead in the pool at once
-    for i, items in per_op.items():
-        step = by_index[i]
-        step.launcher = launcher(i)
-        step.targets = tuple((ts.dst, ts.positions) for ts in items)
-        for ts in items:
-            by_index[ts.update].stored = True
-        if not step.deferred and step.siblings is None:
-            ins, tg = args(i)
-            jobs[f"op{i}"] = functools.partial(step.launcher.warmup, *ins, targets=tg)
-        log.info("torch_mirage: μGraph op %d stores %d update(s) itself (%s)", i, len(items), step.launcher.path)
-    for s in steps:
+    for s in steps:                               # a sibling launch: its parts rebuilt with their stores
         if s.siblings is not None and any(i in per_op for i in s.group):
             s.siblings = SiblingLauncher([launcher(i, flat_pid=True) for i in s.group], s.siblings.num_warps,
                                          cache_dir, s.siblings.name)
             jobs[s.siblings.name] = functools.partial(s.siblings.warmup, [args(i)[0] for i in s.group],
                                                       [args(i)[1] for i in s.group])
+            log.info("torch_mirage: μGraph ops %s store their updates in one launch (%s)", s.group, s.siblings.path)
+    for i, items in per_op.items():
+        step = by_index[i]
+        step.targets = tuple((ts.dst, ts.positions) for ts in items)
+        for ts in items:
+            by_index[ts.update].stored = True
+        if not step.deferred and step.siblings is None:     # a launch of its own
+            step.launcher = launcher(i)
+            ins, tg = args(i)
+            jobs[f"op{i}"] = functools.partial(step.launcher.warmup, *ins, targets=tg)
+            log.info("torch_mirage: μGraph op %d stores %d update(s) itself (%s)", i, len(items), step.launcher.path)
     if env and next(iter(env.values())).is_cuda:
         run_all(list(jobs), lambda name: jobs[name](), workers())
 
