@@ -295,3 +295,23 @@ def test_static_cache_decode_with_per_row_mask_runs_split_kv(dtype):
     mask[0, ..., 300:] = float("-inf")          # row 0 has written 300 slots, row 1 all of them
     (region,) = _check(decode, (q, k, v, mask), dtype)
     assert region.info["ugraph"] == "flash_decoding/4" and "ugraph_us" not in region.info, region.info
+
+
+def test_sdpa_with_a_mask_broadcast_over_the_batch():
+    """A mask passed as an expanded view (stride 0 over the batch, as a caller broadcasting one padding row does):
+    its example data keeps the view's strides, the region is claimed, and it equals eager."""
+    from torch_mirage.capture.ir import TensorMeta
+    from torch_mirage.timing import random_like
+
+    b, h, hk, skv, d = 2, 8, 2, 48, 16
+    q, k, v = _qkv(b, h, hk, 1, skv, d, torch.float32)
+    mask = torch.where(torch.arange(skv) < 40, 0.0, float("-inf")).expand(b, 1, 1, skv)
+    example = random_like(TensorMeta.of(mask))
+    assert example.stride() == mask.stride() and example.shape == mask.shape
+
+    def f(q, k, v, mask):
+        k, v = repeat_kv(k, h // hk), repeat_kv(v, h // hk)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    (region,) = _check(f, (q, k, v, mask), torch.float32)
+    assert "hk=2 " in region.info["attention"], region.info

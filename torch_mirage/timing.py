@@ -25,7 +25,10 @@ def random_like(meta, device=None) -> torch.Tensor:
     else:
         t = torch.randint(0, 8, shape, device=device, dtype=dtype)
     if not meta.is_contiguous and all(s > 0 for s in shape):
-        t = torch.empty_strided(shape, meta.stride, device=device, dtype=dtype).copy_(t)
+        # the meta's strides; a dim of stride 0 (an expanded tensor, a mask broadcast over the batch) holds one value
+        base = tuple(1 if st == 0 else n for n, st in zip(shape, meta.stride))
+        t = torch.empty_strided(base, meta.stride, device=device, dtype=dtype).copy_(
+            t[tuple(slice(0, n) for n in base)]).expand(shape)
     return t
 
 
