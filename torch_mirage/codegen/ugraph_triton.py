@@ -258,22 +258,27 @@ class _Emitter:
         return f"tl.where({' & '.join(terms)}, {self.f32(v)}, {fill})"
 
     # -------------------------------------------------------------- memory
-    def offsets(self, prefix: str, full, tile, starts, trans: bool = False) -> tuple[str, str | None]:
-        """Pointer offsets (and mask) of a tile of kernel tensor ``prefix`` whose dim d starts at ``starts[d]``;
-        ``trans``: the (rank-2) register tile holds it transposed (loaded as its transpose)."""
+    def coordinates(self, tile, starts, trans: bool = False) -> list[str]:
+        """Each dim's index expression for a tile whose dim d starts at ``starts[d]``: the start alone ("0" where it
+        is 0) for a leading unit dim, else the start plus an arange lifted to its place in the register tile
+        (``trans``: a rank-2 tile held transposed)."""
         kept, n = strip(tile)
-        rank, terms = len(kept), []
-        for d in range(len(full)):
-            s = starts[d]
+        rank, out = len(kept), []
+        for d, s in enumerate(starts):
             if d < n:
-                if s != "0":
-                    terms.append(f"({s}) * {prefix}_s{d}")
+                out.append("0" if s == "0" else f"({s})")
                 continue
             k = d - n
             ar = self.r(padded(tile[d]))
-            idx = ar if s == "0" else f"({s} + {ar})"
-            terms.append(f"{idx}{_expand(rank, rank - 1 - k if trans else k)} * {prefix}_s{d}")
-        return " + ".join(terms) or "0", self.mask(kept, trans)
+            out.append(f"{ar if s == '0' else f'({s} + {ar})'}{_expand(rank, rank - 1 - k if trans else k)}")
+        return out
+
+    def offsets(self, prefix: str, full, tile, starts, trans: bool = False) -> tuple[str, str | None]:
+        """Pointer offsets (and mask) of a tile of kernel tensor ``prefix`` whose dim d starts at ``starts[d]``;
+        ``trans``: the (rank-2) register tile holds it transposed (loaded as its transpose)."""
+        terms = [f"{c} * {prefix}_s{d}" for d, c in enumerate(self.coordinates(tile, starts[:len(full)], trans))
+                 if c != "0"]
+        return " + ".join(terms) or "0", self.mask(strip(tile)[0], trans)
 
     def load_iterator(self, op: Op, it: str | None, trans: bool = False) -> Val:
         a, bg = op.attrs, self.bg
@@ -337,18 +342,9 @@ class _Emitter:
     def through_offsets(self, t: int, th: StoreThrough, full, tile, starts) -> tuple[str, str | None]:
         """Offsets (and mask) in destination ``t`` of a saved tile (see :class:`StoreThrough`): each element's
         row-major index in the saved tensor, unravelled in ``th.shape``; the positions' dim looked up."""
-        kept, n = strip(tile)
-        rank = len(kept)
-        coords = []
-        for d in range(len(full)):
-            if d < n:
-                coords.append(f"({starts[d]})")
-            else:
-                ar = self.r(padded(tile[d]))
-                idx = ar if starts[d] == "0" else f"({starts[d]} + {ar})"
-                coords.append(f"{idx}{_expand(rank, d - n)}")
+        coords = self.coordinates(tile, starts[:len(full)])
         flat = " + ".join(c if math.prod(full[d + 1:]) == 1 else f"{c} * {math.prod(full[d + 1:])}"
-                          for d, c in enumerate(coords) if full[d] > 1) or "0"
+                          for d, c in enumerate(coords) if full[d] > 1 and c != "0") or "0"
         flat_name = self.fresh("flat")
         self.line(f"{flat_name} = {flat}")
         terms = []
@@ -364,7 +360,7 @@ class _Emitter:
                 index = f"tl.load(pos{t}_ptr + {index})" if index != "0" else f"tl.load(pos{t}_ptr)"
             if index != "0":
                 terms.append(f"{index} * dst{t}_s{d}")
-        return " + ".join(terms) or "0", self.mask(kept)
+        return " + ".join(terms) or "0", self.mask(strip(tile)[0])
 
     @staticmethod
     def _saved_parts(v: Val, tile, starts):

@@ -419,16 +419,18 @@ def _store_through(kgraph: KernelGraph, steps: list[_Step], env: dict, cache_dir
         return BlockLauncher(kgraph.ops[i].body, old.config, ranks, cache_dir, old.kernel.name, target, flat_pid,
                              [ts.through for ts in per_op.get(i, [])])
 
-    def args(i: int) -> tuple[list, list]:     # op i's example inputs and targets
-        return ([env[Ref(*r)] for r in kgraph.ops[i].inputs],
-                [(env[ts.dst], env[ts.positions]) for ts in per_op.get(i, [])])
+    def ins(i: int) -> list:                      # op i's example inputs
+        return [env[Ref(*r)] for r in kgraph.ops[i].inputs]
+
+    def targets(i: int) -> list:                  # and its (destination, positions) examples
+        return [(env[ts.dst], env[ts.positions]) for ts in per_op.get(i, [])]
     jobs: dict[str, Callable[[], None]] = {}      # the rebuilt kernels, compiled ahead in the pool at once
     for s in steps:                               # a sibling launch: its parts rebuilt with their stores
         if s.siblings is not None and any(i in per_op for i in s.group):
             s.siblings = SiblingLauncher([launcher(i, flat_pid=True) for i in s.group], s.siblings.num_warps,
                                          cache_dir, s.siblings.name)
-            jobs[s.siblings.name] = functools.partial(s.siblings.warmup, [args(i)[0] for i in s.group],
-                                                      [args(i)[1] for i in s.group])
+            jobs[s.siblings.name] = functools.partial(s.siblings.warmup, [ins(i) for i in s.group],
+                                                      [targets(i) for i in s.group])
             log.info("torch_mirage: μGraph ops %s store their updates in one launch (%s)", s.group, s.siblings.path)
     for i, items in per_op.items():
         step = by_index[i]
@@ -437,8 +439,7 @@ def _store_through(kgraph: KernelGraph, steps: list[_Step], env: dict, cache_dir
             by_index[ts.update].stored = True
         if not step.deferred and step.siblings is None:     # a launch of its own
             step.launcher = launcher(i)
-            ins, tg = args(i)
-            jobs[f"op{i}"] = functools.partial(step.launcher.warmup, *ins, targets=tg)
+            jobs[f"op{i}"] = functools.partial(step.launcher.warmup, *ins(i), targets=targets(i))
             log.info("torch_mirage: μGraph op %d stores %d update(s) itself (%s)", i, len(items), step.launcher.path)
     if env and next(iter(env.values())).is_cuda:
         run_all(list(jobs), lambda name: jobs[name](), workers())

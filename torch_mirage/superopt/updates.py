@@ -58,17 +58,14 @@ def _written(g: KernelGraph, output: Ref) -> Ref:
     return r
 
 
-def core_inputs(g: KernelGraph) -> list[int]:
-    """The input indices of ``g`` that its core (:func:`split_updates`) keeps, in order: those a value other than an
-    update's destination or positions reads."""
-    return sorted({g.ops[i].attrs["index"] for i in g.ancestors([r.op for r in _core_outputs(g)])
-                   if g.ops[i].name == "input"})
-
-
-def _core_outputs(g: KernelGraph) -> list[Ref]:
-    """Each output of ``g``, an update's replaced by the value it writes (:func:`_written`)."""
-    by_output = {u.output for u in updates_of(g)}
-    return [_written(g, r) if j in by_output else Ref(*r) for j, r in enumerate(g.outputs)]
+def _core(g: KernelGraph, updates: list[Update]) -> tuple[list[Ref], list[int]]:
+    """``(outputs, inputs)`` of the core of ``g`` (:func:`split_updates`): each output, an update's replaced by the
+    value it writes (:func:`_written`); the input indices those read, in order (not an update's destination or
+    positions)."""
+    by_output = {u.output for u in updates}
+    outputs = [_written(g, r) if j in by_output else Ref(*r) for j, r in enumerate(g.outputs)]
+    inputs = sorted({g.ops[i].attrs["index"] for i in g.ancestors([r.op for r in outputs]) if g.ops[i].name == "input"})
+    return outputs, inputs
 
 
 def split_updates(g: KernelGraph) -> tuple[KernelGraph, list[Update]]:
@@ -77,9 +74,9 @@ def split_updates(g: KernelGraph) -> tuple[KernelGraph, list[Update]]:
     updates = updates_of(g)
     if not updates:
         return g, []
-    outputs = _core_outputs(g)
+    outputs, inputs = _core(g, updates)
     needed = g.ancestors([r.op for r in outputs])
-    kept = set(core_inputs(g))
+    kept = set(inputs)
     b = new_kernel_graph()
     env: dict[Ref, object] = {}
     for i in sorted((i for i, op in enumerate(g.ops) if op.name == "input"), key=lambda i: g.ops[i].attrs["index"]):
@@ -103,7 +100,7 @@ def with_updates(core: KernelGraph, updates: list[Update], program: KernelGraph)
     b = new_kernel_graph()
     ins = {op.attrs["index"]: b.new_input(op.attrs["shape"], op.attrs["dtype"])
            for op in sorted(program.inputs, key=lambda op: op.attrs["index"])}
-    kept = core_inputs(program)
+    kept = _core(program, updates)[1]
     env: dict[Ref, object] = {}
     for i, op in enumerate(core.ops):
         if op.name == "input":
