@@ -146,6 +146,8 @@ def test_sdpa_forms_are_claimed(case, dtype):
     assert "scaled_dot_product" in region.info["attention"]
     if case == "repeat_kv":               # the KV heads read as they are: the repeat is no copy of its own
         assert "hk=2" in region.info["attention"] and any("expand" in op for op in region.ops), region.info
+    if case.startswith("bool"):           # the kernels read the bool mask as it is: no additive copy per call
+        assert region.info.get("mask") == "bool, read in the kernel", region.info
 
 
 # ------------------------------------------------------------------ hand-written

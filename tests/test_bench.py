@@ -263,6 +263,20 @@ def test_gpu_kernel_count_eager_and_in_a_cuda_graph():
     with torch.cuda.graph(g):
         fn(x)
     assert count_device_kernels(g.replay) in (3, None)
+    from torch_mirage.timing import activity_table, device_activity
+    table = activity_table(device_activity(fn, x))
+    assert sum(r["calls"] for r in table) == 3 and all(r["us"] > 0 for r in table), table
+
+
+def test_activity_table_groups_by_name():
+    """The LLM bench's per-step kernel table: entries grouped by name, most device time first, cut at ``top``."""
+    from torch_mirage.timing import activity_table
+
+    found = [("gemv", 10.0), ("attn", 5.0), ("gemv", 12.5), ("Memcpy DtoD", 1.0), ("norm", 2.0)]
+    table = activity_table(found, top=3)
+    assert table == [{"name": "gemv", "calls": 2, "us": 22.5}, {"name": "attn", "calls": 1, "us": 5.0},
+                     {"name": "norm", "calls": 1, "us": 2.0}]
+    assert activity_table(None) is None
 
 
 # ---------------------------------------------------------------------------------------------

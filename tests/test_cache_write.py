@@ -231,6 +231,8 @@ def test_hf_llama_decode_writes_its_cache_in_the_qkv_kernels():
     attention = [r for r in report.regions if r.compiled_by == "mirage" and r.claimer == "attention"]
     hk = config.num_key_value_heads
     assert len(attention) == config.num_hidden_layers and all(f"hk={hk} " in r.info["attention"] for r in attention)
+    # HF's bool static-cache mask is read by the kernels as it is (no additive copy, no empty-row scan per layer)
+    assert all(r.info.get("mask") == "bool, read in the kernel" for r in attention), [r.info for r in attention]
 
 
 @interpreted

@@ -148,6 +148,18 @@ def count_device_kernels(fn: Callable[..., Any], *inputs: Any) -> int | None:
     """How many GPU kernels one call of ``fn(*inputs)`` launches (copies and memsets not counted), read from the
     profiler's device activity; kernels a CUDA graph replays are counted too where CUPTI reports them. None off
     CUDA, or where the call launched a CUDA graph and the profiler saw none of its kernels (it cannot tell)."""
+    found = device_activity(fn, *inputs)
+    return None if found is None else sum(not is_copy_activity(name) for name, _ in found)
+
+
+def is_copy_activity(name: str) -> bool:
+    """A profiler device entry that is a copy or memset, not a kernel."""
+    return name.startswith(("Memcpy", "Memset", "[memory]"))
+
+
+def device_activity(fn: Callable[..., Any], *inputs: Any) -> list[tuple[str, float]] | None:
+    """The GPU activity of one call of ``fn(*inputs)`` in launch order: (kernel / copy name, device µs) per
+    entry (see :func:`count_device_kernels`); None off CUDA or where a CUDA graph launch showed no kernel."""
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -156,10 +168,24 @@ def count_device_kernels(fn: Callable[..., Any], *inputs: Any) -> int | None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn(*inputs)
         torch.cuda.synchronize()
-    kernels = graph_launches = 0
+    found, graph_launches = [], 0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels += not e.name.startswith(("Memcpy", "Memset", "[memory]"))
+            found.append((e.name, float(getattr(e, "device_time", 0.0) or 0.0)))
         elif e.name == "cudaGraphLaunch":
             graph_launches += 1
-    return None if graph_launches and not kernels else kernels
+    return None if graph_launches and not any(not is_copy_activity(n) for n, _ in found) else found
+
+
+def activity_table(found: list[tuple[str, float]] | None, top: int = 40) -> list[dict] | None:
+    """:func:`device_activity` grouped by name (a kernel name cut at 80 characters): calls and total µs, the
+    most time first, ``top`` rows."""
+    if found is None:
+        return None
+    rows: dict[str, list] = {}
+    for name, us in found:
+        row = rows.setdefault(name[:80], [0, 0.0])
+        row[0] += 1
+        row[1] += us
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"name": k, "calls": c, "us": round(t, 2)} for k, (c, t) in ranked]

@@ -28,7 +28,7 @@ from typing import Any, Callable, ClassVar, NamedTuple
 
 K, B, T = "kernel", "block", "thread"
 HALF = {"float16", "bfloat16"}
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "bool": 1}
 
 
 def nbytes(shape, dtype: str) -> int:
@@ -272,6 +272,10 @@ def _dt_first(dts, at, ctx, n):
     return (dts[0],) * n
 
 
+def _dt_second(dts, at, ctx, n):
+    return (dts[1],) * n
+
+
 def _dt_attr(dts, at, ctx, n):
     return (at["dtype"],) * n
 
@@ -330,6 +334,9 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     _ew("scalar_mul", 1, ("value",)),
     _ew("scalar_add", 1, ("value",)),
     *(_ew(n, 2) for n in ("add", "sub", "mul", "div")),
+    # ``where(keep, x, value)``: x where the bool ``keep`` holds, else the constant (a bool attention mask read
+    # as it is, ``where(keep, scores, -inf)``); the value's dtype is x's
+    OpSpec("where", "elementwise", 2, frozenset({K, B, T}), _bcast, "where", ("value",), _dt_second, lax=False),
     OpSpec("reduce_sum", "reduction", 1, KB, _reduce, "reduce_sum", ("dim",)),
     OpSpec("reduce_mean", "reduction", 1, KB, _reduce, "reduce_mean", ("dim",)),
     OpSpec("reduce_max", "reduction", 1, KB, _reduce, "reduce_max", ("dim",), lax=False),
@@ -709,7 +716,8 @@ def _attrs_json(attrs) -> dict:
 
 
 def _dumps(obj) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    # infinities are attrs (a bool mask's ``where`` fill, -inf), written as JSON's common -Infinity extension
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True)
 
 
 def _op_dict(op: Op) -> dict:

@@ -508,6 +508,28 @@ def _bind(node: Node, names: Sequence[str | None]) -> dict:
     return got
 
 
+def _bool_behind(mask: Value) -> tuple[Value, str, float, list[Node]] | None:
+    """An additive mask that is ``where(keep, 0, fill)`` (or ``where(masked, fill, 0)``) of a bool tensor — what
+    SDPA's decomposition traces for a bool ``attn_mask``: ``(the bool, "bool" | "bool_inverted", fill, the nodes
+    that build the additive mask for this use alone)``, else None. The builders join the region (dead once the
+    kernels read the bool) only where nothing else reads them; an additive mask shared with other ops stays."""
+    n = mask.producer
+    if _op(mask) != "where" or not isinstance(n.args[0], Value) or n.args[0].meta is None \
+            or n.args[0].meta.dtype is not torch.bool:
+        return None
+    a, b = _scalar(n.args[1]), _scalar(n.args[2])
+    if a == 0.0 and b is not None:
+        kind, fill = "bool", b
+    elif b == 0.0 and a is not None:
+        kind, fill = "bool_inverted", a
+    else:
+        return None
+    builders = []
+    if len(mask.users) == 1:
+        builders = [x.producer for x in n.args[1:] if isinstance(x, Value) and len(x.users) == 1] + [n]
+    return n.args[0], kind, fill, builders
+
+
 def _sdpa_at(node: Node, values: dict | None) -> AttentionSpec | None:
     """The attention of an SDPA ATen op (its first output; the others must be unread)."""
     names = SDPA_TARGETS.get(node.target_name)
@@ -540,9 +562,12 @@ def _sdpa_at(node: Node, values: dict | None) -> AttentionSpec | None:
         spec.mask, spec.mask_structure, spec.mask_band, spec.mask_zero_visible = "causal", "causal", (0, None), True
     elif isinstance(mask, Value):
         spec.mask = "bool" if mask.meta.dtype is torch.bool else "additive"
-        spec.mask_value = mask
-        if spec.mask == "bool":
+        if (behind := _bool_behind(mask)) is not None:     # SDPA's own bool -> additive conversion, traced
+            mask, spec.mask, spec.bool_fill, builders = behind
+            spec.nodes = builders + spec.nodes
+        elif spec.mask == "bool":
             spec.bool_fill = float("-inf")
+        spec.mask_value = mask
         spec.mask_structure = _mask_structure(mask, values)
         spec.mask_band = _mask_band(mask, values, spec.mask, sq, skv)
         spec.mask_zero_visible = spec.mask_band is not None and (

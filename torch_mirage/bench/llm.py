@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..numerics import tolerance
-from ..timing import alternating_medians, count_device_kernels, plain_timing
+from ..timing import activity_table, alternating_medians, device_activity, is_copy_activity, plain_timing
 from . import select
 from .harness import COMPILERS, _free, _short, mirage_summary, rel_error, time_in_cuda_graph
 
@@ -414,8 +414,10 @@ def _kernel_count(case: _Case, step: Callable, layers: int) -> dict:
     less). None where the profiler could not see inside a CUDA graph."""
     case.kv.restore()
     with torch.no_grad():
-        n = count_device_kernels(step, *case.inputs(0))
-    return {"kernels": n, "kernels_per_layer": None if n is None else round(n / layers, 1)}
+        found = device_activity(step, *case.inputs(0))
+    n = None if found is None else sum(not is_copy_activity(name) for name, _ in found)
+    return {"kernels": n, "kernels_per_layer": None if n is None else round(n / layers, 1),
+            "device_activity": activity_table(found)}
 
 
 def _time_modes(case: _Case, steps: dict[str, Callable], results: dict[str, dict], timing: dict,

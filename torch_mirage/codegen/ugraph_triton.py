@@ -56,6 +56,7 @@ ELEMENTWISE = {
     "exp": "tl.exp({0})", "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})", "silu": "{0} * tl.sigmoid({0})",
     "tanh": "(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)",
     "neg": "-{0}", "square": "{0} * {0}", "scalar_mul": "{0} * {value}", "scalar_add": "{0} + {value}",
+    "where": "tl.where({keep} != 0, {1}, {value})",       # {keep}: the bool operand as loaded (int1)
 }
 # tanh on CUDA: the SFU's tanh.approx.f32 (max relative error 2^-10.987), one instruction where the portable form
 # (the interpreter's) is an exp, a reciprocal and three multiply-adds
@@ -208,8 +209,9 @@ class _Emitter:
         self.prescaled = _prescaled(bg)
         dts = [op.attrs["dtype"] for op in bg.iterators]
         for d in dts:
-            if d not in TL:
-                raise CodegenError(f"μGraph codegen: input dtype {d} not supported (use float16, bfloat16 or float32)")
+            if d not in TL and d != "bool":      # bool: a mask, loaded as int1 and read by ``where``
+                raise CodegenError(f"μGraph codegen: input dtype {d} not supported "
+                                   "(use float16, bfloat16, float32, or bool for a mask)")
         self.dot_dtype = next((d for d in dts if d in HALF), "float32")
 
     # -------------------------------------------------------------- basics
@@ -473,7 +475,7 @@ class _Emitter:
                 if keep.shape == tuple(out) and keep.phys == tuple(natural) and keep.trans == trans:
                     return [keep]
             args = [self.f32(x) for x in xs]
-            value = repr(float(a["value"])) if "value" in a else None
+            value = _literal(float(a["value"])) if "value" in a else None
             x0, plain = xs[0], self.f32(replace(xs[0], scale=1.0))
             if name == "scalar_mul" and x0.scale != 1.0:                      # x·s·c: one multiply by s·c
                 expr = f"{plain} * {x0.scale * float(a['value'])!r}"
@@ -486,7 +488,7 @@ class _Emitter:
                 # multiply per element — Triton's fp32 ``/`` is div.full.f32, an SFU reciprocal and more per element
                 expr = f"{args[0]} * (1.0 / {args[1]})"
             else:
-                expr = ELEMENTWISE[name].format(*args, value=value)
+                expr = ELEMENTWISE[name].format(*args, value=value, keep=xs[0].name)
             return [self.assign("v", expr, out, natural=natural, trans=trans)]
         if name == "thread":
             return self.emit_thread(op, xs)
@@ -768,6 +770,11 @@ def _combine(e: _Emitter, op: Op, states: list[Val], others: list[Val]) -> None:
     e.line(f"{l.name} = {l.name} * {a1.name} + {l2.name} * {a2.name}")
     e.line(f"{o.name} = {o.name} * {a1.name} + {o2.name} * {a2.name}")
     e.line(f"{m.name} = {mn.name}")
+
+
+def _literal(x: float) -> str:
+    """A Python float literal Triton's frontend parses (``float("-inf")`` for infinities)."""
+    return repr(x) if math.isfinite(x) else f'float("{x}")'
 
 
 # ------------------------------------------------------------------ kernels

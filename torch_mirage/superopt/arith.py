@@ -104,6 +104,11 @@ class Arith(abc.ABC):
         """Concatenation along ``dim``."""
 
     # ------------------------------------------------- composites (inherited)
+    def where(self, keep: Tensor, x: Tensor, value) -> Tensor:
+        """``x`` where the bool ``keep`` (program data, the same in both programs) holds, else ``value``. Not a
+        primitive every arithmetic has: the finite field's selects between field elements."""
+        raise NotImplementedError(f"{type(self).__name__}: where (a select by a bool tensor) is not implemented")
+
     def const(self, value: float, like: Tensor) -> Tensor:
         """A scalar constant that broadcasts against ``like``."""
         return self.full((), value, like)
@@ -240,6 +245,9 @@ class TorchArith(Arith):
 
     def tanh(self, x):
         return torch.tanh(x)
+
+    def where(self, keep, x, value):
+        return torch.where(keep.bool(), x, torch.tensor(value, dtype=x.dtype, device=x.device))
 
     def neg(self, x):
         return -x

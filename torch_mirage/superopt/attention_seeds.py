@@ -39,6 +39,9 @@ from .builder import new_kernel_graph, new_threadblock_graph
 from .library import blocks, split_kv_combine
 
 PHI = None
+NEG_INF = float("-inf")
+EMPTY_ROW_EPS = 1e-30     # far below fp32's resolution at 1 (6e-8): l + eps == l for every row with a key
+EMPTY_ROWS = ("nan", "zero")
 
 
 def _band(tb, band, q_input: int, q_dim: int, k_input: int, mask_input: int | None) -> None:
@@ -54,32 +57,48 @@ def _band(tb, band, q_input: int, q_dim: int, k_input: int, mask_input: int | No
                            z) + ((True,) if index else ())     # 7 fields unless index_mask: other hashes stay
 
 
-def _scores(tb, tQ, tK, scale: float, softcap: float | None, tMask):
+def _scores(tb, tQ, tK, scale: float, softcap: float | None, tMask, mask_fill: float = NEG_INF):
+    """``mask + softcap(scale·Q Kᵀ)``; a bool mask (the user's, read as it is) keeps the scores it holds True
+    and puts ``mask_fill`` at the others: ``where(keep, s, fill)``, which is ``s + where(keep, 0, fill)``."""
     s = tb.scalar_mul(tb.matmul(tQ, tb.transpose(tK)), value=scale)
     if softcap is not None:
         s = tb.scalar_mul(tb.tanh(tb.scalar_mul(s, value=1.0 / softcap)), value=softcap)
-    return tb.add(s, tMask) if tMask is not None else s
+    if tMask is None:
+        return s
+    return tb.where(tMask, s, value=mask_fill) if tMask.dtype == "bool" else tb.add(s, tMask)
+
+
+def _normalised(tb, o, l, empty_rows: str):
+    """``o / l``, the online softmax's output. ``empty_rows``: what a row whose keys are all masked by -inf (sum
+    l = 0, o = 0) gives — ``"nan"``: 0/0, as the decomposed softmax in eager; ``"zero"``: 0, as SDPA, by
+    ``o / (l + EMPTY_ROW_EPS)`` — every other row has l >= 1 (its max key adds exp(0)), where adding the epsilon
+    leaves fp32 l unchanged."""
+    return tb.div(o, tb.scalar_add(l, value=EMPTY_ROW_EPS) if empty_rows == "zero" else l)
 
 
 def flash_attention(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float, softcap: float | None = None,
                     mask: tuple[int, int] | None = None, dtype: str = "float16", mask_dtype: str = "float32",
                     q_blocks: int | None = None, forloop_range: int | None = None, tile: int = 64,
-                    band: tuple | None = None, stats: bool = False) -> KernelGraph:
+                    band: tuple | None = None, stats: bool = False, mask_fill: float = NEG_INF,
+                    empty_rows: str = "nan") -> KernelGraph:
     """``softmax(mask + softcap(scale·Q Kᵀ)) V``: inputs Q (b, hk, rows, d), K, V (b, hk, skv, d)
-    [+ mask (bm, hm, rows, skv) when ``mask = (bm, hm)``]; output (b, hk, rows, d) [+ with ``stats`` each row's
-    softmax max and sum of exponentials, (b, hk, rows, 1) fp32: what a second pass over the scores needs]."""
+    [+ mask (bm, hm, rows, skv) when ``mask = (bm, hm)``: additive, or bool (``mask_dtype`` "bool", the scores
+    it does not keep set to ``mask_fill``)]; output (b, hk, rows, d) [+ with ``stats`` each row's softmax max and
+    sum of exponentials, (b, hk, rows, 1) fp32: what a second pass over the scores needs]. ``empty_rows``: see
+    :func:`_normalised`."""
     g = new_kernel_graph()
     Q, K, V = g.new_input((b, hk, rows, d), dtype), g.new_input((b, hk, skv, d), dtype), g.new_input((b, hk, skv, d), dtype)
     M = g.new_input((*mask, rows, skv), mask_dtype) if mask is not None else None
     outs = _flash_op(g, Q, K, V, M, scale=scale, softcap=softcap, q_blocks=q_blocks or blocks(rows, tile),
-                     forloop_range=forloop_range or blocks(skv, tile), band=band, stats=stats)
+                     forloop_range=forloop_range or blocks(skv, tile), band=band, stats=stats, mask_fill=mask_fill,
+                     empty_rows=empty_rows)
     for t in outs:
         g.mark_output(t)
     return g.build()
 
 
 def _flash_op(g, Q, K, V, M, *, scale: float, softcap: float | None, q_blocks: int, forloop_range: int,
-              band: tuple | None, stats: bool) -> list:
+              band: tuple | None, stats: bool, mask_fill: float = NEG_INF, empty_rows: str = "nan") -> list:
     """The FlashAttention block graph on kernel tensors Q (b, hk, rows, d), K, V [, M]: grid (hk, b, row
     blocks), the for-loop over KV tiles; returns the output [and the row max / sum of exponentials]."""
     b, hk = Q.shape[:2]
@@ -90,8 +109,8 @@ def _flash_op(g, Q, K, V, M, *, scale: float, softcap: float | None, q_blocks: i
     tK = tb.new_input(K, imap=(1, 0, PHI), fmap=2)
     tV = tb.new_input(V, imap=(1, 0, PHI), fmap=2)
     tM = tb.new_input(M, imap=(1 if mask[1] > 1 else PHI, 0 if mask[0] > 1 else PHI, 2), fmap=3) if M is not None else None
-    m, l, o = tb.forloop_accum_online_softmax(_scores(tb, tQ, tK, scale, softcap, tM), tV)
-    tb.new_output(tb.div(o, l), omap=(1, 0, 2))
+    m, l, o = tb.forloop_accum_online_softmax(_scores(tb, tQ, tK, scale, softcap, tM, mask_fill), tV)
+    tb.new_output(_normalised(tb, o, l, empty_rows), omap=(1, 0, 2))
     if stats:
         tb.new_output(m, omap=(1, 0, 2), dtype="float32")
         tb.new_output(l, omap=(1, 0, 2), dtype="float32")
@@ -101,7 +120,8 @@ def _flash_op(g, Q, K, V, M, *, scale: float, softcap: float | None, q_blocks: i
 def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float, softcap: float | None = None,
                    mask: tuple[int, int] | None = None, dtype: str = "float16", mask_dtype: str = "float32",
                    splits: int | None = None, forloop_range: int | None = None, q_blocks: int | None = None,
-                   combine_q_blocks: int | None = None, tile: int = 64, band: tuple | None = None) -> KernelGraph:
+                   combine_q_blocks: int | None = None, tile: int = 64, band: tuple | None = None,
+                   mask_fill: float = NEG_INF, empty_rows: str = "nan") -> KernelGraph:
     """The same attention split over KV: kernel 1 saves each split's (max, sum, out); kernel 2 rescales each by
     ``exp(m_s − max_s m_s)`` and combines them. Decode (one row block, ``q_blocks`` 1): grid (hk, b, splits) over
     Q, K, V as they are, so the mask may be shared by batch rows and / or KV heads or given for each — an HF
@@ -144,11 +164,12 @@ def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float
         tM = tb.new_input(M4, imap=(0 if mask[0] * mask[1] > 1 else PHI, 2, 3), fmap=3) if masked else None
         omap = (0, 2, 1)                       # (b·hk, splits, rows, ·)
     acc_dtype = "float32" if dtype in ("float16", "bfloat16") else dtype
-    for t in tb.forloop_accum_online_softmax(_scores(tb, tQ, tK, scale, softcap, tM), tV):
+    for t in tb.forloop_accum_online_softmax(_scores(tb, tQ, tK, scale, softcap, tM, mask_fill), tV):
         tb.new_output(t, omap=omap, dtype=acc_dtype)
     states = g.customized(ins, tb)
     Ms, Ls, Os = (g.reshape(x, shape=(bh, splits, rows, x.shape[-1])) if q_blocks == 1 else x for x in states)
-    Y = split_kv_combine(g, Ms, Ls, Os, bh, combine_q_blocks, dtype)            # (b·hk, 1, rows, d)
+    Y = split_kv_combine(g, Ms, Ls, Os, bh, combine_q_blocks, dtype,           # (b·hk, 1, rows, d)
+                         empty_eps=EMPTY_ROW_EPS if empty_rows == "zero" else None)
     g.mark_output(g.reshape(Y, shape=(b, hk, rows, d)))
     return g.build()
 

@@ -40,7 +40,7 @@ from .validate import SMEM_BYTES, validate
 log = logging.getLogger("torch_mirage")
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
-          "int64": torch.int64, "int32": torch.int32}
+          "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 ALIGN = 256
 VIEW_OPS = {"reshape", "transpose"}
 

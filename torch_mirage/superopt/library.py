@@ -190,14 +190,18 @@ def gqa_flashdecoding(b: int, h: int, sq: int, kv: int, d: int, *, dtype: str = 
     return g.build()
 
 
-def split_kv_combine(g, M, L, O, heads: int, q_blocks: int, dtype: str):
+def split_kv_combine(g, M, L, O, heads: int, q_blocks: int, dtype: str, empty_eps: float | None = None):
     """The combine block graph after a split-KV attention kernel: the splits' running maxima ``M``, sums ``L``
-    and unnormalised outputs ``O`` (heads, splits, rows, ·) merged into the normalised output (heads, 1, rows, d)."""
+    and unnormalised outputs ``O`` (heads, splits, rows, ·) merged into the normalised output (heads, 1, rows, d).
+    ``empty_eps``: added to the combined sum, so a row that saw no key (sum 0) gives 0, not 0/0 (see
+    :func:`.attention_seeds._normalised`)."""
     cb = new_threadblock_graph((heads, q_blocks), 1)
     cm, cl, co = (cb.new_input(x, imap=(0, 2), fmap=PHI) for x in (M, L, O))
     w = cb.exp(cb.sub(cm, cb.reduce_max(cm, dim=1)))
     num = cb.reduce_sum(cb.mul(w, co), dim=1)
     den = cb.reduce_sum(cb.mul(w, cl), dim=1)
+    if empty_eps is not None:
+        den = cb.scalar_add(den, value=empty_eps)
     cb.new_output(cb.forloop_accum(cb.div(num, den), "sum"), omap=(0, 2), dtype=dtype)
     (Y,) = g.customized([M, L, O], cb)
     return Y
