@@ -524,3 +524,26 @@ def test_trials_and_bound_come_from_the_configuration(monkeypatch):
     monkeypatch.setenv("MIRAGE_VERIFY_TRIALS", "2")
     verdict = verify_fn(lambda a, b: a @ b * 2, lambda a, b: (a + a) @ b, [x, y])
     assert verdict.equivalent and verdict.trials == 2
+
+
+def test_verdicts_of_two_ugraphs_are_remembered(monkeypatch):
+    """A model's identical layers verify the same seed against the same program: the second call gets the first
+    verdict without running the tests again; another bound, other input shapes or an explicit seed run them."""
+    import importlib
+    V = importlib.import_module("torch_mirage.superopt.verify")
+    runs = []
+    real = V._verify
+    monkeypatch.setattr(V, "_verify", lambda *a: runs.append(a) or real(*a))
+    monkeypatch.setattr(V, "_VERDICTS", type(V._VERDICTS)())
+    a = L.gqa_flashattention(*ATTN, dtype="float32", forloop_range=4)
+    b = L.gqa_flashdecoding(*ATTN, dtype="float32", splits=2, forloop_range=2)
+    first = V.verify(a, b, _qkv(*ATTN), error_bound=1e-9, trials=0)
+    again = V.verify(L.gqa_flashattention(*ATTN, dtype="float32", forloop_range=4), b, _qkv(*ATTN),
+                     error_bound=1e-9, trials=0)
+    assert first.equivalent and again is first and len(runs) == 1
+    V.verify(a, b, _qkv(*ATTN), error_bound=1e-6, trials=0)
+    V.verify(a, b, _qkv(*ATTN), error_bound=1e-9, trials=0, seed=3)
+    assert len(runs) == 3
+    V.verify(a, lambda q, k, v: L.attention_ref(q, k, v), _qkv(*ATTN), error_bound=1e-9, trials=0)
+    V.verify(a, lambda q, k, v: L.attention_ref(q, k, v), _qkv(*ATTN), error_bound=1e-9, trials=0)
+    assert len(runs) == 5                  # a callable side has no canonical form: never remembered

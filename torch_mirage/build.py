@@ -124,7 +124,7 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
 
     def compile_one(alternative: Alternative) -> Any:
         return compile_ugraph(alternative.graph, examples, cache=ctx.cache, cache_dir=ctx.config.cache_dir,
-                              target=ctx.target, propose=plan.propose or candidates)
+                              target=ctx.target, propose=plan.propose or candidates, label=alternative.name)
     hit = cached_choice(ctx.cache, _alternatives_key([a.graph for a in plan.alternatives], examples, ctx.cache),
                         [a.name for a in plan.alternatives]) if len(plan.alternatives) > 1 else None
     if hit is not None:

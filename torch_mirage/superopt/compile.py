@@ -17,6 +17,7 @@ import functools
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -343,7 +344,7 @@ def op_arguments(kgraph: KernelGraph, op: Any, inputs: Sequence[torch.Tensor]) -
 def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], *, cache: Any = None,
                    cache_dir: str | None = None, tune: bool | None = None, limit: int = 4,
                    target: Target | None = None, propose: Callable[..., list] = candidates,
-                   siblings: bool | None = None) -> CompiledUGraph:
+                   siblings: bool | None = None, label: str = "ugraph") -> CompiledUGraph:
     """Generated Triton for every graph-defined op of ``kgraph``; launch configs tuned on ``example_inputs``
     when they are CUDA tensors (``tune=False``: the μGraph's own schedule), among those ``propose`` lists
     (:func:`.launch.candidates`, or :func:`.launch.streaming_candidates` for a weight-streaming kernel). Returns
@@ -352,8 +353,11 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
     kernels run (the compile context's; default: :meth:`Target.current`), which picks CUDA-only instruction forms.
     ``siblings``: graph-defined ops that read nothing the others write run as one launch
     (:mod:`.siblings`) — where tuned, only where that times faster than their separate launches (``None``); always
-    (``True``, each part's launch as tuned alone); never (``False``)."""
+    (``True``, each part's launch as tuned alone); never (``False``). ``label``: what the kernels' names start
+    with (``<label>_op<i>``, ``<label>_siblings_<i>_<j>``: a profile names the μGraph, e.g. ``weight_streaming``)."""
     target = Target.current() if target is None else target
+    label = re.sub(r"\W", "_", label) or "ugraph"
+    label = label if label[0].isalpha() else "ugraph_" + label
     validate(kgraph)
     ins = kgraph.inputs
     if len(example_inputs) != len(ins):
@@ -377,7 +381,7 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
         launcher = None
         if op.name == "customized":
             ranks = [x.dim() for x in xs]
-            name = f"ugraph_op{i}"
+            name = f"{label}_op{i}"
 
             def build(cfg: LaunchConfig, bg=op.body, ranks=ranks, name=name) -> BlockLauncher:
                 return BlockLauncher(bg, cfg, ranks, cache_dir, name, target)
@@ -395,7 +399,7 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
             env[Ref(i, j)] = t
         steps.append(_Step(i, launcher))
     if siblings is not False and (siblings or tune):
-        _join_siblings(kgraph, steps, env, cache, cache_dir, target, timed=not siblings)
+        _join_siblings(kgraph, steps, env, cache, cache_dir, target, timed=not siblings, label=label)
     _store_through(kgraph, steps, env, cache_dir, target)
     plan, size = plan_memory(kgraph, steps)
     return CompiledUGraph(kgraph, steps, plan, size)
@@ -446,7 +450,7 @@ def _store_through(kgraph: KernelGraph, steps: list[_Step], env: dict, cache_dir
 
 
 def _join_siblings(kgraph: KernelGraph, steps: list[_Step], env: dict, cache: Any, cache_dir: str,
-                   target: Target, timed: bool) -> None:
+                   target: Target, timed: bool, label: str = "ugraph") -> None:
     """Each group of :func:`.siblings.sibling_groups` made one launch at its last step (``timed``: only where the
     launch times faster than the parts apart on ``env``'s example tensors; else at the first part's ``num_warps``).
     A part whose split folds in a combine kernel (two launches) does not join."""
@@ -458,7 +462,7 @@ def _join_siblings(kgraph: KernelGraph, steps: list[_Step], env: dict, cache: An
     for group in sibling_groups(kgraph, [s.index for s in steps], can_join):
         parts = [by_index[i].launcher for i in group]
         xs = [[env[Ref(*r)] for r in kgraph.ops[i].inputs] for i in group]
-        name = "ugraph_siblings_" + "_".join(map(str, group))
+        name = f"{label}_siblings_" + "_".join(map(str, group))
 
         def build(num_warps: int, group=group, parts=parts, xs=xs, name=name) -> SiblingLauncher:
             flat = [BlockLauncher(kgraph.ops[i].body, p.config, [x.dim() for x in xx], cache_dir, p.kernel.name,

@@ -36,6 +36,7 @@ A candidate that fails either test is rejected; the reason names the test, the o
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import math
@@ -131,6 +132,31 @@ def _lowered(fn: Callable, example_inputs: Sequence):
     while len(_LOWERED) > LOWERED_CACHE_SIZE:
         _LOWERED.popitem(last=False)
     return graph
+
+
+_VERDICTS: "OrderedDict[str, Verdict]" = OrderedDict()
+VERDICT_CACHE_SIZE = 256
+
+
+def _verdict_key(candidate, reference, example_inputs: Sequence, target: float, trials: int | None,
+                 field: FieldParams) -> str | None:
+    """The verdict's key where both sides are μGraphs (their canonical JSON; callables have none): the two graphs,
+    the inputs' shapes and dtypes (a bool input's values too: they are program data), the bound or trial count and
+    the field. A model's layers verify the same seed against the same program once per layer otherwise (H100
+    11-27: 28 s of the Llama decode graph's partition stage; 3 s a layer on a 2-core CPU)."""
+    if not (_is_ugraph(candidate) and _is_ugraph(reference)):
+        return None
+    h = hashlib.sha256()
+    for part in (candidate.to_json(), reference.to_json(), repr((target, trials, field))):
+        h.update(part.encode())
+    for x in example_inputs:
+        if not isinstance(x, torch.Tensor):
+            h.update(repr(("value", x)).encode())
+            continue
+        h.update(repr((tuple(x.shape), str(x.dtype))).encode())
+        if x.dtype is torch.bool:
+            h.update(x.detach().cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 # ------------------------------------------------------------------ inputs
@@ -323,15 +349,31 @@ def verify(candidate, reference, example_inputs: Sequence, *, error_bound: float
     ``verify_error_bound``, ``MIRAGE_VERIFY_ERROR_BOUND``); ``trials``: run exactly this many field trials
     instead (default: the ``verify_trials`` knob, ``MIRAGE_VERIFY_TRIALS``; 0 derives the count from the bound,
     as the knob's 0 does; the achieved bound is reported). A caller holding a configuration (the search
-    claimer's ``ctx.config``) passes both, so ``options=`` reach the verifier.
+    claimer's ``ctx.config``) passes both, so ``options=`` reach the verifier. Two μGraphs verified alike before
+    in this process (same graphs, input shapes, bound; no ``seed``) get that verdict again (:func:`_verdict_key`).
     """
     cfg = load() if error_bound is None or trials is None else None
     target = cfg.verify_error_bound if error_bound is None else error_bound
     trials = (cfg.verify_trials if trials is None else trials) or None
     if not 0.0 < target < 1.0:
         raise ValueError(f"verify: error_bound must be in (0, 1), got {target}")
-    rng = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
     example_inputs = list(example_inputs)
+    key = _verdict_key(candidate, reference, example_inputs, target, trials, field) if seed is None else None
+    if key is not None and (known := _VERDICTS.get(key)) is not None:
+        _VERDICTS.move_to_end(key)
+        return known
+    verdict = _verify(candidate, reference, example_inputs, target, trials, field, seed)
+    if key is not None:
+        _VERDICTS[key] = verdict
+        while len(_VERDICTS) > VERDICT_CACHE_SIZE:
+            _VERDICTS.popitem(last=False)
+    return verdict
+
+
+def _verify(candidate, reference, example_inputs: list, target: float, trials: int | None, field: FieldParams,
+            seed: int | None) -> Verdict:
+    """:func:`verify`'s tests, run."""
+    rng = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
     masks = mask_flags((candidate, reference), example_inputs)
     cand, ref = _Side(candidate, example_inputs), _Side(reference, example_inputs)
 
