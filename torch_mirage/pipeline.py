@@ -26,6 +26,7 @@ from functorch.compile import make_boxed_func
 
 from .capture.ir import Graph, Node, connected_components
 from .capture.lower import lower
+from .capture.rewrite import outer_products
 from .analysis.cost import CostModel, matmul_rows, skinny_matmul
 from .analysis.graph import analyse
 from .build import build_regions
@@ -201,6 +202,7 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
     with ctx.stage("lower"):
         if report.kind == "inference" and (device := input_device(example_inputs)) is not None:
             move_constants_to_device(gm, device)   # once, before anything reads the constants
+        outer_products(gm)                          # before lowering: the fallback partitions get it too
         graph = lower(gm, list(example_inputs))
     with ctx.stage("analyse"):
         ctx.analysis = analyse(graph)
