@@ -76,6 +76,9 @@ def mirage_summary(info: dict) -> dict | None:
                               "launch": r.info.get("launch"), "sibling_launches": r.info.get("sibling_launches"),
                               "stored_updates": r.info.get("stored_updates")}
                              for r in regions if "mirage_us" in r.info],
+            # mirage regions kept without a time: Inductor's version of them could not be timed (why)
+            "untimed_regions": [{"claimer": r.claimer, "ops": len(r.ops), "why": r.info["measured"]}
+                                for r in regions if str(r.info.get("measured", "")).startswith("failed")],
             "stage_ms": _summed_stage_ms(report.graphs)}
 
 

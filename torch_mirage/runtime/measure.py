@@ -86,7 +86,7 @@ def keep_faster(regions: Sequence[Region], graph: Graph, ctx: CompileContext) ->
                 raise
             log.info("torch_mirage: could not time region %s against Inductor (%s: %s); keeping mirage's kernel",
                      region.ops, type(e).__name__, e)
-            region.info["measured"] = f"failed: {type(e).__name__}"
+            region.info["measured"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
             continue
         region.info["mirage_us"] = round(timing.mirage_us, 2)
         region.info["inductor_us"] = round(timing.inductor_us, 2)
