@@ -1,4 +1,5 @@
 """The equivalence verifier: finite-field arithmetic, the field test, the float test, verdicts."""
+import dataclasses
 import math
 import time
 
@@ -547,3 +548,27 @@ def test_verdicts_of_two_ugraphs_are_remembered(monkeypatch):
     V.verify(a, lambda q, k, v: L.attention_ref(q, k, v), _qkv(*ATTN), error_bound=1e-9, trials=0)
     V.verify(a, lambda q, k, v: L.attention_ref(q, k, v), _qkv(*ATTN), error_bound=1e-9, trials=0)
     assert len(runs) == 5                  # a callable side has no canonical form: never remembered
+
+
+def test_verdicts_are_kept_in_the_disk_cache(monkeypatch, tmp_path):
+    """With the compile's disk cache, a verdict survives the process's memory (a warm compile re-verifies nothing);
+    an entry that is not a verdict is ignored and rewritten."""
+    import importlib
+    from torch_mirage.cache import DiskCache
+    V = importlib.import_module("torch_mirage.superopt.verify")
+    runs = []
+    real = V._verify
+    monkeypatch.setattr(V, "_verify", lambda *a: runs.append(a) or real(*a))
+    cache = DiskCache(str(tmp_path))
+    a = L.gqa_flashattention(*ATTN, dtype="float32", forloop_range=4)
+    b = L.gqa_flashdecoding(*ATTN, dtype="float32", splits=2, forloop_range=2)
+    monkeypatch.setattr(V, "_VERDICTS", type(V._VERDICTS)())
+    first = V.verify(a, b, _qkv(*ATTN), error_bound=1e-9, trials=0, cache=cache)
+    monkeypatch.setattr(V, "_VERDICTS", type(V._VERDICTS)())          # a new process: nothing in memory
+    again = V.verify(a, b, _qkv(*ATTN), error_bound=1e-9, trials=0, cache=cache)
+    assert len(runs) == 1 and again == first and again.equivalent
+    key = V.cache_key(kind=V.VERDICT_KIND, verdict=V._verdict_key(a, b, _qkv(*ATTN), 1e-9, None, V.DEFAULT_FIELD))
+    cache.put_json(key, {"not": "a verdict"})
+    monkeypatch.setattr(V, "_VERDICTS", type(V._VERDICTS)())
+    assert V.verify(a, b, _qkv(*ATTN), error_bound=1e-9, trials=0, cache=cache).equivalent and len(runs) == 2
+    assert cache.get_json(key) == dataclasses.asdict(first) | {"float_max_error": cache.get_json(key)["float_max_error"]}

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -170,7 +170,7 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
     """``nodes`` (whose reference is ``ref``) claimed with their weight-streaming seed, verified against ``ref``
     (the build stage compiles it, launches from :func:`.launch.streaming_candidates`); a decline where the region
     has no seed or the verifier rejects it."""
-    seed, verdict = verified_seed(ref.graph, ctx.config)
+    seed, verdict = verified_seed(ref.graph, ctx.config, cache=ctx.cache)
     if seed is None:
         return Decline(nodes, Reason.NO_KERNEL, verdict)
     metas = [v.meta for v in ref.inputs]
@@ -179,7 +179,7 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
     rows, k, n = matmul_rows(mms[0]), a.meta.shape[-1], mms[0].outputs[0].meta.shape[-1]
     detail = f"weight-streaming μGraph: {len(mms)} matmul(s), {rows} rows x {k} -> {n}, {len(nodes)} ops"
     alternatives = [Alternative("weight_streaming", seed, detail, {"ugraph": "weight_streaming"})]
-    if (halves := verified_halves(ref.graph, ctx.config)) is not None:
+    if (halves := verified_halves(ref.graph, ctx.config, ctx.cache)) is not None:
         alternatives.append(Alternative("weight_streaming_halves", halves, detail + ", RoPE heads in paired halves",
                                         {"ugraph": "weight_streaming_halves"}))
     plan = UGraphPlan(alternatives,
@@ -190,9 +190,10 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
     return Claim(list(nodes), plan, detail=detail, info=info)
 
 
-def verified_seed(ref: KernelGraph, config, halves: bool = False) -> tuple[KernelGraph | None, str]:
+def verified_seed(ref: KernelGraph, config, halves: bool = False, cache: Any = None
+                  ) -> tuple[KernelGraph | None, str]:
     """``(seed, the verifier's reason)``: the weight-streaming seed of ``ref`` (``halves``: its paired-halves form)
-    verified against it with ``config``'s verifier settings; ``(None, why not)`` where ``ref`` has no such seed, it
+    verified against it with ``config``'s verifier settings (verdicts kept in ``cache``, the compile's disk cache); ``(None, why not)`` where ``ref`` has no such seed, it
     is not valid, too large to verify at its own sizes, or not verified."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -211,13 +212,13 @@ def verified_seed(ref: KernelGraph, config, halves: bool = False) -> tuple[Kerne
     examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=TORCH_DTYPES[op.attrs["dtype"]]) for op in program.inputs]
     with unset_fake_temporarily():      # the verifier runs real tensors
         verdict = verify(candidate, program, examples, error_bound=config.verify_error_bound,
-                         trials=config.verify_trials)
+                         trials=config.verify_trials, cache=cache)
     if not verdict:
         return None, f"the weight-streaming seed is not verified: {verdict.reason}"
     return with_updates(seed, updates, program_with_updates), verdict.reason
 
 
-def verified_halves(ref: KernelGraph, config) -> KernelGraph | None:
+def verified_halves(ref: KernelGraph, config, cache: Any = None) -> KernelGraph | None:
     """The paired-halves form of a rotated seed (:class:`.gemv_seed._HalvesBlock`: a block holds matching slices of
     both halves of a head, so its launches may stream the weight in contiguous tiles over more programs than heads),
     verified like the seed (:func:`verified_seed`); None where the region has no rotation or the form does not
@@ -226,7 +227,7 @@ def verified_halves(ref: KernelGraph, config) -> KernelGraph | None:
     in 14.5)."""
     if not rotation_groups(ref):
         return None
-    halves, why = verified_seed(ref, config, halves=True)
+    halves, why = verified_seed(ref, config, halves=True, cache=cache)
     if halves is None:
         log.info("torch_mirage: no paired-halves weight-streaming form (%s)", why)
     return halves

@@ -41,11 +41,13 @@ import inspect
 import logging
 import math
 from collections import OrderedDict
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
+from ..cache import cache_key
 from ..capture.lower import trace
 from ..config import load
 from ..numerics import relative_error, same_non_finite, tolerance
@@ -136,6 +138,7 @@ def _lowered(fn: Callable, example_inputs: Sequence):
 
 _VERDICTS: "OrderedDict[str, Verdict]" = OrderedDict()
 VERDICT_CACHE_SIZE = 256
+VERDICT_KIND = "verdict/1"     # the disk cache's entries: bump when the tests' meaning changes
 
 
 def _verdict_key(candidate, reference, example_inputs: Sequence, target: float, trials: int | None,
@@ -342,7 +345,8 @@ def _has_bool(xs) -> bool:
 
 # ------------------------------------------------------------------ entry point
 def verify(candidate, reference, example_inputs: Sequence, *, error_bound: float | None = None,
-           trials: int | None = None, field: FieldParams = DEFAULT_FIELD, seed: int | None = None) -> Verdict:
+           trials: int | None = None, field: FieldParams = DEFAULT_FIELD, seed: int | None = None,
+           cache: Any = None) -> Verdict:
     """Is ``candidate`` equivalent to ``reference`` on inputs shaped like ``example_inputs``?
 
     ``error_bound``: target probability of accepting a non-equivalent candidate (default: the configuration's
@@ -350,7 +354,9 @@ def verify(candidate, reference, example_inputs: Sequence, *, error_bound: float
     instead (default: the ``verify_trials`` knob, ``MIRAGE_VERIFY_TRIALS``; 0 derives the count from the bound,
     as the knob's 0 does; the achieved bound is reported). A caller holding a configuration (the search
     claimer's ``ctx.config``) passes both, so ``options=`` reach the verifier. Two μGraphs verified alike before
-    in this process (same graphs, input shapes, bound; no ``seed``) get that verdict again (:func:`_verdict_key`).
+    in this process (same graphs, input shapes, bound; no ``seed``) get that verdict again (:func:`_verdict_key`);
+    with ``cache`` (the compile's :class:`~..cache.DiskCache`), across processes too: a warm compile of a model
+    re-verifies nothing. The backend's float check of every region against eager still runs on each compile.
     """
     cfg = load() if error_bound is None or trials is None else None
     target = cfg.verify_error_bound if error_bound is None else error_bound
@@ -362,7 +368,14 @@ def verify(candidate, reference, example_inputs: Sequence, *, error_bound: float
     if key is not None and (known := _VERDICTS.get(key)) is not None:
         _VERDICTS.move_to_end(key)
         return known
-    verdict = _verify(candidate, reference, example_inputs, target, trials, field, seed)
+    disk_key = cache_key(kind=VERDICT_KIND, verdict=key) if key is not None and cache is not None else None
+    stored = cache.get_json(disk_key) if disk_key is not None else None
+    if isinstance(stored, dict) and set(stored) == set(Verdict.__dataclass_fields__):
+        verdict = Verdict(**stored)
+    else:
+        verdict = _verify(candidate, reference, example_inputs, target, trials, field, seed)
+        if disk_key is not None:
+            cache.put_json(disk_key, dataclasses.asdict(verdict))
     if key is not None:
         _VERDICTS[key] = verdict
         while len(_VERDICTS) > VERDICT_CACHE_SIZE:
