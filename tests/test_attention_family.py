@@ -227,6 +227,32 @@ def test_seeds_take_unclamped_masks_as_eager(seed):
     assert_close(out.nan_to_num(), ref.nan_to_num().float(), torch.float32)
 
 
+@pytest.mark.parametrize("seed", [flash_attention, flash_decoding])
+@pytest.mark.parametrize("shared", [False, True])
+def test_seeds_read_a_bool_mask_with_sdpa_empty_rows(seed, shared):
+    """Both seeds with a bool mask read as it is (``where(keep, s, -inf)`` per tile) and SDPA's empty rows: whole
+    tiles and a whole split dropped, one row with no key (SDPA: 0, not 0/0), against fp64 eager; the reference
+    executor (TorchArith) computes the same μGraph alike."""
+    from torch_mirage.superopt.executor import execute
+    b, hk, rows, skv, d = 2, 2, 6, 24, 16
+    schedule = dict(q_blocks=2, forloop_range=3) if seed is flash_attention else dict(splits=3, forloop_range=2)
+    mb, mh = (1, 1) if shared else (b, hk)
+    g = seed(b, hk, rows, skv, d, scale=0.3, mask=(mb, mh), dtype="float32", mask_dtype="bool",
+             empty_rows="zero", **schedule)
+    q, k, v = torch.randn(b, hk, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
+    keep = torch.rand(mb, mh, rows, skv) > 0.3
+    keep[..., 0] = True
+    keep[..., 8:16] = False               # the middle split / tiles
+    keep[0, 0, 4, :] = False              # a row with no key
+    out = compile_ugraph(g, [q, k, v, keep])(q, k, v, keep)[0]
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=keep, scale=0.3)
+    ref = torch.where(keep.any(-1, keepdim=True), ref, 0.0)   # SDPA's own answer for a row with no key
+    assert not torch.isnan(out).any() and torch.equal(out[0, 0, 4], torch.zeros(d))
+    assert_close(out, ref.float(), torch.float32)
+    (executed,) = execute(g, [q, k, v, keep])
+    assert_close(executed, ref.float(), torch.float32)
+
+
 @pytest.mark.parametrize("cap", [4.0, 50.0])
 def test_softcap_seed_verifies_with_tanh_uninterpreted(cap):
     """tanh is an uninterpreted function in the finite-field test: the soft-capped, masked seed is accepted

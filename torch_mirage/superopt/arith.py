@@ -193,7 +193,7 @@ class Arith(abc.ABC):
         and value tiles ``v[..., c, d]``; state ``(m, l, o)``: running row max,
         running ``Σ exp(s - m)``, running ``exp(s - m) @ v``. Each new tile
         rescales the old state by ``exp(m_old - m_new)``."""
-        m_tile = self.max(s, -1)
+        m_tile = self.row_max(s)
         if state is None:
             p = self.exp(self.sub(s, m_tile))
             return m_tile, self.sum(p, -1), self.matmul(p, v)
@@ -203,6 +203,10 @@ class Arith(abc.ABC):
         p = self.exp(self.sub(s, m_new))
         return (m_new, self.add(self.mul(alpha, l), self.sum(p, -1)),
                 self.add(self.mul(alpha, o), self.matmul(p, v)))
+
+    def row_max(self, s: Tensor) -> Tensor:
+        """The max of each row of a score tile that the online softmax shifts its exponentials by."""
+        return self.max(s, -1)
 
     def acc_online_softmax_final(self, state, count: int) -> tuple:
         """Outputs ``(m, l, o)``; ``o / l`` is the attention output, ``m`` and
@@ -248,6 +252,12 @@ class TorchArith(Arith):
 
     def where(self, keep, x, value):
         return torch.where(keep.bool(), x, torch.tensor(value, dtype=x.dtype, device=x.device))
+
+    def row_max(self, s):
+        """The max held at the dtype's lowest finite value, as the kernels' finite running-max start (codegen's
+        ``M_INIT``): a tile or split whose scores are all -inf then adds ``exp(-inf) = 0``, not
+        ``exp(-inf + inf) = NaN``, and a row with no key ends at l = 0, o = 0 here too."""
+        return torch.clamp_min(torch.amax(s, dim=-1, keepdim=True), torch.finfo(s.dtype).min)
 
     def neg(self, x):
         return -x
