@@ -28,7 +28,24 @@ def test_matmuls_over_one_contraction_element_become_products(dtype):
     want = f(*args)
     assert outer_products(gm) == 2
     assert aten.bmm.default not in _targets(gm) and _targets(gm).count(aten.mm.default) == 1
+    assert aten.clone.default not in _targets(gm)      # the products' strides (on the fake values) are the matmuls'
     for got, ref in zip(gm(*args), want):
-        assert got.shape == ref.shape and got.dtype == ref.dtype
+        assert got.shape == ref.shape and got.dtype == ref.dtype and got.stride() == ref.stride()
         assert torch.equal(got, ref)
 
+
+def test_a_product_whose_layout_differs_is_made_contiguous(monkeypatch):
+    """A matmul's result is contiguous; where the broadcast product's strides (computed on the meta values) would
+    differ — or cannot be computed — a contiguous copy follows it, so readers that view it see the matmul's layout.
+    (TensorIterator gives the outer products tried here contiguous strides, so the difference is injected.)"""
+    from torch_mirage.capture import rewrite
+
+    def f(x, w):
+        return (x.t()[:, :1] @ w[:1, :]).view(-1)
+    args = (torch.randn(4, 3), torch.randn(4, 6))
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    monkeypatch.setattr(rewrite, "_product_strides", lambda a, b: None)
+    assert outer_products(gm) == 1
+    assert _targets(gm).count(aten.clone.default) == 1 and aten.mm.default not in _targets(gm)
+    got = gm(*args)
+    assert torch.equal(got, f(*args))

@@ -16,6 +16,18 @@ aten = torch.ops.aten
 _MATMULS = (aten.mm.default, aten.bmm.default)
 
 
+def _product_strides(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
+    """The strides ``a * b`` gets (computed on the meta values, in their fake mode where they have one)."""
+    mode = getattr(a, "fake_mode", None)
+    try:
+        if mode is not None:
+            with mode:
+                return tuple(torch.mul(a, b).stride())
+        return tuple(torch.mul(a, b).stride())
+    except Exception:     # unknown: keep the matmul's layout by a copy
+        return None
+
+
 def outer_products(gm: fx.GraphModule) -> int:
     """``mm`` / ``bmm`` with a contraction dim of static size 1 → ``mul`` of the same operands (broadcast).
     Returns how many were rewritten; the graph is recompiled where any was."""
@@ -31,10 +43,18 @@ def outer_products(gm: fx.GraphModule) -> int:
         k = va.shape[-1]
         if not (isinstance(k, int) and k == 1 and isinstance(vb.shape[-2], int) and vb.shape[-2] == 1):
             continue
+        want = node.meta.get("val")
         with gm.graph.inserting_before(node):
             product = gm.graph.call_function(aten.mul.Tensor, (a, b))
+            result = product
+            if want is not None and _product_strides(va, vb) != tuple(want.stride()):
+                # the matmul's result is contiguous; a broadcast product may not be (readers may view it)
+                result = gm.graph.call_function(aten.clone.default, (product,),
+                                                {"memory_format": torch.contiguous_format})
         product.meta = dict(node.meta)
-        node.replace_all_uses_with(product)
+        if result is not product:
+            result.meta = dict(node.meta)
+        node.replace_all_uses_with(result)
         gm.graph.erase_node(node)
         done += 1
     if done:
