@@ -150,6 +150,23 @@ def test_sdpa_forms_are_claimed(case, dtype):
         assert region.info.get("mask") == "bool, read in the kernel", region.info
 
 
+def test_sdpa_bool_mask_read_additive_where_its_where_is_not_free():
+    """SDPA with a bool mask: the traced ``where(mask, 0, -inf)`` joins the region and the bool is read; where
+    another claim holds that ``where``, the region reads the additive mask it computes instead."""
+    from torch_mirage.analysis.attention import find_attention
+    from torch_mirage.testing.aten import trace_ir
+    q, k, v = _qkv(1, 4, 4, 8, 16, 16, torch.float32)
+    m = torch.rand(1, 1, 8, 16) > 0.4
+    graph = trace_ir(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), q, k, v, m)
+    (spec,) = find_attention(graph)
+    assert spec.mask == "bool" and spec.mask_value.meta.dtype is torch.bool
+    assert any(n.op.name == "where" for n in spec.nodes)
+    held = [n for n in graph.nodes if n.op.name == "where"]
+    (spec,) = find_attention(graph, [n for n in graph.nodes if all(n is not h for h in held)])
+    assert spec.mask == "additive" and spec.mask_value.meta.dtype is torch.float32
+    assert not any(n.op.name == "where" for n in spec.nodes)
+
+
 # ------------------------------------------------------------------ hand-written
 def test_hand_written_causal_attention_from_index_comparisons():
     """Scale on q, the transpose spelled with permute, a causal mask from arange comparisons (its value property

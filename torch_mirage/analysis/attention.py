@@ -530,8 +530,9 @@ def _bool_behind(mask: Value) -> tuple[Value, str, float, list[Node]] | None:
     return n.args[0], kind, fill, builders
 
 
-def _sdpa_at(node: Node, values: dict | None) -> AttentionSpec | None:
-    """The attention of an SDPA ATen op (its first output; the others must be unread)."""
+def _sdpa_at(node: Node, values: dict | None, read_bool: bool = True) -> AttentionSpec | None:
+    """The attention of an SDPA ATen op (its first output; the others must be unread). ``read_bool``: a mask
+    traced from a bool one is read as that bool (:func:`_bool_behind`), else as the additive mask it is."""
     names = SDPA_TARGETS.get(node.target_name)
     if names is None:
         return None
@@ -562,7 +563,7 @@ def _sdpa_at(node: Node, values: dict | None) -> AttentionSpec | None:
         spec.mask, spec.mask_structure, spec.mask_band, spec.mask_zero_visible = "causal", "causal", (0, None), True
     elif isinstance(mask, Value):
         spec.mask = "bool" if mask.meta.dtype is torch.bool else "additive"
-        if (behind := _bool_behind(mask)) is not None:     # SDPA's own bool -> additive conversion, traced
+        if read_bool and (behind := _bool_behind(mask)) is not None:   # SDPA's bool -> additive conversion
             mask, spec.mask, spec.bool_fill, builders = behind
             spec.nodes = builders + spec.nodes
         elif spec.mask == "bool":
@@ -602,27 +603,39 @@ def find_attention(graph: Graph, nodes: Sequence[Node] | None = None,
     for n in pool:
         if id(n) in taken:
             continue
-        try:
-            spec = _sdpa_at(n, values) if n.target_name in SDPA_TARGETS else (
-                _eager_at(n, values) if n.op.name == "matmul" else None)
-        except (AttributeError, IndexError, TypeError, ValueError):   # a shape this analysis does not read
-            spec = None
-        if spec is None:
-            continue
-        spec.nodes = list({id(x): x for x in spec.nodes}.values())
-        spec.extra_outputs = tuple(r for r in _column_reductions(spec, outputs)
-                                   if all(id(x) in allowed and id(x) not in taken for x in r.nodes))
-        spec.nodes += [x for r in spec.extra_outputs for x in r.nodes]
-        ids = {id(x) for x in spec.nodes}
-        if not ids <= allowed or ids & taken:
-            continue
-        leaving = {id(spec.output)} | {id(r.value) for r in spec.extra_outputs}
-        inner_escapes = any(id(w) not in leaving and (id(w) in outputs or any(id(u) not in ids for u in w.users))
-                            for x in spec.nodes for w in x.outputs)
-        if inner_escapes:
-            continue
-        order = {id(x): i for i, x in enumerate(graph.nodes)}
-        spec.nodes.sort(key=lambda x: order[id(x)])
-        taken |= ids
-        found.append(spec)
+        # an SDPA op whose traced bool -> additive mask nodes are not free (another claim holds them): again,
+        # reading the additive mask
+        for read_bool in ((True, False) if n.target_name in SDPA_TARGETS else (True,)):
+            spec = _region_at(n, values, read_bool, graph, allowed, taken, outputs)
+            if spec is not None:
+                taken |= {id(x) for x in spec.nodes}
+                found.append(spec)
+                break
     return found
+
+
+def _region_at(n: Node, values, read_bool: bool, graph: Graph, allowed: set, taken: set, outputs: set
+               ) -> AttentionSpec | None:
+    """:func:`find_attention`'s attention at ``n`` with its column reductions, where all its nodes are free and
+    none of its inner values is read outside; else None."""
+    try:
+        spec = _sdpa_at(n, values, read_bool) if n.target_name in SDPA_TARGETS else (
+            _eager_at(n, values) if n.op.name == "matmul" else None)
+    except (AttributeError, IndexError, TypeError, ValueError):   # a shape this analysis does not read
+        spec = None
+    if spec is None:
+        return None
+    spec.nodes = list({id(x): x for x in spec.nodes}.values())
+    spec.extra_outputs = tuple(r for r in _column_reductions(spec, outputs)
+                               if all(id(x) in allowed and id(x) not in taken for x in r.nodes))
+    spec.nodes += [x for r in spec.extra_outputs for x in r.nodes]
+    ids = {id(x) for x in spec.nodes}
+    if not ids <= allowed or ids & taken:
+        return None
+    leaving = {id(spec.output)} | {id(r.value) for r in spec.extra_outputs}
+    if any(id(w) not in leaving and (id(w) in outputs or any(id(u) not in ids for u in w.users))
+           for x in spec.nodes for w in x.outputs):
+        return None
+    order = {id(x): i for i, x in enumerate(graph.nodes)}
+    spec.nodes.sort(key=lambda x: order[id(x)])
+    return spec
