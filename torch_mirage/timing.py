@@ -148,12 +148,15 @@ def count_device_kernels(fn: Callable[..., Any], *inputs: Any) -> int | None:
     """How many GPU kernels one call of ``fn(*inputs)`` launches (copies and memsets not counted), read from the
     profiler's device activity; kernels a CUDA graph replays are counted too where CUPTI reports them. None off
     CUDA, or where the call launched a CUDA graph and the profiler saw none of its kernels (it cannot tell)."""
-    found = device_activity(fn, *inputs)
-    return None if found is None else sum(not is_copy_activity(name) for name, _ in found)
+    return kernel_total(device_activity(fn, *inputs))
 
 
-def is_copy_activity(name: str) -> bool:
-    """A profiler device entry that is a copy or memset, not a kernel."""
+def kernel_total(found: list[tuple[str, float]] | None) -> int | None:
+    """How many of :func:`device_activity`'s entries are kernels (copies and memsets are not)."""
+    return None if found is None else sum(not _is_copy(name) for name, _ in found)
+
+
+def _is_copy(name: str) -> bool:
     return name.startswith(("Memcpy", "Memset", "[memory]"))
 
 
@@ -174,7 +177,7 @@ def device_activity(fn: Callable[..., Any], *inputs: Any) -> list[tuple[str, flo
             found.append((e.name, float(getattr(e, "device_time", 0.0) or 0.0)))
         elif e.name == "cudaGraphLaunch":
             graph_launches += 1
-    return None if graph_launches and not any(not is_copy_activity(n) for n, _ in found) else found
+    return None if graph_launches and not kernel_total(found) else found
 
 
 def activity_table(found: list[tuple[str, float]] | None, top: int = 40) -> list[dict] | None:

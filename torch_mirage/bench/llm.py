@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..numerics import tolerance
-from ..timing import activity_table, alternating_medians, device_activity, is_copy_activity, plain_timing
+from ..timing import activity_table, alternating_medians, device_activity, kernel_total, plain_timing
 from . import select
 from .harness import COMPILERS, _free, _short, mirage_summary, rel_error, time_in_cuda_graph
 
@@ -415,7 +415,7 @@ def _kernel_count(case: _Case, step: Callable, layers: int) -> dict:
     case.kv.restore()
     with torch.no_grad():
         found = device_activity(step, *case.inputs(0))
-    n = None if found is None else sum(not is_copy_activity(name) for name, _ in found)
+    n = kernel_total(found)
     return {"kernels": n, "kernels_per_layer": None if n is None else round(n / layers, 1),
             "device_activity": activity_table(found)}
 

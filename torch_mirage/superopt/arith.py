@@ -18,7 +18,7 @@ instance). The op table in ``ugraph.py`` names, for each op, the method here
 that evaluates it.
 
 Primitives: ``matmul, add, sub, mul, div, exp, sqrt, rsqrt, silu, neg, square,
-sum, max, zeros, full, concat``. ``rotate_half`` (RoPE's pairing of the two halves of a head) is a composite of
+sum, max, zeros, full, concat, where``. ``rotate_half`` (RoPE's pairing of the two halves of a head) is a composite of
 ``neg`` and ``concat``.
 """
 from __future__ import annotations
@@ -103,12 +103,11 @@ class Arith(abc.ABC):
     def concat(self, xs: Sequence[Tensor], dim: int) -> Tensor:
         """Concatenation along ``dim``."""
 
-    # ------------------------------------------------- composites (inherited)
+    @abc.abstractmethod
     def where(self, keep: Tensor, x: Tensor, value) -> Tensor:
-        """``x`` where the bool ``keep`` (program data, the same in both programs) holds, else ``value``. Not a
-        primitive every arithmetic has: the finite field's selects between field elements."""
-        raise NotImplementedError(f"{type(self).__name__}: where (a select by a bool tensor) is not implemented")
+        """``x`` where the bool ``keep`` (program data, the same in both programs) holds, else ``value``."""
 
+    # ------------------------------------------------- composites (inherited)
     def const(self, value: float, like: Tensor) -> Tensor:
         """A scalar constant that broadcasts against ``like``."""
         return self.full((), value, like)

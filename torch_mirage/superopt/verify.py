@@ -41,8 +41,7 @@ import inspect
 import logging
 import math
 from collections import OrderedDict
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Sequence
 
 import torch
@@ -370,12 +369,12 @@ def verify(candidate, reference, example_inputs: Sequence, *, error_bound: float
         return known
     disk_key = cache_key(kind=VERDICT_KIND, verdict=key) if key is not None and cache is not None else None
     stored = cache.get_json(disk_key) if disk_key is not None else None
-    if isinstance(stored, dict) and set(stored) == set(Verdict.__dataclass_fields__):
+    if isinstance(stored, dict) and set(stored) == {f.name for f in fields(Verdict)}:
         verdict = Verdict(**stored)
     else:
         verdict = _verify(candidate, reference, example_inputs, target, trials, field, seed)
         if disk_key is not None:
-            cache.put_json(disk_key, dataclasses.asdict(verdict))
+            cache.put_json(disk_key, asdict(verdict))
     if key is not None:
         _VERDICTS[key] = verdict
         while len(_VERDICTS) > VERDICT_CACHE_SIZE:
