@@ -199,6 +199,7 @@ class ModeResult:
     us_max: float | None = None
     compile_s: float | None = None     # wall time of the first call (compile, autotune, run)
     warm_compile_s: float | None = None   # mirage: the same first call again after a Dynamo reset (caches warm)
+    warm_stage_ms: dict | None = None  # mirage: where the warm compile's time went, per stage (summed over graphs)
     graphs: int | None = None          # mirage: graphs compiled (the warm compile's per-graph share divides by it)
     rel_err: float | None = None       # worst relative error against the reference
     tolerance: float | None = None
@@ -268,8 +269,10 @@ def run_mode(spec: CaseSpec, mode: str, compiler: Callable, refs: dict[int, list
                 res.kernels = count_device_kernels(fn, *spec.make_inputs(next(iter(refs))))
         if mode == "mirage":   # after the timing: the Dynamo reset it makes would send ``fn`` to compile again
             torch._dynamo.reset()
-            res.warm_compile_s = _timed_call(compiler(spec.fn, {}), spec.make_inputs(next(iter(refs))),
+            warm: dict = {}
+            res.warm_compile_s = _timed_call(compiler(spec.fn, warm), spec.make_inputs(next(iter(refs))),
                                              spec.mutates, device)[1]
+            res.warm_stage_ms = (mirage_summary(warm) or {}).get("stage_ms")
         res.status = "ok"
     except Exception as e:   # a mode that cannot compile or run is a result, not a crash
         log.debug("bench: %s %s failed", spec.name, mode, exc_info=True)

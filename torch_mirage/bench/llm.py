@@ -228,12 +228,16 @@ class Scenario:
     start: int            # position of the first new token
 
 
-def scenarios(batches: Sequence[int], quick: bool) -> list[Scenario]:
+SCENARIO_KINDS = ("decode", "prefill")
+
+
+def scenarios(batches: Sequence[int], quick: bool, kinds: Sequence[str] = SCENARIO_KINDS) -> list[Scenario]:
+    """The decode steps (one per batch size) and the prefill, those of ``kinds`` (:data:`SCENARIO_KINDS`)."""
     context = 64 if quick else CONTEXT
     pos = context - context // 40 - 1 if quick else DECODE_POSITION
     prefill = 32 if quick else PREFILL_TOKENS
-    out = [Scenario(f"decode b{b} ctx{context}", b, 1, pos) for b in batches]
-    return out + [Scenario(f"prefill {prefill}", 1, prefill, 0)]
+    out = [Scenario(f"decode b{b} ctx{context}", b, 1, pos) for b in batches] if "decode" in kinds else []
+    return out + ([Scenario(f"prefill {prefill}", 1, prefill, 0)] if "prefill" in kinds else [])
 
 
 def _step_inputs(s: Scenario, vocab: int, device: torch.device, seed: int) -> tuple:
@@ -260,12 +264,13 @@ class _Case:
 def run_model(spec: LLMSpec, batches: Sequence[int], dtype: torch.dtype, modes: Sequence[str],
               device: torch.device, quick: bool, timing: dict | None,
               echo: Callable[[str], None] = print,
-              on_record: Callable[[dict], None] = lambda record: None) -> list[dict]:
-    """Every scenario of one model; one record per scenario with a result per mode (each also handed to
+              on_record: Callable[[dict], None] = lambda record: None,
+              kinds: Sequence[str] = SCENARIO_KINDS) -> list[dict]:
+    """Every scenario of one model (of ``kinds``); one record per scenario with a result per mode (each also handed to
     ``on_record`` as soon as it is measured, so a run cut short keeps what it finished)."""
     model, config = build_model(spec, dtype, device, quick)
     records = []
-    for s in scenarios(batches, quick):
+    for s in scenarios(batches, quick, kinds):
         records.append(run_scenario(spec, model, config, s, quick, dtype, modes, device, timing, echo))
         on_record(records[-1])
     del model
