@@ -170,6 +170,18 @@ def test_prefill_candidates():
     assert any(c.split > 1 for c in candidates(decode, 132))
 
 
+def test_prefill_with_a_passed_mask_scans_it():
+    """Prefill attention whose mask is a tensor with no band known: every candidate scans it; under a band (the
+    structure known when compiling) and at decode none does."""
+    passed = _body(flash_attention(1, 32, 1024, 1024, 128, scale=0.088, softcap=50.0, mask=(1, 1), dtype="bfloat16"))
+    assert all(c.mask_scan for c in candidates(passed, 132))
+    banded = _body(flash_attention(1, 32, 1024, 1024, 128, scale=0.088, mask=(1, 1), dtype="bfloat16",
+                                   band=(1024, 0, None, True)))
+    assert not any(c.mask_scan for c in candidates(banded, 132))
+    decode = _body(flash_attention(1, 8, 4, 4096, 128, scale=0.088, mask=(1, 1), dtype="float16"))
+    assert not any(c.mask_scan for c in candidates(decode, 132))
+
+
 def test_underfilled_prefill_also_times_retilings():
     """Two heads of 256 query rows against 4096 keys make at most 8 programs at the prefill schedules: the
     roofline re-tilings (smaller row blocks, key splits) are timed besides them, the prefill schedules first."""
@@ -290,6 +302,26 @@ def test_gpu_prefill_softcap_tuned(dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_prefill_passed_mask_scanned(dtype):
+    """H100: soft-capped prefill attention whose causal mask is a tensor (no band known): tuned over the prefill
+    candidates, all of which scan the mask; fp64-equal with a causal -inf mask, right padding included, and
+    with a mask that hides no whole tile."""
+    n, h, d = 1024, 4, 128
+    kg = flash_attention(1, h, n, n, d, scale=d ** -0.5, softcap=50.0, mask=(1, 1),
+                         dtype={torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype])
+    q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
+    causal = torch.full((n, n), float("-inf"), device="cuda").triu(1)
+    causal[:, 1000:] = float("-inf")
+    c = compile_ugraph(kg, [q, k, v, causal[None, None].to(dtype)], target=Target.CUDA)
+    assert all("scan_lo" in src for src in c.sources)
+    for m in (causal, torch.randn(n, n, device="cuda")):
+        m = m[None, None].to(dtype)
+        assert_close(c(q, k, v, m)[0], _reference(q, k, v, m, d ** -0.5, 50.0).to(dtype), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gpu_decode_split_kv_tuned(dtype):
     """H100: llama decode attention (4 query heads per KV head packed, a per-batch-row mask of -inf on unwritten
     slots, b=2 x 8 KV heads x 2048 slots) as the claimer builds it — decode_splits' split count, tuned over the
@@ -328,3 +360,43 @@ def test_column_sums_multiply_by_the_row_sum_reciprocal():
     p = torch.softmax(q.double() @ k.double().transpose(-1, -2) * 0.25 + m.double(), -1)
     assert_close(out, (p @ v.double()).float(), torch.float32)
     assert_close(colsum, p.sum(-2).float(), torch.float32)
+
+
+@interp
+@pytest.mark.parametrize("split,kind", [(1, "additive"), (2, "additive"), (2, "bool")])
+def test_mask_scan_skips_unseen_key_tiles_eager_equal(split, kind, tmp_path):
+    """A mask passed in as a tensor (no band known): with ``mask_scan`` each program reads its mask tiles first
+    and walks only the key tiles one of its rows sees. Causal -inf plus right padding, soft-cap, a block whose
+    rows see no key (eager's NaN rows) and a split of the keys (folded in-kernel): fp64-equal, and equal to the
+    same launch without the scan. A mask at a finite floor is never scanned (:func:`scanned_mask`)."""
+    from torch_mirage.codegen.ugraph_triton import scanned_mask
+
+    b, hk, rows, skv, d = 1, 2, 32, 32, 16
+    kg = flash_attention(b, hk, rows, skv, d, scale=0.3, softcap=20.0, mask=(1, 1), dtype="float32",
+                         q_blocks=4, forloop_range=8, mask_dtype="bool" if kind == "bool" else "float32")
+    bg = _body(kg)
+    assert scanned_mask(bg) is not None
+    q, k, v = torch.randn(b, hk, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
+    m = torch.full((rows, skv), float("-inf")).triu(1)[None, None].clone()
+    m[..., 28:] = float("-inf")                        # padding: the last keys are never seen
+    m[..., :8, :] = float("-inf")                      # the first row block sees nothing
+    want = _reference(q, k, v, m, 0.3, 20.0).float()
+    arg = m == 0 if kind == "bool" else m
+    outs = []
+    for scan in (False, True):
+        cfg = LaunchConfig(tuple(bg.grid), 8, split, 4, 2, combine_in_kernel=split > 1, mask_scan=scan)
+        launcher = BlockLauncher(bg, cfg, [4, 4, 4, 4], str(tmp_path), f"scan{int(scan)}{split}", Target.INTERPRETER)
+        assert ("scan_lo" in launcher.source) == scan
+        outs.append(launcher(q, k, v, arg)[0])
+    for out in outs:
+        assert torch.isnan(out[..., :8, :]).all()      # eager's 0/0 on rows that see no key
+        assert_close(out[..., 8:, :], want[..., 8:, :], torch.float32)
+    assert torch.equal(outs[0][..., 8:, :], outs[1][..., 8:, :])
+    k2, v2 = k.clone(), v.clone()
+    k2[..., 28:, :], v2[..., 28:, :] = float("nan"), float("nan")     # in the tile no row sees: never read
+    cfg = LaunchConfig(tuple(bg.grid), 8, split, 4, 2, combine_in_kernel=split > 1, mask_scan=True)
+    skipped = BlockLauncher(bg, cfg, [4, 4, 4, 4], str(tmp_path), f"scan{split}", Target.INTERPRETER)(q, k2, v2, arg)[0]
+    assert_close(skipped[..., 8:, :], want[..., 8:, :], torch.float32)
+    floor = _body(flash_attention(b, hk, rows, skv, d, scale=0.3, mask=(1, 1), dtype="bool", mask_dtype="bool",
+                                  mask_fill=-1e30))
+    assert scanned_mask(floor) is None

@@ -282,7 +282,8 @@ class _Emitter:
                  if c != "0"]
         return " + ".join(terms) or "0", self.mask(strip(tile)[0], trans)
 
-    def load_iterator(self, op: Op, it: str | None, trans: bool = False) -> Val:
+    def load_iterator(self, op: Op, it: str | None, trans: bool = False, other: str = "0.0") -> Val:
+        """The tile of iterator ``op`` at loop step ``it``; elements past the tensor's end read ``other``."""
         a, bg = op.attrs, self.bg
         if self.full and a["index"] == self.band_zero:     # a tile every row sees whole: the mask is 0 there
             shape = strip(op.shapes[0])[0]
@@ -299,7 +300,7 @@ class _Emitter:
             return self.band_mask_tile(op, starts, trans)
         p = f"in{a['index']}"
         offs, mask = self.offsets(p, full, tile, starts, trans)
-        extra = f", mask={mask}, other=0.0" if mask else ""
+        extra = f", mask={mask}, other={other}" if mask else ""
         return self.assign("x", f"tl.load({p}_ptr + {offs}{extra})", strip(tile)[0], a["dtype"], trans=trans)
 
     def band_mask_tile(self, op: Op, starts: list, trans: bool) -> Val:
@@ -970,7 +971,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
                       combine: BlockGraph | None = None, prologue: bool = False, order=None,
                       transposed=None, target: Target = Target.INTERPRETER, sums_after: bool = False,
                       combine_in_kernel: bool = False, flat_pid: bool = False,
-                      through: Sequence[StoreThrough] = ()) -> BlockKernel:
+                      through: Sequence[StoreThrough] = (), mask_scan: bool = False) -> BlockKernel:
     """Triton source for one graph-defined op, for ``target`` (the interpreter's forms run anywhere). ``in_ranks``: rank of each kernel input (its strides are
     arguments). ``combine``: the re-tiling of ``bg`` whose grid the combine kernel runs on (split > 1;
     default ``bg``'s own grid). ``prologue``: the :func:`prologue_accumulators` walk the for-loop range in a
@@ -984,7 +985,9 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     ``flat_pid``: the kernel is a part of a sibling launch (:func:`emit_sibling_kernel`), its program passed as
     ``lin``; a split with a combine kernel cannot be one (the combine is a second launch). ``through``: savers
     whose tiles are stored into a destination at positions as well (:class:`StoreThrough`), by whichever kernel
-    stores the outputs."""
+    stores the outputs. ``mask_scan``: where :func:`scanned_mask` finds the loop's mask, each program first reads
+    its mask tiles and walks only from the first to the last key tile that one of its rows sees
+    (:func:`_scanned_bounds`)."""
     if bg.forloop_range % split:
         raise CodegenError(f"μGraph codegen: split {split} does not divide forloop_range {bg.forloop_range}")
     if flat_pid and split > 1 and not combine_in_kernel:
@@ -1018,6 +1021,8 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     if bg.forloop_band is not None:     # per-block loop bounds: entirely masked key tiles are never visited
         loop = True
         segments = _band_bounds(e, bg, lo, hi)
+    elif mask_scan and loop and (m := scanned_mask(bg)) is not None:   # the same, the mask read at run time
+        segments = [_scanned_bounds(e, bg.ops[m], lo, hi)]
     emit_ops(ph.invariant, None)
     states = {i: _acc_init(e, bg.ops[i]) for i in accs}
     for i in accs:                      # column sums: the whole tile summed per iteration, reduced after the loop
@@ -1153,6 +1158,47 @@ def _band_bounds(e: _Emitter, bg: BlockGraph, lo: str, hi: str) -> list[tuple[st
     e.line(f"band_f1 = tl.maximum(tl.minimum(tl.maximum(band_p0 + {off + 1} - band_kb, 0) // {t}, band_hi), {f0})")
     edges = [(lo, f0, False)] if b["window"] is not None else []
     return edges + [(f0, "band_f1", True), ("band_f1", "band_hi", False)]
+
+
+def scanned_mask(bg: BlockGraph) -> int | None:
+    """The iterator (op index) of the mask an online softmax's scores take last, where a key tile whose mask is
+    masked for every row of the block adds exactly nothing and may be skipped: the accumulator's scores are
+    ``add(s, mask)`` or ``where(keep, s, -inf)`` with the mask's tile walked by the for-loop (masked means -inf:
+    ``exp(-inf - m) = 0``; a finite floor such as ``finfo.min`` is not skipped, since a row that sees no key
+    averages over every key there). None where there is no such mask or a static band already bounds the loop."""
+    if bg.forloop_band is None:
+        for op in bg.ops:
+            if op.name != "acc_online_softmax":
+                continue
+            score = bg.ops[op.inputs[0][0]]
+            if score.name == "add":
+                terms = [r[0] for r in score.inputs]
+            elif score.name == "where" and score.attrs["value"] == float("-inf"):
+                terms = [score.inputs[0][0]]
+            else:
+                return None
+            walked = [i for i in terms if bg.ops[i].name == "iterator" and bg.ops[i].attrs["fmap"] is not None]
+            return walked[0] if len(walked) == 1 else None
+    return None
+
+
+def _scanned_bounds(e: _Emitter, op: Op, lo: str, hi: str) -> tuple[str, str, bool]:
+    """Lines that read the block's tiles of mask iterator ``op`` over ``[lo, hi)`` (a split's share of the loop)
+    and bound the loop by the first and one past the last tile holding an entry that is not masked; a block
+    whose rows see no key there walks nothing (``l = 0``, as after walking tiles that add nothing)."""
+    zero = "tl.program_id(0) * 0"      # int32 scalars: the loop-carried bounds keep one type
+    e.line(f"scan_lo = {zero} + ({hi})")
+    e.line(f"scan_hi = {zero} + ({lo})")
+    e.line(f"for scan_it in tl.range({lo}, {hi}):")
+    e.indent += 1
+    bool_mask = op.attrs["dtype"] == "bool"
+    tile = e.load_iterator(op, "scan_it", other="0" if bool_mask else NEG_INF)   # padding is not seen
+    seen = f"tl.max({tile.name}.to(tl.int32)) > 0" if bool_mask else f"tl.max({tile.name}.to(tl.float32)) > {NEG_INF}"
+    e.line(f"seen = {seen}")
+    e.line(f"scan_lo = tl.minimum(scan_lo, tl.where(seen, scan_it, {hi}))")
+    e.line(f"scan_hi = tl.maximum(scan_hi, tl.where(seen, scan_it + 1, {lo}))")
+    e.indent -= 1
+    return "scan_lo", "scan_hi", False
 
 
 def heaviest_first(bg: BlockGraph, split: int) -> frozenset:

@@ -45,6 +45,7 @@ from ..ugraph import MASK_FLOOR, KernelGraph
 from ..context import CompileContext, Target
 from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
 from .attention_seeds import PLAN_KERNELS, ROW_BLOCK_KV, SEEDS, attention_column_sums, decode_split_counts
+from .launch import unscanned_candidates
 from .library import blocks
 from .plan_select import Candidate, select_plan
 from .ugraph_plan import Alternative, UGraphPlan
@@ -310,7 +311,9 @@ class AttentionClaimer:
                                              if len(nodes) > len(spec.nodes) else "")
         plan = UGraphPlan(alternatives, functools.partial(_example_inputs, spec, graph, by_index, bool_mask),
                           functools.partial(attention_kernel, spec, order, slots, metas, fixed, bool_mask),
-                          what=f"attention {spec.describe()} {dtype}")
+                          what=f"attention {spec.describe()} {dtype}",
+                          # a column-sum plan's mask is clamped finite (run_spec): no -inf for a scan to find
+                          propose=unscanned_candidates if spec.extra_outputs else None)
         return Claim(nodes, plan, detail=alternatives[0].detail, info=info)
 
     @staticmethod

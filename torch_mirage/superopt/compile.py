@@ -70,7 +70,8 @@ class BlockLauncher:
                                                      Target.current() if target is None else target,
                                                      sums_after=config.sums_after,
                                                      combine_in_kernel=config.combine_in_kernel,
-                                                     flat_pid=flat_pid, through=through)
+                                                     flat_pid=flat_pid, through=through,
+                                                     mask_scan=config.mask_scan)
         self.through = tuple(through)
         self.source = module_source([self.kernel])
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")

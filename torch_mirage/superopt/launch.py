@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..cache import cache_key
-from ..codegen.ugraph_triton import ELEMENTWISE, _saved, padded, prologue_accumulators, strip
+from ..codegen.ugraph_triton import ELEMENTWISE, _saved, padded, prologue_accumulators, scanned_mask, strip
 from ..numerics import relative_error, same_non_finite, tolerance
 from ..timing import cuda_graph_timing, rotated_input_sets
 from ..tune import tune
@@ -107,6 +107,7 @@ class LaunchConfig:
     prologue: bool = False    # matmul-free accumulators in a for-loop of their own (ugraph_triton.prologue_accumulators)
     sums_after: bool = False  # with prologue: that loop runs after the main loop, not before it
     combine_in_kernel: bool = False  # split > 1: a tile's last program folds its states (no combine kernel)
+    mask_scan: bool = False   # each program bounds its loop by the key tiles its mask lets a row see (scanned_mask)
 
     def to_json(self) -> dict:
         return {**asdict(self), "grid": list(self.grid)}
@@ -412,7 +413,7 @@ def _scored(bg: BlockGraph, n_sm: int) -> list[tuple]:
     return sorted(scored)
 
 
-def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
+def candidates(bg: BlockGraph, n_sm: int, limit: int = 4, scan: bool = True) -> list[LaunchConfig]:
     """Prefill attention: its own schedule plus :func:`prefill_candidates`; split-KV decode attention: its own
     schedule plus :func:`decode_candidates` — alone where one of them fills ``1 / FILLED_SM_FRACTION`` of the
     SMs, else followed by the re-tilings below. Otherwise the μGraph's own schedule
@@ -420,13 +421,14 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
     per SM, each with the (num_warps, num_stages) pairs of ``WARPS_STAGES`` and, where each program walks at least
     ``DEEP_LOOP`` for-loop steps, ``DEEP_PIPELINE``. (Pairs whose stages do not fit shared memory fail to compile
     and are skipped by :func:`choose`.) Splits here keep their combine kernel: the in-kernel fold is timed for
-    weight streams and decode attention, where the H100 kept it."""
+    weight streams and decode attention, where the H100 kept it. ``scan``: prefill attention with a mask passed in
+    scans it (:func:`scanning`)."""
     fixed = prefill_candidates(bg) or decode_candidates(bg, n_sm)
     if fixed:
         base = default_config(bg)
         fixed = [base] + [c for c in fixed if c != base]
         if max(math.prod(c.grid) * c.split for c in fixed) * FILLED_SM_FRACTION >= n_sm:
-            return fixed
+            return scanning(bg, fixed) if scan else fixed
         # too few programs to fill the SMs (a few heads of a short prefill against a long cache): the roofline
         # re-tilings and key splits below are timed too (H100 11-25, qknorm attention 2 heads x 256 x 4096 fp16:
         # 56.9 µs at the best prefill schedule's 8 programs, against 11.1 before prefill schedules replaced them)
@@ -446,7 +448,25 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
     configs = [LaunchConfig(g, f, s, w, st) for g, f, s in picks
                for w, st in (*WARPS_STAGES, *([DEEP_PIPELINE] if f // s >= DEEP_LOOP else []))]
     configs += _stream_configs(bg, scored, n_sm)
-    return fixed + [c for c in configs if c not in fixed]
+    configs = fixed + [c for c in configs if c not in fixed]
+    return scanning(bg, configs) if scan else configs
+
+
+def unscanned_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
+    """:func:`candidates` without the mask scan: for kernels whose mask holds no -inf to find (a column-sum plan's,
+    clamped at a finite floor for its column pass)."""
+    return candidates(bg, n_sm, limit, scan=False)
+
+
+def scanning(bg: BlockGraph, configs: Sequence[LaunchConfig]) -> list[LaunchConfig]:
+    """``configs``, each scanning the mask (``mask_scan``) where ``bg`` is prefill attention whose mask is a tensor
+    only the call knows (:func:`~torch_mirage.codegen.ugraph_triton.scanned_mask`: a causal, padding or window
+    mask passed in): each program then walks only the key tiles one of its rows sees. The tuner's inputs are
+    random and hide nothing, so timing could not show what the scan saves (about half the tiles under a causal
+    mask); on a mask that hides no whole tile it costs one read of the block's mask tiles, from L2."""
+    if prefill_attention(bg) is None or scanned_mask(bg) is None:
+        return list(configs)
+    return list(dict.fromkeys(replace(c, mask_scan=True) for c in configs))
 
 
 def _stream_configs(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> list[LaunchConfig]:
@@ -607,7 +627,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs, ABBA",
                     space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE,
                            CONTIGUOUS_PIPELINES, FILL_PIPELINE, STREAM_STAGE_BYTES, STREAM_RUN_BYTES, RUN_TILES,
-                           PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES]
+                           PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES, "mask scan"]
                     + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
     props = torch.cuda.get_device_properties(inputs[0].device)
     configs = {json.dumps(c.to_json(), sort_keys=True): c for c in propose(bg, props.multi_processor_count, limit)}
