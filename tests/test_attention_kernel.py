@@ -307,8 +307,8 @@ def test_gpu_prefill_passed_mask_scanned(dtype):
     candidates, all of which scan the mask; fp64-equal with a causal -inf mask, right padding included, and
     with a mask that hides no whole tile."""
     n, h, d = 1024, 4, 128
-    kg = flash_attention(1, h, n, n, d, scale=d ** -0.5, softcap=50.0, mask=(1, 1),
-                         dtype={torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype])
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    kg = flash_attention(1, h, n, n, d, scale=d ** -0.5, softcap=50.0, mask=(1, 1), dtype=name, mask_dtype=name)
     q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
     causal = torch.full((n, n), float("-inf"), device="cuda").triu(1)
     causal[:, 1000:] = float("-inf")
