@@ -360,3 +360,43 @@ def test_sdpa_with_a_mask_broadcast_over_the_batch():
 
     (region,) = _check(f, (q, k, v, mask), torch.float32)
     assert "hk=2 " in region.info["attention"], region.info
+
+
+def test_tuning_sees_the_compiled_calls_mask(monkeypatch):
+    """A mask passed in (and sliced in the graph, as HF slices its 4-D mask) reaches the attention seeds' example
+    inputs as the compiled call's real values — so that launch tuning can time the mask scan on the tiles it
+    skips — and is released after the build; the Q / K / V examples stay random."""
+    import torch_mirage.superopt.attention_claim as claim
+
+    seen = []
+    examples = claim._examples
+
+    def spy(spec, graph, by_index=False, bool_mask=False, observed=None):
+        out = examples(spec, graph, by_index, bool_mask, observed)
+        seen.append((dict(observed or {}), out[0], observed))
+        return out
+    monkeypatch.setattr(claim, "_examples", spy)
+    b, h, sq, d = 1, 2, 16, 8
+    q, k, v = _qkv(b, h, h, sq, sq, d, torch.float32)
+    mask = torch.full((sq, sq + 4), float("-inf")).triu(1)[None, None]
+    fn = lambda q, k, v, m: hf_eager_attention(q, k, v, m, d ** -0.5)    # noqa: E731
+    _check(fn, [q, k, v, mask], torch.float32)
+    tuned = [(obs, ex, live) for obs, ex, live in seen if obs]
+    assert tuned, "no example inputs were built with the call's tensors"
+    obs, ex, live = tuned[0]
+    assert live == {}                                              # emptied once the build was done
+    assert any(t is mask for t in obs.values())
+    assert torch.equal(ex[3].reshape(sq, sq), mask[0, 0, :, :sq])      # the graph's slice of the real mask
+    assert not torch.equal(ex[0], q.reshape(ex[0].shape))
+
+
+def test_constant_value_with_observed_inputs():
+    """``constant_value`` evaluates a value computed from graph inputs only when their real tensors are given."""
+    from torch_mirage.capture.lower import constant_value
+    from torch_mirage.testing.aten import trace_ir
+
+    m = torch.randn(1, 1, 4, 6)
+    graph = trace_ir(lambda m: m[:, :, :, :4] * 2, m)
+    out = graph.outputs[0]
+    assert constant_value(graph, out) is None
+    assert torch.equal(constant_value(graph, out, {graph.inputs[0].name: m}), m[..., :4] * 2)

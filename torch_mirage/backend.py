@@ -57,6 +57,28 @@ def _static_input_indices() -> Sequence[int]:
     return tuple(getattr(meta, "static_input_indices", None) or ())
 
 
+def _lifted(gm: torch.fx.GraphModule) -> int:
+    """The parameters and buffers AOTAutograd lifts into the ATen graph's first inputs."""
+    return len(dict(gm.named_parameters(remove_duplicate=False))) + len(dict(gm.named_buffers(remove_duplicate=False)))
+
+
+def _observed(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], aten_inputs: Sequence[Any]) -> dict[int, Any]:
+    """Dynamo's real example tensors by the ATen graph's input index, where the two line up (the lifted
+    parameters, then the user inputs, each of the same shape and dtype; a symbolic size is not compared, which would
+    specialise it); empty where they do not."""
+    lifted = _lifted(gm)
+    if len(aten_inputs) != lifted + len(example_inputs):
+        return {}
+    out = {}
+    for j, real in enumerate(example_inputs):
+        fake = aten_inputs[lifted + j]
+        if isinstance(real, torch.Tensor) and isinstance(fake, torch.Tensor) \
+                and all(type(n) is int for n in fake.shape) and tuple(real.shape) == tuple(fake.shape) \
+                and real.dtype == fake.dtype and not isinstance(real, torch._subclasses.FakeTensor):
+            out[lifted + j] = real
+    return out
+
+
 class MirageBackend:
     """A configured backend instance. ``torch.compile(m, backend=MirageBackend(options={...}))``
     is the same as ``backend="mirage", options={...}``; ``report`` collects what was done."""
@@ -79,7 +101,8 @@ class MirageBackend:
         cache = DiskCache(cfg.cache_dir) if cfg.cache else None
 
         def inner(kind: str, graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
-            ctx = CompileContext(cfg, self.report.new_graph(kind), cache, _static_input_indices())
+            ctx = CompileContext(cfg, self.report.new_graph(kind), cache, _static_input_indices(),
+                                 observed_inputs=_observed(gm, example_inputs, inputs) if kind != "backward" else {})
             return compile_graph(graph, inputs, ctx, self.claimers)
 
         from torch._inductor.decomposition import select_decomp_table
@@ -138,7 +161,7 @@ class MirageBackend:
                              mirage: Any, report: GraphReport) -> Any:
         """Mirage's version could not be timed against Inductor's: never keep a version not shown to be no
         slower, so the graph runs as ``backend="inductor"`` would run it (in our CUDA graph where allowed)."""
-        lifted = len(dict(gm.named_parameters(remove_duplicate=False))) + len(dict(gm.named_buffers(remove_duplicate=False)))
+        lifted = _lifted(gm)
         aligned = report.num_inputs == lifted + len(example_inputs)
         static = tuple(i - lifted for i in _static_input_indices() if i >= lifted) if aligned else ()
         mutated = tuple(i - lifted for i in report.mutated_inputs if i >= lifted) if aligned else ()

@@ -12,7 +12,7 @@ import contextlib
 import enum
 import os
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from .analysis.graph import GraphAnalysis, analyse
 from .cache import DiskCache
@@ -51,6 +51,9 @@ class CompileContext:
     target: Target = field(default_factory=Target.current)
     failures: FailureLog | None = None   # failures that changed what runs, logged grouped at the end
     analysis: GraphAnalysis | None = None   # the analyse stage's facts about the graph being compiled
+    # the real tensors of the call being compiled, by ATen graph input index (user inputs only, where Dynamo's and
+    # the ATen graph's inputs line up): launch tuning may time on them; no kernel is specialised on them
+    observed_inputs: dict[int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.failures is None:

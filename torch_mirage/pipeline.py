@@ -210,7 +210,10 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
         claimers = default_claimers(config) if claimers is None else claimers
         regions = claim_regions(graph, claimers, ctx)
     with ctx.stage("build"), tune_budget(config.tune_budget_s), compile_workers(config.compile_workers):
-        build_regions(regions, graph, ctx)
+        try:
+            build_regions(regions, graph, ctx)
+        finally:
+            ctx.observed_inputs.clear()     # the call's tensors: tuning only, not kept alive by the plans
     if config.check_regions:
         with ctx.stage("check"):
             check_regions(regions, graph, ctx)

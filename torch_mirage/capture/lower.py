@@ -135,13 +135,23 @@ def to_fx(graph: Graph, float64: bool = False) -> fx.GraphModule:
     return fx.GraphModule(root, g)
 
 
-def constant_value(graph: Graph, value: Value) -> torch.Tensor | None:
+def constant_value(graph: Graph, value: Value, observed: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
     """``value``'s tensor where the graph computes it from its constants alone (no graph input reaches it: an
     attention mask built from ``arange`` comparisons, a constant table); None otherwise. A kernel specialised on
     such a value's properties (the attention band skips the tiles the mask hides) is checked and tuned on this
-    tensor, not on random data. None also where the slice does not run on its own."""
+    tensor, not on random data. None also where the slice does not run on its own. ``observed``: real tensors of
+    graph inputs (by input name) that count as known too — the call being compiled; what comes back then holds
+    for that call only: fit to time kernels on, never to specialise one on."""
+    observed = observed or {}
+
+    def known(v: Value) -> bool:
+        return v.name in graph.constants or v.name in observed
+
+    def leaf(v: Value):
+        return observed[v.name] if v.name in observed else v.example
+
     if value.producer is None:
-        return value.example if value.name in graph.constants and isinstance(value.example, torch.Tensor) else None
+        return leaf(value) if known(value) and isinstance(leaf(value), torch.Tensor) else None
     nodes, stack, seen = [], [value.producer], set()
     while stack:
         node = stack.pop()
@@ -152,11 +162,11 @@ def constant_value(graph: Graph, value: Value) -> torch.Tensor | None:
         for v in node.inputs:
             if v.producer is not None:
                 stack.append(v.producer)
-            elif v.name not in graph.constants:
+            elif not known(v):
                 return None                     # a graph input reaches the value
     try:
         sub = subgraph(graph, nodes, [value])
-        out = to_fx(sub)(*[v.example for v in sub.inputs])
+        out = to_fx(sub)(*[leaf(v) for v in sub.inputs])
     except Exception:   # a slice that does not run on its own (symbolic sizes, a fake example): not known
         return None
     out = out[0] if isinstance(out, (list, tuple)) else out

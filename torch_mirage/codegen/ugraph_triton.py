@@ -40,7 +40,6 @@ Leading unit dims of a tile are dropped (keeping rank ≥ 2 for rank ≥ 2 tiles
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Sequence
 
@@ -192,7 +191,6 @@ class _Emitter:
         self.band: dict | None = None      # the band's geometry where its mask is computed from indices (index_mask)
         self.wide: dict[int, tuple] = {}    # deferred column sums: acc op -> (whole-tile accumulator, reduced dim)
         self.full = False
-        self.unseen_pad: set[int] = set()   # iterators (op index) whose padding reads as masked (-inf): mask_scan's
         self.users = bg.consumers()
         self.phase = _phase_of(bg)
         self.raw_scores = {id(op): _raw_terms(bg, op.inputs[0]) for op in bg.ops if op.name == "acc_online_softmax"}
@@ -428,8 +426,7 @@ class _Emitter:
         op = self.bg.ops[i]
         trans = i in self.transposed
         if op.name == "iterator":
-            unseen = i in self.unseen_pad and op.attrs["dtype"] != "bool"    # a bool's padding reads False
-            outs = [self.load_iterator(op, it, trans, NEG_INF if unseen else "0.0")]
+            outs = [self.load_iterator(op, it, trans)]
         elif i in self.prescaled:
             x = self.arg(env, i, 0)
             v = self.assign("v", f"{self.f32(replace(x, scale=1.0))} * {x.scale * float(op.attrs['value']) * LOG2E!r}",
@@ -1024,13 +1021,8 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     if bg.forloop_band is not None:     # per-block loop bounds: entirely masked key tiles are never visited
         loop = True
         segments = _band_bounds(e, bg, lo, hi)
-    skip = None
-    if bg.forloop_band is None and mask_scan and loop and (m := scanned_mask(bg)) is not None:
-        if os.environ.get("MIRAGE_EXPERIMENT_MASK_SKIP", "loop") == "scan":   # the same, the mask read at run time
-            segments = [_scanned_bounds(e, bg.ops[m], lo, hi)]
-        else:
-            skip = m
-            e.unseen_pad.add(m)
+    elif mask_scan and loop and (m := scanned_mask(bg)) is not None:   # the same, the mask read at run time
+        segments = [_scanned_bounds(e, bg.ops[m], lo, hi)]
     emit_ops(ph.invariant, None)
     states = {i: _acc_init(e, bg.ops[i]) for i in accs}
     for i in accs:                      # column sums: the whole tile summed per iteration, reduced after the loop
@@ -1048,25 +1040,13 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
                 stages = "1" if split_band and not full else "NUM_STAGES"
                 e.line(f"for it in tl.range({s_lo}, {s_hi}, num_stages={stages}):")
                 e.indent += 1
-            variant = [i for i in ph.variant if i in needed]
-            skipping = skip is not None and skip in variant
-            if skipping:     # every tile's loads first (pipelined); the work only where a row sees a key
-                loads = [i for i in variant if bg.ops[i].name == "iterator"]
-                emit_ops(loads, "it")
-                variant = [i for i in variant if i not in loads]
-                x = env[Ref(skip, 0)]
-                e.line(f"if tl.max({x.name}.to(tl.int32)) > 0:" if x.dtype == "bool"
-                       else f"if tl.max({x.name}.to(tl.float32)) > {NEG_INF}:")
-                e.indent += 1
-            emit_ops(variant, "it" if loop else lo)
+            emit_ops([i for i in ph.variant if i in needed], "it" if loop else lo)
             for i in e.order(group):
                 op = bg.ops[i]
                 mm = next((m for m, a in fused.items() if a == i), None)
                 pair = tuple(e.arg(env, mm, k) for k in range(2)) if mm is not None else None
                 _acc_update(e, op, states[i], [e.arg(env, i, k) for k in range(len(op.inputs))] if mm is None
                             else [], pair, e.wide.get(i))
-            if skipping:
-                e.indent -= 1
             if loop:
                 e.indent -= 1
     e.full = False
@@ -1218,7 +1198,7 @@ def _scanned_bounds(e: _Emitter, op: Op, lo: str, hi: str) -> tuple[str, str, bo
     tile = e.load_iterator(op, "scan_it", other="0" if bool_mask else NEG_INF)   # padding is not seen
     e.line(f"seen = {tile.name} != 0" if bool_mask else f"seen = {tile.name} > {NEG_INF}")
     e.line(f"scan_first = tl.minimum(scan_first, tl.where(seen, scan_it, {hi}))")
-    e.line(f"scan_last = tl.where(seen, scan_it + 1, scan_last)")
+    e.line("scan_last = tl.where(seen, scan_it + 1, scan_last)")
     e.indent -= 1
     e.line("scan_lo = tl.min(scan_first)")
     e.line("scan_hi = tl.max(scan_last)")

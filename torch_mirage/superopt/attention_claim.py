@@ -309,7 +309,8 @@ class AttentionClaimer:
         if by_index:
             info["mask"] = "from indices" + (f" ({len(nodes) - len(spec.nodes)} mask nodes joined)"
                                              if len(nodes) > len(spec.nodes) else "")
-        plan = UGraphPlan(alternatives, functools.partial(_example_inputs, spec, graph, by_index, bool_mask),
+        plan = UGraphPlan(alternatives, functools.partial(_example_inputs, spec, graph, by_index, bool_mask,
+                                                          ctx.observed_inputs),
                           functools.partial(attention_kernel, spec, order, slots, metas, fixed, bool_mask),
                           what=f"attention {spec.describe()} {dtype}",
                           # a column-sum plan's mask is clamped finite (run_spec): no -inf for a scan to find
@@ -378,17 +379,22 @@ def _mask_builders(spec: AttentionSpec, graph: Graph, free: Sequence[Node]) -> l
     return sorted(found.values(), key=lambda x: order[id(x)])
 
 
-def _example_inputs(spec: AttentionSpec, graph: Graph, by_index: bool = False, bool_mask: bool = False) -> list:
-    """The seeds' example inputs (:func:`_examples`), made by the build stage when it compiles them."""
-    return _examples(spec, graph, by_index, bool_mask)[0]
+def _example_inputs(spec: AttentionSpec, graph: Graph, by_index: bool = False, bool_mask: bool = False,
+                    observed: dict | None = None) -> list:
+    """The seeds' example inputs (:func:`_examples`), made by the build stage when it compiles them; ``observed``:
+    the compile's real inputs by graph input index (:attr:`CompileContext.observed_inputs`, emptied after the
+    build)."""
+    return _examples(spec, graph, by_index, bool_mask, observed)[0]
 
 
-def _examples(spec: AttentionSpec, graph: Graph, by_index: bool = False, bool_mask: bool = False
-              ) -> tuple[list, tuple | None, torch.Tensor | None]:
+def _examples(spec: AttentionSpec, graph: Graph, by_index: bool = False, bool_mask: bool = False,
+              observed: dict | None = None) -> tuple[list, tuple | None, torch.Tensor | None]:
     """Random inputs shaped as the seeds take them (Q packed per KV head, the mask packed), the mask's batch/head
     dims, and the region's fixed mask: ``is_causal``'s (built once, clamped) or, with ``by_index`` (an
     :func:`index_mask`), a broadcast stand-in the kernels never read. A mask the graph computes from constants
-    keeps its real contents: launch tuning compares re-tilings whose bands skip the tiles it hides."""
+    keeps its real contents: launch tuning compares re-tilings whose bands skip the tiles it hides; so does a mask
+    computed from the call's own inputs where ``observed`` holds them (the scan's tiles it skips,
+    :func:`~.launch.scanning`)."""
     q, k, v = (random_like(x.meta) for x in (spec.q, spec.k, spec.v))
     ex = [q.reshape(spec.b, spec.hk, spec.group * spec.sq, spec.d), k.contiguous(), v.contiguous()]
     mask_shape = causal = None
@@ -398,7 +404,8 @@ def _examples(spec: AttentionSpec, graph: Graph, by_index: bool = False, bool_ma
     if spec.mask != "none":
         example_mask = None
         if spec.mask_value is not None:
-            example_mask = constant_value(graph, spec.mask_value)
+            named = {graph.inputs[i].name: t for i, t in (observed or {}).items() if i < len(graph.inputs)}
+            example_mask = constant_value(graph, spec.mask_value, named)
             if example_mask is None:
                 example_mask = random_like(spec.mask_value.meta)
         packed = packed_mask(spec, example_mask, q.device, bool_mask).to(mask_dtype(spec, bool_mask))

@@ -459,14 +459,16 @@ def unscanned_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
 
 
 def scanning(bg: BlockGraph, configs: Sequence[LaunchConfig]) -> list[LaunchConfig]:
-    """``configs``, each scanning the mask (``mask_scan``) where ``bg`` is prefill attention whose mask is a tensor
-    only the call knows (:func:`~torch_mirage.codegen.ugraph_triton.scanned_mask`: a causal, padding or window
-    mask passed in): each program then walks only the key tiles one of its rows sees. The tuner's inputs are
-    random and hide nothing, so timing could not show what the scan saves (about half the tiles under a causal
-    mask); on a mask that hides no whole tile it costs one read of the block's mask tiles, from L2."""
+    """``configs``, then each again scanning the mask (``mask_scan``) where ``bg`` is prefill attention whose mask
+    is a tensor only the call knows (:func:`~torch_mirage.codegen.ugraph_triton.scanned_mask`: a causal, padding
+    or window mask passed in): each program then walks only the key tiles one of its rows sees. The tuner times
+    both on the mask of the call being compiled where the claim has it (random data hides no tile, and there the
+    scan only costs): H100, 11-27, soft-capped prefill with a causal mask passed in, 32 heads, bf16 — n = 8192
+    3046 µs scanned (4759 on a random mask); n = 1024 65.7 scanned, 65.8 not (83.0 scanned on a random mask:
+    every program re-reads its rows of the mask)."""
     if prefill_attention(bg) is None or scanned_mask(bg) is None:
         return list(configs)
-    return list(dict.fromkeys(replace(c, mask_scan=True) for c in configs))
+    return list(dict.fromkeys([*configs, *(replace(c, mask_scan=True) for c in configs)]))
 
 
 def _stream_configs(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> list[LaunchConfig]:
