@@ -56,6 +56,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode: batch rows")
     p.add_argument("--context", type=int, default=4096, help="decode: static-cache slots")
     p.add_argument("--kv-heads", type=int, default=8, help="decode: KV heads")
+    p.add_argument("--written", type=int, default=None,
+                   help="decode: slots batch row 0 has written (default: the whole context); row r has 128·r fewer")
     p.add_argument("--budget-s", type=float, default=420.0, help="cases not started by then are skipped")
     p.add_argument("--root", default=None, help="import torch_mirage from this directory")
     p.add_argument("--label", default="after", help="names this run in the JSON / table (before / after)")
@@ -120,13 +122,15 @@ def flex_decode(q, k, v, mask):
 
 def decode_inputs(b: int, dtype: torch.dtype, dev, seed: int) -> list[torch.Tensor]:
     """q (b, h, 1, d), the cache's K and V (b, hk, context, d), the additive mask (b, 1, 1, context): row r has
-    written ``context - 128·r`` slots."""
+    written ``written - 128·r`` slots (``--written``, default the context: a step early in a long static cache
+    with it set low)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     ctx, d = ARGS.context, 128
 
     def randn(*shape):
         return torch.randn(shape, device=dev, generator=g, dtype=torch.float32).to(dtype)
-    written = torch.tensor([ctx - 128 * r for r in range(b)], device=dev)
+    first = ctx if ARGS.written is None else ARGS.written
+    written = torch.tensor([max(1, first - 128 * r) for r in range(b)], device=dev)
     mask = torch.where(torch.arange(ctx, device=dev)[None] < written[:, None], 0.0, float("-inf"))
     return [randn(b, ARGS.heads, 1, d), randn(b, ARGS.kv_heads, ctx, d), randn(b, ARGS.kv_heads, ctx, d),
             mask.to(dtype).view(b, 1, 1, ctx)]

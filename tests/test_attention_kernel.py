@@ -402,3 +402,33 @@ def test_mask_scan_skips_unseen_key_tiles_eager_equal(split, kind, tmp_path):
     floor = _body(flash_attention(b, hk, rows, skv, d, scale=0.3, mask=(1, 1), dtype="bool", mask_dtype="bool",
                                   mask_fill=-1e30))
     assert scanned_mask(floor) is None
+
+
+@interp
+def test_decode_mask_scan_walks_only_written_slots(tmp_path):
+    """Decode over a static cache early in it: split-KV (a grid dim over the key splits) with the mask scan walks
+    only the slots written so far — its unwritten slots hold NaN and are never read, whole splits included — and
+    matches fp64 after the combine; :func:`scan_twin` offers the scanned twin of a decode config only."""
+    from torch_mirage.superopt.launch import scan_twin
+
+    b, hk, rows, skv, d = 2, 2, 4, 64, 16
+    kg = flash_decoding(b, hk, rows, skv, d, scale=0.25, mask=(b, 1), dtype="float32", splits=4, tile=4)
+    bg = _body(kg)
+    q, k, v = torch.randn(b, hk, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
+    mask = torch.zeros(b, 1, rows, skv)
+    mask[0, ..., 20:] = float("-inf")              # row 0 wrote 20 slots: two whole splits unwritten
+    mask[1, ..., 37:] = float("-inf")
+    want = _reference(q, k, v, mask, 0.25, None).float()
+    k[0, :, 20:], v[0, :, 20:], k[1, :, 40:], v[1, :, 40:] = (float("nan"),) * 4    # the tiles no row sees
+    cfg = scan_twin(bg, LaunchConfig(tuple(bg.grid), bg.forloop_range))
+    assert cfg is not None and cfg.mask_scan
+    launcher = BlockLauncher(bg, cfg, [4, 4, 4, 4], str(tmp_path), "dec_scan", Target.INTERPRETER)
+    assert "scan_lo" in launcher.source
+    m, l, o = (x.reshape(b * hk, 4, rows, -1) for x in launcher(q, k, v, mask))
+    w = torch.exp(m - m.amax(1, keepdim=True))
+    out = ((w * o).sum(1) / (w * l).sum(1)).reshape(b, hk, rows, d)
+    assert_close(out, want, torch.float32)
+    prefill = _body(flash_attention(1, 2, 256, 256, 16, scale=0.25, mask=(1, 1), dtype="float32"))
+    assert scan_twin(prefill, LaunchConfig(tuple(prefill.grid), prefill.forloop_range)) is None
+    unmasked = _body(flash_decoding(b, hk, rows, skv, d, scale=0.25, dtype="float32", splits=4, tile=4))
+    assert scan_twin(unmasked, LaunchConfig(tuple(unmasked.grid), unmasked.forloop_range)) is None

@@ -27,7 +27,7 @@ from ..cache import cache_key
 from ..codegen.ugraph_triton import ELEMENTWISE, _saved, padded, prologue_accumulators, scanned_mask, strip
 from ..numerics import relative_error, same_non_finite, tolerance
 from ..timing import cuda_graph_timing, rotated_input_sets
-from ..tune import tune
+from ..tune import cached_choice, tune
 from ..ugraph import BlockGraph, Ctx, MuGraphError, Op, ThreadGraph, make_op
 from .attention_seeds import decode_split_counts
 
@@ -659,7 +659,33 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     tuned = tune(list(configs), lambda name, made: time_launches(made[0], inputs, sets), build=make, check=agrees,
                  cache=cache, key=key, label="launch config", progress="torch_mirage: tuning a μGraph kernel",
                  precompile=precompile)
-    return configs[tuned.winner] if tuned.winner is not None else base
+    winner = configs[tuned.winner] if tuned.winner is not None else base
+    twin = scan_twin(bg, winner)
+    if twin is None:
+        return winner
+    pair = [json.dumps(c.to_json(), sort_keys=True) for c in (winner, twin)]
+    configs[pair[1]] = twin
+    key2 = cache_key(kind="ugraph-launch-scan", first=key)
+    hit = cached_choice(cache, key2, pair)
+    if hit is not None:
+        return configs[hit.winner]
+    if not want:                    # the first round's answer came from the cache: the reference is the winner
+        agrees(pair[0], make(pair[0]))
+    second = tune(pair, lambda name, made: time_launches(made[0], inputs, sets), build=make, check=agrees,
+                  cache=cache, key=key2, label="mask scan", precompile=precompile)
+    return configs[second.winner] if second.winner is not None else winner
+
+
+def scan_twin(bg: BlockGraph, config: LaunchConfig) -> LaunchConfig | None:
+    """``config`` scanning the mask, where ``bg`` is decode attention whose mask a call gives (a static cache's
+    mask: a step early in a long cache sees a few of its slots, and its programs then walk only those): timed
+    against ``config`` after the other candidates, on the compiled call's mask (one more kernel to build, not a
+    twin of each). None where that does not apply (prefill times each schedule both ways: :func:`scanning`)."""
+    if config.mask_scan or prefill_attention(bg) is not None or scanned_mask(bg) is None:
+        return None
+    if split_kv_decode(bg) is None and whole_kv_decode(bg) is None:
+        return None
+    return replace(config, mask_scan=True)
 
 
 def time_launches(run: Callable, inputs: Sequence[torch.Tensor], sets: Sequence[Sequence[torch.Tensor]]) -> list[float]:
