@@ -660,7 +660,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
                  cache=cache, key=key, label="launch config", progress="torch_mirage: tuning a μGraph kernel",
                  precompile=precompile)
     winner = configs[tuned.winner] if tuned.winner is not None else base
-    twin = scan_twin(bg, winner)
+    twin = scan_twin(bg, winner) if propose is not unscanned_candidates else None
     if twin is None:
         return winner
     pair = [json.dumps(c.to_json(), sort_keys=True) for c in (winner, twin)]
