@@ -400,3 +400,29 @@ def test_constant_value_with_observed_inputs():
     out = graph.outputs[0]
     assert constant_value(graph, out) is None
     assert torch.equal(constant_value(graph, out, {graph.inputs[0].name: m}), m[..., :4] * 2)
+
+
+def test_passed_prefill_mask_adds_the_tile_table_seed():
+    """Prefill attention with an additive mask passed in builds FlashAttention with the mask's tile table as one
+    more alternative (timed on a GPU on the call's mask); with the mask built in the graph (its band known) the
+    table seed is not used."""
+    from torch_mirage.context import CompileContext
+    from torch_mirage.partition.region import claims
+    from torch_mirage.superopt.attention_claim import AttentionClaimer
+    from torch_mirage.testing.aten import trace_ir
+
+    n, d = 256, 16
+    q, k, v = _qkv(1, 2, 2, n, n, d, torch.float32)
+    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    names = {}
+    for case, fn, args in (
+            ("passed", lambda q, k, v, m: hf_eager_attention(q, k, v, m, d ** -0.5, softcap=30.0), (q, k, v, mask)),
+            ("in graph", lambda q, k, v: hf_eager_attention(
+                q, k, v, torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1),
+                                                       float("-inf"))[None, None], d ** -0.5), (q, k, v))):
+        graph = trace_ir(fn, *args)
+        found = claims(AttentionClaimer().claim(graph, list(graph.nodes), CompileContext.standalone()))
+        assert len(found) == 1, case
+        names[case] = [a.name for a in found[0].plan.alternatives]
+    assert "flash_attention/scan" in names["passed"]
+    assert "flash_attention/scan" not in names["in graph"]

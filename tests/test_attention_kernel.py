@@ -2,7 +2,6 @@
 seed — folded constant chains, tanh on the SFU for CUDA, the band's loop split into tiles every row sees whole
 (no mask) and edge tiles (masked), causal row blocks heaviest first — and the prefill launch candidates. CPU
 tests run the kernels in Triton's interpreter against fp64 references."""
-import dataclasses
 import math
 import os
 import re
@@ -172,12 +171,17 @@ def test_prefill_candidates():
 
 
 def test_prefill_with_a_passed_mask_scans_it():
-    """Prefill attention whose mask is a tensor with no band known: every candidate is timed as it is and scanning
-    the mask; under a band (the structure known when compiling) and at decode none scans."""
-    passed = _body(flash_attention(1, 32, 1024, 1024, 128, scale=0.088, softcap=50.0, mask=(1, 1), dtype="bfloat16"))
-    cands = candidates(passed, 132)
-    plain = [c for c in cands if not c.mask_scan]
-    assert plain and [dataclasses.replace(c, mask_scan=True) for c in plain] == [c for c in cands if c.mask_scan]
+    """Prefill attention whose mask is a tensor with no band known, built with the mask's tile table: every
+    candidate scans the table; without the table, under a band (the structure known when compiling) and at
+    decode none scans; the seed refuses a table under a band or for a bool mask."""
+    kw = dict(scale=0.088, softcap=50.0, mask=(1, 1), dtype="bfloat16")
+    tabled = _body(flash_attention(1, 32, 1024, 1024, 128, scan_table=True, **kw))
+    assert tabled.forloop_scan == 4
+    assert all(c.mask_scan for c in candidates(tabled, 132))
+    assert not any(c.mask_scan for c in candidates(_body(flash_attention(1, 32, 1024, 1024, 128, **kw)), 132))
+    for bad in (dict(band=(1024, 0, None, True)), dict(mask_dtype="bool")):
+        with pytest.raises(ValueError, match="scan table"):
+            flash_attention(1, 32, 1024, 1024, 128, scan_table=True, **{**kw, **bad})
     banded = _body(flash_attention(1, 32, 1024, 1024, 128, scale=0.088, mask=(1, 1), dtype="bfloat16",
                                    band=(1024, 0, None, True)))
     assert not any(c.mask_scan for c in candidates(banded, 132))
@@ -306,16 +310,18 @@ def test_gpu_prefill_softcap_tuned(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gpu_prefill_passed_mask_scanned(dtype):
-    """H100: soft-capped prefill attention whose causal mask is a tensor (no band known): tuned on that mask over
-    the prefill candidates with and without the mask scan; fp64-equal with a causal -inf mask, right padding
-    included, and with a mask that hides no whole tile."""
+    """H100: soft-capped prefill attention whose causal mask is a tensor (no band known), with the mask's tile
+    table, tuned over the prefill candidates (each scanning the table); fp64-equal with a causal -inf mask, right
+    padding included, and with a mask that hides no whole tile."""
     n, h, d = 1024, 4, 128
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
-    kg = flash_attention(1, h, n, n, d, scale=d ** -0.5, softcap=50.0, mask=(1, 1), dtype=name, mask_dtype=name)
+    kg = flash_attention(1, h, n, n, d, scale=d ** -0.5, softcap=50.0, mask=(1, 1), dtype=name, mask_dtype=name,
+                         scan_table=True)
     q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
     causal = torch.full((n, n), float("-inf"), device="cuda").triu(1)
     causal[:, 1000:] = float("-inf")
     c = compile_ugraph(kg, [q, k, v, causal[None, None].to(dtype)], target=Target.CUDA)
+    assert any("scan_lo" in src for src in c.sources)
     for m in (causal, torch.randn(n, n, device="cuda")):
         m = m[None, None].to(dtype)
         assert_close(c(q, k, v, m)[0], _reference(q, k, v, m, d ** -0.5, 50.0).to(dtype), dtype)
@@ -432,3 +438,34 @@ def test_decode_mask_scan_walks_only_written_slots(tmp_path):
     assert scan_twin(prefill, LaunchConfig(tuple(prefill.grid), prefill.forloop_range)) is None
     unmasked = _body(flash_decoding(b, hk, rows, skv, d, scale=0.25, dtype="float32", splits=4, tile=4))
     assert scan_twin(unmasked, LaunchConfig(tuple(unmasked.grid), unmasked.forloop_range)) is None
+
+
+@interp
+def test_scan_table_skips_what_the_mask_hides(tmp_path):
+    """FlashAttention with its mask's tile table (kernel-level maxima of 64 x 64 squares, read by the launch
+    only): eager-equal under a causal mask with right padding and a row block that sees nothing (eager's NaN
+    there), keys in squares no row sees hold NaN and are never read, and with no launch scanning the table the
+    kernel reads the mask as before."""
+    n, h, d = 256, 2, 16
+    kg = flash_attention(1, h, n, n, d, scale=0.25, softcap=20.0, mask=(1, 1), dtype="float32", scan_table=True)
+    bg = _body(kg)
+    q, k, v = (torch.randn(1, h, n, d) for _ in range(3))
+    m = torch.full((n, n), float("-inf")).triu(1)[None, None].clone()
+    m[..., 192:] = float("-inf")                       # padding: the last 64 keys
+    m[..., :64, :] = float("-inf")                     # the first 64 rows see nothing
+    want = _reference(q, k, v, m, 0.25, 20.0).float()
+    k[..., 192:, :], v[..., 192:, :] = float("nan"), float("nan")
+    for scan in (True, False):
+        cfg = LaunchConfig((h, 1, 2), 4, mask_scan=scan)      # 128-row blocks, 64-key tiles
+        launcher = BlockLauncher(bg, cfg, [4] * 5, str(tmp_path), f"table{int(scan)}", Target.INTERPRETER)
+        assert ("scan_lo" in launcher.source) == scan
+        out = launcher(q, k, v, m, torch.amax(m.reshape(4, 64, 4, 64), dim=(1, 3)).reshape(1, 1, 4, 4))[0]
+        if scan:
+            assert torch.isnan(out[..., :64, :]).all()
+            assert_close(out[..., 64:, :], want[..., 64:, :], torch.float32)
+        else:                                         # every key read: the NaN keys reach every row
+            assert torch.isnan(out).all()
+    c = compile_ugraph(kg, [q, k.nan_to_num(), v.nan_to_num(), m])    # the kernel graph makes its table itself
+    out = c(q, k.nan_to_num(), v.nan_to_num(), m)[0]
+    assert_close(out[..., 64:, :], _reference(q, k.nan_to_num(), v.nan_to_num(), m, 0.25, 20.0).float()[..., 64:, :],
+                 torch.float32)

@@ -549,6 +549,10 @@ class BlockGraph(Graph):
     forloop_range: int = 1
     # a band of the for-loop range per block (see :func:`band_range`); None: every block runs the whole loop
     forloop_band: tuple | None = None
+    # the input (index) of a coarse table of the loop's mask — each entry the max of one tile of it — that a
+    # program may read before its loop to walk only the key tiles one of its rows sees (codegen's mask scan);
+    # None: none. The math never reads it
+    forloop_scan: int | None = None
 
     def ctx(self, body=None) -> Ctx:
         return Ctx(tuple(self.grid), self.forloop_range, body)
@@ -557,6 +561,8 @@ class BlockGraph(Graph):
         h = {"level": self.level, "grid": list(self.grid), "forloop_range": self.forloop_range}
         if self.forloop_band is not None:       # absent when unused: canonical JSON / hashes stay as they were
             h["forloop_band"] = list(self.forloop_band)
+        if self.forloop_scan is not None:
+            h["forloop_scan"] = self.forloop_scan
         return h
 
     @property
@@ -737,6 +743,8 @@ def from_dict(d: dict) -> Graph:
     extra = {"grid": tuple(d["grid"]), "forloop_range": d["forloop_range"]} if cls is BlockGraph else {}
     if cls is BlockGraph and d.get("forloop_band") is not None:
         extra["forloop_band"] = tuple(d["forloop_band"])
+    if cls is BlockGraph and d.get("forloop_scan") is not None:
+        extra["forloop_scan"] = int(d["forloop_scan"])
     return cls(ops=ops, outputs=tuple(Ref(*r) for r in d["outputs"]), **extra)
 
 

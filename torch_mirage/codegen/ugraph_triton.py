@@ -1165,7 +1165,8 @@ def scanned_mask(bg: BlockGraph) -> int | None:
     masked for every row of the block adds exactly nothing and may be skipped: the accumulator's scores are
     ``add(s, mask)`` or ``where(keep, s, -inf)`` with the mask's tile walked by the for-loop (masked means -inf:
     ``exp(-inf - m) = 0``; a finite floor such as ``finfo.min`` is not skipped, since a row that sees no key
-    averages over every key there). None where there is no such mask or a static band already bounds the loop."""
+    averages over every key there). None where there is no such mask or a static band already bounds the loop.
+    Where the block graph has a table of the mask's tiles (``forloop_scan``), its iterator: the scan reads that."""
     if bg.forloop_band is None:
         for op in bg.ops:
             if op.name != "acc_online_softmax":
@@ -1178,7 +1179,12 @@ def scanned_mask(bg: BlockGraph) -> int | None:
             else:
                 return None
             walked = [i for i in terms if bg.ops[i].name == "iterator" and bg.ops[i].attrs["fmap"] is not None]
-            return walked[0] if len(walked) == 1 else None
+            if len(walked) != 1:
+                return None
+            if bg.forloop_scan is None:
+                return walked[0]
+            return next((i for i, it in enumerate(bg.ops) if it.name == "iterator"
+                         and it.attrs["index"] == bg.forloop_scan and it.attrs["fmap"] is not None), None)
     return None
 
 

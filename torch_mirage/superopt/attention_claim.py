@@ -422,7 +422,8 @@ def _seeds(spec: AttentionSpec) -> dict[str, tuple[str, dict]]:
     block of queries (the heads of a KV head packed, a few tokens each) — builds split-KV at each of
     :func:`.attention_seeds.decode_split_counts` (``flash_decoding/<splits>``), and FlashAttention (a program per
     batch row and KV head, whose launches split KV too: each tile's last split program folds the states, one
-    kernel where ``flash_decoding`` takes two)."""
+    kernel where ``flash_decoding`` takes two). Prefill with an additive mask also builds FlashAttention with the
+    mask's tile table (``flash_attention/scan``: timed against the others on the compiled call's mask)."""
     seeds: dict[str, tuple[str, dict]] = {"flash_attention": ("flash_attention", {})}
     if spec.group * spec.sq <= SEED_TILE:
         bh, n_sm = spec.b * spec.hk, DeviceModel.current().sm_count
@@ -432,6 +433,8 @@ def _seeds(spec: AttentionSpec) -> dict[str, tuple[str, dict]]:
                 "flash_attention": ("flash_attention", {})}
     if blocks(spec.skv, SPLIT_KV) > 1:
         seeds["flash_decoding"] = ("flash_decoding", {})
+    if spec.mask == "additive":     # a mask passed in: its tile table lets the launches skip what it hides (the
+        seeds["flash_attention/scan"] = ("flash_attention", {"scan_table": True})   # seed refuses under a band)
     return seeds
 
 

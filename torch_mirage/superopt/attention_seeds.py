@@ -80,27 +80,52 @@ def flash_attention(b: int, hk: int, rows: int, skv: int, d: int, *, scale: floa
                     mask: tuple[int, int] | None = None, dtype: str = "float16", mask_dtype: str = "float32",
                     q_blocks: int | None = None, forloop_range: int | None = None, tile: int = 64,
                     band: tuple | None = None, stats: bool = False, mask_fill: float = NEG_INF,
-                    empty_rows: str = "nan") -> KernelGraph:
+                    empty_rows: str = "nan", scan_table: bool = False) -> KernelGraph:
     """``softmax(mask + softcap(scale·Q Kᵀ)) V``: inputs Q (b, hk, rows, d), K, V (b, hk, skv, d)
     [+ mask (bm, hm, rows, skv) when ``mask = (bm, hm)``: additive, or bool (``mask_dtype`` "bool", the scores
     it does not keep set to ``mask_fill``)]; output (b, hk, rows, d) [+ with ``stats`` each row's softmax max and
     sum of exponentials, (b, hk, rows, 1) fp32: what a second pass over the scores needs]. ``empty_rows``: see
-    :func:`_normalised`."""
+    :func:`_normalised`. ``scan_table``: kernel-level reductions first make the max of each ``SCAN_TILE`` square
+    of an additive mask (read once per call, not once per head and query block), whose row a program reads before
+    its loop to walk only the key tiles one of its rows sees (the block graph's ``forloop_scan``; launches that
+    scan: :func:`~torch_mirage.superopt.launch.scanning`)."""
     g = new_kernel_graph()
     Q, K, V = g.new_input((b, hk, rows, d), dtype), g.new_input((b, hk, skv, d), dtype), g.new_input((b, hk, skv, d), dtype)
     M = g.new_input((*mask, rows, skv), mask_dtype) if mask is not None else None
+    table = _scan_table(g, M, band) if scan_table else None
     outs = _flash_op(g, Q, K, V, M, scale=scale, softcap=softcap, q_blocks=q_blocks or blocks(rows, tile),
                      forloop_range=forloop_range or blocks(skv, tile), band=band, stats=stats, mask_fill=mask_fill,
-                     empty_rows=empty_rows)
+                     empty_rows=empty_rows, table=table)
     for t in outs:
         g.mark_output(t)
     return g.build()
 
 
+SCAN_TILE = 64        # the mask squares a scan table's entries cover: the smallest prefill tile edge
+
+
+def _scan_table(g, M, band: tuple | None):
+    """The max of each ``SCAN_TILE`` square of additive mask ``M`` (bm, hm, rows, skv), as kernel-level
+    reductions: (bm, hm, rows / SCAN_TILE, skv / SCAN_TILE). A square whose max is -inf hides all its keys from
+    all its rows. Raises where no table applies: no mask, a bool one, a band (the loop is bounded already),
+    sizes that are not whole squares."""
+    t = SCAN_TILE
+    if M is None or M.dtype == "bool" or band is not None:
+        raise ValueError("a scan table needs an additive mask and no band")
+    bm, hm, rows, skv = M.shape
+    if rows % t or skv % t or rows < 2 * t:
+        raise ValueError(f"a scan table needs whole {t} x {t} squares of at least two row blocks "
+                         f"(mask {tuple(M.shape)})")
+    squares = g.reshape(M, shape=(bm * hm * rows // t, t, skv // t, t))
+    return g.reshape(g.reduce_max(g.reduce_max(squares, dim=3), dim=1), shape=(bm, hm, rows // t, skv // t))
+
+
 def _flash_op(g, Q, K, V, M, *, scale: float, softcap: float | None, q_blocks: int, forloop_range: int,
-              band: tuple | None, stats: bool, mask_fill: float = NEG_INF, empty_rows: str = "nan") -> list:
-    """The FlashAttention block graph on kernel tensors Q (b, hk, rows, d), K, V [, M]: grid (hk, b, row
-    blocks), the for-loop over KV tiles; returns the output [and the row max / sum of exponentials]."""
+              band: tuple | None, stats: bool, mask_fill: float = NEG_INF, empty_rows: str = "nan",
+              table=None) -> list:
+    """The FlashAttention block graph on kernel tensors Q (b, hk, rows, d), K, V [, M [, its scan ``table``]]:
+    grid (hk, b, row blocks), the for-loop over KV tiles; returns the output [and the row max / sum of
+    exponentials]."""
     b, hk = Q.shape[:2]
     mask = M.shape[:2] if M is not None else None
     tb = new_threadblock_graph((hk, b, q_blocks), forloop_range)
@@ -109,12 +134,15 @@ def _flash_op(g, Q, K, V, M, *, scale: float, softcap: float | None, q_blocks: i
     tK = tb.new_input(K, imap=(1, 0, PHI), fmap=2)
     tV = tb.new_input(V, imap=(1, 0, PHI), fmap=2)
     tM = tb.new_input(M, imap=(1 if mask[1] > 1 else PHI, 0 if mask[0] > 1 else PHI, 2), fmap=3) if M is not None else None
+    if table is not None:       # read by the launches that scan it, never by the math
+        tb.new_input(table, imap=(1 if mask[1] > 1 else PHI, 0 if mask[0] > 1 else PHI, 2), fmap=3)
+        tb.forloop_scan = 4
     m, l, o = tb.forloop_accum_online_softmax(_scores(tb, tQ, tK, scale, softcap, tM, mask_fill), tV)
     tb.new_output(_normalised(tb, o, l, empty_rows), omap=(1, 0, 2))
     if stats:
         tb.new_output(m, omap=(1, 0, 2), dtype="float32")
         tb.new_output(l, omap=(1, 0, 2), dtype="float32")
-    return g.customized([Q, K, V] + ([M] if M is not None else []), tb)
+    return g.customized([Q, K, V] + ([M] if M is not None else []) + ([table] if table is not None else []), tb)
 
 
 def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float, softcap: float | None = None,

@@ -155,7 +155,8 @@ class BlockBuilder(_Builder):
             self.ops = [op if op.name != "iterator" else
                         _with_index(op, order[op.attrs["index"]]) for op in self.ops]
         return BlockGraph(ops=tuple(self.ops), grid=self.grid, forloop_range=self.forloop_range,
-                          forloop_band=getattr(self, "forloop_band", None))
+                          forloop_band=getattr(self, "forloop_band", None),
+                          forloop_scan=getattr(self, "forloop_scan", None))
 
 
 def _with_index(op: Op, index: int) -> Op:

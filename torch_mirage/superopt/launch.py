@@ -151,7 +151,8 @@ def retile(bg: BlockGraph, grid: Sequence[int], forloop_range: int) -> BlockGrap
             ops.append(make_op(op.name, op.inputs, shapes, dtypes, dict(op.attrs), body, ctx))
     except MuGraphError:
         return None
-    new = BlockGraph(ops=tuple(ops), grid=grid, forloop_range=int(forloop_range), forloop_band=bg.forloop_band)
+    new = BlockGraph(ops=tuple(ops), grid=grid, forloop_range=int(forloop_range), forloop_band=bg.forloop_band,
+                     forloop_scan=bg.forloop_scan)
     if [_saved(new, s) for s in new.savers] != [_saved(bg, s) for s in bg.savers]:
         return None
     return new
@@ -459,16 +460,15 @@ def unscanned_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
 
 
 def scanning(bg: BlockGraph, configs: Sequence[LaunchConfig]) -> list[LaunchConfig]:
-    """``configs``, then each again scanning the mask (``mask_scan``) where ``bg`` is prefill attention whose mask
-    is a tensor only the call knows (:func:`~torch_mirage.codegen.ugraph_triton.scanned_mask`: a causal, padding
-    or window mask passed in): each program then walks only the key tiles one of its rows sees. The tuner times
-    both on the mask of the call being compiled where the claim has it (random data hides no tile, and there the
-    scan only costs): H100, 11-27, soft-capped prefill with a causal mask passed in, 32 heads, bf16 — n = 8192
-    3046 µs scanned (4759 on a random mask); n = 1024 65.7 scanned, 65.8 not (83.0 scanned on a random mask:
-    every program re-reads its rows of the mask)."""
-    if prefill_attention(bg) is None or scanned_mask(bg) is None:
+    """``configs``, each scanning the mask (``mask_scan``) where ``bg`` is prefill attention with a table of its
+    mask's tiles (``forloop_scan``, the seed's ``scan_table``): each program reads its row of the table and walks
+    only the key tiles one of its rows sees. Whether the table pays is the choice between that seed and the one
+    without it, timed on the compiled call's mask. (H100, 11-27, soft-capped prefill with a causal mask passed in,
+    32 heads, bf16, scanning the mask itself: n = 8192 3046 µs, 4759 on a random mask; n = 1024 65.7 against
+    65.8 unscanned, 83.0 on a random mask — every program re-read its rows of the mask, once per head.)"""
+    if bg.forloop_scan is None or prefill_attention(bg) is None or scanned_mask(bg) is None:
         return list(configs)
-    return list(dict.fromkeys([*configs, *(replace(c, mask_scan=True) for c in configs)]))
+    return list(dict.fromkeys(replace(c, mask_scan=True) for c in configs))
 
 
 def _stream_configs(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> list[LaunchConfig]:

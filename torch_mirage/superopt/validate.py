@@ -146,7 +146,8 @@ def _block(g: BlockGraph, where: str) -> list[str]:
                        "need exactly 1")
         if kind != "accum" and op.name != "saver" and len(ins) > 1:
             out.append(f"{where} op {i} ({op.name}): mixes for-loop values with post-loop values")
-        if op.name != "saver" and not any(Ref(i, j) in users for j in range(len(op.shapes))):
+        scan_table = op.name == "iterator" and op.attrs["index"] == g.forloop_scan   # read by the launch only
+        if op.name != "saver" and not scan_table and not any(Ref(i, j) in users for j in range(len(op.shapes))):
             out.append(f"{where} op {i} ({op.name}): result never used (every path must end in a saver)")
     return out
 
