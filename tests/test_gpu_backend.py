@@ -126,7 +126,12 @@ def test_region_slower_than_inductor_is_handed_back(tmp_path):
     assert slow[0].info["mirage_us"] > slow[0].info["inductor_us"] > 0
 
 
-def test_whole_graph_timed_against_inductor_on_first_call():
+def test_whole_graph_timed_against_inductor_on_first_call(monkeypatch):
+    """The graph with mirage's region is timed whole against Inductor's compile; the faster is kept. The region is
+    kept regardless of its own timing (on 11-27 the stitched softmax once measured slower than Inductor's, was
+    handed back, and with no mirage region left there was no graph to time)."""
+    import torch_mirage.pipeline
+    monkeypatch.setattr(torch_mirage.pipeline, "keep_faster", lambda *a: None)
     report = torch_mirage.Report()
     fn = lambda x, bias: torch.softmax(x + bias, dim=-1) * 2
     compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(report=report))
