@@ -434,6 +434,7 @@ def test_decode_mask_scan_walks_only_written_slots(tmp_path):
     w = torch.exp(m - m.amax(1, keepdim=True))
     out = ((w * o).sum(1) / (w * l).sum(1)).reshape(b, hk, rows, d)
     assert_close(out, want, torch.float32)
+    assert scan_twin(bg, LaunchConfig(tuple(bg.grid), 1)) is None                 # one step: nothing to bound
     prefill = _body(flash_attention(1, 2, 256, 256, 16, scale=0.25, mask=(1, 1), dtype="float32"))
     assert scan_twin(prefill, LaunchConfig(tuple(prefill.grid), prefill.forloop_range)) is None
     unmasked = _body(flash_decoding(b, hk, rows, skv, d, scale=0.25, dtype="float32", splits=4, tile=4))

@@ -681,7 +681,8 @@ def scan_twin(bg: BlockGraph, config: LaunchConfig) -> LaunchConfig | None:
     mask: a step early in a long cache sees a few of its slots, and its programs then walk only those): timed
     against ``config`` after the other candidates, on the compiled call's mask (one more kernel to build, not a
     twin of each). None where that does not apply (prefill times each schedule both ways: :func:`scanning`)."""
-    if config.mask_scan or prefill_attention(bg) is not None or scanned_mask(bg) is None:
+    if config.mask_scan or config.forloop_range // config.split <= 1 or prefill_attention(bg) is not None \
+            or scanned_mask(bg) is None:      # one loop step per program: nothing to bound
         return None
     if split_kv_decode(bg) is None and whole_kv_decode(bg) is None:
         return None
