@@ -484,3 +484,31 @@ def test_numerics_check_in_chunks_matches_whole(monkeypatch, chunk):
     assert not same_non_finite(moved, want)
     # end to end: the wrong exp kernel is still caught with tiny chunks
     _assert_wrong_exp_kernel_handed_back(lambda x: torch.exp(x) * 2)
+
+
+class _DispatchRecorder(_EagerClaimer):
+    """Claims like _EagerClaimer and records whether the Python dispatcher was on when it claimed and when its
+    kernel ran in the check stage."""
+    name = "dispatch"
+
+    def __init__(self):
+        self.seen = []
+
+    def claim(self, graph, free, ctx):
+        key = torch._C.DispatchKey.PythonDispatcher
+        self.seen.append(("claim", torch._C._dispatch_tls_is_dispatch_key_included(key)))
+        return super().claim(graph, free, ctx)
+
+
+def test_own_stages_run_without_the_python_dispatcher():
+    """AOTAutograd calls the compiler with its Python dispatcher on (every composite op through a Python
+    decomposition, ~3x the host time of a small op); the partition, build and check stages turn it off."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    recorder = _DispatchRecorder()
+    fn = lambda x: torch.exp(x) * 0.5                               # noqa: E731
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(claimers=[recorder]))
+    x = torch.randn(4, 8)
+    with enable_python_dispatcher():                                # on around the compile, as AOTAutograd's is
+        assert_close(compiled(x), fn(x))
+    assert recorder.seen == [("claim", False)]
