@@ -1,0 +1,73 @@
+"""The partition stage of a Llama-3-8B-shaped 4-layer decode graph on the CPU (bf16-sized shapes in fp16, static
+4k cache, decode at position 4000), cold disk cache: the stage's seconds and, with ``--profile``, a cProfile
+listing of it. The build stage is not run (it raises at once), so no kernel is compiled. Needs about 4 GB of memory.
+
+    python benchmarks/decode_partition_cpu.py [--profile] [--python-dispatcher]
+
+``--python-dispatcher`` runs the stage under AOTAutograd's Python dispatcher, as before ``pipeline.eager_dispatch``
+turned it off (the before / after of that change).
+"""
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import tempfile
+import time
+
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ["MIRAGE_STRICT"] = "1"
+
+import torch  # noqa: E402
+
+import torch_mirage  # noqa: E402
+import torch_mirage.pipeline as pipeline  # noqa: E402
+from torch_mirage.bench import llm  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--python-dispatcher", action="store_true")
+    args = p.parse_args()
+    prof, seconds = cProfile.Profile(), []
+    claim = pipeline.claim_regions
+
+    def timed(*a, **k):
+        from torch._dispatch.python import enable_python_dispatcher
+        import contextlib
+        t = time.perf_counter()
+        with enable_python_dispatcher() if args.python_dispatcher else contextlib.nullcontext():
+            prof.enable()
+            try:
+                return claim(*a, **k)
+            finally:
+                prof.disable()
+                seconds.append(time.perf_counter() - t)
+
+    def stop(*a, **k):
+        raise RuntimeError("partition measured; build not run")
+    pipeline.claim_regions, pipeline.build_regions = timed, stop
+    spec = llm.MODELS["llama3-8b-4l"]
+    model, config = llm.build_model(spec, torch.float16, torch.device("cpu"), quick=False)
+    cache = llm.static_cache(config, 1, 4096, torch.device("cpu"), torch.float16)
+
+    def step(ids, position_ids, cache_position):
+        return model(input_ids=ids, position_ids=position_ids, cache_position=cache_position, past_key_values=cache,
+                     use_cache=True).logits
+    backend = torch_mirage.MirageBackend(options=dict(min_region_us=0, measure_regions=False,
+                                                      cache_dir=tempfile.mkdtemp()))
+    try:
+        with torch.no_grad():
+            torch.compile(step, backend=backend)(torch.randint(0, 1000, (1, 1)), torch.tensor([[4000]]),
+                                                 torch.tensor([4000]))
+    except Exception:
+        pass
+    print(json.dumps({"partition_s": [round(s, 2) for s in seconds], "python_dispatcher": args.python_dispatcher,
+                      "cpus": os.cpu_count(), "torch": torch.__version__}))
+    if args.profile:
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
