@@ -581,3 +581,18 @@ def test_llm_attention_implementations():
     doc = report.merge([dict(report.new_document(env, None, {}, False), llm=[x]) for x in (r, other)])
     assert sorted(x["attn_implementation"] for x in doc["llm"]) == ["eager", "sdpa"]
     assert "| llama3-8b-4l | eager |" in report.markdown(doc)
+
+
+def test_llm_scenario_kinds():
+    """``--llm-scenarios`` picks decode (near the cache's end), prefill and early (a decode step early in the same
+    cache); the default is decode and prefill; the CLI refuses an unknown kind."""
+    from torch_mirage.bench import cli, llm
+
+    names = lambda kinds: [s.name for s in llm.scenarios([1, 8], quick=False, kinds=kinds)]   # noqa: E731
+    assert names(llm.DEFAULT_SCENARIOS) == ["decode b1 ctx4096", "decode b8 ctx4096", "prefill 2048"]
+    assert names(["early"]) == ["decode b1 pos256 ctx4096", "decode b8 pos256 ctx4096"]
+    early = llm.scenarios([1], quick=False, kinds=["early"])[0]
+    assert (early.start, early.tokens) == (llm.EARLY_POSITION, 1)
+    assert cli.parser().parse_args(["--llm-scenarios", "early", "prefill"]).llm_scenarios == ["early", "prefill"]
+    with pytest.raises(SystemExit):
+        cli.parser().parse_args(["--llm-scenarios", "later"])

@@ -91,7 +91,9 @@ def parser() -> argparse.ArgumentParser:
                    help="HF attention implementations for the LLMs: 'default' (each model's own: sdpa, Gemma-2 "
                    "eager), 'sdpa', 'eager' (default: default); each model runs once per implementation")
     p.add_argument("--llm-scenarios", nargs="+", choices=list(llm.SCENARIO_KINDS),
-                   help="which LLM scenarios run: decode (one step per --batch) and / or prefill (default: both)")
+                   help="which LLM scenarios run: decode (a step near the end of the 4096-slot static cache, one "
+                   "per --batch), prefill, early (a decode step at position 256 of that cache) (default: decode "
+                   "prefill)")
     p.add_argument("--llm-dtype", default="bfloat16", choices=list(DTYPES),
                    help="dtype of the LLMs (default: bfloat16; --quick on a CPU: float32)")
     p.add_argument("--models", nargs="+", type=_names(list(models.MODELS)),
@@ -171,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)"
     settings = {"quick": quick, "modes": modes, "batches": batches, "dtypes": [str(d).replace("torch.", "") for d in dtypes],
                 "workloads": [w.name for w in workloads], "llms": [s.name for s in llm_specs], "llm_modes": llm_modes,
-                "llm_scenarios": args.llm_scenarios or list(llm.SCENARIO_KINDS),
+                "llm_scenarios": args.llm_scenarios or list(llm.DEFAULT_SCENARIOS),
                 "llm_dtype": str(llm_dtype).replace("torch.", ""), "timing": timing_cfg,
                 "compile_caches": "FX graph and AOTAutograd caches off; Triton kernel caches on", "argv": list(argv or sys.argv[1:])}
     doc = report.new_document(report.environment(device_name), ceilings, settings, timing)
@@ -208,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 llm.run_model(spec, batches, llm_dtype, llm_modes, device, quick, timing_cfg,
                               echo=lambda s: print(s, flush=True), on_record=keep,
-                              kinds=args.llm_scenarios or llm.SCENARIO_KINDS)
+                              kinds=args.llm_scenarios or llm.DEFAULT_SCENARIOS)
             except Exception as e:   # building the model failed (API drift across versions): record and go on
                 msg = f"{spec.name}: could not build or run ({harness._short(e)})"
                 print(f"bench: {msg}")

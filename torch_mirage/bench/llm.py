@@ -38,6 +38,7 @@ from .harness import COMPILERS, _free, _short, mirage_summary, rel_error, time_i
 
 CONTEXT = 4096          # static cache slots
 DECODE_POSITION = 4000  # the decoded token's position (earlier slots hold random keys/values)
+EARLY_POSITION = 256    # the "early" scenario's: a short chat turn in the same 4096-slot cache
 PREFILL_TOKENS = 2048
 LLM_MODES = ("eager", "inductor", "mirage")
 
@@ -228,15 +229,20 @@ class Scenario:
     start: int            # position of the first new token
 
 
-SCENARIO_KINDS = ("decode", "prefill")
+SCENARIO_KINDS = ("decode", "prefill", "early")
+DEFAULT_SCENARIOS = ("decode", "prefill")
 
 
-def scenarios(batches: Sequence[int], quick: bool, kinds: Sequence[str] = SCENARIO_KINDS) -> list[Scenario]:
-    """The decode steps (one per batch size) and the prefill, those of ``kinds`` (:data:`SCENARIO_KINDS`)."""
+def scenarios(batches: Sequence[int], quick: bool, kinds: Sequence[str] = DEFAULT_SCENARIOS) -> list[Scenario]:
+    """Those of ``kinds`` (:data:`SCENARIO_KINDS`): ``decode``, a step near the end of the static cache, one per
+    batch size; ``prefill``; ``early``, a decode step at ``EARLY_POSITION`` of the same cache (most of its slots
+    not written yet: what a kernel that reads only the written slots saves)."""
     context = 64 if quick else CONTEXT
     pos = context - context // 40 - 1 if quick else DECODE_POSITION
+    early = context // 16 if quick else EARLY_POSITION
     prefill = 32 if quick else PREFILL_TOKENS
     out = [Scenario(f"decode b{b} ctx{context}", b, 1, pos) for b in batches] if "decode" in kinds else []
+    out += [Scenario(f"decode b{b} pos{early} ctx{context}", b, 1, early) for b in batches] if "early" in kinds else []
     return out + ([Scenario(f"prefill {prefill}", 1, prefill, 0)] if "prefill" in kinds else [])
 
 
@@ -265,7 +271,7 @@ def run_model(spec: LLMSpec, batches: Sequence[int], dtype: torch.dtype, modes: 
               device: torch.device, quick: bool, timing: dict | None,
               echo: Callable[[str], None] = print,
               on_record: Callable[[dict], None] = lambda record: None,
-              kinds: Sequence[str] = SCENARIO_KINDS) -> list[dict]:
+              kinds: Sequence[str] = DEFAULT_SCENARIOS) -> list[dict]:
     """Every scenario of one model (of ``kinds``); one record per scenario with a result per mode (each also handed to
     ``on_record`` as soon as it is measured, so a run cut short keeps what it finished)."""
     model, config = build_model(spec, dtype, device, quick)
