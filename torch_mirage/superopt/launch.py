@@ -414,7 +414,7 @@ def _scored(bg: BlockGraph, n_sm: int) -> list[tuple]:
     return sorted(scored)
 
 
-def candidates(bg: BlockGraph, n_sm: int, limit: int = 4, scan: bool = True) -> list[LaunchConfig]:
+def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
     """Prefill attention: its own schedule plus :func:`prefill_candidates`; split-KV decode attention: its own
     schedule plus :func:`decode_candidates` — alone where one of them fills ``1 / FILLED_SM_FRACTION`` of the
     SMs, else followed by the re-tilings below. Otherwise the μGraph's own schedule
@@ -422,14 +422,14 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4, scan: bool = True) -> 
     per SM, each with the (num_warps, num_stages) pairs of ``WARPS_STAGES`` and, where each program walks at least
     ``DEEP_LOOP`` for-loop steps, ``DEEP_PIPELINE``. (Pairs whose stages do not fit shared memory fail to compile
     and are skipped by :func:`choose`.) Splits here keep their combine kernel: the in-kernel fold is timed for
-    weight streams and decode attention, where the H100 kept it. ``scan``: prefill attention with a mask passed in
+    weight streams and decode attention, where the H100 kept it. Prefill attention with its mask's tile table
     scans it (:func:`scanning`)."""
     fixed = prefill_candidates(bg) or decode_candidates(bg, n_sm)
     if fixed:
         base = default_config(bg)
         fixed = [base] + [c for c in fixed if c != base]
         if max(math.prod(c.grid) * c.split for c in fixed) * FILLED_SM_FRACTION >= n_sm:
-            return scanning(bg, fixed) if scan else fixed
+            return scanning(bg, fixed)
         # too few programs to fill the SMs (a few heads of a short prefill against a long cache): the roofline
         # re-tilings and key splits below are timed too (H100 11-25, qknorm attention 2 heads x 256 x 4096 fp16:
         # 56.9 µs at the best prefill schedule's 8 programs, against 11.1 before prefill schedules replaced them)
@@ -449,14 +449,13 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4, scan: bool = True) -> 
     configs = [LaunchConfig(g, f, s, w, st) for g, f, s in picks
                for w, st in (*WARPS_STAGES, *([DEEP_PIPELINE] if f // s >= DEEP_LOOP else []))]
     configs += _stream_configs(bg, scored, n_sm)
-    configs = fixed + [c for c in configs if c not in fixed]
-    return scanning(bg, configs) if scan else configs
+    return scanning(bg, fixed + [c for c in configs if c not in fixed])
 
 
 def unscanned_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
-    """:func:`candidates` without the mask scan: for kernels whose mask holds no -inf to find (a column-sum plan's,
-    clamped at a finite floor for its column pass)."""
-    return candidates(bg, n_sm, limit, scan=False)
+    """:func:`candidates` for kernels whose mask holds no -inf to find (a column-sum plan's, clamped at a finite
+    floor for its column pass, and built without a tile table): :func:`choose` times no scanning twin of them."""
+    return candidates(bg, n_sm, limit)
 
 
 def scanning(bg: BlockGraph, configs: Sequence[LaunchConfig]) -> list[LaunchConfig]:
@@ -632,7 +631,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
                            PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES, "mask scan"]
                     + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
     props = torch.cuda.get_device_properties(inputs[0].device)
-    configs = {json.dumps(c.to_json(), sort_keys=True): c for c in propose(bg, props.multi_processor_count, limit)}
+    configs = {_config_name(c): c for c in propose(bg, props.multi_processor_count, limit)}
     want: list = []
     sets: list = []
     launchers: dict[str, Callable] = {}   # the launchers the compile pool built, by candidate
@@ -663,7 +662,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     twin = scan_twin(bg, winner) if propose is not unscanned_candidates else None
     if twin is None:
         return winner
-    pair = [json.dumps(c.to_json(), sort_keys=True) for c in (winner, twin)]
+    pair = [_config_name(c) for c in (winner, twin)]
     configs[pair[1]] = twin
     key2 = cache_key(kind="ugraph-launch-scan", first=key)
     hit = cached_choice(cache, key2, pair)
@@ -674,6 +673,11 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     second = tune(pair, lambda name, made: time_launches(made[0], inputs, sets), build=make, check=agrees,
                   cache=cache, key=key2, label="mask scan", precompile=precompile)
     return configs[second.winner] if second.winner is not None else winner
+
+
+def _config_name(config: LaunchConfig) -> str:
+    """A launch config's name among the tuner's candidates (and in its cache)."""
+    return json.dumps(config.to_json(), sort_keys=True)
 
 
 def scan_twin(bg: BlockGraph, config: LaunchConfig) -> LaunchConfig | None:
