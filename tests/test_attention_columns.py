@@ -232,6 +232,39 @@ def test_column_pass_walks_only_the_query_tiles_that_see_its_keys(group, sq, skv
 
 
 @interpreter
+@pytest.mark.parametrize("group", [1, 2])
+def test_both_passes_scan_the_mask_tile_table(monkeypatch, group):
+    """The two-pass plan with the mask's tile table (a mask passed in, no band known): launches that scan it walk,
+    in the FlashAttention pass, only the key tiles a row block sees and, in the column pass, only the query tiles
+    that see a key block's keys — keys no query sees (padding) hold NaN and are never read — and neither reads
+    the mask on its all-0 squares; eager-equal under a causal mask with padding, a square that is 0 but for one
+    entry, and a random mask (nothing skipped)."""
+    from torch_mirage.superopt import compile as compile_mod
+    from torch_mirage.superopt.launch import scanning
+
+    own = compile_mod.default_config
+    monkeypatch.setattr(compile_mod, "default_config", lambda bg: scanning(bg, [own(bg)])[0])
+    b, hk, n, d = 1, 2, 256, 16
+    sq = n // group                                    # GQA: the group's query heads packed, sq rows each
+    kg = attention_column_sums(b, hk, n, n, d, group=group, kernels=("flash_stats", "column_sums"), scale=0.3,
+                               mask=(1, 1), dtype="float32", tile=64, scan_table=True)
+    causal = torch.full((sq, n), float("-inf")).triu(1 + n - sq).repeat(group, 1)
+    causal[:, 192:] = float("-inf")
+    causal[100, 10] = -3.0
+    for m, padded in ((causal, True), (torch.randn(n, n), False)):
+        m = m[None, None]
+        q, k, v = torch.randn(b, hk, n, d), torch.randn(b, hk, n, d), torch.randn(b, hk, n, d)
+        p = torch.softmax(q.double() @ k.double().transpose(-1, -2) * 0.3 + m.double(), -1)
+        want = [p @ v.double(), p.reshape(b, hk * group, sq, n).sum(2)]
+        if padded:
+            k[..., 192:, :], v[..., 192:, :] = float("nan"), float("nan")
+        c = compile_ugraph(kg, [q, k, v, m])
+        scanned = [src for src in c.sources if "zero_lo" in src]
+        assert len(scanned) == 2, "both passes scan the table and skip the mask on all-0 squares"
+        assert_close(list(c(q, k, v, m)), [w.float() for w in want], torch.float32)
+
+
+@interpreter
 def test_column_sums_under_an_in_graph_causal_mask():
     """A causal mask from index comparisons (its value property gives the band) with column sums over KV too long
     for whole rows: the two-pass plan under the band, eager-equal in float64 (the check stage ran it on the mask
@@ -317,3 +350,27 @@ def test_blp_constraints():
         select_plan(cands, {"z"})
     with pytest.raises(PlanError, match="no plan"):
         select_plan([c("u", 1.0, {"y"}, {"t"})], {"y"})                          # t has no producer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_column_plan_with_tile_table_tuned(dtype):
+    """H100: the two-pass H2O plan with the mask's tile table, tuned (scanning launches among the candidates of
+    both passes; the column pass's re-tilings that split a square are not scanned) on a causal mask with padded
+    keys, fp64-equal for that mask and a random one."""
+    n, h, d = 1024, 4, 128
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    kg = attention_column_sums(1, h, n, n, d, group=1, kernels=("flash_stats", "column_sums"), scale=d ** -0.5,
+                               mask=(1, 1), dtype=name, mask_dtype=name, scan_table=True)
+    q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
+    causal = torch.full((n, n), float("-inf"), device="cuda").triu(1)
+    causal[:, 1000:] = float("-inf")
+    c = compile_ugraph(kg, [q, k, v, causal[None, None].to(dtype)])
+    assert any("scan_lo" in src for src in c.sources), "a pass tuned to a scanning launch"
+    for m in (causal, torch.randn(n, n, device="cuda")):
+        m = m[None, None].to(dtype)
+        p = torch.softmax(q.double() @ k.double().transpose(-1, -2) * d ** -0.5 + m.double(), -1)
+        out, col = c(q, k, v, m)
+        assert_close(out, (p @ v.double()).to(dtype), dtype)
+        assert_close(col, p.sum(2).float(), dtype)

@@ -441,12 +441,20 @@ def test_decode_mask_scan_walks_only_written_slots(tmp_path):
     assert scan_twin(unmasked, LaunchConfig(tuple(unmasked.grid), unmasked.forloop_range)) is None
 
 
+def _tile_table(m: torch.Tensor, t: int = 64) -> torch.Tensor:
+    """The mask's tile table as the seed's kernel graph makes it: each square row's maxima, then its sums."""
+    bm, hm, rows, keys = m.shape
+    squares = m.reshape(bm, hm, rows // t, t, keys // t, t)
+    return torch.stack([squares.amax(dim=(3, 5)), squares.sum(dim=(3, 5))], dim=3).reshape(bm, hm, 2 * rows // t, -1)
+
+
 @interp
 def test_scan_table_skips_what_the_mask_hides(tmp_path):
-    """FlashAttention with its mask's tile table (kernel-level maxima of 64 x 64 squares, read by the launch
-    only): eager-equal under a causal mask with right padding and a row block that sees nothing (eager's NaN
-    there), keys in squares no row sees hold NaN and are never read, and with no launch scanning the table the
-    kernel reads the mask as before."""
+    """FlashAttention with its mask's tile table (kernel-level maxima and sums of 64 x 64 squares, read by the
+    launch only): eager-equal under a causal mask with right padding and a row block that sees nothing (eager's
+    NaN there), keys in squares no row sees hold NaN and are never read, the mask is not read on the squares
+    where it is all 0 (but is where a square's max is 0 and one entry is not), and with no launch scanning the
+    table the kernel reads the mask as before."""
     n, h, d = 256, 2, 16
     kg = flash_attention(1, h, n, n, d, scale=0.25, softcap=20.0, mask=(1, 1), dtype="float32", scan_table=True)
     bg = _body(kg)
@@ -454,16 +462,25 @@ def test_scan_table_skips_what_the_mask_hides(tmp_path):
     m = torch.full((n, n), float("-inf")).triu(1)[None, None].clone()
     m[..., 192:] = float("-inf")                       # padding: the last 64 keys
     m[..., :64, :] = float("-inf")                     # the first 64 rows see nothing
+    m[..., 200, 10] = -3.0                             # a square of 0 but one entry: read, not skipped
     want = _reference(q, k, v, m, 0.25, 20.0).float()
     k[..., 192:, :], v[..., 192:, :] = float("nan"), float("nan")
+    table = _tile_table(m)
+    maxima, sums = table[0, 0, 0::2], table[0, 0, 1::2]
+    assert maxima.isneginf().sum() == 8 and ((maxima == 0) & (sums == 0)).sum() == 5    # squares: all -inf / all 0
+    # rows 128-255 see keys 0-63 partly (the -3), 64-127 whole (all 0: poisoned, never loaded), 128-191 partly
+    poisoned = m.clone()
+    poisoned[..., 128:, 64:128] = float("nan")
     for scan in (True, False):
         cfg = LaunchConfig((h, 1, 2), 4, mask_scan=scan)      # 128-row blocks, 64-key tiles
         launcher = BlockLauncher(bg, cfg, [4] * 5, str(tmp_path), f"table{int(scan)}", Target.INTERPRETER)
-        assert ("scan_lo" in launcher.source) == scan
-        out = launcher(q, k, v, m, torch.amax(m.reshape(4, 64, 4, 64), dim=(1, 3)).reshape(1, 1, 4, 4))[0]
+        assert ("scan_lo" in launcher.source) == scan and ("zero_lo" in launcher.source) == scan
+        out = launcher(q, k, v, m, table)[0]
         if scan:
             assert torch.isnan(out[..., :64, :]).all()
             assert_close(out[..., 64:, :], want[..., 64:, :], torch.float32)
+            skipped = launcher(q, k, v, poisoned, table)[0]      # rows 128-255 walk keys 0-63 as all-zero squares
+            assert_close(skipped[..., 64:, :], want[..., 64:, :], torch.float32)
         else:                                         # every key read: the NaN keys reach every row
             assert torch.isnan(out).all()
     c = compile_ugraph(kg, [q, k.nan_to_num(), v.nan_to_num(), m])    # the kernel graph makes its table itself

@@ -194,6 +194,9 @@ class _Emitter:
         self.users = bg.consumers()
         self.phase = _phase_of(bg)
         self.raw_scores = {id(op): _raw_terms(bg, op.inputs[0]) for op in bg.ops if op.name == "acc_online_softmax"}
+        # a column pass's scores with a loaded mask (:func:`_exp_scores`) held as the online softmax holds its own
+        self.held = {i: raw for op in bg.ops if op.name == "acc_sum" and (i := _exp_scores(bg, op.inputs[0][0])) is not None
+                     and bg.ops[i].name == "add" and (raw := _raw_terms(bg, Ref(i, 0)))}
         self.lines: list[str] = []
         self.indent = 1
         self.aranges: set[int] = set()
@@ -233,6 +236,15 @@ class _Emitter:
             expr = f"tl.reshape({expr}, {want})"
         self.line(f"{v.name} = {expr}")
         return v
+
+    def hold(self, v: Val) -> Val:
+        """Scores ``v`` (with an additive mask) held at ``MASK_FLOOR`` where finite, as the online softmax holds
+        them (:func:`_online_softmax_update`): a pass that re-reads the mask after it (H2O's column sums) sees the
+        same scores the row statistics came from, so a row masked whole by a dtype's lowest value averages its
+        keys in both; -inf stays -inf."""
+        x = self.f32(v)
+        return self.assign("s", f"tl.where({x} == {NEG_INF}, {x}, tl.maximum({x}, {MASK_FLOOR!r}))", v.shape,
+                           trans=v.trans)
 
     def f32(self, v: Val) -> str:
         """``v``'s value in fp32 as an expression (its pending scale multiplied in)."""
@@ -442,6 +454,8 @@ class _Emitter:
                             scale=1.0 if x.zero else x.scale * float(op.attrs["value"]))]
         else:
             outs = self.emit(op, [self.arg(env, i, k) for k in range(len(op.inputs))], trans=trans)
+        if i in self.held and any(not (self.full and k == self.band_zero) for k in self.held[i]):
+            outs = [self.hold(outs[0])]
         for j, v in enumerate(outs):
             users = self.users.get(Ref(i, j), [])
             if v.scale != 1.0 and (len(users) != 1 or self.phase[users[0]] != self.phase[i]):
@@ -1018,11 +1032,14 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     lo = f"split * {per}" if split > 1 else "0"
     hi = f"{lo} + {per}" if split > 1 else f"{per}"
     segments = [(lo, hi, False)]
+    edge_stages = "NUM_STAGES"          # the pipeline depth of the loops over partly seen tiles
     if bg.forloop_band is not None:     # per-block loop bounds: entirely masked key tiles are never visited
         loop = True
         segments = _band_bounds(e, bg, lo, hi)
+        if any(full for *_, full in segments):   # a band's edge loops run a tile or two per block: not pipelined
+            edge_stages = "1"
     elif mask_scan and loop and (m := scanned_mask(bg)) is not None:   # the same, the mask read at run time
-        segments = [_scanned_bounds(e, bg.ops[m], lo, hi)]
+        segments = _scanned_bounds(e, bg, bg.ops[m], lo, hi)
     emit_ops(ph.invariant, None)
     states = {i: _acc_init(e, bg.ops[i]) for i in accs}
     for i in accs:                      # column sums: the whole tile summed per iteration, reduced after the loop
@@ -1033,11 +1050,10 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     groups = [first, [i for i in accs if i not in first]] if first else [accs]
     for group in (groups[::-1] if sums_after else groups):
         needed = bg.ancestors(group)
-        split_band = any(full for *_, full in segments)
         for s_lo, s_hi, full in segments if loop else [(lo, hi, False)]:
             e.full = full
-            if loop:     # a band's edge loops run a tile or two per block: not pipelined (no stage buffers)
-                stages = "1" if split_band and not full else "NUM_STAGES"
+            if loop:
+                stages = "NUM_STAGES" if full else edge_stages
                 e.line(f"for it in tl.range({s_lo}, {s_hi}, num_stages={stages}):")
                 e.indent += 1
             emit_ops([i for i in ph.variant if i in needed], "it" if loop else lo)
@@ -1161,54 +1177,113 @@ def _band_bounds(e: _Emitter, bg: BlockGraph, lo: str, hi: str) -> list[tuple[st
 
 
 def scanned_mask(bg: BlockGraph) -> int | None:
-    """The iterator (op index) of the mask an online softmax's scores take last, where a key tile whose mask is
-    masked for every row of the block adds exactly nothing and may be skipped: the accumulator's scores are
-    ``add(s, mask)`` or ``where(keep, s, -inf)`` with the mask's tile walked by the for-loop (masked means -inf:
-    ``exp(-inf - m) = 0``; a finite floor such as ``finfo.min`` is not skipped, since a row that sees no key
-    averages over every key there). None where there is no such mask or a static band already bounds the loop.
-    Where the block graph has a table of the mask's tiles (``forloop_scan``), its iterator: the scan reads that."""
-    if bg.forloop_band is None:
-        for op in bg.ops:
-            if op.name != "acc_online_softmax":
-                continue
+    """The iterator (op index) a mask scan reads: where the block graph has a table of the mask's tiles
+    (``forloop_scan``), the table's; else that of the mask itself (:func:`_walked_mask`). None where there is no
+    mask to scan or a static band already bounds the loop."""
+    if (m := _walked_mask(bg)) is None or bg.forloop_scan is None:
+        return m
+    t = next((i for i, it in enumerate(bg.ops) if it.name == "iterator"
+              and it.attrs["index"] == bg.forloop_scan and it.attrs["fmap"] is not None), None)
+    return t if t is not None and _table_aligned(bg.ops[m], bg.ops[t]) else None
+
+
+def _table_aligned(mask: Op, table: Op) -> bool:
+    """Whether each program's tile of the mask's table (a square row's maxima, then its sums: twice the square
+    rows) covers exactly its tile of the mask: whole squares, rows and keys (a re-tiling to blocks smaller than a
+    square is not scanned)."""
+    (rows, keys), (t_rows, t_keys) = mask.attrs["shape"][-2:], table.attrs["shape"][-2:]
+    (r, k), (tr, tk) = strip(mask.shapes[0])[0][-2:], strip(table.shapes[0])[0][-2:]
+    if 2 * rows % t_rows or keys % t_keys or tr % 2:
+        return False
+    return r == tr // 2 * (2 * rows // t_rows) and k == tk * (keys // t_keys)
+
+
+def _walked_mask(bg: BlockGraph) -> int | None:
+    """The iterator (op index) of the mask attention scores take last, where a tile whose mask is masked for
+    every row and key of it adds exactly nothing and may be skipped: the scores are ``add(s, mask)`` or
+    ``where(keep, s, -inf)`` with the mask's tile walked by the for-loop, taken by an online softmax or by a sum
+    of ``exp(scores − m) / l`` (a column pass: ``l > 0`` for every row that sees a key; masked means -inf:
+    ``exp(-inf − m) = 0``; a finite floor such as ``finfo.min`` is not skipped, since a row that sees no key
+    averages over every key there). None where there is no such mask or a static band bounds the loop."""
+    if bg.forloop_band is not None:
+        return None
+    for op in bg.ops:
+        if op.name == "acc_online_softmax":
             score = bg.ops[op.inputs[0][0]]
-            if score.name == "add":
-                terms = [r[0] for r in score.inputs]
-            elif score.name == "where" and score.attrs["value"] == float("-inf"):
-                terms = [score.inputs[0][0]]
-            else:
-                return None
-            walked = [i for i in terms if bg.ops[i].name == "iterator" and bg.ops[i].attrs["fmap"] is not None]
-            if len(walked) != 1:
-                return None
-            if bg.forloop_scan is None:
-                return walked[0]
-            return next((i for i, it in enumerate(bg.ops) if it.name == "iterator"
-                         and it.attrs["index"] == bg.forloop_scan and it.attrs["fmap"] is not None), None)
+        elif op.name == "acc_sum" and (i := _exp_scores(bg, op.inputs[0][0])) is not None:
+            score = bg.ops[i]
+        else:
+            continue
+        if score.name == "add":
+            terms = [r[0] for r in score.inputs]
+        elif score.name == "where" and score.attrs["value"] == float("-inf"):
+            terms = [score.inputs[0][0]]
+        else:
+            return None
+        walked = [i for i in terms if bg.ops[i].name == "iterator" and bg.ops[i].attrs["fmap"] is not None]
+        return walked[0] if len(walked) == 1 else None
     return None
 
 
-def _scanned_bounds(e: _Emitter, op: Op, lo: str, hi: str) -> tuple[str, str, bool]:
-    """Lines that read the block's tiles of mask iterator ``op`` over ``[lo, hi)`` (a split's share of the loop)
-    and bound the loop by the first and one past the last tile holding an entry that is not masked; a block
-    whose rows see no key there walks nothing (``l = 0``, as after walking tiles that add nothing). Each tile
-    position keeps the first and last step it was seen at, elementwise (no reduction per step: H100, 11-27, a
-    whole-tile ``tl.max`` per step made the scan cost a third of a 1024-key soft-capped prefill); two reductions
-    after the loop give the bounds."""
+def _exp_scores(bg: BlockGraph, i: int) -> int | None:
+    """The op whose value ``x`` op ``i`` computes as ``exp(c·x − m) / l`` (scalar factors outside the exp, and
+    ``c > 0`` inside; ``m`` and ``l`` anything), so that ``x = -inf`` gives exactly 0; None where it is not that
+    form."""
+    op = bg.ops[i]
+    while op.name in ("div", "scalar_mul"):
+        i = op.inputs[0][0]
+        op = bg.ops[i]
+    if op.name != "exp":
+        return None
+    i = op.inputs[0][0]
+    while bg.ops[i].name == "sub" or (bg.ops[i].name == "scalar_mul" and bg.ops[i].attrs["value"] > 0):
+        i = bg.ops[i].inputs[0][0]
+    return i
+
+
+def _scanned_bounds(e: _Emitter, bg: BlockGraph, op: Op, lo: str, hi: str) -> list[tuple[str, str, bool]]:
+    """Lines that read the block's tiles of iterator ``op`` (the mask, or its tile table) over ``[lo, hi)`` (a
+    split's share of the loop) and bound the loop by the first and one past the last tile holding an entry that
+    is not masked; a block whose rows see no key there walks nothing (``l = 0``, as after walking tiles that add
+    nothing). Each tile position keeps the first and last step it was seen at, elementwise (no reduction per
+    step over a mask tile: H100, 11-27, a whole-tile ``tl.max`` per step made the scan cost a third of a 1024-key
+    soft-capped prefill); two reductions after the loop give the bounds. Returns ``(lo, hi, full)`` segments.
+
+    With a table (:func:`~torch_mirage.superopt.attention_seeds.mask_tile_table`: each mask square's max and sum,
+    a few entries per step, so a per-step reduction is cheap) the first run of tiles whose mask is all 0 (max and
+    sum 0) is a segment of its own (``full``): there the mask is neither loaded nor added (a causal mask's tiles
+    left of the diagonal)."""
     bool_mask = op.attrs["dtype"] == "bool"
+    tabled = bg.forloop_scan is not None and op.attrs["index"] == bg.forloop_scan
     shape = tuple(padded(x) for x in strip(op.shapes[0])[0])
     e.line(f"scan_first = tl.zeros({shape}, tl.int32) + ({hi})")
     e.line(f"scan_last = tl.zeros({shape}, tl.int32) + ({lo})")
+    if tabled:
+        e.line(f"zero_lo = tl.full((), {hi}, tl.int32)")
+        e.line(f"zero_hi = tl.full((), {hi}, tl.int32)")
     e.line(f"for scan_it in tl.range({lo}, {hi}):")
     e.indent += 1
     tile = e.load_iterator(op, "scan_it", other="0" if bool_mask else NEG_INF)   # padding is not seen
-    e.line(f"seen = {tile.name} != 0" if bool_mask else f"seen = {tile.name} > {NEG_INF}")
+    # != -inf, not > -inf: a NaN entry is seen (eager's NaN reaches its rows)
+    e.line(f"seen = {tile.name} != 0" if bool_mask else f"seen = {tile.name} != {NEG_INF}")
     e.line(f"scan_first = tl.minimum(scan_first, tl.where(seen, scan_it, {hi}))")
     e.line("scan_last = tl.where(seen, scan_it + 1, scan_last)")
+    if tabled:      # the tile again, its padding read as 0 (no square there); NaN != 0 is not zero
+        zeros = e.load_iterator(op, "scan_it", other="0.0")
+        e.line(f"zero = tl.max(tl.where({zeros.name} == 0, 0, 1)) == 0")
+        e.line("zero_start = zero & (zero_lo == " + hi + ")")
+        e.line("zero_hi = tl.where(zero_start | (zero & (zero_hi == scan_it)), scan_it + 1, zero_hi)")
+        e.line("zero_lo = tl.where(zero_start, scan_it, zero_lo)")
     e.indent -= 1
     e.line("scan_lo = tl.min(scan_first)")
     e.line("scan_hi = tl.max(scan_last)")
-    return "scan_lo", "scan_hi", False
+    if not tabled:
+        return [("scan_lo", "scan_hi", False)]
+    # the zero run lies inside [scan_lo, scan_hi) where there is one; else both ends are scan_hi (empty)
+    e.line("zero_lo = tl.minimum(tl.maximum(zero_lo, scan_lo), scan_hi)")
+    e.line("zero_hi = tl.minimum(tl.maximum(zero_hi, zero_lo), scan_hi)")
+    e.band_zero = bg.ops[_walked_mask(bg)].attrs["index"]
+    return [("scan_lo", "zero_lo", False), ("zero_lo", "zero_hi", True), ("zero_hi", "scan_hi", False)]
 
 
 def heaviest_first(bg: BlockGraph, split: int) -> frozenset:

@@ -7,7 +7,7 @@ it becomes Q packed per KV head (b, hk, g·sq, d), K and V as they are, and, whe
 kernels as it is, ``where(keep, s, fill)`` per tile (:func:`bool_in_kernel`; else it becomes the additive
 ``where(keep, 0, fill)``), ``is_causal`` a top-left triangle of ``-inf`` (built once per region). The online-softmax
 kernels hold finite masked scores at ``-1e30`` and keep a tile or split whose keys are all ``-inf`` defined
-(column-sum plans get a copy of the mask clamped at ``-1e30`` or its dtype's floor). Rows whose keys are all masked
+(a column-sum plan's column pass holds its scores the same way). Rows whose keys are all masked
 (padding) get what the form gives in eager: SDPA returns zeros (the seeds' ``empty_rows="zero"``), the decomposed
 softmax NaN for ``-inf`` masks (the kernels' own 0/0), and a uniform average for the finite ``finfo.min`` masks
 HF builds (the held floor's); only column-sum plans find such rows on the mask per call. A mask that is exactly its causal / sliding-window band
@@ -24,8 +24,10 @@ A region whose P is also reduced over the query axis (H2O's column sums, :class:
 ColumnReduction`) runs one plan for P·V and the column sums per query head: :func:`plan_candidates` costs the
 kernels of :data:`.attention_seeds.PLAN_KERNELS` with the cost model (each as the IR nodes it computes and the
 values it writes), :func:`.plan_select.select_plan` picks the set by a binary linear program, and
-:func:`.attention_seeds.attention_column_sums` builds it as one μGraph; each column reduction is then replayed on
-the (b, h, skv) column sums (a sum over heads, a permute, a mean's factor, the dtype).
+:func:`.attention_seeds.attention_column_sums` builds it as one μGraph — with a mask passed in, once more with the
+mask's tile table, whose scanning launches let both passes skip what the mask hides, timed against the plain one
+on the call's mask; each column reduction is then replayed on the (b, h, skv) column sums (a sum over heads, a
+permute, a mean's factor, the dtype).
 """
 from __future__ import annotations
 
@@ -45,7 +47,6 @@ from ..ugraph import MASK_FLOOR, KernelGraph
 from ..context import CompileContext, Target
 from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
 from .attention_seeds import PLAN_KERNELS, ROW_BLOCK_KV, SEEDS, attention_column_sums, decode_split_counts
-from .launch import unscanned_candidates
 from .library import blocks
 from .plan_select import Candidate, select_plan
 from .ugraph_plan import Alternative, UGraphPlan
@@ -137,9 +138,8 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.
              bool_mask: bool = False) -> tuple:
     """The region's outputs from the compiled seed: P·V (b, h, sq, d), then each of ``spec.extra_outputs`` from
     the seed's column sums of P (b, h, skv) when it has them. Q is packed per KV head, the mask packed (a bool one
-    as it is with ``bool_mask``) — the online-softmax kernels hold masked scores at their floor themselves; for a
-    column-sum plan (whose column pass re-reads the mask) clamped at the dtype's floor, finite — or, where the
-    region's mask is fixed (``fixed``: ``is_causal``'s, built once; an :func:`index_mask`'s broadcast stand-in,
+    as it is with ``bool_mask``) — the kernels hold masked scores at their floor themselves, -inf kept for the
+    launches that scan it — or, where the region's mask is fixed (``fixed``: ``is_causal``'s, built once; an :func:`index_mask`'s broadcast stand-in,
     never read), that tensor. Rows whose keys are all ``-inf`` get eager's answer: zeros from SDPA (the seeds'
     ``empty_rows``), NaN from the decomposed softmax (the kernels' 0/0); for column-sum plans the rows are found
     on the mask before packing and filled, and there a head's column sums are NaN too, as the sum over its NaN
@@ -152,7 +152,7 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.
         args.append(fixed)
     elif (m := kernel_mask(spec, mask, q.device, bool_mask)) is not None:
         packed = _pack(spec, m)
-        args.append(packed.clamp_min(max(MASK_FLOOR, torch.finfo(packed.dtype).min)) if spec.extra_outputs else packed)
+        args.append(packed)
         if spec.extra_outputs:      # the online-softmax seeds give eager's 0 / NaN themselves (``empty_rows``)
             empty = _pack(spec, m.amax(-1, keepdim=True) == float("-inf"))    # (bm, hm, rows, 1)
     res = compiled(*args)
@@ -312,9 +312,7 @@ class AttentionClaimer:
         plan = UGraphPlan(alternatives, functools.partial(_example_inputs, spec, graph, by_index, bool_mask,
                                                           ctx.observed_inputs),
                           functools.partial(attention_kernel, spec, order, slots, metas, fixed, bool_mask),
-                          what=f"attention {spec.describe()} {dtype}",
-                          # a column-sum plan's mask is clamped finite (run_spec): no -inf for a scan to find
-                          propose=unscanned_candidates if spec.extra_outputs else None)
+                          what=f"attention {spec.describe()} {dtype}")
         return Claim(nodes, plan, detail=alternatives[0].detail, info=info)
 
     @staticmethod
@@ -325,14 +323,21 @@ class AttentionClaimer:
         info = {"plan_us": {c.name: round(c.cost_us, 2) for c in cands}}
         try:
             names = info["plan"] = _plan(cands)
-            kg = attention_column_sums(spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d, group=spec.group,
-                                       kernels=names, tile=SEED_TILE, **kwargs)
-            validate(kg)
-        except Exception as e:   # no plan, or one that does not build for these shapes: left to Inductor
-            log.info("torch_mirage: attention plan %s for %s not used (%s: %s)", info.get("plan"), spec.describe(),
-                     type(e).__name__, e)
+        except Exception as e:   # no plan: left to Inductor
+            log.info("torch_mirage: no attention plan for %s (%s: %s)", spec.describe(), type(e).__name__, e)
             return [], info
-        return [("+".join(names), kg)], info
+        built = []
+        # a mask passed in: the plan again with its tile table, whose scanning launches both passes may take
+        for table in (False, True) if spec.mask == "additive" else (False,):
+            try:
+                kg = attention_column_sums(spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d,
+                                           group=spec.group, kernels=names, tile=SEED_TILE, scan_table=table, **kwargs)
+                validate(kg)
+                built.append(("+".join(names) + ("/scan" if table else ""), kg))
+            except Exception as e:   # a plan that does not build for these shapes: left out (none: to Inductor)
+                log.info("torch_mirage: attention plan %s%s for %s not used (%s: %s)", names, " with a scan table"
+                         if table else "", spec.describe(), type(e).__name__, e)
+        return built, info
 
 
 def attention_kernel(spec: AttentionSpec, order: Sequence[int], slots: Sequence[int], metas: Sequence,

@@ -85,14 +85,15 @@ def flash_attention(b: int, hk: int, rows: int, skv: int, d: int, *, scale: floa
     [+ mask (bm, hm, rows, skv) when ``mask = (bm, hm)``: additive, or bool (``mask_dtype`` "bool", the scores
     it does not keep set to ``mask_fill``)]; output (b, hk, rows, d) [+ with ``stats`` each row's softmax max and
     sum of exponentials, (b, hk, rows, 1) fp32: what a second pass over the scores needs]. ``empty_rows``: see
-    :func:`_normalised`. ``scan_table``: kernel-level reductions first make the max of each ``SCAN_TILE`` square
-    of an additive mask (read once per call, not once per head and query block), whose row a program reads before
-    its loop to walk only the key tiles one of its rows sees (the block graph's ``forloop_scan``; launches that
+    :func:`_normalised`. ``scan_table``: kernel-level reductions first make the max and sum of each ``SCAN_TILE``
+    square of an additive mask (:func:`mask_tile_table`; read once per call, not once per head and query block), whose
+    rows a program reads before its loop to walk only the key tiles one of its rows sees, and to skip the mask
+    on the tiles where it is all 0 (the block graph's ``forloop_scan``; launches that
     scan: :func:`~torch_mirage.superopt.launch.scanning`)."""
     g = new_kernel_graph()
     Q, K, V = g.new_input((b, hk, rows, d), dtype), g.new_input((b, hk, skv, d), dtype), g.new_input((b, hk, skv, d), dtype)
     M = g.new_input((*mask, rows, skv), mask_dtype) if mask is not None else None
-    table = _scan_table(g, M, band) if scan_table else None
+    table = mask_tile_table(g, M, band) if scan_table else None
     outs = _flash_op(g, Q, K, V, M, scale=scale, softcap=softcap, q_blocks=q_blocks or blocks(rows, tile),
                      forloop_range=forloop_range or blocks(skv, tile), band=band, stats=stats, mask_fill=mask_fill,
                      empty_rows=empty_rows, table=table)
@@ -104,11 +105,14 @@ def flash_attention(b: int, hk: int, rows: int, skv: int, d: int, *, scale: floa
 SCAN_TILE = 64        # the mask squares a scan table's entries cover: the smallest prefill tile edge
 
 
-def _scan_table(g, M, band: tuple | None):
-    """The max of each ``SCAN_TILE`` square of additive mask ``M`` (bm, hm, rows, skv), as kernel-level
-    reductions: (bm, hm, rows / SCAN_TILE, skv / SCAN_TILE). A square whose max is -inf hides all its keys from
-    all its rows. Raises where no table applies: no mask, a bool one, a band (the loop is bounded already),
-    sizes that are not whole squares."""
+def mask_tile_table(g, M, band: tuple | None):
+    """The tile table of additive mask ``M`` (bm, hm, rows, skv), as kernel-level reductions over its
+    ``SCAN_TILE`` squares: (bm, hm, 2·rows / SCAN_TILE, skv / SCAN_TILE), each square row's maxima followed by
+    its sums. A square whose max is -inf hides all its keys from all its rows (its sum is -inf too, so a scan
+    asks only whether an entry is -inf); one whose max and sum are both 0 is all 0 (every entry at most 0, and
+    a sum of non-positive floats rounds to 0 only where every term is 0), so its mask need not be read. Raises
+    where no table applies: no mask, a bool one, a band (the loop is bounded already), sizes that are not whole
+    squares."""
     t = SCAN_TILE
     if M is None or M.dtype == "bool" or band is not None:
         raise ValueError("a scan table needs an additive mask and no band")
@@ -117,7 +121,9 @@ def _scan_table(g, M, band: tuple | None):
         raise ValueError(f"a scan table needs whole {t} x {t} squares of at least two row blocks "
                          f"(mask {tuple(M.shape)})")
     squares = g.reshape(M, shape=(bm * hm * rows // t, t, skv // t, t))
-    return g.reshape(g.reduce_max(g.reduce_max(squares, dim=3), dim=1), shape=(bm, hm, rows // t, skv // t))
+    maxima = g.reduce_max(g.reduce_max(squares, dim=3), dim=1)       # (squares' rows, 1, skv / t, 1)
+    sums = g.reduce_sum(g.reduce_sum(squares, dim=3), dim=1)
+    return g.reshape(g.concat([maxima, sums], dim=1), shape=(bm, hm, 2 * rows // t, skv // t))
 
 
 def _flash_op(g, Q, K, V, M, *, scale: float, softcap: float | None, q_blocks: int, forloop_range: int,
@@ -253,13 +259,15 @@ def _column_band(band: tuple | None, sq: int) -> tuple | None:
 
 
 def _column_op(g, Q, K, M, Mx, L, *, group: int, scale: float, softcap: float | None, q_tiles: int,
-               k_blocks: int, band: tuple | None = None):
+               k_blocks: int, band: tuple | None = None, table=None):
     """FlashTensor's non-convex kernel: ``Σ_rows exp(s − max)/sum`` per query head and key, the scores
     recomputed from Q and K with the first pass's row statistics ``Mx``, ``L`` (b, hk, rows, 1). The grid walks
     key blocks, the for-loop a head's query tiles. One query head per KV head: grid (hk, b, key blocks), any
     mask; GQA: grid (b·hk, group, key blocks) over Q seen as (b·hk, group, sq, d), so the mask must be shared
     by batch rows and KV heads or given for each. Under the attention's ``band`` (:func:`_column_band`) a key
-    block visits only the query tiles that see one of its keys. Returns (b, hk·group, skv) fp32."""
+    block visits only the query tiles that see one of its keys. With the mask's ``table`` (:func:`mask_tile_table`)
+    a launch that scans it walks only the query tiles that see one of the block's keys, and reads no mask where
+    it is all 0. Returns (b, hk·group, skv) fp32."""
     b, hk, rows, d = Q.shape
     skv, sq = K.shape[2], rows // group
     if group == 1:
@@ -269,6 +277,8 @@ def _column_op(g, Q, K, M, Mx, L, *, group: int, scale: float, softcap: float | 
         tMx, tL = (tb.new_input(x, imap=(1, 0, PHI), fmap=2) for x in (Mx, L))
         tM = (tb.new_input(M, imap=(1 if M.shape[1] > 1 else PHI, 0 if M.shape[0] > 1 else PHI, 3), fmap=2)
               if M is not None else None)
+        if table is not None:     # read by the launches that scan it, never by the math
+            tb.new_input(table, imap=(1 if M.shape[1] > 1 else PHI, 0 if M.shape[0] > 1 else PHI, 3), fmap=2)
         omap = (1, 0, 3)
     else:
         bh = b * hk
@@ -287,12 +297,20 @@ def _column_op(g, Q, K, M, Mx, L, *, group: int, scale: float, softcap: float | 
             shared = M.shape[0] * M.shape[1] == 1
             M = g.reshape(M, shape=(M.shape[0] * M.shape[1], group, sq, skv))
             tM = tb.new_input(M, imap=(PHI if shared else 0, 1, 3), fmap=2)
+            if table is not None:     # each head's square rows are whole: sq a multiple of SCAN_TILE
+                if sq % SCAN_TILE:
+                    raise ValueError(f"column sums under GQA: a scan table needs whole {SCAN_TILE}-row squares "
+                                     f"per head ({sq} rows)")
+                table = g.reshape(table, shape=(M.shape[0], group, 2 * sq // SCAN_TILE, table.shape[-1]))
+                tb.new_input(table, imap=(PHI if shared else 0, 1, 3), fmap=2)
         omap = (0, 1, 3)
-    if (cb := _column_band(band, sq)) is not None:     # iterators: Q 0, K 1, Mx 2, L 3, mask 4
+    if (cb := _column_band(band, sq)) is not None:     # iterators: Q 0, K 1, Mx 2, L 3, mask 4 [, table 5]
         _band(tb, (skv, *cb[1:]), 1, 1 if group > 1 else 2, 0, 4 if tM is not None else None)
+    if table is not None:
+        tb.forloop_scan = 5
     p = tb.div(tb.exp(tb.sub(_scores(tb, tQ, tK, scale, softcap, tM), tMx)), tL)
     tb.new_output(tb.forloop_accum(p, "sum", dim=2), omap=omap, dtype="float32")
-    ins = [Q, K, Mx, L] + ([M] if M is not None else [])
+    ins = [Q, K, Mx, L] + ([M] if M is not None else []) + ([table] if table is not None else [])
     (C,) = g.customized(ins, tb)
     return g.reshape(C, shape=(b, hk * group, skv))
 
@@ -327,7 +345,7 @@ def _row_block_op(g, Q, K, V, M, *, group: int, scale: float, softcap: float | N
 def _k_flash(g, env, p, stats=False):
     outs = _flash_op(g, env["q"], env["k"], env["v"], env.get("mask"), scale=p["scale"], softcap=p["softcap"],
                      q_blocks=blocks(p["rows"], p["tile"]), forloop_range=blocks(p["skv"], p["tile"]),
-                     band=p["band"], stats=stats)
+                     band=p["band"], stats=stats, table=env.get("table"))
     return dict(zip(("out", "row_max", "row_sum"), outs))
 
 
@@ -336,7 +354,7 @@ def _k_columns(g, env, p):
     return {"colsum": _column_op(g, env["q"], env["k"], env.get("mask"), env["row_max"], env["row_sum"],
                                  group=p["group"], scale=p["scale"], softcap=p["softcap"],
                                  q_tiles=blocks(sq, p["tile"]), k_blocks=blocks(p["skv"], p["tile"]),
-                                 band=p["band"])}
+                                 band=p["band"], table=env.get("table"))}
 
 
 def _k_row_block(g, env, p):
@@ -369,11 +387,12 @@ PLAN_KERNELS = {k.name: k for k in (
 def attention_column_sums(b: int, hk: int, rows: int, skv: int, d: int, *, group: int, kernels: Sequence[str],
                           scale: float, softcap: float | None = None, mask: tuple[int, int] | None = None,
                           dtype: str = "float16", mask_dtype: str = "float32", tile: int = 64,
-                          band: tuple | None = None) -> KernelGraph:
+                          band: tuple | None = None, scan_table: bool = False) -> KernelGraph:
     """Attention and the column sums of its P from one plan: inputs as :func:`flash_attention` (Q packed
     ``group`` query heads per KV head), outputs P·V (b, hk, rows, d) and ``Σ_queries P`` per query head
     (b, hk·group, skv) fp32, computed by ``kernels`` (names of :data:`PLAN_KERNELS`, each after the kernels whose
-    values it needs): ``flash_stats`` + ``column_sums`` (two passes) or ``row_block`` (one)."""
+    values it needs): ``flash_stats`` + ``column_sums`` (two passes) or ``row_block`` (one). ``scan_table``: the
+    mask's tile table (:func:`mask_tile_table`), made once and read by both passes' scanning launches."""
     if rows % group:
         raise ValueError(f"attention_column_sums: {rows} rows are not {group} heads of equal length")
     g = new_kernel_graph()
@@ -381,6 +400,10 @@ def attention_column_sums(b: int, hk: int, rows: int, skv: int, d: int, *, group
            "v": g.new_input((b, hk, skv, d), dtype)}
     if mask is not None:
         env["mask"] = g.new_input((*mask, rows, skv), mask_dtype)
+    if scan_table:
+        if "row_block" in kernels:
+            raise ValueError("attention_column_sums: the row-block kernel has no loop for a scan table to bound")
+        env["table"] = mask_tile_table(g, env.get("mask"), band)
     params = dict(rows=rows, skv=skv, group=group, scale=scale, softcap=softcap, tile=tile, band=band)
     for name in kernels:
         kernel = PLAN_KERNELS[name]

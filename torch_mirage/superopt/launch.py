@@ -452,22 +452,20 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
     return scanning(bg, fixed + [c for c in configs if c not in fixed])
 
 
-def unscanned_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
-    """:func:`candidates` for kernels whose mask holds no -inf to find (a column-sum plan's, clamped at a finite
-    floor for its column pass, and built without a tile table): :func:`choose` times no scanning twin of them."""
-    return candidates(bg, n_sm, limit)
-
-
 def scanning(bg: BlockGraph, configs: Sequence[LaunchConfig]) -> list[LaunchConfig]:
-    """``configs``, each scanning the mask (``mask_scan``) where ``bg`` is prefill attention with a table of its
-    mask's tiles (``forloop_scan``, the seed's ``scan_table``): each program reads its row of the table and walks
-    only the key tiles one of its rows sees. Whether the table pays is the choice between that seed and the one
+    """``configs``, each scanning the mask (``mask_scan``) where ``bg`` has a table of its mask's tiles
+    (``forloop_scan``, the seeds' ``scan_table``: prefill attention, a column-sum pass) that covers the config's
+    tiles: each program reads its row (column) of the table and walks only the tiles one of its rows (keys) sees. Whether the table pays is the choice between that seed and the one
     without it, timed on the compiled call's mask. (H100, 11-27, soft-capped prefill with a causal mask passed in,
     32 heads, bf16, scanning the mask itself: n = 8192 3046 µs, 4759 on a random mask; n = 1024 65.7 against
     65.8 unscanned, 83.0 on a random mask — every program re-read its rows of the mask, once per head.)"""
-    if bg.forloop_scan is None or prefill_attention(bg) is None or scanned_mask(bg) is None:
+    if bg.forloop_scan is None:
         return list(configs)
-    return list(dict.fromkeys(replace(c, mask_scan=True) for c in configs))
+
+    def scans(c: LaunchConfig) -> bool:       # the table's tile covers the program's mask tile
+        tiled = retile(bg, c.grid, c.forloop_range)
+        return tiled is not None and scanned_mask(tiled) is not None
+    return list(dict.fromkeys(replace(c, mask_scan=True) if scans(c) else c for c in configs))
 
 
 def _stream_configs(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> list[LaunchConfig]:
@@ -659,7 +657,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
                  cache=cache, key=key, label="launch config", progress="torch_mirage: tuning a μGraph kernel",
                  precompile=precompile)
     winner = configs[tuned.winner] if tuned.winner is not None else base
-    twin = scan_twin(bg, winner) if propose is not unscanned_candidates else None
+    twin = scan_twin(bg, winner)
     if twin is None:
         return winner
     pair = [_config_name(c) for c in (winner, twin)]
