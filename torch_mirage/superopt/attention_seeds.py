@@ -106,13 +106,13 @@ SCAN_TILE = 64        # the mask squares a scan table's entries cover: the small
 
 
 def mask_tile_table(g, M, band: tuple | None):
-    """The tile table of additive mask ``M`` (bm, hm, rows, skv), as kernel-level reductions over its
-    ``SCAN_TILE`` squares: (bm, hm, 2·rows / SCAN_TILE, skv / SCAN_TILE), each square row's maxima followed by
-    its sums. A square whose max is -inf hides all its keys from all its rows (its sum is -inf too, so a scan
-    asks only whether an entry is -inf); one whose max and sum are both 0 is all 0 (every entry at most 0, and
-    a sum of non-positive floats rounds to 0 only where every term is 0), so its mask need not be read. Raises
-    where no table applies: no mask, a bool one, a band (the loop is bounded already), sizes that are not whole
-    squares."""
+    """The tile table of additive mask ``M`` (bm, hm, rows, skv): (bm, hm, 2·rows / SCAN_TILE, skv / SCAN_TILE)
+    fp32, each square row's maxima followed by its sums over its ``SCAN_TILE`` squares, made by one kernel that
+    reads the mask once (a program per square). A square whose max is -inf hides all its keys from all its
+    rows (its sum is -inf too, and NaN where the square holds one: a scan asks only whether an entry is -inf);
+    one whose max and sum are both 0 is all 0 (every entry at most 0, and a sum of non-positive floats rounds to
+    0 only where every term is 0), so its mask need not be read. Raises where no table applies: no mask, a bool
+    one, a band (the loop is bounded already), sizes that are not whole squares."""
     t = SCAN_TILE
     if M is None or M.dtype == "bool" or band is not None:
         raise ValueError("a scan table needs an additive mask and no band")
@@ -120,10 +120,13 @@ def mask_tile_table(g, M, band: tuple | None):
     if rows % t or skv % t or rows < 2 * t:
         raise ValueError(f"a scan table needs whole {t} x {t} squares of at least two row blocks "
                          f"(mask {tuple(M.shape)})")
-    squares = g.reshape(M, shape=(bm * hm * rows // t, t, skv // t, t))
-    maxima = g.reduce_max(g.reduce_max(squares, dim=3), dim=1)       # (squares' rows, 1, skv / t, 1)
-    sums = g.reduce_sum(g.reduce_sum(squares, dim=3), dim=1)
-    return g.reshape(g.concat([maxima, sums], dim=1), shape=(bm, hm, 2 * rows // t, skv // t))
+    flat = g.reshape(M, shape=(bm * hm * rows, skv))
+    tb = new_threadblock_graph((bm * hm * rows // t, skv // t, 1), 1)
+    square = tb.new_input(flat, imap=(0, 1, PHI), fmap=PHI)
+    stats = [tb.forloop_accum(reduce(reduce(square, dim=1), dim=0), "sum") for reduce in (tb.reduce_max, tb.reduce_sum)]
+    tb.new_output(tb.concat(stats, dim=0), omap=(0, 1, PHI), dtype="float32")
+    (table,) = g.customized([flat], tb)
+    return g.reshape(table, shape=(bm, hm, 2 * rows // t, skv // t))
 
 
 def _flash_op(g, Q, K, V, M, *, scale: float, softcap: float | None, q_blocks: int, forloop_range: int,
