@@ -390,6 +390,38 @@ def test_tuning_sees_the_compiled_calls_mask(monkeypatch):
     assert not torch.equal(ex[0], q.reshape(ex[0].shape))
 
 
+def test_region_timing_sees_a_copy_of_the_calls_mask(monkeypatch):
+    """The measure stage (run here without a GPU) still has the compiled call's tensors: a region is timed on
+    copies of the call's inputs — its mask above all: a kernel that skips what the mask hides is timed on what
+    the call passes, not on a random mask — and the tensors are released after the stage."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    import torch_mirage.pipeline as pipeline
+    from torch_mirage.capture.ir import subgraph
+    from torch_mirage.runtime.measure import region_check_inputs
+
+    seen = []
+
+    def timing_inputs(regions, graph, ctx):
+        for r in regions:
+            if r.compiled_by == "mirage":
+                with unset_fake_temporarily():
+                    seen.append(region_check_inputs(r, graph, subgraph(graph, r.nodes, r.outputs(graph)),
+                                                    ctx.observed_inputs))
+        seen.append(ctx.observed_inputs)
+    monkeypatch.setattr(pipeline, "_measures", lambda config: True)
+    monkeypatch.setattr(pipeline, "keep_faster", timing_inputs)
+    b, h, sq, d = 1, 2, 16, 8
+    q, k, v = _qkv(b, h, h, sq, sq, d, torch.float32)
+    mask = torch.full((sq, sq), float("-inf")).triu(1)[None, None]
+    fn = lambda q, k, v, m: hf_eager_attention(q, k, v, m, d ** -0.5)    # noqa: E731
+    _check(fn, [q, k, v, mask], torch.float32)
+    assert len(seen) == 2 and seen[1] == {}                  # one region; the call's tensors released after
+    masks = [t for t in seen[0] if tuple(t.shape) == tuple(mask.shape)]
+    assert len(masks) == 1 and torch.equal(masks[0], mask) and masks[0] is not mask
+    assert not any(t is x for t in seen[0] for x in (q, k, v, mask))      # copies: the region may write them
+
+
 def test_constant_value_with_observed_inputs():
     """``constant_value`` evaluates a value computed from graph inputs only when their real tensors are given."""
     from torch_mirage.capture.lower import constant_value

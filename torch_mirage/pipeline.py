@@ -209,18 +209,18 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
     with ctx.stage("partition"), eager_dispatch():
         claimers = default_claimers(config) if claimers is None else claimers
         regions = claim_regions(graph, claimers, ctx)
-    with ctx.stage("build"), eager_dispatch(), tune_budget(config.tune_budget_s), \
-            compile_workers(config.compile_workers):
-        try:
+    try:
+        with ctx.stage("build"), eager_dispatch(), tune_budget(config.tune_budget_s), \
+                compile_workers(config.compile_workers):
             build_regions(regions, graph, ctx)
-        finally:
-            ctx.observed_inputs.clear()     # the call's tensors: tuning only, not kept alive by the plans
-    if config.check_regions:
-        with ctx.stage("check"), eager_dispatch():
-            check_regions(regions, graph, ctx)
-    if _measures(config):
-        with ctx.stage("measure"):
-            keep_faster(regions, graph, ctx)
+        if config.check_regions:
+            with ctx.stage("check"), eager_dispatch():
+                check_regions(regions, graph, ctx)
+        if _measures(config):
+            with ctx.stage("measure"):
+                keep_faster(regions, graph, ctx)
+    finally:
+        ctx.observed_inputs.clear()     # the call's tensors: tuning and timing only, not kept alive by the plans
     _report_regions(report, regions)
     if (config.fallback == "inductor" and report.kind in ("inference", "forward")
             and not any(r.compiled_by == "mirage" for r in regions)):

@@ -51,14 +51,14 @@ def measure_region(region: Region, graph: Graph, ctx: CompileContext) -> RegionT
     sub = subgraph(graph, region.nodes, outs)
     key = None
     if ctx.cache is not None:
-        key = cache_key(kind="region-timing/2", graph=fingerprint(sub), claimer=region.claimer,
+        key = cache_key(kind="region-timing/3", graph=fingerprint(sub), claimer=region.claimer,
                         device=torch.cuda.get_device_name(), config=ctx.config.output_key())
     inputs: list = []
     sets: list = []
 
     def build(name: str) -> Callable[..., Any]:   # inputs and timing sets only when the cache has no answer
         if not sets:
-            inputs.extend(region_check_inputs(region, graph, sub))
+            inputs.extend(region_check_inputs(region, graph, sub, ctx.observed_inputs))
             sets.extend(rotated_input_sets(inputs, torch.cuda.get_device_properties(inputs[0].device).L2_cache_size))
         return region.kernel if name == "mirage" else _inductor_region(sub, inputs, ctx.config.inductor_mode)
 
@@ -99,12 +99,27 @@ def keep_faster(regions: Sequence[Region], graph: Graph, ctx: CompileContext) ->
 _EAGER_SLACK = 3.0   # a kernel may be this many times as far from float64 as eager itself
 
 
-def region_check_inputs(region: Region, graph: Graph, sub: Graph) -> list:
+OBSERVED_COPY_BYTES = 512 << 20   # the largest input of the compiled call a region is timed on (a copy of it)
+
+
+def region_check_inputs(region: Region, graph: Graph, sub: Graph, observed: dict[int, Any] | None = None) -> list:
     """Inputs for ``sub`` (the region as a standalone graph): random tensors shaped as the region's inputs, except
     values the graph computes from its constants alone (a mask built from ``arange``), which keep their real
-    contents — the kernel may rely on their value properties (:func:`~..capture.lower.constant_value`)."""
-    known = {v.name: t for v in region.inputs if v.meta is not None
-             for t in [constant_value(graph, v)] if t is not None}
+    contents — the kernel may rely on their value properties (:func:`~..capture.lower.constant_value`).
+    ``observed``: the compiled call's own inputs by graph input index (timing only: a kernel that skips what a
+    passed-in mask hides is timed on the call's mask, not a random one); what the region reads of them, or
+    computes from them alone, is a copy of the call's value (the region may write its inputs), up to
+    ``OBSERVED_COPY_BYTES`` each."""
+    named = {graph.inputs[i].name: t for i, t in (observed or {}).items() if i < len(graph.inputs)}
+    known = {}
+    for v in region.inputs:
+        if v.meta is None or (t := constant_value(graph, v, named)) is None:
+            continue
+        if any(t is x for x in named.values()):       # the call's own tensor: a copy, or random where too large
+            if t.numel() * t.element_size() > OBSERVED_COPY_BYTES:
+                continue
+            t = t.clone()
+        known[v.name] = t
     return [known[v.name] if v.name in known else random_like(v.meta) if v.meta else v.example
             for v in sub.inputs]
 
