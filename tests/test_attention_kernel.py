@@ -478,6 +478,7 @@ def test_scan_table_skips_what_the_mask_hides(tmp_path):
         cfg = LaunchConfig((h, 1, 2), 4, mask_scan=scan)      # 128-row blocks, 64-key tiles
         launcher = BlockLauncher(bg, cfg, [4] * 5, str(tmp_path), f"table{int(scan)}", Target.INTERPRETER)
         assert ("scan_lo" in launcher.source) == scan and ("zero_lo" in launcher.source) == scan
+        assert ("pid_2 = 1 - tl.program_id(2)" in launcher.source) == scan      # query blocks heaviest first
         out = launcher(q, k, v, m, table)[0]
         if scan:
             assert torch.isnan(out[..., :64, :]).all()

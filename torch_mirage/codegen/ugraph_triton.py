@@ -1029,7 +1029,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     ws = [math.prod(padded(x) for x in s) for s in state_shapes] if split > 1 else []
     n_inputs = len(in_ranks)
     e = _Emitter(bg, n_inputs, split, order, transposed, target, through)
-    _pids(e, bg.grid, split, heaviest_first(bg, split), flat_pid)
+    _pids(e, bg.grid, split, heaviest_first(bg, split, mask_scan), flat_pid)
     e.pid_lines = len(e.lines)
     env: dict[Ref, Val] = {}
     per = bg.forloop_range // split
@@ -1296,12 +1296,20 @@ def _scanned_bounds(e: _Emitter, bg: BlockGraph, op: Op, lo: str, hi: str) -> li
     return [("scan_lo", "zero_lo", False), ("zero_lo", "zero_hi", True), ("zero_hi", "scan_hi", False)]
 
 
-def heaviest_first(bg: BlockGraph, split: int) -> frozenset:
+def heaviest_first(bg: BlockGraph, split: int, mask_scan: bool = False) -> frozenset:
     """Grid dims whose program ids the kernel walks in reverse: under a causal band (no window) a query block's
     loop grows with its start, and CUDA starts programs in id order, so the longest blocks run first and the
-    last wave holds the shortest (a short tail)."""
+    last wave holds the shortest (a short tail). A launch that scans a mask's tile table (``mask_scan``) over
+    key tiles walks its query blocks in reverse as well: a passed-in mask is most often causal; a mask with no
+    such structure loses nothing by the order."""
     if bg.forloop_band is None:
-        return frozenset()
+        if not (mask_scan and bg.forloop_scan is not None and (m := _walked_mask(bg)) is not None):
+            return frozenset()
+        it = bg.ops[m].attrs
+        rank = len(it["shape"])
+        if it["fmap"] != rank - 1 or split > 1:       # keys walked (not a column pass over query tiles)
+            return frozenset()
+        return frozenset(g for g, d in enumerate(it["imap"]) if d == rank - 2)
     b = band_geometry(bg)
     if b["window"] is not None or b["period"] % b["q_rows"]:
         return frozenset()
