@@ -1281,7 +1281,7 @@ def _scanned_bounds(e: _Emitter, bg: BlockGraph, op: Op, lo: str, hi: str) -> li
     if tabled:      # the tile again, its padding read as 0 (no square there); NaN != 0 is not zero
         zeros = e.load_iterator(op, "scan_it", other="0.0")
         e.line(f"zero = tl.max(tl.where({zeros.name} == 0, 0, 1)) == 0")
-        e.line("zero_start = zero & (zero_lo == " + hi + ")")
+        e.line(f"zero_start = zero & (zero_lo == {hi})")
         e.line("zero_hi = tl.where(zero_start | (zero & (zero_hi == scan_it)), scan_it + 1, zero_hi)")
         e.line("zero_lo = tl.where(zero_start, scan_it, zero_lo)")
     e.indent -= 1
