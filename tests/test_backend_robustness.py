@@ -395,6 +395,28 @@ def test_rotated_input_sets_copy_only_what_l2_needs():
     assert only[0] is big
 
 
+def test_rotated_input_sets_keep_strides_inductor_checks():
+    """Copies keep each tensor's sizes and strides (a mask expanded over the batch, stride 0; a slice with gaps):
+    Inductor's version of a region, compiled for those strides, runs on every set (it raised AssertionError on
+    contiguous copies of a b8 decode attention region's mask)."""
+    from torch._inductor import standalone_compile
+    from torch_mirage.timing import rotated_input_sets
+
+    mask = (torch.rand(1, 1, 1, 64) > 0.5).expand(8, 1, 1, 64)
+    x = torch.randn(8, 4, 1, 80)[..., 8:72]                       # a slice: strides with a gap
+    sets = rotated_input_sets([mask, x], l2_bytes=64 * 1024, max_sets=3)
+    assert len(sets) == 3
+    for m, y in sets:
+        assert m.stride() == mask.stride() and y.stride() == x.stride()
+        assert torch.equal(m, mask) and torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+
+    def fn(m, y):
+        return torch.where(m, y, 0.0).sum(-1)
+    compiled = standalone_compile(torch.fx.symbolic_trace(fn), [mask, x], dynamic_shapes="from_example_inputs")
+    for m, y in sets:
+        assert torch.allclose(compiled(m, y), fn(mask, x))
+
+
 def test_timing_input_sets_copy_only_what_a_copy_keeps_the_same():
     """A caller's arguments are rotated only when copies are the same input: dense, unaliased tensors."""
     from torch_mirage.timing import timing_input_sets

@@ -20,7 +20,7 @@ from ..context import CompileContext
 from ..failures import nodes_summary, note
 from ..numerics import TOLERANCE, relative_error, same_non_finite, tolerance
 from ..partition.region import Reason, Region
-from ..timing import random_like, cuda_graph_timing, rotated_input_sets
+from ..timing import random_like, cuda_graph_timing, rotated_input_sets, strided_copy
 from ..tune import tune
 from .inductor_quiet import without_artifact_warning
 
@@ -118,7 +118,7 @@ def region_check_inputs(region: Region, graph: Graph, sub: Graph, observed: dict
         if any(t is x for x in named.values()):       # the call's own tensor: a copy, or random where too large
             if t.numel() * t.element_size() > OBSERVED_COPY_BYTES:
                 continue
-            t = t.clone()
+            t = strided_copy(t)
         known[v.name] = t
     return [known[v.name] if v.name in known else random_like(v.meta) if v.meta else v.example
             for v in sub.inputs]
