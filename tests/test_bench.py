@@ -555,6 +555,10 @@ def test_mirage_summary_says_where_compile_time_went():
     assert summary["graphs"] == 1 and summary["regions"] >= 1
     assert summary["stage_ms"] and all(v >= 0 for v in summary["stage_ms"].values())
     assert summary["untimed"] == [] and summary["choices"] == [] and summary["region_times"] == []   # CPU: nothing timed
+    built = [r for r in rep.regions if r.compiled_by == "mirage"]
+    assert built and summary["build_s"] == [{"claimer": r.claimer, "ops": len(r.ops), "s": r.info["build_s"]}
+                                            for r in built]
+    assert all(b["s"] >= 0 for b in summary["build_s"])
 
 
 def test_llm_attention_implementations():

@@ -70,6 +70,7 @@ def build_region(region: Region, graph: Graph, ctx: CompileContext) -> Callable[
     """``region``'s kernel from its plan; a plan that fails to build leaves the region to the fallback, with the
     error as its detail and a :class:`Decline` of the claimer (raised under ``strict``). Returns what compiles the
     kernel ahead where the build left that to its first run (:attr:`Built.warmup`), else None."""
+    start = time.perf_counter()
     try:
         # the compile runs under AOT's fake mode; compiling and timing a kernel needs real tensors
         with unset_fake_temporarily(), stage("build"):
@@ -89,6 +90,8 @@ def build_region(region: Region, graph: Graph, ctx: CompileContext) -> Callable[
     if built.detail is not None:
         region.detail = built.detail
     region.info.update(built.info)
+    # issue 15: where the build stage's seconds go, per region (compiles, tuning, disk-cache hits)
+    region.info["build_s"] = round(time.perf_counter() - start, 2)
     return built.warmup
 
 

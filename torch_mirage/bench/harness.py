@@ -24,7 +24,7 @@ import torch
 from ..backend import MirageBackend
 from ..numerics import relative_error, tolerance
 from ..report import Report
-from ..timing import count_device_kernels, cuda_graph_timing, plain_timing
+from ..timing import activity_table, cuda_graph_timing, device_activity, kernel_total, plain_timing
 from . import workloads as W
 
 log = logging.getLogger("torch_mirage")
@@ -77,6 +77,9 @@ def mirage_summary(info: dict) -> dict | None:
                               "stored_updates": r.info.get("stored_updates")}
                              for r in regions if "mirage_us" in r.info],
             # mirage regions kept without a time: Inductor's version of them could not be timed (why)
+            # each built mirage region's build seconds (compiles and tuning; a cached plan's take far less)
+            "build_s": [{"claimer": r.claimer, "ops": len(r.ops), "s": r.info["build_s"]}
+                        for r in regions if "build_s" in r.info],
             "untimed_regions": [{"claimer": r.claimer, "ops": len(r.ops), "why": r.info["measured"]}
                                 for r in regions if str(r.info.get("measured", "")).startswith("failed")],
             "stage_ms": _summed_stage_ms(report.graphs)}
@@ -206,6 +209,7 @@ class ModeResult:
     error: str | None = None
     mirage: dict | None = None         # what the mirage backend did (regions, fallbacks)
     kernels: int | None = None         # GPU kernels one call launches (profiler; None off CUDA or unseen in a graph)
+    device_activity: list | None = None   # those kernels' calls and µs by name (profiler; one call, not in a graph)
 
 
 @dataclass
@@ -266,7 +270,8 @@ def run_mode(spec: CaseSpec, mode: str, compiler: Callable, refs: dict[int, list
             del sets
             res.us, res.us_min, res.us_max = t["us"], t["us_min"], t["us_max"]
             with torch.no_grad():   # issue 17: kernels per decoder layer; one more call, its outputs not checked
-                res.kernels = count_device_kernels(fn, *spec.make_inputs(next(iter(refs))))
+                found = device_activity(fn, *spec.make_inputs(next(iter(refs))))
+            res.kernels, res.device_activity = kernel_total(found), activity_table(found)
         if mode == "mirage":   # after the timing: the Dynamo reset it makes would send ``fn`` to compile again
             torch._dynamo.reset()
             warm: dict = {}
