@@ -265,6 +265,36 @@ def test_both_passes_scan_the_mask_tile_table(monkeypatch, group):
 
 
 @interpreter
+def test_scanned_column_pass_gives_eager_nan_for_a_row_it_skips(monkeypatch):
+    """A row masked whole by -inf makes eager's column sums NaN for every key of its head (the sum over its NaN
+    row). The scanning column pass never visits that row for key blocks whose square with it is all -inf (here
+    keys 64.. against rows 0..63 under a causal mask), so the region's kernel takes the rows it must fill from the
+    first pass's row sums: eager's NaN pattern exactly — the other head, whose rows all see a key, stays finite."""
+    from torch_mirage.superopt import compile as compile_mod
+    from torch_mirage.superopt.attention_claim import run_spec
+    from torch_mirage.superopt.launch import scanning
+
+    own = compile_mod.default_config
+    monkeypatch.setattr(compile_mod, "default_config", lambda bg: scanning(bg, [own(bg)])[0])
+    b, h, n, d = 1, 2, 128, 16
+    m = _causal(n, n, torch.float32).repeat(1, h, 1, 1)
+    m[0, 0, 3] = float("-inf")                        # head 0, row 3: no key
+    args = [torch.randn(b, h, n, d) for _ in range(3)] + [m]
+    (spec,) = find_attention(trace_ir(h2o_core, *args))
+    kg = attention_column_sums(b, h, n, n, d, group=1, kernels=("flash_stats", "column_sums"), scale=d ** -0.5,
+                               mask=(1, h), dtype="float32", tile=64, scan_table=True, row_sums=True)
+    c = compile_ugraph(kg, args)
+    assert sum("zero_lo" in src for src in c.sources) == 2, "both passes scan the table"
+    assert torch.isfinite(c(*args)[1][0, 0, 64:]).all(), "the column pass itself skips row 3 for keys 64.."
+    want = h2o_core(*[a.double() for a in args])
+    got = run_spec(spec, c, *args)
+    for g, w in zip(got, want):
+        assert torch.equal(torch.isnan(g), torch.isnan(w)), "NaN where eager has none (or the reverse)"
+        assert_close(g.double().nan_to_num(), w.nan_to_num(), torch.float32)
+    assert torch.isnan(got[1][0, 0]).all() and torch.isfinite(got[1][0, 1]).all()
+
+
+@interpreter
 def test_column_sums_under_an_in_graph_causal_mask():
     """A causal mask from index comparisons (its value property gives the band) with column sums over KV too long
     for whole rows: the two-pass plan under the band, eager-equal in float64 (the check stage ran it on the mask

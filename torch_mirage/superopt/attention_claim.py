@@ -139,33 +139,27 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.
     """The region's outputs from the compiled seed: P·V (b, h, sq, d), then each of ``spec.extra_outputs`` from
     the seed's column sums of P (b, h, skv) when it has them. Q is packed per KV head, the mask packed (a bool one
     as it is with ``bool_mask``) — the kernels hold masked scores at their floor themselves, -inf kept for the
-    launches that scan it — or, where the region's mask is fixed (``fixed``: ``is_causal``'s, built once; an :func:`index_mask`'s broadcast stand-in,
-    never read), that tensor. Rows whose keys are all ``-inf`` get eager's answer: zeros from SDPA (the seeds'
-    ``empty_rows``), NaN from the decomposed softmax (the kernels' 0/0); for column-sum plans the rows are found
-    on the mask before packing and filled, and there a head's column sums are NaN too, as the sum over its NaN
-    row is in eager."""
+    launches that scan it — or, where the region's mask is fixed (``fixed``: ``is_causal``'s, built once; an
+    :func:`index_mask`'s broadcast stand-in, never read), that tensor. Rows whose keys are all ``-inf`` get eager's
+    answer from the kernels themselves: zeros from SDPA (the seeds' ``empty_rows``), NaN from the decomposed
+    softmax (0/0). Column sums (decomposed softmax only: SDPA has no P) are NaN for every key of a head with such a
+    row, as eager's sum over its NaN row; a two-pass plan's column pass may skip that row's tiles (a band, a scan),
+    so the heads whose row sums (its third output) are not positive are filled — three small ops on the row sums,
+    where the mask's per-row max and a fill of P·V were six (H100 11-27, h2o_core n=1024: 9 kernels a call)."""
     b, h, hk, sq, d = spec.b, spec.h, spec.hk, spec.sq, spec.d
     rows = spec.group * sq
     args = [q.contiguous().reshape(b, hk, rows, d), k.contiguous(), v.contiguous()]
-    empty = None
     if fixed is not None:
         args.append(fixed)
     elif (m := kernel_mask(spec, mask, q.device, bool_mask)) is not None:
-        packed = _pack(spec, m)
-        args.append(packed)
-        if spec.extra_outputs:      # the online-softmax seeds give eager's 0 / NaN themselves (``empty_rows``)
-            empty = _pack(spec, m.amax(-1, keepdim=True) == float("-inf"))    # (bm, hm, rows, 1)
+        args.append(_pack(spec, m))
     res = compiled(*args)
-    out = res[0]
-    if empty is not None:
-        out = out.masked_fill(empty, float("nan") if spec.form == "eager" else 0.0)
-    outs = [out.reshape(b, h, sq, d)]
+    outs = [res[0].reshape(b, h, sq, d)]
     if spec.extra_outputs:
         colsum = res[1]
-        if empty is not None and spec.form == "eager":
-            bm, hm = empty.shape[:2]
-            head_empty = empty.reshape(bm, hm, spec.group, sq).any(-1).expand(b, hk, spec.group).reshape(b, h, 1)
-            colsum = colsum.masked_fill(head_empty, float("nan"))
+        if len(res) > 2:           # the row sums, (b, hk, group·sq, 1): > 0 for a row that sees a key
+            seen = (res[2].reshape(b, h, sq) > 0).all(-1, keepdim=True)          # (b, h, 1); NaN is not > 0
+            colsum = colsum.masked_fill(~seen, float("nan"))
         outs += [r.apply(colsum) for r in spec.extra_outputs]
     return tuple(outs)
 
@@ -331,7 +325,8 @@ class AttentionClaimer:
         for table in (False, True) if spec.mask == "additive" else (False,):
             try:
                 kg = attention_column_sums(spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d,
-                                           group=spec.group, kernels=names, tile=SEED_TILE, scan_table=table, **kwargs)
+                                           group=spec.group, kernels=names, tile=SEED_TILE, scan_table=table,
+                                           row_sums=True, **kwargs)
                 validate(kg)
                 built.append(("+".join(names) + ("/scan" if table else ""), kg))
             except Exception as e:   # a plan that does not build for these shapes: left out (none: to Inductor)

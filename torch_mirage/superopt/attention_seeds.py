@@ -390,12 +390,16 @@ PLAN_KERNELS = {k.name: k for k in (
 def attention_column_sums(b: int, hk: int, rows: int, skv: int, d: int, *, group: int, kernels: Sequence[str],
                           scale: float, softcap: float | None = None, mask: tuple[int, int] | None = None,
                           dtype: str = "float16", mask_dtype: str = "float32", tile: int = 64,
-                          band: tuple | None = None, scan_table: bool = False) -> KernelGraph:
+                          band: tuple | None = None, scan_table: bool = False, row_sums: bool = False
+                          ) -> KernelGraph:
     """Attention and the column sums of its P from one plan: inputs as :func:`flash_attention` (Q packed
     ``group`` query heads per KV head), outputs P·V (b, hk, rows, d) and ``Σ_queries P`` per query head
     (b, hk·group, skv) fp32, computed by ``kernels`` (names of :data:`PLAN_KERNELS`, each after the kernels whose
     values it needs): ``flash_stats`` + ``column_sums`` (two passes) or ``row_block`` (one). ``scan_table``: the
-    mask's tile table (:func:`mask_tile_table`), made once and read by both passes' scanning launches."""
+    mask's tile table (:func:`mask_tile_table`), made once and read by both passes' scanning launches.
+    ``row_sums``: a two-pass plan also outputs the first pass's row sums of exponentials (b, hk, rows, 1) fp32 —
+    0 for a row whose keys are all -inf, NaN for a NaN row: the rows whose column sums eager makes NaN, which a
+    column pass that skips tiles (a band, a scan) may not visit."""
     if rows % group:
         raise ValueError(f"attention_column_sums: {rows} rows are not {group} heads of equal length")
     g = new_kernel_graph()
@@ -419,4 +423,6 @@ def attention_column_sums(b: int, hk: int, rows: int, skv: int, d: int, *, group
         raise ValueError(f"attention_column_sums: kernels {list(kernels)} do not produce both P·V and the column sums")
     g.mark_output(env["out"])
     g.mark_output(env["colsum"])
+    if row_sums and "row_sum" in env:
+        g.mark_output(env["row_sum"])
     return g.build()
