@@ -144,8 +144,8 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.
     answer from the kernels themselves: zeros from SDPA (the seeds' ``empty_rows``), NaN from the decomposed
     softmax (0/0). Column sums (decomposed softmax only: SDPA has no P) are NaN for every key of a head with such a
     row, as eager's sum over its NaN row; a two-pass plan's column pass may skip that row's tiles (a band, a scan),
-    so the heads whose row sums (its third output) are not positive are filled — three small ops on the row sums,
-    where the mask's per-row max and a fill of P·V were six (H100 11-27, h2o_core n=1024: 9 kernels a call)."""
+    so the heads whose row sums (its third output) are not all positive are filled — three small ops on the row
+    sums, where the mask's per-row max and a fill of P·V were six (H100 11-27, h2o_core n=1024: 9 kernels a call)."""
     b, h, hk, sq, d = spec.b, spec.h, spec.hk, spec.sq, spec.d
     rows = spec.group * sq
     args = [q.contiguous().reshape(b, hk, rows, d), k.contiguous(), v.contiguous()]
@@ -158,8 +158,8 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.
     if spec.extra_outputs:
         colsum = res[1]
         if len(res) > 2:           # the row sums, (b, hk, group·sq, 1): > 0 for a row that sees a key
-            seen = (res[2].reshape(b, h, sq) > 0).all(-1, keepdim=True)          # (b, h, 1); NaN is not > 0
-            colsum = colsum.masked_fill(~seen, float("nan"))
+            seen = res[2].reshape(b, h, sq).amin(-1, keepdim=True) > 0       # (b, h, 1); amin keeps a NaN
+            colsum = torch.where(seen, colsum, float("nan"))
         outs += [r.apply(colsum) for r in spec.extra_outputs]
     return tuple(outs)
 
