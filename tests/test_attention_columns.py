@@ -294,6 +294,50 @@ def test_scanned_column_pass_gives_eager_nan_for_a_row_it_skips(monkeypatch):
     assert torch.isnan(got[1][0, 0]).all() and torch.isfinite(got[1][0, 1]).all()
 
 
+def test_column_pass_gets_its_own_schedules():
+    """The two-pass plan's column pass (keys per program, the loop over query tiles) is recognised, and the column
+    schedules — 128-row steps on 8 warps among them — are timed besides the roofline re-tilings, scanning the
+    table where the plan has one; the FlashAttention pass and a GEMV are not column passes."""
+    from torch_mirage.superopt.launch import COLUMN_SCHEDULES, candidates, column_candidates, column_pass
+
+    kg = attention_column_sums(1, 32, 1024, 1024, 128, group=1, kernels=("flash_stats", "column_sums"), scale=0.09,
+                               mask=(1, 1), dtype="bfloat16", mask_dtype="bfloat16", tile=64, scan_table=True)
+    bodies = [op.body for op in kg.ops if op.name == "customized"]
+    flash, columns = bodies[-2], bodies[-1]
+    assert column_pass(flash) is None and column_pass(columns) == (2, 1024, 1024)
+    own = column_candidates(columns)
+    assert {(c.grid[2], c.forloop_range, c.num_warps, c.num_stages) for c in own} == \
+        {(1024 // t, 1024 // r, w, st) for t, r, w, st in COLUMN_SCHEDULES}
+    cands = candidates(columns, 132)
+    assert all(c.mask_scan for c in cands if c.grid[2] in (4, 8) and c.forloop_range in (8, 16))
+    assert {(c.grid, c.forloop_range, c.num_warps, c.num_stages) for c in own} <= \
+        {(c.grid, c.forloop_range, c.num_warps, c.num_stages) for c in cands}
+    assert len(set(cands)) == len(cands)
+
+
+@interpreter
+def test_column_schedules_are_eager_equal(monkeypatch):
+    """Each column schedule that re-tiles a small column pass (256 keys and query rows) computes eager's column
+    sums under a causal mask."""
+    from torch_mirage.superopt import compile as compile_mod
+    from torch_mirage.superopt.launch import column_candidates, column_pass
+
+    b, hk, n, d = 1, 2, 256, 16
+    kg = attention_column_sums(b, hk, n, n, d, group=1, kernels=("flash_stats", "column_sums"), scale=0.3,
+                               mask=(1, 1), dtype="float32", tile=64)
+    m = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    q, k, v = (torch.randn(b, hk, n, d) for _ in range(3))
+    p = torch.softmax(q.double() @ k.double().transpose(-1, -2) * 0.3 + m.double(), -1)
+    cands = column_candidates(next(op.body for op in reversed(kg.ops) if op.name == "customized"))
+    assert len(cands) >= 3
+    own = compile_mod.default_config
+    for cfg in cands:
+        monkeypatch.setattr(compile_mod, "default_config", lambda bg: cfg if column_pass(bg) else own(bg))
+        c = compile_ugraph(kg, [q, k, v, m])
+        assert any(f"pid_2 * {n // cfg.grid[2]}" in src for src in c.sources), cfg
+        assert_close(c(q, k, v, m)[1], p.sum(2).float(), torch.float32)
+
+
 @interpreter
 def test_column_sums_under_an_in_graph_causal_mask():
     """A causal mask from index comparisons (its value property gives the band) with column sums over KV too long

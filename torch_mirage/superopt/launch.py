@@ -79,6 +79,12 @@ PROLOGUE_PIPELINES = ((4, 3), (8, 5))
 # 2-4 stages — plus 64-row tiles for short sequences (more programs); they replace the roofline-ranked re-tilings
 # (128 x 128 at 3 stages holds 192 KiB of K / V stages next to Q's 32 KiB: at H100's shared-memory limit, left out)
 PREFILL_SCHEDULES = ((128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3))
+# a column pass (FlashTensor's second pass for column sums of P: each program holds a block of keys, the for-loop walks
+# the query tiles that see them) as (keys per program, query rows per step, num_warps, num_stages): the prefill
+# schedules with the roles of rows and keys swapped, timed besides the roofline re-tilings (which keep 64-row steps
+# on 4 warps; H100 11-27, bf16 h2o_core n=1024: the column pass 31.5 µs at 128 keys x 64 rows, 4 / 3, against the
+# FlashAttention pass's 38.4)
+COLUMN_SCHEDULES = ((128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 3), (256, 64, 8, 2))
 FILLED_SM_FRACTION = 2         # attention's own schedules are timed alone where one fills 1 / this many of the SMs
 PREFILL_MIN_ROWS = 128         # query rows (per grid slice) from which a block graph counts as prefill attention
 # split-KV decode attention (a few query rows — the query heads of one KV head — against one split of the cache; the
@@ -331,6 +337,40 @@ def prefill_attention(bg: BlockGraph) -> tuple[int, int, int] | None:
     return gs[0], q.attrs["shape"][rows_dim], k.attrs["shape"][kd]
 
 
+def column_pass(bg: BlockGraph) -> tuple[int, int, int] | None:
+    """``(grid dim of the keys, keys, query rows)`` where ``bg`` sums over its for-loop a function of one matmul
+    of a query tile walked by the loop by a key tile that is not (its keys one grid dim, none walked) — a column
+    pass: each program a block of keys, the query tiles summed — else None."""
+    acc = next((op for op in bg.ops if op.name == "acc_sum"), None)
+    mm = next((op for op in bg.ops if op.name == "matmul"), None)
+    if acc is None or mm is None or sum(op.name == "matmul" for op in bg.ops) != 1:
+        return None
+    q, k = (_along_first_inputs(bg, r[0], "iterator") for r in mm.inputs)
+    if q is None or k is None or q.attrs["fmap"] is None or k.attrs["fmap"] is not None:
+        return None
+    qd, kd = q.attrs["fmap"], len(k.attrs["shape"]) - 2          # the rows the loop walks; K's key dim
+    gs = [g for g, m in enumerate(k.attrs["imap"]) if m == kd]
+    if len(gs) != 1 or any(m == qd for m in q.attrs["imap"]):
+        return None
+    return gs[0], k.attrs["shape"][kd], q.attrs["shape"][qd]
+
+
+def column_candidates(bg: BlockGraph) -> list[LaunchConfig]:
+    """:data:`COLUMN_SCHEDULES` that re-tile column pass ``bg`` (:func:`column_pass`), no split."""
+    found = column_pass(bg)
+    if found is None:
+        return []
+    g, keys, rows = found
+    out = []
+    for t, r, warps, stages in COLUMN_SCHEDULES:
+        if keys % t or rows % r:
+            continue
+        grid = tuple(keys // t if d == g else x for d, x in enumerate(bg.grid))
+        if retile(bg, grid, rows // r) is not None:
+            out.append(LaunchConfig(grid, rows // r, 1, warps, stages))
+    return out
+
+
 def split_kv_decode(bg: BlockGraph) -> int | None:
     """The keys one program walks where ``bg`` is split-KV decode attention — an online softmax of a query tile
     (one block of fewer than ``PREFILL_MIN_ROWS`` rows: no grid dim over them but one of size 1) against key tiles
@@ -448,8 +488,8 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
             picks.append(probe)
     configs = [LaunchConfig(g, f, s, w, st) for g, f, s in picks
                for w, st in (*WARPS_STAGES, *([DEEP_PIPELINE] if f // s >= DEEP_LOOP else []))]
-    configs += _stream_configs(bg, scored, n_sm)
-    return scanning(bg, fixed + [c for c in configs if c not in fixed])
+    configs += _stream_configs(bg, scored, n_sm) + column_candidates(bg)
+    return scanning(bg, fixed + [c for c in dict.fromkeys(configs) if c not in fixed])
 
 
 def scanning(bg: BlockGraph, configs: Sequence[LaunchConfig]) -> list[LaunchConfig]:
