@@ -446,6 +446,28 @@ def test_decode_mask_scan_walks_only_written_slots(tmp_path):
     assert scan_twin(unmasked, LaunchConfig(tuple(unmasked.grid), unmasked.forloop_range)) is None
 
 
+def test_scan_choice_is_kept_per_hidden_share():
+    """Whether a decode launch scans its mask is timed on the call's mask and cached per share of the mask that
+    hides its key (-inf, or False in a bool mask), in eighths: a step early in a long cache and a late one are
+    separate answers; unscanned graphs have no share."""
+    from torch_mirage.superopt.launch import hidden_share
+
+    b, hk, rows, skv, d = 2, 2, 4, 64, 16
+    bg = _body(flash_decoding(b, hk, rows, skv, d, scale=0.25, mask=(b, 1), dtype="float32", splits=4, tile=4))
+    q, k, v = torch.randn(b, hk, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
+    early, late = torch.zeros(b, 1, rows, skv), torch.zeros(b, 1, rows, skv)
+    early[..., 8:] = float("-inf")                 # 8 of 64 slots written: 7 / 8 hidden
+    late[..., 60:] = float("-inf")
+    assert hidden_share(bg, [q, k, v, early]) == 0.875 and hidden_share(bg, [q, k, v, late]) == 0.0
+    keep = torch.zeros(b, 1, rows, skv, dtype=torch.bool)
+    keep[..., :16] = True
+    boolean = _body(flash_decoding(b, hk, rows, skv, d, scale=0.25, mask=(b, 1), dtype="float32",
+                                   mask_dtype="bool", splits=4, tile=4))
+    assert hidden_share(boolean, [q, k, v, keep]) == 0.75
+    unmasked = _body(flash_decoding(b, hk, rows, skv, d, scale=0.25, dtype="float32", splits=4, tile=4))
+    assert hidden_share(unmasked, [q, k, v]) is None
+
+
 def _tile_table(m: torch.Tensor, t: int = 64) -> torch.Tensor:
     """The mask's tile table as the seed's kernel graph makes it: each square row's maxima, then its sums."""
     bm, hm, rows, keys = m.shape

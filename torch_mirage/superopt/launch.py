@@ -666,7 +666,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
                     device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs, ABBA",
                     space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE,
                            CONTIGUOUS_PIPELINES, FILL_PIPELINE, STREAM_STAGE_BYTES, STREAM_RUN_BYTES, RUN_TILES,
-                           PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES, "mask scan"]
+                           PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES, COLUMN_SCHEDULES, "mask scan"]
                     + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
     props = torch.cuda.get_device_properties(inputs[0].device)
     configs = {_config_name(c): c for c in propose(bg, props.multi_processor_count, limit)}
@@ -702,7 +702,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
         return winner
     pair = [_config_name(c) for c in (winner, twin)]
     configs[pair[1]] = twin
-    key2 = cache_key(kind="ugraph-launch-scan", first=key)
+    key2 = cache_key(kind="ugraph-launch-scan", first=key, hidden=hidden_share(bg, inputs))
     hit = cached_choice(cache, key2, pair)
     if hit is not None:
         return configs[hit.winner]
@@ -711,6 +711,20 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     second = tune(pair, lambda name, made: time_launches(made[0], inputs, sets), build=make, check=agrees,
                   cache=cache, key=key2, label="mask scan", precompile=precompile)
     return configs[second.winner] if second.winner is not None else winner
+
+
+def hidden_share(bg: BlockGraph, inputs: Sequence[torch.Tensor]) -> float | None:
+    """The share of the entries of the mask ``bg``'s launches scan (:func:`scanned_mask`) that hide their key (-inf;
+    False in a bool mask), in eighths; None where nothing is scanned. What a scan saves depends on it, so the timed
+    answer of :func:`scan_twin` is kept per share: a decode step early in a long static cache hides most of it,
+    a late one almost none (H100 11-27, llama decode at position 256 reused the choice timed at 4000 from the disk
+    cache, unscanned)."""
+    m = scanned_mask(bg)
+    if m is None:
+        return None
+    x = inputs[bg.ops[m].attrs["index"]]
+    hidden = ~x if x.dtype == torch.bool else x == float("-inf")
+    return round(hidden.float().mean().item() * 8) / 8
 
 
 def _config_name(config: LaunchConfig) -> str:
