@@ -357,18 +357,7 @@ def column_pass(bg: BlockGraph) -> tuple[int, int, int] | None:
 
 def column_candidates(bg: BlockGraph) -> list[LaunchConfig]:
     """:data:`COLUMN_SCHEDULES` that re-tile column pass ``bg`` (:func:`column_pass`), no split."""
-    found = column_pass(bg)
-    if found is None:
-        return []
-    g, keys, rows = found
-    out = []
-    for t, r, warps, stages in COLUMN_SCHEDULES:
-        if keys % t or rows % r:
-            continue
-        grid = tuple(keys // t if d == g else x for d, x in enumerate(bg.grid))
-        if retile(bg, grid, rows // r) is not None:
-            out.append(LaunchConfig(grid, rows // r, 1, warps, stages))
-    return out
+    return _schedules(bg, column_pass(bg), COLUMN_SCHEDULES)
 
 
 def split_kv_decode(bg: BlockGraph) -> int | None:
@@ -403,17 +392,22 @@ def _decode_key_grid(bg: BlockGraph) -> tuple[int, list[int]] | None:
 
 def prefill_candidates(bg: BlockGraph) -> list[LaunchConfig]:
     """:data:`PREFILL_SCHEDULES` that re-tile prefill attention ``bg`` (:func:`prefill_attention`), no split."""
-    found = prefill_attention(bg)
+    return _schedules(bg, prefill_attention(bg), PREFILL_SCHEDULES)
+
+
+def _schedules(bg: BlockGraph, found: tuple[int, int, int] | None, schedules: Sequence[tuple]) -> list[LaunchConfig]:
+    """The ``schedules`` — (extent per program, extent per loop step, num_warps, num_stages) — that re-tile ``bg``,
+    whose ``found`` = (grid dim, its extent, the extent the loop walks), no split; none where ``found`` is None."""
     if found is None:
         return []
-    g, rows, keys = found
+    g, across, along = found
     out = []
-    for r, t, warps, stages in PREFILL_SCHEDULES:
-        if rows % r or keys % t:
+    for per_program, per_step, warps, stages in schedules:
+        if across % per_program or along % per_step:
             continue
-        grid = tuple(rows // r if d == g else x for d, x in enumerate(bg.grid))
-        if retile(bg, grid, keys // t) is not None:
-            out.append(LaunchConfig(grid, keys // t, 1, warps, stages))
+        grid = tuple(across // per_program if d == g else x for d, x in enumerate(bg.grid))
+        if retile(bg, grid, along // per_step) is not None:
+            out.append(LaunchConfig(grid, along // per_step, 1, warps, stages))
     return out
 
 
