@@ -172,3 +172,153 @@ def test_a_block_launcher_warmup_compiles_the_launches_its_call_makes(monkeypatc
     launcher(*xs)
     launcher.warmup(*xs)
     assert len(calls) == 2 and warmups == calls   # the split kernel and its combine kernel, as the call runs them
+
+
+# ---------------------------------------------------------------- worker processes (MIRAGE_COMPILE_PROCESSES)
+KERNEL = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def scale(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2.0, mask=offs < n)
+'''
+SIGNATURE = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+ATTRS = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+
+
+def _launch(tmp_path, name="scale", block=128):
+    """A launch's compile as Triton's JIT hands it to its cache hook: the kernel file, the specialisation data
+    (serialised as Triton serialises it: the parsed options' fields), the options object and the request."""
+    import json
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    from torch_mirage.codegen.aot import CompileRequest
+
+    path = tmp_path / "kernel.py"
+    path.write_text(KERNEL)
+    options = make_backend(GPUTarget("cuda", 90, 32)).parse_options({"num_warps": 4, "num_stages": 3})
+    spec = json.dumps({"name": name, "signature": SIGNATURE, "constant_keys": [[3]], "constant_vals": [block],
+                       "attrs_keys": [list(k) for k in ATTRS], "attrs_vals": list(ATTRS.values()),
+                       "options": options.__dict__, "key": "k"})
+    return path, options, CompileRequest(str(path), name, spec, ("cuda", 90, 32), str(tmp_path / "triton"))
+
+
+def _module(path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"kernel_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_worker_process_compiles_a_recorded_launch_so_that_the_launch_finds_it_in_tritons_cache(tmp_path,
+                                                                                                monkeypatch):
+    """The worker compiles for sm_90 (no GPU needed) what the launch would: the parent's own compile of the same
+    launch, from the JIT's objects rather than the JSON, is a cache hit. A kernel that is not in the file is an
+    error answer, not a dead worker."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    path, options, request = _launch(tmp_path)
+    missing = _launch(tmp_path, name="nowhere")[2]
+    answers = compile_pool.compile_in_workers([request, missing], 2)
+    assert answers[0] is None and "AttributeError" in answers[1] and "nowhere" in answers[1]
+    hits = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
+    monkeypatch.setattr(triton.knobs.cache, "dir", request.cache_dir)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)     # the kernel as a GPU launch has it: compiled
+    triton.compile(ASTSource(_module(path).scale, SIGNATURE, {(3,): 128}, ATTRS), target=GPUTarget("cuda", 90, 32),
+                   options=options.__dict__)
+    assert hits == [True]      # a miss would compile here (under the test suite's interpreter, it raises)
+
+
+class _FakeJIT:
+    """What the cache hook reads of Triton's JITFunction; ``warmup`` calls the hook as Triton's does before a
+    compile, and 'compiles' (records the thread) where the hook does not skip it."""
+
+    def __init__(self, fn, spec, compiled):
+        from triton.backends.compiler import GPUTarget
+
+        self.fn, self.spec, self.compiled = fn, spec, compiled
+        self.device_caches = {0: (None, None, GPUTarget("cuda", 90, 32), None, None)}
+
+    def warmup(self):
+        import triton
+        from triton.runtime.jit import JitFunctionInfo
+
+        hook = triton.knobs.runtime.jit_cache_hook
+        skip = hook is not None and hook(key="k", repr="scale", fn=JitFunctionInfo(None, "scale", self),
+                                         compile={"device": 0, "specialization_data": self.spec},
+                                         is_manual_warmup=True, already_compiled=False)
+        if not skip:
+            self.compiled.append(threading.current_thread().name)
+
+
+def test_run_all_in_processes_records_the_jobs_compiles_and_compiles_them_in_workers(tmp_path, monkeypatch):
+    import triton
+
+    path, _, good = _launch(tmp_path)
+    bad = _launch(tmp_path, name="nowhere")[2]
+    compiled = []
+    jits = {"a": _FakeJIT(_module(path).scale.fn, good.specialization, compiled),
+            "b": _FakeJIT(_module(path).scale.fn, bad.specialization, compiled),
+            "c": _FakeJIT(_module(path).scale.fn, good.specialization, compiled)}   # the same launch as a
+    jits["b"].fn = type("F", (), {"__name__": "nowhere", "__code__": jits["a"].fn.__code__})()
+    monkeypatch.setattr(compile_pool, "_processes_wanted", lambda: True)
+    monkeypatch.setattr(triton.knobs.cache, "dir", good.cache_dir)
+    run = compile_pool.run_all(list(jits), lambda name: jits[name].warmup(), 4)
+    assert run.processes and run.how == "3 processes" and compiled == []    # nothing compiled in this process
+    assert list(run.errors) == ["b"] and "nowhere" in str(run.errors["b"])
+    assert triton.knobs.runtime.jit_cache_hook is None                      # the hook is the caller's again
+    assert any(p.suffix == ".cubin" for p in (tmp_path / "triton").rglob("*"))
+
+
+def test_workers_that_fail_leave_the_compiles_to_threads_with_one_warning(tmp_path, monkeypatch, caplog):
+    path, _, good = _launch(tmp_path)
+    compiled = []
+    jits = {n: _FakeJIT(_module(path).scale.fn, good.specialization, compiled) for n in "ab"}
+
+    def no_workers(count):
+        raise compile_pool.CompileWorkersFailed("cannot start python: no such file")
+    monkeypatch.setattr(compile_pool, "_processes_wanted", lambda: not compile_pool._BROKEN.is_set())
+    monkeypatch.setattr(compile_pool, "_workers", no_workers)
+    try:
+        with caplog.at_level(logging.WARNING, logger="torch_mirage"):
+            run = compile_pool.run_all(list(jits), lambda name: jits[name].warmup(), 2)
+            again = compile_pool.run_all(list(jits), lambda name: jits[name].warmup(), 2)
+    finally:
+        compile_pool._BROKEN.clear()
+    assert not run.processes and not again.processes and run.errors == {}
+    assert len(compiled) == 4 and all(t.startswith("torch_mirage_compile") for t in compiled)
+    assert caplog.text.count("compile worker processes failed (cannot start python") == 1
+
+
+@pytest.mark.gpu
+def test_launch_candidates_compile_in_worker_processes_and_load_from_the_cache_on_the_gpu(tmp_path, monkeypatch,
+                                                                                          caplog):
+    """A tuned μGraph kernel's candidates on the GPU: compiled in worker processes, and every compile the parent
+    then makes of them is a hit in Triton's cache (a fresh one); the result matches the kernel's own schedule."""
+    import triton
+
+    from torch_mirage.superopt import library
+    from torch_mirage.superopt.compile import compile_ugraph
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    hits = []
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton"))
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
+    g = library.rmsnorm_linear(4, 1024, 512, dtype="float16")
+    xs = [torch.randn(i.attrs["shape"], device="cuda", dtype=torch.float16) for i in g.inputs]
+    with caplog.at_level(logging.INFO, logger="torch_mirage"), compile_workers(4, processes=True):
+        compiled = compile_ugraph(g, xs, cache=None, cache_dir=str(tmp_path / "mirage"))
+    assert "processes; 0 failed" in caplog.text
+    assert len(hits) >= 2 and all(hits), hits
+    plain = compile_ugraph(g, xs, cache=None, cache_dir=str(tmp_path / "mirage"), tune=False)
+    torch.testing.assert_close(compiled(*xs)[0], plain(*xs)[0], rtol=2e-2, atol=2e-2)

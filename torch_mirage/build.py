@@ -62,8 +62,8 @@ def build_regions(regions: Sequence[Region], graph: Graph, ctx: CompileContext) 
         start = time.perf_counter()
         compiled = run_all(list(warmups), lambda name: warmups[name](), workers())
         if compiled is not None:   # a kernel that failed to compile fails again in the check stage, which says why
-            log.info("torch_mirage: compiled %d region kernels ahead in %.2f s (%d threads; %d failed)", len(warmups),
-                     time.perf_counter() - start, compiled.workers, len(compiled.errors))
+            log.info("torch_mirage: compiled %d region kernels ahead in %.2f s (%s; %d failed)", len(warmups),
+                     time.perf_counter() - start, compiled.how, len(compiled.errors))
 
 
 def build_region(region: Region, graph: Graph, ctx: CompileContext) -> Callable[[], None] | None:

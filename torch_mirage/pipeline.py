@@ -211,7 +211,7 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
         regions = claim_regions(graph, claimers, ctx)
     try:
         with ctx.stage("build"), eager_dispatch(), tune_budget(config.tune_budget_s), \
-                compile_workers(config.compile_workers):
+                compile_workers(config.compile_workers, config.compile_processes):
             build_regions(regions, graph, ctx)
         if config.check_regions:
             with ctx.stage("check"), eager_dispatch():

@@ -124,8 +124,8 @@ def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
     if precompile is not None:
         compiled = run_all(names, precompile, workers())
         if compiled is not None:
-            log.info("torch_mirage: compiled %d %s candidates in %.2f s (%d threads; %d failed, their builds say why)",
-                     len(names), label, time.perf_counter() - start, compiled.workers, len(compiled.errors))
+            log.info("torch_mirage: compiled %d %s candidates in %.2f s (%s; %d failed, their builds say why)",
+                     len(names), label, time.perf_counter() - start, compiled.how, len(compiled.errors))
     for name in _progress(names, progress):
         if out.built and _budget_spent(label):   # the budget ran out while building: time what is built
             out.budget_spent = True

@@ -10,10 +10,18 @@ the kernel compiled. A buffer the launch allocates itself is passed as a meta
 tensor (or a dtype): Triton takes its address as aligned, as a fresh allocation's is. Compiles of different kernels
 may run in threads at once (:mod:`torch_mirage.compile_pool`); under Triton's interpreter nothing is compiled and
 :func:`compile_ahead` does nothing.
+
+Inside :func:`captured_compiles` a compile ahead compiles nothing either: Triton's ``jit_cache_hook`` records what
+the launch would compile (:class:`CompileRequest`: the generated file, the kernel, Triton's specialisation data of
+the launch, the target and Triton's cache directory) and skips it, so that worker processes
+(:mod:`.compile_worker`) compile it into Triton's cache, and the launch after them only loads it.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +29,51 @@ import torch
 from ..context import Target
 
 _BIND = threading.Lock()
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    """One launch's compile as a worker process makes it (:func:`.compile_worker.compile_request` reads it)."""
+    path: str             # the generated module's file
+    name: str             # the kernel's function in it
+    specialization: str   # Triton's specialization_data of the launch (JSON)
+    target: tuple         # (backend, arch, warp size)
+    cache_dir: str        # Triton's cache directory, where the launch will look
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "name": self.name, "specialization": self.specialization,
+                "target": list(self.target), "cache_dir": self.cache_dir}
+
+
+# the requests recorded in this context (None: compiles ahead compile); per thread, as contexts are
+_CAPTURED: contextvars.ContextVar[list[CompileRequest] | None] = contextvars.ContextVar(
+    "torch_mirage_captured_compiles", default=None)
+
+
+@contextlib.contextmanager
+def captured_compiles():
+    """Compiles ahead inside record a :class:`CompileRequest` each and compile nothing; yields the list."""
+    import triton
+
+    got: list[CompileRequest] = []
+    token = _CAPTURED.set(got)
+    previous = triton.knobs.runtime.jit_cache_hook
+
+    def hook(*, fn, compile, **kwargs):   # Triton calls it before every compile; True skips that compile
+        captured = _CAPTURED.get()
+        if captured is None:       # another thread's compile: as without this hook
+            return previous(fn=fn, compile=compile, **kwargs) if previous is not None else None
+        jit = fn.jit_function
+        target = jit.device_caches[compile["device"]][2]
+        captured.append(CompileRequest(jit.fn.__code__.co_filename, jit.fn.__name__, compile["specialization_data"],
+                                       (target.backend, target.arch, target.warp_size), triton.knobs.cache.dir))
+        return True
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        yield got
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+        _CAPTURED.reset(token)
 
 
 def run_kernel(fn: Any, *args: Any, grid: tuple, **meta: Any) -> None:

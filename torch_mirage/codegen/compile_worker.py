@@ -1,0 +1,86 @@
+"""A compile worker process: compiles Triton kernels for a GPU target into Triton's on-disk cache, nothing else.
+
+Run as a script (``python compile_worker.py``, by path: it imports triton and the standard library only, not
+torch_mirage or torch, so it starts in a fraction of a second and never makes a CUDA context). It reads one JSON
+request per line on stdin and answers one JSON line per request on stdout: ``{"ok": true}`` or
+``{"ok": false, "error": "..."}``; it exits at the end of its input.
+
+A request is what :func:`torch_mirage.codegen.aot.captured_compiles` recorded of a launch's compile in the parent:
+the generated module's file, the kernel's name, Triton's ``specialization_data`` of that launch (the argument
+specialisation and the parsed options, as ``JITFunction.preload`` reads it), the target and Triton's cache
+directory. The worker compiles exactly what the launch would (same source file, signature, constants, attributes
+and options, hence the same cache key); the parent's launch then finds the kernel in the cache and only loads it.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+
+_MODULES: dict[str, object] = {}
+
+
+def _module(path: str):
+    """The generated module at ``path``, imported once per worker (``@triton.jit`` reads its source by file)."""
+    if path not in _MODULES:
+        name = "torch_mirage_compile_worker_" + hashlib.sha256(path.encode()).hexdigest()[:16]
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        with open(path, encoding="utf-8") as f:
+            exec(compile(f.read(), path, "exec"), module.__dict__)
+        _MODULES[path] = module
+    return _MODULES[path]
+
+
+def _listed(value):
+    """JSON's lists back to the tuples Triton had (signatures and options hold no lists)."""
+    return tuple(_listed(v) for v in value) if isinstance(value, list) else value
+
+
+def compile_request(request: dict) -> None:
+    """Compile one recorded launch into Triton's cache (raises what Triton raises)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    triton.knobs.cache.dir = request["cache_dir"]
+    fn = getattr(_module(request["path"]), request["name"])
+    data = json.loads(request["specialization"])
+
+    def constant(value):
+        if isinstance(value, str) and tl.dtype.is_dtype(value):
+            return tl.dtype(value)
+        if isinstance(value, dict) and "constexpr" in value:
+            return tl.constexpr(value["constexpr"])
+        return value
+    constexprs = {tuple(k): constant(v) for k, v in zip(data["constant_keys"], data["constant_vals"])}
+    attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"]))
+    signature = {k: _listed(v) for k, v in data["signature"].items()}
+    options = {k: _listed(v) for k, v in data["options"].items()}
+    backend, arch, warp_size = request["target"]
+    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(backend, arch, warp_size),
+                   options=options)
+
+
+def main() -> None:
+    answers = os.fdopen(os.dup(1), "w")   # the answers' own channel: whatever a compile prints goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            compile_request(json.loads(line))
+            answer = {"ok": True}
+        except Exception as e:   # the parent's own compile of this launch meets the error again and reports it
+            answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    main()
