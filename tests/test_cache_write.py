@@ -139,8 +139,10 @@ def test_store_through_writes_the_rows_at_their_positions():
     (found,) = store_through(mu)
     assert found.through.only and found.through.shape == (b, h, 1, d)
     xs = [torch.randn(b, h * d), torch.randn(b, h, slots, d), torch.tensor([5])]
-    compiled = compile_ugraph(mu, xs, tune=False)
-    assert compiled.stored_updates == 1
+    warmups = {}        # the rebuilt kernel's compile ahead, for the caller's pool round (build._ugraph)
+    compiled = compile_ugraph(mu, xs, tune=False, label="writes", warmups=warmups)
+    assert compiled.stored_updates == 1 and list(warmups) == ["writes op3"]
+    warmups["writes op3"]()                            # under the interpreter: compiles nothing, runs nothing
     want = xs[1].clone()
     want[:, :, 5] = (2 * xs[0]).view(b, h, d)
     (out,) = compiled(*xs)

@@ -125,9 +125,10 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
     builds one alternative, not all); should it fail, every alternative is built as on a cold compile."""
     examples = plan.examples()
 
-    def compile_one(alternative: Alternative) -> Any:
+    def compile_one(alternative: Alternative, warmups: dict | None = None) -> Any:
         return compile_ugraph(alternative.graph, examples, cache=ctx.cache, cache_dir=ctx.config.cache_dir,
-                              target=ctx.target, propose=plan.propose or candidates, label=alternative.name)
+                              target=ctx.target, propose=plan.propose or candidates, label=alternative.name,
+                              warmups=warmups)
     hit = cached_choice(ctx.cache, _alternatives_key([a.graph for a in plan.alternatives], examples, ctx.cache),
                         [a.name for a in plan.alternatives]) if len(plan.alternatives) > 1 else None
     if hit is not None:
@@ -139,9 +140,10 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
                      chosen.name, plan.what, type(e).__name__, e)
     built: list[tuple[Alternative, Any]] = []
     errors: list[Exception] = []
+    warmups: dict[str, Callable[[], None]] = {}   # the alternatives' last rebuilt kernels, compiled in one round
     for alternative in plan.alternatives:
         try:
-            compiled = compile_one(alternative)
+            compiled = compile_one(alternative, warmups)
         except Exception as e:   # one alternative that does not compile: the others may
             if ctx.config.strict or len(plan.alternatives) == 1:
                 raise
@@ -152,6 +154,8 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
         built.append((alternative, compiled))
     if not built:
         raise errors[-1]
+    if ctx.target is Target.CUDA and examples[0].is_cuda:   # what fails here fails again, and says why, when timed
+        run_all(list(warmups), lambda name: warmups[name](), workers())
     (chosen, compiled), times = fastest(built, examples, ctx.cache)
     return _built(plan, chosen, compiled, times)
 

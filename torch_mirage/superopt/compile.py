@@ -345,7 +345,8 @@ def op_arguments(kgraph: KernelGraph, op: Any, inputs: Sequence[torch.Tensor]) -
 def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], *, cache: Any = None,
                    cache_dir: str | None = None, tune: bool | None = None, limit: int = 4,
                    target: Target | None = None, propose: Callable[..., list] = candidates,
-                   siblings: bool | None = None, label: str = "ugraph") -> CompiledUGraph:
+                   siblings: bool | None = None, label: str = "ugraph",
+                   warmups: dict[str, Callable[[], None]] | None = None) -> CompiledUGraph:
     """Generated Triton for every graph-defined op of ``kgraph``; launch configs tuned on ``example_inputs``
     when they are CUDA tensors (``tune=False``: the μGraph's own schedule), among those ``propose`` lists
     (:func:`.launch.candidates`, or :func:`.launch.streaming_candidates` for a weight-streaming kernel). Returns
@@ -355,7 +356,10 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
     ``siblings``: graph-defined ops that read nothing the others write run as one launch
     (:mod:`.siblings`) — where tuned, only where that times faster than their separate launches (``None``); always
     (``True``, each part's launch as tuned alone); never (``False``). ``label``: what the kernels' names start
-    with (``<label>_op<i>``, ``<label>_siblings_<i>_<j>``: a profile names the μGraph, e.g. ``weight_streaming``)."""
+    with (``<label>_op<i>``, ``<label>_siblings_<i>_<j>``: a profile names the μGraph, e.g. ``weight_streaming``).
+    ``warmups``: where given, the compiles ahead of the kernels rebuilt last (those that store a cache write's rows,
+    :func:`_store_through`) are added to it by name for the caller to run with others (the alternatives of one
+    program, in one round of the compile pool) rather than run here."""
     target = Target.current() if target is None else target
     label = re.sub(r"\W", "_", label) or "ugraph"
     label = label if label[0].isalpha() else "ugraph_" + label
@@ -401,14 +405,16 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
         steps.append(_Step(i, launcher))
     if siblings is not False and (siblings or tune):
         _join_siblings(kgraph, steps, env, cache, cache_dir, target, timed=not siblings, label=label)
-    _store_through(kgraph, steps, env, cache_dir, target)
+    _store_through(kgraph, steps, env, cache_dir, target, label, warmups)
     plan, size = plan_memory(kgraph, steps)
     return CompiledUGraph(kgraph, steps, plan, size)
 
 
-def _store_through(kgraph: KernelGraph, steps: list[_Step], env: dict, cache_dir: str, target: Target) -> None:
+def _store_through(kgraph: KernelGraph, steps: list[_Step], env: dict, cache_dir: str, target: Target,
+                   label: str = "ugraph", warmups: dict[str, Callable[[], None]] | None = None) -> None:
     """The kernels that store a cache write's rows themselves (:func:`.updates.store_through`), rebuilt at the launch
-    configuration tuned without it (a sibling launch with its parts): each such ``index_copy`` launches nothing."""
+    configuration tuned without it (a sibling launch with its parts): each such ``index_copy`` launches nothing.
+    Their compiles ahead run here in the compile pool, or go to ``warmups`` (named after ``label``) where given."""
     found = store_through(kgraph)
     if not found:
         return
@@ -446,7 +452,9 @@ def _store_through(kgraph: KernelGraph, steps: list[_Step], env: dict, cache_dir
             step.launcher = launcher(i)
             jobs[f"op{i}"] = functools.partial(step.launcher.warmup, *ins(i), targets=targets(i))
             log.info("torch_mirage: μGraph op %d stores %d update(s) itself (%s)", i, len(items), step.launcher.path)
-    if env and next(iter(env.values())).is_cuda:
+    if warmups is not None:
+        warmups.update({f"{label} {name}": job for name, job in jobs.items()})
+    elif env and next(iter(env.values())).is_cuda:
         run_all(list(jobs), lambda name: jobs[name](), workers())
 
 
