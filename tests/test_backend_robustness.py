@@ -534,3 +534,29 @@ def test_own_stages_run_without_the_python_dispatcher():
     with enable_python_dispatcher():                                # on around the compile, as AOTAutograd's is
         assert_close(compiled(x), fn(x))
     assert recorder.seen == [("claim", False)]
+
+
+def test_the_whole_graph_verdict_key_names_the_graph_what_mirage_built_and_the_knobs():
+    """The whole-graph verdict's cache key (backend.whole_graph_key): the same graph, inputs, regions and knobs
+    give the same key; another input shape, another tuned launch or another knob that changes what runs give
+    another; a region's own timing (which varies run to run) does not enter it."""
+    from torch_mirage import config
+    from torch_mirage.backend import whole_graph_key
+    from torch_mirage.report import GraphReport, RegionReport
+
+    gm = torch.fx.symbolic_trace(lambda x: torch.softmax(x, -1) * 2)
+
+    def report(launch, mirage_us=10.0):
+        r = GraphReport(0, "inference")
+        r.regions = [RegionReport(["aten.softmax"], "mirage", Reason.CLAIMED, claimer="stitch",
+                                  info={"launch": launch, "mirage_us": mirage_us}),
+                     RegionReport(["aten.mul"], "inductor", Reason.NOT_CLAIMED)]
+        return r
+    cfg = config.load({})
+    x = torch.randn(8, 16)
+    key = whole_graph_key(gm, [x], cfg, report([{"grid": [8]}]))
+    assert key == whole_graph_key(gm, [torch.randn(8, 16)], cfg, report([{"grid": [8]}], mirage_us=12.5))
+    assert key != whole_graph_key(gm, [torch.randn(8, 32)], cfg, report([{"grid": [8]}]))
+    assert key != whole_graph_key(gm, [x], cfg, report([{"grid": [4]}]))
+    assert key != whole_graph_key(gm, [x], config.load({"stitch": False}), report([{"grid": [8]}]))
+    assert key == whole_graph_key(gm, [x], config.load({"log_level": "INFO"}), report([{"grid": [8]}]))

@@ -146,6 +146,32 @@ def test_whole_graph_timed_against_inductor_on_first_call(monkeypatch):
         assert all(r.compiled_by != "mirage" for r in g.regions)
 
 
+def test_a_warm_compile_reads_the_whole_graph_verdict_back(monkeypatch, tmp_path):
+    """The whole-graph timing's times are cached with the graph, what mirage built for it and the versions: a
+    second compile of the same graph (a new process, here a Dynamo reset) keeps the same version without timing
+    it, and where mirage's won, without compiling Inductor's. Another cache directory times it afresh."""
+    import torch_mirage.pipeline
+    monkeypatch.setattr(torch_mirage.pipeline, "keep_faster", lambda *a: None)   # keep the region: time the graph
+    fn = lambda x, bias: torch.softmax(x + bias, dim=-1) * 2
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.float16)
+    bias = torch.randn(512, device="cuda", dtype=torch.float16)
+    graphs = []
+    for cache_dir in (tmp_path / "a", tmp_path / "a", tmp_path / "b"):
+        torch._dynamo.reset()
+        report = torch_mirage.Report()
+        backend = torch_mirage.MirageBackend(options={"cache_dir": str(cache_dir)}, report=report)
+        assert_close(torch.compile(fn, backend=backend)(x, bias), fn(x.double(), bias.double()).half(), torch.float16)
+        graphs.append(report.graphs[0])
+    cold, warm, other = graphs
+    assert cold.choice in ("mirage", "inductor") and not cold.choice_cached and not other.choice_cached
+    assert warm.choice_cached and warm.choice == cold.choice and warm.choice_times_us == cold.choice_times_us
+    assert "disk cache" in str(warm)
+    if warm.choice == "mirage":
+        assert "inductor" not in warm.stage_times_ms and "inductor" in cold.stage_times_ms
+    else:
+        assert all(r.compiled_by != "mirage" for r in warm.regions)
+
+
 def test_timing_on_first_call_does_not_repeat_input_mutations(monkeypatch):
     """The first call times mirage against Inductor by re-running the graph: what it writes is put back."""
     import torch_mirage.pipeline

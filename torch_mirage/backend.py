@@ -19,13 +19,14 @@ from torch._dynamo.backends.common import aot_autograd
 
 from . import config as config_mod
 from . import failures
-from .cache import DiskCache
+from .cache import DiskCache, cache_key
 from .partition.region import Claimer, Reason
 from .failures import Failure
 from .context import CompileContext
 from .pipeline import WholeGraphToInductor, compile_graph, wrap_cuda_graph
 from .report import GraphReport, RegionReport, Report
 from .runtime.choose import FasterOf, writes_in_place
+from .tune import cached_choice
 
 log = logging.getLogger("torch_mirage")
 
@@ -88,6 +89,7 @@ class MirageBackend:
         self.options = dict(options or {})
         self.report = report if report is not None else Report()
         self.claimers = claimers
+        self._cache: DiskCache | None = None    # the disk cache of the graph being compiled (MIRAGE_CACHE)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         options = dict(self.options)
@@ -98,7 +100,7 @@ class MirageBackend:
         cfg = config_mod.load(options)
         _configure_logging(cfg.log_level, explicit=bool({"log_level", "mirage.log_level"} & set(options))
                            or config_mod.env_name("log_level") in os.environ)
-        cache = DiskCache(cfg.cache_dir) if cfg.cache else None
+        cache = self._cache = DiskCache(cfg.cache_dir) if cfg.cache else None
 
         def inner(kind: str, graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
             ctx = CompileContext(cfg, self.report.new_graph(kind), cache, _static_input_indices(),
@@ -250,6 +252,11 @@ class MirageBackend:
             return self._untimed_to_inductor(gm, example_inputs, cfg, mirage, report)
         static = tuple(i - len(lifted) for i in _static_input_indices() if i >= len(lifted)) if aligned else ()
         written = lambda args: [[*lifted, *args][i] for i in positions]
+        key = whole_graph_key(gm, example_inputs, cfg, report) if self._cache is not None else None
+        verdict = cached_choice(self._cache, key, ["mirage", "inductor"])
+        if verdict is not None and verdict.winner == "mirage":   # a warm compile: Inductor's is neither built nor timed
+            _choice_recorder(report, cached=True)("mirage", verdict.times)
+            return mirage
         try:
             inductor = self._inductor_compile(gm, example_inputs, cfg, report)
         except Exception as e:
@@ -261,8 +268,11 @@ class MirageBackend:
         blocker = None if report.cuda_graph else (report.cuda_graph_reason or "not captured")
         mutated = tuple(i - len(lifted) for i in positions if i >= len(lifted))
         inductor = _in_cuda_graph(inductor, blocker, static, cfg, GraphReport(report.index, report.kind), mutated)
+        if verdict is not None:                                   # Inductor's won when this graph was timed
+            _choice_recorder(report, cached=True)("inductor", verdict.times)
+            return inductor
         return FasterOf({"mirage": mirage, "inductor": inductor}, _choice_recorder(report), written,
-                        in_callers_graph=not cfg.cuda_graphs)
+                        in_callers_graph=not cfg.cuda_graphs, cache=self._cache, key=key)
 
 
 def _timed_against_inductor(report: GraphReport, cfg: config_mod.Config) -> bool:
@@ -286,11 +296,36 @@ def _in_cuda_graph(compiled: Any, blocker: str | None, static_input_indices: Seq
     return lambda *args: boxed(list(args))
 
 
-def _choice_recorder(report: GraphReport):
+def whole_graph_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: config_mod.Config,
+                    report: GraphReport) -> str:
+    """The cache key of the whole-graph verdict (mirage's version against Inductor's compile) of this Dynamo
+    graph: its code, its inputs' and lifted parameters' shapes, strides and dtypes, what mirage built for each
+    region (claimer, who compiles it, its μGraph and launches; not the region timings), the knobs that change
+    what runs, the device and the library versions (:func:`~torch_mirage.cache.cache_key`). A graph whose
+    regions came out otherwise (another region timing verdict, another tuned launch) gets a key of its own."""
+    def meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return [list(x.shape), list(x.stride()), str(x.dtype), x.device.type]
+        return repr(x)
+    lifted = [*dict(gm.named_parameters(remove_duplicate=False)).values(),
+              *dict(gm.named_buffers(remove_duplicate=False)).values()]
+    regions = [[r.claimer, r.compiled_by, len(r.ops), r.info.get("ugraph_hash"), r.info.get("launch"),
+                r.info.get("sibling_launches")] for r in report.regions]
+    knobs = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__
+             if cfg.__dataclass_fields__[f].metadata.get("affects_output") or f in ("cuda_graphs", "inductor_mode")}
+    return cache_key(kind="whole-graph-verdict", code=gm.code, inputs=[meta(x) for x in [*lifted, *example_inputs]],
+                     regions=regions, knobs=knobs,
+                     device=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+                     timing="first call" if cfg.cuda_graphs else "in the caller's CUDA graph")
+
+
+def _choice_recorder(report: GraphReport, cached: bool = False):
     def record(choice: str, times: dict) -> None:
         report.choice = choice
         report.choice_times_us = {k: round(v, 2) for k, v in times.items()}
-        log.info("torch_mirage: graph %d timed on first call: %s; keeping %s", report.index,
+        report.choice_cached = cached
+        log.info("torch_mirage: graph %d %s: %s; keeping %s", report.index,
+                 "as timed by an earlier compile (disk cache)" if cached else "timed on first call",
                  ", ".join(f"{k} {v:.1f} µs" for k, v in times.items()), choice)
         if choice != "mirage":
             detail = (f"whole graph: mirage {times.get('mirage', float('nan')):.1f} µs vs "

@@ -30,7 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import torch
+
+from .codegen import compile_worker
+from .codegen.aot import captured_compiles
 from .config import load
+from .context import Target
 
 log = logging.getLogger("torch_mirage")
 
@@ -88,13 +93,9 @@ def workers() -> int:
 def _processes_wanted() -> bool:
     """Worker processes for the compiles ahead here: the setting says so, kernels compile for CUDA (not Triton's
     interpreter) and the workers have not failed in this process."""
-    from .context import Target
-
     setting = _PROCESSES.get()
     if not (load().compile_processes if setting is None else setting) or _BROKEN.is_set():
         return False
-    import torch
-
     return Target.current() is Target.CUDA and torch.cuda.is_available()
 
 
@@ -138,8 +139,6 @@ _WORKERS: list[subprocess.Popen] = []
 def _workers(count: int) -> list[subprocess.Popen]:
     """``count`` running compile workers (:mod:`.codegen.compile_worker`), started on first use and kept for the
     process's life (a worker that exited is replaced)."""
-    from .codegen import compile_worker
-
     _WORKERS[:] = [w for w in _WORKERS if w.poll() is None]
     # they compile for the GPU whatever runs here (a test under Triton's interpreter compiles nothing itself)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -207,8 +206,6 @@ def compile_in_workers(requests: Sequence[Any], count: int) -> list[str | None]:
 def _run_in_processes(names: Sequence[str], job: Callable[[str], Any], count: int) -> PoolRun:
     """The jobs one after another with their compiles recorded, then the recorded compiles in ``count`` worker
     processes (:func:`compile_in_workers`); a job's error is what it raised, or its first compile's."""
-    from .codegen.aot import captured_compiles
-
     run = PoolRun(count, processes=True)
     recorded: list[tuple[str, Any]] = []
     for name in names:

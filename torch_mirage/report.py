@@ -77,6 +77,7 @@ class GraphReport:
     timeable: bool = False                  # may be re-run on real inputs (CUDA, static shapes, no random ops)
     choice: str | None = None            # "mirage" | "inductor": the faster version of the whole graph, timed
     choice_times_us: dict[str, float] = field(default_factory=dict)
+    choice_cached: bool = False          # that choice read from the disk cache (an earlier compile timed it)
     untimed_reason: str = ""             # why mirage's version could not be timed against Inductor's
     stage_times_ms: dict[str, float] = field(default_factory=dict)
 
@@ -99,7 +100,8 @@ class GraphReport:
             lines.append(f"  writes to inputs {list(self.mutated_inputs)} in place")
         if self.choice:
             times = ", ".join(f"{k} {v:.1f} µs" for k, v in self.choice_times_us.items())
-            lines.append(f"  timed against Inductor's compile of the whole graph on first call: kept {self.choice} ({times})")
+            when = "by an earlier compile (disk cache)" if self.choice_cached else "on first call"
+            lines.append(f"  timed against Inductor's compile of the whole graph {when}: kept {self.choice} ({times})")
         if self.untimed_reason:
             kept = "Inductor's compile" if self.choice == "inductor" else "mirage's version"
             lines.append(f"  not timed against Inductor ({self.untimed_reason}): kept {kept}")

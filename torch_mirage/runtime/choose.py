@@ -39,15 +39,20 @@ class FasterOf:
     restored; a candidate that cannot be captured is not chosen. Otherwise each candidate is timed launched from
     Python, as the caller will run it (a replay of its own CUDA graph where it has one): CPU launch cost counts
     there, as it does for the user.
+
+    ``cache`` / ``key``: the times are stored there (as every tuned choice's are), so that a later compile of the
+    same graph and versions can read the verdict back without compiling or timing the loser
+    (:func:`~torch_mirage.backend.whole_graph_key`).
     """
 
     def __init__(self, candidates: dict[str, Callable[..., Any]], on_choice: Callable[[str, dict], None],
                  written: Callable[[Sequence[Any]], list[torch.Tensor]] = lambda args: [],
-                 in_callers_graph: bool = False):
+                 in_callers_graph: bool = False, cache: Any = None, key: str | None = None):
         self.candidates = candidates
         self.on_choice = on_choice
         self.written = written
         self.in_callers_graph = in_callers_graph
+        self.cache, self.key = cache, key      # where the times are kept (:func:`~torch_mirage.tune.tune`'s cache)
         self.choice: str | None = None
 
     def _time_all(self, args: Sequence[Any]) -> dict[str, float]:
@@ -84,7 +89,7 @@ class FasterOf:
             return plain_timing(run, args, target_ms=_HALF_MS, repeats=2)["samples"]
 
         try:   # a candidate that cannot be timed (not capturable, say) is not chosen
-            return tune(list(self.candidates), time_half, label="version").times
+            return tune(list(self.candidates), time_half, label="version", cache=self.cache, key=self.key).times
         finally:
             restore()
 
