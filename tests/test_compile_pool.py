@@ -322,3 +322,18 @@ def test_launch_candidates_compile_in_worker_processes_and_load_from_the_cache_o
     assert len(hits) >= 2 and all(hits), hits
     plain = compile_ugraph(g, xs, cache=None, cache_dir=str(tmp_path / "mirage"), tune=False)
     torch.testing.assert_close(compiled(*xs)[0], plain(*xs)[0], rtol=2e-2, atol=2e-2)
+
+
+def test_a_worker_that_does_not_answer_is_killed_and_the_round_fails(tmp_path, monkeypatch):
+    """A hung worker (here one that reads nothing and sleeps) is killed after the answer timeout, and the round
+    raises CompileWorkersFailed, which run_all turns into threads."""
+    import subprocess
+    import sys
+
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    monkeypatch.setattr(compile_pool, "_workers", lambda count: [hung])
+    start = time.perf_counter()
+    with pytest.raises(compile_pool.CompileWorkersFailed, match="no answer in 0.5 s"):
+        compile_pool.compile_in_workers([_launch(tmp_path)[2]], 1, timeout_s=0.5)
+    assert time.perf_counter() - start < 10 and hung.wait(timeout=10) != 0    # killed, not left sleeping

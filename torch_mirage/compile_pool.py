@@ -23,6 +23,7 @@ import contextvars
 import json
 import logging
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -164,10 +165,14 @@ def _stop_workers() -> None:
     _WORKERS.clear()
 
 
-def compile_in_workers(requests: Sequence[Any], count: int) -> list[str | None]:
+ANSWER_TIMEOUT_S = 600.0   # a worker that has not answered one compile in this long is taken for hung
+
+
+def compile_in_workers(requests: Sequence[Any], count: int, timeout_s: float = ANSWER_TIMEOUT_S) -> list[str | None]:
     """Each request (a :class:`~.codegen.aot.CompileRequest`) compiled by one of ``count`` worker processes, all
     at once; what each compile raised, as text (None: compiled). Raises :class:`CompileWorkersFailed` where a
-    worker dies or cannot start."""
+    worker dies, cannot start or gives no answer to one request in ``timeout_s`` (it is killed). Interrupted
+    (Ctrl-C), it kills the workers of the round and re-raises: none is left compiling."""
     answers: list[str | None] = [None] * len(requests)
     pending = list(enumerate(requests))[::-1]
     failures: list[str] = []
@@ -181,8 +186,13 @@ def compile_in_workers(requests: Sequence[Any], count: int) -> list[str | None]:
             try:
                 worker.stdin.write(json.dumps(request.to_json()) + "\n")
                 worker.stdin.flush()
+                # one answer line per request and nothing else on the pipe: nothing is buffered when it waits
+                if not select.select([worker.stdout], [], [], timeout_s)[0]:
+                    worker.kill()
+                    failures.append(f"worker {worker.pid} gave no answer in {timeout_s:g} s (killed)")
+                    return
                 line = worker.stdout.readline()
-            except OSError as e:     # its pipe broke: it died
+            except (OSError, ValueError) as e:     # its pipe broke (it died), or was closed under it
                 failures.append(f"worker {worker.pid}: {type(e).__name__}: {e}")
                 return
             if not line:
@@ -192,12 +202,19 @@ def compile_in_workers(requests: Sequence[Any], count: int) -> list[str | None]:
             answers[i] = None if answer.get("ok") else answer.get("error", "failed")
 
     with _LOCK:
-        feeders = [threading.Thread(target=feed, args=(w,), name="torch_mirage_compile_feed")
-                   for w in _workers(min(count, len(requests)))]
+        workers_ = _workers(min(count, len(requests)))
+        feeders = [threading.Thread(target=feed, args=(w,), name="torch_mirage_compile_feed", daemon=True)
+                   for w in workers_]
         for t in feeders:
             t.start()
-        for t in feeders:
-            t.join()
+        try:
+            for t in feeders:
+                t.join()
+        except BaseException:          # Ctrl-C: stop feeding, and stop the compiles under way
+            failures.append("interrupted")
+            for w in workers_:
+                w.kill()
+            raise
     if failures:
         raise CompileWorkersFailed(failures[0])
     return answers
