@@ -9,8 +9,8 @@ nothing of kernels beyond :mod:`.codegen.aot`'s recorded compiles. Two ways to r
   worker processes (:mod:`.codegen.compile_worker`, started once and kept) then compile the recorded launches
   into Triton's cache, and the launches after them only load the kernels. A Triton compile holds Python's lock
   for much of its time (its front end is Python): on 2 CPU cores a thread spinning beside a compile of the QKV
-  kernel got about 40 % of its time, and on the H100 machine's 16 cores 18 launch configurations of one decode
-  kernel took 7.0 s in 16 threads against about 1.5 s for one of them (2026-11-27).
+  kernel got about 40 % of its time; on the H100 machine's 16 cores 18 launch configurations of one decode
+  kernel compiled in 7.0 s on 16 threads and in 3.5 s on 16 worker processes (2026-11-27).
 - **threads**: the jobs themselves on up to ``threads`` threads (measured on 2 CPU cores: 11 launch configurations
   of an RMSNorm + Linear kernel for sm_90 in 3.7 s one after another, 2.2 s on 2 threads, the same as on 2
   processes). Where worker processes cannot start or die, the pool says so once and uses threads from then on.
@@ -40,7 +40,7 @@ from .context import Target
 
 log = logging.getLogger("torch_mirage")
 
-# the threads of the compile being made (the knob's setting: 0 = the usable cores); None: the knob as the environment
+# the compile workers of the compile being made (the knob's setting: 0 = the usable cores); None: the knob as the environment
 # sets it (a choice made outside a graph's compile, by a test or a script)
 _SETTING: contextvars.ContextVar[int | None] = contextvars.ContextVar("torch_mirage_compile_workers", default=None)
 # whether those compiles run in worker processes (``MIRAGE_COMPILE_PROCESSES``); None: the environment's knob
