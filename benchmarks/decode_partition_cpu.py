@@ -1,8 +1,8 @@
 """The partition stage of a Llama-3-8B-shaped 4-layer decode graph on the CPU (bf16-sized shapes in fp16, static
 4k cache, decode at position 4000), cold disk cache: the stage's seconds and, with ``--profile``, a cProfile
-listing of it. The build stage is not run (it raises at once), so no kernel is compiled. Needs about 4 GB of memory.
+listing of it (``PROFILE_SORT=tottime`` sorts it by own time). The build stage is not run (it raises at once), so no kernel is compiled. Needs about 4 GB of memory.
 
-    python benchmarks/decode_partition_cpu.py [--profile] [--python-dispatcher]
+    python benchmarks/decode_partition_cpu.py [--profile] [--python-dispatcher] [--cache-dir DIR]
 
 ``--python-dispatcher`` runs the stage under AOTAutograd's Python dispatcher, as before ``pipeline.eager_dispatch``
 turned it off (the before / after of that change).
@@ -29,6 +29,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", action="store_true")
     p.add_argument("--python-dispatcher", action="store_true")
+    p.add_argument("--cache-dir", help="the disk cache to use (default: a fresh one); a second run on the same "
+                                       "directory measures the warm partition")
     args = p.parse_args()
     prof, seconds = cProfile.Profile(), []
     claim = pipeline.claim_regions
@@ -59,7 +61,7 @@ def main() -> None:
         return model(input_ids=ids, position_ids=position_ids, cache_position=cache_position, past_key_values=cache,
                      use_cache=True).logits
     backend = torch_mirage.MirageBackend(options=dict(min_region_us=0, measure_regions=False,
-                                                      cache_dir=tempfile.mkdtemp()))
+                                                      cache_dir=args.cache_dir or tempfile.mkdtemp()))
     try:
         with torch.no_grad():
             torch.compile(step, backend=backend)(torch.randint(0, 1000, (1, 1)), torch.tensor([[4000]]),
@@ -73,7 +75,7 @@ def main() -> None:
     print(json.dumps({"partition_s": [round(s, 2) for s in seconds], "python_dispatcher": args.python_dispatcher,
                       "cpus": os.cpu_count(), "torch": torch.__version__}))
     if args.profile:
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+        pstats.Stats(prof).sort_stats(os.environ.get("PROFILE_SORT", "cumulative")).print_stats(30)
 
 
 if __name__ == "__main__":
