@@ -2,7 +2,8 @@
 4k cache, decode at position 4000), cold disk cache: the stage's seconds and, with ``--profile``, a cProfile
 listing of it (``PROFILE_SORT=tottime`` sorts it by own time). The build stage is not run (it raises at once), so no kernel is compiled. Needs about 4 GB of memory.
 
-    python benchmarks/decode_partition_cpu.py [--profile] [--python-dispatcher] [--cache-dir DIR]
+    python benchmarks/decode_partition_cpu.py [--profile] [--python-dispatcher] [--cache-dir DIR] [--layers N]
+        [--hidden H]
 
 ``--python-dispatcher`` runs the stage under AOTAutograd's Python dispatcher, as before ``pipeline.eager_dispatch``
 turned it off (the before / after of that change).
@@ -29,6 +30,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", action="store_true")
     p.add_argument("--python-dispatcher", action="store_true")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (the partition's cost per layer)")
+    p.add_argument("--hidden", type=int, default=4096, help="hidden size (heads of 128; MLP 3.5x)")
     p.add_argument("--cache-dir", help="the disk cache to use (default: a fresh one); a second run on the same "
                                        "directory measures the warm partition")
     args = p.parse_args()
@@ -53,7 +56,11 @@ def main() -> None:
     def stop(*a, **k):
         raise BuildSkipped("partition measured; build not run")
     pipeline.claim_regions, pipeline.build_regions = timed, stop
-    spec = llm.MODELS["llama3-8b-4l"]
+    from dataclasses import replace
+    base = llm.MODELS["llama3-8b-4l"]
+    spec = replace(base, config={**base.config, "num_hidden_layers": args.layers, "hidden_size": args.hidden,
+                                 "intermediate_size": args.hidden * 7 // 2, "num_attention_heads": args.hidden // 128,
+                                 "num_key_value_heads": max(1, args.hidden // 512)})
     model, config = llm.build_model(spec, torch.float16, torch.device("cpu"), quick=False)
     cache = llm.static_cache(config, 1, 4096, torch.device("cpu"), torch.float16)
 
@@ -72,7 +79,8 @@ def main() -> None:
             cause = cause.__cause__ or cause.__context__
         if cause is None or not seconds:
             raise
-    print(json.dumps({"partition_s": [round(s, 2) for s in seconds], "python_dispatcher": args.python_dispatcher,
+    print(json.dumps({"partition_s": [round(s, 2) for s in seconds], "layers": args.layers, "hidden": args.hidden,
+                      "python_dispatcher": args.python_dispatcher,
                       "cpus": os.cpu_count(), "torch": torch.__version__}))
     if args.profile:
         pstats.Stats(prof).sort_stats(os.environ.get("PROFILE_SORT", "cumulative")).print_stats(30)

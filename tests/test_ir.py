@@ -60,3 +60,47 @@ def test_bert_layer_roundtrip():
 def test_describe_names_op_shape_dtype():
     graph = lower(trace_aten(lambda x, y: x + y, torch.randn(2, 3, dtype=torch.float16), torch.randn(3, dtype=torch.float16)))
     assert graph.nodes[0].describe() == "aten.add.Tensor(float16[2,3], float16[3])"
+
+
+def test_positions_and_output_values_follow_the_graph():
+    """The graph's cached node / value positions and output values are those of its lists, also after a node is
+    added (the partitioner asks for them once per candidate cut)."""
+    gm = trace_aten(lambda x, g: F.rms_norm(x, (x.shape[-1],), g) * 2, torch.randn(4, 8), torch.randn(8))
+    graph = lower(gm)
+    assert graph.positions() == {id(n): i for i, n in enumerate(graph.nodes)}
+    assert graph.value_positions() == {id(v): i for i, v in enumerate(graph.values())}
+    outs = graph.output_values
+    outs.clear()                                        # a caller's list: the graph's stays
+    assert graph.output_values and all(v in list(graph.values()) for v in graph.output_values)
+    last = graph.nodes[-1]
+    added = graph.add_node("again", last.op, last.target, last.args, last.kwargs, last.outputs[0].example)
+    assert graph.positions()[id(added)] == len(graph.nodes) - 1
+    assert graph.value_positions()[id(added.outputs[0])] == len(list(graph.values())) - 1
+
+
+def test_is_convex_agrees_with_reachability_on_every_small_set():
+    """is_convex walks only the nodes between a set's first and last: the answer is the definition's (no node
+    outside the set both reachable from it and reaching it) on windows and random subsets of a Llama block."""
+    import random
+
+    from torch_mirage.partition.region import is_convex
+
+    cfg = LlamaConfig(dim=32, heads=4, kv_heads=2, hidden=64)
+    graph = lower(trace_aten(LlamaBlock(cfg), *llama_inputs(cfg, batch=1, seq=4)))
+    nodes = graph.nodes
+    reach = {id(n): set() for n in nodes}               # nodes reachable from n (n excluded)
+    for n in reversed(nodes):
+        for v in n.outputs:
+            for u in v.users:
+                reach[id(n)] |= {id(u)} | reach[id(u)]
+
+    def convex(subset):
+        inside = {id(n) for n in subset}
+        below = set().union(*(reach[i] for i in inside)) - inside
+        return not any(inside & reach[o] for o in below)
+    rng = random.Random(0)
+    sets = [nodes[i:i + w] for w in (2, 3, 5, 8) for i in range(0, len(nodes) - w, 3)]
+    sets += [sorted(rng.sample(nodes, rng.randint(2, 6)), key=nodes.index) for _ in range(200)]
+    assert any(not convex(s) for s in sets) and any(convex(s) for s in sets)
+    for s in sets:
+        assert is_convex(graph, s) == convex(s), [n.name for n in s]

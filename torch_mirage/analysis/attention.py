@@ -642,6 +642,6 @@ def _region_at(n: Node, values, read_bool: bool, graph: Graph, allowed: set, tak
     if any(id(w) not in leaving and (id(w) in outputs or any(id(u) not in ids for u in w.users))
            for x in spec.nodes for w in x.outputs):
         return None
-    order = {id(x): i for i, x in enumerate(graph.nodes)}
+    order = graph.positions()
     spec.nodes.sort(key=lambda x: order[id(x)])
     return spec

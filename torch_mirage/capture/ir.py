@@ -159,9 +159,31 @@ class Graph:
         for n in self.nodes:
             yield from n.outputs
 
+    def positions(self) -> dict[int, int]:
+        """``id(node)`` -> its index in :attr:`nodes`; made once per graph size (nodes are only appended), so that
+        the partitioner's questions about a small set of nodes do not walk the whole graph each time."""
+        cached = self.__dict__.get("_positions")
+        if cached is None or cached[0] != len(self.nodes):
+            cached = self.__dict__["_positions"] = (len(self.nodes), {id(n): i for i, n in enumerate(self.nodes)})
+        return cached[1]
+
+    def value_positions(self) -> dict[int, int]:
+        """``id(value)`` -> its index in :meth:`values` (inputs first, then each node's outputs); made once per
+        graph size, as :meth:`positions`."""
+        cached = self.__dict__.get("_value_positions")
+        if cached is None or cached[0] != (len(self.inputs), len(self.nodes)):
+            cached = self.__dict__["_value_positions"] = ((len(self.inputs), len(self.nodes)),
+                                                          {id(v): i for i, v in enumerate(self.values())})
+        return cached[1]
+
     @property
     def output_values(self) -> list[Value]:
-        return [v for v in pytree.tree_leaves(self.outputs) if isinstance(v, Value)]
+        """The Values among the outputs (a fresh list; flattened once per outputs list: claimers ask for every cut)."""
+        cached = self.__dict__.get("_output_values")
+        if cached is None or cached[0] is not self.outputs or cached[1] != len(self.outputs):
+            leaves = [v for v in pytree.tree_leaves(self.outputs) if isinstance(v, Value)]
+            cached = self.__dict__["_output_values"] = (self.outputs, len(self.outputs), leaves)
+        return list(cached[2])
 
     def validate(self) -> None:
         """Invariants: topological order, users consistent, every value defined once."""

@@ -195,7 +195,7 @@ def plan_candidates(spec: AttentionSpec, graph: Graph, mask_shape: tuple | None 
         column_pass.append(n)
         todo += [v.producer for v in n.inputs if v.producer is not None and id(v.producer) in ins | skip
                  and all(v is not s for s in stats)]
-    order = {id(x): i for i, x in enumerate(graph.nodes)}
+    order = graph.positions()
     column_pass.sort(key=lambda x: order[id(x)])
 
     def us(nodes, outputs) -> float:
@@ -375,7 +375,7 @@ def _mask_builders(spec: AttentionSpec, graph: Graph, free: Sequence[Node]) -> l
     outs = {id(x) for x in graph.output_values}
     if any(id(w) in outs or any(id(u) not in inside for u in w.users) for n in found.values() for w in n.outputs):
         return []
-    order = {id(x): i for i, x in enumerate(graph.nodes)}
+    order = graph.positions()
     return sorted(found.values(), key=lambda x: order[id(x)])
 
 

@@ -88,7 +88,7 @@ def cuts(graph: Graph, anchor: Node, free: Sequence[Node], free_ids: set, model:
     readers of its result. Largest first: where one cut holds another, the roofline estimate of the larger is
     the lower (one kernel's traffic and launch instead of two, inner values never written), so it is tried first;
     the sibling cut of a gated MLP holds no SiLU·mul and comes after the cut that does."""
-    order = {id(n): i for i, n in enumerate(graph.nodes)}
+    order = graph.positions()
     out: list[list[Node]] = []
     family = siblings(anchor, free, free_ids, model)
     tries = [(family, GROW, True, True)] * (len(family) > 1) + [(family, GROW, True, False)] + \
@@ -152,7 +152,8 @@ class GemvClaimer:
             if not is_convex(graph, nodes):
                 why = Decline(nodes, Reason.NOT_CONVEX, f"the region grown around {anchor.name}")
                 continue
-            memory_us = model.region_cost(nodes, graph).memory_us
+            # the graph's value facts from the analyse stage: not recomputed over the whole graph for each cut
+            memory_us = ctx.analysis_of(graph).region_cost(nodes, model).memory_us
             if memory_us < ctx.config.min_region_us:
                 return Decline(nodes, Reason.BELOW_MIN_REGION, f"{memory_us:.2f} µs of memory traffic")
             outcome = self._claim_cut(graph, nodes, ctx)

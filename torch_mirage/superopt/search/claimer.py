@@ -81,7 +81,7 @@ class SearchClaimer:
         elementwise ops peeled (an add on the activation that belongs to the program before), then the smaller
         cuts ending at the node (:func:`.cut.levels`, largest first: a gated MLP inside the region that also holds
         the norm before it), each tried against the seeds; the first verified one is claimed."""
-        order = {id(n): i for i, n in enumerate(graph.nodes)}
+        order = graph.positions()
         arities = {arity(w) for w in self.seeds}
         outcomes: list[Outcome] = []
         for anchor in reversed(list(free)):
@@ -101,7 +101,7 @@ class SearchClaimer:
 
     def _searched(self, graph, free: Sequence, free_ids: set, ctx: CompileContext) -> list[Outcome]:
         """Regions grown around matmuls, attention and reduction chains, searched (see the module docstring)."""
-        order = {id(n): i for i, n in enumerate(graph.nodes)}
+        order = graph.positions()
         outcomes: list[Outcome] = []
         last_first = [n for n in reversed(list(free)) if id(n) in free_ids]
         anchors = [n for n in last_first if n.op.kind is OpKind.MATMUL or is_attention(n)] + \

@@ -94,7 +94,7 @@ def region_io(nodes: Sequence, graph) -> tuple[list, list]:
     output values (produced inside, used outside or returned)."""
     inside = {id(n) for n in nodes}
     produced = {id(v) for n in nodes for v in n.outputs}
-    order = {id(v): i for i, v in enumerate(graph.values())}
+    order = graph.value_positions()
     ins: dict[int, object] = {}
     for n in nodes:
         for v in n.inputs:
