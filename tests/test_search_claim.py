@@ -229,3 +229,60 @@ def test_compute_bound_gemms_are_not_enumerated():
         why = compute_bound_gemms(list(graph.nodes), ctx.analysis_of(graph).cost)
         assert (why is not None) == skipped, (fn.__name__, args[0].shape, why)
         assert why is None or "2 compute-bound matmul(s)" in why
+
+
+def test_cut_signature_is_shared_by_the_same_cut_in_each_layer_only():
+    """cut_signature: the same ops on the same shapes, read and leaving alike, with the same producers before them
+    (a layer fed by a layer like itself) -> one signature; a different scalar, shape, a cut cut shorter, or a first
+    layer fed by a graph input -> another (the seeded claimer shares only 'no seed verified' between equal
+    signatures)."""
+    from torch_mirage.superopt.cut import cut_signature
+    from torch_mirage.testing.aten import trace_ir
+
+    def layers(x, *ws):
+        for i, w in enumerate(ws):
+            x = torch.relu(x @ w) * (3.0 if i == len(ws) - 1 else 2.0)
+        return x
+
+    def cut_at(graph, k):                           # the k-th layer's mm, relu, mul
+        mms = [n for n in graph.nodes if n.op.name == "matmul"]
+        i = graph.nodes.index(mms[k])
+        return graph.nodes[i:i + 3]
+    graph = trace_ir(layers, torch.randn(4, 16), *[torch.randn(16, 16) for _ in range(5)])
+    sig = [cut_signature(cut_at(graph, k), graph) for k in range(5)]
+    assert sig[2] == sig[3]                         # layers fed by layers like themselves
+    assert sig[0] != sig[3]                         # the first reads the graph's input
+    assert sig[4] != sig[3]                         # * 3.0 instead of * 2.0
+    assert cut_signature(cut_at(graph, 3)[:2], graph) != sig[3]
+    other = trace_ir(layers, torch.randn(4, 16), *[torch.randn(16, 16) for _ in range(3)], torch.randn(16, 8),
+                     torch.randn(8, 16))
+    assert cut_signature(cut_at(other, 3), other) != sig[3]   # (16, 8) weights: other shapes
+
+
+def test_the_seeded_claimer_claims_the_same_with_shared_negative_answers(monkeypatch):
+    """Three Llama blocks in a row: every claimer's regions are the same whether the seeded claimer shares 'no seed
+    verified' between cuts of equal signature or asks for every cut."""
+    from torch_mirage.config import load
+    from torch_mirage.context import CompileContext
+    from torch_mirage.pipeline import claim_regions, default_claimers
+    from torch_mirage.superopt.search import claimer as claimer_mod
+    from torch_mirage.testing.aten import trace_ir
+    from torch_mirage.testing.models import LlamaBlock, LlamaConfig, llama_inputs
+
+    cfg = LlamaConfig(dim=64, heads=4, kv_heads=2, hidden=160)
+    blocks = torch.nn.ModuleList([LlamaBlock(cfg) for _ in range(3)])
+
+    def model(x, cos, sin):
+        for b in blocks:
+            x = b(x, cos, sin)
+        return x
+    x, cos, sin = llama_inputs(cfg, batch=1, seq=4)
+    graph = trace_ir(model, x, cos, sin)
+
+    def claimed():
+        config = load({"min_region_us": 0})
+        regions = claim_regions(graph, default_claimers(config), CompileContext.standalone(config))
+        return sorted((r.claimer, tuple(n.name for n in r.nodes)) for r in regions if r.compiled_by == "mirage")
+    shared = claimed()
+    monkeypatch.setattr(claimer_mod, "cut_signature", lambda nodes, graph: object())   # every cut its own
+    assert claimed() == shared and shared

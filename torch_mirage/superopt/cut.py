@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ..capture.ir import Node
+from ..capture.ir import Node, Value
 from ..capture.ops import OpKind
 from ..context import CompileContext, Target
 from ..partition.region import Decline, Reason, inputs_of, outputs_of
@@ -142,6 +142,55 @@ def lowered_reference(nodes: list, graph, ctx: CompileContext) -> Reference | De
     if not ctx.target.runs_on(metas[0].device.type):
         return Decline(nodes, Reason.UNSUPPORTED_DEVICE, str(metas[0].device))
     return ref
+
+
+def cut_signature(nodes: list, graph, depth: int = 3) -> tuple:
+    """What a cut's reference program (:func:`~.search.reference.reference_of`) is made from, without making it:
+    each node's op, scalar arguments and output metas, how the nodes read each other and the cut's inputs (numbered
+    by first use), which results leave the cut, and each input's meta with the ops that produce it, ``depth``
+    steps back (a SiLU written out may start outside the cut). The same cut in each layer of a model has one
+    signature, so a claimer that found no seed for one need not lower and look up the others
+    (:class:`~.search.claimer.SearchClaimer`). Where two cuts that would lower differently shared a signature, the
+    second would only go unclaimed, never be claimed wrongly: only a negative answer is shared."""
+    index = {id(n): j for j, n in enumerate(nodes)}
+    numbered: dict[int, int] = {}
+    inputs: list = []
+    returned = {id(v) for v in graph.output_values}
+
+    def inside(v: Value) -> bool:
+        return v.producer is not None and id(v.producer) in index
+
+    def desc(v: Value) -> str:          # a tensor's meta; a scalar's value
+        return str(v.meta) if v.meta is not None else repr(v.example)
+
+    def ref(v: Value) -> tuple:
+        if inside(v):
+            return ("node", index[id(v.producer)], next(k for k, w in enumerate(v.producer.outputs) if w is v))
+        if id(v) not in numbered:
+            numbered[id(v)] = len(inputs)
+            inputs.append((desc(v), producers(v, 1)))
+        return ("in", numbered[id(v)])
+
+    def producers(v: Value, level: int) -> object:
+        p = v.producer
+        if p is None or level > depth:
+            return "graph input" if p is None else p.target_name
+        return (p.target_name, tuple(ref(a) if inside(a) or id(a) in numbered else (desc(a), producers(a, level + 1))
+                                     for a in p.inputs))
+
+    def arg(a) -> object:
+        if isinstance(a, Value):
+            return ref(a)
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(x) for x in a)
+        if isinstance(a, dict):
+            return tuple((k, arg(a[k])) for k in sorted(a))
+        return repr(a)
+
+    body = tuple((n.target_name, arg(n.args), arg(n.kwargs), tuple(desc(v) for v in n.outputs),
+                  tuple(id(v) in returned or any(id(u) not in index for u in v.users) for v in n.outputs))
+                 for n in nodes)
+    return body, tuple(inputs)
 
 
 def positions_only(g) -> set[int]:

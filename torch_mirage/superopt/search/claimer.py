@@ -39,7 +39,7 @@ from ...analysis.cost import skinny_matmul
 from ...capture.ops import OpKind
 from ...context import CompileContext
 from ...partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
-from ..cut import (CHAIN, DTYPES, GROW, MAX_NODES, computes, grow, layout_tails_dropped, levels, lowered_reference,
+from ..cut import (CHAIN, DTYPES, GROW, MAX_NODES, computes, cut_signature, grow, layout_tails_dropped, levels, lowered_reference,
                    reference_kernel)
 from ..gemv_claim import seed_claim
 from ..ugraph_plan import Alternative, UGraphPlan, random_inputs
@@ -84,6 +84,7 @@ class SearchClaimer:
         order = graph.positions()
         arities = {arity(w) for w in self.seeds}
         outcomes: list[Outcome] = []
+        unseeded: set = set()     # signatures of cuts no seed verified for (each layer repeats its cuts)
         for anchor in reversed(list(free)):
             if id(anchor) not in free_ids or anchor.op.kind not in GROW:
                 continue
@@ -92,11 +93,15 @@ class SearchClaimer:
             for nodes in candidates(graph, region, anchor, free_ids, self.max_nodes, order):
                 if len([v for v in inputs_of(nodes) if v.is_tensor]) not in arities or not is_convex(graph, nodes):
                     continue
+                signature = cut_signature(nodes, graph)
+                if signature in unseeded:
+                    continue
                 outcome = self._claim(graph, nodes, ctx, seeds_only=True)
                 if isinstance(outcome, Claim):
                     free_ids -= {id(n) for n in nodes}
                     outcomes.append(outcome)
                     break
+                unseeded.add(signature)
         return outcomes
 
     def _searched(self, graph, free: Sequence, free_ids: set, ctx: CompileContext) -> list[Outcome]:
