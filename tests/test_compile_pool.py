@@ -300,6 +300,7 @@ def test_workers_that_fail_leave_the_compiles_to_threads_with_one_warning(tmp_pa
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_launch_candidates_compile_in_worker_processes_and_load_from_the_cache_on_the_gpu(tmp_path, monkeypatch,
                                                                                           caplog):
     """A tuned μGraph kernel's candidates on the GPU: compiled in worker processes, and every compile the parent
@@ -309,8 +310,6 @@ def test_launch_candidates_compile_in_worker_processes_and_load_from_the_cache_o
     from torch_mirage.superopt import library
     from torch_mirage.superopt.compile import compile_ugraph
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     hits = []
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton"))
     monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))

@@ -58,9 +58,15 @@ def _static_input_indices() -> Sequence[int]:
     return tuple(getattr(meta, "static_input_indices", None) or ())
 
 
+def _lifted_tensors(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    """The parameters and buffers AOTAutograd lifts into the ATen graph's first inputs, in that order."""
+    return [*dict(gm.named_parameters(remove_duplicate=False)).values(),
+            *dict(gm.named_buffers(remove_duplicate=False)).values()]
+
+
 def _lifted(gm: torch.fx.GraphModule) -> int:
-    """The parameters and buffers AOTAutograd lifts into the ATen graph's first inputs."""
-    return len(dict(gm.named_parameters(remove_duplicate=False))) + len(dict(gm.named_buffers(remove_duplicate=False)))
+    """How many inputs :func:`_lifted_tensors` are."""
+    return len(_lifted_tensors(gm))
 
 
 def _observed(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], aten_inputs: Sequence[Any]) -> dict[int, Any]:
@@ -241,8 +247,7 @@ class MirageBackend:
                                        cfg: config_mod.Config, mirage: Any, report: GraphReport) -> Any:
         """Mirage's compile and Inductor's, the faster one chosen by timing on the first call."""
         # AOTAutograd's inputs are the Dynamo graph's own parameters and buffers, then the Dynamo inputs
-        lifted = [*dict(gm.named_parameters(remove_duplicate=False)).values(),
-                  *dict(gm.named_buffers(remove_duplicate=False)).values()]
+        lifted = _lifted_tensors(gm)
         aligned = report.num_inputs == len(lifted) + len(example_inputs)
         positions = report.mutated_inputs
         if (positions and not aligned) or (writes_in_place(gm) and not positions):
@@ -307,13 +312,12 @@ def whole_graph_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg
         if isinstance(x, torch.Tensor):
             return [list(x.shape), list(x.stride()), str(x.dtype), x.device.type]
         return repr(x)
-    lifted = [*dict(gm.named_parameters(remove_duplicate=False)).values(),
-              *dict(gm.named_buffers(remove_duplicate=False)).values()]
     regions = [[r.claimer, r.compiled_by, len(r.ops), r.info.get("ugraph_hash"), r.info.get("launch"),
                 r.info.get("sibling_launches")] for r in report.regions]
     knobs = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__
              if cfg.__dataclass_fields__[f].metadata.get("affects_output") or f in ("cuda_graphs", "inductor_mode")}
-    return cache_key(kind="whole-graph-verdict", code=gm.code, inputs=[meta(x) for x in [*lifted, *example_inputs]],
+    return cache_key(kind="whole-graph-verdict", code=gm.code,
+                     inputs=[meta(x) for x in [*_lifted_tensors(gm), *example_inputs]],
                      regions=regions, knobs=knobs,
                      device=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
                      timing="first call" if cfg.cuda_graphs else "in the caller's CUDA graph")

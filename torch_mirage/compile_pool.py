@@ -133,7 +133,6 @@ class CompileWorkersFailed(RuntimeError):
 
 _BROKEN = threading.Event()                     # set once the workers failed: threads from then on
 _LOCK = threading.Lock()                        # one round at a time uses the workers
-_LOCK_PENDING = threading.Lock()                # a round's feeders take requests off one list
 _WORKERS: list[subprocess.Popen] = []
 
 
@@ -160,7 +159,7 @@ def _stop_workers() -> None:
     for w in _WORKERS:
         try:
             w.wait(timeout=5)
-        except Exception:
+        except subprocess.TimeoutExpired:
             w.kill()
     _WORKERS.clear()
 
@@ -175,11 +174,12 @@ def compile_in_workers(requests: Sequence[Any], count: int, timeout_s: float = A
     (Ctrl-C), it kills the workers of the round and re-raises: none is left compiling."""
     answers: list[str | None] = [None] * len(requests)
     pending = list(enumerate(requests))[::-1]
+    taking = threading.Lock()          # the round's feeders take requests off one list
     failures: list[str] = []
 
     def feed(worker: subprocess.Popen) -> None:   # one thread per worker: one request at a time
         while not failures:
-            with _LOCK_PENDING:
+            with taking:
                 if not pending:
                     return
                 i, request = pending.pop()

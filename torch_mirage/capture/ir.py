@@ -10,7 +10,7 @@ converts back to FX losslessly (:mod:`torch_mirage.capture.lower`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -159,31 +159,30 @@ class Graph:
         for n in self.nodes:
             yield from n.outputs
 
-    def positions(self) -> dict[int, int]:
-        """``id(node)`` -> its index in :attr:`nodes`; made once per graph size (nodes are only appended), so that
-        the partitioner's questions about a small set of nodes do not walk the whole graph each time."""
-        cached = self.__dict__.get("_positions")
-        if cached is None or cached[0] != len(self.nodes):
-            cached = self.__dict__["_positions"] = (len(self.nodes), {id(n): i for i, n in enumerate(self.nodes)})
+    def _memo(self, name: str, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()`` kept under ``name`` until ``key`` changes (nodes and inputs are only appended, so their
+        counts say when a derived table is stale; the outputs are compared as they are)."""
+        cached = self.__dict__.get(name)
+        if cached is None or cached[0] != key:
+            cached = self.__dict__[name] = (key, make())
         return cached[1]
 
+    def positions(self) -> dict[int, int]:
+        """``id(node)`` -> its index in :attr:`nodes`, so that the partitioner's questions about a small set of
+        nodes do not walk the whole graph each time."""
+        return self._memo("_positions", len(self.nodes), lambda: {id(n): i for i, n in enumerate(self.nodes)})
+
     def value_positions(self) -> dict[int, int]:
-        """``id(value)`` -> its index in :meth:`values` (inputs first, then each node's outputs); made once per
-        graph size, as :meth:`positions`."""
-        cached = self.__dict__.get("_value_positions")
-        if cached is None or cached[0] != (len(self.inputs), len(self.nodes)):
-            cached = self.__dict__["_value_positions"] = ((len(self.inputs), len(self.nodes)),
-                                                          {id(v): i for i, v in enumerate(self.values())})
-        return cached[1]
+        """``id(value)`` -> its index in :meth:`values` (inputs first, then each node's outputs)."""
+        return self._memo("_value_positions", (len(self.inputs), len(self.nodes)),
+                          lambda: {id(v): i for i, v in enumerate(self.values())})
 
     @property
     def output_values(self) -> list[Value]:
         """The Values among the outputs (a fresh list; flattened once per outputs list: claimers ask for every cut)."""
-        cached = self.__dict__.get("_output_values")
-        if cached is None or cached[0] is not self.outputs or cached[1] != len(self.outputs):
-            leaves = [v for v in pytree.tree_leaves(self.outputs) if isinstance(v, Value)]
-            cached = self.__dict__["_output_values"] = (self.outputs, len(self.outputs), leaves)
-        return list(cached[2])
+        leaves = self._memo("_output_values", tuple(self.outputs),
+                            lambda: [v for v in pytree.tree_leaves(self.outputs) if isinstance(v, Value)])
+        return list(leaves)
 
     def validate(self) -> None:
         """Invariants: topological order, users consistent, every value defined once."""
