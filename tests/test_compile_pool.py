@@ -304,21 +304,27 @@ def test_workers_that_fail_leave_the_compiles_to_threads_with_one_warning(tmp_pa
 def test_launch_candidates_compile_in_worker_processes_and_load_from_the_cache_on_the_gpu(tmp_path, monkeypatch,
                                                                                           caplog):
     """A tuned μGraph kernel's candidates on the GPU: compiled in worker processes, and every compile the parent
-    then makes of them is a hit in Triton's cache (a fresh one); the result matches the kernel's own schedule."""
+    then makes of them is a hit in Triton's cache (a fresh one), their C launchers too (Triton 3.6 builds one per
+    signature; 3.7 none); the result matches the kernel's own schedule."""
     import triton
+    from triton.runtime import build as triton_build
 
     from torch_mirage.superopt import library
     from torch_mirage.superopt.compile import compile_ugraph
 
-    hits = []
+    hits, builds = [], []
+    real_build = triton_build._build
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton"))
+    triton.runtime.driver.active.utils      # the driver's own module, built (once per process) before the count
     monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
+    monkeypatch.setattr(triton_build, "_build", lambda *a, **kw: builds.append(a[0]) or real_build(*a, **kw))
     g = library.rmsnorm_linear(4, 1024, 512, dtype="float16")
     xs = [torch.randn(i.attrs["shape"], device="cuda", dtype=torch.float16) for i in g.inputs]
     with caplog.at_level(logging.INFO, logger="torch_mirage"), compile_workers(4, processes=True):
         compiled = compile_ugraph(g, xs, cache=None, cache_dir=str(tmp_path / "mirage"))
     assert "processes; 0 failed" in caplog.text
     assert len(hits) >= 2 and all(hits), hits
+    assert not builds, builds        # the parent ran no C compiler: the workers built the launchers
     plain = compile_ugraph(g, xs, cache=None, cache_dir=str(tmp_path / "mirage"), tune=False)
     torch.testing.assert_close(compiled(*xs)[0], plain(*xs)[0], rtol=2e-2, atol=2e-2)
 
@@ -336,3 +342,77 @@ def test_a_worker_that_does_not_answer_is_killed_and_the_round_fails(tmp_path, m
     with pytest.raises(compile_pool.CompileWorkersFailed, match="no answer in 0.5 s"):
         compile_pool.compile_in_workers([_launch(tmp_path)[2]], 1, timeout_s=0.5)
     assert time.perf_counter() - start < 10 and hung.wait(timeout=10) != 0    # killed, not left sleeping
+
+
+# ---------------------------------------------------------------- every op's candidates in one round
+def _multi_op_graphs():
+    """μGraphs of several graph-defined ops, with views between them: split-KV decode (partial states reshaped
+    for the combine), batched (two row blocks: K / V reshaped) and a transposed view of the partial out."""
+    from torch_mirage.superopt.attention_seeds import flash_decoding
+    yield flash_decoding(1, 2, 4, 32, 16, scale=0.25, mask=(1, 1), dtype="float32", splits=4, tile=4)
+    yield flash_decoding(2, 2, 20, 32, 16, scale=0.25, dtype="float32", splits=2, tile=8, q_blocks=2)
+
+
+@pytest.mark.parametrize("graph", list(_multi_op_graphs()), ids=["decode", "row-blocks"])
+def test_op_input_placeholders_are_what_each_op_is_given(monkeypatch, tmp_path, graph):
+    """The meta placeholders standing for each graph-defined op's inputs, made without running anything, have the
+    shapes, strides and dtypes of the tensors compile_ugraph passes that op (what its kernels specialise on)."""
+    from torch_mirage.superopt import compile as compile_module
+
+    given: list[list] = []
+    real_call = compile_module.BlockLauncher.__call__
+
+    def call(self, *inputs, **kw):
+        given.append([(tuple(x.shape), x.stride(), x.dtype) for x in inputs])
+        return real_call(self, *inputs, **kw)
+
+    monkeypatch.setattr(compile_module.BlockLauncher, "__call__", call)
+    xs = [torch.randn(i.attrs["shape"]) for i in graph.inputs]
+    compile_module.compile_ugraph(graph, xs, cache=None, cache_dir=str(tmp_path), tune=False)
+    placeholders = compile_module.op_input_placeholders(graph, xs)
+    assert len(given) == len(placeholders) >= 2
+    made = [[(tuple(x.shape), x.stride(), x.dtype) for x in inputs] for inputs in placeholders.values()]
+    assert made == given
+    # nothing is allocated or run: each tensor is a meta placeholder or the μGraph's own input (or a view of it)
+    storages = {x.untyped_storage().data_ptr() for x in xs}
+    tensors = [x for inputs in placeholders.values() for x in inputs]
+    assert all(x.is_meta or x.untyped_storage().data_ptr() in storages for x in tensors)
+    assert any(x.is_meta for x in tensors)
+
+
+def test_tuning_compiles_nothing_off_cuda():
+    from torch_mirage.superopt.compile import tuning_compiles
+
+    graph = next(_multi_op_graphs())
+    assert tuning_compiles(graph, [torch.randn(i.attrs["shape"]) for i in graph.inputs]) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_every_ops_candidates_compile_ahead_in_one_round_on_the_gpu(tmp_path, monkeypatch, processes):
+    """The launch candidates of both ops of split-KV decode attention compiled in one round (tuning_compiles):
+    the tuning after it compiles no kernel Triton's (fresh) cache does not already hold, and the tuned μGraph
+    matches its own schedule."""
+    import triton
+
+    from torch_mirage.compile_pool import run_all
+    from torch_mirage.superopt.attention_seeds import flash_decoding
+    from torch_mirage.superopt.compile import compile_ugraph, tuning_compiles
+
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton"))
+    kernels = lambda: sorted(p.name for p in (tmp_path / "triton").rglob("*.cubin"))
+    g = flash_decoding(2, 8, 4, 1024, 128, scale=0.088, dtype="float16", splits=8)
+    xs = [torch.randn(i.attrs["shape"], device="cuda", dtype=getattr(torch, i.attrs["dtype"])) for i in g.inputs]
+    jobs = tuning_compiles(g, xs, cache=None, cache_dir=str(tmp_path / "mirage"), label="decode")
+    assert len({name.split()[0] for name in jobs}) == 2, sorted(jobs)   # the split kernel's candidates, the combine's
+    with compile_workers(4, processes=processes):
+        done = run_all(list(jobs), lambda name: jobs[name](), 4)
+    assert done is not None and done.processes == processes and not done.errors, done
+    ahead = kernels()
+    assert len(ahead) >= len(jobs)
+    with compile_workers(4, processes=processes):
+        compiled = compile_ugraph(g, xs, cache=None, cache_dir=str(tmp_path / "mirage"), label="decode")
+    assert kernels() == ahead          # every kernel the tuning launched was compiled ahead
+    plain = compile_ugraph(g, xs, cache=None, cache_dir=str(tmp_path / "mirage"), tune=False, label="decode")
+    torch.testing.assert_close(compiled(*xs)[0], plain(*xs)[0], rtol=2e-2, atol=2e-2)

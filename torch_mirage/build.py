@@ -30,11 +30,11 @@ from .compile_pool import run_all, workers
 from .context import CompileContext, Target
 from .failures import describe_error, nodes_summary, note, stage
 from .partition.region import Decline, Outcome, Reason, Region, claims
-from .superopt.compile import compile_ugraph
+from .superopt.compile import compile_ugraph, tuning_compiles
 from .superopt.launch import candidates
 from .superopt.ugraph_plan import Alternative, UGraphPlan
 from .timing import cuda_graph_timing, rotated_input_sets
-from .tune import cached_choice, tune
+from .tune import budget_left, cached_choice, tune
 
 log = logging.getLogger("torch_mirage")
 
@@ -124,16 +124,35 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
     cache already holds that choice for these μGraphs and device, only its winner is compiled (a warm compile
     builds one alternative, not all); should it fail, every alternative is built as on a cold compile."""
     examples = plan.examples()
+    where = dict(cache=ctx.cache, cache_dir=ctx.config.cache_dir, target=ctx.target,
+                 propose=plan.propose or candidates)
 
     def compile_one(alternative: Alternative, warmups: dict | None = None) -> Any:
-        return compile_ugraph(alternative.graph, examples, cache=ctx.cache, cache_dir=ctx.config.cache_dir,
-                              target=ctx.target, propose=plan.propose or candidates, label=alternative.name,
-                              warmups=warmups)
+        return compile_ugraph(alternative.graph, examples, label=alternative.name, warmups=warmups, **where)
+
+    def compile_ahead(alternatives: Sequence[Alternative]) -> None:
+        """The launch candidates of every op of ``alternatives`` in one round of the compile pool: each op's tuning
+        then finds its kernels compiled, instead of waiting for a round of its own."""
+        if ctx.target is not Target.CUDA or not examples[0].is_cuda or not budget_left():
+            return                 # a spent tuning budget times nothing: each op takes its first candidate
+        jobs: dict[str, Callable[[], None]] = {}
+        for a in alternatives:
+            try:
+                jobs.update(tuning_compiles(a.graph, examples, label=a.name, **where))
+            except Exception as e:   # its compile_one meets the same error, and drops it or says why
+                log.debug("torch_mirage: no compiles ahead for μGraph %s (%s: %s)", a.name, type(e).__name__, e)
+        start = time.perf_counter()
+        compiled = run_all(list(jobs), lambda name: jobs[name](), workers())
+        if compiled is not None:   # a launch that failed here fails again in its tuning round, which drops it
+            log.info("torch_mirage: compiled the launch candidates of %d μGraph(s) ahead, %d kernels in %.2f s (%s; "
+                     "%d failed)", len(alternatives), len(jobs), time.perf_counter() - start, compiled.how,
+                     len(compiled.errors))
     hit = cached_choice(ctx.cache, _alternatives_key([a.graph for a in plan.alternatives], examples, ctx.cache),
                         [a.name for a in plan.alternatives]) if len(plan.alternatives) > 1 else None
     if hit is not None:
         chosen = next(a for a in plan.alternatives if a.name == hit.winner)
         try:
+            compile_ahead([chosen])
             return _built(plan, chosen, compile_one(chosen), hit.times)
         except Exception as e:
             log.info("torch_mirage: cached μGraph choice %s of %s does not compile (%s: %s); building all",
@@ -141,6 +160,7 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
     built: list[tuple[Alternative, Any]] = []
     errors: list[Exception] = []
     warmups: dict[str, Callable[[], None]] = {}   # the alternatives' last rebuilt kernels, compiled in one round
+    compile_ahead(plan.alternatives)
     for alternative in plan.alternatives:
         try:
             compiled = compile_one(alternative, warmups)

@@ -53,10 +53,16 @@ def budget(seconds: float | None):
         _BUDGET.reset(token)
 
 
-def _budget_spent(label: str) -> bool:
+def budget_left() -> bool:
+    """Whether choices made here may still time candidates: the enclosing :func:`budget` is not spent."""
     state = _BUDGET.get()
-    if state is None or time.perf_counter() < state.deadline:
+    return state is None or time.perf_counter() < state.deadline
+
+
+def _budget_spent(label: str) -> bool:
+    if budget_left():
         return False
+    state = _BUDGET.get()
     if not state.logged:
         state.logged = True
         log.info("torch_mirage: the tuning budget (MIRAGE_TUNE_BUDGET_S=%g) is spent; each %s and later choice of this "

@@ -32,7 +32,8 @@ from ..config import load
 from ..context import Target
 from ..ugraph import BlockGraph, KernelGraph, Ref
 from .arith import TorchArith
-from .launch import LaunchConfig, candidates, choose, combine_tiling, default_config, retile
+from .launch import (LaunchConfig, candidates, choose, combine_tiling, default_config, launch_key, proposed,
+                     retile)
 from .optimise import plan_block
 from .siblings import SiblingLauncher, faster_apart, regroup, sibling_groups
 from .updates import store_through
@@ -112,12 +113,15 @@ class BlockLauncher:
                 for given, specs in ((outs, self.out_specs), (workspaces, self.ws_specs))]
         return made[0], made[1]
 
-    def warmup(self, *inputs: torch.Tensor, targets: Sequence[tuple] = ()) -> None:
+    def warmup(self, *inputs: torch.Tensor, targets: Sequence[tuple] = (), device: torch.device | None = None
+               ) -> None:
         """Compile this launch's kernel(s) for ``inputs`` (and ``targets``, see :meth:`__call__`) without running
         them (:func:`.codegen.aot.compile_ahead`; any thread): the outputs and workspaces as meta tensors, aligned as
-        the fresh or arena buffers of a call."""
+        the fresh or arena buffers of a call. ``device``: where it will run (default: the first input's; given
+        where that is a meta tensor too)."""
         outs, ws = self.buffers("meta")
-        self._launch(inputs, outs, ws, functools.partial(compile_ahead, device=inputs[0].device), targets)
+        device = inputs[0].device if device is None else device
+        self._launch(inputs, outs, ws, functools.partial(compile_ahead, device=device), targets)
 
     def _launch(self, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor],
                 run: Callable[..., Any], targets: Sequence[tuple] = ()) -> None:
@@ -361,16 +365,8 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
     :func:`_store_through`) are added to it by name for the caller to run with others (the alternatives of one
     program, in one round of the compile pool) rather than run here."""
     target = Target.current() if target is None else target
-    label = re.sub(r"\W", "_", label) or "ugraph"
-    label = label if label[0].isalpha() else "ugraph_" + label
-    validate(kgraph)
-    ins = kgraph.inputs
-    if len(example_inputs) != len(ins):
-        raise ValueError(f"compile_ugraph: μGraph takes {len(ins)} inputs, got {len(example_inputs)}")
-    for op, x in zip(ins, example_inputs):
-        if tuple(x.shape) != tuple(op.attrs["shape"]) or DTYPES.get(op.attrs["dtype"]) != x.dtype:
-            raise ValueError(f"compile_ugraph: input {op.attrs['index']} is {tuple(x.shape)} {x.dtype}, the μGraph "
-                             f"was built for {tuple(op.attrs['shape'])} {op.attrs['dtype']}; rebuild it for these")
+    label = _kernel_label(label)
+    _check_inputs(kgraph, example_inputs)
     cache_dir = cache_dir or _cache_dir(cache)
     tune = example_inputs[0].is_cuda if tune is None else tune
     steps: list[_Step] = []
@@ -408,6 +404,85 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
     _store_through(kgraph, steps, env, cache_dir, target, label, warmups)
     plan, size = plan_memory(kgraph, steps)
     return CompiledUGraph(kgraph, steps, plan, size)
+
+
+def _kernel_label(label: str) -> str:
+    """What a μGraph's kernel names start with: ``label`` as a Python identifier."""
+    label = re.sub(r"\W", "_", label) or "ugraph"
+    return label if label[0].isalpha() else "ugraph_" + label
+
+
+def _check_inputs(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor]) -> None:
+    """``kgraph`` is valid and ``example_inputs`` are of its inputs' shapes and dtypes, else an error saying which."""
+    validate(kgraph)
+    ins = kgraph.inputs
+    if len(example_inputs) != len(ins):
+        raise ValueError(f"compile_ugraph: μGraph takes {len(ins)} inputs, got {len(example_inputs)}")
+    for op, x in zip(ins, example_inputs):
+        if tuple(x.shape) != tuple(op.attrs["shape"]) or DTYPES.get(op.attrs["dtype"]) != x.dtype:
+            raise ValueError(f"compile_ugraph: input {op.attrs['index']} is {tuple(x.shape)} {x.dtype}, the μGraph "
+                             f"was built for {tuple(op.attrs['shape'])} {op.attrs['dtype']}; rebuild it for these")
+
+
+def tuning_compiles(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], *, cache: Any = None,
+                    cache_dir: str | None = None, limit: int = 4, target: Target | None = None,
+                    propose: Callable[..., list] = candidates, label: str = "ugraph") -> dict[str, Callable[[], None]]:
+    """Jobs compiling, without running, every launch candidate that :func:`compile_ugraph` will time for
+    ``kgraph`` on ``example_inputs`` (ops whose choice ``cache`` holds left out), by name. A caller runs those of
+    all its ops — and of several μGraphs — in one round of the compile pool (:func:`~..compile_pool.run_all`),
+    where each op's tuning would otherwise wait for a round of its own (its inputs are the op before it's
+    outputs); the tuning rounds after it then find their kernels compiled. Empty off CUDA, and for a μGraph
+    :func:`compile_ugraph` would reject (it says why)."""
+    device = example_inputs[0].device if example_inputs else None
+    if device is None or device.type != "cuda":
+        return {}
+    try:
+        placeholders = op_input_placeholders(kgraph, example_inputs)
+    except ValueError:
+        return {}
+    from ..tune import cached_choice
+    label, cache_dir = _kernel_label(label), cache_dir or _cache_dir(cache)
+    jobs: dict[str, Callable[[], None]] = {}
+    for i, xs in placeholders.items():
+        body = kgraph.ops[i].body
+        configs = proposed(body, device, limit, propose)
+        if cached_choice(cache, launch_key(body, xs, device, limit, propose), list(configs)) is not None:
+            continue
+        name, ranks = f"{label}_op{i}", [x.dim() for x in xs]
+        for config_name, config in configs.items():
+            jobs[f"{name} {config_name}"] = functools.partial(_compile_launch, body, config, ranks, cache_dir, name,
+                                                              target, xs, device)
+    return jobs
+
+
+def op_input_placeholders(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor]) -> dict[int, list]:
+    """Each graph-defined op's inputs (by op index) as :func:`compile_ugraph` passes them, without running
+    anything: the μGraph's own inputs are ``example_inputs``, every other tensor a meta tensor of the shape, dtype
+    and strides its producer gives it (views of them are views) — what Triton specialises a kernel on, besides
+    alignment, which a fresh buffer has."""
+    _check_inputs(kgraph, example_inputs)
+    env: dict[Ref, torch.Tensor] = {}
+    out: dict[int, list] = {}
+    for i in order_by_depth(kgraph, range(len(kgraph.ops))):
+        op = kgraph.ops[i]
+        if op.name == "input":
+            env[Ref(i, 0)] = example_inputs[op.attrs["index"]]
+            continue
+        xs = [env[Ref(*r)] for r in op.inputs]
+        if op.name == "customized":
+            out[i] = xs
+        if op.name != "customized" and op.spec.layout is not None:
+            res = [op.spec.layout(*xs, **op.attrs)]
+        else:
+            res = [torch.empty(shape, dtype=DTYPES[dtype], device="meta") for shape, dtype in zip(op.shapes, op.dtypes)]
+        for j, t in enumerate(res):
+            env[Ref(i, j)] = t
+    return out
+
+
+def _compile_launch(bg: BlockGraph, config: LaunchConfig, ranks: list[int], cache_dir: str, name: str,
+                    target: Target | None, xs: list[torch.Tensor], device: torch.device) -> None:
+    BlockLauncher(bg, config, ranks, cache_dir, name, target).warmup(*xs, device=device)
 
 
 def _store_through(kgraph: KernelGraph, steps: list[_Step], env: dict, cache_dir: str, target: Target,

@@ -644,6 +644,25 @@ def retile_problem(outs: Sequence[torch.Tensor], want: Sequence[torch.Tensor], i
     return None
 
 
+def launch_key(bg: BlockGraph, inputs: Sequence[torch.Tensor], device: torch.device, limit: int,
+               propose: Callable[..., list[LaunchConfig]]) -> str:
+    """The cache key of :func:`choose`'s answer for ``bg`` on inputs of these strides on CUDA ``device``."""
+    return cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
+                     device=torch.cuda.get_device_name(device), timing="cuda graph, rotated inputs, ABBA",
+                     space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS,
+                            STREAM_PIPELINE, CONTIGUOUS_PIPELINES, FILL_PIPELINE, STREAM_STAGE_BYTES, STREAM_RUN_BYTES,
+                            RUN_TILES, PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES, COLUMN_SCHEDULES,
+                            "mask scan"]
+                     + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
+
+
+def proposed(bg: BlockGraph, device: torch.device, limit: int, propose: Callable[..., list[LaunchConfig]]
+             ) -> dict[str, LaunchConfig]:
+    """The launch configs :func:`choose` times for ``bg`` on CUDA ``device``, by name."""
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+    return {_config_name(c): c for c in propose(bg, n_sm, limit)}
+
+
 def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Sequence[torch.Tensor], *,
            cache: Any = None, limit: int = 4, propose: Callable[..., list[LaunchConfig]] = candidates) -> LaunchConfig:
     """The launch config to use for ``bg`` on ``inputs``; ``build(config)`` returns ``run(*inputs) -> outputs``
@@ -656,14 +675,9 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     base = default_config(bg)
     if not inputs or inputs[0].device.type != "cuda":
         return base
-    key = cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
-                    device=torch.cuda.get_device_name(inputs[0].device), timing="cuda graph, rotated inputs, ABBA",
-                    space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS, STREAM_PIPELINE,
-                           CONTIGUOUS_PIPELINES, FILL_PIPELINE, STREAM_STAGE_BYTES, STREAM_RUN_BYTES, RUN_TILES,
-                           PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES, COLUMN_SCHEDULES, "mask scan"]
-                    + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
+    key = launch_key(bg, inputs, inputs[0].device, limit, propose)
     props = torch.cuda.get_device_properties(inputs[0].device)
-    configs = {_config_name(c): c for c in propose(bg, props.multi_processor_count, limit)}
+    configs = proposed(bg, inputs[0].device, limit, propose)
     want: list = []
     sets: list = []
     launchers: dict[str, Callable] = {}   # the launchers the compile pool built, by candidate
