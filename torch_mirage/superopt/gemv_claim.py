@@ -26,9 +26,8 @@ region at the search's shrunk sizes, :func:`verified_instance`, the instance at 
 eager by the backend's check stage like every region) is claimed; the build stage compiles it
 (:func:`.compile.compile_ugraph`; on a GPU the launches of :func:`.launch.streaming_candidates` — one-wave stream,
 split-K, split-N — ranked by the roofline estimate and timed). Where the region rotates heads (RoPE), the
-seed's paired-halves form (:func:`verified_halves`) is a second alternative, verified the same way; the build stage
-compiles both and on a GPU keeps the faster. On a GPU the backend also times it against Inductor's version and
-keeps the faster.
+seed's paired-halves form (:func:`verified_halves`), verified the same way, is claimed instead where it verifies
+(:func:`verified_form`). On a GPU the backend also times it against Inductor's version and keeps the faster.
 """
 from __future__ import annotations
 
@@ -171,19 +170,16 @@ def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileCont
     """``nodes`` (whose reference is ``ref``) claimed with their weight-streaming seed, verified against ``ref``
     (the build stage compiles it, launches from :func:`.launch.streaming_candidates`); a decline where the region
     has no seed or the verifier rejects it."""
-    seed, verdict = verified_seed(ref.graph, ctx.config, cache=ctx.cache)
+    seed, verdict, name = verified_form(ref.graph, ctx.config, ctx.cache)
     if seed is None:
         return Decline(nodes, Reason.NO_KERNEL, verdict)
     metas = [v.meta for v in ref.inputs]
     mms = [n for n in nodes if n.kind is OpKind.MATMUL]
     _, a, _ = matmul_operands(mms[0])
     rows, k, n = matmul_rows(mms[0]), a.meta.shape[-1], mms[0].outputs[0].meta.shape[-1]
-    detail = f"weight-streaming μGraph: {len(mms)} matmul(s), {rows} rows x {k} -> {n}, {len(nodes)} ops"
-    alternatives = [Alternative("weight_streaming", seed, detail, {"ugraph": "weight_streaming"})]
-    if (halves := verified_halves(ref.graph, ctx.config, ctx.cache)) is not None:
-        alternatives.append(Alternative("weight_streaming_halves", halves, detail + ", RoPE heads in paired halves",
-                                        {"ugraph": "weight_streaming_halves"}))
-    plan = UGraphPlan(alternatives,
+    detail = f"weight-streaming μGraph: {len(mms)} matmul(s), {rows} rows x {k} -> {n}, {len(nodes)} ops" + \
+        (", RoPE heads in paired halves" if name == HALVES else "")
+    plan = UGraphPlan([Alternative(name, seed, detail, {"ugraph": name})],
                       functools.partial(random_inputs, metas), functools.partial(reference_kernel, nodes, graph, ref),
                       what=f"weight-streaming μGraph of {len(nodes)} ops on {', '.join(_describe(m) for m in metas)}",
                       propose=streaming_candidates)
@@ -219,13 +215,30 @@ def verified_seed(ref: KernelGraph, config, halves: bool = False, cache: Any = N
     return with_updates(seed, updates, program_with_updates), verdict.reason
 
 
+HALVES = "weight_streaming_halves"
+
+
+def verified_form(ref: KernelGraph, config, cache: Any = None) -> tuple[KernelGraph | None, str, str]:
+    """``(μGraph, the verifier's reason, its name)`` of ``ref``: where the region rotates heads (RoPE), the seed's
+    paired-halves form (:func:`verified_halves`) where it verifies; else the seed (:func:`verified_seed`). The
+    head-per-block form is not compiled beside the halves: of the 18 choices between them timed on the H100 on
+    11-27 (decode QKV + RoPE + cache write, ``benchmarks/results/raw``), the halves were faster in 16 (llama b1
+    22.1 vs 30.0 µs, b8 26.5-28.2 vs 28.4-29.1; gemma2 31.1-31.3 vs 45.8-46.2) and slower by 0.1-0.4 % in two
+    (gemma2, 40.40 / 40.75 vs 40.36 / 40.58), and building both cost about 12 s of a cold compile (the other
+    form's tuning and sibling rounds, and the timing)."""
+    halves = verified_halves(ref, config, cache)
+    if halves is not None:
+        return halves, "verified (paired-halves form)", HALVES
+    seed, verdict = verified_seed(ref, config, cache=cache)
+    return seed, verdict, "weight_streaming"
+
+
 def verified_halves(ref: KernelGraph, config, cache: Any = None) -> KernelGraph | None:
     """The paired-halves form of a rotated seed (:class:`.gemv_seed._HalvesBlock`: a block holds matching slices of
     both halves of a head, so its launches may stream the weight in contiguous tiles over more programs than heads),
     verified like the seed (:func:`verified_seed`); None where the region has no rotation or the form does not
-    apply or verify. The build stage compiles both forms and on a GPU keeps the faster (H100 11-26: the
-    head-per-block q projection + RoPE ran 18.4-24.5 µs over 64 launches where the same bytes without RoPE stream
-    in 14.5)."""
+    apply or verify (H100 11-26: the head-per-block q projection + RoPE ran 18.4-24.5 µs over 64 launches where the
+    same bytes without RoPE stream in 14.5)."""
     if not rotation_groups(ref):
         return None
     halves, why = verified_seed(ref, config, halves=True, cache=cache)
