@@ -1,9 +1,9 @@
-"""The partition stage of a Llama-3-8B-shaped 4-layer decode graph on the CPU (bf16-sized shapes in fp16, static
+"""The partition stage of a Llama-3-8B-shaped (or another bench LLM's, ``--model``) 4-layer decode graph on the CPU (bf16-sized shapes in fp16, static
 4k cache, decode at position 4000), cold disk cache: the stage's seconds and, with ``--profile``, a cProfile
 listing of it (``PROFILE_SORT=tottime`` sorts it by own time). The build stage is not run (it raises at once), so no kernel is compiled. Needs about 4 GB of memory.
 
     python benchmarks/decode_partition_cpu.py [--profile] [--python-dispatcher] [--cache-dir DIR] [--layers N]
-        [--hidden H]
+        [--hidden H] [--model qwen2-7b-4l]
 
 ``--python-dispatcher`` runs the stage under AOTAutograd's Python dispatcher, as before ``pipeline.eager_dispatch``
 turned it off (the before / after of that change).
@@ -31,7 +31,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--python-dispatcher", action="store_true")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (the partition's cost per layer)")
-    p.add_argument("--hidden", type=int, default=4096, help="hidden size (heads of 128; MLP 3.5x)")
+    p.add_argument("--hidden", type=int, help="hidden size (heads of 128; MLP 3.5x; default: the model's)")
+    p.add_argument("--model", default="llama3-8b-4l", choices=list(llm.MODELS), help="the bench's LLM whose shapes "
+                                                                                    "the graph has")
     p.add_argument("--cache-dir", help="the disk cache to use (default: a fresh one); a second run on the same "
                                        "directory measures the warm partition")
     args = p.parse_args()
@@ -57,10 +59,11 @@ def main() -> None:
         raise BuildSkipped("partition measured; build not run")
     pipeline.claim_regions, pipeline.build_regions = timed, stop
     from dataclasses import replace
-    base = llm.MODELS["llama3-8b-4l"]
-    spec = replace(base, config={**base.config, "num_hidden_layers": args.layers, "hidden_size": args.hidden,
-                                 "intermediate_size": args.hidden * 7 // 2, "num_attention_heads": args.hidden // 128,
-                                 "num_key_value_heads": max(1, args.hidden // 512)})
+    base = llm.MODELS[args.model]
+    sizes = {} if args.hidden is None else {
+        "hidden_size": args.hidden, "intermediate_size": args.hidden * 7 // 2, "num_attention_heads": args.hidden // 128,
+        "num_key_value_heads": max(1, args.hidden // 512)}
+    spec = replace(base, config={**base.config, "num_hidden_layers": args.layers, **sizes})
     model, config = llm.build_model(spec, torch.float16, torch.device("cpu"), quick=False)
     cache = llm.static_cache(config, 1, 4096, torch.device("cpu"), torch.float16)
 
@@ -79,7 +82,8 @@ def main() -> None:
             cause = cause.__cause__ or cause.__context__
         if cause is None or not seconds:
             raise
-    print(json.dumps({"partition_s": [round(s, 2) for s in seconds], "layers": args.layers, "hidden": args.hidden,
+    print(json.dumps({"partition_s": [round(s, 2) for s in seconds], "model": args.model, "layers": args.layers,
+                      "hidden": spec.config["hidden_size"],
                       "python_dispatcher": args.python_dispatcher,
                       "cpus": os.cpu_count(), "torch": torch.__version__}))
     if args.profile:
