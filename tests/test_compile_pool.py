@@ -346,8 +346,8 @@ def test_a_worker_that_does_not_answer_is_killed_and_the_round_fails(tmp_path, m
 
 # ---------------------------------------------------------------- every op's candidates in one round
 def _multi_op_graphs():
-    """μGraphs of several graph-defined ops, with views between them: split-KV decode (partial states reshaped
-    for the combine), batched (two row blocks: K / V reshaped) and a transposed view of the partial out."""
+    """μGraphs of several graph-defined ops, with views between them: split-KV decode (its partial states
+    reshaped for the combine) and split-KV over two row blocks (Q, K, V and the states reshaped)."""
     from torch_mirage.superopt.attention_seeds import flash_decoding
     yield flash_decoding(1, 2, 4, 32, 16, scale=0.25, mask=(1, 1), dtype="float32", splits=4, tile=4)
     yield flash_decoding(2, 2, 20, 32, 16, scale=0.25, dtype="float32", splits=2, tile=8, q_blocks=2)

@@ -30,6 +30,7 @@ from ..codegen.ugraph_triton import (BlockKernel, CodegenError, StoreThrough, em
                                      order_by_depth)
 from ..config import load
 from ..context import Target
+from ..tune import cached_choice
 from ..ugraph import BlockGraph, KernelGraph, Ref
 from .arith import TorchArith
 from .launch import (LaunchConfig, candidates, choose, combine_tiling, default_config, launch_key, proposed,
@@ -440,7 +441,6 @@ def tuning_compiles(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor],
         placeholders = op_input_placeholders(kgraph, example_inputs)
     except ValueError:
         return {}
-    from ..tune import cached_choice
     label, cache_dir = _kernel_label(label), cache_dir or _cache_dir(cache)
     jobs: dict[str, Callable[[], None]] = {}
     for i, xs in placeholders.items():
