@@ -292,3 +292,25 @@ def test_rotary_region_verifies_at_two_heads():
     (q_block,) = [op.body for op in seed.ops if op.name == "customized" and op.shapes[0][-1] == 64][:1]
     assert q_block.grid == (2,) and q_block.forloop_range > 1
     assert verify(seed, program, [torch.zeros(op.attrs["shape"]) for op in program.inputs])
+
+
+@interpreted
+def test_a_rotated_region_claims_the_paired_halves_form_alone():
+    """Where the region rotates heads and the paired-halves form verifies, that form is the region's μGraph
+    (verified_form; with both forms claimed, the CPU, which times nothing, built the first, the head-per-block
+    form); the same projections without RoPE get the seed. Both equal eager."""
+    torch._dynamo.reset()
+    rotated = qkv_rope(rotate_cat)
+
+    def plain(x, cos, sin, g, wq, wk, wv):         # the same projections, no rotation
+        h = rms_norm(x, g)
+        return F.linear(h, wq), F.linear(h, wk), F.linear(h, wv)
+
+    xs = _inputs(2, torch.float32)
+    for fn, form in ((rotated, "weight_streaming_halves"), (plain, "weight_streaming")):
+        compiled, report = _compile(fn)
+        for g, w in zip(compiled(*xs), fn(*[x.double() for x in xs])):
+            assert_close(g, w.float(), torch.float32)
+        (region,) = [r for r in report.regions if r.claimer == "ugraph-gemv"]
+        assert region.compiled_by == "mirage" and region.info["ugraph"] == form, str(report)
+        assert ("paired halves" in region.detail) == (form == "weight_streaming_halves"), region.detail
