@@ -1,5 +1,6 @@
 """The partition stage of a Llama-3-8B-shaped (or another bench LLM's, ``--model``) 4-layer decode graph on the CPU (bf16-sized shapes in fp16, static
-4k cache, decode at position 4000), cold disk cache: the stage's seconds and, with ``--profile``, a cProfile
+4k cache, decode at position 4000), cold disk cache: the stage's seconds, the claims (claimer and the μGraph forms
+each plan builds, with counts) and, with ``--profile``, a cProfile
 listing of it (``PROFILE_SORT=tottime`` sorts it by own time). The build stage is not run (it raises at once), so no kernel is compiled. Needs about 4 GB of memory.
 
     python benchmarks/decode_partition_cpu.py [--profile] [--python-dispatcher] [--cache-dir DIR] [--layers N]
@@ -37,7 +38,7 @@ def main() -> None:
     p.add_argument("--cache-dir", help="the disk cache to use (default: a fresh one); a second run on the same "
                                        "directory measures the warm partition")
     args = p.parse_args()
-    prof, seconds = cProfile.Profile(), []
+    prof, seconds, claims = cProfile.Profile(), [], {}
     claim = pipeline.claim_regions
 
     def timed(*a, **k):
@@ -47,10 +48,16 @@ def main() -> None:
         with enable_python_dispatcher() if args.python_dispatcher else contextlib.nullcontext():
             prof.enable()
             try:
-                return claim(*a, **k)
+                regions = claim(*a, **k)
             finally:
                 prof.disable()
                 seconds.append(time.perf_counter() - t)
+            for r in regions:      # what was claimed: claimer and, for μGraph plans, the forms built
+                if r.compiled_by == "mirage":
+                    forms = "/".join(a.name for a in getattr(r.plan, "alternatives", ()))
+                    key = f"{r.claimer} {forms}".strip()
+                    claims[key] = claims.get(key, 0) + 1
+            return regions
 
     class BuildSkipped(RuntimeError):
         pass
@@ -83,7 +90,7 @@ def main() -> None:
         if cause is None or not seconds:
             raise
     print(json.dumps({"partition_s": [round(s, 2) for s in seconds], "model": args.model, "layers": args.layers,
-                      "hidden": spec.config["hidden_size"],
+                      "hidden": spec.config["hidden_size"], "claims": claims,
                       "python_dispatcher": args.python_dispatcher,
                       "cpus": os.cpu_count(), "torch": torch.__version__}))
     if args.profile:

@@ -314,3 +314,24 @@ def test_a_rotated_region_claims_the_paired_halves_form_alone():
         (region,) = [r for r in report.regions if r.claimer == "ugraph-gemv"]
         assert region.compiled_by == "mirage" and region.info["ugraph"] == form, str(report)
         assert ("paired halves" in region.detail) == (form == "weight_streaming_halves"), region.detail
+
+
+@interpreted
+def test_every_layers_qkv_region_lowers_to_one_program():
+    """Two layers' QKV + RoPE regions whose hidden states come in different graph orders (the first layer's is a
+    graph input, before cos / sin; the second's is made after them) lower with their inputs in first-use order,
+    so both claim one μGraph — the seed is verified once, not once per order — and equal eager."""
+    torch._dynamo.reset()
+    layer = qkv_rope(rotate_cat)
+
+    def two_layers(x, cos, sin, g, wq, wk, wv):
+        x2 = x + 1.0                     # the second layer's hidden state, returned: not taken into its region
+        return (x2, *layer(x, cos, sin, g, wq, wk, wv), *layer(x2, cos, sin, g, wq, wk, wv))
+
+    xs = _inputs(1, torch.float32)
+    compiled, report = _compile(two_layers)
+    for got, want in zip(compiled(*xs), two_layers(*[x.double() for x in xs])):
+        assert_close(got, want.float(), torch.float32)
+    regions = [r for r in report.regions if r.claimer == "ugraph-gemv"]
+    assert len(regions) == 2 and all(r.compiled_by == "mirage" for r in regions), str(report)
+    assert regions[0].info["ugraph_hash"] == regions[1].info["ugraph_hash"], [r.info for r in regions]

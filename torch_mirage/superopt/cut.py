@@ -129,10 +129,11 @@ def reference_kernel(nodes: list, graph, ref, compiled):
     return kernel
 
 
-def lowered_reference(nodes: list, graph, ctx: CompileContext) -> Reference | Decline:
-    """The cut's reference program, or why a μGraph claimer passes over it: it does not lower, a dtype mirage does
-    not generate (bf16 under the interpreter, which computes it wrongly), or a device the target does not run."""
-    ref = reference_of(nodes, graph)
+def lowered_reference(nodes: list, graph, ctx: CompileContext, first_use: bool = False) -> Reference | Decline:
+    """The cut's reference program (``first_use``: its inputs in the order the cut's nodes first read them,
+    :func:`.search.reference.region_io`), or why a μGraph claimer passes over it: it does not lower, a dtype mirage
+    does not generate (bf16 under the interpreter, which computes it wrongly), or a device the target does not run."""
+    ref = reference_of(nodes, graph, first_use)
     if isinstance(ref, NotLowered):
         return Decline(nodes, Reason.NOT_LOWERED, str(ref))
     metas = [v.meta for i, v in enumerate(ref.inputs) if i not in positions_only(ref.graph)]

@@ -89,9 +89,9 @@ def _op_name(node) -> str:
     return name
 
 
-def region_io(nodes: Sequence, graph) -> tuple[list, list]:
-    """The region's input values (used, not produced inside; in graph order) and
-    output values (produced inside, used outside or returned)."""
+def region_io(nodes: Sequence, graph, first_use: bool = False) -> tuple[list, list]:
+    """The region's input values (used, not produced inside; in graph order, or with ``first_use`` in the order
+    the region's nodes first read them) and output values (produced inside, used outside or returned)."""
     inside = {id(n) for n in nodes}
     produced = {id(v) for n in nodes for v in n.outputs}
     order = graph.value_positions()
@@ -103,12 +103,13 @@ def region_io(nodes: Sequence, graph) -> tuple[list, list]:
     returned = {id(v) for v in graph.output_values}
     outs = [v for n in nodes for v in n.outputs
             if v.is_tensor and (id(v) in returned or any(id(u) not in inside for u in v.users))]
-    return sorted(ins.values(), key=lambda v: order.get(id(v), 0)), outs
+    return list(ins.values()) if first_use else sorted(ins.values(), key=lambda v: order.get(id(v), 0)), outs
 
 
-def reference_of(nodes: Sequence, graph) -> Reference | Decline:
-    """The plain μGraph and target expressions of the region ``nodes`` of ``graph``."""
-    ins, outs = region_io(nodes, graph)
+def reference_of(nodes: Sequence, graph, first_use: bool = False) -> Reference | Decline:
+    """The plain μGraph and target expressions of the region ``nodes`` of ``graph`` (its inputs in graph order, or
+    with ``first_use`` in the order its nodes first read them: :func:`region_io`)."""
+    ins, outs = region_io(nodes, graph, first_use)
     if not outs:
         return Decline(None, "the region has no outputs")
     floats = [v for v in ins if v.meta.dtype.is_floating_point]
