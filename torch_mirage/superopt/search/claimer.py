@@ -39,8 +39,8 @@ from ...analysis.cost import skinny_matmul
 from ...capture.ops import OpKind
 from ...context import CompileContext
 from ...partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
-from ..cut import (CHAIN, DTYPES, GROW, MAX_NODES, computes, cut_signature, grow, layout_tails_dropped, levels, lowered_reference,
-                   reference_kernel)
+from ..cut import (CHAIN, DTYPES, GROW, MAX_NODES, computes, cut_signature, grow, layout_tails_dropped, levels,
+                   lowered_reference, reference_kernel)
 from ..gemv_claim import seed_claim
 from ..ugraph_plan import Alternative, UGraphPlan, random_inputs
 from .seeds import Seed, arity, seed_kernel

@@ -34,6 +34,7 @@ from typing import Sequence
 
 import torch
 
+from ...analysis.cost import region_io as cost_region_io
 from ...ugraph import KernelGraph, MuGraphError
 from ..builder import KernelBuilder, Tensor, new_kernel_graph
 from .expr import Expr, graph_exprs
@@ -91,19 +92,13 @@ def _op_name(node) -> str:
 
 def region_io(nodes: Sequence, graph, first_use: bool = False) -> tuple[list, list]:
     """The region's input values (used, not produced inside; in graph order, or with ``first_use`` in the order
-    the region's nodes first read them) and output values (produced inside, used outside or returned)."""
-    inside = {id(n) for n in nodes}
-    produced = {id(v) for n in nodes for v in n.outputs}
-    order = graph.value_positions()
-    ins: dict[int, object] = {}
-    for n in nodes:
-        for v in n.inputs:
-            if id(v) not in produced and v.is_tensor:
-                ins.setdefault(id(v), v)
-    returned = {id(v) for v in graph.output_values}
-    outs = [v for n in nodes for v in n.outputs
-            if v.is_tensor and (id(v) in returned or any(id(u) not in inside for u in v.users))]
-    return list(ins.values()) if first_use else sorted(ins.values(), key=lambda v: order.get(id(v), 0)), outs
+    the region's nodes first read them) and output values (produced inside, used outside or returned):
+    :func:`~torch_mirage.analysis.cost.region_io`, its inputs put in graph order unless ``first_use``."""
+    ins, outs = cost_region_io(nodes, graph)
+    if not first_use:
+        order = graph.value_positions()
+        ins.sort(key=lambda v: order.get(id(v), 0))
+    return ins, outs
 
 
 def reference_of(nodes: Sequence, graph, first_use: bool = False) -> Reference | Decline:
