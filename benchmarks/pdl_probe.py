@@ -8,7 +8,13 @@ replayed in one CUDA graph with the weights rotated past L2. Three variants, eac
 - ``pdl``: launched with ``launch_pdl=True``; each kernel lets its dependents launch at once
   (``gdc_launch_dependents``) and waits for its predecessor (``gdc_wait``) before loading anything;
 - ``pdl+tile0``: as ``pdl``, but each kernel loads its first weight tile *before* the wait — the weights do not
-  depend on the previous kernel, only the activation does — so that load overlaps the predecessor's tail.
+  depend on the previous kernel, only the activation does — so that load overlaps the predecessor's tail;
+- ``pdl-late``: as ``pdl``, but each kernel lets its dependents launch only after its own wait (so at most the
+  next kernel runs ahead, not the whole chain);
+- ``pdl-late+prefetch``: as ``pdl-late``, and before its wait each program asks the L2 for its whole weight slice
+  (Hopper's ``cp.async.bulk.prefetch.L2``, one request per ``PREFETCH_BYTES``; the slice's rows are contiguous), so
+  the weight stream starts while the predecessor is still running and the main loop reads from L2;
+- ``prefetch``: the same prefetch without PDL (a control: prefetch alone, no overlap with the predecessor).
 
 Prints µs per kernel and the fraction of copy bandwidth for each (the floor is the weights' bytes at the copy
 bandwidth measured here) and checks every variant against torch. NOTES (2026-11-26, third session) says why
@@ -28,18 +34,35 @@ import triton
 import triton.language as tl
 
 
+PREFETCH_BYTES = 4096     # bytes one L2 prefetch request covers (a multiple of 16)
+
+
+@triton.jit
+def prefetch_l2(base_ptr, nbytes: tl.constexpr):
+    """Ask the L2 for ``nbytes`` contiguous bytes from ``base_ptr`` (a byte pointer), PREFETCH_BYTES per request."""
+    chunks = tl.arange(0, nbytes // 4096) * 4096
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096;\n mov.u32 $0, 0;", "=r,l",
+                              [base_ptr + chunks], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def gemv_kernel(w_ptr, x_ptr, y_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                USE_PDL: tl.constexpr, TILE0_EARLY: tl.constexpr, NUM_STAGES: tl.constexpr):
+                USE_PDL: tl.constexpr, TILE0_EARLY: tl.constexpr, NUM_STAGES: tl.constexpr,
+                LATE_TRIGGER: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows[:, None] * K
+    if PREFETCH:                          # this program's rows are one contiguous slice of the weight
+        prefetch_l2(w_ptr.to(tl.pointer_type(tl.int8)) + pid * BLOCK_N * K * 2, BLOCK_N * K * 2)
     if TILE0_EARLY:                       # the weight does not depend on the previous kernel: load before the wait
         w0 = tl.load(w_rows + cols[None, :])
     if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        if not LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()          # the activation is the previous kernel's output
+        if LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     x0 = tl.load(x_ptr + cols)
     if not TILE0_EARLY:
         w0 = tl.load(w_rows + cols[None, :])
@@ -52,13 +75,15 @@ def gemv_kernel(w_ptr, x_ptr, y_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLO
 
 
 def chain(weights, x, outs, variant: str, block_n: int = 16, block_k: int = 512, warps: int = 2, stages: int = 3):
-    pdl, early = variant != "plain", variant == "pdl+tile0"
+    pdl, early = variant.startswith("pdl"), variant == "pdl+tile0"
+    late, prefetch = variant.startswith("pdl-late"), variant.endswith("prefetch")
     extra = {"launch_pdl": True} if pdl else {}
     src = x
     for w, y in zip(weights, outs):
         n, k = w.shape
         gemv_kernel[(n // block_n,)](w, src, y, K=k, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl,
-                                     TILE0_EARLY=early, NUM_STAGES=stages, num_warps=warps, **extra)
+                                     TILE0_EARLY=early, NUM_STAGES=stages, LATE_TRIGGER=late,
+                                     PREFETCH=prefetch, num_warps=warps, **extra)
         src = y
     return outs[-1]
 
@@ -105,7 +130,7 @@ def main() -> None:
     outs = [torch.empty(args.n, device=dev, dtype=bf) for _ in range(args.kernels)]
     floor_us = nbytes / copy_bps * 1e6
     rows = {}
-    for variant in ("plain", "pdl", "pdl+tile0"):
+    for variant in ("plain", "pdl", "pdl+tile0", "pdl-late", "pdl-late+prefetch", "prefetch"):
         try:
             got = chain(*sets[0], outs, variant).float()
             want = reference(*sets[0])

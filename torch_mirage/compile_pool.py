@@ -117,7 +117,8 @@ def run_all(names: Sequence[str], job: Callable[[str], Any], threads: int) -> Po
             log.warning("torch_mirage: the compile worker processes failed (%s); compiling in threads from now on "
                         "(MIRAGE_COMPILE_PROCESSES=0 says so from the start)", e)
     with ThreadPoolExecutor(threads, thread_name_prefix="torch_mirage_compile") as pool:
-        futures = [(name, pool.submit(job, name)) for name in names]
+        # each job in a copy of this context: the compile's settings (contextvars: dependent launches, ...) hold there
+        futures = [(name, pool.submit(contextvars.copy_context().run, job, name)) for name in names]
     run = PoolRun(threads)
     for name, future in futures:
         error = future.exception()

@@ -30,6 +30,7 @@ from .capture.rewrite import outer_products
 from .analysis.cost import CostModel, matmul_rows, skinny_matmul
 from .analysis.graph import analyse
 from .build import build_regions
+from .codegen.dependent_launch import dependent_launches
 from .compile_pool import compile_workers
 from .capture.ops import OpKind
 from .config import Config
@@ -211,7 +212,7 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
         regions = claim_regions(graph, claimers, ctx)
     try:
         with ctx.stage("build"), eager_dispatch(), tune_budget(config.tune_budget_s), \
-                compile_workers(config.compile_workers, config.compile_processes):
+                compile_workers(config.compile_workers, config.compile_processes), dependent_launches(config.pdl):
             build_regions(regions, graph, ctx)
         if config.check_regions:
             with ctx.stage("check"), eager_dispatch():

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Sequence
 
 from ..context import Target
+from .dependent_launch import WAIT_LINES
 from ..ugraph import MASK_FLOOR, BlockGraph, Graph, MuGraphError, Op, Ref, band_geometry, band_mask_dims
 
 TL = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32"}
@@ -154,6 +155,7 @@ class BlockKernel:
     counters: int = 0                                  # arrival counters (int32, zeroed once) of an in-kernel combine
     params: list = field(default_factory=list)         # the kernel's parameter names, in order
     flat_pid: bool = False                             # its program comes as ``lin`` (a sibling launch's part)
+    pdl: bool = False                                  # waits for its predecessor first (codegen.dependent_launch)
 
 
 @dataclass(frozen=True)
@@ -995,7 +997,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
                       combine: BlockGraph | None = None, prologue: bool = False, order=None,
                       transposed=None, target: Target = Target.INTERPRETER, sums_after: bool = False,
                       combine_in_kernel: bool = False, flat_pid: bool = False,
-                      through: Sequence[StoreThrough] = (), mask_scan: bool = False) -> BlockKernel:
+                      through: Sequence[StoreThrough] = (), mask_scan: bool = False, pdl: bool = False) -> BlockKernel:
     """Triton source for one graph-defined op, for ``target`` (the interpreter's forms run anywhere). ``in_ranks``: rank of each kernel input (its strides are
     arguments). ``combine``: the re-tiling of ``bg`` whose grid the combine kernel runs on (split > 1;
     default ``bg``'s own grid). ``prologue``: the :func:`prologue_accumulators` walk the for-loop range in a
@@ -1011,7 +1013,8 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     whose tiles are stored into a destination at positions as well (:class:`StoreThrough`), by whichever kernel
     stores the outputs. ``mask_scan``: where :func:`scanned_mask` finds the loop's mask, each program first reads
     its mask tiles and walks only from the first to the last key tile that one of its rows sees
-    (:func:`_scanned_bounds`)."""
+    (:func:`_scanned_bounds`). ``pdl``: the kernel (and its combine kernel) first waits for its predecessor and then
+    lets its dependents launch (:mod:`.dependent_launch`); a sibling launch's part leaves that to the launch."""
     if bg.forloop_range % split:
         raise CodegenError(f"μGraph codegen: split {split} does not divide forloop_range {bg.forloop_range}")
     if flat_pid and split > 1 and not combine_in_kernel:
@@ -1030,6 +1033,10 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     n_inputs = len(in_ranks)
     e = _Emitter(bg, n_inputs, split, order, transposed, target, through)
     _pids(e, bg.grid, split, heaviest_first(bg, split, mask_scan), flat_pid)
+    pdl = pdl and not flat_pid
+    if pdl:
+        for line in WAIT_LINES:
+            e.line(line)
     e.pid_lines = len(e.lines)
     env: dict[Ref, Val] = {}
     per = bg.forloop_range // split
@@ -1104,27 +1111,28 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
             e.lines += fold.lines
             e.aranges |= fold.aranges
             return BlockKernel(_finish(e, head), name, None, tuple(bg.grid), split, ws, outputs, loop,
-                               counters=math.prod(bg.grid), params=params, flat_pid=flat_pid)
+                               counters=math.prod(bg.grid), params=params, flat_pid=flat_pid, pdl=pdl)
         source = _finish(e, head)
         fine = combine or bg
         src = _emit_combine(bg, fine, name + "_combine", accs, epi, out_ranks, ws, split, order, transposed, target,
-                            through)
+                            through, pdl)
         return BlockKernel(source + "\n\n" + src, name, name + "_combine", tuple(bg.grid), split, ws, outputs, loop,
-                           tuple(fine.grid), params=params)
+                           tuple(fine.grid), params=params, pdl=pdl)
     for i in accs:
         for j, v in enumerate(_acc_final(e, bg, bg.ops[i], states[i])):
             e.put(env, Ref(i, j), v)
     _epilogue(e, bg, epi, env)
     return BlockKernel(_finish(e, head), name, None, tuple(bg.grid), 1, [], outputs, loop, params=params,
-                       flat_pid=flat_pid)
+                       flat_pid=flat_pid, pdl=pdl)
 
 
-def emit_sibling_kernel(name: str, parts: Sequence[BlockKernel]) -> str:
+def emit_sibling_kernel(name: str, parts: Sequence[BlockKernel], pdl: bool = False) -> str:
     """One kernel that runs independent block kernels ``parts`` (each emitted with ``flat_pid``) side by side: its
     programs are the parts' programs one after another (the first part's, then the second's, …), each running its
     part's body as a function call with its own program index. One launch for several graph-defined ops that do not
     read each other's outputs: a decode layer's q and k / v projections stream their weights as one kernel, and
-    the fixed cost of a launch is paid once. Parameters: each part's, prefixed ``p{j}_``."""
+    the fixed cost of a launch is paid once. Parameters: each part's, prefixed ``p{j}_``. ``pdl``: the launch first
+    waits for its predecessor and lets its dependents launch (:mod:`.dependent_launch`)."""
     if any(not k.flat_pid or k.combine for k in parts):
         raise CodegenError("μGraph codegen: a sibling launch's parts are single kernels emitted with flat_pid")
     params, calls, start = [], [], 0
@@ -1133,7 +1141,7 @@ def emit_sibling_kernel(name: str, parts: Sequence[BlockKernel]) -> str:
         params += [f"p{j}_{p}" for p in k.params if p != "lin"]
         calls.append((start, f"{k.name}({_offset_args(own, j, start)})"))
         start += math.prod(k.grid) * k.split
-    lines = _header(name, params) + ["    lin = tl.program_id(0)"]
+    lines = _header(name, params) + ["    lin = tl.program_id(0)"] + [f"    {line}" for line in (WAIT_LINES if pdl else ())]
     for n, (_, call) in enumerate(calls):
         depth = "    " * (n + 1)
         if n < len(calls) - 1:
@@ -1347,7 +1355,8 @@ def _saved(bg: BlockGraph, s: Op) -> tuple:
 
 
 def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ranks, ws, split: int, order=None,
-                  transposed=None, target: Target = Target.INTERPRETER, through: Sequence[StoreThrough] = ()) -> str:
+                  transposed=None, target: Target = Target.INTERPRETER, through: Sequence[StoreThrough] = (),
+                  pdl: bool = False) -> str:
     """The kernel after a split op: fold the ``split`` partial states, finals, epilogue, savers. It runs on
     ``fine``'s grid (``bg``'s, or one dim of it multiplied: see ``launch.combine_tiling``); a program there
     reads its chunk of the states its program of ``bg`` wrote."""
@@ -1357,6 +1366,8 @@ def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ra
     for g, r in enumerate(ratio):
         if r > 1:
             e.line(f"chunk = pid_{g} % {r}")
+    for line in WAIT_LINES if pdl else ():
+        e.line(line)
     e.pid_lines = len(e.lines)
     _fold_split(e, bg, fine, accs, epi, ws, split)
     params = [p for j, r in enumerate(out_ranks) for p in [f"out{j}_ptr"] + [f"out{j}_s{d}" for d in range(r)]]

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ..codegen import dependent_launch
 from ..codegen.aot import compile_ahead, run_kernel
 from ..compile_pool import run_all, workers
 from ..codegen.loader import load_source
@@ -65,15 +66,16 @@ class BlockLauncher:
             raise CodegenError(f"launch config {config} does not re-tile the block graph (grid {bg.grid}, "
                                f"forloop_range {bg.forloop_range})")
         self.config = config
+        target = Target.current() if target is None else target
+        self.pdl = dependent_launch.enabled(target)     # a sibling launch of flat-pid parts waits in its own body
         self.plan = plan_block(tiled, SMEM_BYTES)
         self.kernel: BlockKernel = emit_block_kernel(tiled, list(in_ranks), name, config.split,
                                                      combine_tiling(tiled, config.split), config.prologue,
-                                                     self.plan.order, self.plan.transposed,
-                                                     Target.current() if target is None else target,
+                                                     self.plan.order, self.plan.transposed, target,
                                                      sums_after=config.sums_after,
                                                      combine_in_kernel=config.combine_in_kernel,
                                                      flat_pid=flat_pid, through=through,
-                                                     mask_scan=config.mask_scan)
+                                                     mask_scan=config.mask_scan, pdl=self.pdl)
         self.through = tuple(through)
         self.source = module_source([self.kernel])
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
@@ -127,12 +129,13 @@ class BlockLauncher:
     def _launch(self, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor],
                 run: Callable[..., Any], targets: Sequence[tuple] = ()) -> None:
         """``run(fn, *args, grid=, **meta)`` for the kernel (and the combine kernel after a split)."""
-        opts = {"num_warps": self.config.num_warps, "num_stages": self.config.num_stages}
+        pdl = {"launch_pdl": True} if self.kernel.pdl else {}
+        opts = {"num_warps": self.config.num_warps, "num_stages": self.config.num_stages, **pdl}
         args, extra = self.arguments(inputs, outs, ws, targets)
         run(self.fn, *args, grid=self.launch_grid, **extra, **opts)
         if self.combine_fn is not None:
             run(self.combine_fn, *_tensor_args(outs), *self._target_args(targets), *ws, grid=self.combine_grid,
-                num_warps=self.config.num_warps)
+                num_warps=self.config.num_warps, **pdl)
 
     def _target_args(self, targets: Sequence[tuple]) -> list[Any]:
         if len(targets) != len(self.through):

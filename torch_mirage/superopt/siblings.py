@@ -79,7 +79,8 @@ class SiblingLauncher:
     def __init__(self, parts: Sequence[Any], num_warps: int, cache_dir: str, name: str):
         self.parts, self.num_warps, self.name = list(parts), num_warps, name
         kernels = [p.kernel for p in self.parts]
-        self.source = module_source(kernels) + "\n\n" + emit_sibling_kernel(name, kernels)
+        self.pdl = all(p.pdl for p in self.parts)        # the parts' launchers were made for a PDL target
+        self.source = module_source(kernels) + "\n\n" + emit_sibling_kernel(name, kernels, self.pdl)
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
         self.fn = getattr(module, name)
         self.grid = (sum(p.programs for p in self.parts), 1, 1)
@@ -107,7 +108,8 @@ class SiblingLauncher:
         for p, xs, o, w, tg in zip(self.parts, inputs, outs, ws, targets or [()] * len(self.parts)):
             own, extra = p.arguments(xs, o, w, tg)
             args += own + list(extra.values())       # a part's NUM_STAGES closes its parameters
-        run(self.fn, *args, grid=self.grid, num_warps=self.num_warps, num_stages=self.num_stages)
+        run(self.fn, *args, grid=self.grid, num_warps=self.num_warps, num_stages=self.num_stages,
+            **({"launch_pdl": True} if self.pdl else {}))
 
 
 def faster_apart(parts: Sequence[Any], build: Callable[[int], SiblingLauncher],
