@@ -48,6 +48,8 @@ def test_on_only_for_cuda_kernels_and_as_the_compile_says(monkeypatch):
     monkeypatch.setattr(dependent_launch, "_supported", lambda: True)
     assert not dependent_launch.enabled(Target.INTERPRETER)
     monkeypatch.delenv("MIRAGE_PDL", raising=False)
+    assert not dependent_launch.enabled(Target.CUDA)     # off by default (slower on a decode step: the module says)
+    monkeypatch.setenv("MIRAGE_PDL", "1")
     assert dependent_launch.enabled(Target.CUDA)
     with dependent_launches(False):
         assert not dependent_launch.enabled(Target.CUDA)

@@ -7,14 +7,16 @@ then wait in ``griddepcontrol.wait`` until the predecessor has finished and its 
 here waits first and lets its dependents launch right after (:data:`WAIT_LINES`), so at most the next kernel is
 resident ahead of time and nothing is read before its producer is done.
 
-Measured on the H100 (``benchmarks/pdl_probe.py``, a chain of eight 4096 x 4096 bf16 GEMVs in one CUDA graph,
-2026-11-27, NOTES "Session 2026-11-27 (ninth)"): 118.9 µs plain, 114.6 with this wait-then-trigger order, 126.0
-when each kernel let its dependents launch before its wait (the whole chain then sat resident at once), 178.8
-with the weights asked into L2 before the wait.
+Measured on the H100 (2026-11-27, NOTES "Session 2026-11-27 (ninth)"): ``benchmarks/pdl_probe.py``, a chain of
+eight 4096 x 4096 bf16 GEMVs in one CUDA graph, took 118.9 µs plain and 114.6 with this wait-then-trigger order
+(126.0 when each kernel let its dependents launch before its wait, so that the whole chain sat resident at once;
+178.8 with the weights asked into L2 before the wait). But the llama3-8b-4l decode step (b1, the same launches)
+took 0.913 ms with it against 0.825 without (one run each, one machine): it is off by default until the cause is
+known.
 
 A predecessor that is not such a kernel (Inductor's, a copy) never triggers early: the launch then waits for its
-end as any launch does. ``gdc_wait`` is a no-op where a kernel was launched without PDL. Off: ``MIRAGE_PDL=0``, or
-``options={"pdl": False}``; never on Triton's interpreter or a GPU before sm_90.
+end as any launch does. ``gdc_wait`` is a no-op where a kernel was launched without PDL. On: ``MIRAGE_PDL=1``, or
+``options={"pdl": True}``; never on Triton's interpreter or a GPU before sm_90.
 """
 from __future__ import annotations
 
