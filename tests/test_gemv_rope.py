@@ -15,6 +15,7 @@ from helpers import assert_close
 from torch_mirage.bench import workloads
 from torch_mirage.superopt.gemv_claim import verified_instance
 from torch_mirage.superopt.gemv_seed import NotStreamable, gemv_seed
+from torch_mirage.superopt.search.shrink import SMALL_HEAD, SMALL_TILE
 from torch_mirage.superopt.verify import verify
 from torch_mirage.superopt.search.reference import reference_of
 from torch_mirage.capture.lower import trace
@@ -292,6 +293,28 @@ def test_rotary_region_verifies_at_two_heads():
     (q_block,) = [op.body for op in seed.ops if op.name == "customized" and op.shapes[0][-1] == 64][:1]
     assert q_block.grid == (2,) and q_block.forloop_range > 1
     assert verify(seed, program, [torch.zeros(op.attrs["shape"]) for op in program.inputs])
+
+
+def test_large_heads_verify_at_two_small_heads():
+    """Heads longer than SMALL_HEAD (gemma2's 256) verify at two heads of SMALL_HEAD: the executor's steps grow with
+    the head (7.8 s a verification at 256 on the 2-core CPU). Both forms verify there, the halves' blocks hold two
+    slices of each half as at the real size, and a wrong rotation (the halves' signs swapped) fails there."""
+    hd = 4 * SMALL_HEAD
+    fn = qkv_rope(rotate_cat, hd=hd)
+    graph = trace(fn, _inputs(1, torch.float32, d=2 * hd, hd=hd, heads=2, kv_heads=1))
+    ref = reference_of(graph.nodes, graph).graph
+    for halves in (False, True):
+        seed = gemv_seed(ref, halves=halves)
+        program, small = verified_instance(ref, seed, halves=halves)
+        assert max(max(s) for op in program.ops for s in op.shapes) == 2 * SMALL_HEAD
+        assert verify(small, program, [torch.zeros(op.attrs["shape"]) for op in program.inputs])
+    q_block = next(op.body for op in small.ops if op.name == "customized")
+    assert q_block.grid[1] == SMALL_HEAD // 2 // SMALL_TILE == 2
+    wrong = trace(qkv_rope(lambda t: -rotate_cat(t), hd=hd), _inputs(1, torch.float32, d=2 * hd, hd=hd, heads=2,
+                                                                    kv_heads=1))
+    wrong_ref = reference_of(wrong.nodes, wrong).graph
+    program, _ = verified_instance(wrong_ref, gemv_seed(wrong_ref))
+    assert not verify(small, program, [torch.zeros(op.attrs["shape"]) for op in program.inputs])
 
 
 @interpreted

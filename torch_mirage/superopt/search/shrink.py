@@ -101,14 +101,19 @@ def shrunk_problems(target: KernelGraph, inputs: Sequence, out_shapes: Sequence)
     return out
 
 
-def head_size_map(sizes: Sequence[int], head: int) -> dict[int, int] | None:
+SMALL_HEAD = 4 * SMALL_TILE   # a shrunk head: each half two tiles, so a block's slices of a half split as at real size
+
+
+def head_size_map(sizes: Sequence[int], head: int, small_head: int | None = None) -> dict[int, int] | None:
     """Real size -> small size for a problem in heads of ``head`` (RoPE's rotation pairs the halves of each): the
-    head, its half and sizes up to 2 kept, a multiple of the head two heads at most, any other size 2 at most
-    (heads counted, rows), so that a size of whole heads maps to the small heads times the head; None when
-    nothing shrinks."""
+    head and its half become ``small_head`` and its half (default: kept), a multiple of the head two small heads at
+    most, sizes up to 2 are kept and any other size becomes 2 at most (heads counted, rows), so that a size of whole
+    heads maps to the small heads times the small head; None when nothing shrinks."""
     sizes = sorted(set(sizes))
-    keep = {1, 2, head // 2, head}
-    out = {d: d if d in keep else head * min(d // head, 2) if d % head == 0 else min(d, 2) for d in sizes}
+    small_head = head if small_head is None else small_head
+    keep = {1: 1, 2: 2, head // 2: small_head // 2, head: small_head}
+    out = {d: keep[d] if d in keep else small_head * min(d // head, 2) if d % head == 0 else min(d, 2)
+           for d in sizes}
     return None if all(out[d] == d for d in sizes) or not sizes or sizes[-1] < SHRINK_ABOVE else out
 
 
