@@ -276,7 +276,7 @@ class AttentionClaimer:
             spec.extra_outputs and "row_block" in _plan(plan_candidates(spec, graph, (1, 1), ctx.analysis_of(graph))))
         bool_mask = bool_in_kernel(spec, use_band)
         with unset_fake_temporarily():
-            _, mask_shape, fixed = _examples(spec, graph, by_index, bool_mask)
+            _, mask_shape, fixed = _example_mask(spec, graph, spec.q.meta.device, by_index, bool_mask)
         kwargs = _seed_kwargs(spec, dtype, mask_shape, use_band)
         if spec.extra_outputs:
             seeds, info = self._column_plan(spec, graph, kwargs, ctx.analysis_of(graph))
@@ -397,23 +397,29 @@ def _examples(spec: AttentionSpec, graph: Graph, by_index: bool = False, bool_ma
     :func:`~.launch.scanning`)."""
     q, k, v = (random_like(x.meta) for x in (spec.q, spec.k, spec.v))
     ex = [q.reshape(spec.b, spec.hk, spec.group * spec.sq, spec.d), k.contiguous(), v.contiguous()]
-    mask_shape = causal = None
+    mask, mask_shape, causal = _example_mask(spec, graph, q.device, by_index, bool_mask, observed)
+    return ex + ([mask] if mask is not None else []), mask_shape, causal
+
+
+def _example_mask(spec: AttentionSpec, graph: Graph, device: torch.device, by_index: bool = False,
+                  bool_mask: bool = False, observed: dict | None = None
+                  ) -> tuple[torch.Tensor | None, tuple | None, torch.Tensor | None]:
+    """The mask part of :func:`_examples` (no Q, K, V drawn: the claim needs only the mask's dims and the fixed
+    mask): the packed example mask or None (unmasked), its batch/head dims, the region's fixed mask."""
     if by_index:
-        standin = torch.zeros((), dtype=mask_dtype(spec), device=q.device).expand(1, 1, spec.group * spec.sq, spec.skv)
-        return ex + [standin], (1, 1), standin
-    if spec.mask != "none":
-        example_mask = None
-        if spec.mask_value is not None:
-            named = {graph.inputs[i].name: t for i, t in (observed or {}).items() if i < len(graph.inputs)}
-            example_mask = constant_value(graph, spec.mask_value, named)
-            if example_mask is None:
-                example_mask = random_like(spec.mask_value.meta)
-        packed = packed_mask(spec, example_mask, q.device, bool_mask).to(mask_dtype(spec, bool_mask))
-        mask_shape = tuple(packed.shape[:2])
-        ex.append(packed)
-        if spec.mask == "causal":
-            causal = packed.clamp_min(MASK_FLOOR).contiguous()
-    return ex, mask_shape, causal
+        standin = torch.zeros((), dtype=mask_dtype(spec), device=device).expand(1, 1, spec.group * spec.sq, spec.skv)
+        return standin, (1, 1), standin
+    if spec.mask == "none":
+        return None, None, None
+    example_mask = None
+    if spec.mask_value is not None:
+        named = {graph.inputs[i].name: t for i, t in (observed or {}).items() if i < len(graph.inputs)}
+        example_mask = constant_value(graph, spec.mask_value, named)
+        if example_mask is None:
+            example_mask = random_like(spec.mask_value.meta)
+    packed = packed_mask(spec, example_mask, device, bool_mask).to(mask_dtype(spec, bool_mask))
+    causal = packed.clamp_min(MASK_FLOOR).contiguous() if spec.mask == "causal" else None
+    return packed, tuple(packed.shape[:2]), causal
 
 
 def _seeds(spec: AttentionSpec) -> dict[str, tuple[str, dict]]:
