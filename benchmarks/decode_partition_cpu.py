@@ -94,7 +94,10 @@ def main() -> None:
                       "python_dispatcher": args.python_dispatcher,
                       "cpus": os.cpu_count(), "torch": torch.__version__}))
     if args.profile:
-        pstats.Stats(prof).sort_stats(os.environ.get("PROFILE_SORT", "cumulative")).print_stats(30)
+        stats = pstats.Stats(prof).sort_stats(os.environ.get("PROFILE_SORT", "cumulative"))
+        stats.print_stats(30)
+        if os.environ.get("PROFILE_CALLEES"):      # e.g. _seeded: where one function's time goes
+            stats.print_callees(os.environ["PROFILE_CALLEES"])
 
 
 if __name__ == "__main__":
