@@ -1,0 +1,98 @@
+"""Probe: why mirage's build stage is 4-5x slower in a process where Inductor compiled first (NOTES, 2026-11-27
+ninth session: qwen2 decode b1, 119-136 s against 27 s alone; not the profiler).
+
+Runs one bench workload (default ``llama_layer_decode`` b1 bf16) cold twice, each in a fresh child process with
+its own mirage, Triton and Inductor caches: ``alone`` (mirage only) and ``after-inductor`` (Inductor's default mode
+compiles and runs the same function first). Each child prints mirage's first-call seconds and stage times, its
+process's CPU affinity and thread count, the environment variables Inductor set, Triton's cache directory, and
+(``--profile``) the 25
+functions of mirage's compile with the most own time (cProfile of the parent; worker processes are not in it).
+
+    python benchmarks/compile_after_inductor.py [--workload llama_layer_decode] [--batch 1] [--profile]
+    MIRAGE_COMPILE_PROCESSES=0 python benchmarks/compile_after_inductor.py    # the same with compile threads
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def child(args) -> None:
+    import cProfile
+    import io
+    import pstats
+    import threading
+
+    import torch
+
+    from torch_mirage.bench import workloads
+    from torch_mirage.bench.harness import COMPILERS, mirage_summary
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    (w,) = workloads.get([args.workload])
+    inputs = w.make_inputs(args.batch, dtype, device, seed=0, quick=args.quick)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    env_before = dict(os.environ)
+    out: dict = {"run": args.child}
+    if args.child == "after-inductor":
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            COMPILERS["inductor"](w.fn, {})(*[x.clone() for x in inputs])
+        sync()
+        out["inductor_s"] = round(time.perf_counter() - t0, 2)
+        torch._dynamo.reset()
+    import triton
+    out["env_set_by_inductor"] = {k: v for k, v in os.environ.items() if env_before.get(k) != v}
+    out["triton_cache_dir"] = triton.knobs.cache.dir
+    out["affinity"] = len(os.sched_getaffinity(0))
+    out["threads_before_mirage"] = threading.active_count()
+    info: dict = {}
+    prof = cProfile.Profile() if args.profile else None
+    t0 = time.perf_counter()
+    if prof:
+        prof.enable()
+    with torch.no_grad():
+        COMPILERS["mirage"](w.fn, info)(*[x.clone() for x in inputs])
+    sync()
+    if prof:
+        prof.disable()
+    out["mirage_s"] = round(time.perf_counter() - t0, 2)
+    out["stage_ms"] = (mirage_summary(info) or {}).get("stage_ms")
+    print(json.dumps(out))
+    if prof:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        print(s.getvalue())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", default="llama_layer_decode")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (fp32)")
+    p.add_argument("--quick", action="store_true", help="the workload's tiny sizes")
+    p.add_argument("--child", choices=["alone", "after-inductor"])
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    for run in ("alone", "after-inductor"):
+        with tempfile.TemporaryDirectory() as d:
+            # as in the bench: TRITON_CACHE_DIR unset (Inductor sets it where it is), Triton's default cache under a
+            # fresh HOME, so each child compiles cold
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+            env.update(HOME=d, MIRAGE_CACHE_DIR=f"{d}/mirage", TORCHINDUCTOR_CACHE_DIR=f"{d}/inductor",
+                       TORCHINDUCTOR_FX_GRAPH_CACHE="0")
+            cmd = [sys.executable, __file__, "--child", run, "--workload", args.workload, "--batch", str(args.batch),
+                   "--device", args.device] + ["--profile"] * args.profile + ["--quick"] * args.quick
+            subprocess.run(cmd, env=env, check=False)
+
+
+if __name__ == "__main__":
+    main()
