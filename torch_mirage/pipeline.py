@@ -211,8 +211,8 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
         claimers = default_claimers(config) if claimers is None else claimers
         regions = claim_regions(graph, claimers, ctx)
     try:
-        with ctx.stage("build"), eager_dispatch(), tune_budget(config.tune_budget_s), \
-                compile_workers(config.compile_workers, config.compile_processes), dependent_launches(config.pdl):
+        with ctx.stage("build"), eager_dispatch(), tune_budget(config.tune_budget_s), dependent_launches(config.pdl), \
+                compile_workers(config.compile_workers, config.compile_processes):
             build_regions(regions, graph, ctx)
         if config.check_regions:
             with ctx.stage("check"), eager_dispatch():

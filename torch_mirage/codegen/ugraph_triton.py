@@ -1141,7 +1141,8 @@ def emit_sibling_kernel(name: str, parts: Sequence[BlockKernel], pdl: bool = Fal
         params += [f"p{j}_{p}" for p in k.params if p != "lin"]
         calls.append((start, f"{k.name}({_offset_args(own, j, start)})"))
         start += math.prod(k.grid) * k.split
-    lines = _header(name, params) + ["    lin = tl.program_id(0)"] + [f"    {line}" for line in (WAIT_LINES if pdl else ())]
+    lines = _header(name, params) + ["    lin = tl.program_id(0)"]
+    lines += [f"    {line}" for line in WAIT_LINES] if pdl else []
     for n, (_, call) in enumerate(calls):
         depth = "    " * (n + 1)
         if n < len(calls) - 1:
