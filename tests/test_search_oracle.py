@@ -191,14 +191,22 @@ def test_t2_front_never_admits_what_is_refuted():
     assert all(r["front"] > 0 and r["refuted"] > 0 for r in report.values())
 
 
-def test_front_speed():
-    """Front queries on uncached terms cost microseconds (printed; generous bound)."""
+def test_front_is_much_cheaper_than_z3():
+    """The front (and its countermodel) answers uncached queries at a small fraction of what Z3 costs on the same
+    terms, both timed here in one process (printed). A ratio, not a bound in µs: on CI's 2-core machine under load
+    the front once took 547 µs a query against a bound of 500, and Z3 slows down alike."""
     targets = _target("qknorm_attention") + _target("rmsnorm_linear")
     terms = _random_terms(targets, 2000, seed=1)
     o = SubexprOracle(targets, use_z3=False)
     t0 = time.perf_counter()
     for e in terms:
         o.front(e) or o.refutes(e)
-    us = (time.perf_counter() - t0) / len(terms) * 1e6
-    print(f"front+countermodel: {us:.1f} µs per uncached query")
-    assert us < 500
+    front_us = (time.perf_counter() - t0) / len(terms) * 1e6
+    oz = SubexprOracle(targets, z3_timeout_ms=100)
+    sample = terms[:20]
+    t0 = time.perf_counter()
+    for e in sample:
+        oz.z3_admits(e)
+    z3_us = (time.perf_counter() - t0) / len(sample) * 1e6
+    print(f"front+countermodel: {front_us:.1f} µs per uncached query; Z3: {z3_us:.1f} µs")
+    assert front_us * 10 < z3_us

@@ -9,6 +9,7 @@ converts back to FX losslessly (:mod:`torch_mirage.capture.lower`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -44,7 +45,7 @@ class TensorMeta:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def is_contiguous(self) -> bool:
         expected, stride = 1, []
         for s in reversed(self.shape):
@@ -52,10 +53,14 @@ class TensorMeta:
             expected *= s
         return all(a == b or s == 1 for a, b, s in zip(self.stride, reversed(stride), self.shape))
 
-    def __str__(self) -> str:
-        dt = str(self.dtype).replace("torch.", "")
-        dims = ",".join(str(s) for s in self.shape)
-        return f"{dt}[{dims}]" + ("" if self.is_contiguous else f"s({','.join(map(str, self.stride))})")
+    def __str__(self) -> str:      # made once per meta: the partition stage's cut signatures ask it many times over
+        text = self.__dict__.get("_text")
+        if text is None:
+            dt = str(self.dtype).replace("torch.", "")
+            dims = ",".join(str(s) for s in self.shape)
+            text = self.__dict__["_text"] = f"{dt}[{dims}]" + \
+                ("" if self.is_contiguous else f"s({','.join(map(str, self.stride))})")
+        return text
 
 
 @dataclass(eq=False)

@@ -18,7 +18,9 @@ the claim, dead — nothing is built, packed, clamped or scanned per call.
 Where KV is long enough to split, the split-KV seed is planned as well, and on a GPU the build stage runs the faster
 (:func:`torch_mirage.build.fastest`): it fills the SMs where few query rows — decode — leave FlashAttention's
 grid small. Decode (one block of query rows) plans split counts around one that fills the SMs (:func:`_seeds`).
-The backend then checks the region against eager ATen on random inputs, as for every region.
+Each seed is verified before it runs, at a small instance of the region's parameters (:mod:`.attention_verify`); one
+the verifier rejects is left out. The backend then checks the region against eager ATen on random inputs, as for every
+region.
 
 A region whose P is also reduced over the query axis (H2O's column sums, :class:`~..analysis.attention.
 ColumnReduction`) runs one plan for P·V and the column sums per query head: :func:`plan_candidates` costs the
@@ -47,6 +49,7 @@ from ..ugraph import MASK_FLOOR, KernelGraph
 from ..context import CompileContext, Target
 from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
 from .attention_seeds import PLAN_KERNELS, ROW_BLOCK_KV, SEEDS, attention_column_sums, decode_split_counts
+from .attention_verify import verified
 from .library import blocks
 from .plan_select import Candidate, select_plan
 from .ugraph_plan import Alternative, UGraphPlan
@@ -281,10 +284,16 @@ class AttentionClaimer:
         if spec.extra_outputs:
             seeds, info = self._column_plan(spec, graph, kwargs, ctx.analysis_of(graph))
         else:
-            seeds, info = _build_seeds(spec, _seeds(spec), kwargs | _softmax_kwargs(spec)), {}
+            names, built_with = _seeds(spec), kwargs | _softmax_kwargs(spec)
+            seeds, verdicts = verified(_build_seeds(spec, names, built_with), names,
+                                       (spec.b, spec.hk, spec.group, spec.sq, spec.skv), built_with, ctx.config,
+                                       ctx.cache)
+            info = {"verified": verdicts}
         if not seeds:
             what = "the column-sum plan" if spec.extra_outputs else "attention seeds"
-            return Decline(spec.nodes, Reason.NO_KERNEL, f"{what} ({spec.describe()}): none built")
+            why = "; ".join(f"{k}: {v}" for k, v in info.get("verified", {}).items())
+            return Decline(spec.nodes, Reason.NO_KERNEL, f"{what} ({spec.describe()}): none built"
+                           + (f" and verified ({why})" if why else ""))
         # a mask the kernel computes from indices: the nodes that build it only for this region join it (dead)
         nodes = spec.nodes + (_mask_builders(spec, graph, free) if by_index else [])
         positions = {id(x): i for i, x in enumerate(inputs_of(nodes))}

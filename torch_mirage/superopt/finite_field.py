@@ -156,9 +156,10 @@ class FiniteFieldArith(Arith):
         xq = torch.randint(0, self.f.q, tuple(shape), generator=self.rng)
         return self.pack(xp, xq, None, deg)
 
-    def where(self, cond: torch.Tensor, a, b) -> FieldTensor:
-        """Select by a boolean tensor that is program data (the same on both sides)."""
-        a, b = self.lift(a), self.lift(b)
+    def where(self, cond: torch.Tensor, a, b=None, *, value=None) -> FieldTensor:
+        """Select by a boolean tensor that is program data (the same on both sides): ``a`` where it holds, else
+        ``b``, or the constant ``value`` (a μGraph's ``where`` op: a bool mask's dropped scores, -inf or finite)."""
+        a, b = self.lift(a), self.lift(value if b is None else b)
         shape = torch.broadcast_shapes(cond.shape, raw(a).shape, raw(b).shape)
         den = None
         if a.den is not None or b.den is not None:

@@ -1,0 +1,133 @@
+"""Verification of the attention claimer's seed μGraphs before they run (issue 15: every μGraph that runs is verified).
+
+A seed is built at the region's dims (:func:`.attention_claim._build_seeds`), where the verifier's executor, which
+steps every block and for-loop step in Python, would take minutes (4k keys, heads of 128). So the same seed is built
+again at a small instance of the region's own parameters — its scale, soft-cap, mask kind (additive or bool, with
+the bool mask's fill, shared over batch rows or KV heads as the region's is), its band (causal / sliding window,
+computed from indices or read from the mask) and the seed's own schedule kind (a split-KV seed split, FlashAttention
+over several key tiles, a mask tile table) — with the same construction and other counts (one batch row, at most
+two KV heads, two query heads per KV head and two query positions, 16 keys, heads of 8, tiles of 4), and
+:func:`.verify.verify` checks it against ``softmax(mask + softcap(scale·Q Kᵀ)) V`` written in PyTorch on inputs
+shaped as the seed takes them (Q packed per KV head): the finite-field test where the program is LAX (tanh is an
+uninterpreted function there; masks and bands make it float-only: the verdict says which), and the float test always.
+
+What is not covered here: a region with SDPA's empty rows (``empty_rows="zero"``) runs ``o / (l + 1e-30)``, an
+identity only up to rounding (every row with a key has l >= 1), which the field test would reject; its twin with
+``o / l`` is verified, and the epsilon is left to the float check of the whole region against eager ATen that the
+check stage runs at the real sizes. Column-sum plans (H2O) are checked by that float check alone.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..cache import cache_key
+from ..ugraph import KernelGraph
+from .attention_seeds import SCAN_TILE, SEEDS
+from .verify import Verdict, verify
+
+log = logging.getLogger("torch_mirage")
+
+SMALL = dict(b=1, heads=2, group=2, sq=2, skv=16, d=8, tile=4, splits=2)   # the small instance's counts
+VERDICT_KIND = "attention-seed-verdict"
+_VERDICTS: dict[str, Verdict] = {}     # this process's verdicts by key (a model's layers share their seeds)
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "bool": torch.bool}
+
+
+def small_instance(b: int, hk: int, group: int, sq: int, skv: int, kwargs: dict, own: dict
+                   ) -> tuple[tuple, dict, dict]:
+    """``((b, hk, rows, skv, d), kwargs, own)`` of the small instance of a seed built at the region's dims with
+    ``kwargs`` (:func:`.attention_claim._seed_kwargs` and the softmax's) and its own parameters ``own``."""
+    hk_s, group_s, sq_s = min(hk, SMALL["heads"]), min(group, SMALL["group"]), min(sq, SMALL["sq"])
+    rows_s, skv_s, tile = group_s * sq_s, SMALL["skv"], SMALL["tile"]
+    small = dict(kwargs, tile=tile)
+    if small.get("empty_rows") == "zero":
+        small["empty_rows"] = "nan"         # o / l: the epsilon is a float device (module docstring)
+    if kwargs.get("mask") is not None:
+        _, hm = kwargs["mask"]             # shared over batch rows or not: one batch row here either way
+        small["mask"] = (1, 1 if hm == 1 else hk_s)
+    if kwargs.get("band") is not None:
+        period, offset, window, *flags = kwargs["band"]
+        # keys a query sees: ``offset`` ahead of its position, ``window`` back; kept at the same place in the keys
+        last = skv - sq
+        offset_s = skv_s - sq_s if offset >= last else 0 if offset <= 0 else max(1, min(skv_s - sq_s - 1,
+                                                                                         offset * skv_s // skv))
+        window_s = None if window is None else max(1, min(window, skv_s // 2))
+        small["band"] = (sq_s, offset_s, window_s, *flags)
+    own = dict(own)
+    if "splits" in own:
+        own["splits"] = SMALL["splits"]
+    if own.get("scan_table"):              # the table's squares: SCAN_TILE x SCAN_TILE, two row blocks of them at least
+        rows_s, skv_s, small["tile"] = 2 * SCAN_TILE, 2 * SCAN_TILE, SCAN_TILE
+    return (1, hk_s, rows_s, skv_s, SMALL["d"]), small, own
+
+
+def reference(scale: float, softcap: float | None, mask_fill: float) -> Callable:
+    """The attention the seeds compute, on their packed inputs: ``softmax(mask + softcap(scale·Q Kᵀ)) V`` (a bool
+    mask keeps the scores where True and puts ``mask_fill`` elsewhere)."""
+    def attention(q, k, v, mask=None):
+        if mask is not None and mask.is_floating_point():    # an fp32 mask on fp16 scores: both in fp32
+            dt = torch.promote_types(q.dtype, mask.dtype)
+            q, k, v, mask = q.to(dt), k.to(dt), v.to(dt), mask.to(dt)
+        s = q @ k.transpose(-1, -2) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        if mask is not None:
+            s = torch.where(mask, s, mask_fill) if mask.dtype == torch.bool else s + mask
+        return torch.softmax(s, -1) @ v
+    return attention
+
+
+def verify_seed(seed: str, dims: tuple, kwargs: dict, own: dict, config: Any, cache: Any = None) -> Verdict:
+    """The verdict on seed ``seed`` (a name of :data:`.attention_seeds.SEEDS`) built at ``dims`` (b, hk, rows, skv,
+    d) with ``kwargs`` and ``own`` (a small instance: :func:`small_instance`) against :func:`reference`, with
+    ``config``'s verifier settings; kept in this process and in ``cache`` (the compile's disk cache)."""
+    kg: KernelGraph = SEEDS[seed](*dims, **kwargs, **own)
+    key = cache_key(kind=VERDICT_KIND, graph=kg.to_json(), scale=kwargs["scale"], softcap=kwargs.get("softcap"),
+                    fill=kwargs.get("mask_fill", float("-inf")), bound=config.verify_error_bound,
+                    trials=config.verify_trials)
+    if key in _VERDICTS:
+        return _VERDICTS[key]
+    stored = cache.get_json(key) if cache is not None else None
+    if isinstance(stored, dict):
+        verdict = Verdict(**stored)
+    else:
+        examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=TORCH_DTYPES[op.attrs["dtype"]]) for op in kg.inputs]
+        ref = reference(kwargs["scale"], kwargs.get("softcap"), kwargs.get("mask_fill", float("-inf")))
+        with _real_tensors():
+            verdict = verify(kg, ref, examples, error_bound=config.verify_error_bound, trials=config.verify_trials)
+        if cache is not None:
+            cache.put_json(key, {f: getattr(verdict, f) for f in Verdict.__dataclass_fields__})
+    _VERDICTS[key] = verdict
+    return verdict
+
+
+def verified(built: Sequence[tuple[str, KernelGraph]], names: dict, spec_dims: tuple, kwargs: dict, config: Any,
+             cache: Any = None) -> tuple[list[tuple[str, KernelGraph]], dict[str, str]]:
+    """The seeds of ``built`` (name, μGraph at the region's dims) whose small instance verifies, and each seed's
+    verdict in words. ``names``: each name's (seed, own parameters); ``spec_dims``: the region's (b, hk, group, sq,
+    skv)."""
+    kept, said = [], {}
+    for name, kg in built:
+        seed, own = names[name]
+        dims, small, small_own = small_instance(*spec_dims, kwargs, own)
+        try:
+            verdict = verify_seed(seed, dims, small, small_own, config, cache)
+        except Exception as e:     # a seed with no small instance is not run unverified
+            said[name] = f"not verified: no small instance ({type(e).__name__}: {e})"
+            log.info("torch_mirage: attention seed %s %s", name, said[name])
+            continue
+        said[name] = verdict.reason
+        if verdict.equivalent:
+            kept.append((name, kg))
+        else:
+            log.info("torch_mirage: attention seed %s rejected by the verifier: %s", name, verdict.reason)
+    return kept, said
+
+
+def _real_tensors():
+    """The verifier runs real tensors (the partition stage may run under a fake mode)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    return unset_fake_temporarily()
