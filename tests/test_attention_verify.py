@@ -91,3 +91,37 @@ def test_seeds_the_verifier_rejects_do_not_run(monkeypatch):
     declines = [d for r in report.regions for d in r.declines if d.claimer == "attention"]
     assert declines and "finite-field test rejects" in declines[0].detail, str(report)
     torch.testing.assert_close(out, f(*args), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernels,table", [(("flash_stats", "column_sums"), False), (("row_block",), False),
+                                           (("flash_stats", "column_sums"), True)])
+def test_column_sum_plans_verify_small(kernels, table):
+    """H2O's plans at the claim's parameters (row sums output on, 64-key tiles, 1k keys) verify at their small
+    instance without the row sums (which depend on the row max): the field test passes where no scan table makes
+    the program float-only; a plan whose column sums use another scale is rejected."""
+    kwargs = dict(scale=0.125, softcap=None, mask=(1, 1), dtype="float16", mask_dtype="float32", band=None)
+    own = dict(group=2, kernels=kernels, tile=64, scan_table=table, row_sums=True)
+    dims, small, small_own = small_instance(2, 4, 2, 512, 1024, kwargs, own)
+    assert small_own["row_sums"] is False and small_own["group"] == 2 and "tile" not in small
+    assert small_own["tile"] == (64 if table else 4)        # a scan table's squares are 64 keys
+    verdict = verify_seed("column_sums", dims, small, small_own, Config())
+    assert verdict.equivalent, verdict.reason
+    assert ("finite-field test passed" in verdict.reason) == (not table), verdict.reason
+    if not table:
+        kg = attention_verify.BUILDERS["column_sums"](*dims, **small, **small_own)
+        wrong = attention_verify.reference(0.126, None, float("-inf"), (2, dims[2] // 2))
+        xs = [torch.zeros(tuple(op.attrs["shape"])) for op in kg.inputs]
+        assert not attention_verify.verify(kg, wrong, xs).equivalent
+
+
+def test_a_column_sum_claim_reports_its_plans_verdicts():
+    """H2O's attention with column sums (a causal additive mask): each plan the claim keeps says how it verified."""
+    from torch_mirage.bench.workloads import h2o_core
+    from test_attention_columns import _causal, _run
+
+    args = [torch.randn(1, 2, 8, 16) for _ in range(3)] + [_causal(8, 8, torch.float32)]
+    outs, regions, report = _run(h2o_core, args)
+    (region,) = regions
+    verdicts = region.info["verified"]
+    assert verdicts and all("test passed" in v or "float test only" in v for v in verdicts.values()), verdicts
+    torch.testing.assert_close(outs, h2o_core(*args), rtol=1e-4, atol=1e-4)

@@ -282,7 +282,9 @@ class AttentionClaimer:
             _, mask_shape, fixed = _example_mask(spec, graph, spec.q.meta.device, by_index, bool_mask)
         kwargs = _seed_kwargs(spec, dtype, mask_shape, use_band)
         if spec.extra_outputs:
-            seeds, info = self._column_plan(spec, graph, kwargs, ctx.analysis_of(graph))
+            plans, info, names = self._column_plan(spec, graph, kwargs, ctx.analysis_of(graph))
+            seeds, info["verified"] = verified(plans, names, (spec.b, spec.hk, spec.group, spec.sq, spec.skv),
+                                               kwargs, ctx.config, ctx.cache)
         else:
             names, built_with = _seeds(spec), kwargs | _softmax_kwargs(spec)
             seeds, verdicts = verified(_build_seeds(spec, names, built_with), names,
@@ -319,29 +321,32 @@ class AttentionClaimer:
         return Claim(nodes, plan, detail=alternatives[0].detail, info=info)
 
     @staticmethod
-    def _column_plan(spec: AttentionSpec, graph: Graph, kwargs: dict, analysis: GraphAnalysis) -> tuple[list, dict]:
+    def _column_plan(spec: AttentionSpec, graph: Graph, kwargs: dict, analysis: GraphAnalysis
+                     ) -> tuple[list, dict, dict]:
         """P·V and the column sums of P by the plan the BLP picks among :func:`plan_candidates`: ``([(name,
-        μGraph)], info)``, no μGraph where none is valid."""
+        μGraph)], info, {name: what builds it})`` (:mod:`.attention_verify` builds it again, small), no μGraph where
+        none is valid."""
         cands = plan_candidates(spec, graph, kwargs["mask"], analysis)
         info = {"plan_us": {c.name: round(c.cost_us, 2) for c in cands}}
         try:
             names = info["plan"] = _plan(cands)
         except Exception as e:   # no plan: left to Inductor
             log.info("torch_mirage: no attention plan for %s (%s: %s)", spec.describe(), type(e).__name__, e)
-            return [], info
-        built = []
+            return [], info, {}
+        built, how = [], {}
         # a mask passed in: the plan again with its tile table, whose scanning launches both passes may take
         for table in (False, True) if spec.mask == "additive" else (False,):
             try:
-                kg = attention_column_sums(spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d,
-                                           group=spec.group, kernels=names, tile=SEED_TILE, scan_table=table,
-                                           row_sums=True, **kwargs)
+                own = dict(group=spec.group, kernels=tuple(names), tile=SEED_TILE, scan_table=table, row_sums=True)
+                kg = attention_column_sums(spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d, **own, **kwargs)
                 validate(kg)
-                built.append(("+".join(names) + ("/scan" if table else ""), kg))
+                name = "+".join(names) + ("/scan" if table else "")
+                built.append((name, kg))
+                how[name] = ("column_sums", own)
             except Exception as e:   # a plan that does not build for these shapes: left out (none: to Inductor)
                 log.info("torch_mirage: attention plan %s%s for %s not used (%s: %s)", names, " with a scan table"
                          if table else "", spec.describe(), type(e).__name__, e)
-        return built, info
+        return built, info, how
 
 
 def attention_kernel(spec: AttentionSpec, order: Sequence[int], slots: Sequence[int], metas: Sequence,

@@ -1,4 +1,5 @@
-"""Verification of the attention claimer's seed μGraphs before they run (issue 15: every μGraph that runs is verified).
+"""Verification of the attention claimer's seed μGraphs and column-sum plans before they run (issue 15: every μGraph
+that runs is verified).
 
 A seed is built at the region's dims (:func:`.attention_claim._build_seeds`), where the verifier's executor, which
 steps every block and for-loop step in Python, would take minutes (4k keys, heads of 128). So the same seed is built
@@ -14,7 +15,9 @@ uninterpreted function there; masks and bands make it float-only: the verdict sa
 What is not covered here: a region with SDPA's empty rows (``empty_rows="zero"``) runs ``o / (l + 1e-30)``, an
 identity only up to rounding (every row with a key has l >= 1), which the field test would reject; its twin with
 ``o / l`` is verified, and the epsilon is left to the float check of the whole region against eager ATen that the
-check stage runs at the real sizes. Column-sum plans (H2O) are checked by that float check alone.
+check stage runs at the real sizes. Likewise a column-sum plan's (H2O) extra output, the first pass's row sums of
+exponentials, which depend on the row max: the plan is verified without it (P·V and the column sums of P per query
+head, :data:`COLUMN_SQ` query positions so that its column pass walks several row tiles).
 """
 from __future__ import annotations
 
@@ -25,12 +28,15 @@ import torch
 
 from ..cache import cache_key
 from ..ugraph import KernelGraph
-from .attention_seeds import SCAN_TILE, SEEDS
+from .attention_seeds import SCAN_TILE, SEEDS, attention_column_sums
 from .verify import Verdict, verify
 
 log = logging.getLogger("torch_mirage")
 
 SMALL = dict(b=1, heads=2, group=2, sq=2, skv=16, d=8, tile=4, splits=2)   # the small instance's counts
+COLUMN_SQ = 8         # query positions of a column-sum plan's small instance: its column pass walks several row tiles
+# what a seed name builds: the attention seeds, and a column-sum plan (its own parameters: group, kernels, ...)
+BUILDERS = {**SEEDS, "column_sums": attention_column_sums}
 VERDICT_KIND = "attention-seed-verdict"
 _VERDICTS: dict[str, Verdict] = {}     # this process's verdicts by key (a model's layers share their seeds)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "bool": torch.bool}
@@ -40,7 +46,9 @@ def small_instance(b: int, hk: int, group: int, sq: int, skv: int, kwargs: dict,
                    ) -> tuple[tuple, dict, dict]:
     """``((b, hk, rows, skv, d), kwargs, own)`` of the small instance of a seed built at the region's dims with
     ``kwargs`` (:func:`.attention_claim._seed_kwargs` and the softmax's) and its own parameters ``own``."""
-    hk_s, group_s, sq_s = min(hk, SMALL["heads"]), min(group, SMALL["group"]), min(sq, SMALL["sq"])
+    columns = "kernels" in own             # a column-sum plan
+    hk_s, group_s = min(hk, SMALL["heads"]), min(group, SMALL["group"])
+    sq_s = min(sq, COLUMN_SQ if columns else SMALL["sq"])
     rows_s, skv_s, tile = group_s * sq_s, SMALL["skv"], SMALL["tile"]
     small = dict(kwargs, tile=tile)
     if small.get("empty_rows") == "zero":
@@ -59,14 +67,22 @@ def small_instance(b: int, hk: int, group: int, sq: int, skv: int, kwargs: dict,
     own = dict(own)
     if "splits" in own:
         own["splits"] = SMALL["splits"]
+    if columns:
+        # the first pass's row sums of exponentials depend on the row max, not only through a shift that cancels
+        # (a false reject in the field test): the plan without that output is verified
+        own.update(group=group_s, row_sums=False)
     if own.get("scan_table"):              # the table's squares: SCAN_TILE x SCAN_TILE, two row blocks of them at least
         rows_s, skv_s, small["tile"] = 2 * SCAN_TILE, 2 * SCAN_TILE, SCAN_TILE
+    if "tile" in own:                      # a parameter of the seed's own (a column-sum plan's)
+        own["tile"] = small.pop("tile")
     return (1, hk_s, rows_s, skv_s, SMALL["d"]), small, own
 
 
-def reference(scale: float, softcap: float | None, mask_fill: float) -> Callable:
+def reference(scale: float, softcap: float | None, mask_fill: float, columns: tuple[int, int] | None = None
+              ) -> Callable:
     """The attention the seeds compute, on their packed inputs: ``softmax(mask + softcap(scale·Q Kᵀ)) V`` (a bool
-    mask keeps the scores where True and puts ``mask_fill`` elsewhere)."""
+    mask keeps the scores where True and puts ``mask_fill`` elsewhere); with ``columns = (group, sq)`` also the
+    column sums of P per query head (b, hk·group, skv), as a column-sum plan outputs them."""
     def attention(q, k, v, mask=None):
         if mask is not None and mask.is_floating_point():    # an fp32 mask on fp16 scores: both in fp32
             dt = torch.promote_types(q.dtype, mask.dtype)
@@ -76,7 +92,11 @@ def reference(scale: float, softcap: float | None, mask_fill: float) -> Callable
             s = torch.tanh(s / softcap) * softcap
         if mask is not None:
             s = torch.where(mask, s, mask_fill) if mask.dtype == torch.bool else s + mask
-        return torch.softmax(s, -1) @ v
+        p = torch.softmax(s, -1)
+        if columns is None:
+            return p @ v
+        b, hk, _, skv = p.shape
+        return p @ v, p.reshape(b, hk * columns[0], columns[1], skv).sum(2)
     return attention
 
 
@@ -84,9 +104,10 @@ def verify_seed(seed: str, dims: tuple, kwargs: dict, own: dict, config: Any, ca
     """The verdict on seed ``seed`` (a name of :data:`.attention_seeds.SEEDS`) built at ``dims`` (b, hk, rows, skv,
     d) with ``kwargs`` and ``own`` (a small instance: :func:`small_instance`) against :func:`reference`, with
     ``config``'s verifier settings; kept in this process and in ``cache`` (the compile's disk cache)."""
-    kg: KernelGraph = SEEDS[seed](*dims, **kwargs, **own)
+    kg: KernelGraph = BUILDERS[seed](*dims, **kwargs, **own)
+    columns = (own["group"], dims[2] // own["group"]) if seed == "column_sums" else None
     key = cache_key(kind=VERDICT_KIND, graph=kg.to_json(), scale=kwargs["scale"], softcap=kwargs.get("softcap"),
-                    fill=kwargs.get("mask_fill", float("-inf")), bound=config.verify_error_bound,
+                    fill=kwargs.get("mask_fill", float("-inf")), columns=columns, bound=config.verify_error_bound,
                     trials=config.verify_trials)
     if key in _VERDICTS:
         return _VERDICTS[key]
@@ -95,7 +116,7 @@ def verify_seed(seed: str, dims: tuple, kwargs: dict, own: dict, config: Any, ca
         verdict = Verdict(**stored)
     else:
         examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=TORCH_DTYPES[op.attrs["dtype"]]) for op in kg.inputs]
-        ref = reference(kwargs["scale"], kwargs.get("softcap"), kwargs.get("mask_fill", float("-inf")))
+        ref = reference(kwargs["scale"], kwargs.get("softcap"), kwargs.get("mask_fill", float("-inf")), columns)
         with _real_tensors():
             verdict = verify(kg, ref, examples, error_bound=config.verify_error_bound, trials=config.verify_trials)
         if cache is not None:
