@@ -321,3 +321,28 @@ def test_kernel_sources_go_to_the_compiles_cache_dir_with_the_cache_off(tmp_path
         str(report)
     assert [f for f in os.listdir(tmp_path / "from_options" / "kernels") if f.startswith("ugraph_")]
     assert not (tmp_path / "from_env").exists()
+
+
+def relu_gated(x, w1, w3):
+    return torch.relu(x @ w1) * (x @ w3)
+
+
+def test_a_seeds_pass_that_claimed_nothing_is_skipped_warm(tmp_path, monkeypatch):
+    """A seeds-only pass that claimed nothing in a graph says so in the disk cache: compiling the graph again on that
+    cache lowers no cut of it (the pass is skipped) and runs it alike; where a seed fits, nothing is recorded and the
+    second compile claims it again; another cache directory starts afresh."""
+    from torch_mirage.superopt.search import claimer as claimer_module
+
+    lowered = []
+    real = claimer_module.lowered_reference
+    monkeypatch.setattr(claimer_module, "lowered_reference", lambda *a, **k: lowered.append(1) or real(*a, **k))
+    xs = _inputs([(24, 40), (40, 56), (40, 56)], torch.float32)
+    claimers = lambda: [SearchClaimer(seeds=("gated_mlp",), enumerates=False)]    # noqa: E731
+    for fn, fits in ((relu_gated, False), (gated_mlp, True)):
+        for cache_dir, expect_walk in ((tmp_path / "a", True), (tmp_path / "a", fits), (tmp_path / "b", True)):
+            torch._dynamo.reset()
+            lowered.clear()
+            compiled, report = _compile(fn, claimers(), cache_dir=str(cache_dir))
+            assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float(), torch.float32)
+            assert bool(lowered) == expect_walk, (fn.__name__, cache_dir, len(lowered))
+            assert len(_library_regions(report)) == fits, str(report)

@@ -16,6 +16,7 @@ once, dropped and rewritten the same way.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -40,6 +41,24 @@ def versions() -> dict[str, str]:
     except ImportError:
         triton_version = "none"
     return {"torch": torch.__version__, "triton": triton_version, "torch_mirage": __version__}
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest(*subpackages: str) -> str:
+    """A digest of the Python sources of these ``torch_mirage`` subpackages (``"superopt"``, ...): for a cache entry
+    whose meaning depends on the code that made it, not only on its inputs (a negative answer, "nothing found"),
+    so that a changed claimer or library never reads an answer an older one gave."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for sub in subpackages:
+        for dirpath, dirnames, filenames in sorted(os.walk(os.path.join(root, sub))):
+            dirnames.sort()
+            for name in sorted(f for f in filenames if f.endswith(".py")):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
 
 
 def cache_key(**parts: Any) -> str:

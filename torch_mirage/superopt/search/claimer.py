@@ -36,6 +36,7 @@ from .driver import search
 from .reference import is_attention
 
 from ...analysis.cost import skinny_matmul
+from ...cache import cache_key, source_digest
 from ...capture.ops import OpKind
 from ...context import CompileContext
 from ...partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
@@ -47,6 +48,7 @@ from .seeds import Seed, arity, seed_kernel
 
 log = logging.getLogger("torch_mirage")
 
+NOTHING = "nothing claimed"     # what :meth:`SearchClaimer._seeded` records for a graph where its seeds fit nowhere
 
 
 class SearchClaimer:
@@ -81,6 +83,10 @@ class SearchClaimer:
         elementwise ops peeled (an add on the activation that belongs to the program before), then the smaller
         cuts ending at the node (:func:`.cut.levels`, largest first: a gated MLP inside the region that also holds
         the norm before it), each tried against the seeds; the first verified one is claimed."""
+        key = self._nothing_key(graph, free_ids, ctx)
+        if key is not None and ctx.cache.get_json(key) == NOTHING:
+            log.debug("torch_mirage: seeds %s: nothing claimed in this graph before (disk cache)", self.seeds)
+            return []
         order = graph.positions()
         arities = {arity(w) for w in self.seeds}
         outcomes: list[Outcome] = []
@@ -102,7 +108,24 @@ class SearchClaimer:
                     outcomes.append(outcome)
                     break
                 unseeded.add(signature)
+        if key is not None and not outcomes:
+            ctx.cache.put_json(key, NOTHING)
         return outcomes
+
+    def _nothing_key(self, graph, free_ids: set, ctx: CompileContext) -> str | None:
+        """The disk-cache key under which :meth:`_seeded` records that its seeds claimed nothing in this graph: the
+        graph as the pass reads it (every node's op, arguments, wiring and output metas, :func:`.cut.cut_signature`
+        of the whole graph; which nodes are still free), the seeds, the node limit, the configuration's fields that
+        change what is compiled, and a digest of the claimers' and the verifier's code (a negative answer is only
+        as good as the code that gave it). A warm compile then skips the pass (Llama-3-8B decode, 4 layers: each
+        pass grows and lowers a hundred cuts or more). None without a disk cache."""
+        if ctx.cache is None:
+            return None
+        nodes = list(graph.nodes)
+        return cache_key(kind="seeded-pass-nothing", graph=repr(cut_signature(nodes, graph)),
+                         free=[id(n) in free_ids for n in nodes], seeds=list(self.seeds), max_nodes=self.max_nodes,
+                         config=ctx.config.output_key(), target=ctx.target.name,
+                         code=source_digest("superopt", "analysis", "capture", "partition"))
 
     def _searched(self, graph, free: Sequence, free_ids: set, ctx: CompileContext) -> list[Outcome]:
         """Regions grown around matmuls, attention and reduction chains, searched (see the module docstring)."""
