@@ -4,7 +4,8 @@ ninth session: qwen2 decode b1, 119-136 s against 27 s alone; not the profiler).
 Runs one bench workload (default ``llama_layer_decode`` b1 bf16) cold twice, each in a fresh child process with
 its own mirage, Triton and Inductor caches: ``alone`` (mirage only) and ``after-inductor`` (Inductor's default mode
 compiles and runs the same function first). Each child prints mirage's first-call seconds and stage times, its
-process's CPU affinity and thread count, the environment variables Inductor set, Triton's cache directory, and
+process's CPU affinity, its threads (name and the function each is in: one that runs Python holds the lock mirage's
+kernel loads need), the environment variables Inductor set, Triton's cache directory, and
 (``--profile``) the 25
 functions of mirage's compile with the most own time (cProfile of the parent; worker processes are not in it).
 
@@ -51,7 +52,10 @@ def child(args) -> None:
     out["env_set_by_inductor"] = {k: v for k, v in os.environ.items() if env_before.get(k) != v}
     out["triton_cache_dir"] = triton.knobs.cache.dir
     out["affinity"] = len(os.sched_getaffinity(0))
-    out["threads_before_mirage"] = threading.active_count()
+    frames = sys._current_frames()           # every thread's name and where it is (a busy one holds the GIL)
+    out["threads_before_mirage"] = [f"{t.name}: {frames[t.ident].f_code.co_name} "
+                                    f"({os.path.basename(frames[t.ident].f_code.co_filename)})"
+                                    for t in threading.enumerate() if t.ident in frames]
     info: dict = {}
     prof = cProfile.Profile() if args.profile else None
     t0 = time.perf_counter()
