@@ -140,3 +140,14 @@ def test_a_damaged_stitch_kernel_is_regenerated_not_left_to_inductor(tmp_path, m
     assert [r.compiled_by for r in second.regions] == [r.compiled_by for r in first.regions]
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) == 1 and kernel in lines[0], lines
+
+
+def test_source_digest_names_the_code_it_covers():
+    """A negative cache entry's code digest (cache.source_digest): stable for the same parts, another for more code,
+    and a module that is not there is an error, not a silent digest of nothing."""
+    from torch_mirage.cache import source_digest
+
+    assert source_digest("superopt") == source_digest("superopt")
+    assert len({source_digest("superopt"), source_digest("superopt", "ugraph.py"), source_digest("capture")}) == 3
+    with pytest.raises(FileNotFoundError):
+        source_digest("no_such_module.py")

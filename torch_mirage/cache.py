@@ -44,20 +44,21 @@ def versions() -> dict[str, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def source_digest(*subpackages: str) -> str:
-    """A digest of the Python sources of these ``torch_mirage`` subpackages (``"superopt"``, ...): for a cache entry
-    whose meaning depends on the code that made it, not only on its inputs (a negative answer, "nothing found"),
-    so that a changed claimer or library never reads an answer an older one gave."""
+def source_digest(*parts: str) -> str:
+    """A digest of the Python sources of these parts of ``torch_mirage`` (subpackages, ``"superopt"``, or modules,
+    ``"ugraph.py"``): for a cache entry whose meaning depends on the code that made it, not only on its inputs (a
+    negative answer, "nothing found"), so that a changed claimer or library never reads an answer an older one
+    gave."""
     root = os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha256()
-    for sub in subpackages:
-        for dirpath, dirnames, filenames in sorted(os.walk(os.path.join(root, sub))):
-            dirnames.sort()
-            for name in sorted(f for f in filenames if f.endswith(".py")):
-                path = os.path.join(dirpath, name)
-                h.update(os.path.relpath(path, root).encode())
-                with open(path, "rb") as f:
-                    h.update(f.read())
+    for part in parts:
+        top = os.path.join(root, part)
+        files = [top] if part.endswith(".py") else sorted(
+            os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs if f.endswith(".py"))
+        for path in files:
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
     return h.hexdigest()
 
 

@@ -125,7 +125,8 @@ class SearchClaimer:
         return cache_key(kind="seeded-pass-nothing", graph=repr(cut_signature(nodes, graph)),
                          free=[id(n) in free_ids for n in nodes], seeds=list(self.seeds), max_nodes=self.max_nodes,
                          config=ctx.config.output_key(), target=ctx.target.name,
-                         code=source_digest("superopt", "analysis", "capture", "partition"))
+                         code=source_digest("superopt", "analysis", "capture", "partition", "ugraph.py",
+                                            "numerics.py"))
 
     def _searched(self, graph, free: Sequence, free_ids: set, ctx: CompileContext) -> list[Outcome]:
         """Regions grown around matmuls, attention and reduction chains, searched (see the module docstring)."""
