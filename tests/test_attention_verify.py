@@ -81,8 +81,7 @@ def test_seeds_the_verifier_rejects_do_not_run(monkeypatch):
     declined with the verifier's reasons and runs as eager / Inductor computes it — still correct."""
     real = attention_verify.reference
     monkeypatch.setattr(attention_verify, "reference", lambda scale, *a: real(scale * 1.01, *a))
-    monkeypatch.setattr(attention_verify, "_VERDICTS", {})
-    monkeypatch.setattr(attention_verify, "VERDICT_KIND", "attention-seed-verdict-against-a-wrong-reference")
+    monkeypatch.setattr(attention_verify, "REFERENCE", "softmax attention at a wrong scale")   # no cached verdict
     torch._dynamo.reset()
     f, args = _eager_causal()
     compiled, report = _compile(f)

@@ -53,14 +53,14 @@ class TensorMeta:
             expected *= s
         return all(a == b or s == 1 for a, b, s in zip(self.stride, reversed(stride), self.shape))
 
-    def __str__(self) -> str:      # made once per meta: the partition stage's cut signatures ask it many times over
-        text = self.__dict__.get("_text")
-        if text is None:
-            dt = str(self.dtype).replace("torch.", "")
-            dims = ",".join(str(s) for s in self.shape)
-            text = self.__dict__["_text"] = f"{dt}[{dims}]" + \
-                ("" if self.is_contiguous else f"s({','.join(map(str, self.stride))})")
-        return text
+    @functools.cached_property
+    def _text(self) -> str:      # made once per meta: the partition stage's cut signatures ask it many times over
+        dt = str(self.dtype).replace("torch.", "")
+        dims = ",".join(str(s) for s in self.shape)
+        return f"{dt}[{dims}]" + ("" if self.is_contiguous else f"s({','.join(map(str, self.stride))})")
+
+    def __str__(self) -> str:
+        return self._text
 
 
 @dataclass(eq=False)

@@ -34,8 +34,11 @@ def trace(fn: Any, args: Any, *, tracing_mode: str = "fake") -> Graph:
     def positional(*xs: Any) -> Any:   # hides defaulted keyword parameters from make_fx
         return fn(*xs)
 
-    gm = make_fx(torch.func.functionalize(positional), decomposition_table=select_decomp_table(),
-                 tracing_mode=tracing_mode)(*args)
+    # apart from a compile this may run inside (the partition stage verifies callables): its tracing context's shape
+    # environment would give real inputs symbolic sizes
+    with torch._guards.tracing(None):
+        gm = make_fx(torch.func.functionalize(positional), decomposition_table=select_decomp_table(),
+                     tracing_mode=tracing_mode)(*args)
     return lower(gm)
 
 

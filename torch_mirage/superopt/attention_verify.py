@@ -26,9 +26,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..cache import cache_key
 from ..ugraph import KernelGraph
 from .attention_seeds import SCAN_TILE, SEEDS, attention_column_sums
+from .compile import DTYPES
 from .verify import Verdict, verify
 
 log = logging.getLogger("torch_mirage")
@@ -37,9 +37,7 @@ SMALL = dict(b=1, heads=2, group=2, sq=2, skv=16, d=8, tile=4, splits=2)   # the
 COLUMN_SQ = 8         # query positions of a column-sum plan's small instance: its column pass walks several row tiles
 # what a seed name builds: the attention seeds, and a column-sum plan (its own parameters: group, kernels, ...)
 BUILDERS = {**SEEDS, "column_sums": attention_column_sums}
-VERDICT_KIND = "attention-seed-verdict"
-_VERDICTS: dict[str, Verdict] = {}     # this process's verdicts by key (a model's layers share their seeds)
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "bool": torch.bool}
+REFERENCE = "softmax(mask + softcap(scale·Q Kᵀ)) V"   # what :func:`reference` computes: its verdicts' cache key
 
 
 def small_instance(b: int, hk: int, group: int, sq: int, skv: int, kwargs: dict, own: dict
@@ -101,28 +99,19 @@ def reference(scale: float, softcap: float | None, mask_fill: float, columns: tu
 
 
 def verify_seed(seed: str, dims: tuple, kwargs: dict, own: dict, config: Any, cache: Any = None) -> Verdict:
-    """The verdict on seed ``seed`` (a name of :data:`.attention_seeds.SEEDS`) built at ``dims`` (b, hk, rows, skv,
-    d) with ``kwargs`` and ``own`` (a small instance: :func:`small_instance`) against :func:`reference`, with
-    ``config``'s verifier settings; kept in this process and in ``cache`` (the compile's disk cache)."""
+    """The verdict on seed ``seed`` (a name of :data:`BUILDERS`) built at ``dims`` (b, hk, rows, skv, d) with
+    ``kwargs`` and ``own`` (a small instance: :func:`small_instance`) against :func:`reference`, with ``config``'s
+    verifier settings; the verifier keeps it in this process and in ``cache`` (the compile's disk cache), so a
+    model's layers verify their shared seeds once."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     kg: KernelGraph = BUILDERS[seed](*dims, **kwargs, **own)
     columns = (own["group"], dims[2] // own["group"]) if seed == "column_sums" else None
-    key = cache_key(kind=VERDICT_KIND, graph=kg.to_json(), scale=kwargs["scale"], softcap=kwargs.get("softcap"),
-                    fill=kwargs.get("mask_fill", float("-inf")), columns=columns, bound=config.verify_error_bound,
-                    trials=config.verify_trials)
-    if key in _VERDICTS:
-        return _VERDICTS[key]
-    stored = cache.get_json(key) if cache is not None else None
-    if isinstance(stored, dict):
-        verdict = Verdict(**stored)
-    else:
-        examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=TORCH_DTYPES[op.attrs["dtype"]]) for op in kg.inputs]
-        ref = reference(kwargs["scale"], kwargs.get("softcap"), kwargs.get("mask_fill", float("-inf")), columns)
-        with _real_tensors():
-            verdict = verify(kg, ref, examples, error_bound=config.verify_error_bound, trials=config.verify_trials)
-        if cache is not None:
-            cache.put_json(key, {f: getattr(verdict, f) for f in Verdict.__dataclass_fields__})
-    _VERDICTS[key] = verdict
-    return verdict
+    params = (kwargs["scale"], kwargs.get("softcap"), kwargs.get("mask_fill", float("-inf")), columns)
+    with unset_fake_temporarily():      # the verifier runs real tensors (the partition stage may be under a fake mode)
+        examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=DTYPES[op.attrs["dtype"]]) for op in kg.inputs]
+        return verify(kg, reference(*params), examples, error_bound=config.verify_error_bound,
+                      trials=config.verify_trials, cache=cache, reference_key=repr((REFERENCE, params)))
 
 
 def verified(built: Sequence[tuple[str, KernelGraph]], names: dict, spec_dims: tuple, kwargs: dict, config: Any,
@@ -146,9 +135,3 @@ def verified(built: Sequence[tuple[str, KernelGraph]], names: dict, spec_dims: t
         else:
             log.info("torch_mirage: attention seed %s rejected by the verifier: %s", name, verdict.reason)
     return kept, said
-
-
-def _real_tensors():
-    """The verifier runs real tensors (the partition stage may run under a fake mode)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    return unset_fake_temporarily()

@@ -141,15 +141,19 @@ VERDICT_KIND = "verdict/1"     # the disk cache's entries: bump when the tests' 
 
 
 def _verdict_key(candidate, reference, example_inputs: Sequence, target: float, trials: int | None,
-                 field: FieldParams) -> str | None:
-    """The verdict's key where both sides are μGraphs (their canonical JSON; callables have none): the two graphs,
-    the inputs' shapes and dtypes (a bool input's values too: they are program data), the bound or trial count and
-    the field. A model's layers verify the same seed against the same program once per layer otherwise (H100
+                 field: FieldParams, reference_key: str | None = None) -> str | None:
+    """The verdict's key where both sides are μGraphs (their canonical JSON), or the candidate is and the caller
+    describes its callable reference (``reference_key``; a callable has no canonical form of its own): the two
+    sides, the inputs' shapes and dtypes (a bool input's values too: they are program data), the bound or trial count
+    and the field. A model's layers verify the same seed against the same program once per layer otherwise (H100
     11-27: 28 s of the Llama decode graph's partition stage; 3 s a layer on a 2-core CPU)."""
-    if not (_is_ugraph(candidate) and _is_ugraph(reference)):
+    if not _is_ugraph(candidate):
+        return None
+    ref = reference.to_json() if _is_ugraph(reference) else reference_key
+    if ref is None:
         return None
     h = hashlib.sha256()
-    for part in (candidate.to_json(), reference.to_json(), repr((target, trials, field))):
+    for part in (candidate.to_json(), ref, repr((target, trials, field))):
         h.update(part.encode())
     for x in example_inputs:
         if not isinstance(x, torch.Tensor):
@@ -345,7 +349,7 @@ def _has_bool(xs) -> bool:
 # ------------------------------------------------------------------ entry point
 def verify(candidate, reference, example_inputs: Sequence, *, error_bound: float | None = None,
            trials: int | None = None, field: FieldParams = DEFAULT_FIELD, seed: int | None = None,
-           cache: Any = None) -> Verdict:
+           cache: Any = None, reference_key: str | None = None) -> Verdict:
     """Is ``candidate`` equivalent to ``reference`` on inputs shaped like ``example_inputs``?
 
     ``error_bound``: target probability of accepting a non-equivalent candidate (default: the configuration's
@@ -355,7 +359,8 @@ def verify(candidate, reference, example_inputs: Sequence, *, error_bound: float
     claimer's ``ctx.config``) passes both, so ``options=`` reach the verifier. Two μGraphs verified alike before
     in this process (same graphs, input shapes, bound; no ``seed``) get that verdict again (:func:`_verdict_key`);
     with ``cache`` (the compile's :class:`~..cache.DiskCache`), across processes too: a warm compile of a model
-    re-verifies nothing. The backend's float check of every region against eager still runs on each compile.
+    re-verifies nothing. A callable ``reference`` is kept so only with ``reference_key``, a stable description
+    of what it computes (its parameters included). The backend's float check of every region against eager still runs on each compile.
     """
     cfg = load() if error_bound is None or trials is None else None
     target = cfg.verify_error_bound if error_bound is None else error_bound
@@ -363,7 +368,8 @@ def verify(candidate, reference, example_inputs: Sequence, *, error_bound: float
     if not 0.0 < target < 1.0:
         raise ValueError(f"verify: error_bound must be in (0, 1), got {target}")
     example_inputs = list(example_inputs)
-    key = _verdict_key(candidate, reference, example_inputs, target, trials, field) if seed is None else None
+    key = _verdict_key(candidate, reference, example_inputs, target, trials, field, reference_key) \
+        if seed is None else None
     if key is not None and (known := _VERDICTS.get(key)) is not None:
         _VERDICTS.move_to_end(key)
         return known
