@@ -6,7 +6,8 @@ its own mirage, Triton and Inductor caches: ``alone`` (mirage only) and ``after-
 compiles and runs the same function first). Each child prints mirage's first-call seconds and stage times, its
 process's CPU affinity, its threads (name and the function each is in: one that runs Python holds the lock mirage's
 kernel loads need), the environment variables Inductor set, Triton's cache directory, and
-(``--profile``) the 25
+Triton's cached ptxas version against the one of the ptxas ``TRITON_PTXAS_PATH`` names (they differed: the
+cause, fixed by :func:`torch_mirage.compile_pool.align_ptxas_version`), and (``--profile``) the 25
 functions of mirage's compile with the most own time (cProfile of the parent; worker processes are not in it).
 
     python benchmarks/compile_after_inductor.py [--workload llama_layer_decode] [--batch 1] [--profile]
@@ -51,6 +52,12 @@ def child(args) -> None:
     import triton
     out["env_set_by_inductor"] = {k: v for k, v in os.environ.items() if env_before.get(k) != v}
     out["triton_cache_dir"] = triton.knobs.cache.dir
+    if device.type == "cuda":    # Triton's cached ptxas version (its cache keys) against the tool the env names now
+        from triton.backends.nvidia import compiler as nvidia
+        arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1]
+        cached = nvidia.get_ptxas_version
+        out["ptxas_cached"] = cached(arch).strip().splitlines()[-1] if cached.cache_info().currsize else None
+        out["ptxas_now"] = cached.__wrapped__(arch).strip().splitlines()[-1]
     out["affinity"] = len(os.sched_getaffinity(0))
     frames = sys._current_frames()           # every thread's name and where it is (a busy one holds the GIL)
     out["threads_before_mirage"] = [f"{t.name}: {frames[t.ident].f_code.co_name} "
@@ -68,6 +75,8 @@ def child(args) -> None:
         prof.disable()
     out["mirage_s"] = round(time.perf_counter() - t0, 2)
     out["stage_ms"] = (mirage_summary(info) or {}).get("stage_ms")
+    if device.type == "cuda":
+        out["ptxas_after"] = cached(arch).strip().splitlines()[-1]
     print(json.dumps(out))
     if prof:
         s = io.StringIO()

@@ -4,7 +4,7 @@
 # Steps: gputests gpushards:<N> (the gpu suite in N parallel pytest processes) gputest:<pytest -k expr> pytest:<pytest args> stitch stitchq stitchsweep mirageset mirageprofile bench:<part>
 #        layerkernels:<batch> (benchmarks/layer_kernels_gpu.py) llmab:<args of benchmarks/llm_ab.py> attnprobe:<args of benchmarks/attention_probe.py>
 #        attnkernel:<args of benchmarks/attention_kernel_gpu.py> pdlprobe:<args of benchmarks/pdl_probe.py>
-#        afterinductor:<args of benchmarks/compile_after_inductor.py>
+#        afterinductor:<args of benchmarks/compile_after_inductor.py> siblingpairs:<args of benchmarks/sibling_pairs_gpu.py>
 #        hf:<models, e.g. qwen2,phi3> (the HF model bench,
 #        default attention, one process per model; MIRAGE_LOG_LEVEL=INFO logs each tuned choice's compile seconds)
 #        (quote a step with spaces as one argument).
@@ -55,6 +55,7 @@ for arg in "$@"; do
     layerkernels:*) timeout "$LIMIT" python3 benchmarks/layer_kernels_gpu.py ${step#layerkernels:} ;;
     llmab:*)  timeout "$LIMIT" python3 benchmarks/llm_ab.py ${step#llmab:} ;;   # "llmab:--model M --scenario S" splits
     pdlprobe:*) OUT="$OUT" timeout "$LIMIT" python3 benchmarks/pdl_probe.py ${step#pdlprobe:} ;;   # "pdlprobe:" = defaults
+    siblingpairs:*) timeout "$LIMIT" python3 benchmarks/sibling_pairs_gpu.py ${step#siblingpairs:} ;;   # "siblingpairs:--batch 8"
     afterinductor:*) timeout "$LIMIT" python3 benchmarks/compile_after_inductor.py ${step#afterinductor:} ;;   # "afterinductor:--profile"
     bench:*)  BUDGET_S=$((LIMIT - 40)) timeout "$LIMIT" bash benchmarks/run_h100.sh ${step#bench:} ;;   # "bench:PART ARGS..." splits
     *) echo "unknown step $step" ;;

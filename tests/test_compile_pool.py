@@ -416,3 +416,31 @@ def test_every_ops_candidates_compile_ahead_in_one_round_on_the_gpu(tmp_path, mo
     assert kernels() == ahead          # every kernel the tuning launched was compiled ahead
     plain = compile_ugraph(g, xs, cache=None, cache_dir=str(tmp_path / "mirage"), tune=False, label="decode")
     torch.testing.assert_close(compiled(*xs)[0], plain(*xs)[0], rtol=2e-2, atol=2e-2)
+
+
+def test_tritons_cached_ptxas_version_follows_the_ptxas_the_environment_names(monkeypatch, caplog):
+    """Inductor sets TRITON_PTXAS_PATH after Triton cached its ptxas's version (a part of every cache key); worker
+    processes started after that key their compiles by the new one, so this process drops its cached version."""
+    import functools
+
+    nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
+    tool = {"version": "ptxas 12.8"}
+
+    @functools.lru_cache()
+    def version(arch: int = 80):
+        return f"Cuda compilation tools\n{tool['version']} (sm_{arch})"
+    monkeypatch.setattr(nvidia, "get_ptxas_version", version)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(compile_pool, "_PTXAS_CHECKED", [])
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    assert not compile_pool.align_ptxas_version()          # nothing cached yet: nothing to align
+    assert version(90).endswith("12.8 (sm_90)")
+    tool["version"] = "ptxas 13.0"
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/torch/bin/ptxas")
+    with caplog.at_level(logging.INFO, logger="torch_mirage"):
+        assert compile_pool.align_ptxas_version()
+    assert version(90).endswith("13.0 (sm_90)")
+    assert "ptxas changed" in caplog.text
+    assert not compile_pool.align_ptxas_version()          # once per value of the variable
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/other/ptxas")
+    assert not compile_pool.align_ptxas_version()          # checked again: the same version, nothing to do

@@ -137,6 +137,40 @@ _LOCK = threading.Lock()                        # one round at a time uses the w
 _WORKERS: list[subprocess.Popen] = []
 
 
+_PTXAS_CHECKED: list[str | None] = []          # the TRITON_PTXAS_PATH last checked by align_ptxas_version
+
+
+def align_ptxas_version() -> bool:
+    """Make this process's Triton key its compiles by the ptxas that ``TRITON_PTXAS_PATH`` names now, as a worker
+    started now does; True where it had to. Triton caches its ptxas's version (part of every kernel's cache key)
+    the first time it needs it; Inductor points ``TRITON_PTXAS_PATH`` at torch's own ptxas later in the same
+    process. Workers started after that compiled under keys this process never looked up, so every kernel compiled
+    twice, the second time here, one at a time (H100 2026-11-28: a llama decode layer's build stage 132 s after
+    an Inductor compile in the process, 29 s without one). Checked once per value of the variable; a Triton without
+    that cache (another version or backend) is left as it is."""
+    path = os.environ.get("TRITON_PTXAS_PATH")
+    if _PTXAS_CHECKED and _PTXAS_CHECKED[-1] == path:
+        return False
+    _PTXAS_CHECKED[:] = [path]
+    try:
+        from triton.backends.nvidia import compiler as nvidia
+        cached = nvidia.get_ptxas_version
+        if not (hasattr(cached, "cache_info") and hasattr(cached, "__wrapped__")) or not cached.cache_info().currsize:
+            return False
+        arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1]
+        if cached(arch) == cached.__wrapped__(arch):
+            return False
+        old = cached(arch).strip().splitlines()[-1:]
+        cached.cache_clear()
+        log.info("torch_mirage: Triton's ptxas changed in this process (TRITON_PTXAS_PATH=%s, set after Triton first "
+                 "used %s); its kernels are keyed by the new one from now on, as the compile workers key theirs",
+                 path, old)
+        return True
+    except Exception as e:        # a Triton without these internals: nothing to align
+        log.debug("torch_mirage: checking Triton's ptxas version failed (%s: %s)", type(e).__name__, e)
+        return False
+
+
 def _workers(count: int) -> list[subprocess.Popen]:
     """``count`` running compile workers (:mod:`.codegen.compile_worker`), started on first use and kept for the
     process's life (a worker that exited is replaced)."""
@@ -203,6 +237,7 @@ def compile_in_workers(requests: Sequence[Any], count: int, timeout_s: float = A
             answers[i] = None if answer.get("ok") else answer.get("error", "failed")
 
     with _LOCK:
+        align_ptxas_version()
         workers_ = _workers(min(count, len(requests)))
         feeders = [threading.Thread(target=feed, args=(w,), name="torch_mirage_compile_feed", daemon=True)
                    for w in workers_]
