@@ -314,7 +314,7 @@ def whole_graph_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg
         return repr(x)
     regions = [[r.claimer, r.compiled_by, len(r.ops), r.info.get("ugraph_hash"), r.info.get("launch"),
                 r.info.get("sibling_launches")] for r in report.regions]
-    timed = ("cuda_graphs", "inductor_mode", "pdl")     # knobs that change how fast mirage's or Inductor's version runs
+    timed = ("cuda_graphs", "inductor_mode", "pdl", "prelude")     # knobs that change how fast mirage's or Inductor's version runs
     knobs = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__
              if cfg.__dataclass_fields__[f].metadata.get("affects_output") or f in timed}
     return cache_key(kind="whole-graph-verdict", code=gm.code,

@@ -229,7 +229,7 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
         raise WholeGraphToInductor(cuda_graph_blocker(gm, example_inputs, report.kind),
                                    ctx.static_input_indices, mutated_inputs(gm))
     with ctx.stage("assemble"):
-        fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode)
+        fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode, config.prelude)
         report.mutated_inputs = mutated_inputs(gm)
         declared = declared_mutations(report.num_inputs)
         # timed on the first call only when every write is one the timing can save and put back

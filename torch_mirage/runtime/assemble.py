@@ -56,8 +56,9 @@ def _region_of_fx(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region]) -
     return owner
 
 
-def _condensed_order(gm: fx.GraphModule, owner: dict[fx.Node, int]) -> list[Any]:
-    """Topological order of FX nodes with each region contracted to one item ('region', i)."""
+def _condensed_order(gm: fx.GraphModule, owner: dict[fx.Node, int], first: set[fx.Node] = frozenset()) -> list[Any]:
+    """Topological order of FX nodes with each region contracted to one item ('region', i); the nodes of ``first``
+    (the prelude: they read only the graph's inputs) ahead of all else."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     pos = {n: i for i, n in enumerate(nodes)}
     item = lambda n: ("region", owner[n]) if n in owner else n
@@ -75,7 +76,8 @@ def _condensed_order(gm: fx.GraphModule, owner: dict[fx.Node, int]) -> list[Any]
         for p in ps:
             succs[p].append(it)
     indeg = {it: len(ps) for it, ps in preds.items()}
-    ready = [(first_pos[it], i, it) for i, it in enumerate(preds) if indeg[it] == 0]
+    rank = lambda it: (0 if it in first else 1, first_pos[it])     # noqa: E731
+    ready = [(rank(it), i, it) for i, it in enumerate(preds) if indeg[it] == 0]
     heapq.heapify(ready)
     order, counter = [], len(preds)
     while ready:
@@ -85,10 +87,49 @@ def _condensed_order(gm: fx.GraphModule, owner: dict[fx.Node, int]) -> list[Any]
             indeg[s] -= 1
             if indeg[s] == 0:
                 counter += 1
-                heapq.heappush(ready, (first_pos[s], counter, s))
+                heapq.heappush(ready, (rank(s), counter, s))
     if len(order) != len(preds):
         raise RuntimeError("torch_mirage: claimed regions form a cycle (a region is not convex)")
     return order
+
+
+PRELUDE_MAX_ELEMENTS = 1 << 16     # the most elements a prelude op's output may hold
+
+
+def prelude_nodes(gm: fx.GraphModule, fb_owner: dict[fx.Node, int]) -> set[fx.Node]:
+    """The fallback's ops that read only the graph's inputs (placeholders, attributes and each other) and make
+    small tensors (each output at most ``PRELUDE_MAX_ELEMENTS``): in a decode step, each layer's cache positions
+    (``arange + counter``) and counter update, the mask, RoPE's cos / sin, the embedding's rows. Interleaved with
+    mirage's kernels each is a launch of its own, as Inductor fuses only ops that share data; together they make
+    one graph that runs before everything else. An op that writes an input in place (a counter's ``copy_``) joins
+    only where every other reader of that input is a prelude op before it (it must not move ahead of one that reads
+    the old value). Empty where no prelude op feeds anything outside the prelude (a graph of its own would have no
+    outputs)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    prelude: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n not in fb_owner or n.op != "call_function" or _write_back_only(n, fb_owner):
+            continue
+        if any(a.op not in ("placeholder", "get_attr") and a not in prelude for a in n.all_input_nodes):
+            continue
+        vals = n.meta.get("val")
+        vals = vals if isinstance(vals, (tuple, list)) else [vals]
+        if not all(isinstance(v, torch.Tensor) and v.numel() <= PRELUDE_MAX_ELEMENTS for v in vals):
+            continue
+        if any(u is not n and (u not in prelude or order[u] > order[n]) for w in _written(n) for u in w.users):
+            continue
+        prelude.add(n)
+    feeds = any(u not in prelude and u.op != "output" for n in prelude for u in n.users)
+    return prelude if feeds else set()
+
+
+def _written(node: fx.Node) -> list[fx.Node]:
+    """The arguments ``node`` writes in place (its schema's mutable arguments)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    return [a for arg, a in zip(schema.arguments, node.args)
+            if isinstance(a, fx.Node) and arg.alias_info is not None and arg.alias_info.is_write]
 
 
 def _write_back_only(node: fx.Node, fb_owner: dict[fx.Node, int]) -> bool:
@@ -158,14 +199,18 @@ def _region_runner(kernel, n_out: int):
 
 
 def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallback: str,
-             inductor_mode: str = "default") -> Any:
-    """A boxed callable running ``gm`` with mirage regions replaced by their kernels."""
+             inductor_mode: str = "default", prelude: str = "inline") -> Any:
+    """A boxed callable running ``gm`` with mirage regions replaced by their kernels. ``prelude`` (the knob):
+    where the fallback's input-only ops (:func:`prelude_nodes`) go — "inline" among the others; "hoist" one Inductor
+    graph of their own, run first; "combo" that graph with Inductor's combo kernels (independent kernels in one
+    launch)."""
     mirage = [r for r in regions if r.compiled_by == "mirage"]
     fallback_regions = [r for r in regions if r.compiled_by != "mirage"]
     values = _fx_of_values(gm, graph)
     owner = _region_of_fx(gm, graph, mirage)
     fb_owner = _region_of_fx(gm, graph, fallback_regions)
-    order = _condensed_order(gm, owner)
+    first = prelude_nodes(gm, fb_owner) if fallback == "inductor" and prelude != "inline" else set()
+    order = _condensed_order(gm, owner, first)
 
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -177,11 +222,15 @@ def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallba
             copied = new.node_copy(it, lambda a: env[a])
             if fallback == "inductor" and it in fb_owner and not _write_back_only(it, fb_owner):
                 copied.meta.setdefault("custom", {})
+                configs = dict(_INDUCTOR_MODE_CONFIGS[inductor_mode])
+                if it in first and prelude == "combo":
+                    configs["combo_kernels"] = True
                 copied.meta["custom"] = dict(copied.meta["custom"], compile_with_inductor={
-                    "inductor_configs": dict(_INDUCTOR_MODE_CONFIGS[inductor_mode]),
-                    # one annotation for every fallback node: regional_inductor then forms the largest
-                    # cycle-free partitions itself, so Inductor fuses across our report's region borders
-                    "inductor_region": 0})
+                    "inductor_configs": configs,
+                    # one annotation for every fallback node (and one for the prelude's): regional_inductor then
+                    # forms the largest cycle-free partitions itself, so Inductor fuses across our report's
+                    # region borders
+                    "inductor_region": 1 if it in first else 0})
             env[it] = copied
             continue
         region = mirage[it[1]]

@@ -1,0 +1,118 @@
+"""The prelude (``MIRAGE_PRELUDE``): the fallback's small ops that read only the graph's inputs, run first as one
+Inductor graph. Which ops it takes (:func:`~torch_mirage.runtime.assemble.prelude_nodes`: never an in-place write
+ahead of a reader of the old value, never a large tensor), and an HF decode step through it equal to eager."""
+import tempfile
+
+import pytest
+import torch
+import torch.fx as fx
+
+import torch_mirage
+from torch_mirage.runtime.assemble import PRELUDE_MAX_ELEMENTS, prelude_nodes
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+
+def _graph(late_counter_reader: bool = False, big: bool = False) -> tuple[fx.GraphModule, dict]:
+    """counter (int64 scalar), x (2, 8), w (8, 8): positions ``iota + counter`` and the counter's ``+1`` written
+    back (input-only), ``x @ w`` (standing for a mirage region) and what reads it; ``late_counter_reader``: an op
+    after the matmul reads the counter's old value; ``big``: an input-only op makes more than
+    PRELUDE_MAX_ELEMENTS."""
+    g = fx.Graph()
+    counter, x, w = g.placeholder("counter"), g.placeholder("x"), g.placeholder("w")
+    iota = g.call_function(prims.iota.default, (1,), dict(start=0, step=1, dtype=torch.int64,
+                                                          device=torch.device("cpu"), requires_grad=False))
+    pos = g.call_function(aten.add.Tensor, (iota, counter))
+    mm = g.call_function(aten.mm.default, (x, w))
+    used = g.call_function(aten.add.Tensor, (mm, g.call_function(aten.unsqueeze.default, (pos, 0))))
+    outs = [used]
+    if late_counter_reader:
+        outs.append(g.call_function(aten.add.Tensor, (mm, counter)))
+    if big:
+        outs.append(g.call_function(aten.full.default, ([PRELUDE_MAX_ELEMENTS + 1], 1.0),
+                                    dict(dtype=torch.float32, device=torch.device("cpu"))))
+    bumped = g.call_function(aten.add.Tensor, (counter, 1))
+    g.call_function(aten.copy_.default, (counter, bumped))
+    g.output(tuple(outs))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    args = [torch.tensor(3), torch.randn(2, 8), torch.randn(8, 8)]
+    for n, a in zip(gm.graph.find_nodes(op="placeholder"), args):
+        n.meta["val"] = a
+    env = {n: a for n, a in zip(gm.graph.find_nodes(op="placeholder"), args)}
+    for n in gm.graph.nodes:            # each op's result as its "val", the way the backend's graphs carry them
+        if n.op == "call_function":
+            n.meta["val"] = env[n] = n.target(*fx.node.map_arg(n.args, env.get), **n.kwargs)
+    fallback = {n: 0 for n in gm.graph.nodes if n.op == "call_function" and n is not mm}
+    return gm, fallback
+
+
+def _names(nodes) -> list[str]:
+    return sorted(n.target.__name__ if hasattr(n.target, "__name__") else str(n.target) for n in nodes)
+
+
+def test_the_prelude_takes_input_only_ops_and_the_counter_update():
+    gm, fallback = _graph()
+    got = prelude_nodes(gm, fallback)
+    # the positions (iota, add, unsqueeze) and the counter's add + copy_; not the matmul nor the add that reads it
+    assert _names(got) == ["add.Tensor", "add.Tensor", "copy_.default", "iota.default", "unsqueeze.default"]
+
+
+def test_an_in_place_write_stays_behind_a_later_reader_of_the_old_value():
+    gm, fallback = _graph(late_counter_reader=True)
+    got = prelude_nodes(gm, fallback)
+    assert aten.copy_.default not in {n.target for n in got}        # the add after the matmul reads the counter
+    assert prims.iota.default in {n.target for n in got}
+
+
+def test_a_large_input_only_tensor_is_not_taken():
+    gm, fallback = _graph(big=True)
+    assert aten.full.default not in {n.target for n in prelude_nodes(gm, fallback)}
+
+
+def test_a_prelude_that_feeds_nothing_else_is_empty():
+    g = fx.Graph()
+    counter = g.placeholder("counter")
+    bumped = g.call_function(aten.add.Tensor, (counter, 1))
+    g.call_function(aten.copy_.default, (counter, bumped))
+    g.output(())
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    counter.meta["val"] = torch.tensor(1)
+    bumped.meta["val"] = torch.tensor(2)
+    for n in gm.graph.nodes:
+        if n.target is aten.copy_.default:
+            n.meta["val"] = torch.tensor(2)
+    assert prelude_nodes(gm, {n: 0 for n in gm.graph.nodes if n.op == "call_function"}) == set()
+
+
+@pytest.mark.parametrize("prelude", ["hoist", "combo"])
+def test_hf_decode_steps_through_the_prelude_equal_eager(prelude):
+    """Three decode steps of a tiny HF llama with a static cache (transformers 5.x: each layer's counter written in
+    place): logits, cache contents and counters as eager's."""
+    pytest.importorskip("transformers")
+    from torch_mirage.bench import llm
+
+    model, config = llm.build_model(llm.MODELS["llama3-8b-4l"], torch.float32, torch.device("cpu"), quick=True)
+
+    def steps(compiled: bool):
+        cache = llm.static_cache(config, 1, 64, torch.device("cpu"), torch.float32)
+
+        def step(ids, position_ids, cache_position):
+            return model(input_ids=ids, position_ids=position_ids, cache_position=cache_position,
+                         past_key_values=cache, use_cache=True).logits
+        backend = torch_mirage.MirageBackend(options=dict(min_region_us=0, measure_regions=False, prelude=prelude,
+                                                          cache_dir=tempfile.mkdtemp()))
+        f = torch.compile(step, backend=backend) if compiled else step
+        ids = torch.randint(0, config.vocab_size, (3, 1, 1))
+        with torch.no_grad():
+            return [f(ids[p], torch.tensor([[p]]), torch.tensor([p])) for p in range(3)], cache
+    torch.manual_seed(0)
+    want, want_cache = steps(False)
+    torch.manual_seed(0)
+    got, got_cache = steps(True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got_cache.layers, want_cache.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
+        if hasattr(b, "cumulative_length"):
+            assert int(a.cumulative_length) == int(b.cumulative_length) == 3
