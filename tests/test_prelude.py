@@ -116,3 +116,35 @@ def test_hf_decode_steps_through_the_prelude_equal_eager(prelude):
         torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
         if hasattr(b, "cumulative_length"):
             assert int(a.cumulative_length) == int(b.cumulative_length) == 3
+
+
+def test_a_failing_prelude_graph_leaves_its_ops_inline(monkeypatch, caplog):
+    """Inductor failing on the prelude's graph (combo kernels are experimental) costs the prelude, not mirage's
+    regions: the ops go inline, with one warning."""
+    import logging
+
+    from torch_mirage import pipeline
+    from test_backend_robustness import _EagerClaimer
+
+    real, seen = pipeline.assemble, []
+
+    def assemble(gm, graph, regions, fallback, mode, prelude="inline"):
+        seen.append(prelude)
+        if prelude != "inline":
+            raise RuntimeError("combo kernel codegen failed")
+        return real(gm, graph, regions, fallback, mode, prelude)
+    monkeypatch.setattr(pipeline, "assemble", assemble)
+
+    def fn(x, w, n):
+        h = x @ w
+        a = torch.exp(h) * 0.5          # claimed
+        return a - a.mean(-1, keepdim=True), torch.arange(3) + n    # the arange + n: input-only
+    report = torch_mirage.Report()
+    backend = torch_mirage.MirageBackend(report=report, claimers=[_EagerClaimer()], options=dict(prelude="combo"))
+    x, w, n = torch.randn(5, 8), torch.randn(8, 6), torch.tensor(2)
+    with caplog.at_level(logging.WARNING, logger="torch_mirage"):
+        got = torch.compile(fn, backend=backend)(x, w, n)
+    torch.testing.assert_close(got, fn(x, w, n))
+    assert seen == ["combo", "inline"]
+    assert "prelude graph" in caplog.text
+    assert any(r.compiled_by == "mirage" for r in report.regions)

@@ -229,7 +229,15 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
         raise WholeGraphToInductor(cuda_graph_blocker(gm, example_inputs, report.kind),
                                    ctx.static_input_indices, mutated_inputs(gm))
     with ctx.stage("assemble"):
-        fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode, config.prelude)
+        try:
+            fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode, config.prelude)
+        except Exception as e:      # the prelude's own Inductor graph (combo kernels) failed: its ops go inline
+            if config.prelude == "inline" or config.strict:
+                raise
+            log.warning("torch_mirage: Inductor failed on the prelude graph (MIRAGE_PRELUDE=%s: %s: %s); its ops run "
+                        "inline instead (MIRAGE_PRELUDE=inline says so from the start)", config.prelude,
+                        type(e).__name__, str(e)[:200])
+            fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode, "inline")
         report.mutated_inputs = mutated_inputs(gm)
         declared = declared_mutations(report.num_inputs)
         # timed on the first call only when every write is one the timing can save and put back
