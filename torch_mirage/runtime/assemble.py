@@ -94,6 +94,7 @@ def _condensed_order(gm: fx.GraphModule, owner: dict[fx.Node, int], first: set[f
 
 
 PRELUDE_MAX_ELEMENTS = 1 << 16     # the most elements a prelude op's output may hold
+PRELUDE_COMBO_NODES = 64           # sub-kernels one combo launch of the prelude may hold (Inductor's default: 8)
 
 
 def prelude_nodes(gm: fx.GraphModule, fb_owner: dict[fx.Node, int]) -> set[fx.Node]:
@@ -121,6 +122,14 @@ def prelude_nodes(gm: fx.GraphModule, fb_owner: dict[fx.Node, int]) -> set[fx.No
         prelude.add(n)
     feeds = any(u not in prelude and u.op != "output" for n in prelude for u in n.users)
     return prelude if feeds else set()
+
+
+def _combo_configs() -> dict[str, Any]:
+    """Inductor's combo-kernel settings for the prelude graph, those this torch has (none: a plain graph)."""
+    from torch._inductor import config as inductor_config
+
+    wanted = {"combo_kernels": True, "combo_kernel_max_num_nodes": PRELUDE_COMBO_NODES}
+    return {k: v for k, v in wanted.items() if hasattr(inductor_config, k)}
 
 
 def _written(node: fx.Node) -> list[fx.Node]:
@@ -224,7 +233,9 @@ def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallba
                 copied.meta.setdefault("custom", {})
                 configs = dict(_INDUCTOR_MODE_CONFIGS[inductor_mode])
                 if it in first and prelude == "combo":
-                    configs["combo_kernels"] = True
+                    # Inductor's 8 sub-kernels per combo launch split a 4-layer decode prelude's dozen kernels
+                    # into 2 combo launches and 3 lone ones (H100, 11-27 tenth); a prelude is small ops only
+                    configs.update(_combo_configs())
                 copied.meta["custom"] = dict(copied.meta["custom"], compile_with_inductor={
                     "inductor_configs": configs,
                     # one annotation for every fallback node (and one for the prelude's): regional_inductor then
