@@ -84,17 +84,19 @@ def test_a_prelude_that_feeds_nothing_else_is_empty():
     assert prelude_nodes(gm, {n: 0 for n in gm.graph.nodes if n.op == "call_function"}) == set()
 
 
-@pytest.mark.parametrize("prelude", ["hoist", "combo"])
-def test_hf_decode_steps_through_the_prelude_equal_eager(prelude):
+def _decode_steps_equal_eager(prelude: str, device: torch.device, caplog) -> None:
     """Three decode steps of a tiny HF llama with a static cache (transformers 5.x: each layer's counter written in
-    place): logits, cache contents and counters as eager's."""
+    place) through mirage with ``prelude``: logits, cache contents and counters as eager's, and the prelude's graph
+    compiled (no fallback to inline)."""
+    import logging
+
     pytest.importorskip("transformers")
     from torch_mirage.bench import llm
 
-    model, config = llm.build_model(llm.MODELS["llama3-8b-4l"], torch.float32, torch.device("cpu"), quick=True)
+    model, config = llm.build_model(llm.MODELS["llama3-8b-4l"], torch.float32, device, quick=True)
 
     def steps(compiled: bool):
-        cache = llm.static_cache(config, 1, 64, torch.device("cpu"), torch.float32)
+        cache = llm.static_cache(config, 1, 64, device, torch.float32)
 
         def step(ids, position_ids, cache_position):
             return model(input_ids=ids, position_ids=position_ids, cache_position=cache_position,
@@ -102,13 +104,16 @@ def test_hf_decode_steps_through_the_prelude_equal_eager(prelude):
         backend = torch_mirage.MirageBackend(options=dict(min_region_us=0, measure_regions=False, prelude=prelude,
                                                           cache_dir=tempfile.mkdtemp()))
         f = torch.compile(step, backend=backend) if compiled else step
-        ids = torch.randint(0, config.vocab_size, (3, 1, 1))
+        ids = torch.randint(0, config.vocab_size, (3, 1, 1), device=device)
         with torch.no_grad():
-            return [f(ids[p], torch.tensor([[p]]), torch.tensor([p])) for p in range(3)], cache
+            return [f(ids[p], torch.tensor([[p]], device=device), torch.tensor([p], device=device))
+                    for p in range(3)], cache
     torch.manual_seed(0)
     want, want_cache = steps(False)
     torch.manual_seed(0)
-    got, got_cache = steps(True)
+    with caplog.at_level(logging.WARNING, logger="torch_mirage"):
+        got, got_cache = steps(True)
+    assert "prelude graph" not in caplog.text
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     for a, b in zip(got_cache.layers, want_cache.layers):
@@ -116,6 +121,18 @@ def test_hf_decode_steps_through_the_prelude_equal_eager(prelude):
         torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
         if hasattr(b, "cumulative_length"):
             assert int(a.cumulative_length) == int(b.cumulative_length) == 3
+
+
+@pytest.mark.parametrize("prelude", ["hoist", "combo"])
+def test_hf_decode_steps_through_the_prelude_equal_eager(prelude, caplog):
+    _decode_steps_equal_eager(prelude, torch.device("cpu"), caplog)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_hf_decode_steps_through_combo_kernels_on_gpu(caplog):
+    """On CUDA the prelude is Inductor's combo kernels (Triton): it compiles, and the steps equal eager's."""
+    _decode_steps_equal_eager("combo", torch.device("cuda"), caplog)
 
 
 def test_a_failing_prelude_graph_leaves_its_ops_inline(monkeypatch, caplog):
@@ -148,3 +165,20 @@ def test_a_failing_prelude_graph_leaves_its_ops_inline(monkeypatch, caplog):
     assert seen == ["combo", "inline"]
     assert "prelude graph" in caplog.text
     assert any(r.compiled_by == "mirage" for r in report.regions)
+
+
+def test_symbolic_sizes_stay_out_of_the_prelude():
+    """With dynamic shapes an input-only op of symbolic size is not taken (no guard on its size); the graph runs
+    equal to eager at each size."""
+    from test_backend_robustness import _EagerClaimer
+
+    def fn(x, w, n):
+        h = x @ w
+        a = torch.exp(h) * 0.5
+        return a - a.mean(-1, keepdim=True), torch.arange(x.shape[0]) + n, n * 2
+    backend = torch_mirage.MirageBackend(claimers=[_EagerClaimer()], options=dict(prelude="combo"))
+    compiled = torch.compile(fn, backend=backend, dynamic=True)
+    w, n = torch.randn(8, 6), torch.tensor(2)
+    for rows in (4, 5, 6):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(compiled(x, w, n), fn(x, w, n))

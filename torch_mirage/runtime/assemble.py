@@ -115,7 +115,8 @@ def prelude_nodes(gm: fx.GraphModule, fb_owner: dict[fx.Node, int]) -> set[fx.No
             continue
         vals = n.meta.get("val")
         vals = vals if isinstance(vals, (tuple, list)) else [vals]
-        if not all(isinstance(v, torch.Tensor) and v.numel() <= PRELUDE_MAX_ELEMENTS for v in vals):
+        sizes = [v.numel() if isinstance(v, torch.Tensor) else None for v in vals]
+        if not all(type(k) is int and k <= PRELUDE_MAX_ELEMENTS for k in sizes):    # a symbolic size: not taken
             continue
         if any(u is not n and (u not in prelude or order[u] > order[n]) for w in _written(n) for u in w.users):
             continue
