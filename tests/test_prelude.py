@@ -69,6 +69,30 @@ def test_a_large_input_only_tensor_is_not_taken():
     assert aten.full.default not in {n.target for n in prelude_nodes(gm, fallback)}
 
 
+def test_a_reduction_over_a_large_input_is_not_taken_but_a_gather_from_one_is():
+    """Work that grows with a large input (a sum over 70000 values) stays with its users; the embedding's rows
+    from a large table join."""
+    g = fx.Graph()
+    big, table, ids, x = (g.placeholder(n) for n in ("big", "table", "ids", "x"))
+    total = g.call_function(aten.sum.default, (big,))
+    rows = g.call_function(aten.embedding.default, (table, ids))
+    mean = g.call_function(aten.mean.default, (rows,))
+    used = g.call_function(aten.add.Tensor, (g.call_function(aten.add.Tensor, (g.call_function(aten.mm.default, (x, x)),
+                                                                               total)), mean))
+    g.output((used,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    args = [torch.randn(PRELUDE_MAX_ELEMENTS + 10), torch.randn(1000, 80), torch.tensor([[3, 5]]), torch.randn(4, 4)]
+    env = dict(zip(gm.graph.find_nodes(op="placeholder"), args))
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            n.meta["val"] = env[n]
+        elif n.op == "call_function":
+            n.meta["val"] = env[n] = n.target(*fx.node.map_arg(n.args, env.get), **n.kwargs)
+    fallback = {n: 0 for n in gm.graph.nodes if n.op == "call_function" and n.target is not aten.mm.default}
+    got = {n.target for n in prelude_nodes(gm, fallback)}
+    assert aten.embedding.default in got and aten.sum.default not in got
+
+
 def test_a_prelude_that_feeds_nothing_else_is_empty():
     g = fx.Graph()
     counter = g.placeholder("counter")
@@ -94,6 +118,7 @@ def _decode_steps_equal_eager(prelude: str, device: torch.device, caplog) -> Non
     from torch_mirage.bench import llm
 
     model, config = llm.build_model(llm.MODELS["llama3-8b-4l"], torch.float32, device, quick=True)
+    report = torch_mirage.Report()
 
     def steps(compiled: bool):
         cache = llm.static_cache(config, 1, 64, device, torch.float32)
@@ -102,7 +127,7 @@ def _decode_steps_equal_eager(prelude: str, device: torch.device, caplog) -> Non
             return model(input_ids=ids, position_ids=position_ids, cache_position=cache_position,
                          past_key_values=cache, use_cache=True).logits
         backend = torch_mirage.MirageBackend(options=dict(min_region_us=0, measure_regions=False, prelude=prelude,
-                                                          cache_dir=tempfile.mkdtemp()))
+                                                          cache_dir=tempfile.mkdtemp()), report=report)
         f = torch.compile(step, backend=backend) if compiled else step
         ids = torch.randint(0, config.vocab_size, (3, 1, 1), device=device)
         with torch.no_grad():
@@ -114,6 +139,8 @@ def _decode_steps_equal_eager(prelude: str, device: torch.device, caplog) -> Non
     with caplog.at_level(logging.WARNING, logger="torch_mirage"):
         got, got_cache = steps(True)
     assert "prelude graph" not in caplog.text
+    said = [g.prelude for g in report.graphs if g.prelude]     # each layer's counter update among the prelude's ops
+    assert said and all(f"({prelude})" in p and "copy_" in p for p in said), said
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     for a, b in zip(got_cache.layers, want_cache.layers):
@@ -145,11 +172,11 @@ def test_a_failing_prelude_graph_leaves_its_ops_inline(monkeypatch, caplog):
 
     real, seen = pipeline.assemble, []
 
-    def assemble(gm, graph, regions, fallback, mode, prelude="inline"):
+    def assemble(gm, graph, regions, fallback, mode, prelude="inline", taken=None):
         seen.append(prelude)
         if prelude != "inline":
             raise RuntimeError("combo kernel codegen failed")
-        return real(gm, graph, regions, fallback, mode, prelude)
+        return real(gm, graph, regions, fallback, mode, prelude, taken)
     monkeypatch.setattr(pipeline, "assemble", assemble)
 
     def fn(x, w, n):
@@ -165,6 +192,7 @@ def test_a_failing_prelude_graph_leaves_its_ops_inline(monkeypatch, caplog):
     assert seen == ["combo", "inline"]
     assert "prelude graph" in caplog.text
     assert any(r.compiled_by == "mirage" for r in report.regions)
+    assert "Inductor failed" in report.graphs[0].prelude and "prelude (MIRAGE_PRELUDE)" in str(report)
 
 
 def test_symbolic_sizes_stay_out_of_the_prelude():

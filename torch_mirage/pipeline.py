@@ -17,6 +17,7 @@ naming the stage and the ops; ``strict`` raises instead.
 """
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any, Sequence
 
@@ -229,14 +230,20 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
         raise WholeGraphToInductor(cuda_graph_blocker(gm, example_inputs, report.kind),
                                    ctx.static_input_indices, mutated_inputs(gm))
     with ctx.stage("assemble"):
+        taken: list[str] = []
         try:
-            fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode, config.prelude)
+            fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode, config.prelude, taken)
+            if taken:
+                counts = collections.Counter(taken).most_common()
+                report.prelude = f"{len(taken)} ops in one Inductor graph run first ({config.prelude}): " + \
+                    ", ".join(f"{op} x{k}" if k > 1 else op for op, k in counts)
         except Exception as e:      # the prelude's own Inductor graph (combo kernels) failed: its ops go inline
             if config.prelude == "inline" or config.strict:
                 raise
             log.warning("torch_mirage: Inductor failed on the prelude graph (MIRAGE_PRELUDE=%s: %s: %s); its ops run "
                         "inline instead (MIRAGE_PRELUDE=inline says so from the start)", config.prelude,
                         type(e).__name__, str(e)[:200])
+            report.prelude = f"none: Inductor failed on its graph ({type(e).__name__}), its ops ran inline"
             fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode, "inline")
         report.mutated_inputs = mutated_inputs(gm)
         declared = declared_mutations(report.num_inputs)

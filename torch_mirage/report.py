@@ -79,6 +79,7 @@ class GraphReport:
     choice_times_us: dict[str, float] = field(default_factory=dict)
     choice_cached: bool = False          # that choice read from the disk cache (an earlier compile timed it)
     untimed_reason: str = ""             # why mirage's version could not be timed against Inductor's
+    prelude: str = ""                    # the input-only ops run first as one Inductor graph (MIRAGE_PRELUDE)
     stage_times_ms: dict[str, float] = field(default_factory=dict)
 
     @contextlib.contextmanager
@@ -98,6 +99,8 @@ class GraphReport:
             lines.append("  no mirage region: the whole graph went to Inductor's own compile_fx")
         if self.mutated_inputs:
             lines.append(f"  writes to inputs {list(self.mutated_inputs)} in place")
+        if self.prelude:
+            lines.append(f"  prelude (MIRAGE_PRELUDE): {self.prelude}")
         if self.choice:
             times = ", ".join(f"{k} {v:.1f} µs" for k, v in self.choice_times_us.items())
             when = "by an earlier compile (disk cache)" if self.choice_cached else "on first call"

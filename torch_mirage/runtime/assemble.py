@@ -94,12 +94,15 @@ def _condensed_order(gm: fx.GraphModule, owner: dict[fx.Node, int], first: set[f
 
 
 PRELUDE_MAX_ELEMENTS = 1 << 16     # the most elements a prelude op's output may hold
+# ops whose work grows with their output, not their inputs: a prelude op may read a large tensor through one of these
+_GATHERS = {torch.ops.aten.embedding.default, torch.ops.aten.index_select.default, torch.ops.aten.index.Tensor}
 PRELUDE_COMBO_NODES = 64           # sub-kernels one combo launch of the prelude may hold (Inductor's default: 8)
 
 
 def prelude_nodes(gm: fx.GraphModule, fb_owner: dict[fx.Node, int]) -> set[fx.Node]:
     """The fallback's ops that read only the graph's inputs (placeholders, attributes and each other) and make
-    small tensors (each output at most ``PRELUDE_MAX_ELEMENTS``): in a decode step, each layer's cache positions
+    small tensors from small ones (each input and output at most ``PRELUDE_MAX_ELEMENTS``; a gather such as the
+    embedding may read a large table): in a decode step, each layer's cache positions
     (``arange + counter``) and counter update, the mask, RoPE's cos / sin, the embedding's rows. Interleaved with
     mirage's kernels each is a launch of its own, as Inductor fuses only ops that share data; together they make
     one graph that runs before everything else. An op that writes an input in place (a counter's ``copy_``) joins
@@ -118,11 +121,19 @@ def prelude_nodes(gm: fx.GraphModule, fb_owner: dict[fx.Node, int]) -> set[fx.No
         sizes = [v.numel() if isinstance(v, torch.Tensor) else None for v in vals]
         if not all(type(k) is int and k <= PRELUDE_MAX_ELEMENTS for k in sizes):    # a symbolic size: not taken
             continue
+        if n.target not in _GATHERS and not all(_small(a) for a in n.all_input_nodes):
+            continue            # its work grows with a large input (a matmul, a reduction): it stays with its users
         if any(u is not n and (u not in prelude or order[u] > order[n]) for w in _written(n) for u in w.users):
             continue
         prelude.add(n)
     feeds = any(u not in prelude and u.op != "output" for n in prelude for u in n.users)
     return prelude if feeds else set()
+
+
+def _small(node: fx.Node) -> bool:
+    """Whether ``node`` holds a tensor of at most ``PRELUDE_MAX_ELEMENTS`` elements (a static count)."""
+    v = node.meta.get("val")
+    return isinstance(v, torch.Tensor) and type(v.numel()) is int and v.numel() <= PRELUDE_MAX_ELEMENTS
 
 
 def _combo_configs() -> dict[str, Any]:
@@ -209,17 +220,19 @@ def _region_runner(kernel, n_out: int):
 
 
 def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallback: str,
-             inductor_mode: str = "default", prelude: str = "inline") -> Any:
+             inductor_mode: str = "default", prelude: str = "inline", taken: list[str] | None = None) -> Any:
     """A boxed callable running ``gm`` with mirage regions replaced by their kernels. ``prelude`` (the knob):
     where the fallback's input-only ops (:func:`prelude_nodes`) go — "inline" among the others; "hoist" one Inductor
     graph of their own, run first; "combo" that graph with Inductor's combo kernels (independent kernels in one
-    launch)."""
+    launch); ``taken`` (where given) receives the prelude's ops (their names, e.g. ``copy_``), in graph order."""
     mirage = [r for r in regions if r.compiled_by == "mirage"]
     fallback_regions = [r for r in regions if r.compiled_by != "mirage"]
     values = _fx_of_values(gm, graph)
     owner = _region_of_fx(gm, graph, mirage)
     fb_owner = _region_of_fx(gm, graph, fallback_regions)
     first = prelude_nodes(gm, fb_owner) if fallback == "inductor" and prelude != "inline" else set()
+    if taken is not None:
+        taken[:] = [getattr(n.target, "_opname", str(n.target)) for n in gm.graph.nodes if n in first]
     order = _condensed_order(gm, owner, first)
 
     new = fx.Graph()
