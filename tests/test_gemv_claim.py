@@ -73,6 +73,12 @@ FORMS = [
     ("norm_gated_a", lambda x, g, w1, w3: (lambda h: F.silu(linear(h, w1)) * linear(h, w3))(norm_a(x, g)), "gw"),
     ("norm_gated_b", lambda x, g, w1, w3: (lambda h: linear(h, w3) * F.silu(linear(h, w1)))(norm_b(x, g)), "gw"),
 ]
+# Gemma's MLP: GELU (tanh approximation) of the gate times the up projection, as F.gelu and written out
+GELU_FORMS = [
+    ("gelu_gated_a", lambda x, w1, w3: F.gelu(linear(x, w1), approximate="tanh") * linear(x, w3), "w"),
+    ("gelu_gated_b", lambda x, w1, w3: linear(x, w3) * (lambda h: 0.5 * h * (1 + torch.tanh(
+        0.7978845608028654 * (h + 0.044715 * h * h * h))))(linear(x, w1)), "w"),
+]
 ROWS = (1, 3, 16)
 
 
@@ -101,7 +107,7 @@ def _gemv_regions(report):
     return [r for r in report.regions if r.claimer == "ugraph-gemv" and r.compiled_by == "mirage"]
 
 
-CASES = [(name, fn, extra, transposed, ROWS[i % 3]) for i, (name, fn, extra) in enumerate(FORMS)
+CASES = [(name, fn, extra, transposed, ROWS[i % 3]) for i, (name, fn, extra) in enumerate(FORMS + GELU_FORMS)
          for transposed in (False, True)]
 
 

@@ -106,8 +106,8 @@ def test_upcast_is_recorded_and_fp16_runs():
 
 def test_declines_name_the_op():
     xs = [torch.randn(M, K), torch.randn(K, N)]
-    ref, _ = _reference(lambda x, w: torch.tanh(x) @ w, xs)
-    assert isinstance(ref, Decline) and "tanh" in str(ref)
+    ref, _ = _reference(lambda x, w: torch.sin(x) @ w, xs)
+    assert isinstance(ref, Decline) and "sin" in str(ref)
     ref, _ = _reference(lambda x, w: x.pow(3) @ w, xs)
     assert isinstance(ref, Decline) and "pow" in ref.reason and "3" in ref.reason
     ref, _ = _reference(lambda x: x.permute(1, 0, 2).exp(), [torch.randn(2, 3, 4)])

@@ -77,7 +77,7 @@ def _is_value(a) -> bool:
 
 
 _INPLACE = re.compile(r"^aten\.(\w+?)_\.(\w+)$")
-_UNARY = {"exp": "exp", "sqrt": "sqrt", "rsqrt": "rsqrt", "silu": "silu", "neg": "neg"}
+_UNARY = {"exp": "exp", "sqrt": "sqrt", "rsqrt": "rsqrt", "silu": "silu", "neg": "neg", "tanh": "tanh"}
 
 
 def _op_name(node) -> str:
