@@ -145,7 +145,7 @@ def align_ptxas_version() -> bool:
     started now does; True where it had to. Triton caches its ptxas's version (part of every kernel's cache key)
     the first time it needs it; Inductor points ``TRITON_PTXAS_PATH`` at torch's own ptxas later in the same
     process. Workers started after that compiled under keys this process never looked up, so every kernel compiled
-    twice, the second time here, one at a time (H100 2026-11-28: a llama decode layer's build stage 132 s after
+    twice, the second time here, one at a time (H100 2026-11-27: a llama decode layer's build stage 132 s after
     an Inductor compile in the process, 29 s without one). Checked once per value of the variable; a Triton without
     that cache (another version or backend) is left as it is."""
     path = os.environ.get("TRITON_PTXAS_PATH")
