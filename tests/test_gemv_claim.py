@@ -453,3 +453,23 @@ def test_decode_projections_on_gpu(rows):
     assert sorted(r.info["matmuls"] for r in gemv) == [1, 2], str(report)
     assert all(r.info["launch"] for r in gemv)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gelu_gated_projection_on_gpu():
+    """Gemma's norm + gate / up with GELU (tanh) · up, bf16, nn.Linear weights: one tuned weight-streaming kernel
+    (CUDA's tanh is tanh.approx.f32), equal to eager within bf16 tolerance, the GELU inside the kernel."""
+    def mlp(x, g, w1, w3):
+        h = norm_a(x, g)
+        return F.gelu(F.linear(h, w1), approximate="tanh") * F.linear(h, w3)
+
+    d, hidden = 2048, 8192
+    dev, bf = "cuda", torch.bfloat16
+    weight = lambda n, k: torch.randn(n, k, device=dev, dtype=bf) * k ** -0.5           # noqa: E731
+    xs = [torch.randn(1, 1, d, device=dev, dtype=bf), 1 + 0.1 * torch.randn(d, device=dev, dtype=bf),
+          weight(hidden, d), weight(hidden, d)]
+    compiled, report = _compile(mlp)
+    assert_close(compiled(*xs), mlp(*[x.double() for x in xs]).to(bf), bf)
+    (region,) = _gemv_regions(report)
+    assert region.info["matmuls"] == 2 and "tanh" in " ".join(region.ops), str(report)
