@@ -444,3 +444,36 @@ def test_tritons_cached_ptxas_version_follows_the_ptxas_the_environment_names(mo
     assert not compile_pool.align_ptxas_version()          # once per value of the variable
     monkeypatch.setenv("TRITON_PTXAS_PATH", "/other/ptxas")
     assert not compile_pool.align_ptxas_version()          # checked again: the same version, nothing to do
+
+
+def test_workers_started_under_another_ptxas_are_replaced(monkeypatch):
+    """Workers key their kernels by the ptxas TRITON_PTXAS_PATH named when they started; where it changed since
+    (Inductor sets it), they are stopped and new ones started with the current environment."""
+    started: list = []
+
+    class Worker:
+        def __init__(self, cmd, env, **kwargs):
+            self.env, self.stopped = env, False
+            self.stdin = self
+            started.append(self)
+
+        def poll(self):
+            return 0 if self.stopped else None
+
+        def close(self):
+            self.stopped = True
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(compile_pool.subprocess, "Popen", Worker)
+    monkeypatch.setattr(compile_pool, "_WORKERS", [])
+    monkeypatch.setattr(compile_pool, "_WORKER_PTXAS", [])
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    first = compile_pool._workers(2)
+    assert compile_pool._workers(2) == first and len(started) == 2      # kept while the variable stays
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/torch/bin/ptxas")
+    second = compile_pool._workers(2)
+    assert all(w.stopped for w in first) and len(started) == 4
+    assert all(w.env["TRITON_PTXAS_PATH"] == "/torch/bin/ptxas" for w in second)
+    compile_pool._stop_workers()

@@ -138,6 +138,7 @@ _WORKERS: list[subprocess.Popen] = []
 
 
 _PTXAS_CHECKED: list[str | None] = []          # the TRITON_PTXAS_PATH last checked by align_ptxas_version
+_WORKER_PTXAS: list[str | None] = []           # the TRITON_PTXAS_PATH the running workers were started under
 
 
 def align_ptxas_version() -> bool:
@@ -173,7 +174,13 @@ def align_ptxas_version() -> bool:
 
 def _workers(count: int) -> list[subprocess.Popen]:
     """``count`` running compile workers (:mod:`.codegen.compile_worker`), started on first use and kept for the
-    process's life (a worker that exited is replaced)."""
+    process's life (a worker that exited is replaced; all are replaced where ``TRITON_PTXAS_PATH`` changed since
+    they started: Inductor sets it, and :func:`align_ptxas_version` then keys this process's kernels by the new
+    ptxas, so workers must too)."""
+    ptxas = os.environ.get("TRITON_PTXAS_PATH")
+    if _WORKERS and _WORKER_PTXAS and _WORKER_PTXAS[0] != ptxas:
+        _stop_workers()           # started under another ptxas: they would key their kernels by its version
+    _WORKER_PTXAS[:] = [ptxas]
     _WORKERS[:] = [w for w in _WORKERS if w.poll() is None]
     # they compile for the GPU whatever runs here (a test under Triton's interpreter compiles nothing itself)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
