@@ -431,7 +431,6 @@ def test_tritons_cached_ptxas_version_follows_the_ptxas_the_environment_names(mo
         return f"Cuda compilation tools\n{tool['version']} (sm_{arch})"
     monkeypatch.setattr(nvidia, "get_ptxas_version", version)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setattr(compile_pool, "_PTXAS_CHECKED", [])
     monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
     assert not compile_pool.align_ptxas_version()          # nothing cached yet: nothing to align
     assert version(90).endswith("12.8 (sm_90)")
@@ -441,7 +440,7 @@ def test_tritons_cached_ptxas_version_follows_the_ptxas_the_environment_names(mo
         assert compile_pool.align_ptxas_version()
     assert version(90).endswith("13.0 (sm_90)")
     assert "ptxas changed" in caplog.text
-    assert not compile_pool.align_ptxas_version()          # once per value of the variable
+    assert not compile_pool.align_ptxas_version()          # aligned now: nothing more to do
     monkeypatch.setenv("TRITON_PTXAS_PATH", "/other/ptxas")
     assert not compile_pool.align_ptxas_version()          # checked again: the same version, nothing to do
 

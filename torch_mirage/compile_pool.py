@@ -137,7 +137,6 @@ _LOCK = threading.Lock()                        # one round at a time uses the w
 _WORKERS: list[subprocess.Popen] = []
 
 
-_PTXAS_CHECKED: list[str | None] = []          # the TRITON_PTXAS_PATH last checked by align_ptxas_version
 _WORKER_PTXAS: list[str | None] = []           # the TRITON_PTXAS_PATH the running workers were started under
 
 
@@ -147,12 +146,9 @@ def align_ptxas_version() -> bool:
     the first time it needs it; Inductor points ``TRITON_PTXAS_PATH`` at torch's own ptxas later in the same
     process. Workers started after that compiled under keys this process never looked up, so every kernel compiled
     twice, the second time here, one at a time (H100 2026-11-27: a llama decode layer's build stage 132 s after
-    an Inductor compile in the process, 29 s without one). Checked once per value of the variable; a Triton without
-    that cache (another version or backend) is left as it is."""
+    an Inductor compile in the process, 29 s without one). :func:`_workers` calls it where the variable changed; a
+    Triton without that cache (another version or backend) is left as it is."""
     path = os.environ.get("TRITON_PTXAS_PATH")
-    if _PTXAS_CHECKED and _PTXAS_CHECKED[-1] == path:
-        return False
-    _PTXAS_CHECKED[:] = [path]
     try:
         from triton.backends.nvidia import compiler as nvidia
         cached = nvidia.get_ptxas_version
@@ -178,9 +174,10 @@ def _workers(count: int) -> list[subprocess.Popen]:
     they started: Inductor sets it, and :func:`align_ptxas_version` then keys this process's kernels by the new
     ptxas, so workers must too)."""
     ptxas = os.environ.get("TRITON_PTXAS_PATH")
-    if _WORKERS and _WORKER_PTXAS and _WORKER_PTXAS[0] != ptxas:
+    if not _WORKER_PTXAS or _WORKER_PTXAS[0] != ptxas:
         _stop_workers()           # started under another ptxas: they would key their kernels by its version
-    _WORKER_PTXAS[:] = [ptxas]
+        align_ptxas_version()
+        _WORKER_PTXAS[:] = [ptxas]
     _WORKERS[:] = [w for w in _WORKERS if w.poll() is None]
     # they compile for the GPU whatever runs here (a test under Triton's interpreter compiles nothing itself)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -244,7 +241,6 @@ def compile_in_workers(requests: Sequence[Any], count: int, timeout_s: float = A
             answers[i] = None if answer.get("ok") else answer.get("error", "failed")
 
     with _LOCK:
-        align_ptxas_version()
         workers_ = _workers(min(count, len(requests)))
         feeders = [threading.Thread(target=feed, args=(w,), name="torch_mirage_compile_feed", daemon=True)
                    for w in workers_]

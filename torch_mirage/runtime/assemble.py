@@ -116,10 +116,7 @@ def prelude_nodes(gm: fx.GraphModule, fb_owner: dict[fx.Node, int]) -> set[fx.No
             continue
         if any(a.op not in ("placeholder", "get_attr") and a not in prelude for a in n.all_input_nodes):
             continue
-        vals = n.meta.get("val")
-        vals = vals if isinstance(vals, (tuple, list)) else [vals]
-        sizes = [v.numel() if isinstance(v, torch.Tensor) else None for v in vals]
-        if not all(type(k) is int and k <= PRELUDE_MAX_ELEMENTS for k in sizes):    # a symbolic size: not taken
+        if not _small(n):
             continue
         if n.target not in _GATHERS and not all(_small(a) for a in n.all_input_nodes):
             continue            # its work grows with a large input (a matmul, a reduction): it stays with its users
@@ -131,9 +128,12 @@ def prelude_nodes(gm: fx.GraphModule, fb_owner: dict[fx.Node, int]) -> set[fx.No
 
 
 def _small(node: fx.Node) -> bool:
-    """Whether ``node`` holds a tensor of at most ``PRELUDE_MAX_ELEMENTS`` elements (a static count)."""
-    v = node.meta.get("val")
-    return isinstance(v, torch.Tensor) and type(v.numel()) is int and v.numel() <= PRELUDE_MAX_ELEMENTS
+    """Whether each tensor ``node`` makes holds at most ``PRELUDE_MAX_ELEMENTS`` elements, a static count (a
+    symbolic size is not taken: comparing it would add a guard)."""
+    vals = node.meta.get("val")
+    vals = vals if isinstance(vals, (tuple, list)) else [vals]
+    return all(isinstance(v, torch.Tensor) and type(v.numel()) is int and v.numel() <= PRELUDE_MAX_ELEMENTS
+               for v in vals)
 
 
 def _combo_configs() -> dict[str, Any]:
