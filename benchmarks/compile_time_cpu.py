@@ -9,10 +9,13 @@ Cases (Llama-3-8B decode shapes, bf16):
   program) and at batch 8 (2 / 4 / 8);
 - ``qkv-siblings``: the paired-halves QKV + RoPE form's q and k / v kernels alone and as one sibling launch.
 
+- ``--jobs FILE``: instead, the kernels listed in a pickle (:func:`compile_jobs`; written by
+  ``decode_partition_cpu.py --compiles``, which claims under the interpreter, where nothing compiles).
+
 Prints seconds per compile (one process, compiles one after another; the device's compile pool runs them in
 parallel, so a round there takes about its slowest compile) and writes JSON with ``--out``.
 
-    python benchmarks/compile_time_cpu.py [--cases decode-attention qkv-siblings] [--out FILE]
+    python benchmarks/compile_time_cpu.py [--cases decode-attention qkv-siblings] [--jobs FILE] [--out FILE]
 """
 from __future__ import annotations
 
@@ -136,15 +139,38 @@ def qkv_siblings(rows: int = 1) -> list[dict]:
     return out
 
 
+def compile_jobs(path: str) -> list[dict]:
+    """Each kernel of the pickled job list (dicts: ``what``, ``body``, ``configs``, ``ranks``, ``in_dtypes``,
+    ``out_dtypes``) compiled at each of its configs: one row per kernel (seconds in all, the slowest, failures)."""
+    import pickle
+    with open(path, "rb") as f:
+        jobs = pickle.load(f)
+    rows = []
+    for job in jobs:
+        times, failed = [], 0
+        for cfg in job["configs"]:
+            try:
+                times.append(_kernel_seconds(job["body"], cfg, job["ranks"], job["in_dtypes"], job["out_dtypes"]))
+            except Exception:         # the GPU's tuner skips a candidate that does not compile too
+                failed += 1
+        rows.append({"case": job["what"], "candidates": len(job["configs"]), "failed": failed,
+                     "compile_s": round(sum(times), 2), "slowest_s": round(max(times, default=0.0), 2)})
+        print(f"{job['what']:44s} {len(job['configs']):3d} candidates {sum(times):7.2f} s (slowest "
+              f"{max(times, default=0.0):.2f} s, {failed} failed)", flush=True)
+    print(f"all: {sum(r['compile_s'] for r in rows):.2f} s", flush=True)
+    return rows
+
+
 CASES = {"decode-attention": decode_attention, "qkv-siblings": qkv_siblings}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--jobs", help="compile the kernels of this pickled job list instead of the cases")
     ap.add_argument("--out")
     args = ap.parse_args()
-    rows = [r for c in args.cases for r in CASES[c]()]
+    rows = compile_jobs(args.jobs) if args.jobs else [r for c in args.cases for r in CASES[c]()]
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"triton": triton.__version__, "torch": torch.__version__, "target": "sm_90 (compiled on CPU)",

@@ -3,8 +3,13 @@
 each plan builds, with counts) and, with ``--profile``, a cProfile
 listing of it (``PROFILE_SORT=tottime`` sorts it by own time). The build stage is not run (it raises at once), so no kernel is compiled. Needs about 4 GB of memory.
 
+``--compiles`` then compiles, for sm_90 (Triton's compiler on the CPU, nothing run), every launch candidate the
+GPU's build stage would compile for each distinct μGraph kernel of the claimed plans (each alternative's
+graph-defined ops, the candidates its plan proposes for 132 SMs), one after another, and prints the seconds per
+kernel and per region: where a cold compile's build stage spends its Triton compiles (issue 15).
+
     python benchmarks/decode_partition_cpu.py [--profile] [--python-dispatcher] [--cache-dir DIR] [--layers N]
-        [--hidden H] [--model qwen2-7b-4l]
+        [--hidden H] [--model qwen2-7b-4l] [--compiles]
 
 ``--python-dispatcher`` runs the stage under AOTAutograd's Python dispatcher, as before ``pipeline.eager_dispatch``
 turned it off (the before / after of that change).
@@ -37,8 +42,10 @@ def main() -> None:
                                                                                     "the graph has")
     p.add_argument("--cache-dir", help="the disk cache to use (default: a fresh one); a second run on the same "
                                        "directory measures the warm partition")
+    p.add_argument("--compiles", action="store_true", help="then compile every launch candidate of the plans' "
+                                                           "μGraph kernels for sm_90 and print the seconds")
     args = p.parse_args()
-    prof, seconds, claims = cProfile.Profile(), [], {}
+    prof, seconds, claims, plans = cProfile.Profile(), [], {}, []
     claim = pipeline.claim_regions
 
     def timed(*a, **k):
@@ -53,6 +60,8 @@ def main() -> None:
                 prof.disable()
                 seconds.append(time.perf_counter() - t)
             for r in regions:      # what was claimed: claimer and, for μGraph plans, the forms built
+                if r.compiled_by == "mirage" and hasattr(r.plan, "alternatives"):
+                    plans.append((r.claimer, r.plan))
                 if r.compiled_by == "mirage":
                     forms = "/".join(a.name for a in getattr(r.plan, "alternatives", ()))
                     key = f"{r.claimer} {forms}".strip()
@@ -93,11 +102,45 @@ def main() -> None:
                       "hidden": spec.config["hidden_size"], "claims": claims,
                       "python_dispatcher": args.python_dispatcher,
                       "cpus": os.cpu_count(), "torch": torch.__version__}))
+    if args.compiles:
+        candidate_compiles(plans)
     if args.profile:
         stats = pstats.Stats(prof).sort_stats(os.environ.get("PROFILE_SORT", "cumulative"))
         stats.print_stats(30)
         if os.environ.get("PROFILE_CALLEES"):      # e.g. _seeded: where one function's time goes
             stats.print_callees(os.environ["PROFILE_CALLEES"])
+
+
+def candidate_compiles(plans, n_sm: int = 132) -> None:
+    """Each launch candidate of every distinct graph-defined op of ``plans`` (claimer, UGraphPlan) compiled for
+    sm_90 by ``compile_time_cpu.py --jobs`` in a child process (this one imported Triton under the interpreter,
+    which compiles nothing): one line per kernel and the total."""
+    import pickle
+    import subprocess
+    import sys
+    from torch_mirage.superopt.launch import candidates
+
+    seen, jobs = set(), []
+    for claimer, plan in plans:
+        for alt in plan.alternatives:
+            kg = alt.graph
+            for i, op in enumerate(kg.ops):
+                if op.name != "customized":
+                    continue
+                ranks = [len(kg.ops[r[0]].shapes[r[1]]) for r in op.inputs]
+                in_dtypes = [kg.ops[r[0]].dtypes[r[1]] for r in op.inputs]
+                key = (op.body.hash(), tuple(ranks), tuple(in_dtypes))
+                if key not in seen:
+                    seen.add(key)
+                    jobs.append(dict(what=f"{claimer} {alt.name} op{i}", body=op.body, ranks=ranks,
+                                     in_dtypes=in_dtypes, out_dtypes=list(op.dtypes),
+                                     configs=(plan.propose or candidates)(op.body, n_sm, 4)))
+    with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
+        pickle.dump(jobs, f)
+    here = os.path.dirname(os.path.abspath(__file__))
+    subprocess.run([sys.executable, os.path.join(here, "compile_time_cpu.py"), "--jobs", f.name], check=True,
+                   env={**os.environ, "TRITON_INTERPRET": "0"})
+    os.unlink(f.name)
 
 
 if __name__ == "__main__":
