@@ -20,8 +20,8 @@ def _lora(x, w, a, b):
     return x @ w + (x @ a) @ b
 
 
-def _lora_claim(ctx):
-    xs = torch.randn(8, 16), torch.randn(16, 12), torch.randn(16, 2), torch.randn(2, 12)
+def _lora_claim(ctx, n: int = 12):
+    xs = torch.randn(8, 16), torch.randn(16, n), torch.randn(16, 2), torch.randn(2, n)
     graph = trace_ir(_lora, *xs)
     (claim,) = claims(SearchClaimer(seeds=["lora"], enumerates=False).claim(graph, list(graph.nodes), ctx))
     return graph, xs, claim
@@ -85,7 +85,7 @@ def test_a_cached_choice_of_alternatives_compiles_only_its_winner(monkeypatch, t
     graph, xs, claim = _lora_claim(ctx)
     (lora,) = claim.plan.alternatives
     claim.plan.alternatives = [Alternative("first", lora.graph, "the first alternative", {"ugraph": "first"}), lora]
-    monkeypatch.setattr(build, "_alternatives_key", lambda graphs, examples, cache: "alternatives-key")
+    monkeypatch.setattr(build, "_alternatives_key", lambda graphs, examples, cache, device=None: "alternatives-key")
     ctx.cache.put_json("alternatives-key", {"times": {"first": 9.0, "lora": 4.0}})
     calls = _failing_first(monkeypatch, 0)
     (region,) = built_regions([claim], graph, ctx, "ugraph-search")
@@ -98,3 +98,44 @@ def test_a_cached_choice_of_alternatives_compiles_only_its_winner(monkeypatch, t
     calls = _failing_first(monkeypatch, 1)          # the cached winner fails: both are built, the first runs
     (region,) = built_regions([claim], graph, ctx, "ugraph-search")
     assert len(calls) == 3 and region.compiled_by == "mirage"
+
+
+def test_the_graphs_launch_candidates_compile_in_one_round(monkeypatch):
+    """On a GPU the build stage first compiles the launch candidates of every μGraph plan in one round of the
+    compile pool (each distinct plan once: a model's layers share theirs), from meta examples of the plans' shapes
+    and strides, and marks the plans, so that none makes a round of its own. Faked here: the CUDA device, the
+    candidates' compiles and the pool."""
+    from torch_mirage.compile_pool import PoolRun
+    from torch_mirage.partition.region import Region
+
+    claiming = CompileContext.standalone(target=Target.INTERPRETER)
+    made = [_lora_claim(claiming), _lora_claim(claiming), _lora_claim(claiming, n=24)]   # two layers alike, another
+    ctx = CompileContext.standalone(target=Target.CUDA)
+    regions = [Region.of_claim(claim, "ugraph-search") for _, _, claim in made]
+    off_cuda = Region.of_claim(_lora_claim(claiming)[2], "ugraph-search")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def example_metas(plan):
+        return torch.device("cuda"), [x.to("meta") for x in plan.examples()]
+    asked, rounds = [], []
+
+    def tuning_compiles(graph, examples, *, label, device, **where):
+        asked.append((graph.hash(), device.type, {x.device.type for x in examples}))
+        return {f"{label} op1 c{i}": (lambda: None) for i in range(3)}
+
+    def run_all(names, job, threads):
+        rounds.append(list(names))
+        for name in names:
+            job(name)
+        return PoolRun(threads)
+    monkeypatch.setattr(build, "_example_metas", example_metas)
+    monkeypatch.setattr(build, "tuning_compiles", tuning_compiles)
+    monkeypatch.setattr(build, "run_all", run_all)
+    build.compile_candidates_ahead(regions, ctx)
+    assert len(rounds) == 1 and len(rounds[0]) == 6          # 3 candidates of each of the two distinct plans
+    assert {name.split(" lora")[0] for name in rounds[0]} == {"region 0", "region 2"}
+    assert len(asked) == 2 and asked[0][0] != asked[1][0] and all(a[1:] == ("cuda", {"meta"}) for a in asked)
+    assert all(r.plan.candidates_compiled for r in regions)
+
+    build.compile_candidates_ahead([off_cuda], claiming)    # off CUDA: nothing ahead, nothing marked
+    assert len(rounds) == 1 and not off_cuda.plan.candidates_compiled

@@ -390,10 +390,12 @@ def test_tuning_compiles_nothing_off_cuda():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
-def test_every_ops_candidates_compile_ahead_in_one_round_on_the_gpu(tmp_path, monkeypatch, processes):
+@pytest.mark.parametrize("meta", [False, True], ids=["examples", "meta-examples"])
+def test_every_ops_candidates_compile_ahead_in_one_round_on_the_gpu(tmp_path, monkeypatch, processes, meta):
     """The launch candidates of both ops of split-KV decode attention compiled in one round (tuning_compiles):
     the tuning after it compiles no kernel Triton's (fresh) cache does not already hold, and the tuned μGraph
-    matches its own schedule."""
+    matches its own schedule. ``meta``: the compiles ahead made from meta tensors of the examples and the device
+    (as the build stage's one round for a whole graph makes them) are the kernels the tuning launches."""
     import triton
 
     from torch_mirage.compile_pool import run_all
@@ -404,7 +406,9 @@ def test_every_ops_candidates_compile_ahead_in_one_round_on_the_gpu(tmp_path, mo
     kernels = lambda: sorted(p.name for p in (tmp_path / "triton").rglob("*.cubin"))
     g = flash_decoding(2, 8, 4, 1024, 128, scale=0.088, dtype="float16", splits=8)
     xs = [torch.randn(i.attrs["shape"], device="cuda", dtype=getattr(torch, i.attrs["dtype"])) for i in g.inputs]
-    jobs = tuning_compiles(g, xs, cache=None, cache_dir=str(tmp_path / "mirage"), label="decode")
+    ahead_of = [x.to("meta") for x in xs] if meta else xs
+    jobs = tuning_compiles(g, ahead_of, cache=None, cache_dir=str(tmp_path / "mirage"), label="decode",
+                           device=xs[0].device)
     assert len({name.split()[0] for name in jobs}) == 2, sorted(jobs)   # the split kernel's candidates, the combine's
     with compile_workers(4, processes=processes):
         done = run_all(list(jobs), lambda name: jobs[name](), 4)

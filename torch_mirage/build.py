@@ -7,7 +7,8 @@ Triton kernel (:func:`~.codegen.stitch_launch.build_kernel`; on a GPU all of the
 pool, :mod:`.compile_pool`, at the end of the stage); a :class:`~.superopt.ugraph_plan.UGraphPlan` has each
 of its μGraphs compiled (:func:`~.superopt.compile.compile_ugraph`, whose launch configurations are tuned on a GPU)
 and, where it has several, the fastest chosen on a GPU — both choices through :func:`~.tune.tune`, the one loop of
-candidates, check, timing and winner cache. A plan that fails to build leaves its region to the fallback (reason
+candidates, check, timing and winner cache. On a GPU the launch candidates of every μGraph plan of the graph compile
+first, in one round of the pool (:func:`compile_candidates_ahead`), not one round per region. A plan that fails to build leaves its region to the fallback (reason
 ``COMPILE_ERROR``, the error in its detail and in a typed decline, one grouped warning); under ``strict`` it raises.
 Another plan type gets its builder with ``kernel_of.register``.
 """
@@ -53,6 +54,7 @@ def build_regions(regions: Sequence[Region], graph: Graph, ctx: CompileContext) 
     fallback with the error (:func:`build_region`). The kernels that are not compiled by then (the stitch kernels:
     nothing tunes them) compile at once in the compile pool, before the check stage first runs them."""
     warmups: dict[str, Callable[[], None]] = {}
+    compile_candidates_ahead(regions, ctx)
     for region in regions:
         if region.compiled_by == "mirage" and region.kernel is None:
             warmup = build_region(region, graph, ctx)
@@ -64,6 +66,89 @@ def build_regions(regions: Sequence[Region], graph: Graph, ctx: CompileContext) 
         if compiled is not None:   # a kernel that failed to compile fails again in the check stage, which says why
             log.info("torch_mirage: compiled %d region kernels ahead in %.2f s (%s; %d failed)", len(warmups),
                      time.perf_counter() - start, compiled.how, len(compiled.errors))
+
+
+def compile_candidates_ahead(regions: Sequence[Region], ctx: CompileContext) -> None:
+    """On a GPU, the launch candidates the build will tune for every μGraph plan of ``regions`` (each once where
+    regions share one: a model's layers) compiled in one round of the compile pool, where each region's round would
+    wait for its own slowest compile (H100 2026-11-27: a decode layer's cold build spent 19.5 of its 29 s waiting on
+    the rounds). Each plan's example inputs are made, read for their shapes, dtypes and strides, and freed, one plan
+    at a time; the plans are marked (:attr:`UGraphPlan.candidates_compiled`), so that their own build skips its
+    round. Nothing off CUDA or once the tuning budget is spent."""
+    if ctx.target is not Target.CUDA or not torch.cuda.is_available() or not budget_left():
+        return
+    jobs: dict[str, Callable[[], None]] = {}
+    seen: set = set()
+    for k, region in enumerate(regions):
+        plan = region.plan
+        if region.compiled_by != "mirage" or region.kernel is not None or not isinstance(plan, UGraphPlan):
+            continue
+        try:
+            device, metas = _example_metas(plan)
+        except Exception as e:   # its own build makes them again, and says what fails
+            log.debug("torch_mirage: no compiles ahead for %s (%s: %s)", plan.what, type(e).__name__, e)
+            continue
+        if device.type != "cuda":
+            continue
+        hit = _cached_alternative(plan, metas, ctx.cache, device)
+        alternatives = [hit[0]] if hit else plan.alternatives
+        key = (tuple(a.graph.hash() for a in alternatives), tuple(x.stride() for x in metas),
+               getattr(plan.propose, "__name__", None))
+        plan.candidates_compiled = True
+        if key not in seen:      # else another region's plan (an earlier layer's) compiles the same kernels
+            seen.add(key)
+            jobs.update(_candidate_jobs(alternatives, metas, _compile_where(plan, ctx), device, f"region {k} "))
+    _compile_round(jobs, "the graph's μGraphs")
+
+
+def _example_metas(plan: UGraphPlan) -> tuple[torch.device, list[torch.Tensor]]:
+    """The device of the plan's example inputs and meta tensors of their shapes, dtypes and strides (the real ones
+    made and freed: what a kernel is compiled for, besides alignment, which a fresh buffer has)."""
+    with unset_fake_temporarily():
+        examples = plan.examples()
+        return examples[0].device, [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+                                    for x in examples]
+
+
+def _candidate_jobs(alternatives: Sequence[Alternative], examples: list, where: dict[str, Any],
+                    device: torch.device | None = None, prefix: str = "") -> dict[str, Callable[[], None]]:
+    """The compiles of every launch candidate of ``alternatives``' ops (:func:`tuning_compiles`), by name."""
+    jobs: dict[str, Callable[[], None]] = {}
+    for a in alternatives:
+        try:
+            jobs.update({prefix + name: job for name, job in
+                         tuning_compiles(a.graph, examples, label=a.name, device=device, **where).items()})
+        except Exception as e:   # its compile_one meets the same error, and drops it or says why
+            log.debug("torch_mirage: no compiles ahead for μGraph %s (%s: %s)", a.name, type(e).__name__, e)
+    return jobs
+
+
+def _compile_round(jobs: dict[str, Callable[[], None]], what: str) -> None:
+    """``jobs`` in one round of the compile pool, logged with its seconds."""
+    start = time.perf_counter()
+    compiled = run_all(list(jobs), lambda name: jobs[name](), workers())
+    if compiled is not None:   # a launch that failed here fails again in its tuning round, which drops it
+        log.info("torch_mirage: compiled the launch candidates of %s ahead, %d kernels in %.2f s (%s; %d failed)",
+                 what, len(jobs), time.perf_counter() - start, compiled.how, len(compiled.errors))
+
+
+def _compile_where(plan: UGraphPlan, ctx: CompileContext) -> dict[str, Any]:
+    """Where a plan's kernels compile and how their launches are proposed (compile_ugraph's and
+    tuning_compiles' keyword arguments)."""
+    return dict(cache=ctx.cache, cache_dir=ctx.config.cache_dir, target=ctx.target, propose=plan.propose or candidates)
+
+
+def _cached_alternative(plan: UGraphPlan, examples: list, cache: Any,
+                        device: torch.device | None = None) -> tuple[Alternative, dict[str, float]] | None:
+    """The plan's μGraph the cache says is fastest for these μGraphs on the examples' (or ``device``'s) device,
+    with the times it was chosen by; None where the plan has one μGraph or the cache has no answer."""
+    if len(plan.alternatives) < 2:
+        return None
+    hit = cached_choice(cache, _alternatives_key([a.graph for a in plan.alternatives], examples, cache, device),
+                        [a.name for a in plan.alternatives])
+    if hit is None:
+        return None
+    return next(a for a in plan.alternatives if a.name == hit.winner), hit.times
 
 
 def build_region(region: Region, graph: Graph, ctx: CompileContext) -> Callable[[], None] | None:
@@ -124,8 +209,7 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
     cache already holds that choice for these μGraphs and device, only its winner is compiled (a warm compile
     builds one alternative, not all); should it fail, every alternative is built as on a cold compile."""
     examples = plan.examples()
-    where = dict(cache=ctx.cache, cache_dir=ctx.config.cache_dir, target=ctx.target,
-                 propose=plan.propose or candidates)
+    where = _compile_where(plan, ctx)
 
     def compile_one(alternative: Alternative, warmups: dict | None = None) -> Any:
         return compile_ugraph(alternative.graph, examples, label=alternative.name, warmups=warmups, **where)
@@ -133,30 +217,19 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
     def compile_ahead(alternatives: Sequence[Alternative]) -> None:
         """The launch candidates of every op of ``alternatives`` in one round of the compile pool: each op's tuning
         then finds its kernels compiled, instead of waiting for a round of its own."""
-        if ctx.target is not Target.CUDA or not examples[0].is_cuda or not budget_left():
-            return                 # a spent tuning budget times nothing: each op takes its first candidate
-        jobs: dict[str, Callable[[], None]] = {}
-        for a in alternatives:
-            try:
-                jobs.update(tuning_compiles(a.graph, examples, label=a.name, **where))
-            except Exception as e:   # its compile_one meets the same error, and drops it or says why
-                log.debug("torch_mirage: no compiles ahead for μGraph %s (%s: %s)", a.name, type(e).__name__, e)
-        start = time.perf_counter()
-        compiled = run_all(list(jobs), lambda name: jobs[name](), workers())
-        if compiled is not None:   # a launch that failed here fails again in its tuning round, which drops it
-            log.info("torch_mirage: compiled the launch candidates of %d μGraph(s) ahead, %d kernels in %.2f s (%s; "
-                     "%d failed)", len(alternatives), len(jobs), time.perf_counter() - start, compiled.how,
-                     len(compiled.errors))
-    hit = cached_choice(ctx.cache, _alternatives_key([a.graph for a in plan.alternatives], examples, ctx.cache),
-                        [a.name for a in plan.alternatives]) if len(plan.alternatives) > 1 else None
+        if ctx.target is not Target.CUDA or not examples[0].is_cuda or not budget_left() or plan.candidates_compiled:
+            return     # a spent tuning budget times nothing: each op takes its first candidate; or compiled with all
+        _compile_round(_candidate_jobs(alternatives, examples, where), f"{len(alternatives)} μGraph(s)")
+    hit = _cached_alternative(plan, examples, ctx.cache)
     if hit is not None:
-        chosen = next(a for a in plan.alternatives if a.name == hit.winner)
+        chosen, times = hit
         try:
             compile_ahead([chosen])
-            return _built(plan, chosen, compile_one(chosen), hit.times)
+            return _built(plan, chosen, compile_one(chosen), times)
         except Exception as e:
             log.info("torch_mirage: cached μGraph choice %s of %s does not compile (%s: %s); building all",
                      chosen.name, plan.what, type(e).__name__, e)
+            plan.candidates_compiled = False      # the round ahead compiled the cached choice's only
     built: list[tuple[Alternative, Any]] = []
     errors: list[Exception] = []
     warmups: dict[str, Callable[[], None]] = {}   # the alternatives' last rebuilt kernels, compiled in one round
@@ -192,13 +265,15 @@ def _built(plan: UGraphPlan, chosen: Alternative, compiled: Any, times: dict[str
     return Built(plan.bind(compiled), chosen.detail, info)
 
 
-def _alternatives_key(graphs: Sequence[Any], examples: list, cache: Any) -> str | None:
-    """The cache key of the choice among μGraphs ``graphs`` on the examples' device; None off CUDA (nothing is
-    timed there) or without a cache."""
-    if cache is None or examples[0].device.type != "cuda":
+def _alternatives_key(graphs: Sequence[Any], examples: list, cache: Any,
+                      device: torch.device | None = None) -> str | None:
+    """The cache key of the choice among μGraphs ``graphs`` on the examples' (or ``device``'s) device; None off
+    CUDA (nothing is timed there) or without a cache."""
+    device = device or examples[0].device
+    if cache is None or device.type != "cuda":
         return None
     return cache_key(kind="ugraph-alternatives/2", graphs=[g.hash() for g in graphs],
-                     device=torch.cuda.get_device_name(examples[0].device))
+                     device=torch.cuda.get_device_name(device))
 
 
 def _timing_sets(examples: list) -> list | None:

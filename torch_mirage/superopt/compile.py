@@ -430,14 +430,17 @@ def _check_inputs(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor]) -
 
 def tuning_compiles(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], *, cache: Any = None,
                     cache_dir: str | None = None, limit: int = 4, target: Target | None = None,
-                    propose: Callable[..., list] = candidates, label: str = "ugraph") -> dict[str, Callable[[], None]]:
+                    propose: Callable[..., list] = candidates, label: str = "ugraph",
+                    device: torch.device | None = None) -> dict[str, Callable[[], None]]:
     """Jobs compiling, without running, every launch candidate that :func:`compile_ugraph` will time for
     ``kgraph`` on ``example_inputs`` (ops whose choice ``cache`` holds left out), by name. A caller runs those of
     all its ops — and of several μGraphs — in one round of the compile pool (:func:`~..compile_pool.run_all`),
     where each op's tuning would otherwise wait for a round of its own (its inputs are the op before it's
-    outputs); the tuning rounds after it then find their kernels compiled. Empty off CUDA, and for a μGraph
-    :func:`compile_ugraph` would reject (it says why)."""
-    device = example_inputs[0].device if example_inputs else None
+    outputs); the tuning rounds after it then find their kernels compiled. ``device``: the CUDA device the kernels
+    are for, where the examples are meta tensors (of the real ones' shapes, dtypes and strides: a kernel compiled
+    for them takes their addresses as aligned, as a fresh buffer's are); default: the examples'. Empty off CUDA,
+    and for a μGraph :func:`compile_ugraph` would reject (it says why)."""
+    device = device or (example_inputs[0].device if example_inputs else None)
     if device is None or device.type != "cuda":
         return {}
     try:

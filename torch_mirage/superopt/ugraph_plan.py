@@ -36,6 +36,8 @@ class UGraphPlan:
     bind: Callable[[Callable], Callable[..., tuple]]   # compiled μGraph -> (*region inputs) -> tuple(region outputs)
     what: str                                      # for a failure's warning: "μGraph gated_mlp(4, 8, 16) float32"
     propose: Callable[..., list] | None = None     # the launch candidates (None: superopt.launch.candidates)
+    # set by the build stage where one round for the whole graph compiled these candidates (build.compile_candidates_ahead)
+    candidates_compiled: bool = False
 
 
 def random_inputs(metas: Sequence[Any], shapes: Sequence[tuple] | None = None) -> list[torch.Tensor]:
