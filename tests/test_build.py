@@ -93,6 +93,7 @@ def test_a_cached_choice_of_alternatives_compiles_only_its_winner(monkeypatch, t
     inputs = dict(zip([v.name for v in graph.inputs], xs))
     assert_close(region.kernel(*[inputs[v.name] for v in region.inputs])[0], _lora(*xs))
 
+    ctx = CompileContext.standalone(target=Target.INTERPRETER, cache=ctx.cache)     # another graph's compile
     graph, xs, claim = _lora_claim(ctx)
     claim.plan.alternatives = [Alternative("first", lora.graph, "the first alternative", {"ugraph": "first"}), lora]
     calls = _failing_first(monkeypatch, 1)          # the cached winner fails: both are built, the first runs
@@ -139,3 +140,17 @@ def test_the_graphs_launch_candidates_compile_in_one_round(monkeypatch):
 
     build.compile_candidates_ahead([off_cuda], claiming)    # off CUDA: nothing ahead, nothing marked
     assert len(rounds) == 1 and not off_cuda.plan.candidates_compiled
+
+
+def test_regions_of_the_same_ugraph_share_its_kernels(monkeypatch):
+    """A model's layers: regions whose plans hold the same μGraphs on example inputs of the same shapes, dtypes and
+    strides are compiled once per graph and share the kernels; another shape compiles its own; each region's
+    kernel computes its own inputs' result."""
+    ctx = CompileContext.standalone(target=Target.INTERPRETER)
+    made = [_lora_claim(ctx), _lora_claim(ctx), _lora_claim(ctx, n=24)]
+    calls = _failing_first(monkeypatch, 0)
+    regions = [built_regions([claim], graph, ctx, "ugraph-search")[0] for graph, _, claim in made]
+    assert len(calls) == 2 and all(r.compiled_by == "mirage" for r in regions)
+    for (graph, xs, _), region in zip(made, regions):
+        inputs = dict(zip([v.name for v in graph.inputs], xs))
+        assert_close(region.kernel(*[inputs[v.name] for v in region.inputs])[0], _lora(*xs))

@@ -53,3 +53,52 @@ def test_check_against_float64_reports_a_wrong_kernel_instead_of_failing():
     assert problem is not None and "against float64" in problem, problem
     region.kernel = exact
     assert numerics_problem(region, graph) is None
+
+
+def _two_layers(x, w1, w2):
+    """Two matmuls of one shape on different weights (a model's layers' regions)."""
+    h = torch.softmax(x @ w1, dim=-1)
+    g = torch.softmax(h @ w2, dim=-1)
+    return g, torch.tanh(g)
+
+
+def test_the_check_runs_once_per_kind_of_region_and_hands_back_each_wrong_one():
+    """Regions that run the same code on the same kind of inputs (one check key: the layers of a model) are checked
+    once; a region whose kernel differs, or whose key failed, is checked itself."""
+    from torch_mirage.capture.ir import subgraph
+    from torch_mirage.context import CompileContext, Target
+    from torch_mirage.runtime.measure import check_key, check_regions
+
+    xs = [torch.randn(4, 8), torch.randn(8, 8), torch.randn(8, 8)]
+    graph = trace_ir(_two_layers, *xs)
+    mm = [n for n in graph.nodes if n.target_name == "aten.mm.default"]
+    assert len(mm) == 2
+    runs = []
+
+    def kernel_of(nodes, scale=1.0):
+        program = to_fx(subgraph(graph, nodes, Region(nodes, "mirage", Reason.CLAIMED).outputs(graph)))
+
+        def run(*inputs):
+            runs.append(nodes[0].name)
+            return tuple(o * scale for o in program(*inputs))
+        return run
+    layers = [Region([m], "mirage", Reason.CLAIMED, kernel=kernel_of([m])) for m in mm]
+    for r in layers:
+        r.claimer, r.info = "test", {"ugraph_hash": "same"}
+    keys = [check_key(r, graph, subgraph(graph, r.nodes, r.outputs(graph))) for r in layers]
+    assert keys[0] == keys[1]
+    ctx = CompileContext.standalone(target=Target.INTERPRETER)
+    check_regions(layers, graph, ctx)
+    assert len(runs) == 1 and all(r.compiled_by == "mirage" for r in layers)
+
+    runs.clear()      # both wrong: the first fails its check, so the second is checked (and fails) too
+    for r in layers:
+        r.kernel = kernel_of(r.nodes, scale=1.5)
+    check_regions(layers, graph, ctx)
+    assert len(runs) == 2 and all(r.compiled_by != "mirage" for r in layers)
+
+    runs.clear()      # another μGraph in the second: its own check
+    for r, h in zip(layers, ["same", "other"]):
+        r.compiled_by, r.kernel, r.info = "mirage", kernel_of(r.nodes), {"ugraph_hash": h}
+    check_regions(layers, graph, ctx)
+    assert len(runs) == 2 and all(r.compiled_by == "mirage" for r in layers)

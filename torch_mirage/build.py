@@ -205,10 +205,23 @@ def _stitch(plan: StitchPlan, region: Region, graph: Graph, ctx: CompileContext)
 
 @kernel_of.register
 def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext) -> Built:
-    """Each of the plan's μGraphs compiled (launches tuned on a GPU); of several, the fastest on a GPU. Where the
-    cache already holds that choice for these μGraphs and device, only its winner is compiled (a warm compile
-    builds one alternative, not all); should it fail, every alternative is built as on a cold compile."""
+    """The plan's μGraph compiled (:func:`_compiled_ugraph`), or the one compiled for an earlier region of this
+    graph with the same μGraphs and example inputs of the same shapes, dtypes and strides (a model's next layer:
+    its tuning would read the same cached choices; its kernels are the same)."""
     examples = plan.examples()
+    key = (tuple(a.graph.hash() for a in plan.alternatives), getattr(plan.propose, "__name__", None),
+           tuple((tuple(x.shape), x.dtype, x.stride(), x.device) for x in examples))
+    if key not in ctx.built_ugraphs:
+        ctx.built_ugraphs[key] = _compiled_ugraph(plan, examples, ctx)
+    name, compiled, times = ctx.built_ugraphs[key]
+    return _built(plan, next(a for a in plan.alternatives if a.name == name), compiled, times)
+
+
+def _compiled_ugraph(plan: UGraphPlan, examples: list, ctx: CompileContext) -> tuple[str, Any, dict[str, float]]:
+    """Each of the plan's μGraphs compiled (launches tuned on a GPU); of several, the fastest on a GPU: ``(its
+    name, the compiled μGraph, the times it was chosen by)``. Where the cache already holds that choice for these
+    μGraphs and device, only its winner is compiled (a warm compile builds one alternative, not all); should it
+    fail, every alternative is built as on a cold compile."""
     where = _compile_where(plan, ctx)
 
     def compile_one(alternative: Alternative, warmups: dict | None = None) -> Any:
@@ -225,7 +238,7 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
         chosen, times = hit
         try:
             compile_ahead([chosen])
-            return _built(plan, chosen, compile_one(chosen), times)
+            return chosen.name, compile_one(chosen), times
         except Exception as e:
             log.info("torch_mirage: cached μGraph choice %s of %s does not compile (%s: %s); building all",
                      chosen.name, plan.what, type(e).__name__, e)
@@ -250,7 +263,7 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
     if ctx.target is Target.CUDA and examples[0].is_cuda:   # what fails here fails again, and says why, when timed
         run_all(list(warmups), lambda name: warmups[name](), workers())
     (chosen, compiled), times = fastest(built, examples, ctx.cache)
-    return _built(plan, chosen, compiled, times)
+    return chosen.name, compiled, times
 
 
 def _built(plan: UGraphPlan, chosen: Alternative, compiled: Any, times: dict[str, float]) -> Built:

@@ -54,6 +54,9 @@ class CompileContext:
     # the real tensors of the call being compiled, by ATen graph input index (user inputs only, where Dynamo's and
     # the ATen graph's inputs line up): launch tuning may time on them; no kernel is specialised on them
     observed_inputs: dict[int, Any] = field(default_factory=dict)
+    # the μGraphs the build stage compiled in this graph, by what they are built from (plan's μGraphs, the example
+    # inputs' shapes, dtypes and strides): a region of the same gets the same compiled kernels (a model's layers)
+    built_ugraphs: dict[Any, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.failures is None:
