@@ -14,14 +14,20 @@ replayed in one CUDA graph with the weights rotated past L2. Three variants, eac
 - ``pdl-late+prefetch``: as ``pdl-late``, and before its wait each program asks the L2 for its whole weight slice
   (Hopper's ``cp.async.bulk.prefetch.L2``, one request per ``PREFETCH_BYTES``; the slice's rows are contiguous), so
   the weight stream starts while the predecessor is still running and the main loop reads from L2;
-- ``prefetch``: the same prefetch without PDL (a control: prefetch alone, no overlap with the predecessor).
+- ``prefetch``: the same prefetch without PDL (a control: prefetch alone, no overlap with the predecessor);
+- ``persistent``: the whole chain as one launch (issue 17's MPK-style persistent kernel, in its simplest form): a
+  program per (GEMV, row tile), each taking its task from a ticket counter in launch order, so that a task waits
+  only for tasks taken before it (no deadlock whatever the hardware schedules); it loads its first weight tile,
+  then waits (polling with back-off) until every tile of the previous GEMV has stored its rows and counted itself
+  done, then streams the rest. No launch boundary and no ramp per GEMV: a GEMV's programs are resident and hold
+  their first tile when the previous one ends. The last task puts the counters back to zero for the next replay.
 
 Prints µs per kernel and the fraction of copy bandwidth for each (the floor is the weights' bytes at the copy
 bandwidth measured here) and checks every variant against torch. NOTES (2026-11-26, third session) says why
 this matters: at b1 a Llama layer's 8 kernels each lose a roughly fixed 2-4 µs.
 
     python benchmarks/pdl_probe.py [--kernels 8] [--n 4096] [--k 4096]
-    TRITON_INTERPRET=1 python benchmarks/pdl_probe.py --cpu-check     # the plain kernel's arithmetic only
+    TRITON_INTERPRET=1 python benchmarks/pdl_probe.py --cpu-check     # the plain and persistent kernels' arithmetic
 """
 from __future__ import annotations
 
@@ -74,6 +80,53 @@ def gemv_kernel(w_ptr, x_ptr, y_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLO
     tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty))
 
 
+@triton.jit
+def persistent_chain_kernel(w_ptr, x_ptr, y_ptr, state_ptr, GEMVS: tl.constexpr, N: tl.constexpr,
+                            K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                            SLEEP: tl.constexpr):
+    """GEMVS chained GEMVs y_g = W_g · y_(g-1) (W stacked (GEMVS, N, K), y (GEMVS, N)) in one launch of GEMVS · N /
+    BLOCK_N programs. ``state``: int32 [ticket, done_0 .. done_(GEMVS-1)], zero before a launch and after it."""
+    TILES: tl.constexpr = N // BLOCK_N
+    task = tl.atomic_add(state_ptr, 1)                 # tasks in the order programs start: waits point backwards
+    g = task // TILES
+    rows = (task % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + g.to(tl.int64) * N * K + rows[:, None] * K
+    w0 = tl.load(w_rows + cols[None, :])               # the weight does not wait for the previous GEMV
+    if g == 0:
+        src = x_ptr
+    else:
+        src = y_ptr + (g - 1) * N
+        while tl.load(state_ptr + g, volatile=True) < TILES:   # every tile of GEMV g - 1 stored and counted
+            if SLEEP > 0:
+                tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP};\n mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+        # what those tiles stored is visible from here on: an acquire, its value (TILES) used so it stays
+        src += tl.atomic_add(state_ptr + g, 0, sem="acquire") - TILES
+    x0 = tl.load(src + cols, cache_modifier=".cg")
+    acc = tl.sum(w0.to(tl.float32) * x0.to(tl.float32)[None, :], axis=1)
+    for kk in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
+        w = tl.load(w_rows + (kk + cols)[None, :])
+        x = tl.load(src + kk + cols, cache_modifier=".cg")
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    tl.store(y_ptr + g * N + rows, acc.to(y_ptr.dtype.element_ty))
+    tl.debug_barrier()                                 # the whole tile stored before it counts itself done
+    done = tl.atomic_add(state_ptr + 1 + g, 1, sem="release")
+    if (g == GEMVS - 1) & (done == TILES - 1):         # the chain's last task: every counter back to zero
+        for i in tl.static_range(GEMVS + 1):
+            tl.atomic_xchg(state_ptr + i, 0)
+
+
+def persistent_chain(stacked, x, out, state, block_n: int = 16, block_k: int = 512, warps: int = 2,
+                     stages: int = 3, sleep: int = 64):
+    """The ``persistent`` variant: stacked (GEMVS, n, k) weights, out (GEMVS, n), state zeroed int32 (GEMVS + 1)."""
+    gemvs, n, k = stacked.shape
+    persistent_chain_kernel[(gemvs * n // block_n,)](stacked, x, out, state, GEMVS=gemvs, N=n, K=k, BLOCK_N=block_n,
+                                                     BLOCK_K=block_k, NUM_STAGES=stages, SLEEP=sleep,
+                                                     num_warps=warps)
+    return out[-1]
+
+
 def chain(weights, x, outs, variant: str, block_n: int = 16, block_k: int = 512, warps: int = 2, stages: int = 3):
     pdl, early = variant.startswith("pdl"), variant == "pdl+tile0"
     late, prefetch = variant.startswith("pdl-late"), variant.endswith("prefetch")
@@ -105,6 +158,16 @@ def cpu_check() -> None:
     err = (got - want).abs().max().item()
     print(json.dumps({"cpu_check": "plain", "max_abs_err": err}))
     assert err < 1e-3, err
+    # the interpreter runs programs one after another in launch order: each takes the next ticket, and its wait is
+    # already met; the second call checks that the first left the counters at zero
+    state = torch.zeros(len(ws) + 1, dtype=torch.int32)
+    out = torch.empty(len(ws), 64)
+    for call in range(2):
+        got = persistent_chain(torch.stack(ws), x, out, state, block_k=32, warps=1, sleep=0)
+        err = (got - want).abs().max().item()
+        print(json.dumps({"cpu_check": "persistent", "call": call, "max_abs_err": err,
+                          "state_after": state.tolist()}))
+        assert err < 1e-3 and not state.any(), (err, state)
 
 
 def main() -> None:
@@ -130,12 +193,21 @@ def main() -> None:
     outs = [torch.empty(args.n, device=dev, dtype=bf) for _ in range(args.kernels)]
     floor_us = nbytes / copy_bps * 1e6
     rows = {}
-    for variant in ("plain", "pdl", "pdl+tile0", "pdl-late", "pdl-late+prefetch", "prefetch"):
+    stacked = [[torch.stack(ws), x] for ws, x in sets]      # the persistent variant's weights, one tensor a set
+    out = torch.empty(args.kernels, args.n, device=dev, dtype=bf)
+    state = torch.zeros(args.kernels + 1, device=dev, dtype=torch.int32)
+    for variant in ("plain", "pdl", "pdl+tile0", "pdl-late", "pdl-late+prefetch", "prefetch", "persistent"):
         try:
-            got = chain(*sets[0], outs, variant).float()
+            if variant == "persistent":
+                run = lambda w, x: persistent_chain(w, x, out, state)    # noqa: E731
+                timing_sets = stacked
+            else:
+                run = lambda ws, x, v=variant: chain(ws, x, outs, v)     # noqa: E731
+                timing_sets = sets
+            got = run(*timing_sets[0]).float()
             want = reference(*sets[0])
             err = ((got - want).norm() / want.norm()).item()
-            us = cuda_graph_time_us(lambda ws, x: chain(ws, x, outs, variant), sets, replays=10, repeats=5)
+            us = cuda_graph_time_us(run, timing_sets, replays=10, repeats=5)
         except Exception as e:      # PDL missing from this Triton / driver: say so, keep the other rows
             print(f"{variant}: failed ({type(e).__name__}: {str(e)[:200]})")
             continue
