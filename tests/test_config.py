@@ -209,3 +209,23 @@ def test_torch_logs_in_a_fresh_process_turns_the_logger_on(torch_logs, level):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert int(out.stdout.split()[-1]) == level
+
+
+def test_every_inductor_mode_compiles_the_fallback_with_its_own_configs():
+    """Each choice of ``inductor_mode`` has Inductor config patches (one mapping for the fallback's partitions, the
+    measure stage's region versions and a whole graph), and a graph whose fallback holds a matmul gives eager's
+    answer under the GEMM-only mode."""
+    import dataclasses
+
+    from torch_mirage.runtime.assemble import inductor_configs
+
+    choices = next(f for f in dataclasses.fields(config.Config) if f.name == "inductor_mode").metadata["choices"]
+    assert inductor_configs("default") == {} and inductor_configs("max-autotune-gemm") == {"max_autotune_gemm": True}
+    assert all(isinstance(inductor_configs(m), dict) for m in choices)
+
+    def f(x, w):
+        return torch.relu(x @ w) + 1.0
+    x, w = torch.randn(8, 16), torch.randn(16, 8)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="mirage", options={"inductor_mode": "max-autotune-gemm", "stitch": False})(x, w)
+    torch.testing.assert_close(got, f(x, w))

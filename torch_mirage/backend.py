@@ -25,6 +25,7 @@ from .failures import Failure
 from .context import CompileContext
 from .pipeline import WholeGraphToInductor, compile_graph, wrap_cuda_graph
 from .report import GraphReport, RegionReport, Report
+from .runtime.assemble import inductor_configs
 from .runtime.choose import FasterOf, writes_in_place
 from .tune import cached_choice
 
@@ -197,7 +198,7 @@ class MirageBackend:
         """Inductor's own ``compile_fx`` of the Dynamo graph (the user's ``backend="inductor"``)."""
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {"max_autotune": True} if cfg.inductor_mode == "max-autotune-no-cudagraphs" else {}
+        patches = inductor_configs(cfg.inductor_mode)
         with report.stage("inductor"):
             return compile_fx(gm, example_inputs, config_patches=patches)
 

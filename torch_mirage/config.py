@@ -74,7 +74,7 @@ class Config:
     cache_dir: str = _knob(_default_cache_dir(), "Directory of the on-disk cache (search results, generated kernels, timings); the default is $XDG_CACHE_HOME/torch_mirage where XDG_CACHE_HOME is set.", check=NON_EMPTY)
     cuda_graphs: bool = _knob(True, "Wrap compiled graphs in CUDA graphs where that is safe. Turn off when the caller captures its own graph.")
     fallback: str = _knob("inductor", "Where everything mirage does not claim goes: 'inductor' or 'eager'.", affects_output=True, choices=("inductor", "eager"))
-    inductor_mode: str = _knob("default", "Inductor mode for the fallback: 'default' or 'max-autotune-no-cudagraphs'.", affects_output=True, choices=("default", "max-autotune-no-cudagraphs"))
+    inductor_mode: str = _knob("default", "Inductor mode for the fallback: 'default', 'max-autotune-no-cudagraphs', or 'max-autotune-gemm' (only the matmuls autotuned: prefill's GEMMs at a fraction of max-autotune's compile time).", affects_output=True, choices=("default", "max-autotune-no-cudagraphs", "max-autotune-gemm"))
     strict: bool = _knob(False, "Raise on any internal compile error instead of falling back.")
     log_level: str = _knob("WARNING", "Level of the 'torch_mirage' logger (DEBUG, INFO, WARNING, ERROR).", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     verify_trials: int = _knob(0, "Finite-field verifier trials per candidate; 0 derives the count from verify_error_bound.", affects_output=True, check=at_least(0))

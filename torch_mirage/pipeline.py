@@ -40,7 +40,7 @@ from .failures import Failure, describe_error, format_failure, fx_graph_summary,
 from .partition.region import Claim, Claimer, Decline, Reason, Region, is_convex
 from .partition.stitch import StitchClaimer
 from .report import DeclineReport, GraphReport, RegionReport
-from .runtime.assemble import _INDUCTOR_MODE_CONFIGS, assemble
+from .runtime.assemble import assemble, inductor_configs
 from .runtime.cudagraph import CudaGraphRunner, cuda_graph_blocker, input_device, move_constants_to_device
 from .runtime.choose import declared_mutations, is_timeable, mutated_inputs
 from .runtime.inductor_quiet import without_artifact_warning
@@ -332,7 +332,7 @@ def inductor_whole_aten_graph(gm: fx.GraphModule, inductor_mode: str = "default"
                                        and all(a.op == "placeholder" for a in n.all_input_nodes)):
             continue
         n.meta["custom"] = dict(n.meta.get("custom") or {}, compile_with_inductor={
-            "inductor_configs": dict(_INDUCTOR_MODE_CONFIGS[inductor_mode]), "inductor_region": 0})
+            "inductor_configs": inductor_configs(inductor_mode), "inductor_region": 0})
     copy = fx.GraphModule(gm, graph)
     example = [n.meta.get("val") for n in copy.graph.nodes if n.op == "placeholder"]
     with without_artifact_warning():

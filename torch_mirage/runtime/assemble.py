@@ -23,7 +23,16 @@ from ..partition.region import Region
 _INDUCTOR_MODE_CONFIGS = {
     "default": {},
     "max-autotune-no-cudagraphs": {"max_autotune": True},
+    # the matmuls' templates and configs autotuned, nothing else: max-autotune's prefill GEMM wins (H100: llama
+    # prefill 2048, max-autotune 6.98 ms against default 7.53) without autotuning every pointwise kernel
+    "max-autotune-gemm": {"max_autotune_gemm": True},
 }
+
+
+def inductor_configs(mode: str) -> dict:
+    """Inductor's config patches for an ``inductor_mode`` (the knob): its every use (the fallback's partitions,
+    Inductor's versions of regions the measure stage times, a whole graph handed to Inductor) compiles alike."""
+    return dict(_INDUCTOR_MODE_CONFIGS[mode])
 
 
 def _fx_of_values(gm: fx.GraphModule, graph: Graph) -> dict[int, fx.Node]:
@@ -245,7 +254,7 @@ def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallba
             copied = new.node_copy(it, lambda a: env[a])
             if fallback == "inductor" and it in fb_owner and not _write_back_only(it, fb_owner):
                 copied.meta.setdefault("custom", {})
-                configs = dict(_INDUCTOR_MODE_CONFIGS[inductor_mode])
+                configs = inductor_configs(inductor_mode)
                 if it in first and prelude == "combo":
                     # Inductor's 8 sub-kernels per combo launch split a 4-layer decode prelude's dozen kernels
                     # into 2 combo launches and 3 lone ones (H100, 11-27 tenth); a prelude is small ops only

@@ -22,6 +22,7 @@ from ..numerics import TOLERANCE, relative_error, same_non_finite, tolerance
 from ..partition.region import Reason, Region
 from ..timing import random_like, cuda_graph_timing, rotated_input_sets, strided_copy
 from ..tune import tune
+from .assemble import inductor_configs
 from .inductor_quiet import without_artifact_warning
 
 log = logging.getLogger("torch_mirage")
@@ -36,7 +37,7 @@ class RegionTiming:
 def _inductor_region(sub: Graph, inputs: Sequence[torch.Tensor], mode: str) -> Callable[..., Any]:
     from torch._inductor import standalone_compile
 
-    options = {"max_autotune": True} if mode == "max-autotune-no-cudagraphs" else {}
+    options = inductor_configs(mode)
     with without_artifact_warning():
         compiled = standalone_compile(to_fx(sub), list(inputs), dynamic_shapes="from_example_inputs",
                                       options=options)
