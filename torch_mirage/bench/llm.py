@@ -150,7 +150,7 @@ class KVState:
     layers write at their own counter (``cumulative_length``, a tensor, plus ``cumulative_length_int``
     on sliding-window layers) and advance it on every call, ignoring any ``cache_position``; 4.x caches
     write at the ``cache_position`` argument. :meth:`set_position` puts every counter back to the
-    scenario's first position (a few scalar fills, so it also runs inside each timed call and each
+    scenario's first position (one multi-tensor copy, so it also runs inside each timed call and each
     CUDA-graph replay writes the same slots); :meth:`restore` also puts back the contents saved by
     :meth:`save` (kept on the host, so that the snapshot is no part of the peak GPU memory).
     Positions are checked on the host before anything runs: a device-side index assert would leave
@@ -163,6 +163,7 @@ class KVState:
         self.counters = [layer for layer in self.layers
                          if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
         self.saved: list[torch.Tensor] | None = None
+        self._start: torch.Tensor | None = None     # the start position as a tensor on the counters' device
         for i, size in enumerate(self._slots()):
             if start < 0 or start + tokens > size:
                 raise ValueError(f"{where}: tokens at positions {start}..{start + tokens - 1} do not fit layer {i}'s "
@@ -184,8 +185,15 @@ class KVState:
         return sizes
 
     def set_position(self) -> None:
-        for layer in self.counters:
-            layer.cumulative_length.fill_(self.start)
+        counters = [layer.cumulative_length for layer in self.counters]
+        if counters:    # one multi-tensor launch inside a timed step, not one fill per layer (4 kernels at 4 layers)
+            if self._start is None or self._start.device != counters[0].device:
+                self._start = torch.tensor(self.start, dtype=counters[0].dtype, device=counters[0].device)
+            try:
+                torch._foreach_copy_(counters, [self._start] * len(counters))
+            except (AttributeError, RuntimeError, TypeError):    # a torch without it, or counters it cannot fuse
+                for c in counters:
+                    c.fill_(self.start)
         for layer in self.layers:
             if hasattr(layer, "cumulative_length_int"):
                 layer.cumulative_length_int = self.start
