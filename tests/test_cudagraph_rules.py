@@ -203,6 +203,40 @@ def test_runner_copies_only_inputs_not_captured_in_place():
     assert CudaGraphRunner(lambda args: args).copied_inputs([weight, cache, x, 3]) == [0, 1, 2]
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_replay_inputs_copy_user_inputs_and_find_moved_in_place_ones(monkeypatch, native):
+    """Per replay: the non-tensor inputs must be as captured, the inputs captured in place where they were (one
+    check over those only; torch's C++ check where it has one, faked here where the CPU build lacks it), and the
+    other tensors are copied in, the written ones back out; a copied input that is its static buffer is not."""
+    from torch_mirage.runtime import cudagraph
+    from torch_mirage.runtime.cudagraph import ReplayInputs
+
+    if native:
+        calls = []
+
+        def equal(tensors, ptrs, indices):
+            calls.append(list(indices))
+            return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
+        monkeypatch.setattr(torch._C, "_tensors_data_ptrs_at_indices_equal", equal, raising=False)
+    else:
+        monkeypatch.delattr(torch._C, "_tensors_data_ptrs_at_indices_equal", raising=False)
+    weight, cache, x, y = torch.randn(4), torch.zeros(4), torch.randn(4), torch.randn(4)
+    static = [weight, cache, x.clone(), y.clone(), 3]
+    plan = ReplayInputs(static, static_idx={0, 1}, mutated_idx={1, 3})
+    assert (plan.in_place, plan.copied, plan.copied_back, plan.scalars) == ([0, 1], [2, 3], [3], [4])
+    args = [weight, cache, x, y, 3]
+    assert plan.scalars_equal(args) and plan.in_place_unmoved(args) and plan.moved(args) == []
+    copy_in, copy_back = plan.copies(args)
+    assert len(copy_in) == 2 and all(d is static[i] and s is args[i] for (d, s), i in zip(copy_in, (2, 3)))
+    assert [(d is y, s is static[3]) for d, s in copy_back] == [(True, True)]
+    assert plan.copies([weight, cache, static[2], static[3], 3]) == ([], [])   # already the buffers: no copy
+    assert not plan.scalars_equal([weight, cache, x, y, 4])
+    moved = weight.clone()
+    assert not plan.in_place_unmoved([moved, cache, x, y, 3]) and plan.moved([moved, cache, x, y, 3]) == [0]
+    if native:
+        assert calls and all(c == [0, 1] for c in calls)
+
+
 @pytest.mark.gpu
 def test_static_inputs_in_place_writes_once_and_rerecords_when_moved():
     from torch_mirage.runtime.cudagraph import CudaGraphRunner
