@@ -8,9 +8,10 @@ pool, :mod:`.compile_pool`, at the end of the stage); a :class:`~.superopt.ugrap
 of its μGraphs compiled (:func:`~.superopt.compile.compile_ugraph`, whose launch configurations are tuned on a GPU)
 and, where it has several, the fastest chosen on a GPU — both choices through :func:`~.tune.tune`, the one loop of
 candidates, check, timing and winner cache. On a GPU the launch candidates of every μGraph plan of the graph compile
-first, in one round of the pool (:func:`compile_candidates_ahead`), not one round per region. A plan that fails to build leaves its region to the fallback (reason
-``COMPILE_ERROR``, the error in its detail and in a typed decline, one grouped warning); under ``strict`` it raises.
-Another plan type gets its builder with ``kernel_of.register``.
+first, in one round of the pool (:func:`compile_candidates_ahead`), not one round per region; a region of the same
+μGraph as an earlier one (a model's next layer) shares its compiled kernels. A plan that fails to build leaves its
+region to the fallback (reason ``COMPILE_ERROR``, the error in its detail and in a typed decline, one grouped
+warning); under ``strict`` it raises. Another plan type gets its builder with ``kernel_of.register``.
 """
 from __future__ import annotations
 
