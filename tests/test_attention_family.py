@@ -434,6 +434,24 @@ def test_constant_value_with_observed_inputs():
     assert torch.equal(constant_value(graph, out, {graph.inputs[0].name: m}), m[..., :4] * 2)
 
 
+def test_computed_from_constants_says_what_constant_value_would_evaluate():
+    """The check stage's key asks only whether an input is computed from the graph's constants alone (a mask from
+    ``arange``), without evaluating it: the same answer as ``constant_value`` being a tensor."""
+    from torch_mirage.capture.lower import computed_from_constants, constant_value
+    from torch_mirage.testing.aten import trace_ir
+
+    def f(x):
+        keep = torch.arange(6)[None, :] <= torch.arange(4)[:, None]
+        return x + torch.where(keep, 0.0, float("-inf")), x * 2
+    graph = trace_ir(f, torch.randn(4, 6))
+    adds = [n for n in graph.nodes if n.target_name == "aten.add.Tensor"]
+    (mask,) = [v for v in adds[0].inputs if v.producer is not None]
+    x = graph.inputs[0]
+    assert computed_from_constants(graph, mask) and constant_value(graph, mask) is not None
+    assert not computed_from_constants(graph, x) and constant_value(graph, x) is None
+    assert not computed_from_constants(graph, graph.outputs[1]) and constant_value(graph, graph.outputs[1]) is None
+
+
 def test_passed_prefill_mask_adds_the_tile_table_seed():
     """Prefill attention with an additive mask passed in builds FlashAttention with the mask's tile table as one
     more alternative (timed on a GPU on the call's mask); with the mask built in the graph (its band known) the

@@ -138,23 +138,13 @@ def to_fx(graph: Graph, float64: bool = False) -> fx.GraphModule:
     return fx.GraphModule(root, g)
 
 
-def constant_value(graph: Graph, value: Value, observed: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
-    """``value``'s tensor where the graph computes it from its constants alone (no graph input reaches it: an
-    attention mask built from ``arange`` comparisons, a constant table); None otherwise. A kernel specialised on
-    such a value's properties (the attention band skips the tiles the mask hides) is checked and tuned on this
-    tensor, not on random data. None also where the slice does not run on its own. ``observed``: real tensors of
-    graph inputs (by input name) that count as known too — the call being compiled; what comes back then holds
-    for that call only: fit to time kernels on, never to specialise one on."""
-    observed = observed or {}
+def _known(graph: Graph, v: Value, observed: dict) -> bool:
+    return v.name in graph.constants or v.name in observed
 
-    def known(v: Value) -> bool:
-        return v.name in graph.constants or v.name in observed
 
-    def leaf(v: Value):
-        return observed[v.name] if v.name in observed else v.example
-
-    if value.producer is None:
-        return leaf(value) if known(value) and isinstance(leaf(value), torch.Tensor) else None
+def _constant_slice(graph: Graph, value: Value, observed: dict) -> list | None:
+    """The nodes ``value`` is computed by back to the graph's constants (and ``observed`` inputs), or None where
+    another graph input reaches it."""
     nodes, stack, seen = [], [value.producer], set()
     while stack:
         node = stack.pop()
@@ -165,8 +155,36 @@ def constant_value(graph: Graph, value: Value, observed: dict[str, torch.Tensor]
         for v in node.inputs:
             if v.producer is not None:
                 stack.append(v.producer)
-            elif not known(v):
+            elif not _known(graph, v, observed):
                 return None                     # a graph input reaches the value
+    return nodes
+
+
+def computed_from_constants(graph: Graph, value: Value) -> bool:
+    """Whether the graph computes ``value`` from its constants alone, or it is one (what :func:`constant_value`
+    would evaluate), without evaluating it."""
+    if value.producer is None:
+        return _known(graph, value, {}) and isinstance(value.example, torch.Tensor)
+    return _constant_slice(graph, value, {}) is not None
+
+
+def constant_value(graph: Graph, value: Value, observed: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """``value``'s tensor where the graph computes it from its constants alone (no graph input reaches it: an
+    attention mask built from ``arange`` comparisons, a constant table); None otherwise. A kernel specialised on
+    such a value's properties (the attention band skips the tiles the mask hides) is checked and tuned on this
+    tensor, not on random data. None also where the slice does not run on its own. ``observed``: real tensors of
+    graph inputs (by input name) that count as known too — the call being compiled; what comes back then holds
+    for that call only: fit to time kernels on, never to specialise one on."""
+    observed = observed or {}
+
+    def leaf(v: Value):
+        return observed[v.name] if v.name in observed else v.example
+
+    if value.producer is None:
+        return leaf(value) if _known(graph, value, observed) and isinstance(leaf(value), torch.Tensor) else None
+    nodes = _constant_slice(graph, value, observed)
+    if nodes is None:
+        return None
     try:
         sub = subgraph(graph, nodes, [value])
         out = to_fx(sub)(*[leaf(v) for v in sub.inputs])

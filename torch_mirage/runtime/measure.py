@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..cache import cache_key
 from ..capture.ir import Graph, fingerprint, subgraph
-from ..capture.lower import constant_value, to_fx
+from ..capture.lower import computed_from_constants, constant_value, to_fx
 from ..context import CompileContext
 from ..failures import nodes_summary, note
 from ..numerics import TOLERANCE, relative_error, same_non_finite, tolerance
@@ -175,7 +175,7 @@ def check_key(region: Region, graph: Graph, sub: Graph) -> tuple:
     its inputs computed from constants alone are (the check runs on their real contents). Two regions with one key
     (a model's layers) run the same code on the same kind of inputs."""
     info = region.info
-    constants = tuple(v.name for v in region.inputs if v.meta is not None and constant_value(graph, v) is not None)
+    constants = tuple(v.name for v in region.inputs if v.meta is not None and computed_from_constants(graph, v))
     return (fingerprint(sub), region.claimer, info.get("ugraph_hash"), repr(info.get("launch")),
             repr(info.get("sibling_launches")), info.get("kernel_source"), constants)
 
