@@ -179,6 +179,21 @@ def test_quick_cli_reports_mirages_cold_and_warm_compile(tmp_path):
     assert f"| {cell} |" in (out / "results.md").read_text()
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["cold", "inductor-caches"])
+def test_inductor_whole_graph_caches_are_off_unless_asked_for(tmp_path, keep):
+    """By default the bench turns Inductor's FX graph cache off (no mode's compile a hit on another's);
+    ``--inductor-caches`` keeps it as a user has it, for a warm-compile run; the document says which."""
+    import torch._inductor.config as inductor_config
+
+    out = tmp_path / "bench"
+    argv = ["--quick", "--workloads", "bias_gelu", "--modes", "eager", "--llms", "none", "--out", str(out)]
+    with inductor_config.patch(fx_graph_cache=True):
+        assert cli.main(argv + ["--inductor-caches"] * keep) == 0
+        assert inductor_config.fx_graph_cache is keep
+    caches = json.loads((out / "results.json").read_text())["settings"]["compile_caches"]
+    assert caches.startswith("FX graph, AOTAutograd and Triton kernel caches on" if keep else "FX graph and AOTAutograd caches off")
+
+
 def test_merge_combines_modes_of_the_same_case():
     def case(modes):
         return report.case_record("w", "[4]", 1, "float16", 100, 0, 1.0, 2,

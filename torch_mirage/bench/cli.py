@@ -110,6 +110,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=_one(_numbers(float, "a number of seconds >= 0", 0, strict=False)),
                    default=None, help="start no new case or model after this many seconds; the rest is listed as not run")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier result files into --out/NAME.* and exit")
+    p.add_argument("--inductor-caches", action="store_true",
+                   help="keep Inductor's FX graph and AOTAutograd caches on, as a user has them (a second run on the "
+                        "same machine then reports every mode's warm compile); default: off, so that no mode's "
+                        "compile seconds are a hit on another mode's compile of the same graph")
     p.add_argument("-v", "--verbose", action="store_true", help="log torch_mirage at INFO")
     return p
 
@@ -162,7 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     llm_dtype = torch.float32 if not cuda else DTYPES[args.llm_dtype]
     timing_cfg = {"target_ms": args.target_ms, "repeats": args.repeats} if timing else None
 
-    _cold_graph_caches()
+    caches = "FX graph, AOTAutograd and Triton kernel caches on" if args.inductor_caches else \
+        "FX graph and AOTAutograd caches off; Triton kernel caches on"
+    if not args.inductor_caches:
+        _cold_graph_caches()
     t_start = time.perf_counter()
     ceilings = None
     if timing:
@@ -175,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "workloads": [w.name for w in workloads], "llms": [s.name for s in llm_specs], "llm_modes": llm_modes,
                 "llm_scenarios": args.llm_scenarios or list(llm.DEFAULT_SCENARIOS),
                 "llm_dtype": str(llm_dtype).replace("torch.", ""), "timing": timing_cfg,
-                "compile_caches": "FX graph and AOTAutograd caches off; Triton kernel caches on", "argv": list(argv or sys.argv[1:])}
+                "compile_caches": caches, "argv": list(argv or sys.argv[1:])}
     doc = report.new_document(report.environment(device_name), ceilings, settings, timing)
     if not timing:
         print(f"bench: {report.QUICK_NOTE} ({device_name})")
