@@ -473,3 +473,24 @@ def test_gelu_gated_projection_on_gpu():
     assert_close(compiled(*xs), mlp(*[x.double() for x in xs]).to(bf), bf)
     (region,) = _gemv_regions(report)
     assert region.info["matmuls"] == 2 and "tanh" in " ".join(region.ops), str(report)
+
+
+@interpreted
+def test_layers_of_one_program_verify_their_seed_once(monkeypatch):
+    """Two layers whose cuts lower to one program (a model's layers) build and verify its weight-streaming seed once
+    in the process; each still gets its own kernel, eager-equal."""
+    from torch_mirage.superopt import gemv_claim
+
+    monkeypatch.setattr(gemv_claim, "_FORMS", {})
+    calls = []
+    real = gemv_claim.verified_form
+    monkeypatch.setattr(gemv_claim, "verified_form", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def two_layers(x1, g1, w1, x2, g2, w2):       # two projections of one program on their own inputs
+        return linear(norm_a(x1, g1), w1), linear(norm_a(x2, g2), w2)
+    xs = [torch.randn(2, K), torch.randn(K), 0.1 * torch.randn(K, N)] * 2
+    xs = [x.clone().normal_() for x in xs]
+    compiled, report = _compile(two_layers)
+    for got, want in zip(compiled(*xs), two_layers(*[x.double() for x in xs])):
+        assert_close(got, want.float())
+    assert len(_gemv_regions(report)) == 2 and len(calls) == 1, str(report)
