@@ -124,3 +124,20 @@ def test_a_column_sum_claim_reports_its_plans_verdicts():
     verdicts = region.info["verified"]
     assert verdicts and all("test passed" in v or "float test only" in v for v in verdicts.values()), verdicts
     torch.testing.assert_close(outs, h2o_core(*args), rtol=1e-4, atol=1e-4)
+
+
+def test_a_seeds_verdict_is_kept_in_the_process(monkeypatch):
+    """A model's next layer asks for the same seed at the same small instance: answered without building it again;
+    another reference (its name) is asked anew."""
+    kwargs = dict(scale=0.25, softcap=None, mask=None, dtype="float32", mask_dtype="float32", band=None,
+                  empty_rows="nan")
+    dims, small, own = small_instance(1, 2, 2, 2, 64, kwargs, {})
+    monkeypatch.setattr(attention_verify, "_VERDICTS", {})
+    built = []
+    real = attention_verify.BUILDERS["flash_attention"]
+    monkeypatch.setitem(attention_verify.BUILDERS, "flash_attention", lambda *a, **k: built.append(1) or real(*a, **k))
+    first = verify_seed("flash_attention", dims, small, own, Config())
+    assert verify_seed("flash_attention", dims, small, own, Config()) is first and len(built) == 1
+    monkeypatch.setattr(attention_verify, "REFERENCE", "another reference")
+    verify_seed("flash_attention", dims, small, own, Config())
+    assert len(built) == 2 and first.equivalent

@@ -98,11 +98,27 @@ def reference(scale: float, softcap: float | None, mask_fill: float, columns: tu
     return attention
 
 
+# verify_seed's verdicts in this process by what builds the seed and the verifier's settings: a model's next layer
+# neither builds the small instance nor hashes it for the verifier's cache again
+_VERDICTS: dict[str, Verdict] = {}
+_VERDICTS_KEPT = 256
+
+
 def verify_seed(seed: str, dims: tuple, kwargs: dict, own: dict, config: Any, cache: Any = None) -> Verdict:
     """The verdict on seed ``seed`` (a name of :data:`BUILDERS`) built at ``dims`` (b, hk, rows, skv, d) with
     ``kwargs`` and ``own`` (a small instance: :func:`small_instance`) against :func:`reference`, with ``config``'s
-    verifier settings; the verifier keeps it in this process and in ``cache`` (the compile's disk cache), so a
+    verifier settings; kept in this process and, by the verifier, in ``cache`` (the compile's disk cache), so a
     model's layers verify their shared seeds once."""
+    key = repr((seed, dims, sorted(kwargs.items()), sorted(own.items()), config.verify_error_bound,
+                config.verify_trials, REFERENCE))
+    if key not in _VERDICTS:
+        if len(_VERDICTS) >= _VERDICTS_KEPT:
+            _VERDICTS.pop(next(iter(_VERDICTS)))
+        _VERDICTS[key] = _verify_seed(seed, dims, kwargs, own, config, cache)
+    return _VERDICTS[key]
+
+
+def _verify_seed(seed: str, dims: tuple, kwargs: dict, own: dict, config: Any, cache: Any = None) -> Verdict:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     kg: KernelGraph = BUILDERS[seed](*dims, **kwargs, **own)
