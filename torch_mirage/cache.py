@@ -44,11 +44,13 @@ def versions() -> dict[str, str]:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def source_digest(*parts: str) -> str:
     """A digest of the Python sources of these parts of ``torch_mirage`` (subpackages, ``"superopt"``, or modules,
     ``"ugraph.py"``): for a cache entry whose meaning depends on the code that made it, not only on its inputs (a
     negative answer, "nothing found"), so that a changed claimer or library never reads an answer an older one
-    gave."""
+    gave. Read once per process: the code running is the code imported (a warm partition read about a hundred
+    files for each of its three seeded passes)."""
     root = os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha256()
     for part in parts:
