@@ -235,6 +235,10 @@ def test_replay_inputs_copy_user_inputs_and_find_moved_in_place_ones(monkeypatch
     assert not plan.in_place_unmoved([moved, cache, x, y, 3]) and plan.moved([moved, cache, x, y, 3]) == [0]
     if native:
         assert calls and all(c == [0, 1] for c in calls)
+        # a native check that says "moved" where data_ptr() says not is dropped, not trusted into re-recording
+        monkeypatch.setattr(torch._C, "_tensors_data_ptrs_at_indices_equal", lambda *a: False, raising=False)
+        plan = ReplayInputs(static, static_idx={0, 1}, mutated_idx={1, 3})
+        assert plan.in_place_unmoved(args) and plan._native is None
 
 
 @pytest.mark.gpu

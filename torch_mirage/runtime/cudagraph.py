@@ -223,10 +223,15 @@ class ReplayInputs:
         """Every input captured in place is still at its captured address."""
         if self._native is not None:
             try:
-                return bool(self._native(list(args), self.ptrs, self.in_place))
+                if self._native(list(args), self.ptrs, self.in_place):
+                    return True
             except (RuntimeError, TypeError):     # a signature this torch does not have: the Python check
                 self._native = None
-        return all(args[i].data_ptr() == self.ptrs[i] for i in self.in_place)
+        unmoved = all(args[i].data_ptr() == self.ptrs[i] for i in self.in_place)
+        if unmoved and self._native is not None:  # it disagrees with data_ptr(): never re-record forever on it
+            log.debug("torch_mirage: torch's data-pointer check disagrees with data_ptr(); checking in Python")
+            self._native = None
+        return unmoved
 
     def moved(self, args: Sequence[Any]) -> list[int]:
         """The inputs captured in place that are no longer at their captured address."""
