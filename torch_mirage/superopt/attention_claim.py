@@ -458,9 +458,26 @@ def _seeds(spec: AttentionSpec) -> dict[str, tuple[str, dict]]:
     return seeds
 
 
+# _build_seeds' answers in this process by what they are built from (μGraphs are immutable): a model's next layer
+# gets the same seeds without building and validating them again
+_BUILT: dict[str, list] = {}
+_BUILT_KEPT = 64
+
+
 def _build_seeds(spec: AttentionSpec, names: dict[str, tuple[str, dict]], kwargs: dict) -> list[tuple[str, KernelGraph]]:
     """Each seed of ``names`` (name: the seed and its own parameters) instantiated for ``spec`` and valid at its
     shapes (the build stage compiles them); one that does not build is left out."""
+    key = repr((spec.b, spec.hk, spec.group, spec.sq, spec.skv, spec.d, sorted(names.items()),
+                sorted(kwargs.items())))
+    if key not in _BUILT:
+        if len(_BUILT) >= _BUILT_KEPT:
+            _BUILT.pop(next(iter(_BUILT)))
+        _BUILT[key] = _build_seeds_once(spec, names, kwargs)
+    return list(_BUILT[key])
+
+
+def _build_seeds_once(spec: AttentionSpec, names: dict[str, tuple[str, dict]], kwargs: dict
+                      ) -> list[tuple[str, KernelGraph]]:
     built = []
     for name, (seed, own) in names.items():
         try:
