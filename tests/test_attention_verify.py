@@ -129,10 +129,12 @@ def test_a_column_sum_claim_reports_its_plans_verdicts():
 def test_a_seeds_verdict_is_kept_in_the_process(monkeypatch):
     """A model's next layer asks for the same seed at the same small instance: answered without building it again;
     another reference (its name) is asked anew."""
+    from torch_mirage.cache import ProcessMemo
+
     kwargs = dict(scale=0.25, softcap=None, mask=None, dtype="float32", mask_dtype="float32", band=None,
                   empty_rows="nan")
     dims, small, own = small_instance(1, 2, 2, 2, 64, kwargs, {})
-    monkeypatch.setattr(attention_verify, "_VERDICTS", {})
+    monkeypatch.setattr(attention_verify, "_VERDICTS", ProcessMemo(256))
     built = []
     real = attention_verify.BUILDERS["flash_attention"]
     monkeypatch.setitem(attention_verify.BUILDERS, "flash_attention", lambda *a, **k: built.append(1) or real(*a, **k))

@@ -151,3 +151,15 @@ def test_source_digest_names_the_code_it_covers():
     assert len({source_digest("superopt"), source_digest("superopt", "ugraph.py"), source_digest("capture")}) == 3
     with pytest.raises(FileNotFoundError):
         source_digest("no_such_module.py")
+
+
+def test_process_memo_keeps_the_recently_used_answers():
+    from torch_mirage.cache import ProcessMemo
+
+    memo, made = ProcessMemo(2), []
+    get = lambda k: memo.get(k, lambda: made.append(k) or k * 10)   # noqa: E731
+    assert [get(1), get(2), get(1)] == [10, 20, 10] and made == [1, 2]
+    get(3)                                        # 2 is the least recently used: dropped
+    assert get(1) == 10 and made == [1, 2, 3]
+    get(2)
+    assert made == [1, 2, 3, 2]

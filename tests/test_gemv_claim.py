@@ -479,9 +479,10 @@ def test_gelu_gated_projection_on_gpu():
 def test_layers_of_one_program_verify_their_seed_once(monkeypatch):
     """Two layers whose cuts lower to one program (a model's layers) build and verify its weight-streaming seed once
     in the process; each still gets its own kernel, eager-equal."""
+    from torch_mirage.cache import ProcessMemo
     from torch_mirage.superopt import gemv_claim
 
-    monkeypatch.setattr(gemv_claim, "_FORMS", {})
+    monkeypatch.setattr(gemv_claim, "_FORMS", ProcessMemo(256))
     calls = []
     real = gemv_claim.verified_form
     monkeypatch.setattr(gemv_claim, "verified_form", lambda *a, **k: calls.append(1) or real(*a, **k))

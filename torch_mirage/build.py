@@ -93,13 +93,19 @@ def compile_candidates_ahead(regions: Sequence[Region], ctx: CompileContext) -> 
             continue
         hit = _cached_alternative(plan, metas, ctx.cache, device)
         alternatives = [hit[0]] if hit else plan.alternatives
-        key = (tuple(a.graph.hash() for a in alternatives), tuple(x.stride() for x in metas),
-               getattr(plan.propose, "__name__", None))
+        key = _plan_key(alternatives, plan.propose, metas)
         plan.candidates_compiled = True
         if key not in seen:      # else another region's plan (an earlier layer's) compiles the same kernels
             seen.add(key)
             jobs.update(_candidate_jobs(alternatives, metas, _compile_where(plan, ctx), device, f"region {k} "))
     _compile_round(jobs, "the graph's μGraphs")
+
+
+def _plan_key(alternatives: Sequence[Alternative], propose: Any, tensors: Sequence[torch.Tensor]) -> tuple:
+    """What a plan's kernels are made from: its μGraphs, its launch proposer and its example inputs' shapes, dtypes
+    and strides (a model's layers share one)."""
+    return (tuple(a.graph.hash() for a in alternatives), getattr(propose, "__name__", None),
+            tuple((tuple(x.shape), x.dtype, x.stride()) for x in tensors))
 
 
 def _example_metas(plan: UGraphPlan) -> tuple[torch.device, list[torch.Tensor]]:
@@ -210,8 +216,7 @@ def _ugraph(plan: UGraphPlan, region: Region, graph: Graph, ctx: CompileContext)
     graph with the same μGraphs and example inputs of the same shapes, dtypes and strides (a model's next layer:
     its tuning would read the same cached choices; its kernels are the same)."""
     examples = plan.examples()
-    key = (tuple(a.graph.hash() for a in plan.alternatives), getattr(plan.propose, "__name__", None),
-           tuple((tuple(x.shape), x.dtype, x.stride(), x.device) for x in examples))
+    key = (_plan_key(plan.alternatives, plan.propose, examples), examples[0].device)
     if key not in ctx.built_ugraphs:
         ctx.built_ugraphs[key] = _compiled_ugraph(plan, examples, ctx)
     name, compiled, times = ctx.built_ugraphs[key]

@@ -23,7 +23,8 @@ import logging
 import os
 import secrets
 import threading
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Callable
 
 import torch
 
@@ -44,13 +45,11 @@ def versions() -> dict[str, str]:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def source_digest(*parts: str) -> str:
     """A digest of the Python sources of these parts of ``torch_mirage`` (subpackages, ``"superopt"``, or modules,
     ``"ugraph.py"``): for a cache entry whose meaning depends on the code that made it, not only on its inputs (a
     negative answer, "nothing found"), so that a changed claimer or library never reads an answer an older one
-    gave. Read once per process: the code running is the code imported (a warm partition read about a hundred
-    files for each of its three seeded passes)."""
+    gave."""
     root = os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha256()
     for part in parts:
@@ -62,6 +61,25 @@ def source_digest(*parts: str) -> str:
             with open(path, "rb") as f:
                 h.update(f.read())
     return h.hexdigest()
+
+
+class ProcessMemo:
+    """Answers kept in this process by a hashable key, the least recently used dropped beyond ``size``: for work a
+    model's layers repeat within one compile (the same seed built and verified for each layer's identical cut)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.items: OrderedDict = OrderedDict()
+
+    def get(self, key: Any, make: Callable[[], Any]) -> Any:
+        """The answer kept under ``key``, else ``make()``'s, kept."""
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        value = self.items[key] = make()
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+        return value
 
 
 def cache_key(**parts: Any) -> str:

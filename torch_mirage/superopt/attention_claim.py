@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 import torch
 
 from .cut import DTYPES
+from ..cache import ProcessMemo
 from ..analysis.attention import AttentionSpec, find_attention
 from ..analysis.graph import GraphAnalysis, analyse
 from ..analysis.device import DeviceModel
@@ -460,8 +461,7 @@ def _seeds(spec: AttentionSpec) -> dict[str, tuple[str, dict]]:
 
 # _build_seeds' answers in this process by what they are built from (μGraphs are immutable): a model's next layer
 # gets the same seeds without building and validating them again
-_BUILT: dict[str, list] = {}
-_BUILT_KEPT = 64
+_BUILT = ProcessMemo(64)
 
 
 def _build_seeds(spec: AttentionSpec, names: dict[str, tuple[str, dict]], kwargs: dict) -> list[tuple[str, KernelGraph]]:
@@ -469,11 +469,7 @@ def _build_seeds(spec: AttentionSpec, names: dict[str, tuple[str, dict]], kwargs
     shapes (the build stage compiles them); one that does not build is left out."""
     key = repr((spec.b, spec.hk, spec.group, spec.sq, spec.skv, spec.d, sorted(names.items()),
                 sorted(kwargs.items())))
-    if key not in _BUILT:
-        if len(_BUILT) >= _BUILT_KEPT:
-            _BUILT.pop(next(iter(_BUILT)))
-        _BUILT[key] = _build_seeds_once(spec, names, kwargs)
-    return list(_BUILT[key])
+    return list(_BUILT.get(key, lambda: _build_seeds_once(spec, names, kwargs)))
 
 
 def _build_seeds_once(spec: AttentionSpec, names: dict[str, tuple[str, dict]], kwargs: dict

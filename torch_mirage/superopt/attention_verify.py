@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..cache import ProcessMemo
 from ..ugraph import KernelGraph
 from .attention_seeds import SCAN_TILE, SEEDS, attention_column_sums
 from .compile import DTYPES
@@ -100,8 +101,7 @@ def reference(scale: float, softcap: float | None, mask_fill: float, columns: tu
 
 # verify_seed's verdicts in this process by what builds the seed and the verifier's settings: a model's next layer
 # neither builds the small instance nor hashes it for the verifier's cache again
-_VERDICTS: dict[str, Verdict] = {}
-_VERDICTS_KEPT = 256
+_VERDICTS = ProcessMemo(256)
 
 
 def verify_seed(seed: str, dims: tuple, kwargs: dict, own: dict, config: Any, cache: Any = None) -> Verdict:
@@ -111,11 +111,7 @@ def verify_seed(seed: str, dims: tuple, kwargs: dict, own: dict, config: Any, ca
     model's layers verify their shared seeds once."""
     key = repr((seed, dims, sorted(kwargs.items()), sorted(own.items()), config.verify_error_bound,
                 config.verify_trials, REFERENCE))
-    if key not in _VERDICTS:
-        if len(_VERDICTS) >= _VERDICTS_KEPT:
-            _VERDICTS.pop(next(iter(_VERDICTS)))
-        _VERDICTS[key] = _verify_seed(seed, dims, kwargs, own, config, cache)
-    return _VERDICTS[key]
+    return _VERDICTS.get(key, lambda: _verify_seed(seed, dims, kwargs, own, config, cache))
 
 
 def _verify_seed(seed: str, dims: tuple, kwargs: dict, own: dict, config: Any, cache: Any = None) -> Verdict:

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..cache import ProcessMemo
 from ..analysis.cost import CostModel, matmul_rows, skinny_matmul
 from ..analysis.op_dims import matmul_operands
 from ..capture.ir import Graph, Node, Value
@@ -174,17 +175,12 @@ class GemvClaimer:
 # a model's layers lower to the same program, whose seed is built, instantiated and verified (or its verdict
 # looked up) once, not once per layer (the bench's 4-layer llama decode graph, warm partition on the 2-core CPU:
 # the claimer's 35 cuts spent 0.25 s in it, nearly all on layers 2-4)
-_FORMS: dict[tuple, tuple] = {}
-_FORMS_KEPT = 256
+_FORMS = ProcessMemo(256)
 
 
 def _verified_form_once(ref: KernelGraph, config, cache: Any) -> tuple[KernelGraph | None, str, str]:
-    key = (ref.hash(), config.verify_error_bound, config.verify_trials)
-    if key not in _FORMS:
-        if len(_FORMS) >= _FORMS_KEPT:
-            _FORMS.pop(next(iter(_FORMS)))
-        _FORMS[key] = verified_form(ref, config, cache)
-    return _FORMS[key]
+    return _FORMS.get((ref.hash(), config.verify_error_bound, config.verify_trials),
+                      lambda: verified_form(ref, config, cache))
 
 
 def seed_claim(graph: Graph, nodes: list[Node], ref: Reference, ctx: CompileContext) -> Outcome:
