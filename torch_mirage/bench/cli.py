@@ -86,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
                    help=f"end-to-end LLMs (default: all; --quick: {' '.join(llm.QUICK_DEFAULT)}); "
                    f"'none' for none. Known: {' '.join(llm.MODELS)}")
     p.add_argument("--llm-modes", nargs="+", type=_names(list(llm.LLM_MODES)),
-                   help=f"modes for the LLMs (default: {' '.join(llm.LLM_MODES)})")
+                   help=f"modes for the LLMs (default: {' '.join(llm.LLM_MODES)}; --quick: {' '.join(llm.QUICK_MODES)})")
     p.add_argument("--llm-attn", nargs="+", type=_names(list(llm.ATTENTION)),
                    help="HF attention implementations for the LLMs: 'default' (each model's own: sdpa, Gemma-2 "
                    "eager), 'sdpa', 'eager' (default: default); each model runs once per implementation")
@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtypes = [DTYPES[d] for d in (_list(args.dtype) or (["float32"] if not cuda else ["float16", "bfloat16"]))]
     llm_names = _list(args.llms) or (list(llm.QUICK_DEFAULT) if quick else None)
     llm_specs = [] if llm_names == ["none"] else llm.get(llm_names, _list(args.llm_attn) or ["default"])
-    llm_modes = _list(args.llm_modes) or list(llm.LLM_MODES)
+    llm_modes = _list(args.llm_modes) or list(llm.QUICK_MODES if quick else llm.LLM_MODES)
     llm_dtype = torch.float32 if not cuda else DTYPES[args.llm_dtype]
     timing_cfg = {"target_ms": args.target_ms, "repeats": args.repeats} if timing else None
 
