@@ -108,10 +108,11 @@ def test_a_prelude_that_feeds_nothing_else_is_empty():
     assert prelude_nodes(gm, {n: 0 for n in gm.graph.nodes if n.op == "call_function"}) == set()
 
 
-def _decode_steps_equal_eager(prelude: str, device: torch.device, caplog) -> None:
+def _decode_steps_equal_eager(prelude: str, device: torch.device, caplog, counter_in_prelude: bool = True) -> None:
     """Three decode steps of a tiny HF llama with a static cache (transformers 5.x: each layer's counter written in
     place) through mirage with ``prelude``: logits, cache contents and counters as eager's, and the prelude's graph
-    compiled (no fallback to inline)."""
+    compiled (no fallback to inline). ``counter_in_prelude``: each prelude holds the counters' ``copy_`` (on the
+    CPU; on CUDA a region of mirage's may read the old counter, which keeps its update out, H100 11-28)."""
     import logging
 
     pytest.importorskip("transformers")
@@ -141,7 +142,7 @@ def _decode_steps_equal_eager(prelude: str, device: torch.device, caplog) -> Non
     assert "prelude graph" not in caplog.text
     said = [g.prelude for g in report.graphs if g.prelude]     # each layer's counter update among the prelude's ops
     assert said, "no graph ran a prelude"
-    lacking = [p for p in said if f"({prelude})" not in p or "copy_" not in p]
+    lacking = [p for p in said if f"({prelude})" not in p or (counter_in_prelude and "copy_" not in p)]
     assert not lacking, "\n".join(lacking)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -161,7 +162,7 @@ def test_hf_decode_steps_through_the_prelude_equal_eager(prelude, caplog):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_hf_decode_steps_through_combo_kernels_on_gpu(caplog):
     """On CUDA the prelude is Inductor's combo kernels (Triton): it compiles, and the steps equal eager's."""
-    _decode_steps_equal_eager("combo", torch.device("cuda"), caplog)
+    _decode_steps_equal_eager("combo", torch.device("cuda"), caplog, counter_in_prelude=False)
 
 
 def test_a_failing_prelude_graph_leaves_its_ops_inline(monkeypatch, caplog):
@@ -212,3 +213,15 @@ def test_symbolic_sizes_stay_out_of_the_prelude():
     for rows in (4, 5, 6):
         x = torch.randn(rows, 8)
         torch.testing.assert_close(compiled(x, w, n), fn(x, w, n))
+
+
+def test_auto_prelude_is_combo_on_cuda_and_inline_elsewhere():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch_mirage.runtime.assemble import prelude_mode
+    with FakeTensorMode():    # a CUDA tensor as the compiler sees it, without a GPU
+        on_cuda = torch.empty(2, device="cuda")
+    cpu = torch.zeros(2)
+    assert prelude_mode("auto", [cpu, 3]) == "inline"
+    assert prelude_mode("auto", [cpu, on_cuda]) == "combo"
+    assert prelude_mode("inline", [on_cuda]) == "inline"
+    assert prelude_mode("hoist", [cpu]) == "hoist"

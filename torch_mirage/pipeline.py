@@ -40,7 +40,7 @@ from .failures import Failure, describe_error, format_failure, fx_graph_summary,
 from .partition.region import Claim, Claimer, Decline, Reason, Region, is_convex
 from .partition.stitch import StitchClaimer
 from .report import DeclineReport, GraphReport, RegionReport
-from .runtime.assemble import assemble, inductor_configs
+from .runtime.assemble import assemble, inductor_configs, prelude_mode
 from .runtime.cudagraph import CudaGraphRunner, cuda_graph_blocker, input_device, move_constants_to_device
 from .runtime.choose import declared_mutations, is_timeable, mutated_inputs
 from .runtime.inductor_quiet import without_artifact_warning
@@ -231,18 +231,19 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
                                    ctx.static_input_indices, mutated_inputs(gm))
     with ctx.stage("assemble"):
         taken: list[str] = []
+        prelude = prelude_mode(config.prelude, example_inputs)
         try:
-            fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode, config.prelude, taken)
+            fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode, prelude, taken)
             if taken:
                 counts = collections.Counter(taken).most_common()
-                report.prelude = f"{len(taken)} ops in one Inductor graph run first ({config.prelude}): " + \
+                report.prelude = f"{len(taken)} ops in one Inductor graph run first ({prelude}): " + \
                     ", ".join(f"{op} x{k}" if k > 1 else op for op, k in counts)
         except Exception as e:      # the prelude's own Inductor graph (combo kernels) failed: its ops go inline
-            if config.prelude == "inline" or config.strict:
+            if prelude == "inline" or config.strict:
                 raise
-            log.warning("torch_mirage: Inductor failed on the prelude graph (MIRAGE_PRELUDE=%s: %s: %s); its ops run "
-                        "inline instead (MIRAGE_PRELUDE=inline says so from the start)", config.prelude,
-                        type(e).__name__, str(e)[:200])
+            log.warning("torch_mirage: Inductor failed on the prelude graph (MIRAGE_PRELUDE=%s, %s here: %s: %s); its "
+                        "ops run inline instead (MIRAGE_PRELUDE=inline says so from the start)", config.prelude,
+                        prelude, type(e).__name__, str(e)[:200])
             report.prelude = f"none: Inductor failed on its graph ({type(e).__name__}), its ops ran inline"
             fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode, "inline")
         report.mutated_inputs = mutated_inputs(gm)

@@ -108,6 +108,15 @@ _GATHERS = {torch.ops.aten.embedding.default, torch.ops.aten.index_select.defaul
 PRELUDE_COMBO_NODES = 64           # sub-kernels one combo launch of the prelude may hold (Inductor's default: 8)
 
 
+def prelude_mode(knob: str, example_inputs: Sequence[Any]) -> str:
+    """What the ``prelude`` knob means for a graph of ``example_inputs``: "auto" is "combo" where a tensor input is on
+    CUDA (the prelude's kernels in few launches) and "inline" elsewhere; any other value as given."""
+    if knob != "auto":
+        return knob
+    on_cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+    return "combo" if on_cuda else "inline"
+
+
 def prelude_nodes(gm: fx.GraphModule, fb_owner: dict[fx.Node, int]) -> set[fx.Node]:
     """The fallback's ops that read only the graph's inputs (placeholders, attributes and each other) and make
     small tensors from small ones (each input and output at most ``PRELUDE_MAX_ELEMENTS``; a gather such as the
