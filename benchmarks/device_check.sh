@@ -22,11 +22,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/device.txt"
 failed=()
+n_step=0
 for arg in "$@"; do
-  step=${arg%@*}; LIMIT=${STEP_LIMIT_S:-280}
+  step=${arg%@*}; LIMIT=${STEP_LIMIT_S:-280}; n_step=$((n_step + 1))
   [[ $arg == *@* ]] && LIMIT=${arg##*@}     # step@SECONDS: this step's own limit
   echo "== $step (limit ${LIMIT}s)"
-  log="$OUT/$(printf %s "$step" | tr -c 'A-Za-z0-9_.-' _ | cut -c1-80).log"   # file names stay short
+  # file names stay short; the step's number keeps two runs of one step (cold, then warm) apart
+  log="$OUT/$n_step-$(printf %s "$step" | tr -c 'A-Za-z0-9_.-' _ | cut -c1-72).log"
   case "$step" in
     gputests) timeout "$LIMIT" python3 -m pytest tests -q -m gpu -p no:cacheprovider ;;
     gpushards:*)   # the gpu suite in N pytest processes at once (Triton compiles are CPU-bound; the GPU is shared);
@@ -58,12 +60,16 @@ for arg in "$@"; do
     siblingpairs:*) timeout "$LIMIT" python3 benchmarks/sibling_pairs_gpu.py ${step#siblingpairs:} ;;   # "siblingpairs:--batch 8"
     afterinductor:*) timeout "$LIMIT" python3 benchmarks/compile_after_inductor.py ${step#afterinductor:} ;;   # "afterinductor:--profile"
     bench:*)  BUDGET_S=$((LIMIT - 40)) timeout "$LIMIT" bash benchmarks/run_h100.sh ${step#bench:} ;;   # "bench:PART ARGS..." splits
-    *) echo "unknown step $step" ;;
+    *) echo "unknown step $step"; (exit 2) ;;
   esac > "$log" 2>&1
   rc=$?; echo "rc=$rc"; tail -25 "$log"; (( rc )) && failed+=("$step (rc $rc)")
   # only 8 files come back from a device call: keep the JSON, the table and the step log
   rm -f "$OUT"/*.png "$OUT"/*.gpu.txt
-  part=${step#bench:}; [[ $step == bench:* ]] && rm -f "$OUT/${part%% *}.log" "$OUT/${part%% *}.md"   # the step log holds the part's log; merge rebuilds the table
+  part=${step#bench:}; part=${part%% *}
+  if [[ $step == bench:* ]]; then
+    rm -f "$OUT/$part.log" "$OUT/$part.md"    # the step log holds the part's log; merge rebuilds the table
+    [[ -f "$OUT/$part.json" ]] && mv "$OUT/$part.json" "$OUT/$n_step-$part.json"   # a later run of the part keeps it
+  fi
 done
 (( ${#failed[@]} )) && { printf 'failed step: %s\n' "${failed[@]}"; exit 1; }
 exit 0
