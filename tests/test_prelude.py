@@ -112,7 +112,7 @@ def _decode_steps_equal_eager(prelude: str, device: torch.device, caplog, counte
     """Three decode steps of a tiny HF llama with a static cache (transformers 5.x: each layer's counter written in
     place) through mirage with ``prelude``: logits, cache contents and counters as eager's, and the prelude's graph
     compiled (no fallback to inline). ``counter_in_prelude``: each prelude holds the counters' ``copy_`` (on the
-    CPU; on CUDA a region of mirage's may read the old counter, which keeps its update out, H100 11-28)."""
+    CPU; on CUDA it was not among them, H100 11-28, not traced yet: the update runs outside the prelude)."""
     import logging
 
     pytest.importorskip("transformers")
