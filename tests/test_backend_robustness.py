@@ -6,6 +6,7 @@ import torch
 
 import torch_mirage
 from torch_mirage.partition.region import Claim, Reason, inputs_of
+from torch_mirage.report import GraphReport
 from helpers import ReadyKernel, assert_close
 
 
@@ -476,10 +477,34 @@ def test_faster_of_times_in_a_b_b_a_order(monkeypatch, in_callers_graph):
     assert order == ["mirage", "inductor", "inductor", "mirage"] and seen["mirage"] == seen["inductor"]
     base["inductor"] = 99.0
     order.clear()
+    graph_report = GraphReport(0, "inference")
     chooser = choose.FasterOf(dict(candidates), lambda c, times: seen.update(times, choice=c),
-                              in_callers_graph=in_callers_graph)
+                              in_callers_graph=in_callers_graph, stage=graph_report.stage)
     assert chooser(torch.ones(1)) == "inductor" and seen["choice"] == "inductor"
     assert list(chooser.candidates) == ["inductor"]
+    assert list(graph_report.stage_times_ms) == ["first-call timing"]   # the first call's timing is reported
+    chooser(torch.ones(1))
+    assert graph_report.stage_times_ms.keys() == {"first-call timing"}   # and only the first call's
+
+
+def test_stages_report_how_far_they_raised_the_gpu_memory_peak(monkeypatch):
+    """Each stage records how far it raised the process's peak of allocated GPU memory (where CUDA is in use),
+    and the report prints the rises; without CUDA nothing is recorded."""
+    import torch_mirage.report as report_mod
+
+    peaks = iter([100.0, 100.0, 100.0, 612.0, 612.0, 600.0])
+    monkeypatch.setattr(report_mod, "gpu_peak_mib", lambda: next(peaks))
+    r = GraphReport(0, "inference")
+    for stage in ("partition", "build", "check"):
+        with r.stage(stage):
+            pass
+    assert r.stage_peak_rise_mib == {"partition": 0.0, "build": 512.0, "check": 0.0}
+    assert "build" in str(r) and "GPU peak +512 MiB" in str(r) and "+0 MiB" not in str(r)
+    monkeypatch.setattr(report_mod, "gpu_peak_mib", lambda: None)
+    r = GraphReport(1, "inference")
+    with r.stage("build"):
+        pass
+    assert r.stage_peak_rise_mib == {} and "build" in r.stage_times_ms
 
 
 @pytest.mark.parametrize("chunk", [7, 1 << 22])

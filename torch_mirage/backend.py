@@ -278,7 +278,7 @@ class MirageBackend:
             _choice_recorder(report, cached=True)("inductor", verdict.times)
             return inductor
         return FasterOf({"mirage": mirage, "inductor": inductor}, _choice_recorder(report), written,
-                        in_callers_graph=not cfg.cuda_graphs, cache=self._cache, key=key)
+                        in_callers_graph=not cfg.cuda_graphs, cache=self._cache, key=key, stage=report.stage)
 
 
 def _timed_against_inductor(report: GraphReport, cfg: config_mod.Config) -> bool:

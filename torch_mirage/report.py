@@ -62,6 +62,15 @@ class RegionReport:
         return f"    {self.compiled_by:<9} {len(self.ops):>4} ops  {why}\n              [{ops}]" + (f"\n              {extra}" if extra else "")
 
 
+def gpu_peak_mib() -> float | None:
+    """The process's peak of allocated memory on the current CUDA device (MiB) since it was last reset, or None
+    where CUDA is not in use (nothing here initialises it)."""
+    import torch
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
 @dataclass
 class GraphReport:
     index: int
@@ -81,18 +90,27 @@ class GraphReport:
     untimed_reason: str = ""             # why mirage's version could not be timed against Inductor's
     prelude: str = ""                    # the input-only ops run first as one Inductor graph (MIRAGE_PRELUDE)
     stage_times_ms: dict[str, float] = field(default_factory=dict)
+    # how far each stage raised the process's peak of allocated GPU memory (MiB; only where CUDA was in use):
+    # a compile whose tuning or timing holds more than the model's own memory shows here, stage by stage
+    stage_peak_rise_mib: dict[str, float] = field(default_factory=dict)
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
+        t0, peak0 = time.perf_counter(), gpu_peak_mib()
         try:
             yield
         finally:
             self.stage_times_ms[name] = self.stage_times_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+            peak = gpu_peak_mib()
+            if peak is not None:
+                rise = max(0.0, peak - (peak0 or 0.0))
+                self.stage_peak_rise_mib[name] = round(self.stage_peak_rise_mib.get(name, 0.0) + rise, 1)
 
     def __str__(self) -> str:
         cg = "yes" if self.cuda_graph else f"no ({self.cuda_graph_reason})"
-        stages = ", ".join(f"{k} {v:.0f} ms" for k, v in self.stage_times_ms.items())
+        stages = ", ".join(f"{k} {v:.0f} ms" + (f" (GPU peak +{self.stage_peak_rise_mib[k]:.0f} MiB)"
+                                                 if self.stage_peak_rise_mib.get(k) else "")
+                           for k, v in self.stage_times_ms.items())
         lines = [f"graph {self.index} [{self.kind}]: {self.num_nodes} ATen nodes, {len(self.regions)} regions, "
                  f"CUDA graph: {cg}", f"  stages: {stages}"]
         if self.whole_graph_to_inductor:

@@ -82,14 +82,16 @@ def mirage_summary(info: dict) -> dict | None:
                         for r in regions if "build_s" in r.info],
             "untimed_regions": [{"claimer": r.claimer, "ops": len(r.ops), "why": r.info["measured"]}
                                 for r in regions if str(r.info.get("measured", "")).startswith("failed")],
-            "stage_ms": _summed_stage_ms(report.graphs)}
+            "stage_ms": _summed_stages(report.graphs, "stage_times_ms"),
+            # how far each stage raised the GPU's peak of allocated memory (MiB, summed over graphs)
+            "stage_peak_rise_mib": _summed_stages(report.graphs, "stage_peak_rise_mib")}
 
 
-def _summed_stage_ms(graphs) -> dict:
+def _summed_stages(graphs, field: str) -> dict:
     total: dict = {}
     for g in graphs:
-        for stage, ms in g.stage_times_ms.items():
-            total[stage] = round(total.get(stage, 0.0) + ms, 1)
+        for stage, x in getattr(g, field).items():
+            total[stage] = round(total.get(stage, 0.0) + x, 1)
     return total
 
 

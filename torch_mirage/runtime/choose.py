@@ -12,6 +12,8 @@ keeps Inductor's compile there, never a version it could not time.
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from typing import Any, Callable, Sequence
 
@@ -47,8 +49,10 @@ class FasterOf:
 
     def __init__(self, candidates: dict[str, Callable[..., Any]], on_choice: Callable[[str, dict], None],
                  written: Callable[[Sequence[Any]], list[torch.Tensor]] = lambda args: [],
-                 in_callers_graph: bool = False, cache: Any = None, key: str | None = None):
+                 in_callers_graph: bool = False, cache: Any = None, key: str | None = None,
+                 stage: Callable[[str], Any] = lambda name: contextlib.nullcontext()):
         self.candidates = candidates
+        self.stage = stage                     # the report's stage: the first call's timing, its time and memory
         self.on_choice = on_choice
         self.written = written
         self.in_callers_graph = in_callers_graph
@@ -95,7 +99,8 @@ class FasterOf:
 
     def __call__(self, *args: Any) -> Any:
         if self.choice is None:
-            times = self._time_all(args)
+            with self.stage("first-call timing"):
+                times = self._time_all(args)
             first = next(iter(self.candidates))
             self.choice = min(times, key=times.get) if times else first
             self.candidates = {self.choice: self.candidates[self.choice]}   # the others' memory is freed
