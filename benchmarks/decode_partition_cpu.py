@@ -9,7 +9,7 @@ graph-defined ops, the candidates its plan proposes for 132 SMs), one after anot
 kernel and per region: where a cold compile's build stage spends its Triton compiles (issue 15).
 
     python benchmarks/decode_partition_cpu.py [--profile] [--python-dispatcher] [--cache-dir DIR] [--layers N]
-        [--hidden H] [--model qwen2-7b-4l] [--compiles]
+        [--hidden H] [--model qwen2-7b-4l] [--regions] [--compiles]
 
 ``--python-dispatcher`` runs the stage under AOTAutograd's Python dispatcher, as before ``pipeline.eager_dispatch``
 turned it off (the before / after of that change).
@@ -42,6 +42,7 @@ def main() -> None:
                                                                                     "the graph has")
     p.add_argument("--cache-dir", help="the disk cache to use (default: a fresh one); a second run on the same "
                                        "directory measures the warm partition")
+    p.add_argument("--regions", action="store_true", help="also print every region: who runs it and its ops")
     p.add_argument("--compiles", action="store_true", help="then compile every launch candidate of the plans' "
                                                            "μGraph kernels for sm_90 and print the seconds")
     args = p.parse_args()
@@ -59,6 +60,10 @@ def main() -> None:
             finally:
                 prof.disable()
                 seconds.append(time.perf_counter() - t)
+            if args.regions:
+                from torch_mirage.failures import nodes_summary
+                for i, r in enumerate(regions):
+                    print(f"region {i}: {r.compiled_by} ({r.claimer or r.reason}): {nodes_summary(r.nodes)}")
             for r in regions:      # what was claimed: claimer and, for μGraph plans, the forms built
                 if r.compiled_by == "mirage" and hasattr(r.plan, "alternatives"):
                     plans.append((r.claimer, r.plan))
