@@ -166,6 +166,10 @@ def test_a_warm_compile_reads_the_whole_graph_verdict_back(monkeypatch, tmp_path
     assert cold.choice in ("mirage", "inductor") and not cold.choice_cached and not other.choice_cached
     assert warm.choice_cached and warm.choice == cold.choice and warm.choice_times_us == cold.choice_times_us
     assert "disk cache" in str(warm)
+    # on CUDA every stage says how far it raised the GPU's memory peak; the first call's timing is a stage, and a
+    # cached verdict times nothing
+    assert cold.stage_peak_rise_mib.keys() == cold.stage_times_ms.keys()
+    assert "first-call timing" in cold.stage_times_ms and "first-call timing" not in warm.stage_times_ms
     if warm.choice == "mirage":
         assert "inductor" not in warm.stage_times_ms and "inductor" in cold.stage_times_ms
     else:

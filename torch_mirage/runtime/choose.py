@@ -13,7 +13,6 @@ keeps Inductor's compile there, never a version it could not time.
 from __future__ import annotations
 
 import contextlib
-
 import logging
 from typing import Any, Callable, Sequence
 
