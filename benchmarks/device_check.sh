@@ -65,8 +65,8 @@ for arg in "$@"; do
   rc=$?; echo "rc=$rc"; tail -25 "$log"; (( rc )) && failed+=("$step (rc $rc)")
   # only 8 files come back from a device call: keep the JSON, the table and the step log
   rm -f "$OUT"/*.png "$OUT"/*.gpu.txt
-  part=${step#bench:}; part=${part%% *}
   if [[ $step == bench:* ]]; then
+    part=${step#bench:}; part=${part%% *}
     rm -f "$OUT/$part.log" "$OUT/$part.md"    # the step log holds the part's log; merge rebuilds the table
     [[ -f "$OUT/$part.json" ]] && mv "$OUT/$part.json" "$OUT/$n_step-$part.json"   # a later run of the part keeps it
   fi

@@ -40,8 +40,9 @@ CONTEXT = 4096          # static cache slots
 DECODE_POSITION = 4000  # the decoded token's position (earlier slots hold random keys/values)
 EARLY_POSITION = 256    # the "early" scenario's: a short chat turn in the same 4096-slot cache
 PREFILL_TOKENS = 2048
-LLM_MODES = ("eager", "inductor", "inductor-max-autotune", "mirage")   # each timed inside a CUDA graph, so
-# Inductor's reduce-overhead (its own CUDA graphs) would time as Inductor default does here
+# each mode is timed inside the bench's CUDA graph, where Inductor's reduce-overhead (its own CUDA graphs) would time
+# as Inductor default does: default and max-autotune are Inductor's modes here
+LLM_MODES = ("eager", "inductor", "inductor-max-autotune", "mirage")
 QUICK_MODES = ("eager", "inductor", "mirage")   # --quick: correctness only; max-autotune's tuning is not checked
 
 MISSING = "transformers is not installed: end-to-end LLM benchmarks skipped (pip install 'torch-mirage[bench]')"
