@@ -9,7 +9,7 @@ graph-defined ops, the candidates its plan proposes for 132 SMs), one after anot
 kernel and per region: where a cold compile's build stage spends its Triton compiles (issue 15).
 
     python benchmarks/decode_partition_cpu.py [--profile] [--python-dispatcher] [--cache-dir DIR] [--layers N]
-        [--hidden H] [--model qwen2-7b-4l] [--regions] [--compiles]
+        [--hidden H] [--model qwen2-7b-4l] [--regions] [--candidates] [--compiles]
 
 ``--python-dispatcher`` runs the stage under AOTAutograd's Python dispatcher, as before ``pipeline.eager_dispatch``
 turned it off (the before / after of that change).
@@ -17,6 +17,7 @@ turned it off (the before / after of that change).
 import argparse
 import cProfile
 import json
+import math
 import os
 import pstats
 import tempfile
@@ -43,6 +44,8 @@ def main() -> None:
     p.add_argument("--cache-dir", help="the disk cache to use (default: a fresh one); a second run on the same "
                                        "directory measures the warm partition")
     p.add_argument("--regions", action="store_true", help="also print every region: who runs it and its ops")
+    p.add_argument("--candidates", action="store_true", help="print each distinct μGraph kernel's launch candidates "
+                                                             "for 132 SMs (grid, loop, split, warps, stages, estimate)")
     p.add_argument("--compiles", action="store_true", help="then compile every launch candidate of the plans' "
                                                            "μGraph kernels for sm_90 and print the seconds")
     args = p.parse_args()
@@ -107,8 +110,23 @@ def main() -> None:
                       "hidden": spec.config["hidden_size"], "claims": claims,
                       "python_dispatcher": args.python_dispatcher,
                       "cpus": os.cpu_count(), "torch": torch.__version__}))
+    if args.candidates or args.compiles:
+        jobs = candidate_jobs(plans)
+    if args.candidates:
+        from torch_mirage.superopt.launch import estimate_us, retile, streamed_bytes
+        for job in jobs:
+            body = job["body"]
+            print(f"{job['what']}: grid {list(body.grid)} loop {body.forloop_range}")
+            for c in job["configs"]:
+                tiled = retile(body, c.grid, c.forloop_range)
+                est = estimate_us(tiled, c.split, 132) if tiled is not None else None
+                stage = streamed_bytes(tiled) if tiled is not None else None
+                print(f"    grid {list(c.grid)} loop {c.forloop_range} split {c.split} warps {c.num_warps} "
+                      f"stages {c.num_stages}{' prologue' if c.prologue else ''}"
+                      f"{' in-kernel fold' if c.combine_in_kernel else ''}: {math.prod(c.grid) * c.split} programs, "
+                      f"{stage} B a step, estimate {est if est is None else round(est, 1)} µs")
     if args.compiles:
-        candidate_compiles(plans)
+        candidate_compiles(jobs)
     if args.profile:
         stats = pstats.Stats(prof).sort_stats(os.environ.get("PROFILE_SORT", "cumulative"))
         stats.print_stats(30)
@@ -116,13 +134,9 @@ def main() -> None:
             stats.print_callees(os.environ["PROFILE_CALLEES"])
 
 
-def candidate_compiles(plans, n_sm: int = 132) -> None:
-    """Each launch candidate of every distinct graph-defined op of ``plans`` (claimer, UGraphPlan) compiled for
-    sm_90 by ``compile_time_cpu.py --jobs`` in a child process (this one imported Triton under the interpreter,
-    which compiles nothing): one line per kernel and the total."""
-    import pickle
-    import subprocess
-    import sys
+def candidate_jobs(plans, n_sm: int = 132) -> list[dict]:
+    """Every distinct graph-defined op of ``plans`` (claimer, UGraphPlan) with the launch candidates its plan
+    proposes for ``n_sm`` SMs."""
     from torch_mirage.superopt.launch import candidates
 
     seen, jobs = set(), []
@@ -140,6 +154,17 @@ def candidate_compiles(plans, n_sm: int = 132) -> None:
                     jobs.append(dict(what=f"{claimer} {alt.name} op{i}", body=op.body, ranks=ranks,
                                      in_dtypes=in_dtypes, out_dtypes=list(op.dtypes),
                                      configs=(plan.propose or candidates)(op.body, n_sm, 4)))
+    return jobs
+
+
+def candidate_compiles(jobs: list[dict]) -> None:
+    """Each of ``jobs`` (:func:`candidate_jobs`) compiled for sm_90 by ``compile_time_cpu.py --jobs`` in a child
+    process (this one imported Triton under the interpreter, which compiles nothing): one line per kernel and the
+    total."""
+    import pickle
+    import subprocess
+    import sys
+
     with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
         pickle.dump(jobs, f)
     here = os.path.dirname(os.path.abspath(__file__))

@@ -5,6 +5,7 @@
 #        layerkernels:<batch> (benchmarks/layer_kernels_gpu.py) llmab:<args of benchmarks/llm_ab.py> attnprobe:<args of benchmarks/attention_probe.py>
 #        attnkernel:<args of benchmarks/attention_kernel_gpu.py> pdlprobe:<args of benchmarks/pdl_probe.py>
 #        afterinductor:<args of benchmarks/compile_after_inductor.py> siblingpairs:<args of benchmarks/sibling_pairs_gpu.py>
+#        memorypeak:<bench cli args> (benchmarks/memory_peak_gpu.py: the call sites alive at the run's GPU memory peak)
 #        hf:<models, e.g. qwen2,phi3> (the HF model bench,
 #        default attention, one process per model; MIRAGE_LOG_LEVEL=INFO logs each tuned choice's compile seconds)
 #        (quote a step with spaces as one argument).
@@ -58,6 +59,7 @@ for arg in "$@"; do
     llmab:*)  timeout "$LIMIT" python3 benchmarks/llm_ab.py ${step#llmab:} ;;   # "llmab:--model M --scenario S" splits
     pdlprobe:*) OUT="$OUT" timeout "$LIMIT" python3 benchmarks/pdl_probe.py ${step#pdlprobe:} ;;   # "pdlprobe:" = defaults
     siblingpairs:*) timeout "$LIMIT" python3 benchmarks/sibling_pairs_gpu.py ${step#siblingpairs:} ;;   # "siblingpairs:--batch 8"
+    memorypeak:*) timeout "$LIMIT" python3 benchmarks/memory_peak_gpu.py --out "$OUT/memorypeak" ${step#memorypeak:} ;;
     afterinductor:*) timeout "$LIMIT" python3 benchmarks/compile_after_inductor.py ${step#afterinductor:} ;;   # "afterinductor:--profile"
     bench:*)  BUDGET_S=$((LIMIT - 40)) timeout "$LIMIT" bash benchmarks/run_h100.sh ${step#bench:} ;;   # "bench:PART ARGS..." splits
     *) echo "unknown step $step"; (exit 2) ;;

@@ -108,7 +108,7 @@ def test_head_bound_grids_get_a_split_that_fills_a_wave(tmp_path):
 
     want = [w.float() for w in fn(*[x.double() for x in xs])]
     for op in (o for o in seed.ops if o.name == "customized"):
-        grid, split = op.body.grid, wave_split(_scored(op.body, n_sm), n_sm)
+        grid, split = op.body.grid, wave_split(op.body, _scored(op.body, n_sm), n_sm)
         assert split is not None and split[0] == tuple(grid), (grid, split)
         assert split[2] > 1 and math.prod(grid) * split[2] >= WAVE_FILL * n_sm > math.prod(grid) * split[2] / 2
         configs = streaming_candidates(op.body, n_sm)
@@ -123,6 +123,36 @@ def test_head_bound_grids_get_a_split_that_fills_a_wave(tmp_path):
     compiled, _ = _compile(fn)
     for g, w in zip(compiled(*xs), want):
         assert_close(g, w)
+
+
+@interpreted
+def test_a_padded_retiling_does_not_count_as_filling_the_wave(tmp_path):
+    """Qwen2's 28 heads (H100 11-28): 16-column slices of each half make 112 programs on 132 SMs, and the next
+    slicing, 8 columns a half, pads to Triton's 16 (twice the bytes), so it must not stand for a filled wave: the
+    launches include the split-K that fills one. Here 4 heads of 64 on 10 SMs: 4 x 2 slices of 16 leave a wave
+    short, 4 x 4 slices of 8 pad, 4 x 32 single rows run 13 waves; the paired-halves seed gets the 4 x 2 split,
+    and its launch equals the unsplit one's."""
+    from torch_mirage.superopt.compile import BlockLauncher, op_arguments
+    from torch_mirage.superopt.launch import WAVE_FILL, _scored, streaming_candidates, wave_split
+
+    n_sm = 10
+    xs = _inputs(1, torch.float32, d=512, hd=64, heads=4, kv_heads=1)
+    graph = trace(qkv_rope(rotate_cat, hd=64), xs)
+    ref = reference_of(graph.nodes, graph)
+    seed = gemv_seed(ref.graph, halves=True)
+    pos = {id(v): i for i, v in enumerate(graph.inputs)}
+    ins = [xs[pos[id(v)]] for v in ref.inputs]
+    q = next(o for o in seed.ops if o.name == "customized" and o.body.grid[0] == 4)
+    split = wave_split(q.body, _scored(q.body, n_sm), n_sm)
+    assert split is not None and split[0] == (4, 2) and math.prod(split[0]) * split[2] >= WAVE_FILL * n_sm, split
+    configs = [c for c in streaming_candidates(q.body, n_sm) if (c.grid, c.forloop_range, c.split) == split]
+    assert configs, streaming_candidates(q.body, n_sm)
+    args = op_arguments(seed, q, ins)
+    unsplit = BlockLauncher(q.body, streaming_candidates(q.body, n_sm)[0], [a.dim() for a in args], str(tmp_path))
+    want = unsplit(*args)
+    for cfg in configs:
+        for g, w in zip(BlockLauncher(q.body, cfg, [a.dim() for a in args], str(tmp_path))(*args), want):
+            assert_close(g, w)
 
 
 @interpreted

@@ -32,6 +32,7 @@ from .compile_pool import run_all, workers
 from .context import CompileContext, Target
 from .failures import describe_error, nodes_summary, note, stage
 from .partition.region import Decline, Outcome, Reason, Region, claims
+from .report import gpu_peak_mib
 from .superopt.compile import compile_ugraph, tuning_compiles
 from .superopt.launch import candidates
 from .superopt.ugraph_plan import Alternative, UGraphPlan
@@ -162,7 +163,7 @@ def build_region(region: Region, graph: Graph, ctx: CompileContext) -> Callable[
     """``region``'s kernel from its plan; a plan that fails to build leaves the region to the fallback, with the
     error as its detail and a :class:`Decline` of the claimer (raised under ``strict``). Returns what compiles the
     kernel ahead where the build left that to its first run (:attr:`Built.warmup`), else None."""
-    start = time.perf_counter()
+    start, peak0 = time.perf_counter(), gpu_peak_mib()
     try:
         # the compile runs under AOT's fake mode; compiling and timing a kernel needs real tensors
         with unset_fake_temporarily(), stage("build"):
@@ -184,6 +185,9 @@ def build_region(region: Region, graph: Graph, ctx: CompileContext) -> Callable[
     region.info.update(built.info)
     # issue 15: where the build stage's seconds go, per region (compiles, tuning, disk-cache hits)
     region.info["build_s"] = round(time.perf_counter() - start, 2)
+    peak = gpu_peak_mib()
+    if peak is not None and peak0 is not None and peak - peak0 >= 1:   # its tuning raised the GPU memory peak
+        region.info["build_peak_rise_mib"] = round(peak - peak0)
     return built.warmup
 
 

@@ -78,7 +78,8 @@ def mirage_summary(info: dict) -> dict | None:
                              for r in regions if "mirage_us" in r.info],
             # mirage regions kept without a time: Inductor's version of them could not be timed (why)
             # each built mirage region's build seconds (compiles and tuning; a cached plan's take far less)
-            "build_s": [{"claimer": r.claimer, "ops": len(r.ops), "s": r.info["build_s"]}
+            "build_s": [{"claimer": r.claimer, "ops": len(r.ops), "s": r.info["build_s"],
+                         "peak_rise_mib": r.info.get("build_peak_rise_mib", 0)}
                         for r in regions if "build_s" in r.info],
             "untimed_regions": [{"claimer": r.claimer, "ops": len(r.ops), "why": r.info["measured"]}
                                 for r in regions if str(r.info.get("measured", "")).startswith("failed")],

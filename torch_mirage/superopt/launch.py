@@ -531,9 +531,7 @@ def contiguous_streams(bg: BlockGraph, n_sm: int) -> list[tuple[tuple, int]]:
             continue
         for f in _loop_choices(bg, grid, RUN_TILES):
             tiled = retile(bg, grid, f)
-            if tiled is None or estimate_us(tiled, 1, n_sm) is None or \
-                    any(x < MIN_STREAM_TILE and (x > 1 or math.prod(grid) > PROBE_WAVES[-1] * n_sm) or padded(x) != x
-                        for it in _streamed(tiled) for x in strip(it.shapes[0])[0]):
+            if tiled is None or estimate_us(tiled, 1, n_sm) is None or not _whole_stream_tiles(tiled, n_sm):
                 continue
             run, stage = run_bytes(tiled), streamed_bytes(tiled)
             if run < STREAM_RUN_BYTES or stage > 2 * STREAM_STAGE_BYTES:
@@ -571,7 +569,7 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     split_k = next(((g, f, s) for _, g, f, s in scored if s > 1), None)
     split_n = next(((g, f, s) for _, g, f, s in scored
                     if s == 1 and n_sm < math.prod(g) <= PROBE_WAVES[-1] * n_sm), None)
-    for pick in (split_k, split_n, fill := wave_split(scored, n_sm)):
+    for pick in (split_k, split_n, fill := wave_split(bg, scored, n_sm)):
         if pick is not None:
             configs.append(LaunchConfig(pick[0], pick[1], pick[2], warps, stages))
     if fill is not None:
@@ -586,19 +584,31 @@ def streaming_candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[Laun
     return list(dict.fromkeys(configs))
 
 
-def wave_split(scored: Sequence[tuple], n_sm: int) -> tuple | None:
-    """``(grid, forloop_range, split)`` where no unsplit re-tiling fills a wave of ``n_sm`` programs (a grid fixed
-    by whole heads: the RoPE projection's 32 or 8 blocks): the split-K with the fewest splits that fills one (to
-    ``WAVE_FILL``: 32 heads x 4 splits = 128 programs count on 132 SMs), at its
-    best estimate — the fewest partial states for the combine kernel to read (H100 11-26, decode QKV + RoPE: the
-    k / v projection at 32 splits spent 6.2 µs in its combine against 11.3 in the main kernel); else None."""
-    if any(s == 1 and math.prod(g) >= n_sm for _, g, _, s in scored):
+def wave_split(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> tuple | None:
+    """``(grid, forloop_range, split)`` where no unsplit re-tiling of whole weight tiles (:func:`_whole_stream_tiles`)
+    fills a wave of ``n_sm`` programs (to ``WAVE_FILL``; a grid fixed by whole heads: the RoPE projection's 32 or 8
+    blocks): the split-K with the fewest splits that fills one, at its best estimate — the fewest partial states
+    for the combine kernel to read (H100 11-26, decode QKV + RoPE: the k / v projection at 32 splits spent 6.2 µs
+    in its combine against 11.3 in the main kernel); else None. A re-tiling whose tiles pad (Qwen2's 28 heads x 8
+    slices: 8 columns of each half padded to Triton's 16) streams its padding too, and one of single rows over many
+    waves reads too little a program: neither counts (H100 11-28, Qwen2-7B decode: the q projection ran as
+    28 x 4 = 112 programs on 132 SMs at 48 % of copy)."""
+    if any(s == 1 and math.prod(g) >= WAVE_FILL * n_sm and (t := retile(bg, g, f)) is not None
+           and _whole_stream_tiles(t, n_sm) for _, g, f, s in scored):
         return None
     fills = [(s, est, g, f) for est, g, f, s in scored if s > 1 and math.prod(g) * s >= WAVE_FILL * n_sm]
     if not fills:
         return None
     s, _, g, f = min(fills, key=lambda x: (x[0], x[1]))
     return g, f, s
+
+
+def _whole_stream_tiles(tiled: BlockGraph, n_sm: int) -> bool:
+    """Whether the weight tiles ``tiled`` streams are unpadded with sides of at least ``MIN_STREAM_TILE``, or of one
+    over at most ``PROBE_WAVES[-1]`` waves of ``n_sm`` programs (:func:`contiguous_streams`' re-tilings)."""
+    programs = math.prod(tiled.grid)
+    return all(padded(x) == x and (x >= MIN_STREAM_TILE or x == 1 and programs <= PROBE_WAVES[-1] * n_sm)
+               for it in _streamed(tiled) for x in strip(it.shapes[0])[0])
 
 
 def streaming_pick(bg: BlockGraph, scored: Sequence[tuple], n_sm: int) -> tuple | None:
