@@ -39,6 +39,29 @@ def test_build_failures_and_disagreements_are_dropped_and_said(caplog):
     assert "launch config b failed to build" in text and "launch config a disagrees" in text
 
 
+def test_a_check_that_raises_drops_the_candidate_and_only_built_things_are_kept(caplog):
+    """The check runs a candidate (its outputs freed once compared: a prefill attention's candidates held 6 GiB of
+    outputs at once when the build ran them, H100 11-28); a run that raises there drops it as a build failure,
+    and what tune keeps for timing is what build returned, not anything the check made."""
+    made_outputs = []
+
+    def check(name, run):
+        outs = run()                      # the candidate's first run, inside the check
+        made_outputs.append(outs)
+        return None
+
+    def build(name):
+        if name == "a":
+            return lambda: 1 / 0          # compiles, fails at its first launch
+        return lambda: [name] * 3
+
+    with caplog.at_level(logging.INFO, logger="torch_mirage"):
+        t = tune(["a", "b", "c"], _timer([]), build=build, check=check, label="launch config")
+    assert t.winner == "b" and t.dropped["a"] == "build: ZeroDivisionError" and set(t.built) == {"b", "c"}
+    assert all(callable(v) for v in t.built.values()) and made_outputs == [["b"] * 3, ["c"] * 3]
+    assert "launch config a failed to build or run" in caplog.text
+
+
 def test_a_timing_error_drops_only_that_candidate():
     def time_half(name, made):
         if name == "b":

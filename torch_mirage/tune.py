@@ -107,8 +107,11 @@ def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
          precompile: Callable[[str], Any] | None = None) -> Tuned:
     """Choose the fastest of ``names``.
 
-    ``build(name)``: makes the candidate (its result is passed to ``check`` and ``time_half``); raising drops it.
-    ``check(name, built)``: a problem string drops the candidate (say, its output disagrees with the first one's).
+    ``build(name)``: makes the candidate (its result is passed to ``check`` and ``time_half``, and kept until every
+    candidate is timed: return what runs it, not its outputs — the check runs it, so that each candidate's
+    outputs are freed once compared, not held all at once); raising drops it.
+    ``check(name, built)``: a problem string drops the candidate (say, its output disagrees with the first one's);
+    raising drops it as a build error.
     ``time_half(name, built)``: per-call µs samples of one half of the A B … B A schedule; raising drops it.
     ``cache`` / ``key``: a :class:`~.cache.DiskCache` and the key of this choice (the caller's versioned key):
     cached times whose winner is still among ``names`` are returned as they are.
@@ -158,14 +161,15 @@ def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
 
 
 def _build_checked(name: str, build, check, out: Tuned, label: str) -> bool:
-    """Build ``name`` and check it: into ``out.built``, or into ``out.dropped`` with why; True when it is kept."""
+    """Build ``name`` and check it: into ``out.built``, or into ``out.dropped`` with why; True when it is kept. A
+    check that raises (its first run, where the check runs the candidate) drops it as a build error does."""
     try:
         made = build(name) if build is not None else None
+        problem = check(name, made) if check is not None else None
     except Exception as e:   # a candidate Triton cannot compile (registers, shared memory) is skipped
         log.info("torch_mirage: %s %s failed to build or run (%s: %s)", label, name, type(e).__name__, e)
         out.dropped[name] = f"build: {type(e).__name__}"
         return False
-    problem = check(name, made) if check is not None else None
     if problem is not None:
         log.warning("torch_mirage: %s %s %s; not used", label, name, problem)
         out.dropped[name] = problem

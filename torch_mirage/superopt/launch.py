@@ -698,20 +698,19 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
         if warmup is not None:
             warmup(*inputs)
 
-    def make(name: str) -> tuple:   # the timing sets only when the cache has no answer
+    def make(name: str) -> Callable:   # the timing sets only when the cache has no answer
         if not sets:
             sets.extend(rotated_input_sets(inputs, props.L2_cache_size, max_sets=16))
-        run = launchers.pop(name) if name in launchers else build(configs[name])
-        return run, run(*inputs)
+        return launchers.pop(name) if name in launchers else build(configs[name])
 
-    def agrees(name: str, made: tuple) -> str | None:
-        outs = made[1]
+    def agrees(name: str, run: Callable) -> str | None:   # its outputs live only for the comparison
+        outs = run(*inputs)
         if not want:
             want.extend(o.clone() for o in outs)
             return None
         return retile_problem(outs, want, inputs, "the μGraph's own schedule")
 
-    tuned = tune(list(configs), lambda name, made: time_launches(made[0], inputs, sets), build=make, check=agrees,
+    tuned = tune(list(configs), lambda name, run: time_launches(run, inputs, sets), build=make, check=agrees,
                  cache=cache, key=key, label="launch config", progress="torch_mirage: tuning a μGraph kernel",
                  precompile=precompile)
     winner = configs[tuned.winner] if tuned.winner is not None else base
@@ -726,7 +725,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
         return configs[hit.winner]
     if not want:                    # the first round's answer came from the cache: the reference is the winner
         agrees(pair[0], make(pair[0]))
-    second = tune(pair, lambda name, made: time_launches(made[0], inputs, sets), build=make, check=agrees,
+    second = tune(pair, lambda name, run: time_launches(run, inputs, sets), build=make, check=agrees,
                   cache=cache, key=key2, label="mask scan", precompile=precompile)
     return configs[second.winner] if second.winner is not None else winner
 

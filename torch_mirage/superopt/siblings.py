@@ -143,12 +143,16 @@ def faster_apart(parts: Sequence[Any], build: Callable[[int], SiblingLauncher],
             run = lambda *ts: [o for outs in launcher(split(ts)) for o in outs]           # noqa: E731
             run.launcher = launcher
         runs[name] = run
+        return run
+
+    def agrees(name: str, run: Callable) -> str | None:   # its outputs live only for the comparison
         outs = run(*flat)
         if not want:
             want.extend(o.clone() for o in outs)
-        return outs
+            return None
+        return retile_problem(outs, want, flat, "the separate launches")
 
-    def time_half(name: str, _outs: Any) -> list[float]:
+    def time_half(name: str, _run: Callable) -> list[float]:
         if not sets:
             sets.extend(rotated_input_sets(flat, torch.cuda.get_device_properties(flat[0].device).L2_cache_size,
                                            max_sets=16))
@@ -159,8 +163,8 @@ def faster_apart(parts: Sequence[Any], build: Callable[[int], SiblingLauncher],
         key = cache_key(kind="ugraph-siblings", graphs=[p.kernel.source for p in parts],
                         configs=[p.config.to_json() for p in parts], strides=[list(t.stride()) for t in flat],
                         device=torch.cuda.get_device_name(flat[0].device))
-    tuned = tune(names, time_half, build=make, cache=cache, key=key, label="sibling launch", precompile=precompile,
-                 check=lambda name, outs: retile_problem(outs, want, flat, "the separate launches"))
+    tuned = tune(names, time_half, build=make, check=agrees, cache=cache, key=key, label="sibling launch",
+                 precompile=precompile)
     if tuned.winner in (None, APART):
         return None
     launcher = getattr(runs.get(tuned.winner), "launcher", None)
