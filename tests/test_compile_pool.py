@@ -380,6 +380,21 @@ def test_op_input_placeholders_are_what_each_op_is_given(monkeypatch, tmp_path, 
     assert any(x.is_meta for x in tensors)
 
 
+@pytest.mark.parametrize("graph", list(_multi_op_graphs()), ids=["decode", "row-blocks"])
+def test_op_input_placeholders_under_the_build_stages_fake_mode(graph):
+    """The build stage runs under AOTAutograd's fake mode, and the compiles ahead read meta examples there: the
+    placeholders (views of meta tensors among them) are made outside it, the same as without one (H100 11-28:
+    every weight-streaming μGraph of a decode graph raised there, and none of their candidates compiled ahead)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch_mirage.superopt.compile import op_input_placeholders
+
+    metas = [torch.empty(i.attrs["shape"], device="meta") for i in graph.inputs]
+    want = [[(tuple(x.shape), x.stride(), x.dtype) for x in xs] for xs in op_input_placeholders(graph, metas).values()]
+    with FakeTensorMode():
+        got = op_input_placeholders(graph, metas)
+    assert [[(tuple(x.shape), x.stride(), x.dtype) for x in xs] for xs in got.values()] == want
+
+
 def test_tuning_compiles_nothing_off_cuda():
     from torch_mirage.superopt.compile import tuning_compiles
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..codegen import dependent_launch
 from ..codegen.aot import compile_ahead, run_kernel
@@ -465,24 +466,28 @@ def op_input_placeholders(kgraph: KernelGraph, example_inputs: Sequence[torch.Te
     """Each graph-defined op's inputs (by op index) as :func:`compile_ugraph` passes them, without running
     anything: the μGraph's own inputs are ``example_inputs``, every other tensor a meta tensor of the shape, dtype
     and strides its producer gives it (views of them are views) — what Triton specialises a kernel on, besides
-    alignment, which a fresh buffer has."""
+    alignment, which a fresh buffer has. Outside any fake mode the caller is in (the build stage runs under
+    AOTAutograd's: a kernel-level reshape of a meta tensor there raised, and the weight-streaming μGraphs of a
+    decode graph compiled none of their candidates ahead, H100 11-28)."""
     _check_inputs(kgraph, example_inputs)
     env: dict[Ref, torch.Tensor] = {}
     out: dict[int, list] = {}
-    for i in order_by_depth(kgraph, range(len(kgraph.ops))):
-        op = kgraph.ops[i]
-        if op.name == "input":
-            env[Ref(i, 0)] = example_inputs[op.attrs["index"]]
-            continue
-        xs = [env[Ref(*r)] for r in op.inputs]
-        if op.name == "customized":
-            out[i] = xs
-        if op.name != "customized" and op.spec.layout is not None:
-            res = [op.spec.layout(*xs, **op.attrs)]
-        else:
-            res = [torch.empty(shape, dtype=DTYPES[dtype], device="meta") for shape, dtype in zip(op.shapes, op.dtypes)]
-        for j, t in enumerate(res):
-            env[Ref(i, j)] = t
+    with unset_fake_temporarily():
+        for i in order_by_depth(kgraph, range(len(kgraph.ops))):
+            op = kgraph.ops[i]
+            if op.name == "input":
+                env[Ref(i, 0)] = example_inputs[op.attrs["index"]]
+                continue
+            xs = [env[Ref(*r)] for r in op.inputs]
+            if op.name == "customized":
+                out[i] = xs
+            if op.name != "customized" and op.spec.layout is not None:
+                res = [op.spec.layout(*xs, **op.attrs)]
+            else:
+                res = [torch.empty(shape, dtype=DTYPES[dtype], device="meta")
+                       for shape, dtype in zip(op.shapes, op.dtypes)]
+            for j, t in enumerate(res):
+                env[Ref(i, j)] = t
     return out
 
 
