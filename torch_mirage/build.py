@@ -88,7 +88,7 @@ def compile_candidates_ahead(regions: Sequence[Region], ctx: CompileContext) -> 
         try:
             device, metas = _example_metas(plan)
         except Exception as e:   # its own build makes them again, and says what fails
-            log.debug("torch_mirage: no compiles ahead for %s (%s: %s)", plan.what, type(e).__name__, e)
+            log.info("torch_mirage: no compiles ahead for %s (%s: %s)", plan.what, type(e).__name__, e)
             continue
         if device.type != "cuda":
             continue
@@ -127,7 +127,7 @@ def _candidate_jobs(alternatives: Sequence[Alternative], examples: list, where: 
             jobs.update({prefix + name: job for name, job in
                          tuning_compiles(a.graph, examples, label=a.name, device=device, **where).items()})
         except Exception as e:   # its compile_one meets the same error, and drops it or says why
-            log.debug("torch_mirage: no compiles ahead for μGraph %s (%s: %s)", a.name, type(e).__name__, e)
+            log.info("torch_mirage: no compiles ahead for μGraph %s (%s: %s)", a.name, type(e).__name__, e)
     return jobs
 
 
