@@ -216,6 +216,23 @@ def test_decode_split_count_fills_the_sms():
     assert decode_split_counts(8, 256, 132) == [2, 4] and decode_split_counts(256, 4096, 132) == []
 
 
+def test_split_kv_is_built_only_where_the_query_rows_leave_the_sms_idle():
+    """Prefill whose query rows alone make two waves of FlashAttention programs gets no split-KV seed (Llama-3-8B
+    prefill 2048: 8 KV heads x 128 row blocks; its 8-split candidate held 256 MiB of partial states per call, H100
+    11-28); a chunk of 256 queries over a 4k cache (8 x 16 row blocks) and decode keep it."""
+    from torch_mirage.analysis.attention import AttentionSpec
+    from torch_mirage.superopt.attention_claim import _seeds, rows_fill_the_sms
+
+    def spec(b, sq, skv):
+        return AttentionSpec(b=b, h=32, hk=8, sq=sq, skv=skv, d=128, scale=128 ** -0.5, mask="causal",
+                             dtype=torch.bfloat16)
+    prefill, chunk, decode = spec(1, 2048, 2048), spec(1, 256, 4096), spec(1, 1, 4096)
+    assert rows_fill_the_sms(prefill) and not rows_fill_the_sms(chunk) and not rows_fill_the_sms(decode)
+    assert set(_seeds(prefill)) == {"flash_attention"}
+    assert set(_seeds(chunk)) == {"flash_attention", "flash_decoding"}
+    assert any(name.startswith("flash_decoding/") for name in _seeds(decode))
+
+
 def test_decode_candidates():
     """Split-KV decode's partial kernel keeps its grid (the seed fixed the split count) and is timed over 64- and
     128-key tiles and pipeline depths, never split again; prefill attention is not decode."""

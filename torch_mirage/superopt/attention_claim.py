@@ -62,6 +62,11 @@ log = logging.getLogger("torch_mirage")
 MASK_DTYPES = DTYPES | {torch.bool: "bool"}    # the seeds' mask input: additive, or a bool mask as it is
 SPLIT_KV = 256            # KV length per split of the split-KV seed's default schedule (4 tiles of 64)
 SEED_TILE = 64            # the seeds' default tile edge
+# waves of FlashAttention programs (a row block of queries per batch row and KV head, at SEED_TILE rows) from which
+# KV is not split: more programs than that need no split for parallelism, and a split adds a
+# combine pass over fp32 partial states (Llama-3-8B prefill 2048: 8 splits, 256 MiB of states per call; H100 11-28,
+# 1.5 GiB of the compile's memory peak was that candidate's timing)
+ROW_WAVES = 2
 
 
 def packed_mask(spec: AttentionSpec, mask: torch.Tensor | None, device: torch.device,
@@ -443,7 +448,8 @@ def _seeds(spec: AttentionSpec) -> dict[str, tuple[str, dict]]:
     block of queries (the heads of a KV head packed, a few tokens each) — builds split-KV at each of
     :func:`.attention_seeds.decode_split_counts` (``flash_decoding/<splits>``), and FlashAttention (a program per
     batch row and KV head, whose launches split KV too: each tile's last split program folds the states, one
-    kernel where ``flash_decoding`` takes two). Prefill with an additive mask also builds FlashAttention with the
+    kernel where ``flash_decoding`` takes two). Split-KV is left out where the query rows alone fill the SMs
+    (:func:`rows_fill_the_sms`: prefill). Prefill with an additive mask also builds FlashAttention with the
     mask's tile table (``flash_attention/scan``: timed against the others on the compiled call's mask)."""
     seeds: dict[str, tuple[str, dict]] = {"flash_attention": ("flash_attention", {})}
     if spec.group * spec.sq <= SEED_TILE:
@@ -452,11 +458,19 @@ def _seeds(spec: AttentionSpec) -> dict[str, tuple[str, dict]]:
         if counts:
             return {f"flash_decoding/{s}": ("flash_decoding", {"splits": s}) for s in counts} | {
                 "flash_attention": ("flash_attention", {})}
-    if blocks(spec.skv, SPLIT_KV) > 1:
+    if blocks(spec.skv, SPLIT_KV) > 1 and not rows_fill_the_sms(spec):
         seeds["flash_decoding"] = ("flash_decoding", {})
     if spec.mask == "additive":     # a mask passed in: its tile table lets the launches skip what it hides (the
         seeds["flash_attention/scan"] = ("flash_attention", {"scan_table": True})   # seed refuses under a band)
     return seeds
+
+
+def rows_fill_the_sms(spec: AttentionSpec) -> bool:
+    """Whether FlashAttention's programs over ``spec``'s query rows alone (a block of ``SEED_TILE`` rows per batch
+    row and KV head, the smallest row tile the prefill launches take) make ``ROW_WAVES`` waves of the device's
+    SMs: then the split-KV seed is not built."""
+    programs = spec.b * spec.hk * blocks(spec.group * spec.sq, SEED_TILE)
+    return programs >= ROW_WAVES * DeviceModel.current().sm_count
 
 
 # _build_seeds' answers in this process by what they are built from (μGraphs are immutable): a model's next layer
