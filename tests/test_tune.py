@@ -139,3 +139,17 @@ def test_choices_outside_a_budget_are_unlimited_and_budget_zero_is_no_limit():
 
     with budget(0):
         assert tune(["a", "b"], _timer([])).winner == "b"
+
+
+def test_agrees_with_first_keeps_only_the_reference():
+    """The launch tuners' check: the first candidate it runs is the reference (cloned); another is compared by
+    the re-tiling tolerance of the lowest precision involved (fp16 here), and nothing else it made is kept."""
+    import torch
+    from torch_mirage.superopt.launch import AgreesWithFirst
+
+    x = torch.randn(64, dtype=torch.float16)
+    check = AgreesWithFirst([x], "the first launch")
+    assert check("a", lambda t: [t * 2]) is None and torch.equal(check.want[0], x * 2)
+    assert check("b", lambda t: [(t.float() * 2 * (1 + 1e-4)).half()]) is None       # a re-tiling's rounding
+    assert "disagrees with the first launch" in check("c", lambda t: [t * 3])
+    assert len(check.want) == 1

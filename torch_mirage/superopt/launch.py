@@ -654,6 +654,23 @@ def retile_problem(outs: Sequence[torch.Tensor], want: Sequence[torch.Tensor], i
     return None
 
 
+class AgreesWithFirst:
+    """A :func:`~torch_mirage.tune.tune` check of launches of the same kernel(s): runs a candidate on ``inputs`` and
+    compares its outputs with those of the first candidate it ran (kept as ``want``; ``reference`` names it) by
+    :func:`retile_problem`. The outputs live only for the comparison, not until every candidate is timed."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor], reference: str):
+        self.inputs, self.reference = inputs, reference
+        self.want: list[torch.Tensor] = []
+
+    def __call__(self, name: str, run: Callable) -> str | None:
+        outs = run(*self.inputs)
+        if not self.want:
+            self.want.extend(o.clone() for o in outs)
+            return None
+        return retile_problem(outs, self.want, self.inputs, self.reference)
+
+
 def launch_key(bg: BlockGraph, inputs: Sequence[torch.Tensor], device: torch.device, limit: int,
                propose: Callable[..., list[LaunchConfig]]) -> str:
     """The cache key of :func:`choose`'s answer for ``bg`` on inputs of these strides on CUDA ``device``."""
@@ -688,7 +705,6 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     key = launch_key(bg, inputs, inputs[0].device, limit, propose)
     props = torch.cuda.get_device_properties(inputs[0].device)
     configs = proposed(bg, inputs[0].device, limit, propose)
-    want: list = []
     sets: list = []
     launchers: dict[str, Callable] = {}   # the launchers the compile pool built, by candidate
 
@@ -703,13 +719,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
             sets.extend(rotated_input_sets(inputs, props.L2_cache_size, max_sets=16))
         return launchers.pop(name) if name in launchers else build(configs[name])
 
-    def agrees(name: str, run: Callable) -> str | None:   # its outputs live only for the comparison
-        outs = run(*inputs)
-        if not want:
-            want.extend(o.clone() for o in outs)
-            return None
-        return retile_problem(outs, want, inputs, "the μGraph's own schedule")
-
+    agrees = AgreesWithFirst(inputs, "the μGraph's own schedule")
     tuned = tune(list(configs), lambda name, run: time_launches(run, inputs, sets), build=make, check=agrees,
                  cache=cache, key=key, label="launch config", progress="torch_mirage: tuning a μGraph kernel",
                  precompile=precompile)
@@ -723,7 +733,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     hit = cached_choice(cache, key2, pair)
     if hit is not None:
         return configs[hit.winner]
-    if not want:                    # the first round's answer came from the cache: the reference is the winner
+    if not agrees.want:             # the first round's answer came from the cache: the reference is the winner
         agrees(pair[0], make(pair[0]))
     second = tune(pair, lambda name, run: time_launches(run, inputs, sets), build=make, check=agrees,
                   cache=cache, key=key2, label="mask scan", precompile=precompile)

@@ -27,7 +27,7 @@ from ..codegen.ugraph_triton import emit_sibling_kernel, module_source
 from ..timing import rotated_input_sets
 from ..tune import tune
 from ..ugraph import KernelGraph
-from .launch import retile_problem, time_launches
+from .launch import AgreesWithFirst, time_launches
 
 log = logging.getLogger("torch_mirage")
 
@@ -126,7 +126,6 @@ def faster_apart(parts: Sequence[Any], build: Callable[[int], SiblingLauncher],
     warps = sorted({p.config.num_warps for p in parts})
     names = [APART] + [f"one launch, {w} warps" for w in warps]
     runs: dict[str, Callable] = {}
-    want: list[torch.Tensor] = []
     sets: list = []
     compiled: dict[str, SiblingLauncher] = {}     # what the compile pool built, by candidate
 
@@ -145,13 +144,6 @@ def faster_apart(parts: Sequence[Any], build: Callable[[int], SiblingLauncher],
         runs[name] = run
         return run
 
-    def agrees(name: str, run: Callable) -> str | None:   # its outputs live only for the comparison
-        outs = run(*flat)
-        if not want:
-            want.extend(o.clone() for o in outs)
-            return None
-        return retile_problem(outs, want, flat, "the separate launches")
-
     def time_half(name: str, _run: Callable) -> list[float]:
         if not sets:
             sets.extend(rotated_input_sets(flat, torch.cuda.get_device_properties(flat[0].device).L2_cache_size,
@@ -163,7 +155,7 @@ def faster_apart(parts: Sequence[Any], build: Callable[[int], SiblingLauncher],
         key = cache_key(kind="ugraph-siblings", graphs=[p.kernel.source for p in parts],
                         configs=[p.config.to_json() for p in parts], strides=[list(t.stride()) for t in flat],
                         device=torch.cuda.get_device_name(flat[0].device))
-    tuned = tune(names, time_half, build=make, check=agrees, cache=cache, key=key, label="sibling launch",
+    tuned = tune(names, time_half, build=make, check=AgreesWithFirst(flat, "the separate launches"), cache=cache, key=key, label="sibling launch",
                  precompile=precompile)
     if tuned.winner in (None, APART):
         return None
