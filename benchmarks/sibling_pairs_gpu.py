@@ -6,7 +6,8 @@ in 26 µs (NOTES, 11-27 ninth: 0.65 of copy) where each part alone is near its f
 launch candidates alone, then the sibling launch of each pair among each part's ``--top`` fastest (at each part's
 num_warps), against the pair of alone-winners, so that it shows whether tuning the pair would gain.
 
-    python benchmarks/sibling_pairs_gpu.py [--batch 8] [--top 4] [--dtype bfloat16] [--extra 1:8x8:16:4 ...]
+    python benchmarks/sibling_pairs_gpu.py [--model llama|qwen2] [--batch 8] [--top 4] [--dtype bfloat16]
+        [--extra 1:8x8:16:4 ...]
 
 ``--extra PART:GRID:LOOP:SPLIT`` times one more re-tiling of kernel op PART (grid dims joined by x; a split folded
 in-kernel) at 4 warps / 3 stages and 4 / 4.
@@ -23,7 +24,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ugraph_config_sweep import SEED_VARIANTS  # noqa: E402  (this directory)
+import torch.nn.functional as F  # noqa: E402
+
+from ugraph_config_sweep import SEED_VARIANTS, _rope  # noqa: E402
+from torch_mirage.numerics import rms_norm  # noqa: E402  (this directory)
 from torch_mirage.bench import workloads  # noqa: E402
 from torch_mirage.capture.lower import trace  # noqa: E402
 from torch_mirage.superopt.compile import BlockLauncher, op_arguments  # noqa: E402
@@ -34,11 +38,38 @@ from torch_mirage.superopt.siblings import SiblingLauncher, regroup  # noqa: E40
 from torch_mirage.timing import cuda_graph_time_us, rotated_input_sets  # noqa: E402
 
 
-def qkv_parts(batch: int, dtype: torch.dtype):
-    """The QKV seed's kernel ops (block graphs) and each one's argument tensors on the GPU."""
-    base, keep, fn = SEED_VARIANTS["rmsnorm_rope_qkv_t"]
-    xs = workloads.WORKLOADS[base].make_inputs(batch, dtype, "cuda", 0)
-    xs = [xs[i] for i in keep]
+# (hidden, query heads, KV heads, q / k / v biases) of the LLM bench's models' QKV projections (heads of 128)
+SHAPES = {"llama": (4096, 32, 8, False), "qwen2": (3584, 28, 4, True)}
+
+
+def _qkv_rope_bias(x, cos, sin, g, wq, wk, wv, bq, bk, bv):
+    h = rms_norm(x, 1e-5, g)
+    heads = [F.linear(h, w, b).view(x.shape[0], 1, -1, 128).transpose(1, 2) for w, b in ((wq, bq), (wk, bk), (wv, bv))]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return _rope(heads[0], cos, sin), _rope(heads[1], cos, sin), heads[2]
+
+
+def _inputs(model: str, batch: int, dtype: torch.dtype, device: str) -> tuple:
+    """The QKV program of ``model`` and its inputs: llama's from the bench's decode layer, the others' made here."""
+    if model == "llama":
+        base, keep, fn = SEED_VARIANTS["rmsnorm_rope_qkv_t"]
+        xs = workloads.WORKLOADS[base].make_inputs(batch, dtype, device, 0)
+        return fn, [xs[i] for i in keep]
+    hidden, heads, kv, bias = SHAPES[model]
+    gen = torch.Generator().manual_seed(0)
+    w = lambda n: (torch.randn(n, hidden, generator=gen) * hidden ** -0.5).to(device, dtype)   # noqa: E731
+    angle = torch.rand(batch, 1, 64, generator=gen) * 6.0
+    cos, sin = (torch.cat([f(angle)] * 2, -1).to(device, dtype) for f in (torch.cos, torch.sin))
+    xs = [torch.randn(batch, 1, hidden, generator=gen).to(device, dtype), cos, sin,
+          (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype), w(heads * 128), w(kv * 128), w(kv * 128)]
+    if not bias:
+        return SEED_VARIANTS["rmsnorm_rope_qkv_t"][2], xs
+    return _qkv_rope_bias, xs + [(0.1 * torch.randn(n * 128, generator=gen)).to(device, dtype) for n in (heads, kv, kv)]
+
+
+def qkv_parts(batch: int, dtype: torch.dtype, model: str = "llama", device: str = "cuda"):
+    """The QKV seed's kernel ops (block graphs) and each one's argument tensors on ``device``."""
+    fn, xs = _inputs(model, batch, dtype, device)
     graph = trace(fn, [x.cpu() for x in xs])
     ref = reference_of(graph.nodes, graph)
     kg = gemv_seed(ref.graph, halves=True)
@@ -52,12 +83,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--top", type=int, default=4)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--model", default="llama", choices=list(SHAPES), help="whose QKV shapes (qwen2: 28 / 4 heads, "
+                                                                          "biases)")
     p.add_argument("--extra", nargs="*", default=[], metavar="PART:GRID:LOOP:SPLIT")
     args = p.parse_args()
     props = torch.cuda.get_device_properties(0)
     n_sm, l2 = props.multi_processor_count, props.L2_cache_size
     cache_dir = tempfile.mkdtemp()
-    parts = qkv_parts(args.batch, getattr(torch, args.dtype))
+    parts = qkv_parts(args.batch, getattr(torch, args.dtype), args.model)
     ranked = []
     for k, (bg, xs) in enumerate(parts):
         sets = rotated_input_sets(xs, l2, max_sets=16)
