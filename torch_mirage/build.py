@@ -32,7 +32,7 @@ from .compile_pool import run_all, workers
 from .context import CompileContext, Target
 from .failures import describe_error, nodes_summary, note, stage
 from .partition.region import Decline, Outcome, Reason, Region, claims
-from .report import gpu_peak_mib
+from .report import gpu_peak_mib, gpu_peak_rise_mib
 from .superopt.compile import compile_ugraph, tuning_compiles
 from .superopt.launch import candidates
 from .superopt.ugraph_plan import Alternative, UGraphPlan
@@ -185,9 +185,9 @@ def build_region(region: Region, graph: Graph, ctx: CompileContext) -> Callable[
     region.info.update(built.info)
     # issue 15: where the build stage's seconds go, per region (compiles, tuning, disk-cache hits)
     region.info["build_s"] = round(time.perf_counter() - start, 2)
-    peak = gpu_peak_mib()
-    if peak is not None and peak0 is not None and peak - peak0 >= 1:   # its tuning raised the GPU memory peak
-        region.info["build_peak_rise_mib"] = round(peak - peak0)
+    rise = gpu_peak_rise_mib(peak0)
+    if peak0 is not None and rise is not None and rise >= 1:   # its tuning raised the GPU memory peak
+        region.info["build_peak_rise_mib"] = round(rise)
     return built.warmup
 
 

@@ -71,6 +71,13 @@ def gpu_peak_mib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
+def gpu_peak_rise_mib(peak0: float | None) -> float | None:
+    """How far the peak of :func:`gpu_peak_mib` rose above ``peak0`` (its reading before; None: CUDA was not in use
+    then), or None where CUDA is not in use."""
+    peak = gpu_peak_mib()
+    return None if peak is None else max(0.0, peak - (peak0 or 0.0))
+
+
 @dataclass
 class GraphReport:
     index: int
@@ -101,9 +108,8 @@ class GraphReport:
             yield
         finally:
             self.stage_times_ms[name] = self.stage_times_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
-            peak = gpu_peak_mib()
-            if peak is not None:
-                rise = max(0.0, peak - (peak0 or 0.0))
+            rise = gpu_peak_rise_mib(peak0)
+            if rise is not None:
                 self.stage_peak_rise_mib[name] = round(self.stage_peak_rise_mib.get(name, 0.0) + rise, 1)
 
     def __str__(self) -> str:
