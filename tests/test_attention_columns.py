@@ -199,6 +199,28 @@ def test_column_plan_kernels_match_torch_with_masked_tiles():
         assert_close([out, col], [p @ v, p.sum(2)], torch.float32)
 
 
+def test_column_pass_derives_p_with_one_fma_and_an_exp2_per_score():
+    """The column pass re-derives P from the row statistics as exp(s·c − m) / l: in the tiles every row sees whole
+    (no mask) the scale, the sub and exp's log2 e are one FMA before an exp2, m·log2 e once per row; the edge tiles
+    (masked, held scores) subtract first. Eager-equal under a causal band, fully masked rows included."""
+    from torch_mirage.codegen.ugraph_triton import emit_block_kernel
+
+    b, hk, sq, d = 1, 2, 12, 16
+    kg = attention_column_sums(b, hk, sq, sq, d, group=1, kernels=("flash_stats", "column_sums"), scale=0.3,
+                               mask=(1, 1), dtype="float32", tile=4, band=(sq, 0, None, True))
+    column = kg.ops[max(i for i, op in enumerate(kg.ops) if op.name == "customized")].body
+    src = emit_block_kernel(column, [4] * len(column.iterators), "column").source
+    loops = src.split("for it in ")[1:]
+    full = [body for body in loops if "NUM_STAGES" in body.split("\n")[0]]     # the band's pipelined loop
+    assert len(full) == 1 and "tl.exp(" not in full[0] and full[0].count("tl.math.exp2(") == 1, src
+    assert all("tl.exp(" in body for body in loops if body not in full), src
+    m = torch.zeros(sq, sq).masked_fill(~(torch.arange(sq)[None, :] <= torch.arange(sq)[:, None]), -1e30)[None, None]
+    xs = [torch.randn(b, hk, sq, d), torch.randn(b, hk, sq, d), torch.randn(b, hk, sq, d), m]
+    p = torch.softmax(xs[0] @ xs[1].transpose(-1, -2) * 0.3 + m, -1)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert_close(list(compile_ugraph(kg, xs)(*xs)), [p @ xs[2], p.sum(2)], torch.float32)
+
+
 @interpreter
 @pytest.mark.parametrize("group,sq,skv,offset,window,skips", [
     (1, 12, 12, 0, None, True), (2, 6, 12, 6, None, False), (1, 12, 12, 0, 5, True), (2, 8, 12, 2, 4, True),

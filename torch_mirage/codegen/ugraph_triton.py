@@ -213,6 +213,8 @@ class _Emitter:
         self.alt: dict[Ref, Val] = {}                  # a value converted to the other orientation
         self.trans_of: dict[str, Val] = {}             # a ``tl.trans`` result's name -> the tile it transposes
         self.prescaled = _prescaled(bg)
+        self.exp_of_sub = _exp_of_differences(bg, self.phase)     # exp op -> its sub (emitted as one exp2)
+        self.folded_subs = set(self.exp_of_sub.values())
         dts = [op.attrs["dtype"] for op in bg.iterators]
         for d in dts:
             if d not in TL and d != "bool":      # bool: a mask, loaded as int1 and read by ``where``
@@ -461,6 +463,10 @@ class _Emitter:
             x = self.arg(env, i, 0)
             out = Val(x.name, strip(op.shapes[0])[0], x.dtype, trans=trans, scale=x.scale)
             outs = [replace(out, name=f"tl.zeros({out.phys}, tl.float32)", zero=True) if x.zero else out]
+        elif i in self.folded_subs:     # computed inside its exp's exp2 (:meth:`exp_of_difference`): no code
+            outs = [Val("<a − b inside an exp2>", strip(op.shapes[0])[0], "float32", trans=trans)]
+        elif i in self.exp_of_sub:
+            outs = [self.exp_of_difference(env, i, trans)]
         elif op.name == "scalar_mul" and not (x := self.arg(env, i, 0)).parts and not x.log2e:   # folded: no code
             outs = [replace(x, shape=strip(op.shapes[0])[0], trans=trans, log2e=False,
                             scale=1.0 if x.zero else x.scale * float(op.attrs["value"]))]
@@ -473,6 +479,24 @@ class _Emitter:
             if v.scale != 1.0 and (len(users) != 1 or self.phase[users[0]] != self.phase[i]):
                 v = self.assign("v", self.f32(v), v.shape, natural=v.phys, trans=v.trans)   # read twice: once here
             self.put(env, Ref(i, j), v)
+
+    def exp_of_difference(self, env: dict, i: int, trans: bool) -> Val:
+        """``exp(a − b)`` (op ``i``, ``b`` broadcast over the tile) as ``exp2(a·c·log2 e − b·log2 e)`` where ``a``
+        is a product not yet rounded (``a·c``, ``c`` its pending scale: scores straight from the matmul): ``b``'s
+        product once per row and one FMA per element before the exp2, where the scale, the sub and the multiply by
+        log2 e inside ``tl.exp`` were three operations. A rounded ``a`` (held or masked scores) keeps the sub
+        first: a row whose scores and max are both the mask floor must give exp(0) exactly, and an FMA of two
+        products of 1e30 leaves their rounding difference (about 1e23) in the exponent."""
+        s = self.bg.ops[i].inputs[0][0]
+        a, b = self.arg(env, s, 0), self.arg(env, s, 1)
+        if a.scale == 1.0 or a.parts or b.parts or a.log2e or b.log2e:     # as written
+            d = self.assign("v", f"{self.f32(a)} - {self.f32(b)}", strip(self.bg.ops[s].shapes[0])[0],
+                            natural=_bcast(a.phys, b.phys), trans=trans)
+            return self.assign("v", f"tl.exp({d.name})", d.shape, natural=d.phys, trans=trans)
+        rows = self.assign("v", f"{self.f32(b)} * {LOG2E!r}", b.shape, natural=b.phys, trans=b.trans)
+        plain = self.f32(replace(a, scale=1.0))
+        return self.assign("v", f"tl.math.exp2({plain} * {a.scale * LOG2E!r} - {rows.name})",
+                           strip(self.bg.ops[i].shapes[0])[0], natural=_bcast(a.phys, b.phys), trans=trans)
 
     def conform(self, v: Val, shape) -> str:
         want = tuple(padded(e) for e in shape)
@@ -815,6 +839,24 @@ def _fusable_matmuls(bg: BlockGraph) -> dict[int, int]:
         us = users.get(Ref(i, 0), [])
         if len(us) == 1 and bg.ops[us[0]].name == "acc_sum" and bg.ops[us[0]].attrs.get("dim") is None:
             out[i] = us[0]
+    return out
+
+
+def _exp_of_differences(bg: BlockGraph, phase: list[int]) -> dict[int, int]:
+    """``exp`` ops of ``a − b`` whose ``b`` is broadcast over the tile (a row's max: FlashTensor's column pass
+    re-deriving P from the row statistics), the sub read by nothing else in the same phase: exp op -> sub op.
+    Such an exp is one exp2 of an FMA per element (:meth:`_Emitter.exp_of_difference`)."""
+    users = bg.consumers()
+    out = {}
+    for i, op in enumerate(bg.ops):
+        if op.name != "exp":
+            continue
+        s = op.inputs[0][0]
+        sub = bg.ops[s]
+        if sub.name != "sub" or users.get(Ref(s, 0), []) != [i] or phase[s] != phase[i]:
+            continue
+        if math.prod(bg.shape(sub.inputs[1])) < math.prod(sub.shapes[0]):
+            out[i] = s
     return out
 
 
