@@ -89,6 +89,30 @@ def test_greedy_generate_of_each_causal_model_equals_eager(name):
     assert any(r.compiled_by == "mirage" for r in report.regions), str(report)
 
 
+@pytest.mark.slow   # ~25 s on a 2-core CPU
+def test_sliding_window_token_count_leaves_the_decode_graph_static():
+    """Gemma-2's sliding-window cache layers count their tokens in a Python int. Under torch.compile's default
+    ``dynamic=None`` the count becomes a symbolic input of the decode graph, which only returns it plus one: mirage
+    computes that on the host and compiles the decode graph with static shapes (its CUDA graph on a GPU, every
+    claimer); the tokens equal eager's."""
+    import torch_mirage
+
+    model = M.build(M.MODELS["gemma2"], "default", torch.float32, "cpu", tiny=True)
+    prompt = _ids(model.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        expected = M.greedy_generate(model, prompt, 6)
+        report = Report()
+        model.forward = torch.compile(model.forward, backend=torch_mirage.MirageBackend(report=report))
+        try:
+            got = M.greedy_generate(model, prompt, 6)
+        finally:
+            M.compile_forward(model, "eager")
+    assert torch.equal(got, expected), (got, expected)
+    decode = [g for g in report.graphs if g.host_scalars]
+    assert len(decode) == 1 and any("cumulative_length" in n for n in decode[0].host_scalars), str(report)
+    assert any(r.compiled_by == "mirage" for r in decode[0].regions), str(decode[0])
+
+
 def test_builder_covers_the_issue_model_set_and_rejects_unknown_names():
     assert {"llama", "qwen2", "mistral", "gemma2", "phi3", "gpt2", "bert", "opt"} <= set(M.MODELS)
     for spec in M.MODELS.values():

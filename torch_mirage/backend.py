@@ -20,6 +20,7 @@ from torch._dynamo.backends.common import aot_autograd
 from . import config as config_mod
 from . import failures
 from .cache import DiskCache, cache_key
+from .capture.host_scalars import split_host_scalars
 from .partition.region import Claimer, Reason
 from .failures import Failure
 from .context import CompileContext
@@ -99,6 +100,19 @@ class MirageBackend:
         self._cache: DiskCache | None = None    # the disk cache of the graph being compiled (MIRAGE_CACHE)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        host = split_host_scalars(gm, example_inputs)
+        if host is None:
+            return self._compile(gm, example_inputs, **kwargs)
+        first_graph = len(self.report.graphs)
+        compiled = self._compile(host.static_graph, host.static_inputs(example_inputs), **kwargs)
+        for graph in self.report.graphs[first_graph:]:
+            graph.host_scalars = host.names
+        log.info("torch_mirage: symbolic scalar input(s) %s only feed host arithmetic: computed in Python on each "
+                 "call around the graph, which compiled with static shapes", ", ".join(host.names))
+        return host.around(compiled)
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        """The Dynamo graph (static, or symbolic where Dynamo made it so) through AOTAutograd and the pipeline."""
         options = dict(self.options)
         options.update(kwargs.get("options") or {})
         if kwargs.get("mode") not in (None, "default"):

@@ -96,6 +96,7 @@ class GraphReport:
     choice_cached: bool = False          # that choice read from the disk cache (an earlier compile timed it)
     untimed_reason: str = ""             # why mirage's version could not be timed against Inductor's
     prelude: str = ""                    # the input-only ops run first as one Inductor graph (MIRAGE_PRELUDE)
+    host_scalars: tuple[str, ...] = ()   # symbolic scalar inputs computed on the host around the graph (host_scalars)
     stage_times_ms: dict[str, float] = field(default_factory=dict)
     # how far each stage raised the process's peak of allocated GPU memory (MiB; only where CUDA was in use):
     # a compile whose tuning or timing holds more than the model's own memory shows here, stage by stage
@@ -125,6 +126,9 @@ class GraphReport:
             lines.append(f"  writes to inputs {list(self.mutated_inputs)} in place")
         if self.prelude:
             lines.append(f"  prelude (MIRAGE_PRELUDE): {self.prelude}")
+        if self.host_scalars:
+            lines.append(f"  symbolic scalars computed on the host around it (static shapes): "
+                         f"{', '.join(self.host_scalars)}")
         if self.choice:
             times = ", ".join(f"{k} {v:.1f} µs" for k, v in self.choice_times_us.items())
             when = "by an earlier compile (disk cache)" if self.choice_cached else "on first call"
