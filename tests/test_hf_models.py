@@ -184,3 +184,15 @@ def test_cuda_graph_modes_start_a_step_and_clone_the_logits(monkeypatch):
     forward = M._step_per_call(lambda x: Out(logits=logits))
     out = forward(1)
     assert steps == [1] and torch.equal(out.logits, logits) and out.logits.data_ptr() != logits.data_ptr()
+
+
+def test_compile_forward_passes_the_bench_dynamic_setting(monkeypatch):
+    """``--dynamic default`` compiles every mode with torch.compile's own default (None); without it, False."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw.get("dynamic", "unset")) or fn)
+    model = torch.nn.Linear(2, 2)
+    for mode in ("inductor", "mirage", "reduce-overhead"):
+        M.compile_forward(model, mode, Report(), M.DYNAMIC["default"])
+    M.compile_forward(model, "inductor")
+    M.compile_forward(model, "eager")
+    assert seen == [None, None, None, False]

@@ -11,7 +11,10 @@ attention implementation (``default``, what transformers picks — ``sdpa`` wher
 
 Modes: eager, Inductor default, ``reduce-overhead`` (Inductor with CUDA graphs), ``max-autotune`` and mirage, all
 compiled with ``dynamic=False``: one graph per input shape (the prefill and the decode step), which is the
-serving policy README's "CUDA graphs" section states. Mirage's report (regions kept, CUDA graph or the op that
+serving policy README's "CUDA graphs" section states. ``--dynamic default`` compiles every mode with
+``torch.compile``'s own default instead (``dynamic=None``): under ``dynamic=False`` Gemma-2's sliding-window cache
+makes its decode step recompile at every token (Dynamo guards on the cache's token count) until Dynamo's recompile
+limit, in every mode. Mirage's report (regions kept, CUDA graph or the op that
 prevents it, what the first-call timing against Inductor kept) is recorded per case. Writes ``NAME.json``,
 ``NAME.md`` and ``NAME.png`` (speedup of mirage over reduce-overhead) like the workload bench.
 """
@@ -38,6 +41,7 @@ from .report import environment, pyplot, write_json
 
 SCHEMA = "torch_mirage.bench.models/1"
 MODES = ("eager", "inductor", "reduce-overhead", "max-autotune", "mirage")
+DYNAMIC = {"false": False, "default": None}   # --dynamic: torch.compile's ``dynamic`` for every mode
 ATTN = ("default", "eager")   # default: what transformers picks (sdpa where the model supports it)
 MISSING = "transformers is not installed: the model bench needs it (pip install 'torch-mirage[bench]')"
 
@@ -149,7 +153,7 @@ def static_cache(model, batch: int, length: int, device: torch.device):
     return cache
 
 
-def compile_forward(model, mode: str, report: Any = None) -> None:
+def compile_forward(model, mode: str, report: Any = None, dynamic: bool | None = False) -> None:
     """Replace ``model.forward`` by its compile under ``mode`` (``eager``: unchanged). ``generate`` calls
     ``model.forward``, so both the prefill and the decode steps run compiled."""
     torch._dynamo.reset()
@@ -158,11 +162,11 @@ def compile_forward(model, mode: str, report: Any = None) -> None:
     if mode == "eager":
         return
     if mode == "mirage":
-        model.forward = torch.compile(model.forward, backend=MirageBackend(report=report), dynamic=False)
+        model.forward = torch.compile(model.forward, backend=MirageBackend(report=report), dynamic=dynamic)
     elif mode == "inductor":
-        model.forward = torch.compile(model.forward, dynamic=False)
+        model.forward = torch.compile(model.forward, dynamic=dynamic)
     elif mode in ("reduce-overhead", "max-autotune"):
-        model.forward = _step_per_call(torch.compile(model.forward, mode=mode, dynamic=False))
+        model.forward = _step_per_call(torch.compile(model.forward, mode=mode, dynamic=dynamic))
     else:
         raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
 
@@ -190,7 +194,7 @@ def _timed(fn: Callable[[], Any], timing: dict | None) -> float | None:
 
 def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype, device: torch.device,
              tiny: bool, batch: int, tokens: int, new_tokens: int, timing: dict | None,
-             log: Callable[[str], None] = print) -> dict:
+             log: Callable[[str], None] = print, dynamic: bool | None = False) -> dict:
     """One model with one attention implementation through every mode. Returns its JSON record."""
     record: dict = {"model": spec.name, "attn": attn, "dtype": str(dtype).replace("torch.", ""),
                     "batch": batch, "tokens": tokens, "new_tokens": new_tokens if spec.causal else 0, "modes": {}}
@@ -213,7 +217,7 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
         report = Report() if mode == "mirage" else None
         res: dict = {"status": "ok"}
         try:
-            compile_forward(model, mode, report)
+            compile_forward(model, mode, report, dynamic)
             fwd = forward_logits(model, spec)
             with torch.no_grad():
                 start = time.perf_counter()
@@ -299,7 +303,8 @@ def markdown(doc: dict) -> str:
     lines = [f"# torch-mirage on Hugging Face models — {env['device']}", "",
              f"torch {env['torch']}, transformers {env.get('transformers')}, {doc['settings']['dtype']}, "
              f"batch {doc['settings']['batch']} × {doc['settings']['tokens']} tokens prefill, "
-             f"{doc['settings']['new_tokens']} greedy tokens with a static cache.", ""]
+             f"{doc['settings']['new_tokens']} greedy tokens with a static cache, "
+             f"torch.compile(dynamic={'None' if doc['settings'].get('dynamic') == 'default' else 'False'}).", ""]
     if not doc["timing"]:
         lines += ["Correctness only: no timing claims.", ""]
     if doc.get("not_run"):
@@ -377,7 +382,8 @@ def plot(doc: dict, path: str) -> str | None:
 
 def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequence[str] | None = None,
         attns: Sequence[str] = ATTN, tiny: bool | None = None, batch: int | None = None, tokens: int | None = None,
-        new_tokens: int | None = None, repeats: int = 5, budget_s: float | None = None) -> dict:
+        new_tokens: int | None = None, repeats: int = 5, budget_s: float | None = None,
+        dynamic: str = "false") -> dict:
     """The whole bench; writes ``out/stem.{json,md,png}`` and returns the document."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -392,7 +398,7 @@ def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequ
            "env": environment(torch.cuda.get_device_name() if cuda else "cpu"),
            "settings": {"models": [s.name for s in specs], "modes": list(modes), "attn": list(attns),
                         "dtype": str(dtype).replace("torch.", ""), "batch": batch, "tokens": tokens,
-                        "new_tokens": new_tokens, "tiny": tiny, "repeats": repeats},
+                        "new_tokens": new_tokens, "tiny": tiny, "repeats": repeats, "dynamic": dynamic},
            "models": []}
     start = time.monotonic()
     for spec in specs:
@@ -402,7 +408,8 @@ def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequ
                 print(f"{spec.name} attn={attn}: not run (--budget-s {budget_s:.0f} spent)", flush=True)
                 continue
             print(f"{spec.name} attn={attn}", flush=True)
-            doc["models"].append(run_case(spec, attn, modes, dtype, device, tiny, batch, tokens, new_tokens, timing))
+            doc["models"].append(run_case(spec, attn, modes, dtype, device, tiny, batch, tokens, new_tokens, timing,
+                                          dynamic=DYNAMIC[dynamic]))
             write_json(doc, os.path.join(out, f"{stem}.json"))   # partial results survive a time limit
     write_json(doc, os.path.join(out, f"{stem}.json"))
     with open(os.path.join(out, f"{stem}.md"), "w") as f:
@@ -448,6 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch", type=int), p.add_argument("--tokens", type=int), p.add_argument("--new-tokens", type=int)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=None, help="start no new case after this many seconds")
+    p.add_argument("--dynamic", choices=list(DYNAMIC), default="false",
+                   help="torch.compile's dynamic for every mode: false (default: one static graph per shape) or "
+                        "default (torch.compile's own, dynamic=None)")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench-results")
     p.add_argument("--name", default="models")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier runs into --out/NAME.{json,md} and exit")
@@ -460,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     split = lambda s: [x for x in s.split(",") if x] if s else None
     run(split(args.models), args.out, args.name, split(args.modes), split(args.attn), args.tiny or None,
-        args.batch, args.tokens, args.new_tokens, args.repeats, args.budget_s)
+        args.batch, args.tokens, args.new_tokens, args.repeats, args.budget_s, args.dynamic)
     return 0
 
 
