@@ -92,9 +92,6 @@ def split_host_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Hos
     if not isinstance(results, (tuple, list)):
         return None
     host_nodes = [r for r in results if isinstance(r, fx.Node) and r in inside]
-    used = {u for n in inside for u in n.users if u is not output}
-    if not used <= inside:
-        return None
     names = tuple(placeholders[i].name for i in positions)
     # the host part: a graph of its own over the scalar placeholders
     host = fx.Graph()
