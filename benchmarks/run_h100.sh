@@ -6,7 +6,8 @@
 #             llm-llama llm-qwen2 llm-gemma2
 #             llm-llama-mat llm-qwen2-mat llm-gemma2-mat (Inductor max-autotune on the LLMs: merged in as a column)
 #       extra args override the part's (e.g. --workloads X Y to redo what a part left "not run")
-#   benchmarks/run_h100.sh merge DIR   (on any machine) merge DIR/*.json into benchmarks/results/h100.*
+#   benchmarks/run_h100.sh merge DIR [NAME]   (on any machine) merge DIR/*.json into benchmarks/results/NAME.*
+#       (NAME: h100 by default; h200 for runs on the H200 the device tool lends since 2026-11-28)
 #
 # Each part writes $OUT/PART.{json,md,png} and $OUT/PART.log (benchmarks/results/raw/ without $OUT).
 # Every part stops starting new cases after BUDGET_S seconds (default 540) and lists what it skipped,
@@ -45,6 +46,6 @@ case "$PART" in
     bench "$PART" --workloads none --llms "$model" --batch 1 8 --llm-modes inductor-max-autotune "$@" ;;
   merge)
     DIR=${1:?usage: $0 merge DIR_WITH_PART_JSONS}
-    "$PY" -m torch_mirage.bench.cli --merge "$DIR"/*.json --out benchmarks/results --name h100 ;;
+    "$PY" -m torch_mirage.bench.cli --merge "$DIR"/*.json --out benchmarks/results --name "${2:-h100}" ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
