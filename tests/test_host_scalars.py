@@ -82,3 +82,39 @@ def test_split_copies_the_graph_and_puts_each_output_back_in_its_place():
     assert_close([v for v in got if isinstance(v, torch.Tensor)], [v for v in want if isinstance(v, torch.Tensor)],
                  torch.float32)
     assert split_host_scalars(seen[0][0], seen[0][1]) is None          # the first, static graph: nothing to split
+
+
+def test_training_graph_with_a_host_only_counter_matches_eager_gradients():
+    """The split wraps AOTAutograd's compile of the static graph, backward included: gradients equal eager's."""
+    def step(x, w, state):
+        state.count = state.count + 1
+        return (torch.tanh(x @ w) * 0.5).sum()
+
+    report = torch_mirage.Report()
+    compiled = torch.compile(step, backend=torch_mirage.MirageBackend(options={"min_region_us": 0}, report=report))
+    mine, theirs = Counter(), Counter()
+    for _ in range(3):
+        x, w = torch.randn(4, 8), torch.randn(8, 5)
+        w1, w2 = w.clone().requires_grad_(), w.clone().requires_grad_()
+        compiled(x, w1, mine).backward()
+        step(x, w2, theirs).backward()
+        assert_close([w1.grad], [w2.grad], torch.float32)
+    assert mine.count == theirs.count == 3
+    assert [g.kind for g in report.graphs if g.host_scalars] == ["forward"], str(report)   # backward: compiled later
+
+
+def test_a_counter_returned_as_it_is_and_one_returned_twice():
+    """Outputs that are the scalar input itself, or one host value in two places, come back where they were."""
+    def fn(x, state):
+        state.count = state.count + 1
+        state.steps = state.count
+        return x * 2
+
+    report = torch_mirage.Report()
+    compiled = torch.compile(fn, backend=torch_mirage.MirageBackend(options={"min_region_us": 0}, report=report))
+    mine, theirs = Counter(), Counter()
+    for _ in range(4):
+        x = torch.randn(5)
+        assert_close([compiled(x, mine)], [fn(x, theirs)], torch.float32)
+        assert (mine.count, mine.steps) == (theirs.count, theirs.steps)
+    assert any(g.host_scalars for g in report.graphs), str(report)
