@@ -213,7 +213,8 @@ class _Emitter:
         self.alt: dict[Ref, Val] = {}                  # a value converted to the other orientation
         self.trans_of: dict[str, Val] = {}             # a ``tl.trans`` result's name -> the tile it transposes
         self.prescaled = _prescaled(bg)
-        self.exp_of_sub = _exp_of_differences(bg, self.phase)     # exp op -> its sub (emitted as one exp2)
+        self.exp_of_sub = {e: d for e, d in _exp_of_differences(bg, self.phase).items()   # exp op -> its sub,
+                           if (e in self.transposed) == (d in self.transposed)}           # emitted as one exp2
         self.folded_subs = set(self.exp_of_sub.values())
         dts = [op.attrs["dtype"] for op in bg.iterators]
         for d in dts:
