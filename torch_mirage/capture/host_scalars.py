@@ -91,7 +91,8 @@ def split_host_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Hos
     results = output.args[0]
     if not isinstance(results, (tuple, list)):
         return None
-    host_nodes = [r for r in results if isinstance(r, fx.Node) and r in inside]
+    on_host = [isinstance(r, fx.Node) and r in inside for r in results]
+    host_nodes = [r for r, h in zip(results, on_host) if h]
     names = tuple(placeholders[i].name for i in positions)
     # the host part: a graph of its own over the scalar placeholders
     host = fx.Graph()
@@ -103,19 +104,11 @@ def split_host_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Hos
     host.output(tuple(env[n] for n in host_nodes))
     host_outputs = fx.GraphModule(torch.nn.Module(), host)
     # the device part: a copy of the graph without them (Dynamo calls the compile with the original graph's inputs)
-    layout, k_host, k_device = [], 0, 0
-    for r in results:
-        if isinstance(r, fx.Node) and r in inside:
-            layout.append((True, k_host))
-            k_host += 1
-        else:
-            layout.append((False, k_device))
-            k_device += 1
+    layout = tuple((h, sum(x == h for x in on_host[:k])) for k, h in enumerate(on_host))   # index in its part
     copied: dict[fx.Node, fx.Node] = {}
     graph = fx.Graph()
     graph.graph_copy(gm.graph, copied)
-    graph.output(tuple(copied[r] if isinstance(r, fx.Node) else r for r in results
-                       if not (isinstance(r, fx.Node) and r in inside)))
+    graph.output(tuple(copied[r] if isinstance(r, fx.Node) else r for r, h in zip(results, on_host) if not h))
     for node in reversed(closure):
         graph.erase_node(copied[node])
     for i in positions:
@@ -129,4 +122,4 @@ def split_host_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Hos
         if node in copied and hasattr(node, "_dynamo_source"):
             copied[node]._dynamo_source = node._dynamo_source
     static.graph.lint()
-    return HostScalars(positions, names, host_outputs, tuple(layout), static)
+    return HostScalars(positions, names, host_outputs, layout, static)

@@ -490,10 +490,9 @@ class _Emitter:
         products of 1e30 leaves their rounding difference (about 1e23) in the exponent."""
         s = self.bg.ops[i].inputs[0][0]
         a, b = self.arg(env, s, 0), self.arg(env, s, 1)
-        if a.scale == 1.0 or a.parts or b.parts or a.log2e or b.log2e:     # as written
-            d = self.assign("v", f"{self.f32(a)} - {self.f32(b)}", strip(self.bg.ops[s].shapes[0])[0],
-                            natural=_bcast(a.phys, b.phys), trans=trans)
-            return self.assign("v", f"tl.exp({d.name})", d.shape, natural=d.phys, trans=trans)
+        if a.scale == 1.0 or a.parts or b.parts or a.log2e or b.log2e:     # as written: the sub, then the exp
+            (d,) = self.emit(self.bg.ops[s], [a, b], trans=trans)
+            return self.emit(self.bg.ops[i], [d], trans=trans)[0]
         rows = self.assign("v", f"{self.f32(b)} * {LOG2E!r}", b.shape, natural=b.phys, trans=b.trans)
         plain = self.f32(replace(a, scale=1.0))
         return self.assign("v", f"tl.math.exp2({plain} * {a.scale * LOG2E!r} - {rows.name})",

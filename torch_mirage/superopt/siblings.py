@@ -155,8 +155,8 @@ def faster_apart(parts: Sequence[Any], build: Callable[[int], SiblingLauncher],
         key = cache_key(kind="ugraph-siblings", graphs=[p.kernel.source for p in parts],
                         configs=[p.config.to_json() for p in parts], strides=[list(t.stride()) for t in flat],
                         device=torch.cuda.get_device_name(flat[0].device))
-    tuned = tune(names, time_half, build=make, check=AgreesWithFirst(flat, "the separate launches"), cache=cache, key=key, label="sibling launch",
-                 precompile=precompile)
+    tuned = tune(names, time_half, build=make, check=AgreesWithFirst(flat, "the separate launches"), cache=cache,
+                 key=key, label="sibling launch", precompile=precompile)
     if tuned.winner in (None, APART):
         return None
     launcher = getattr(runs.get(tuned.winner), "launcher", None)
