@@ -3,9 +3,11 @@
 The HF bench (``bench/models.py``) reports µs per generated token, which includes ``generate``'s Python work.
 This script profiles one call per mode on the same model and prints the CPU-side and GPU-side totals, the top
 ops by self CPU time and by device time, and how many CUDA-graph replays and kernel launches it made, so a
-per-token gap between two modes can be placed (graph kernels, launches, copies or Python).
+per-token gap between two modes can be placed (graph kernels, launches, copies or Python); then the ops the second
+mode calls more or less often than the first, with their input shapes and Python call sites.
 
     python benchmarks/hf_decode_profile.py [--model llama] [--modes reduce-overhead mirage] [--new-tokens 16]
+        [--prefill] [--tokens 64]
 """
 from __future__ import annotations
 
@@ -21,38 +23,67 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from torch_mirage.bench import models as M  # noqa: E402
 
 
-def profile_mode(spec, mode: str, new_tokens: int, batch: int, tokens: int, top: int) -> None:
+def profile_mode(spec, mode: str, new_tokens: int, batch: int, tokens: int, top: int, prefill: bool = False) -> dict:
+    """Profile one warmed-up ``generate`` under ``mode`` (``prefill``: one forward over the prompt, no cache);
+    returns the calls per (op, input shapes, Python stack)."""
     device = torch.device("cuda")
     model = M.build(spec, "default", torch.bfloat16, device, tiny=False)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, model.config.vocab_size, (batch, tokens), generator=gen).to(device)
     M.compile_forward(model, mode)
+    if prefill:
+        mask = torch.ones_like(prompt)
+        call = lambda: model(input_ids=prompt, attention_mask=mask)   # noqa: E731
+    else:
+        call = lambda: M.greedy_generate(model, prompt, new_tokens)   # noqa: E731
     with torch.no_grad():
         for _ in range(3):   # compile, record, settle
-            M.greedy_generate(model, prompt, new_tokens)
+            call()
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(5):
-            M.greedy_generate(model, prompt, new_tokens)
+            call()
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - start) / 5 * 1e6
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=acts) as prof:
-            M.greedy_generate(model, prompt, new_tokens)
+        verbose = getattr(torch._C._profiler, "_ExperimentalConfig", None)   # Python stacks on ATen ops
+        extra = {"experimental_config": verbose(verbose=True)} if verbose is not None else {}
+        with torch.profiler.profile(activities=acts, record_shapes=True, with_stack=True, **extra) as prof:
+            call()
             torch.cuda.synchronize()
     events = prof.key_averages()
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
     replays = sum(e.count for e in events if "cudaGraphLaunch" in e.key)
     device_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
                     for e in events)
-    print(f"=== {spec.name} {mode}: {wall_us:.0f} µs per generate ({wall_us / new_tokens:.0f} µs/token), "
+    what = "prefill forward" if prefill else f"generate ({wall_us / new_tokens:.0f} µs/token)"
+    print(f"=== {spec.name} {mode}: {wall_us:.0f} µs per {what}, "
           f"device time {device_us:.0f} µs, kernel launches {launches}, CUDA-graph launches {replays}")
     print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
     sort = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     print(events.table(sort_by=sort, row_limit=top, max_name_column_width=60))
+    calls = {(e.key, str(e.input_shapes), tuple(e.stack[:_STACK])): e.count
+             for e in prof.key_averages(group_by_input_shape=True, group_by_stack_n=_STACK)}
     M.compile_forward(model, "eager")
-    del model
+    model = call = None   # frees the model before the next mode builds its own
     torch.cuda.empty_cache()
+    return calls
+
+
+_STACK = 6   # Python frames kept per op when two modes' calls are compared
+
+
+def print_call_differences(first: tuple[str, dict], second: tuple[str, dict]) -> None:
+    """The ops (with input shapes and where in Python they were called) that one mode runs more often than the
+    other in one ``generate``: what a per-token gap between two modes with equal device time is made of."""
+    (a, ca), (b, cb) = first, second
+    diff = sorted(((cb.get(k, 0) - ca.get(k, 0), k) for k in set(ca) | set(cb)), key=lambda t: -abs(t[0]))
+    print(f"=== calls {b} makes more (+) or fewer (-) than {a} in one generate")
+    for d, (key, shapes, stack) in diff:
+        if d and key.startswith("aten::"):
+            print(f"{d:+5d}  {key}  {shapes[:120]}")
+            for frame in stack:
+                print(f"         {frame}")
 
 
 def main() -> int:
@@ -63,15 +94,20 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--prefill", action="store_true", help="profile one forward over the prompt, not a generate")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("hf_decode_profile: needs a CUDA GPU", file=sys.stderr)
         return 2
+    profiled = []
     for mode in args.modes:
         try:
-            profile_mode(M.MODELS[args.model], mode, args.new_tokens, args.batch, args.tokens, args.top)
+            profiled.append((mode, profile_mode(M.MODELS[args.model], mode, args.new_tokens, args.batch,
+                                                args.tokens, args.top, args.prefill)))
         except Exception as e:   # one mode failing does not hide the other's profile
             print(f"=== {args.model} {mode}: failed: {type(e).__name__}: {e}")
+    if len(profiled) >= 2:
+        print_call_differences(profiled[0], profiled[1])
     return 0
 
 

@@ -268,3 +268,38 @@ def test_banded_seeds_verify(seed, band):
     assert good.equivalent and "finite-field test passed" in good.reason, good.reason
     bad = verify(g, lambda q, k, v, mask: ref(q, k, v, mask, 0.26), xs)
     assert not bad.equivalent, bad.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mask", ["causal", "bool"])
+def test_gpu_gqa_prefill_per_query_head(mask):
+    """HF Llama's prefill attention as compiled on CUDA (bf16, 16 query / 8 KV heads, 4 x 256 tokens, Q / K / V
+    transposed projections; a causal SDPA, or K / V repeated before SDPA with a bool mask): a program per query
+    head on the region's own tensors, eager-equal."""
+    import torch_mirage
+    from test_attention_family import _attention_regions
+
+    dtype, b, h, hk, s, d = torch.bfloat16, 4, 16, 8, 256, 64
+    xq, xk, xv = (torch.randn(b, s, n, d, device="cuda", dtype=dtype) for n in (h, hk, hk))
+    keep = torch.ones(b, 1, s, s, dtype=torch.bool, device="cuda").tril()
+    keep[1, :, :, :7] = False                                   # a left-padded row: its first keys hidden
+    keep[1, :, :7, 0] = True                                    # (each query row keeps a key)
+
+    def f(xq, xk, xv, *m):
+        q, k, v = (x.transpose(1, 2) for x in (xq, xk, xv))
+        if m:
+            out = F.scaled_dot_product_attention(q, repeat_kv(k, h // hk), repeat_kv(v, h // hk), attn_mask=m[0])
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, s, h * d)
+
+    args = (xq, xk, xv) + ((keep,) if mask == "bool" else ())
+    torch._dynamo.reset()
+    report = torch_mirage.Report()
+    backend = torch_mirage.MirageBackend(options={"min_region_us": 0, "measure_regions": False}, report=report)
+    out = torch.compile(f, backend=backend)(*args)
+    ref = f(*[x.double() if x.is_floating_point() else x for x in args])
+    (region,) = _attention_regions(report)
+    assert "a program per query head" in region.info.get("layout", ""), region.info
+    assert_close(out, ref.to(out.dtype), dtype)

@@ -371,8 +371,8 @@ def test_tuning_sees_the_compiled_calls_mask(monkeypatch):
     seen = []
     examples = claim._examples
 
-    def spy(spec, graph, by_index=False, bool_mask=False, observed=None):
-        out = examples(spec, graph, by_index, bool_mask, observed)
+    def spy(spec, graph, by_index=False, bool_mask=False, per_head=False, observed=None):
+        out = examples(spec, graph, by_index, bool_mask, per_head, observed)
         seen.append((dict(observed or {}), out[0], observed))
         return out
     monkeypatch.setattr(claim, "_examples", spy)
@@ -476,3 +476,76 @@ def test_passed_prefill_mask_adds_the_tile_table_seed():
         names[case] = [a.name for a in found[0].plan.alternatives]
     assert "flash_attention/scan" in names["passed"]
     assert "flash_attention/scan" not in names["in graph"]
+
+
+@pytest.mark.parametrize("hk", [4, 2])
+def test_transposed_projections_are_read_with_their_strides(monkeypatch, hk):
+    """HF's layout: Q / K / V are (b, s, heads, d) projections transposed to (b, heads, s, d) views. The kernels
+    take every input's strides, so K and V (and Q where each KV head has one query head) reach the kernel as
+    they are, not copied per call — and the result is eager's."""
+    from torch_mirage.superopt import attention_claim
+
+    real, seen = attention_claim.run_spec, []
+
+    def spy(spec, compiled, q, k, v, *args, **kwargs):
+        def recording(*ins, **kw):
+            seen.append({"q": ins[0].data_ptr() == q.data_ptr(), "k": ins[1].data_ptr() == k.data_ptr(),
+                         "v": ins[2].data_ptr() == v.data_ptr(), "k_strided": not ins[1].is_contiguous()})
+            return compiled(*ins, **kw)
+        return real(spec, recording, q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(attention_claim, "run_spec", spy)
+    b, h, s, d, dtype = 2, 4, 16, 16, torch.float32
+    xq, xk, xv = torch.randn(b, s, h, d), torch.randn(b, s, hk, d), torch.randn(b, s, hk, d)
+
+    def f(xq, xk, xv):
+        q, k, v = ((x * 1.5).transpose(1, 2) for x in (xq, xk, xv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hk < h)
+        return out.transpose(1, 2).reshape(b, s, h * d)
+
+    _check(f, (xq, xk, xv), dtype)
+    strided = [c for c in seen if c["k_strided"]]
+    assert strided, f"the kernel never saw a transposed K: {seen}"
+    assert all(c["k"] and c["v"] for c in strided), seen
+    assert all(c["q"] for c in strided) == (hk == h), seen      # Q's group packing copies only under GQA
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "additive"])
+def test_gqa_prefill_runs_a_program_per_query_head_on_the_regions_tensors(monkeypatch, mask):
+    """GQA prefill (a head's rows fill row blocks): FlashAttention with a program per query head, the programs of a
+    group reading their KV head's tiles, so Q, K, V and a head-shared mask reach the kernel as the region has them
+    (HF's transposed projections, no per-call copy or per-group repeat), P·V is written where the graph wants it —
+    and the result is eager's."""
+    from torch_mirage.superopt import attention_claim
+
+    real, seen = attention_claim.run_spec, []
+
+    def spy(spec, compiled, q, k, v, *args, **kwargs):
+        def recording(*ins, **kw):
+            theirs = [q, k, v] + ([args[0]] if mask != "causal" else [])   # causal: the kernel's own band
+            res = compiled(*ins, **kw)
+            # the kernel writes P·V into the output in the graph's own strides: no copy after it
+            seen.append([x.data_ptr() for x in ins[:len(theirs)]] == [x.data_ptr() for x in theirs]
+                        and res[0] is kw.get("outs", {}).get(0))
+            return res
+        return real(spec, recording, q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(attention_claim, "run_spec", spy)
+    b, h, hk, s, d, dtype = 1, 4, 2, 128, 16, torch.float32
+    xq, xk, xv = torch.randn(b, s, h, d), torch.randn(b, s, hk, d), torch.randn(b, s, hk, d)
+    keep = torch.ones(b, 1, s, s, dtype=torch.bool).tril()
+    keep[..., 5:9, :] &= torch.rand(b, 1, 4, s) > 0.3           # not only the band: the mask is read
+    extra = {"causal": (), "bool": (keep,),
+             "additive": (torch.zeros(b, 1, s, s).masked_fill(~keep, torch.finfo(dtype).min),)}[mask]
+
+    def f(xq, xk, xv, *m):
+        q, k, v = (x.transpose(1, 2) for x in (xq, xk, xv))
+        if not m:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:   # HF's SDPA path with a mask: K / V repeated per group before the op
+            out = F.scaled_dot_product_attention(q, repeat_kv(k, h // hk), repeat_kv(v, h // hk), attn_mask=m[0])
+        return out.transpose(1, 2).reshape(b, s, h * d)
+
+    (region,) = _check(f, (xq, xk, xv, *extra), dtype)
+    assert "a program per query head" in region.info.get("layout", ""), region.info
+    assert seen and all(seen), seen

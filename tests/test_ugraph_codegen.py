@@ -148,6 +148,26 @@ def test_retile_keeps_outputs_or_refuses():
     assert retile(first, (2, 1, 2), 2) is None                # the split-KV grid dim shapes the output
 
 
+def test_grid_dims_that_share_an_iterators_elements():
+    """A grid dim that is a multiple of the tensor dim it maps reads each element from that many consecutive
+    programs (GQA's KV heads under a program per query head); sizes where neither divides the other are refused,
+    and a re-tiling may neither start nor stop sharing a read."""
+    from torch_mirage.superopt.attention_seeds import flash_attention
+    from torch_mirage.ugraph import MuGraphError, grid_split, iterator_tile
+
+    assert grid_split(8, 16) == (2, 1) and grid_split(16, 4) == (1, 4) and grid_split(6, 4) is None
+    assert iterator_tile((2, 8, 64, 16), (1, 0, None), 2, (16, 2, 1), 4) == (1, 1, 16, 16)
+    with pytest.raises(MuGraphError, match="neither divides"):
+        iterator_tile((2, 6, 64, 16), (1, 0, None), 2, (16, 2, 1), 4)
+    fa = next(o for o in flash_attention(2, 8, 256, 256, 16, scale=0.25, q_heads=16).ops
+              if o.name == "customized").body
+    assert launch._shared(fa) == {(1, 0), (2, 0)}            # K and V, over the query heads' grid dim
+    tiled = retile(fa, (16, 2, 2), 2)                         # a prefill schedule: 128-row tiles, 128-key steps
+    assert tiled is not None and launch._shared(tiled) == launch._shared(fa)
+    packed = next(o for o in flash_attention(2, 8, 512, 256, 16, scale=0.25).ops if o.name == "customized").body
+    assert launch._shared(packed) == set() and retile(packed, (16, 2, 8), 4) is None
+
+
 def test_choose_on_cpu_is_the_graphs_own_schedule():
     bg = next(o for o in library.lora(16, 64, 64, 16, dtype="float32").ops if o.name == "customized").body
     cfg = launch.choose(bg, lambda c: None, [torch.randn(16, 64)])

@@ -125,7 +125,7 @@ def strided_copy(t: torch.Tensor) -> torch.Tensor:
     for ``t``'s layout checks strides (Inductor's ``assert_size_stride``), and ``clone`` makes a non-dense tensor
     contiguous (a mask expanded over the batch, stride 0: Inductor's version of a b8 decode attention region
     failed every timing with that). Copies the span of memory ``t`` covers, once."""
-    if t.numel() == 0 or _dense(t):
+    if t.numel() == 0 or is_dense(t):
         return t.clone()                          # keeps a dense tensor's strides
     span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return t.as_strided((span,), (1,), t.storage_offset()).clone().as_strided(t.shape, t.stride())
@@ -137,7 +137,7 @@ def timing_input_sets(args: Sequence[Any], l2_bytes: int) -> list[list[Any]]:
     would break the aliasing). Otherwise, or without the memory for the copies, the arguments themselves."""
     tensors = [t for t in args if isinstance(t, torch.Tensor)]
     storages = {t.untyped_storage().data_ptr() for t in tensors}
-    if len(storages) != len(tensors) or not all(_dense(t) for t in tensors):
+    if len(storages) != len(tensors) or not all(is_dense(t) for t in tensors):
         return [list(args)]
     try:
         return rotated_input_sets(args, l2_bytes)
@@ -145,7 +145,7 @@ def timing_input_sets(args: Sequence[Any], l2_bytes: int) -> list[list[Any]]:
         return [list(args)]
 
 
-def _dense(t: torch.Tensor) -> bool:
+def is_dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill its memory once in some order of dims (what ``clone`` reproduces)."""
     expected = 1
     for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):

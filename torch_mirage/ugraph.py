@@ -4,7 +4,8 @@ A μGraph is a :class:`KernelGraph` whose ops run on the whole GPU. An op is
 either pre-defined (matmul, elementwise, reduction, ...) or graph-defined
 (``customized``): its body is a :class:`BlockGraph` that one thread block runs.
 A block graph has ``grid`` (up to 3 dims), a ``forloop_range``, one
-``iterator`` per kernel input (``imap``: grid dim -> tensor dim or φ = None;
+``iterator`` per kernel input (``imap``: grid dim -> tensor dim or φ = None — the grid dim splits the tensor dim
+evenly, or, where the grid dim is a multiple of it, consecutive programs share its elements: :func:`grid_split`;
 ``fmap``: the tensor dim the for-loop walks, or φ), for-loop accumulators
 (``acc_sum``, ``acc_mean``, ``acc_max``, ``acc_rms``, ``acc_concat``,
 ``acc_online_softmax``) and one ``saver`` per output (``omap``: grid dim ->
@@ -180,18 +181,33 @@ def _one_to_one(m, what: str, target: str) -> None:
         raise _err(f"{what} {tuple(m)} maps two grid dims to one {target} dim")
 
 
+def grid_split(size: int, programs: int) -> tuple[int, int] | None:
+    """How an iterator's grid dim of ``programs`` reads a tensor dim of ``size``: ``(programs per element, tile
+    extent)``. Where ``programs`` divides ``size``, each program reads its own ``size / programs`` elements (1,
+    extent); where ``size`` divides ``programs``, each element is read by ``programs / size`` consecutive programs
+    (group, 1) — grouped-query attention with a program per query head reads KV head ``pid // group``, with no
+    copy of K and V per query head. None where neither divides the other."""
+    if size % programs == 0:
+        return 1, size // programs
+    if programs % size == 0:
+        return programs // size, 1
+    return None
+
+
 def iterator_tile(full: Shape, imap, fmap, grid, forloop_range) -> Shape:
     """The tile one block loads per iteration: ``full`` split by ``grid`` along
-    ``imap`` and by ``forloop_range`` along ``fmap``."""
+    ``imap`` (:func:`grid_split`) and by ``forloop_range`` along ``fmap``."""
     tile = list(full)
     _one_to_one(imap, "imap", "tensor")
     for g, d in enumerate(imap):
         if d is None:
             continue
         _dim(tile, d, f"imap {tuple(imap)}")
-        if tile[d] % grid[g]:
-            raise _err(f"imap: dim {d} of {tuple(full)} (size {tile[d]}) does not divide by grid dim {g} = {grid[g]}")
-        tile[d] //= grid[g]
+        split = grid_split(tile[d], grid[g])
+        if split is None:
+            raise _err(f"imap: dim {d} of {tuple(full)} (size {tile[d]}) and grid dim {g} = {grid[g]}: neither "
+                       f"divides the other")
+        tile[d] = split[1]
     if fmap is not None:
         _dim(tile, fmap, f"fmap {fmap}")
         if tile[fmap] % forloop_range:

@@ -45,7 +45,7 @@ from typing import NamedTuple, Sequence
 
 from ..context import Target
 from .dependent_launch import WAIT_LINES
-from ..ugraph import MASK_FLOOR, BlockGraph, Graph, MuGraphError, Op, Ref, band_geometry, band_mask_dims
+from ..ugraph import MASK_FLOOR, BlockGraph, Graph, MuGraphError, Op, Ref, band_geometry, band_mask_dims, grid_split
 
 TL = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32"}
 HALF = ("float16", "bfloat16")
@@ -319,7 +319,7 @@ class _Emitter:
         full, tile = a["shape"], op.shapes[0]
         starts = []
         for d in range(len(full)):
-            parts = [f"pid_{g} * {full[d] // bg.grid[g]}" for g, m in enumerate(a["imap"]) if m == d]
+            parts = [_grid_start(g, full[d], bg.grid[g]) for g, m in enumerate(a["imap"]) if m == d]
             if a["fmap"] == d:
                 parts.append(f"{it} * {tile[d]}")
             starts.append(" + ".join(parts) or "0")
@@ -947,6 +947,13 @@ def _variant(bg: BlockGraph) -> list[bool]:
         else:
             var.append(any(var[r[0]] for r in op.inputs))
     return var
+
+
+def _grid_start(g: int, size: int, programs: int) -> str:
+    """The first index of grid dim ``g``'s tile along a tensor dim of ``size`` (:func:`~torch_mirage.ugraph.
+    grid_split`): ``pid × extent``, or ``pid // group`` where consecutive programs share an element."""
+    group, extent = grid_split(size, programs)
+    return f"pid_{g} * {extent}" if group == 1 else f"(pid_{g} // {group})"
 
 
 def _header(name: str, params: Sequence[str]) -> list[str]:

@@ -51,6 +51,7 @@ from ..context import CompileContext, Target
 from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_convex, outputs_of
 from .attention_seeds import PLAN_KERNELS, ROW_BLOCK_KV, SEEDS, attention_column_sums, decode_split_counts
 from .attention_verify import verified
+from .launch import PREFILL_MIN_ROWS
 from .library import blocks
 from .plan_select import Candidate, select_plan
 from .ugraph_plan import Alternative, UGraphPlan
@@ -70,14 +71,15 @@ ROW_WAVES = 2
 
 
 def packed_mask(spec: AttentionSpec, mask: torch.Tensor | None, device: torch.device,
-                bool_mask: bool = False) -> torch.Tensor | None:
+                bool_mask: bool = False, per_head: bool = False) -> torch.Tensor | None:
     """The spec's mask as the kernels take it, (bm, hm, g·sq, skv) with bm ∈ {1, b}, hm ∈ {1, hk}: a mask shared
     by all batch rows / heads stays shared (an HF (1, 1, n, n) causal mask is not copied per head); a per-head one
     is a view of the user's; a head-shared one under GQA repeats its rows once per head of a group (a view where
     each head has one query row: decode). ``bool_mask`` (:func:`bool_in_kernel`): a bool mask as it is; otherwise
-    scores to add (bool masks become fp32 ``where(keep, 0, fill)``). None when unmasked."""
+    scores to add (bool masks become fp32 ``where(keep, 0, fill)``). None when unmasked. ``per_head``
+    (:func:`per_query_head`): (bm, hm, sq, skv) with hm ∈ {1, h}, a view of the user's mask."""
     m = kernel_mask(spec, mask, device, bool_mask)
-    return None if m is None else _pack(spec, m)
+    return None if m is None else _pack(spec, m, per_head)
 
 
 def bool_in_kernel(spec: AttentionSpec, use_band: bool = True) -> bool:
@@ -111,12 +113,14 @@ def additive_mask(spec: AttentionSpec, mask: torch.Tensor | None, device: torch.
     return mask
 
 
-def _pack(spec: AttentionSpec, mask: torch.Tensor) -> torch.Tensor:
+def _pack(spec: AttentionSpec, mask: torch.Tensor, per_head: bool = False) -> torch.Tensor:
     """:func:`packed_mask`'s packing of a (…, sq, n) tensor (n: the keys, or 1 for a per-row value)."""
     b, h, hk, sq, g = spec.b, spec.h, spec.hk, spec.sq, spec.group
     m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     n = m.shape[-1]
     bm = b if m.shape[0] == b else 1
+    if per_head:
+        return m.expand(bm, h if m.shape[1] == h else 1, sq, n)
     if m.shape[1] == h and h > 1:
         return m.expand(bm, h, sq, n).reshape(bm, hk, g * sq, n)
     if sq == 1:
@@ -144,25 +148,32 @@ def index_mask(spec: AttentionSpec) -> bool:
 
 
 def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.Tensor | None = None,
-             bool_mask: bool = False) -> tuple:
+             bool_mask: bool = False, per_head: bool = False, out_meta=None) -> tuple:
     """The region's outputs from the compiled seed: P·V (b, h, sq, d), then each of ``spec.extra_outputs`` from
-    the seed's column sums of P (b, h, skv) when it has them. Q is packed per KV head, the mask packed (a bool one
-    as it is with ``bool_mask``) — the kernels hold masked scores at their floor themselves, -inf kept for the
-    launches that scan it — or, where the region's mask is fixed (``fixed``: ``is_causal``'s, built once; an
+    the seed's column sums of P (b, h, skv) when it has them. Q is packed per KV head (a view where its strides
+    allow it, as with one query head per KV head; else a copy), or read as it is with ``per_head``
+    (:func:`per_query_head`). K and V are read with their own strides. The mask is packed (with ``per_head`` a view;
+    a bool one as it is with ``bool_mask``) — the kernels hold masked scores at their floor themselves, -inf kept
+    for the launches that scan it — or, where the region's mask is fixed (``fixed``: ``is_causal``'s, built once; an
     :func:`index_mask`'s broadcast stand-in, never read), that tensor. Rows whose keys are all ``-inf`` get eager's
     answer from the kernels themselves: zeros from SDPA (the seeds' ``empty_rows``), NaN from the decomposed
     softmax (0/0). Column sums (decomposed softmax only: SDPA has no P) are NaN for every key of a head with such a
     row, as eager's sum over its NaN row; a two-pass plan's column pass may skip that row's tiles (a band, a scan),
     so the heads whose row sums (its third output) are not all positive are filled — three small ops on the row
-    sums, where the mask's per-row max and a fill of P·V were six (H100 11-27, h2o_core n=1024: 9 kernels a call)."""
+    sums, where the mask's per-row max and a fill of P·V were six (H100 11-27, h2o_core n=1024: 9 kernels a call).
+    ``out_meta`` (P·V's value in the graph): where the kernel's output is P·V's shape (a head per program), the
+    kernel writes it with those strides (SDPA's (b, s, h, d) order: no copy into them after the call)."""
     b, h, hk, sq, d = spec.b, spec.h, spec.hk, spec.sq, spec.d
-    rows = spec.group * sq
-    args = [q.contiguous().reshape(b, hk, rows, d), k.contiguous(), v.contiguous()]
+    q = q if per_head else q.reshape(b, hk, spec.group * sq, d)
+    args = [_rows_dense(q), _rows_dense(k), _rows_dense(v)]
     if fixed is not None:
         args.append(fixed)
     elif (m := kernel_mask(spec, mask, q.device, bool_mask)) is not None:
-        args.append(_pack(spec, m))
-    res = compiled(*args)
+        args.append(_pack(spec, m, per_head))
+    out = None
+    if out_meta is not None and (per_head or spec.group == 1) and tuple(out_meta.shape) == (b, h, sq, d):
+        out = torch.empty_strided(out_meta.shape, out_meta.stride, dtype=out_meta.dtype, device=q.device)
+    res = compiled(*args, outs={0: out}) if out is not None else compiled(*args)
     outs = [res[0].reshape(b, h, sq, d)]
     if spec.extra_outputs:
         colsum = res[1]
@@ -171,6 +182,14 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.
             colsum = torch.where(seen, colsum, float("nan"))
         outs += [r.apply(colsum) for r in spec.extra_outputs]
     return tuple(outs)
+
+
+def _rows_dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernels read it: with its own strides wherever its last dim is dense (the kernels take every
+    input's strides: HF's K and V, views of a projection transposed to (b, hk, s, d), are not copied per call —
+    H200 11-28, HF Llama prefill 4 x 256: two of the four 3.5 us copies per layer around the attention kernel),
+    else a contiguous copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 def _as_meta(t: torch.Tensor, meta) -> torch.Tensor:
@@ -284,15 +303,16 @@ class AttentionClaimer:
         by_index = use_band and index_mask(spec) and not (
             spec.extra_outputs and "row_block" in _plan(plan_candidates(spec, graph, (1, 1), ctx.analysis_of(graph))))
         bool_mask = bool_in_kernel(spec, use_band)
+        per_head = per_query_head(spec)
         with unset_fake_temporarily():
-            _, mask_shape, fixed = _example_mask(spec, graph, spec.q.meta.device, by_index, bool_mask)
+            _, mask_shape, fixed = _example_mask(spec, graph, spec.q.meta.device, by_index, bool_mask, per_head)
         kwargs = _seed_kwargs(spec, dtype, mask_shape, use_band)
         if spec.extra_outputs:
             plans, info, names = self._column_plan(spec, graph, kwargs, ctx.analysis_of(graph))
             seeds, info["verified"] = verified(plans, names, (spec.b, spec.hk, spec.group, spec.sq, spec.skv),
                                                kwargs, ctx.config, ctx.cache)
         else:
-            names, built_with = _seeds(spec), kwargs | _softmax_kwargs(spec)
+            names, built_with = _seeds(spec, per_head), kwargs | _softmax_kwargs(spec)
             seeds, verdicts = verified(_build_seeds(spec, names, built_with), names,
                                        (spec.b, spec.hk, spec.group, spec.sq, spec.skv), built_with, ctx.config,
                                        ctx.cache)
@@ -317,12 +337,14 @@ class AttentionClaimer:
         info = {"attention": spec.describe(), "dtype": dtype, **info}
         if bool_mask and mask_shape is not None:
             info["mask"] = "bool, read in the kernel"
+        if per_head:
+            info["layout"] = "a program per query head: Q, K, V and the mask read as they are"
         if by_index:
             info["mask"] = "from indices" + (f" ({len(nodes) - len(spec.nodes)} mask nodes joined)"
                                              if len(nodes) > len(spec.nodes) else "")
         plan = UGraphPlan(alternatives, functools.partial(_example_inputs, spec, graph, by_index, bool_mask,
-                                                          ctx.observed_inputs),
-                          functools.partial(attention_kernel, spec, order, slots, metas, fixed, bool_mask),
+                                                          per_head, ctx.observed_inputs),
+                          functools.partial(attention_kernel, spec, order, slots, metas, fixed, bool_mask, per_head),
                           what=f"attention {spec.describe()} {dtype}")
         return Claim(nodes, plan, detail=alternatives[0].detail, info=info)
 
@@ -356,12 +378,13 @@ class AttentionClaimer:
 
 
 def attention_kernel(spec: AttentionSpec, order: Sequence[int], slots: Sequence[int], metas: Sequence,
-                     fixed: torch.Tensor | None, bool_mask: bool, compiled) -> Callable[..., tuple]:
+                     fixed: torch.Tensor | None, bool_mask: bool, per_head: bool, compiled) -> Callable[..., tuple]:
     """The region's kernel from a compiled attention μGraph (:func:`run_spec`): the region's inputs in the spec's
     order (``order``), its outputs (``slots`` into P·V and the column reductions) with the graph's strides."""
     def kernel(*ins):
         # an SDPA op's other outputs (logsumexp, ...) are unread (find_attention checks)
-        outs = run_spec(spec, compiled, *[ins[i] for i in order], fixed=fixed, bool_mask=bool_mask)
+        outs = run_spec(spec, compiled, *[ins[i] for i in order], fixed=fixed, bool_mask=bool_mask,
+                        per_head=per_head, out_meta=metas[0])
         return tuple(_as_meta(outs[i], metas[i]) for i in slots)
     return kernel
 
@@ -400,34 +423,37 @@ def _mask_builders(spec: AttentionSpec, graph: Graph, free: Sequence[Node]) -> l
 
 
 def _example_inputs(spec: AttentionSpec, graph: Graph, by_index: bool = False, bool_mask: bool = False,
-                    observed: dict | None = None) -> list:
+                    per_head: bool = False, observed: dict | None = None) -> list:
     """The seeds' example inputs (:func:`_examples`), made by the build stage when it compiles them; ``observed``:
     the compile's real inputs by graph input index (:attr:`CompileContext.observed_inputs`, emptied after the
     build)."""
-    return _examples(spec, graph, by_index, bool_mask, observed)[0]
+    return _examples(spec, graph, by_index, bool_mask, per_head, observed)[0]
 
 
 def _examples(spec: AttentionSpec, graph: Graph, by_index: bool = False, bool_mask: bool = False,
-              observed: dict | None = None) -> tuple[list, tuple | None, torch.Tensor | None]:
-    """Random inputs shaped as the seeds take them (Q packed per KV head, the mask packed), the mask's batch/head
+              per_head: bool = False, observed: dict | None = None) -> tuple[list, tuple | None, torch.Tensor | None]:
+    """Random inputs shaped as the seeds take them (Q packed per KV head and the mask packed, or both as they are
+    with ``per_head``), with the graph's strides, the mask's batch/head
     dims, and the region's fixed mask: ``is_causal``'s (built once, clamped) or, with ``by_index`` (an
     :func:`index_mask`), a broadcast stand-in the kernels never read. A mask the graph computes from constants
     keeps its real contents: launch tuning compares re-tilings whose bands skip the tiles it hides; so does a mask
     computed from the call's own inputs where ``observed`` holds them (the scan's tiles it skips,
     :func:`~.launch.scanning`)."""
     q, k, v = (random_like(x.meta) for x in (spec.q, spec.k, spec.v))
-    ex = [q.reshape(spec.b, spec.hk, spec.group * spec.sq, spec.d), k.contiguous(), v.contiguous()]
-    mask, mask_shape, causal = _example_mask(spec, graph, q.device, by_index, bool_mask, observed)
+    q = q if per_head else q.reshape(spec.b, spec.hk, spec.group * spec.sq, spec.d)
+    ex = [_rows_dense(q), _rows_dense(k), _rows_dense(v)]
+    mask, mask_shape, causal = _example_mask(spec, graph, q.device, by_index, bool_mask, per_head, observed)
     return ex + ([mask] if mask is not None else []), mask_shape, causal
 
 
 def _example_mask(spec: AttentionSpec, graph: Graph, device: torch.device, by_index: bool = False,
-                  bool_mask: bool = False, observed: dict | None = None
+                  bool_mask: bool = False, per_head: bool = False, observed: dict | None = None
                   ) -> tuple[torch.Tensor | None, tuple | None, torch.Tensor | None]:
     """The mask part of :func:`_examples` (no Q, K, V drawn: the claim needs only the mask's dims and the fixed
     mask): the packed example mask or None (unmasked), its batch/head dims, the region's fixed mask."""
     if by_index:
-        standin = torch.zeros((), dtype=mask_dtype(spec), device=device).expand(1, 1, spec.group * spec.sq, spec.skv)
+        rows = spec.sq if per_head else spec.group * spec.sq
+        standin = torch.zeros((), dtype=mask_dtype(spec), device=device).expand(1, 1, rows, spec.skv)
         return standin, (1, 1), standin
     if spec.mask == "none":
         return None, None, None
@@ -437,12 +463,12 @@ def _example_mask(spec: AttentionSpec, graph: Graph, device: torch.device, by_in
         example_mask = constant_value(graph, spec.mask_value, named)
         if example_mask is None:
             example_mask = random_like(spec.mask_value.meta)
-    packed = packed_mask(spec, example_mask, device, bool_mask).to(mask_dtype(spec, bool_mask))
+    packed = packed_mask(spec, example_mask, device, bool_mask, per_head).to(mask_dtype(spec, bool_mask))
     causal = packed.clamp_min(MASK_FLOOR).contiguous() if spec.mask == "causal" else None
     return packed, tuple(packed.shape[:2]), causal
 
 
-def _seeds(spec: AttentionSpec) -> dict[str, tuple[str, dict]]:
+def _seeds(spec: AttentionSpec, per_head: bool = False) -> dict[str, tuple[str, dict]]:
     """The seeds to build for attention without column sums, by the name they are timed and reported under: the
     seed and its own parameters. FlashAttention, and split-KV where KV is long enough to split. Decode — one row
     block of queries (the heads of a KV head packed, a few tokens each) — builds split-KV at each of
@@ -450,7 +476,14 @@ def _seeds(spec: AttentionSpec) -> dict[str, tuple[str, dict]]:
     batch row and KV head, whose launches split KV too: each tile's last split program folds the states, one
     kernel where ``flash_decoding`` takes two). Split-KV is left out where the query rows alone fill the SMs
     (:func:`rows_fill_the_sms`: prefill). Prefill with an additive mask also builds FlashAttention with the
-    mask's tile table (``flash_attention/scan``: timed against the others on the compiled call's mask)."""
+    mask's tile table (``flash_attention/scan``: timed against the others on the compiled call's mask).
+    ``per_head`` (:func:`per_query_head`): FlashAttention with a program per query head, with and without the
+    table."""
+    if per_head:
+        own = {"q_heads": spec.h}
+        return {"flash_attention": ("flash_attention", own)} | (
+            {"flash_attention/scan": ("flash_attention", {**own, "scan_table": True})} if spec.mask == "additive"
+            else {})
     seeds: dict[str, tuple[str, dict]] = {"flash_attention": ("flash_attention", {})}
     if spec.group * spec.sq <= SEED_TILE:
         bh, n_sm = spec.b * spec.hk, DeviceModel.current().sm_count
@@ -463,6 +496,19 @@ def _seeds(spec: AttentionSpec) -> dict[str, tuple[str, dict]]:
     if spec.mask == "additive":     # a mask passed in: its tile table lets the launches skip what it hides (the
         seeds["flash_attention/scan"] = ("flash_attention", {"scan_table": True})   # seed refuses under a band)
     return seeds
+
+
+def per_query_head(spec: AttentionSpec) -> bool:
+    """Whether the seeds run a program per query head (FlashAttention's ``q_heads``: the programs of a group read
+    their KV head's tiles) instead of packing a KV head's query heads into the rows of its programs: GQA prefill
+    without column sums, whose heads' own rows fill row blocks (``PREFILL_MIN_ROWS`` of them) and where
+    FlashAttention is the only seed (no split-KV: :func:`rows_fill_the_sms`, or KV too short to split). Q, the mask
+    and the output are then the region's own tensors; packed rows copy Q and a head-shared mask per call (H200
+    11-28, HF Llama prefill 4 x 256, 16 query / 8 KV heads: the region 30.4 us around a 9.8 us kernel)."""
+    mask = spec.mask_value.meta.shape if spec.mask_value is not None else ()
+    heads = mask[-3] if len(mask) >= 3 else 1                   # the mask's own heads: shared, or one per query head
+    return (spec.group > 1 and not spec.extra_outputs and spec.sq >= PREFILL_MIN_ROWS and heads in (1, spec.h)
+            and (blocks(spec.skv, SPLIT_KV) <= 1 or rows_fill_the_sms(spec)))
 
 
 def rows_fill_the_sms(spec: AttentionSpec) -> bool:
@@ -491,7 +537,8 @@ def _build_seeds_once(spec: AttentionSpec, names: dict[str, tuple[str, dict]], k
     built = []
     for name, (seed, own) in names.items():
         try:
-            kg = SEEDS[seed](spec.b, spec.hk, spec.group * spec.sq, spec.skv, spec.d, **kwargs, **own)
+            rows = spec.sq if own.get("q_heads") else spec.group * spec.sq      # per_query_head: a head's rows
+            kg = SEEDS[seed](spec.b, spec.hk, rows, spec.skv, spec.d, **kwargs, **own)
             validate(kg)
             built.append((name, kg))
         except Exception as e:   # a seed that does not build for these shapes: not used

@@ -80,7 +80,7 @@ def flash_attention(b: int, hk: int, rows: int, skv: int, d: int, *, scale: floa
                     mask: tuple[int, int] | None = None, dtype: str = "float16", mask_dtype: str = "float32",
                     q_blocks: int | None = None, forloop_range: int | None = None, tile: int = 64,
                     band: tuple | None = None, stats: bool = False, mask_fill: float = NEG_INF,
-                    empty_rows: str = "nan", scan_table: bool = False) -> KernelGraph:
+                    empty_rows: str = "nan", scan_table: bool = False, q_heads: int | None = None) -> KernelGraph:
     """``softmax(mask + softcap(scale·Q Kᵀ)) V``: inputs Q (b, hk, rows, d), K, V (b, hk, skv, d)
     [+ mask (bm, hm, rows, skv) when ``mask = (bm, hm)``: additive, or bool (``mask_dtype`` "bool", the scores
     it does not keep set to ``mask_fill``)]; output (b, hk, rows, d) [+ with ``stats`` each row's softmax max and
@@ -89,9 +89,16 @@ def flash_attention(b: int, hk: int, rows: int, skv: int, d: int, *, scale: floa
     square of an additive mask (:func:`mask_tile_table`; read once per call, not once per head and query block), whose
     rows a program reads before its loop to walk only the key tiles one of its rows sees, and to skip the mask
     on the tiles where it is all 0 (the block graph's ``forloop_scan``; launches that
-    scan: :func:`~torch_mirage.superopt.launch.scanning`)."""
+    scan: :func:`~torch_mirage.superopt.launch.scanning`).
+
+    ``q_heads`` (a multiple of ``hk``): Q, the mask's heads (hm ∈ {1, q_heads}) and the output have that many heads,
+    ``rows`` query positions each, one program per query head: the programs of a group read their KV head's tiles
+    (the grid's head dim reads K and V at ``pid // group``: :func:`~torch_mirage.ugraph.grid_split`). Q, the mask
+    and the output are then views of the region's own tensors — prefill, where a head's rows fill row blocks —
+    where the packed rows (the default) are copies of Q and the mask per call, and the output is copied back."""
     g = new_kernel_graph()
-    Q, K, V = g.new_input((b, hk, rows, d), dtype), g.new_input((b, hk, skv, d), dtype), g.new_input((b, hk, skv, d), dtype)
+    Q = g.new_input((b, q_heads or hk, rows, d), dtype)
+    K, V = g.new_input((b, hk, skv, d), dtype), g.new_input((b, hk, skv, d), dtype)
     M = g.new_input((*mask, rows, skv), mask_dtype) if mask is not None else None
     table = mask_tile_table(g, M, band) if scan_table else None
     outs = _flash_op(g, Q, K, V, M, scale=scale, softcap=softcap, q_blocks=q_blocks or blocks(rows, tile),
@@ -132,9 +139,9 @@ def mask_tile_table(g, M, band: tuple | None):
 def _flash_op(g, Q, K, V, M, *, scale: float, softcap: float | None, q_blocks: int, forloop_range: int,
               band: tuple | None, stats: bool, mask_fill: float = NEG_INF, empty_rows: str = "nan",
               table=None) -> list:
-    """The FlashAttention block graph on kernel tensors Q (b, hk, rows, d), K, V [, M [, its scan ``table``]]:
-    grid (hk, b, row blocks), the for-loop over KV tiles; returns the output [and the row max / sum of
-    exponentials]."""
+    """The FlashAttention block graph on kernel tensors Q (b, h, rows, d), K, V (b, hk, skv, d) [, M [, its scan
+    ``table``]]: grid (h, b, row blocks) — h = hk, or a multiple whose programs share KV heads —, the for-loop
+    over KV tiles; returns the output [and the row max / sum of exponentials]."""
     b, hk = Q.shape[:2]
     mask = M.shape[:2] if M is not None else None
     tb = new_threadblock_graph((hk, b, q_blocks), forloop_range)

@@ -9,8 +9,9 @@ computed from indices or read from the mask) and the seed's own schedule kind (a
 over several key tiles, a mask tile table) — with the same construction and other counts (one batch row, at most
 two KV heads, two query heads per KV head and two query positions, 16 keys, heads of 8, tiles of 4), and
 :func:`.verify.verify` checks it against ``softmax(mask + softcap(scale·Q Kᵀ)) V`` written in PyTorch on inputs
-shaped as the seed takes them (Q packed per KV head): the finite-field test where the program is LAX (tanh is an
-uninterpreted function there; masks and bands make it float-only: the verdict says which), and the float test always.
+shaped as the seed takes them (Q packed per KV head, or a head per program): the finite-field test where the
+program is LAX (tanh is an uninterpreted function there; masks and bands make it float-only: the verdict says
+which), and the float test always.
 
 What is not covered here: a region with SDPA's empty rows (``empty_rows="zero"``) runs ``o / (l + 1e-30)``, an
 identity only up to rounding (every row with a key has l >= 1), which the field test would reject; its twin with
@@ -46,15 +47,16 @@ def small_instance(b: int, hk: int, group: int, sq: int, skv: int, kwargs: dict,
     """``((b, hk, rows, skv, d), kwargs, own)`` of the small instance of a seed built at the region's dims with
     ``kwargs`` (:func:`.attention_claim._seed_kwargs` and the softmax's) and its own parameters ``own``."""
     columns = "kernels" in own             # a column-sum plan
+    per_head = own.get("q_heads") is not None    # a program per query head (FlashAttention's ``q_heads``)
     hk_s, group_s = min(hk, SMALL["heads"]), min(group, SMALL["group"])
     sq_s = min(sq, COLUMN_SQ if columns else SMALL["sq"])
-    rows_s, skv_s, tile = group_s * sq_s, SMALL["skv"], SMALL["tile"]
+    rows_s, skv_s, tile = (1 if per_head else group_s) * sq_s, SMALL["skv"], SMALL["tile"]
     small = dict(kwargs, tile=tile)
     if small.get("empty_rows") == "zero":
         small["empty_rows"] = "nan"         # o / l: the epsilon is a float device (module docstring)
     if kwargs.get("mask") is not None:
         _, hm = kwargs["mask"]             # shared over batch rows or not: one batch row here either way
-        small["mask"] = (1, 1 if hm == 1 else hk_s)
+        small["mask"] = (1, 1 if hm == 1 else hk_s * (group_s if per_head else 1))
     if kwargs.get("band") is not None:
         period, offset, window, *flags = kwargs["band"]
         # keys a query sees: ``offset`` ahead of its position, ``window`` back; kept at the same place in the keys
@@ -64,6 +66,8 @@ def small_instance(b: int, hk: int, group: int, sq: int, skv: int, kwargs: dict,
         window_s = None if window is None else max(1, min(window, skv_s // 2))
         small["band"] = (sq_s, offset_s, window_s, *flags)
     own = dict(own)
+    if per_head:
+        own["q_heads"] = hk_s * group_s
     if "splits" in own:
         own["splits"] = SMALL["splits"]
     if columns:
@@ -79,21 +83,28 @@ def small_instance(b: int, hk: int, group: int, sq: int, skv: int, kwargs: dict,
 
 def reference(scale: float, softcap: float | None, mask_fill: float, columns: tuple[int, int] | None = None
               ) -> Callable:
-    """The attention the seeds compute, on their packed inputs: ``softmax(mask + softcap(scale·Q Kᵀ)) V`` (a bool
+    """The attention the seeds compute, on their inputs (Q packed per KV head, or a head per query head, each
+    group's KV head repeated): ``softmax(mask + softcap(scale·Q Kᵀ)) V`` (a bool
     mask keeps the scores where True and puts ``mask_fill`` elsewhere); with ``columns = (group, sq)`` also the
     column sums of P per query head (b, hk·group, skv), as a column-sum plan outputs them."""
     def attention(q, k, v, mask=None):
+        b, h, rows, _ = q.shape
+        hk, g = k.shape[1], h // k.shape[1]      # g > 1: a head per program, its group's KV head
         if mask is not None and mask.is_floating_point():    # an fp32 mask on fp16 scores: both in fp32
             dt = torch.promote_types(q.dtype, mask.dtype)
             q, k, v, mask = q.to(dt), k.to(dt), v.to(dt), mask.to(dt)
-        s = q @ k.transpose(-1, -2) * scale
+        # the group's heads as one matmul per KV head (views of the contiguous inputs, which the field test's
+        # traced reference evaluates as they are), the scores then seen per query head
+        s = (q.reshape(b, hk, g * rows, q.shape[-1]) @ k.transpose(-1, -2) * scale).reshape(b, hk, g, rows, -1)
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
         if mask is not None:
-            s = torch.where(mask, s, mask_fill) if mask.dtype == torch.bool else s + mask
-        p = torch.softmax(s, -1)
+            m = mask.reshape(mask.shape[0], -1, g, rows, mask.shape[-1]) if mask.shape[1] == h and g > 1 \
+                else mask.unsqueeze(2)
+            s = torch.where(m, s, mask_fill) if mask.dtype == torch.bool else s + m
+        p = torch.softmax(s, -1).reshape(b, hk, g * rows, -1)
         if columns is None:
-            return p @ v
+            return (p @ v).reshape(b, h, rows, -1)
         b, hk, _, skv = p.shape
         return p @ v, p.reshape(b, hk * columns[0], columns[1], skv).sum(2)
     return attention

@@ -33,6 +33,7 @@ from ..codegen.ugraph_triton import (BlockKernel, CodegenError, StoreThrough, em
 from ..config import load
 from ..context import Target
 from ..tune import cached_choice
+from ..timing import is_dense
 from ..ugraph import BlockGraph, KernelGraph, Ref
 from .arith import TorchArith
 from .launch import (LaunchConfig, candidates, choose, combine_tiling, default_config, launch_key, proposed,
@@ -205,15 +206,21 @@ class CompiledUGraph:
         self._by_index = {s.index: s for s in steps}
         self._arith = TorchArith()
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple:
+    def __call__(self, *inputs: torch.Tensor, outs: dict[int, torch.Tensor] | None = None) -> tuple:
+        """The μGraph's outputs. ``outs``: tensors to write outputs into, by output index (the output's shape and
+        dtype, any dense strides: the kernels store through them) — the region's own layout, where a fresh output
+        would be copied into it. An output that a kernel launch does not write itself (a layout op's) is returned
+        fresh: callers take the returned tensors either way."""
         env: dict[Ref, torch.Tensor] = {}
-        for step in self.run_steps(inputs, env):
+        given = {self.graph.outputs[i]: t for i, t in (outs or {}).items()}
+        for step in self.run_steps(inputs, env, given):
             pass
         return tuple(env[r] for r in self.graph.outputs)
 
-    def run_steps(self, inputs: Sequence[torch.Tensor], env: dict | None = None) -> Iterator[StepRun]:
+    def run_steps(self, inputs: Sequence[torch.Tensor], env: dict | None = None,
+                  given: dict | None = None) -> Iterator[StepRun]:
         """Run the μGraph one kernel-level op at a time, yielding each op's run (for profiling); ``env`` receives
-        every op's outputs by :class:`Ref`."""
+        every op's outputs by :class:`Ref`; ``given``: the tensors some of them are written into (by Ref)."""
         g = self.graph
         env = {} if env is None else env
         arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=inputs[0].device) if self.arena_bytes else None
@@ -228,7 +235,7 @@ class CompiledUGraph:
                 yield self._run_siblings(step, env, arena)
                 continue
             xs = [env[Ref(*r)] for r in op.inputs]
-            fn = self._step_fn(step, op, arena, [(env[d], env[p]) for d, p in step.targets])
+            fn = self._step_fn(step, op, arena, [(env[d], env[p]) for d, p in step.targets], given or {})
             res = fn(*xs)
             for j, t in enumerate(res):
                 env[Ref(step.index, j)] = t
@@ -256,9 +263,10 @@ class CompiledUGraph:
                 k += 1
         return StepRun(step.index, "siblings", step.launcher.config, fn, [t for x in xs for t in x], res)
 
-    def _step_fn(self, step: _Step, op: Any, arena: torch.Tensor | None, targets: list) -> Callable[..., list]:
+    def _step_fn(self, step: _Step, op: Any, arena: torch.Tensor | None, targets: list,
+                 given: dict | None = None) -> Callable[..., list]:
         if step.launcher is not None:
-            outs = [self._buffer(arena, ("out", step.index, j), s, d) for j, (s, d) in enumerate(step.launcher.out_specs)]
+            outs = [self._output(given, arena, step.index, j, s, d) for j, (s, d) in enumerate(step.launcher.out_specs)]
             ws = [self._buffer(arena, ("ws", step.index, j), s, d) for j, (s, d) in enumerate(step.launcher.ws_specs)]
             return lambda *xs: step.launcher(*xs, outs=outs, workspaces=ws, targets=targets)
         if op.name == "index_copy" and self.graph.ops[op.inputs[0][0]].name == "input":
@@ -269,6 +277,14 @@ class CompiledUGraph:
             return lambda *xs: [op.spec.layout(*xs, **op.attrs)]
         fn = getattr(self._arith, op.spec.arith)
         return lambda *xs: [fn(xs, **op.attrs) if op.spec.arity is None else fn(*xs, **op.attrs)]
+
+    def _output(self, given: dict | None, arena, index: int, j: int, shape, dtype) -> torch.Tensor | None:
+        """Where op ``index`` writes its output ``j``: the tensor ``given`` holds for it where that fits (the shape
+        and dtype, dense strides), else the arena's view (:meth:`_buffer`)."""
+        t = (given or {}).get(Ref(index, j))
+        if t is not None and tuple(t.shape) == tuple(shape) and t.dtype == dtype and is_dense(t):
+            return t
+        return self._buffer(arena, ("out", index, j), shape, dtype)
 
     def _buffer(self, arena, key, shape, dtype) -> torch.Tensor | None:
         """The planned arena view for ``key``; None (the launcher allocates) for outputs."""

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from ..ugraph import (MASK_FLOOR, BlockGraph, Graph, KernelGraph, MuGraphError, Op, Ref, ThreadGraph, band_full,
-                      band_geometry, band_mask_dims, band_range)
+                      band_geometry, band_mask_dims, band_range, grid_split)
 from .arith import Arith, TorchArith
 from .finite_field import FiniteFieldArith
 
@@ -89,8 +89,8 @@ def tile_slices(full, imap, fmap, grid, block, forloop_range, it) -> tuple:
         start, extent = 0, size
         for g, m in enumerate(imap):
             if m == d:
-                extent //= grid[g]
-                start += block[g] * extent
+                group, extent = grid_split(size, grid[g])
+                start += block[g] // group * extent
         if fmap == d:
             extent //= forloop_range
             start += it * extent

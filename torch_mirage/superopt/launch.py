@@ -28,7 +28,7 @@ from ..codegen.ugraph_triton import ELEMENTWISE, _saved, padded, prologue_accumu
 from ..numerics import relative_error, same_non_finite, tolerance
 from ..timing import cuda_graph_timing, rotated_input_sets
 from ..tune import cached_choice, tune
-from ..ugraph import BlockGraph, Ctx, MuGraphError, Op, ThreadGraph, make_op
+from ..ugraph import BlockGraph, Ctx, MuGraphError, Op, ThreadGraph, grid_split, make_op
 from .attention_seeds import decode_split_counts
 
 log = logging.getLogger("torch_mirage")
@@ -143,7 +143,8 @@ def _rebody(tg: ThreadGraph, in_shapes, in_dtypes) -> ThreadGraph:
 
 def retile(bg: BlockGraph, grid: Sequence[int], forloop_range: int) -> BlockGraph | None:
     """``bg`` with a new grid and for-loop range, or None where that changes what the op computes
-    (a shape rule fails or a saver's output shape changes)."""
+    (a shape rule fails, a saver's output shape changes, or an iterator's reads become shared by programs or stop
+    being shared: :func:`~torch_mirage.ugraph.grid_split`)."""
     grid = tuple(int(g) for g in grid)
     if grid == tuple(bg.grid) and forloop_range == bg.forloop_range:
         return bg
@@ -159,9 +160,16 @@ def retile(bg: BlockGraph, grid: Sequence[int], forloop_range: int) -> BlockGrap
         return None
     new = BlockGraph(ops=tuple(ops), grid=grid, forloop_range=int(forloop_range), forloop_band=bg.forloop_band,
                      forloop_scan=bg.forloop_scan)
-    if [_saved(new, s) for s in new.savers] != [_saved(bg, s) for s in bg.savers]:
+    if [_saved(new, s) for s in new.savers] != [_saved(bg, s) for s in bg.savers] or _shared(new) != _shared(bg):
         return None
     return new
+
+
+def _shared(bg: BlockGraph) -> set[tuple[int, int]]:
+    """(iterator, grid dim) pairs where consecutive programs share the iterator's elements (GQA's KV heads read by
+    the programs of a query-head group)."""
+    return {(it.attrs["index"], g) for it in bg.iterators for g, d in enumerate(it.attrs["imap"])
+            if d is not None and grid_split(it.attrs["shape"][d], bg.grid[g])[0] > 1}
 
 
 def _elementwise(op) -> bool:
@@ -222,8 +230,8 @@ def _grid_choices(bg: BlockGraph, g: int) -> list[int]:
         if d is None:
             continue
         extent = it.attrs["shape"][d]
-        if extent // bg.grid[g] == 1:
-            return [bg.grid[g]]          # a dim split to single elements (heads, batch): leave it
+        if extent // bg.grid[g] <= 1:
+            return [bg.grid[g]]          # a dim split to single elements (heads, batch; or shared: KV heads): leave it
         return sorted({extent // t for t in TILES if extent % t == 0} | {bg.grid[g]})
     return [bg.grid[g]]
 
