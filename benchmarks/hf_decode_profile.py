@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -62,8 +63,11 @@ def profile_mode(spec, mode: str, new_tokens: int, batch: int, tokens: int, top:
     print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
     sort = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     print(events.table(sort_by=sort, row_limit=top, max_name_column_width=60))
-    calls = {(e.key, str(e.input_shapes), tuple(e.stack[:_STACK])): e.count
-             for e in prof.key_averages(group_by_input_shape=True, group_by_stack_n=_STACK)}
+    calls: dict = {}
+    for e in prof.key_averages(group_by_input_shape=True, group_by_stack_n=_STACK):
+        # object addresses in frame names ("<built-in method to of Tensor object at 0x…>") differ between modes
+        key = (e.key, str(e.input_shapes), tuple(re.sub(r" at 0x[0-9a-f]+", "", f) for f in e.stack[:_STACK]))
+        calls[key] = calls.get(key, 0) + e.count
     M.compile_forward(model, "eager")
     model = call = None   # frees the model before the next mode builds its own
     torch.cuda.empty_cache()

@@ -193,8 +193,10 @@ def _rows_dense(t: torch.Tensor) -> torch.Tensor:
 
 
 def _as_meta(t: torch.Tensor, meta) -> torch.Tensor:
-    """``t`` with the strides the graph's value has (a copy where they differ)."""
-    if (meta.is_contiguous and t.is_contiguous()) or tuple(t.stride()) == tuple(meta.stride):
+    """``t`` with the strides the graph's value has (a copy where they differ; a dim of size 1 has no stride that
+    matters)."""
+    if (meta.is_contiguous and t.is_contiguous()) or all(
+            a == m or n == 1 for a, m, n in zip(t.stride(), meta.stride, t.shape)):
         return t
     return torch.empty_strided(meta.shape, meta.stride, dtype=t.dtype, device=t.device).copy_(t)
 
