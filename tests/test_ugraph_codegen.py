@@ -454,3 +454,19 @@ def test_split_states_store_and_read_only_their_valid_part(in_kernel, tmp_path):
     loads = [ln for ln in run.source.splitlines() if "tl.load(ws" in ln]
     assert stores and loads and all("mask=" in ln for ln in stores + loads), run.source
     assert all("other=0.0" in ln for ln in loads)
+
+
+def test_outputs_written_into_given_tensors():
+    """``CompiledUGraph(..., outs={i: t})``: a kernel's output goes into ``t`` with ``t``'s strides where ``t`` fits
+    (shape, dtype, dense); otherwise the output comes back fresh. Either way the values are the μGraph's."""
+    g = library.lora(16, 64, 32, 16, dtype="float32", grid=2, forloop_range=2)
+    xs = [torch.randn(s) for s in ((16, 64), (64, 32), (64, 16), (16, 32))]
+    compiled = compile_ugraph(g, xs, tune=False)
+    (fresh,) = compiled(*xs)
+    assert_close(fresh, library.lora_ref(*xs), torch.float32)
+    transposed = torch.empty(32, 16).t()                               # (16, 32), column-major
+    (got,) = compiled(*xs, outs={0: transposed})
+    assert got is transposed and torch.equal(got, fresh)
+    for unfit in (torch.empty(16, 32, dtype=torch.float64), torch.empty(1, 32).expand(16, 32)):
+        (got,) = compiled(*xs, outs={0: unfit})
+        assert got is not unfit and torch.equal(got, fresh)
