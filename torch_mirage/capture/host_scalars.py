@@ -35,17 +35,15 @@ class HostScalars:
 
     def static_inputs(self, inputs: Sequence[Any]) -> list[Any]:
         """The inputs the static graph takes: ``inputs`` without the symbolic scalars."""
-        drop = set(self.scalar_positions)
-        return [x for i, x in enumerate(inputs) if i not in drop]
+        return [x for i, x in enumerate(inputs) if i not in self.scalar_positions]   # a few positions: a tuple
 
     def around(self, compiled: Callable[..., Any]) -> Callable[..., tuple]:
         """A callable with the original graph's inputs and outputs around ``compiled``, the static graph's."""
         positions, outputs, host_outputs = self.scalar_positions, self.outputs, self.host_outputs
-        drop = set(positions)
 
         def run(*args: Any) -> tuple:
             host = host_outputs(*(args[i] for i in positions))
-            device = compiled(*(x for i, x in enumerate(args) if i not in drop))
+            device = compiled(*self.static_inputs(args))
             return tuple(host[j] if on_host else device[j] for on_host, j in outputs)
         return run
 

@@ -479,13 +479,7 @@ def _seeds(spec: AttentionSpec, per_head: bool = False) -> dict[str, tuple[str, 
     kernel where ``flash_decoding`` takes two). Split-KV is left out where the query rows alone fill the SMs
     (:func:`rows_fill_the_sms`: prefill). Prefill with an additive mask also builds FlashAttention with the
     mask's tile table (``flash_attention/scan``: timed against the others on the compiled call's mask).
-    ``per_head`` (:func:`per_query_head`): FlashAttention with a program per query head, with and without the
-    table."""
-    if per_head:
-        own = {"q_heads": spec.h}
-        return {"flash_attention": ("flash_attention", own)} | (
-            {"flash_attention/scan": ("flash_attention", {**own, "scan_table": True})} if spec.mask == "additive"
-            else {})
+    ``per_head`` (:func:`per_query_head`, where no split-KV seed is built): each with a program per query head."""
     seeds: dict[str, tuple[str, dict]] = {"flash_attention": ("flash_attention", {})}
     if spec.group * spec.sq <= SEED_TILE:
         bh, n_sm = spec.b * spec.hk, DeviceModel.current().sm_count
@@ -497,6 +491,8 @@ def _seeds(spec: AttentionSpec, per_head: bool = False) -> dict[str, tuple[str, 
         seeds["flash_decoding"] = ("flash_decoding", {})
     if spec.mask == "additive":     # a mask passed in: its tile table lets the launches skip what it hides (the
         seeds["flash_attention/scan"] = ("flash_attention", {"scan_table": True})   # seed refuses under a band)
+    if per_head:
+        seeds = {name: (seed, {**own, "q_heads": spec.h}) for name, (seed, own) in seeds.items()}
     return seeds
 
 

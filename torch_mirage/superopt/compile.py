@@ -235,7 +235,7 @@ class CompiledUGraph:
                 yield self._run_siblings(step, env, arena)
                 continue
             xs = [env[Ref(*r)] for r in op.inputs]
-            fn = self._step_fn(step, op, arena, [(env[d], env[p]) for d, p in step.targets], given or {})
+            fn = self._step_fn(step, op, arena, [(env[d], env[p]) for d, p in step.targets], given)
             res = fn(*xs)
             for j, t in enumerate(res):
                 env[Ref(step.index, j)] = t
