@@ -15,7 +15,7 @@ import torch
 
 from torch_mirage.bench import llm
 from torch_mirage.bench.harness import COMPILERS, time_in_cuda_graph
-from torch_mirage.timing import alternating_medians
+from torch_mirage.timing import alternating_times
 
 
 def main() -> None:
@@ -68,7 +68,7 @@ def main() -> None:
 
     with torch.no_grad():
         for _ in range(-(-args.rounds // 2)):     # each pass is two rounds: A B, then B A
-            alternating_medians(order, time_half)
+            alternating_times(order, time_half)
     for mode in order:
         print(f"{args.model} {s.name} {mode:<22} median {statistics.median(samples[mode]) / 1e3:.3f} ms "
               f"over {len(samples[mode])} repeats")

@@ -430,9 +430,9 @@ def test_timing_input_sets_copy_only_what_a_copy_keeps_the_same():
         assert all(a is b for a, b in zip(only, shared))
 
 
-def test_alternating_medians_order_and_failures():
+def test_alternating_times_order_and_failures():
     """A B C C B A; a candidate whose timing raises is dropped and reported, or its error propagates."""
-    from torch_mirage.timing import alternating_medians
+    from torch_mirage.timing import alternating_times
 
     order, errors = [], []
 
@@ -442,11 +442,33 @@ def test_alternating_medians_order_and_failures():
             raise RuntimeError("not capturable")
         return [len(order) + {"a": 0.0, "b": 10.0}[name]]
 
-    times = alternating_medians(["a", "b", "c"], half, on_error=lambda n, e: errors.append((n, str(e))))
+    times = alternating_times(["a", "b", "c"], half, on_error=lambda n, e: errors.append((n, str(e))))
     assert order == ["a", "b", "c", "b", "a"] and errors == [("c", "not capturable")]
     assert times == {"a": 3.0, "b": 13.0}
     with pytest.raises(RuntimeError, match="not capturable"):
-        alternating_medians(["a", "c"], half)
+        alternating_times(["a", "c"], half)
+
+
+def test_host_launched_times_drop_host_noise_and_keep_the_drift_balance():
+    """Launched from Python, a candidate's time is the mean of each half's fastest sample: a spike the host adds
+    to a few samples (another process, a collection) changes nothing, and the A B B A halves still cancel a
+    steady drift (the fastest of all samples would favour whichever is timed first)."""
+    from torch_mirage.timing import alternating_times, fastest_per_half, pooled_median
+
+    calls = []
+
+    def half(name, spikes):
+        calls.append(name)
+        drift = 2.0 * len(calls)                       # the GPU slows down as it is timed
+        return [100.0 + drift + (80.0 if i in spikes.get((name, len(calls)), ()) else 0.0) for i in range(5)]
+
+    noisy = {("a", 1): (0, 1, 2), ("a", 4): (3,)}      # three of a's first five samples hit by the host
+    times = alternating_times(["a", "b"], lambda n: half(n, noisy), estimate=fastest_per_half)
+    assert times == {"a": 105.0, "b": 105.0}
+    calls.clear()
+    medians = alternating_times(["a", "b"], lambda n: half(n, noisy), estimate=pooled_median)
+    assert medians["a"] > medians["b"]                 # the median of the samples sees the spikes
+    assert fastest_per_half([[3.0, 1.0], [], [5.0]]) == 3.0
 
 
 @pytest.mark.parametrize("in_callers_graph", [False, True])

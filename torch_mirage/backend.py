@@ -336,7 +336,7 @@ def whole_graph_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg
                      inputs=[meta(x) for x in [*_lifted_tensors(gm), *example_inputs]],
                      regions=regions, knobs=knobs,
                      device=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-                     timing="first call" if cfg.cuda_graphs else "in the caller's CUDA graph")
+                     timing="first call, fastest per half" if cfg.cuda_graphs else "in the caller's CUDA graph")
 
 
 def _choice_recorder(report: GraphReport, cached: bool = False):

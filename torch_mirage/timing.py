@@ -1,5 +1,5 @@
 """Timing and test data on a device: µs per call of a function replayed in a CUDA graph over input sets rotated
-past L2 (or launched from Python), medians of alternating halves, and random inputs shaped like a tensor meta.
+past L2 (or launched from Python), alternating halves and their estimates, and random inputs shaped like a tensor meta.
 The one home of "how long does this take" for the tuner (superopt.launch), the claimers, the region and
 whole-graph guards (runtime) and the bench; it depends on nothing else of the package."""
 from __future__ import annotations
@@ -84,24 +84,41 @@ def plain_timing(fn: Callable[..., Any], inputs: Sequence[Any], *, replays: int 
     return _repeated_timing(lambda: fn(*inputs), 1, replays, target_ms, repeats)
 
 
-def alternating_medians(names: Sequence[str], time_half: Callable[[str], list[float]],
-                        on_error: Callable[[str, Exception], None] | None = None) -> dict[str, float]:
-    """Median µs per call of each named candidate, timed in the order A B … B A by ``time_half(name)`` (which
-    returns per-call samples): the GPU's clock and temperature drift between back-to-back timings, and each
-    candidate then meets the drift alike. A candidate whose timing raises is dropped when ``on_error`` is given
-    (and told), else the error propagates."""
-    samples: dict[str, list[float] | None] = {name: [] for name in names}
+def pooled_median(halves: Sequence[Sequence[float]]) -> float:
+    """One time of a candidate's halves of samples: the median of all of them."""
+    return statistics.median([x for half in halves for x in half])
+
+
+def fastest_per_half(halves: Sequence[Sequence[float]]) -> float:
+    """One time of a host-launched candidate's halves: each half's fastest sample, averaged over the halves.
+    What the host adds (a busy core, a page fault, the allocator) makes samples slower, never faster, so a half's
+    fastest sample is its least disturbed one; averaging the A and the B A halves keeps the schedule's balance
+    of clock and temperature drift (the fastest of all samples would favour the candidate timed first). On the
+    H200 two decode graphs of one HF model, alike in their kernels, were timed 5 % apart in opposite directions by
+    the median of four samples (mistral, 2026-11-28)."""
+    return statistics.fmean(min(half) for half in halves if half)
+
+
+def alternating_times(names: Sequence[str], time_half: Callable[[str], list[float]],
+                      on_error: Callable[[str, Exception], None] | None = None,
+                      estimate: Callable[[list[list[float]]], float] = pooled_median) -> dict[str, float]:
+    """µs per call of each named candidate, timed in the order A B … B A by ``time_half(name)`` (which returns
+    per-call samples): the GPU's clock and temperature drift between back-to-back timings, and each candidate
+    then meets the drift alike. ``estimate`` makes one time of a candidate's halves of samples
+    (:func:`pooled_median`, or :func:`fastest_per_half` for timings launched from Python). A candidate whose
+    timing raises is dropped when ``on_error`` is given (and told), else the error propagates."""
+    halves: dict[str, list[list[float]] | None] = {name: [] for name in names}
     for name in [*names, *reversed(names)]:
-        if samples[name] is None:
+        if halves[name] is None:
             continue
         try:
-            samples[name] += time_half(name)
+            halves[name].append(list(time_half(name)))
         except Exception as e:
             if on_error is None:
                 raise
             on_error(name, e)
-            samples[name] = None
-    return {name: statistics.median(got) for name, got in samples.items() if got}
+            halves[name] = None
+    return {name: estimate(got) for name, got in halves.items() if got and any(got)}
 
 
 def cuda_graph_time_us(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], replays: int = 20,

@@ -8,7 +8,7 @@ them passes ``precompile``: those compiles run first, all at once in a pool of t
 ``MIRAGE_COMPILE_WORKERS`` of them), so that the loop after them only launches kernels already compiled.
 Candidates are then built in order (one that fails to build is dropped), checked (one that disagrees with the
 caller's reference is dropped), timed in the order A B … B A
-(:func:`.timing.alternating_medians`: clock and temperature drift meet every candidate alike) and the fastest
+(:func:`.timing.alternating_times`: clock and temperature drift meet every candidate alike) and the fastest
 wins. The times are cached under the caller's key when every candidate that was built got a time, so a later
 compile of the same choice on the same device reads the winner back without building or timing anything.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .compile_pool import run_all, workers
-from .timing import alternating_medians
+from .timing import alternating_times, pooled_median
 
 log = logging.getLogger("torch_mirage")
 
@@ -104,7 +104,8 @@ def _progress(names: Sequence[str], desc: str | None):
 def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
          build: Callable[[str], Any] | None = None, check: Callable[[str, Any], str | None] | None = None,
          cache: Any = None, key: str | None = None, label: str = "candidate", progress: str | None = None,
-         precompile: Callable[[str], Any] | None = None) -> Tuned:
+         precompile: Callable[[str], Any] | None = None,
+         estimate: Callable[[list[list[float]]], float] = pooled_median) -> Tuned:
     """Choose the fastest of ``names``.
 
     ``build(name)``: makes the candidate (its result is passed to ``check`` and ``time_half``, and kept until every
@@ -113,6 +114,7 @@ def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
     ``check(name, built)``: a problem string drops the candidate (say, its output disagrees with the first one's);
     raising drops it as a build error.
     ``time_half(name, built)``: per-call µs samples of one half of the A B … B A schedule; raising drops it.
+    ``estimate``: one time of a candidate's halves of samples (:func:`.timing.alternating_times`).
     ``cache`` / ``key``: a :class:`~.cache.DiskCache` and the key of this choice (the caller's versioned key):
     cached times whose winner is still among ``names`` are returned as they are.
     ``precompile(name)``: compiles the candidate's kernels without running anything on the device; called from
@@ -147,7 +149,8 @@ def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
         out.dropped[name] = f"timing: {type(e).__name__}"
 
     built_s = time.perf_counter() - start
-    out.times = alternating_medians(list(out.built), lambda name: time_half(name, out.built[name]), on_error=failed)
+    out.times = alternating_times(list(out.built), lambda name: time_half(name, out.built[name]),
+                                  on_error=failed, estimate=estimate)
     if out.times:
         out.winner = min(out.times, key=out.times.get)
         log.info("torch_mirage: %s", ", ".join(f"{label} {n}: {us:.2f} µs" for n, us in out.times.items()))

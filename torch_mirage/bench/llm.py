@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..numerics import tolerance
-from ..timing import activity_table, alternating_medians, device_activity, kernel_total, plain_timing
+from ..timing import activity_table, alternating_times, device_activity, kernel_total, plain_timing
 from . import select
 from .harness import COMPILERS, _free, _short, mirage_summary, rel_error, time_in_cuda_graph
 
@@ -300,7 +300,7 @@ def run_scenario(spec: LLMSpec, model, config, s: Scenario, quick: bool, dtype: 
     """One scenario of a built model through every mode, on a fresh static cache: the record of it.
 
     Every mode is compiled and checked first and kept; then the modes are timed in two rounds of alternating
-    order (A B C, C B A: ``measure.alternating_medians``), each a fresh CUDA-graph capture, and the median over
+    order (A B C, C B A: ``timing.alternating_times``), each a fresh CUDA-graph capture, and the median over
     both rounds' repeats is reported. A multi-millisecond prefill drifts with the GPU's clocks and temperature by a few per
     cent over a minute; timing the modes one after another would hand that drift to whichever ran last."""
     context = 64 if quick else CONTEXT
@@ -332,7 +332,7 @@ def run_scenario(spec: LLMSpec, model, config, s: Scenario, quick: bool, dtype: 
             "attn_implementation": spec.attn, "context": context, "start": s.start, "sets": 1, "modes": results}
 
 
-TIMING_ROUNDS = 2   # the A B … B A of ``alternating_medians``
+TIMING_ROUNDS = 2   # the A B … B A of ``alternating_times``
 
 
 def _prepare(model, config, spec: LLMSpec, s: Scenario, context: int, device: torch.device,
@@ -444,7 +444,7 @@ def _kernel_count(case: _Case, step: Callable, layers: int) -> dict:
 
 def _time_modes(case: _Case, steps: dict[str, Callable], results: dict[str, dict], timing: dict,
                 peak: _PeakMemory) -> None:
-    """Median ms per step of every checked mode, timed in the order A B … B A (``alternating_medians``)."""
+    """Median ms per step of every checked mode, timed in the order A B … B A (``alternating_times``)."""
     inputs = case.inputs(0)
 
     def time_half(mode: str) -> list[float]:
@@ -466,7 +466,7 @@ def _time_modes(case: _Case, steps: dict[str, Callable], results: dict[str, dict
     def failed(mode: str, e: Exception) -> None:
         results[mode].update(status="failed", error=f"timing: {_short(e)}")
 
-    medians = alternating_medians(list(steps), time_half, on_error=failed)
+    medians = alternating_times(list(steps), time_half, on_error=failed)
     for mode in steps:
         res = results[mode]
         if mode in medians and res["status"] == "ok":

@@ -19,12 +19,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .cudagraph import draws_random_numbers  # noqa: F401  (the rule lives with the CUDA-graph rules)
-from ..timing import cuda_graph_timing, plain_timing, timing_input_sets
+from ..timing import cuda_graph_timing, fastest_per_half, plain_timing, pooled_median, timing_input_sets
 from ..tune import tune
 
 log = logging.getLogger("torch_mirage")
 
 _HALF_MS = 10.0   # GPU time per candidate in each half of the A B B A schedule
+_HOST_SAMPLES = 5   # samples per half of a candidate launched from Python (each about _HALF_MS / 5 of calls)
 
 
 class FasterOf:
@@ -39,7 +40,8 @@ class FasterOf:
     copies of the arguments that together exceed L2 (:func:`timing_input_sets`) when no state has to be
     restored; a candidate that cannot be captured is not chosen. Otherwise each candidate is timed launched from
     Python, as the caller will run it (a replay of its own CUDA graph where it has one): CPU launch cost counts
-    there, as it does for the user.
+    there, as it does for the user, and each candidate's time is the mean of its two halves' fastest samples
+    (five each, :func:`~torch_mirage.timing.fastest_per_half`: host noise only adds), not their median.
 
     ``cache`` / ``key``: the times are stored there (as every tuned choice's are), so that a later compile of the
     same graph and versions can read the verdict back without compiling or timing the loser
@@ -89,10 +91,12 @@ class FasterOf:
             run = from_saved_state(self.candidates[name]) if state else self.candidates[name]
             if self.in_callers_graph:
                 return cuda_graph_timing(run, sets, target_ms=_HALF_MS, repeats=2)["samples"]
-            return plain_timing(run, args, target_ms=_HALF_MS, repeats=2)["samples"]
+            return plain_timing(run, args, target_ms=_HALF_MS / _HOST_SAMPLES, repeats=_HOST_SAMPLES)["samples"]
 
+        estimate = pooled_median if self.in_callers_graph else fastest_per_half
         try:   # a candidate that cannot be timed (not capturable, say) is not chosen
-            return tune(list(self.candidates), time_half, label="version", cache=self.cache, key=self.key).times
+            return tune(list(self.candidates), time_half, label="version", cache=self.cache, key=self.key,
+                        estimate=estimate).times
         finally:
             restore()
 
