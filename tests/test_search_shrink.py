@@ -82,6 +82,30 @@ def test_reshape_merging_big_dims_does_not_shrink():
     assert shrink(ref, [((2, 320, 288), "float32"), ((288, 300), "float32")], [(640, 300)]) is None
 
 
+def test_product_map_shrinks_rows_merged_by_a_reshape():
+    """A prompt's rows (4 x 64, merged into 256 for the matmul) shrink as a product of their images; the plain map
+    cannot rebuild that reshape, and a merge of a size above BIG still does not shrink."""
+    from torch_mirage.superopt.search.shrink import SIZE_MAPS, SMALL_TILE, product_size_map
+
+    m = product_size_map([4, 64, 256, 1024, 2816])
+    assert m[256] == m[4] * m[64] and m[256] % SMALL_TILE == 0 and m[256] >= 2 * SMALL_TILE
+    assert len(set(m.values())) == 5 and all(v <= 64 for v in m.values())
+    assert product_size_map([4, 16, 4096]) is None                  # no product: the plain map serves
+    assert product_size_map([2, 320, 640, 288]) is None             # 2 x 320: a factor above BIG
+    assert product_size_map in SIZE_MAPS
+    g = new_kernel_graph()
+    x = g.new_input((4, 64, 320), "float32")
+    w = g.new_input((320, 288), "float32")
+    g.mark_output(g.matmul(g.reshape(x, shape=(256, 320)), w))
+    ref = g.build()
+    ins, out = [((4, 64, 320), "float32"), ((320, 288), "float32")], [(256, 288)]
+    assert shrink(ref, ins, out) is None
+    small = shrink(ref, ins, out, product_size_map)
+    assert small is not None and small.inputs[0][0] == (4, m[64], small.sizes[320])
+    xs = [torch.randn(s, dtype=torch.float64) for s, _ in small.inputs]
+    assert execute(small.target, xs)[0].shape == (4 * m[64], small.sizes[288])
+
+
 def test_compact_map_shrinks_kept_sizes_and_keeps_reshapes():
     """The search shrinks sizes up to KEEP too (the verifier then steps fewer blocks): the next free of 3, 4, ...,
     or with ``products`` the product of two mapped sizes (8 x 2 heads merged into 16 by a reshape: 3 x 2); the

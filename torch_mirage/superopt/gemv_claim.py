@@ -50,7 +50,7 @@ from .gemv_seed import NotStreamable, gemv_seed, rotation_groups
 from .launch import streaming_candidates
 from .cut import GROW, MAX_NODES, cache_writes, computes, grow, layout_tails_dropped, lowered_reference, reference_kernel
 from .search.reference import Reference
-from .search.shrink import SMALL_HEAD, SMALL_TILE, block_steps, head_size_map, shrink
+from .search.shrink import SMALL_HEAD, SMALL_TILE, block_steps, head_size_map, product_size_map, shrink
 from .ugraph_plan import Alternative, UGraphPlan, random_inputs
 from .updates import split_updates, with_updates
 from .validate import problems
@@ -268,7 +268,9 @@ def verified_instance(ref: KernelGraph, seed: KernelGraph, gains_on_weights: boo
                       ) -> tuple[KernelGraph, KernelGraph]:
     """(reference, seed) the verifier checks: ``ref`` and its seed where ``ref`` is small; else both at the search's
     shrunk sizes (:func:`.search.shrink.shrink`: the executor steps every block and for-loop step in Python, a
-    minute for a 4096 x 14336 weight; a region with RoPE's rotation in heads of d, whose sizes do not shrink one by
+    minute for a 4096 x 14336 weight; rows that a reshape merges, a prompt's 4 x 64 into 256, by
+    :func:`.search.shrink.product_size_map`: at their own sizes HF qwen2's prompt projections took 1.2-7.3 s a
+    verification on the 2-core CPU; a region with RoPE's rotation in heads of d, whose sizes do not shrink one by
     one, to two heads of :data:`.search.shrink.SMALL_HEAD`, else of d, :func:`.search.shrink.head_size_map`: the
     executor's steps grow with the head, gemma2's heads of 256 took 7.8 s a verification on the 2-core CPU at d),
     the seed drawn in the same form (``gains_on_weights``, see
@@ -276,7 +278,7 @@ def verified_instance(ref: KernelGraph, seed: KernelGraph, gains_on_weights: boo
     the real sizes: the same construction, other counts (``halves``: the paired-halves form)."""
     outs = [ref.ops[r[0]].shapes[r[1]] for r in ref.outputs]
     ins = [(tuple(op.attrs["shape"]), op.attrs["dtype"]) for op in ref.inputs]
-    small = shrink(ref, ins, outs)
+    small = shrink(ref, ins, outs) or shrink(ref, ins, outs, product_size_map)   # rows merged by a reshape
     if small is None and len(heads := rotation_groups(ref)) == 1:    # heads of (b, h, 1, d) views: shrink h
         head = heads.pop()
         for small_head in ([SMALL_HEAD] if head > SMALL_HEAD else []) + [None]:   # then d, where d does not shrink

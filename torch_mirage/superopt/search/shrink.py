@@ -87,8 +87,32 @@ def compact_size_map(sizes: Sequence[int], products: bool = False) -> dict[int, 
     return None if out == m else out
 
 
+def product_size_map(sizes: Sequence[int]) -> dict[int, int] | None:
+    """:func:`size_map` where a size above BIG that is the product of two sizes up to BIG maps to the product of their
+    images (a prompt's 4 x 64 rows merged into 256 by a reshape: 4 x 16 = 64) when that is two or more small tiles
+    and no other size's; the other sizes above BIG take the free multiples of SMALL_TILE from two tiles up. None
+    where :func:`size_map` is or where no size is such a product (the plain map serves)."""
+    m = size_map(sizes)
+    if m is None:
+        return None
+    sizes = sorted(set(sizes))
+    out = {d: v for d, v in m.items() if d <= BIG}
+    used, free, changed = set(out.values()), 2 * SMALL_TILE, False
+    for d in (d for d in sizes if d > BIG):
+        product = next((out[a] * out[d // a] for a in sizes
+                        if 1 < a <= BIG and d % a == 0 and 1 < d // a <= BIG and d // a in out), None)
+        if product is not None and product % SMALL_TILE == 0 and product >= 2 * SMALL_TILE and product not in used:
+            out[d], changed = product, True
+        else:
+            while free in used:
+                free += SMALL_TILE
+            out[d] = free
+        used.add(out[d])
+    return out if changed else None
+
+
 # the maps the search driver shrinks a problem with, the smallest first (each tried until one rebuilds the target)
-SIZE_MAPS = (compact_size_map, functools.partial(compact_size_map, products=True), size_map)
+SIZE_MAPS = (compact_size_map, functools.partial(compact_size_map, products=True), product_size_map, size_map)
 
 
 def shrunk_problems(target: KernelGraph, inputs: Sequence, out_shapes: Sequence) -> list[ShrunkProblem]:
