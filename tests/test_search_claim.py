@@ -259,6 +259,37 @@ def test_cut_signature_is_shared_by_the_same_cut_in_each_layer_only():
     assert cut_signature(cut_at(other, 3), other) != sig[3]   # (16, 8) weights: other shapes
 
 
+def test_cut_signature_follows_producers_only_where_the_lowering_looks():
+    """Along a residual stream every layer's cut reads an add of two tensors: the signature names that producer and
+    stops there, so the second layer of four shares the third's (followed three steps back, the first two layers'
+    cuts reached the graph's input and none shared, HF gemma2 lowering 368 cuts a graph); a written-out SiLU's
+    chain before a cut (``add(exp(neg(a)), 1)``) is still followed, so another chain gives another signature."""
+    from torch_mirage.superopt.cut import cut_signature
+    from torch_mirage.testing.aten import trace_ir
+
+    def residual(x, *ws):
+        for w in ws:
+            x = x + torch.relu(x @ w) * 2.0
+        return x
+
+    graph = trace_ir(residual, torch.randn(4, 16), *[torch.randn(16, 16) for _ in range(4)])
+    mms = [n for n in graph.nodes if n.op.name == "matmul"]
+    cuts = [graph.nodes[graph.nodes.index(m):graph.nodes.index(m) + 3] for m in mms]
+    sig = [cut_signature(c, graph) for c in cuts]
+    assert sig[1] == sig[2] == sig[3] and sig[0] != sig[1]
+
+    def silu_then(a, w, negate):
+        d = torch.exp(-a if negate else a) + 1
+        return (a / d) @ w
+
+    def div_cut(g):
+        i = next(i for i, n in enumerate(g.nodes) if n.op.name == "div")
+        return g.nodes[i:]
+    x, w = torch.randn(4, 16), torch.randn(16, 16)
+    written, other = trace_ir(lambda a, w: silu_then(a, w, True), x, w), trace_ir(lambda a, w: silu_then(a, w, False), x, w)
+    assert cut_signature(div_cut(written), written) != cut_signature(div_cut(other), other)
+
+
 def test_the_seeded_claimer_claims_the_same_with_shared_negative_answers(monkeypatch):
     """Three Llama blocks in a row: every claimer's regions are the same whether the seeded claimer shares 'no seed
     verified' between cuts of equal signature or asks for every cut."""

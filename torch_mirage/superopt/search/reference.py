@@ -145,6 +145,16 @@ def _producer(v, name: str):
     return n if n is not None and _op_name(n) == name else None
 
 
+def looked_through(node) -> bool:
+    """Whether :func:`reference_of` may look through ``node``, a producer outside a cut, to its inputs: only along
+    a written-out SiLU (:func:`_silu_patterns`: ``add(exp(neg(a)), 1)``, ``sigmoid(a)``), so an add only with a
+    scalar second operand."""
+    name = _op_name(node)
+    if name == "add":
+        return len(node.args) == 2 and _scalar(node.args[1]) is not None
+    return name in ("exp", "neg", "sigmoid")
+
+
 def _silu_patterns(nodes) -> dict[int, object]:
     """Nodes that compute ``silu(a)`` in decomposed form -> ``a``:
     ``div(a, add(exp(neg(a)), 1))`` and ``mul(sigmoid(a), a)``."""
