@@ -27,6 +27,7 @@ functional forms.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -45,10 +46,15 @@ class Reference:
     graph: KernelGraph          # pre-defined kernel ops only; input i = inputs[i]
     inputs: list                # capture.ir.Value, bound to graph inputs in order
     outputs: list               # capture.ir.Value, in graph output order
-    exprs: list[Expr]           # target expressions of the outputs
     dtype: str                  # the region's float dtype (its first float input's)
     upcast: bool = False        # the region computes (part of) itself in fp32
     casts: list = field(default_factory=list)   # the cast nodes folded away
+
+    @functools.cached_property
+    def exprs(self) -> list[Expr]:
+        """The target expressions of the outputs, computed when first asked for: most lowered cuts are only
+        looked up against the seeds (HF gemma2's partition computed them for 650 cuts and read none)."""
+        return graph_exprs(self.graph)
 
 
 @dataclass
@@ -116,7 +122,7 @@ def reference_of(nodes: Sequence, graph, first_use: bool = False) -> Reference |
     needed = _needed(nodes, outs, fused)
     g = new_kernel_graph()
     env: dict[int, Tensor] = {id(v): g.new_input(v.meta.shape, _dt(v.meta.dtype)) for v in ins}
-    ref = Reference(graph=None, inputs=list(ins), outputs=list(outs), exprs=[], dtype=_dt(floats[0].meta.dtype))
+    ref = Reference(graph=None, inputs=list(ins), outputs=list(outs), dtype=_dt(floats[0].meta.dtype))
     try:
         for n in nodes:
             if id(n) not in needed:
@@ -136,7 +142,6 @@ def reference_of(nodes: Sequence, graph, first_use: bool = False) -> Reference |
         return d.decline
     except MuGraphError as e:
         return Decline(None, "the lowered program is not a valid μGraph", str(e))
-    ref.exprs = graph_exprs(ref.graph)
     return ref
 
 
