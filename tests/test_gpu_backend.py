@@ -324,7 +324,8 @@ def test_library_ugraphs_on_the_gpu(dtype):
         if fn is attention:   # both attention μGraphs were timed, the faster one runs
             us = claimed[0].info["ugraph_us"]
             assert set(us) == {"flash_attention", "flash_decoding"} and all(t > 0 for t in us.values())
-            assert claimed[0].info["ugraph"] == min(us, key=us.get), str(report)
+            # the times are reported to 0.01 µs: two within that are a tie the rounding hides (H200: 7.49 / 7.49)
+            assert us[claimed[0].info["ugraph"]] == min(us.values()), str(report)
         if claimed[0].compiled_by == "inductor":
             assert "slower" in claimed[0].reason, str(report)
 
