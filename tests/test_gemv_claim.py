@@ -333,16 +333,23 @@ def test_gated_mlp_seed_is_tuned_over_the_library_schedule(rows):
     assert math.prod(stream.grid) <= 132 and stream.split == 1
 
 
+def _verified_instance_of(fn, x_shape, n):
+    """The traced reference of ``fn(x, g, w1, w3)`` (fp16, nn.Linear weights of ``n`` rows), the program and seed
+    the verifier checks for it (:func:`verified_instance`) and that program's input shapes."""
+    k = x_shape[-1]
+    xs = [torch.empty(x_shape, dtype=torch.float16), torch.empty(k, dtype=torch.float16),
+          torch.empty(n, k, dtype=torch.float16), torch.empty(n, k, dtype=torch.float16)]
+    graph = trace(fn, xs)
+    ref = reference_of(graph.nodes, graph).graph
+    program, seed = verified_instance(ref, gemv_seed(ref))
+    return ref, program, seed, [tuple(op.attrs["shape"]) for op in program.inputs]
+
+
 def test_large_region_is_verified_at_shrunk_sizes():
     """A decode-sized region's seed is verified at the search's shrunk sizes, drawn with their small tile so that
     the grid and the for-loop still split; a small region is verified as it is."""
     fn = FORMS[12][1]                                                   # norm + gated MLP, nn.Linear weights
-    xs = [torch.empty(2, 1, 4096, dtype=torch.float16), torch.empty(4096, dtype=torch.float16),
-          torch.empty(1000, 4096, dtype=torch.float16), torch.empty(1000, 4096, dtype=torch.float16)]
-    graph = trace(fn, xs)
-    ref = reference_of(graph.nodes, graph).graph
-    program, seed = verified_instance(ref, gemv_seed(ref))
-    shapes = [tuple(op.attrs["shape"]) for op in program.inputs]
+    ref, program, seed, shapes = _verified_instance_of(fn, (2, 1, 4096), 1000)
     assert max(d for s in shapes for d in s) < 100 and len(shapes) == 4, shapes
     body = next(op.body for op in seed.ops if op.name == "customized")
     assert body.grid[0] > 1 and body.forloop_range > 1, (body.grid, body.forloop_range)
@@ -358,19 +365,12 @@ def test_prompt_rows_merged_by_a_reshape_are_verified_shrunk():
     at shrunk sizes with the rows shrunk as a product (4 x 16), not at their own: HF qwen2's took 1.2-7.3 s a
     verification on the 2-core CPU that way, 0.01-0.07 s shrunk. A wrong seed is still rejected there."""
     fn = FORMS[12][1]
-    xs = [torch.empty(4, 64, 1024, dtype=torch.float16), torch.empty(1024, dtype=torch.float16),
-          torch.empty(2816, 1024, dtype=torch.float16), torch.empty(2816, 1024, dtype=torch.float16)]
-    graph = trace(fn, xs)
-    ref = reference_of(graph.nodes, graph).graph
-    program, seed = verified_instance(ref, gemv_seed(ref))
-    shapes = [tuple(op.attrs["shape"]) for op in program.inputs]
+    ref, program, seed, shapes = _verified_instance_of(fn, (4, 64, 1024), 2816)
     assert program is not ref and shapes[0][:2] == (4, 16) and max(d for s in shapes for d in s) <= 64, shapes
     examples = [torch.zeros(s, dtype=torch.float16) for s in shapes]
     assert verify(seed, program, examples)
-    wrong_graph = trace(FORMS[13][1], xs)          # the other gated form: gate and up swapped, so not this one
-    wrong = reference_of(wrong_graph.nodes, wrong_graph).graph
-    wrong_program, _ = verified_instance(wrong, gemv_seed(wrong))
-    assert not verify(seed, wrong_program, examples)
+    _, swapped, _, _ = _verified_instance_of(lambda x, g, w1, w3: fn(x, g, w3, w1), (4, 64, 1024), 2816)
+    assert not verify(seed, swapped, examples)    # SiLU of the other projection: another function
 
 
 @interpreted
