@@ -87,13 +87,17 @@ class FasterOf:
         if self.in_callers_graph and not state:
             sets = timing_input_sets(args, torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size)
 
-        def time_half(name: str, _: Any) -> list[float]:
-            run = from_saved_state(self.candidates[name]) if state else self.candidates[name]
-            if self.in_callers_graph:
-                return cuda_graph_timing(run, sets, target_ms=_HALF_MS, repeats=2)["samples"]
-            return plain_timing(run, args, target_ms=_HALF_MS / _HOST_SAMPLES, repeats=_HOST_SAMPLES)["samples"]
+        if self.in_callers_graph:   # GPU time: the median; launched from Python: each half's least disturbed
+            timed = lambda run: cuda_graph_timing(run, sets, target_ms=_HALF_MS, repeats=2)   # noqa: E731
+            estimate = pooled_median
+        else:
+            timed = lambda run: plain_timing(run, args, target_ms=_HALF_MS / _HOST_SAMPLES,   # noqa: E731
+                                             repeats=_HOST_SAMPLES)
+            estimate = fastest_per_half
 
-        estimate = pooled_median if self.in_callers_graph else fastest_per_half
+        def time_half(name: str, _: Any) -> list[float]:
+            return timed(from_saved_state(self.candidates[name]) if state else self.candidates[name])["samples"]
+
         try:   # a candidate that cannot be timed (not capturable, say) is not chosen
             return tune(list(self.candidates), time_half, label="version", cache=self.cache, key=self.key,
                         estimate=estimate).times
