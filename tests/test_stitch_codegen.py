@@ -286,3 +286,24 @@ def test_long_rows_with_row_outputs(path):
     outs = dict(zip([id(v) for v in region.outputs(graph)], region.kernel(x)))
     for v, r in zip(graph.output_values, reference(fn, x)):
         assert_matches(outs[id(v)], r.float(), torch.float32)
+
+
+def _safe_softmax(t):
+    """What SDPA's math path computes (and what HF BERT's prefill without a mask reaches): softmax whose all -inf
+    rows give zeros, through ``all(x == -inf)`` — a bool reduction (``aten.any``) next to the float ones."""
+    return torch.ops.aten._safe_softmax(t, -1)
+
+
+@pytest.mark.parametrize("path", sorted(LONG_PATHS))
+def test_safe_softmax_is_one_region_on_every_path(path):
+    shape, limits, strategy = LONG_PATHS[path]
+    x = torch.randn(*shape)
+    x[0, : shape[-1] // 3] = float("-inf")   # a partly masked row
+    x[1] = float("-inf")                     # a fully masked row: zeros, not NaN
+    if shape[0] > 2:
+        x[2, 7] = float("nan")               # NaN stays NaN
+    region, (out,) = stitched(_safe_softmax, x, limits=limits)
+    assert region.plan.mapping.strategy is strategy
+    assert "any" in {n.op.name for n in region.nodes}
+    assert (out[1] == 0).all()
+    assert_matches(out, reference(_safe_softmax, x).float(), torch.float32)

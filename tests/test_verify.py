@@ -572,3 +572,29 @@ def test_verdicts_are_kept_in_the_disk_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(V, "_VERDICTS", type(V._VERDICTS)())
     assert V.verify(a, b, _qkv(*ATTN), error_bound=1e-9, trials=0, cache=cache).equivalent and len(runs) == 2
     assert cache.get_json(key) == dataclasses.asdict(first) | {"float_max_error": cache.get_json(key)["float_max_error"]}
+
+
+def _bool_masked_scores(q, k, mask):
+    return (q @ k.transpose(-1, -2) / 8.0).masked_fill(~mask, float("-inf"))
+
+
+def safe_bool_masked_attention(q, k, v, mask):
+    """SDPA's math path: a row whose keys are all masked gives zeros (``all(~mask)``: a bool reduction)."""
+    p = torch.softmax(_bool_masked_scores(q, k, mask), -1)
+    return torch.where(torch.all(~mask, -1, keepdim=True), 0.0, p) @ v
+
+
+def safe_bool_masked_attention_rows_late(q, k, v, mask):
+    p = torch.softmax(_bool_masked_scores(q, k, mask), -1)
+    return torch.where(mask.any(-1, keepdim=True), p @ v, 0.0)
+
+
+def test_bool_reduction_of_a_mask_is_data_in_the_field():
+    mask = torch.rand(2, 4, 8) > 0.3
+    mask[0, 1] = False                          # one row masked whole
+    qkv = [r(2, 4, 16), r(2, 8, 16), r(2, 8, 4), mask]
+    v = verify(safe_bool_masked_attention_rows_late, safe_bool_masked_attention, qkv)
+    assert v.equivalent and "finite-field test passed" in v.reason, v.reason
+    w = verify(lambda q, k, v_, m: torch.where(m.any(-1, keepdim=True), 2 * (torch.softmax(
+        _bool_masked_scores(q, k, m), -1) @ v_), 0.0), safe_bool_masked_attention, qkv)
+    assert not w.equivalent and w.reason.startswith("finite-field test rejects"), w.reason

@@ -93,6 +93,7 @@ OPS: tuple[OpDef, ...] = (
     OpDef("mean", R, _t("aten.mean.dim", "aten.mean.default"), True),
     OpDef("amax", R, _t("aten.amax.default", "aten.max.dim"), False),
     OpDef("amin", R, _t("aten.amin.default", "aten.min.dim"), False),
+    OpDef("any", R, _t("aten.any.dim", "aten.any.dims"), False),   # a bool reduction (the all() of _safe_softmax)
     OpDef("var_mean", R, _t("aten.var_mean.correction", "prims.var.default"), False, flops=3),
     # matmul
     OpDef("matmul", M, _t("aten.mm.default", "aten.bmm.default", "aten.addmm.default", "aten.baddbmm.default"), True, flops=2),

@@ -147,6 +147,11 @@ class _Emitter:
             if spec.kind == "var_mean":
                 scope[id(node.outputs[1])] = mean
             return
+        if spec.kind == "any":
+            a = self.fresh("any")
+            self.line(f"{a} = tl.max(tl.where(mask & ({x} != 0), 1.0, 0.0), 1)[:, None] > 0.0")
+            scope[id(node.outputs[0])] = a
+            return
         fn, ident = ("max", 'float("-inf")') if spec.kind == "amax" else ("min", 'float("inf")')
         m, nan = self.fresh("m"), self.fresh("nan")
         self.line(f"{m} = tl.{fn}(tl.where(mask, {x}, {ident}), 1)[:, None]")
@@ -164,6 +169,8 @@ def _update(e: "_Emitter", kind: str, st: dict[str, str], x: str) -> None:
     if kind in ("max", "min"):
         fn = "maximum" if kind == "max" else "minimum"
         e.line(f"{st[kind]} = tl.{fn}({st[kind]}, tl.where(mask, {x}, {IDENTITY[kind]}))")
+    if kind == "any":
+        e.line(f"{st['any']} = tl.maximum({st['any']}, tl.where(mask & ({x} != 0), 1.0, 0.0))")
     if kind == "online":
         # the running max is per row ([BLOCK_M, 1]): one exp per element plus one per row and chunk for the
         # rescale, instead of two per element with a max per lane
@@ -192,6 +199,8 @@ def _combine(e: "_Emitter", kind: str, lanes: dict[str, str]) -> dict[str, str]:
         e.line(f"{st['nan']} = {red('max', lanes['nan'])}")
     if kind in ("sum", "max", "min"):
         e.line(f"{st[kind]} = {red(kind, lanes[kind])}")
+    if kind == "any":
+        e.line(f"{st['any']} = {red('max', lanes['any'])}")
     if kind == "online":
         ms = e.fresh("ms")
         e.line(f"{st['max']} = {red('max', lanes['max'])}")
@@ -215,6 +224,8 @@ def _finalize(e: "_Emitter", acc: Accumulation, st: dict[str, str], outer: dict)
     r = e.fresh("red")
     if acc.kind == "sum":
         e.line(f"{r} = {st['sum']}" + (f" / {n!r}" if spec.kind == "mean" else ""))
+    elif acc.kind == "any":
+        e.line(f"{r} = {st['any']} > 0.0")
     elif acc.kind == "welford":
         e.line(f"{r} = {st['m2']} / {float(e.plan.row_len - spec.correction)!r}")
         if spec.kind == "var_mean":

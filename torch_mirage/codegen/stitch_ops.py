@@ -132,7 +132,7 @@ def op_expr(node: Node, operands: list[str]) -> str:
 
 @dataclass(frozen=True)
 class ReductionSpec:
-    kind: str          # "sum" | "mean" | "amax" | "amin" | "var_mean" | "var"
+    kind: str          # "sum" | "mean" | "amax" | "amin" | "any" | "var_mean" | "var"
     keepdim: bool
     correction: int = 0
 
@@ -161,6 +161,12 @@ def reduction_spec(node: Node) -> ReductionSpec | None:
         if not last_only(dims):
             return None
         return ReductionSpec("amax" if t is aten.amax.default else "amin", bool(keep))
+    if t in (aten.any.dim, aten.any.dims):
+        dims = a[1] if len(a) > 1 else kw.get("dim")
+        keep = a[2] if len(a) > 2 else kw.get("keepdim", False)
+        if dims is None or not last_only(dims):
+            return None
+        return ReductionSpec("any", bool(keep))
     if t is aten.var_mean.correction or t is prims.var.default:
         dims = a[1] if len(a) > 1 else kw.get("dim")
         corr = kw.get("correction", a[2] if t is prims.var.default and len(a) > 2 else 1)
@@ -188,7 +194,8 @@ def node_support(node: Node) -> str | None:
         spec = reduction_spec(node)
         if spec is None:
             return f"{node.target_name}: only reductions over the last dim are stitched"
-        if not node.inputs[0].meta.dtype.is_floating_point:
+        if not node.inputs[0].meta.dtype.is_floating_point and not (spec.kind == "any"
+                                                                    and node.inputs[0].meta.dtype is torch.bool):
             return f"{node.target_name}: reduction of {node.inputs[0].meta.dtype}"
         return None
     if kind is OpKind.CREATION:

@@ -34,12 +34,13 @@ class Accumulation:
 
 # the per-lane statistics of each accumulation kind and their identities (masked lanes, empty splits)
 STATS = {"sum": ("sum",), "max": ("max", "nan"), "min": ("min", "nan"), "online": ("max", "nan", "sum"),
-         "welford": ("cnt", "mean", "m2")}
+         "welford": ("cnt", "mean", "m2"), "any": ("any",)}
 IDENTITY = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")', "nan": "0.0", "cnt": "0.0", "mean": "0.0",
-            "m2": "0.0"}
+            "m2": "0.0", "any": "0.0"}
 ROW_STATS = {("online", "max")}   # statistics kept per row ([BLOCK_M, 1]) rather than per lane
 FUSION_NAME = {"online": "online softmax", "welford": "Welford"}
-_KIND = {"sum": "sum", "mean": "sum", "amax": "max", "amin": "min", "var_mean": "welford", "var": "welford"}
+_KIND = {"sum": "sum", "mean": "sum", "amax": "max", "amin": "min", "var_mean": "welford", "var": "welford",
+         "any": "any"}   # "any": 1.0 where some element of the row is true (a bool reduction kept as fp32)
 
 
 def _online_partner(amax: Node, inside: set[int]) -> Node | None:

@@ -145,10 +145,12 @@ def _where(A, node, args, kwargs):
 
 
 def _bool_op(fn):
+    """A comparison or logic op on data that is not field values (bool masks): ``fn``, or the node's own ATen
+    target where ``fn`` is None."""
     def handler(A, node, args, kwargs):
         if any(isinstance(a, FieldTensor) for a in args):
             raise NotLAX(f"{node.describe()}: a comparison or logic op on field values")
-        return fn(*args)
+        return fn(*args) if fn is not None else node.target(*args, **kwargs)
     return handler
 
 
@@ -171,6 +173,7 @@ HANDLERS: dict[str, Handler] = {
     "slice": _layout, "cat": _layout, "split": _layout,
     "full": _full, "where": _where,
     "logical_not": _bool_op(torch.logical_not), "logical_and": _bool_op(torch.logical_and),
+    "any": _bool_op(None),   # over bool data (a mask's all-masked rows) only
 }
 
 
