@@ -150,6 +150,43 @@ def test_sdpa_forms_are_claimed(case, dtype):
         assert region.info.get("mask") == "bool, read in the kernel", region.info
 
 
+@pytest.mark.parametrize("case", ["plain", "causal", "bool_empty_rows", "float", "gqa"])
+def test_sdpa_math_path_is_claimed_with_its_zero_rows(case):
+    """SDPA's math backend (what PyTorch decomposes SDPA into where no fused kernel applies; HF BERT's prefill
+    without a mask on the H200): Q and Kᵀ each scaled by √scale in fp32, ``_safe_softmax`` (zeros for a row with
+    no key), P·V in fp32 cast back to fp16 — one eager attention region whose empty rows are zeros."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dtype, (b, h, hk, sq, skv, d) = torch.float16, (2, 4, 4, 8, 16, 16)
+    kw = {"scale": 0.3}
+    if case == "causal":
+        kw["is_causal"], skv = True, sq
+    elif case == "gqa":
+        hk, kw["enable_gqa"] = 2, True
+    q, k, v = _qkv(b, h, hk, sq, skv, d, dtype)
+    args = [q, k, v]
+    if case == "bool_empty_rows":
+        m = torch.rand(b, 1, sq, skv) > 0.4
+        m[..., 0] = True
+        m[1, :, 3] = False                # a query row with no key: zeros, as SDPA gives
+        args.append(m)
+    elif case == "float":
+        args.append(torch.randn(b, 1, sq, skv, dtype=dtype))
+
+    def f(q, k, v, *mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None, **kw)
+
+    with sdpa_kernel(SDPBackend.MATH):
+        (region,) = _check(f, tuple(args), dtype)
+    info = region.info["attention"]
+    assert info.startswith("eager:") and "scale=0.3" in info, info
+    if case == "gqa":
+        assert "hk=2" in info, info
+    if case == "bool_empty_rows":
+        out = torch.compile(f, backend="mirage")(*args)
+        assert (out[1, :, 3] == 0).all()
+
+
 def test_sdpa_bool_mask_read_additive_where_its_where_is_not_free():
     """SDPA with a bool mask: the traced ``where(mask, 0, -inf)`` joins the region and the bool is read; where
     another claim holds that ``where``, the region reads the additive mask it computes instead."""

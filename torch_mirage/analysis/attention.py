@@ -6,7 +6,9 @@ An attention region is ``softmax(mask(softcap(scale · Q Kᵀ))) · V`` wherever
   transpose; K and V optionally repeated per query-head group by HF's ``repeat_kv``: unsqueeze → expand → clone →
   view), scalar ``mul`` / ``div`` anywhere before the soft-cap (``q*scale``, ``s*scale``, ``s/√d``), an optional
   soft-cap ``tanh(s/c)·c``, an optional mask (an additive float tensor, or a bool tensor through ``where``), the
-  softmax decomposed into ``amax / sub / exp / sum / div`` with any casts around it, then ``P·V``;
+  softmax decomposed into ``amax / sub / exp / sum / div`` with any casts around it, or SDPA's math path's
+  ``_safe_softmax`` (the same, then ``where(all(x == -inf), 0, ·)``: a row with no key gives zeros), then ``P·V``
+  (its fp32 result cast back to the inputs' dtype, as the math path does, inside the region);
 * from the fused SDPA ATen ops (``_scaled_dot_product_{flash,efficient,cudnn}_attention``,
   ``_scaled_dot_product_flash_attention_for_cpu``, ``scaled_dot_product_attention``) with their ``attn_mask`` /
   ``is_causal`` / ``scale`` / GQA (fewer K/V heads) arguments; K and V repeated per query-head group by
@@ -73,6 +75,7 @@ class AttentionSpec:
     # the band and 0 where seen: ``mask_zero_visible``, the claimer's ``index_mask``).
     mask_band: tuple | None = None
     mask_zero_visible: bool = False  # the mask (as the seed adds it) is 0 wherever the band sees
+    empty_rows_zero: bool = False   # eager form: a row whose scores are all -inf gives zeros (_safe_softmax)
     probs: tuple = ()               # eager form: the values holding P (b, h, sq, skv), from the softmax to P·V
     row_stats: tuple = ()           # eager form: the softmax's row max and row sum of exponentials (b, h, sq, 1)
 
@@ -182,14 +185,8 @@ def _to_4d(v: Value, seen: list[Node]) -> Value:
     return v
 
 
-def _operand(v: Value, seen: list[Node], transposed: bool) -> tuple[Value, float] | None:
-    """The 4-D (b, heads, s, d) tensor behind a bmm operand, with any scalar factor applied to it."""
-    x = _to_4d(v, seen)
-    if transposed:
-        if _op(x) != "permute" or list(x.producer.args[1]) not in ([0, 1, 3, 2], [0, 1, -1, -2]):
-            return None
-        seen.append(x.producer)
-        x = _to_4d(x.producer.args[0], seen)
+def _scaled(x: Value, seen: list[Node]) -> tuple[Value, float]:
+    """``x`` followed back through scalar ``mul`` / ``div`` and casts, with the product of those scalars."""
     factor = 1.0
     while _op(x) in ("mul", "div", "to_dtype") and (_op(x) == "to_dtype" or _scalar(x.producer.args[1]) is not None):
         n = x.producer
@@ -199,13 +196,61 @@ def _operand(v: Value, seen: list[Node], transposed: bool) -> tuple[Value, float
             factor /= _scalar(n.args[1])
         seen.append(n)
         x = n.args[0]
-    x = _unrepeat(x, seen)
-    return (x, factor) if len(_shape(x) or ()) == 4 else None
+    return x, factor
 
 
-def _softmax_input(p: Value, seen: list[Node]) -> Value | None:
-    """The scores ``x`` of ``p = exp(x - amax(x)) / sum(exp(x - amax(x)))`` over the last dim (casts allowed)."""
+def _operand(v: Value, seen: list[Node], transposed: bool) -> tuple[Value, float] | None:
+    """The 4-D (b, heads, s, d) tensor behind a bmm operand, with any scalar factor applied to it."""
+    x, factor = _scaled(_to_4d(v, seen), seen)
+    if transposed:   # the scale may come before the transpose or after it (SDPA's math path scales Kᵀ)
+        if _op(x) != "permute" or list(x.producer.args[1]) not in ([0, 1, 3, 2], [0, 1, -1, -2]):
+            return None
+        seen.append(x.producer)
+        x, inner = _scaled(_to_4d(x.producer.args[0], seen), seen)
+        factor *= inner
+    x, outer = _scaled(_unrepeat(x, seen), seen)   # the math path repeats KV heads after its fp32 cast
+    return (x, factor * outer) if len(_shape(x) or ()) == 4 else None
+
+
+def _all_minus_inf(cond: Any) -> tuple[Value, list[Node]] | None:
+    """``(x, nodes)`` where ``cond`` is ``all(x == -inf, -1, keepdim=True)`` as decomposed:
+    ``logical_not(any(logical_not(eq(x, -inf)), -1, True))``."""
+    nodes = []
+    for name in ("logical_not", "any", "logical_not", "eq"):
+        if _op(cond) != name:
+            return None
+        node = cond.producer
+        if name == "any" and (len(node.args) < 3 or node.args[2] is not True
+                              or node.args[1] not in (-1, len(_shape(cond)) - 1, [-1], [len(_shape(cond)) - 1])):
+            return None
+        nodes.append(node)
+        cond = node.args[0]
+    if _scalar(nodes[-1].args[1]) != -math.inf:
+        return None
+    return cond, nodes
+
+
+def _zero(v: Any) -> list[Node] | None:
+    """The nodes making ``v`` a zero fill (none for the scalar 0); None when it is not one."""
+    if _scalar(v) == 0:
+        return []
+    if _op(v) == "full" and _scalar(v.producer.args[1]) == 0 and len(v.users) == 1:
+        return [v.producer]
+    return None
+
+
+def _softmax_input(p: Value, seen: list[Node]) -> tuple[Value, bool] | None:
+    """``(x, empty_rows_zero)``: the scores ``x`` of ``p = exp(x - amax(x)) / sum(exp(x - amax(x)))`` over the last
+    dim (casts allowed), or of ``_safe_softmax``'s ``where(all(x == -inf), 0, p)`` (``empty_rows_zero``)."""
     p = _back(p, seen, {"to_dtype", "copy"})
+    safe = None
+    if _op(p) == "where":
+        cond, fill, p = p.producer.args
+        rows, zero = _all_minus_inf(cond), _zero(fill)
+        if rows is None or zero is None or not isinstance(p, Value):
+            return None
+        safe = (rows[0], rows[1] + zero + [cond.users[0]])
+        p = _back(p, seen, {"to_dtype", "copy"})
     if _op(p) != "div":
         return None
     div = p.producer
@@ -219,10 +264,11 @@ def _softmax_input(p: Value, seen: list[Node]) -> Value | None:
     if _op(sub) != "sub" or _op(sub.producer.args[1]) != "amax":
         return None
     x = sub.producer.args[0]
-    if sub.producer.args[1].producer.args[0] is not x:
+    if sub.producer.args[1].producer.args[0] is not x or (safe is not None and safe[0] is not x):
         return None
     seen.extend([div, total.producer, e.producer, sub.producer, sub.producer.args[1].producer])
-    return x
+    seen.extend(safe[1] if safe is not None else ())
+    return x, safe is not None
 
 
 def _data_arg(n: Node) -> Value | None:
@@ -448,9 +494,10 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     if len(_shape(p_in) or ()) != 3:
         return None
     p = _back(p_in, seen, {"view", "expand", "copy"})
-    x = _softmax_input(p, seen)
-    if x is None:
+    softmax = _softmax_input(p, seen)
+    if softmax is None:
         return None
+    x, empty_rows_zero = softmax
     # the raw scores: x followed back through the chain to a view of a bmm
     y, hops = x, 0
     while y.producer is not None and not (_op(y) == "view" and _op(y.producer.args[0]) == "matmul") and hops < 16:
@@ -473,7 +520,8 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     (qv, qf), (kv, kf), vv = q, k, vv[0]
     b, h, sq, d = _shape(qv)
     _, hk, skv, dk = _shape(kv)
-    if dk != d or _shape(vv) != (b, hk, skv, d) or _shape(kv)[0] != b or h % hk:
+    if dk != d or _shape(vv) != (b, hk, skv, d) or _shape(kv)[0] != b or h % hk or \
+            len({qv.meta.dtype, kv.meta.dtype, vv.meta.dtype}) != 1:   # casts followed back: one dtype read
         return None
     out = pv.outputs[0]
     # the output: (b·h, sq, d) viewed back to (b, h, sq, d)
@@ -482,17 +530,24 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
         out = out.users[0].outputs[0]
     else:
         return None
+    if out.meta.dtype != qv.meta.dtype:   # SDPA's math path: fp32 P·V, cast back to the inputs' dtype
+        cast = out.users[0] if len(out.users) == 1 else None
+        if cast is None or cast.op.name != "to_dtype" or cast.outputs[0].meta.dtype != qv.meta.dtype:
+            return None
+        seen.append(cast)
+        out = cast.outputs[0]
     mask_value = scores.get("mask_value")
     spec = AttentionSpec(b, h, hk, sq, skv, d, scores["scale"] * qf * kf, scores["softcap"],
                          scores["mask"], "", mask_value, scores.get("bool_fill"), qv.meta.dtype, "eager",
                          qv, kv, vv, out, seen)
+    spec.empty_rows_zero = empty_rows_zero
     spec.probs, y = (), p_in                  # P from P·V's operand back to the softmax's div
     while True:
         if _shape(y) == (b, h, sq, skv):
             spec.probs += (y,)
         if _op(y) == "div":
             break
-        y = y.producer.args[0]
+        y = y.producer.args[2 if _op(y) == "where" else 0]
     div = y.producer
     spec.row_stats = (div.args[0].producer.args[0].producer.args[1], div.args[1])
     if mask_value is not None:

@@ -260,7 +260,7 @@ def _softmax_kwargs(spec: AttentionSpec) -> dict:
     """The online-softmax seeds' own parameters: the score a bool mask's dropped keys get, and what a row with no
     key gives (SDPA: 0; the decomposed softmax: 0/0)."""
     fill = {"mask_fill": spec.bool_fill} if spec.mask == "bool" and spec.bool_fill is not None else {}
-    return fill | {"empty_rows": "nan" if spec.form == "eager" else "zero"}
+    return fill | {"empty_rows": "nan" if spec.form == "eager" and not spec.empty_rows_zero else "zero"}
 
 
 class AttentionClaimer:
