@@ -40,6 +40,25 @@ def test_dynamic_true_and_mark_dynamic(how):
     assert any(r.reason is Reason.DYNAMIC_SHAPE or r.compiled_by == "inductor" for r in report.regions)
 
 
+def test_static_ops_reading_a_symbolic_stride_are_left_to_the_fallback():
+    """A view of a dynamic-length tensor can have static sizes and a symbolic stride (``x[:, -1]`` of a (b, s, d)
+    prompt: the last position's rows, HF GPT-2's generate when a second call changes the cache length). The
+    weight-streaming claimer took its skinny matmul and the cost model then raised for the stride, failing the
+    partition stage (the whole graph went to Inductor with a warning); such a node is now never claimed."""
+    def fn(x, w, b):
+        return torch.nn.functional.linear(x[:, -1, :], w, b).relu() + x.sum(1)
+
+    compiled, report = _mirage(fn, strict=True, min_region_us=0)
+    w, b = torch.randn(64, 64), torch.randn(64)
+    for s in (5, 9, 7):
+        x = torch.randn(4, s, 64)
+        torch._dynamo.mark_dynamic(x, 1)
+        assert_close(compiled(x, w, b), fn(x, w, b))
+    dynamic = report.graphs[-1]
+    assert dynamic.fallback_error is None
+    assert any(r.reason is Reason.DYNAMIC_SHAPE and "mm" in " ".join(r.ops) for r in dynamic.regions), dynamic
+
+
 def test_graph_break():
     def fn(x):
         y = torch.relu(x) * 3

@@ -103,7 +103,10 @@ def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext
     """The partition stage: each claimer in turn claims from the nodes still free (a claim holds a plan; the build
     stage makes its kernel); the rest become fallback regions, each carrying the declines of the claimers that
     passed over its nodes."""
-    free = list(graph.nodes)
+    # a node that reads or writes a tensor of symbolic size or stride is never claimed (kernels and the cost
+    # model need static shapes): the claimers do not see it, and it joins the fallback's regions
+    free = [n for n in graph.nodes if not _touches_symbolic(n)]
+    held = {id(n) for n in graph.nodes} - {id(n) for n in free}
     regions: list[Region] = []
     passed: list[Decline] = []
     for claimer in claimers:
@@ -122,8 +125,15 @@ def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext
                 raise MirageError(f"claimer {claimer.name} claimed a non-convex region {outcome.ops}")
             regions.append(Region.of_claim(outcome, claimer.name))
             free = [n for n in free if id(n) not in taken]
-    regions.extend(_unclaimed_regions(graph, free, ctx.config, passed, ctx.analysis_of(graph).cost))
+    left = {id(n) for n in free} | held
+    regions.extend(_unclaimed_regions(graph, [n for n in graph.nodes if id(n) in left], ctx.config, passed,
+                                      ctx.analysis_of(graph).cost))
     return regions
+
+
+def _touches_symbolic(node: Node) -> bool:
+    """Whether ``node`` reads or writes a tensor whose sizes or strides are symbolic."""
+    return any(v.meta is not None and not v.meta.is_static for v in (*node.inputs, *node.outputs))
 
 
 def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config,
@@ -135,7 +145,7 @@ def _unclaimed_regions(graph: Graph, free: Sequence[Node], config: Config,
         kinds = {n.kind for n in nodes}
         if OpKind.OPAQUE in kinds:
             reason, detail = Reason.OPAQUE_OP, ", ".join(sorted({n.target_name for n in nodes if n.kind is OpKind.OPAQUE}))
-        elif any(not (v.meta and v.meta.is_static) for n in nodes for v in n.outputs if v.meta):
+        elif any(_touches_symbolic(n) for n in nodes):
             reason, detail = Reason.DYNAMIC_SHAPE, ""
         elif OpKind.MATMUL in kinds and not (skinny := _skinny_matmuls(nodes, model or CostModel())):
             reason, detail = Reason.COMPUTE_BOUND, ""
