@@ -219,6 +219,46 @@ def test_hand_written_causal_attention_from_index_comparisons():
     assert "mask=bool_inverted(causal)" in region.info["attention"], region.info
 
 
+def _einsum_attention(q, k, v):
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
+    return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v)
+
+
+def _folded_heads_attention(q, k, v):
+    """Heads folded into the batch (fairseq / older HF): 3-D bmm on (b·h, s, d), the output viewed back."""
+    b, h, sq, d = q.shape
+    fold = lambda t: t.reshape(b * h, t.shape[2], d)   # noqa: E731
+    p = torch.softmax(torch.bmm(fold(q), fold(k).transpose(1, 2)) * 0.3, dim=-1)
+    return torch.bmm(p, fold(v)).view(b, h, sq, d)
+
+
+def _mT_gqa_attention(q, k, v):
+    """GQA by ``repeat_interleave`` on the KV heads, ``k.mT``, the scale after the softmax's input cast."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    return torch.softmax((q @ k.mT).float() / math.sqrt(q.shape[-1]), dim=-1).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("form", ["einsum", "folded_heads", "mT_gqa"])
+def test_hand_written_layouts_are_read_by_what_they_hold(form):
+    """The same attention through other layout spellings: einsum's unsqueeze / permute / 5-D views, heads folded
+    into a 3-D bmm, GQA by repeat_interleave — each read by comparing layouts, not matched by form."""
+    fn = {"einsum": _einsum_attention, "folded_heads": _folded_heads_attention, "mT_gqa": _mT_gqa_attention}[form]
+    hk = 2 if form == "mT_gqa" else 4
+    (region,) = _check(fn, _qkv(2, 4, hk, 8, 16, 16, torch.float16), torch.float16)
+    assert f"hk={hk}" in region.info["attention"], region.info
+
+
+def test_a_reshape_that_is_not_a_transpose_is_not_attention():
+    """``k.reshape(b·h, d, s)`` has Kᵀ's shape but other elements: not read as attention, still eager-equal."""
+    def fn(q, k, v):
+        b, h, s, d = k.shape
+        scores = torch.bmm(q.reshape(b * h, -1, d), k.reshape(b * h, d, s)) * 0.3
+        return torch.bmm(scores.softmax(-1), v.reshape(b * h, s, d)).view(q.shape)
+
+    _check(fn, _qkv(1, 2, 2, 8, 8, 8, torch.float32), torch.float32, expect=0)
+
+
 def test_hand_written_padding_with_minus_inf_keeps_eager_nans():
     """Fully masked rows under a -inf additive mask are NaN in eager's decomposed softmax: the same NaN, and
     numbers everywhere else."""

@@ -2,13 +2,16 @@
 
 An attention region is ``softmax(mask(softcap(scale · Q Kᵀ))) · V`` wherever it appears in an ATen graph:
 
-* from the decomposed eager form — a batched matmul ``Q·Kᵀ`` (any view / expand / permute spelling of the
-  transpose; K and V optionally repeated per query-head group by HF's ``repeat_kv``: unsqueeze → expand → clone →
-  view), scalar ``mul`` / ``div`` anywhere before the soft-cap (``q*scale``, ``s*scale``, ``s/√d``), an optional
-  soft-cap ``tanh(s/c)·c``, an optional mask (an additive float tensor, or a bool tensor through ``where``), the
-  softmax decomposed into ``amax / sub / exp / sum / div`` with any casts around it, or SDPA's math path's
-  ``_safe_softmax`` (the same, then ``where(all(x == -inf), 0, ·)``: a row with no key gives zeros), then ``P·V``
-  (its fp32 result cast back to the inputs' dtype, as the math path does, inside the region);
+* from the decomposed eager form — a batched matmul ``Q·Kᵀ`` whose operands are read by what they hold
+  (:mod:`.layout_map`): any chain of views, permutes, expands, copies, casts and scalar factors that flattens Q
+  (b, h, sq, d), Kᵀ and V per head, K and V optionally repeated per query-head group — HF's ``repeat_kv``
+  (unsqueeze → expand → clone → view), ``repeat_interleave``, an einsum's 5-D views, heads folded into a 3-D
+  ``bmm`` whose scores stay (b·h, sq, skv) (then without a mask) —, scalar ``mul`` / ``div`` anywhere before
+  the soft-cap (``q*scale``, ``s*scale``, ``s/√d``), an optional soft-cap ``tanh(s/c)·c``, an optional mask (an
+  additive float tensor, or a bool tensor through ``where``), the softmax decomposed into
+  ``amax / sub / exp / sum / div`` with any casts around it, or SDPA's math path's ``_safe_softmax`` (the same,
+  then ``where(all(x == -inf), 0, ·)``: a row with no key gives zeros), then ``P·V`` (its fp32 result cast back
+  to the inputs' dtype, as the math path does, inside the region);
 * from the fused SDPA ATen ops (``_scaled_dot_product_{flash,efficient,cudnn}_attention``,
   ``_scaled_dot_product_flash_attention_for_cpu``, ``scaled_dot_product_attention``) with their ``attn_mask`` /
   ``is_causal`` / ``scale`` / GQA (fewer K/V heads) arguments; K and V repeated per query-head group by
@@ -31,12 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+from .layout_map import Layout, apply as apply_layout
 from .values import Affine, ValueKind, analyze_values
 
 from ..capture.ir import Graph, Node, Value
 
 # layout ops that move no arithmetic: followed through when looking for a region's operands
-_PASS = {"view", "expand", "copy", "unsqueeze", "to_dtype", "squeeze"}
+_LAYOUT = {"view", "permute", "expand", "copy", "unsqueeze", "squeeze"}   # ops that only move elements
 SDPA_TARGETS = {
     "aten._scaled_dot_product_flash_attention.default": ("dropout_p", "is_causal", None),
     "aten._scaled_dot_product_flash_attention_for_cpu.default": ("dropout_p", "is_causal", None),
@@ -143,7 +147,7 @@ def _scalar(a: Any) -> float | None:
     return float(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else None
 
 
-def _back(v: Value, seen: list[Node], ops: set[str] = _PASS) -> Value:
+def _back(v: Value, seen: list[Node], ops: set[str]) -> Value:
     """``v`` followed back through arithmetic-free ops (recorded in ``seen``)."""
     while _op(v) in ops:
         seen.append(v.producer)
@@ -173,43 +177,98 @@ def _unrepeat(v: Value, seen: list[Node]) -> Value:
     return src
 
 
-def _to_4d(v: Value, seen: list[Node]) -> Value:
-    """A bmm operand followed back through the views that fold its batch dims, to its 4-D form (no-op
-    expands and copies skipped)."""
-    while _op(v) == "view" and len(_shape(v)) != 4:
-        seen.append(v.producer)
-        v = v.producer.args[0]
-    while _op(v) in ("expand", "copy") and _shape(v.producer.args[0]) == _shape(v):
-        seen.append(v.producer)
-        v = v.producer.args[0]
-    return v
+def _scalar_factor(n: Node) -> float | None:
+    """The factor a scalar ``mul`` / ``div`` applies (1 for a cast), None for any other node."""
+    if n.op.name == "to_dtype":
+        return 1.0
+    if n.op.name in ("mul", "div") and len(n.args) > 1 and _scalar(n.args[1]) is not None:
+        return _scalar(n.args[1]) if n.op.name == "mul" else 1.0 / _scalar(n.args[1])
+    return None
 
 
-def _scaled(x: Value, seen: list[Node]) -> tuple[Value, float]:
-    """``x`` followed back through scalar ``mul`` / ``div`` and casts, with the product of those scalars."""
-    factor = 1.0
-    while _op(x) in ("mul", "div", "to_dtype") and (_op(x) == "to_dtype" or _scalar(x.producer.args[1]) is not None):
-        n = x.producer
-        if n.op.name == "mul":
-            factor *= _scalar(n.args[1])
-        elif n.op.name == "div":
-            factor /= _scalar(n.args[1])
-        seen.append(n)
-        x = n.args[0]
-    return x, factor
+def _replay(base: Value, chain: Sequence[Node]) -> Layout | None:
+    """The layout of the value ``chain`` (layout ops, casts and scalar factors, first to last) makes of ``base``."""
+    layout: Layout | None = Layout.of_base(_shape(base))
+    for n in chain:
+        if n.op.name not in ("mul", "div"):
+            layout = apply_layout(layout, n.op.name, n.args)
+    return layout
+
+
+def _bmm_operand_layout(x_shape: tuple, v_shape: tuple, transposed: bool) -> Layout | None:
+    """How a bmm operand of shape ``v_shape`` holds a 4-D ``(b, heads, s, d)`` tensor: flattened to
+    ``(b·h, s, d)`` with each head repeated ``h / heads`` times (a query-head group reading its KV head; once for
+    Q), transposed to ``(b·h, d, s)`` for Kᵀ."""
+    b, heads, n, k = x_shape
+    batch, rows, cols = v_shape
+    if transposed:
+        rows, cols = cols, rows
+    if (rows, cols) != (n, k) or batch % (b * heads):
+        return None
+    group = batch // (b * heads)
+    layout = Layout.of_base(x_shape).unsqueeze(2).expand((b, heads, group, n, k)).view((batch, n, k))
+    return layout.permute((0, 2, 1)) if transposed and layout is not None else layout
 
 
 def _operand(v: Value, seen: list[Node], transposed: bool) -> tuple[Value, float] | None:
-    """The 4-D (b, heads, s, d) tensor behind a bmm operand, with any scalar factor applied to it."""
-    x, factor = _scaled(_to_4d(v, seen), seen)
-    if transposed:   # the scale may come before the transpose or after it (SDPA's math path scales Kᵀ)
-        if _op(x) != "permute" or list(x.producer.args[1]) not in ([0, 1, 3, 2], [0, 1, -1, -2]):
-            return None
-        seen.append(x.producer)
-        x, inner = _scaled(_to_4d(x.producer.args[0], seen), seen)
-        factor *= inner
-    x, outer = _scaled(_unrepeat(x, seen), seen)   # the math path repeats KV heads after its fp32 cast
-    return (x, factor * outer) if len(_shape(x) or ()) == 4 else None
+    """The 4-D ``(b, heads, s, d)`` tensor a bmm operand ``v`` reads — ``v`` holds its elements as
+    :func:`_bmm_operand_layout` says — with the product of the scalar factors applied on the way. The operand is
+    followed back through layout ops, casts and scalar ``mul`` / ``div`` in any order and spelling (a reshape, an
+    einsum's permutes and 5-D views, HF's ``repeat_kv``, ``k.mT``, SDPA's math path scaling Q and Kᵀ each by
+    √scale) and compared by layout (:mod:`.layout_map`); the farthest tensor that matches is the one read."""
+    chain: list[Node] = []            # from v backwards
+    x, best = v, None
+    for _ in range(32):
+        if len(_shape(x) or ()) == 4:
+            want = _bmm_operand_layout(_shape(x), _shape(v), transposed)
+            if want is not None and want.same_as(_replay(x, chain[::-1])):
+                best = (x, list(chain))
+        n = x.producer
+        if n is None or not (n.op.name in _LAYOUT or _scalar_factor(n) is not None) or not n.args \
+                or not isinstance(n.args[0], Value):
+            break
+        chain.append(n)
+        x = n.args[0]
+    if best is None:
+        return None
+    x, nodes = best
+    seen.extend(nodes)
+    return x, math.prod(f for n in nodes if (f := _scalar_factor(n)) is not None)
+
+
+def _is_view_of(x: Value, chain: Sequence[Node], v: Value) -> bool:
+    """Whether ``chain`` (layout ops, first to last) takes ``x`` to ``v`` as a row-major view of ``v``'s shape
+    would, whatever the ops (a 5-D view and a permute back, a no-op expand, a copy)."""
+    return Layout.of_base(_shape(x)).view(_shape(v)).same_as(_replay(x, chain))
+
+
+def _viewed_back(v: Value, seen: list[Node]) -> Value:
+    """The value ``v`` is a plain row-major view of, followed back through layout ops (their nodes join
+    ``seen``); ``v`` itself where the ops do something else (a transpose)."""
+    chain: list[Node] = []
+    x = v
+    while x.producer is not None and x.producer.op.name in _LAYOUT:
+        chain.append(x.producer)
+        x = x.producer.args[0]
+    chain.reverse()
+    if not chain or not _is_view_of(x, chain, v):
+        return v
+    seen.extend(chain)
+    return x
+
+
+def _viewed_forward(v: Value, seen: list[Node], shape: tuple) -> Value | None:
+    """The first value of ``shape`` reached from ``v`` through single readers that are layout ops and holding
+    ``v`` as a row-major view of ``shape`` would (their nodes join ``seen``); None where there is none."""
+    chain: list[Node] = []
+    x = v
+    while len(x.users) == 1 and x.users[0].op.name in _LAYOUT and len(chain) < 32:
+        chain.append(x.users[0])
+        x = x.users[0].outputs[0]
+        if _shape(x) == shape and _is_view_of(v, chain, x):
+            seen.extend(chain)
+            return x
+    return None
 
 
 def _all_minus_inf(cond: Any) -> tuple[Value, list[Node]] | None:
@@ -493,25 +552,21 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     p_in, v_in = pv.args[0], pv.args[1]
     if len(_shape(p_in) or ()) != 3:
         return None
-    p = _back(p_in, seen, {"view", "expand", "copy"})
+    p = _viewed_back(p_in, seen)              # P (b, h, sq, skv) or (b·h, sq, skv), however it was flattened
     softmax = _softmax_input(p, seen)
     if softmax is None:
         return None
     x, empty_rows_zero = softmax
-    # the raw scores: x followed back through the chain to a view of a bmm
-    y, hops = x, 0
-    while y.producer is not None and not (_op(y) == "view" and _op(y.producer.args[0]) == "matmul") and hops < 16:
+    # the raw scores: x followed back through the chain (scale, soft-cap, mask, casts) to the Q·Kᵀ bmm
+    path, y = [x], x
+    while y.producer is not None and y.producer.op.name != "matmul" and len(path) < 24:
         y = _data_arg(y.producer)
-        hops += 1
         if y is None:
             return None
-    if _op(y) != "view":
+        path.append(y)
+    qk = y.producer
+    if qk is None or qk.op.name != "matmul" or len(_shape(y) or ()) != 3:
         return None
-    qk = y.producer.args[0].producer
-    scores = _scores(x, y, seen)
-    if scores is None:
-        return None
-    seen.extend([y.producer, qk])
     q = _operand(qk.args[0], seen, False)
     k = _operand(qk.args[1], seen, True)
     vv = _operand(v_in, seen, False)
@@ -520,15 +575,26 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     (qv, qf), (kv, kf), vv = q, k, vv[0]
     b, h, sq, d = _shape(qv)
     _, hk, skv, dk = _shape(kv)
-    if dk != d or _shape(vv) != (b, hk, skv, d) or _shape(kv)[0] != b or h % hk or \
+    if dk != d or _shape(vv) != (b, hk, skv, d) or _shape(kv)[0] != b or h % hk or _shape(y)[0] != b * h or \
             len({qv.meta.dtype, kv.meta.dtype, vv.meta.dtype}) != 1:   # casts followed back: one dtype read
         return None
-    out = pv.outputs[0]
-    # the output: (b·h, sq, d) viewed back to (b, h, sq, d)
-    if len(out.users) == 1 and out.users[0].op.name == "view" and _shape(out.users[0].outputs[0]) == (b, h, sq, d):
-        seen.append(out.users[0])
-        out = out.users[0].outputs[0]
-    else:
+    # the scores as the softmax's chain reads them: the bmm's (b·h, sq, skv), or a plain view of it as
+    # (b, h, sq, skv) through layout ops alone (an einsum's 5-D view and permute)
+    prefix, s_raw = [], y
+    for value in reversed(path[:-1]):
+        if value.producer.op.name not in _LAYOUT:
+            break
+        prefix.append(value.producer)
+        s_raw = value
+    if s_raw is not y and not (_shape(s_raw) == (b, h, sq, skv) and _is_view_of(y, prefix, s_raw)):
+        return None
+    scores = _scores(x, s_raw, seen)
+    if scores is None or (len(_shape(s_raw)) == 3 and scores.get("mask_value") is not None):
+        return None                            # a mask on folded heads: its broadcast is not read here
+    seen.extend(prefix + [qk])
+    # the output: (b·h, sq, d) as (b, h, sq, d), through layout ops that only view it
+    out = _viewed_forward(pv.outputs[0], seen, (b, h, sq, d))
+    if out is None:
         return None
     if out.meta.dtype != qv.meta.dtype:   # SDPA's math path: fp32 P·V, cast back to the inputs' dtype
         cast = out.users[0] if len(out.users) == 1 else None
