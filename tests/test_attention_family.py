@@ -110,7 +110,7 @@ def test_hf_eager_forms_are_claimed(case, dtype):
 # ------------------------------------------------------------------ SDPA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", ["plain", "causal", "bool", "bool_empty_rows", "float", "gqa", "scale",
-                                  "repeat_kv"])
+                                  "repeat_kv", "repeat_interleave"])
 def test_sdpa_forms_are_claimed(case, dtype):
     b, h, hk, sq, skv, d = 1, 4, 4, 8, 16, 16
     kw = {}
@@ -122,11 +122,11 @@ def test_sdpa_forms_are_claimed(case, dtype):
         skv = sq
     elif case == "scale":
         kw["scale"] = 0.3
-    elif case == "repeat_kv":             # HF's SDPA path with a mask: K / V repeated per group before the op
+    elif case in ("repeat_kv", "repeat_interleave"):   # HF's SDPA path with a mask: K / V repeated per group
         hk, sq, skv = 2, 1, 24
     q, k, v = _qkv(b, h, hk, sq, skv, d, dtype)
     args = [q, k, v]
-    if case == "repeat_kv":
+    if case in ("repeat_kv", "repeat_interleave"):
         args.append(hf_mask(b, sq, skv, dtype))
     if case.startswith("bool"):
         m = torch.rand(b, 1, sq, skv) > 0.4
@@ -140,11 +140,13 @@ def test_sdpa_forms_are_claimed(case, dtype):
     def f(q, k, v, *mask):
         if case == "repeat_kv":
             k, v = repeat_kv(k, h // hk), repeat_kv(v, h // hk)
+        elif case == "repeat_interleave":
+            k, v = k.repeat_interleave(h // hk, dim=1), v.repeat_interleave(h // hk, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None, **kw)
 
     (region,) = _check(f, tuple(args), dtype)
     assert "scaled_dot_product" in region.info["attention"]
-    if case == "repeat_kv":               # the KV heads read as they are: the repeat is no copy of its own
+    if case in ("repeat_kv", "repeat_interleave"):   # the KV heads read as they are: no copy of the repeat
         assert "hk=2" in region.info["attention"] and any("expand" in op for op in region.ops), region.info
     if case.startswith("bool"):           # the kernels read the bool mask as it is: no additive copy per call
         assert region.info.get("mask") == "bool, read in the kernel", region.info

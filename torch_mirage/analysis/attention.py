@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from .layout_map import Layout, apply as apply_layout
@@ -155,28 +155,6 @@ def _back(v: Value, seen: list[Node], ops: set[str]) -> Value:
     return v
 
 
-def _unrepeat(v: Value, seen: list[Node]) -> Value:
-    """K or V before HF's ``repeat_kv`` (unsqueeze(2) → expand → clone → view(b, hk·g, s, d)), else ``v``."""
-    trail: list[Node] = []
-    x = v
-    if _op(x) != "view":
-        return v
-    trail.append(x.producer)
-    x = x.producer.args[0]
-    while _op(x) in ("copy", "expand"):
-        trail.append(x.producer)
-        x = x.producer.args[0]
-    if _op(x) != "unsqueeze" or len(_shape(x) or ()) != 5:
-        return v
-    trail.append(x.producer)
-    src = x.producer.args[0]
-    b, hk, s, d = _shape(src)
-    if _shape(x) != (b, hk, 1, s, d) or _shape(v)[0] != b or _shape(v)[1] % hk or _shape(v)[2:] != (s, d):
-        return v
-    seen.extend(trail)
-    return src
-
-
 def _scalar_factor(n: Node) -> float | None:
     """The factor a scalar ``mul`` / ``div`` applies (1 for a cast), None for any other node."""
     if n.op.name == "to_dtype":
@@ -195,45 +173,67 @@ def _replay(base: Value, chain: Sequence[Node]) -> Layout | None:
     return layout
 
 
-def _bmm_operand_layout(x_shape: tuple, v_shape: tuple, transposed: bool) -> Layout | None:
-    """How a bmm operand of shape ``v_shape`` holds a 4-D ``(b, heads, s, d)`` tensor: flattened to
-    ``(b·h, s, d)`` with each head repeated ``h / heads`` times (a query-head group reading its KV head; once for
-    Q), transposed to ``(b·h, d, s)`` for Kᵀ."""
+def _heads_repeated(x_shape: tuple, shape: tuple) -> Layout | None:
+    """A 4-D ``(b, heads, s, d)`` tensor with each head repeated ``h / heads`` times (a query-head group reading
+    its KV head; once for Q), as a row-major view of ``shape``: ``(b, h, s, d)``, or ``(b·h, s, d)``."""
     b, heads, n, k = x_shape
-    batch, rows, cols = v_shape
-    if transposed:
-        rows, cols = cols, rows
-    if (rows, cols) != (n, k) or batch % (b * heads):
+    per_head = b * n * k
+    if math.prod(shape) % (per_head * heads) or tuple(shape[-2:]) != (n, k):
         return None
-    group = batch // (b * heads)
-    layout = Layout.of_base(x_shape).unsqueeze(2).expand((b, heads, group, n, k)).view((batch, n, k))
-    return layout.permute((0, 2, 1)) if transposed and layout is not None else layout
+    group = math.prod(shape) // (per_head * heads)
+    return Layout.of_base(x_shape).unsqueeze(2).expand((b, heads, group, n, k)).view(shape)
 
 
-def _operand(v: Value, seen: list[Node], transposed: bool) -> tuple[Value, float] | None:
-    """The 4-D ``(b, heads, s, d)`` tensor a bmm operand ``v`` reads — ``v`` holds its elements as
-    :func:`_bmm_operand_layout` says — with the product of the scalar factors applied on the way. The operand is
-    followed back through layout ops, casts and scalar ``mul`` / ``div`` in any order and spelling (a reshape, an
-    einsum's permutes and 5-D views, HF's ``repeat_kv``, ``k.mT``, SDPA's math path scaling Q and Kᵀ each by
-    √scale) and compared by layout (:mod:`.layout_map`); the farthest tensor that matches is the one read."""
+def _farthest(v: Value, seen: list[Node], want: Callable[[tuple], Layout | None],
+              scalars: bool) -> tuple[Value, list[Node]] | None:
+    """The farthest 4-D value ``x`` behind ``v`` — through layout ops, and casts and scalar ``mul`` / ``div``
+    where ``scalars`` — of which ``v`` holds the elements as ``want(x's shape)`` says (:mod:`.layout_map`), with
+    the nodes from it to ``v`` (which join ``seen``); None where there is none."""
     chain: list[Node] = []            # from v backwards
     x, best = v, None
     for _ in range(32):
         if len(_shape(x) or ()) == 4:
-            want = _bmm_operand_layout(_shape(x), _shape(v), transposed)
-            if want is not None and want.same_as(_replay(x, chain[::-1])):
+            layout = want(_shape(x))
+            if layout is not None and layout.same_as(_replay(x, chain[::-1])):
                 best = (x, list(chain))
         n = x.producer
-        if n is None or not (n.op.name in _LAYOUT or _scalar_factor(n) is not None) or not n.args \
+        if n is None or not (n.op.name in _LAYOUT or (scalars and _scalar_factor(n) is not None)) or not n.args \
                 or not isinstance(n.args[0], Value):
             break
         chain.append(n)
         x = n.args[0]
-    if best is None:
+    if best is not None:
+        seen.extend(best[1])
+    return best
+
+
+def _operand(v: Value, seen: list[Node], transposed: bool) -> tuple[Value, float] | None:
+    """The 4-D ``(b, heads, s, d)`` tensor a bmm operand ``v`` reads — ``v`` holds it flattened to ``(b·h, s, d)``,
+    each head repeated per query-head group (:func:`_heads_repeated`), transposed for Kᵀ — with the product of
+    the scalar factors applied on the way. The operand is followed back through layout ops, casts and scalar
+    ``mul`` / ``div`` in any order and spelling (a reshape, an einsum's permutes and 5-D views, HF's ``repeat_kv``,
+    ``k.mT``, SDPA's math path scaling Q and Kᵀ each by √scale) and compared by layout."""
+    if len(_shape(v) or ()) != 3:
         return None
-    x, nodes = best
-    seen.extend(nodes)
+    batch, rows, cols = _shape(v)
+    flat = (batch, cols, rows) if transposed else (batch, rows, cols)
+
+    def want(x_shape: tuple) -> Layout | None:
+        layout = _heads_repeated(x_shape, flat)
+        return layout.permute((0, 2, 1)) if transposed and layout is not None else layout
+
+    found = _farthest(v, seen, want, scalars=True)
+    if found is None:
+        return None
+    x, nodes = found
     return x, math.prod(f for n in nodes if (f := _scalar_factor(n)) is not None)
+
+
+def _unrepeat(v: Value, seen: list[Node]) -> Value:
+    """The KV heads a 4-D K or V ``(b, h, s, d)`` repeats per query-head group (HF's ``repeat_kv``,
+    ``repeat_interleave``: any spelling, compared by layout), else ``v``."""
+    found = _farthest(v, seen, lambda x_shape: _heads_repeated(x_shape, _shape(v)), scalars=False)
+    return v if found is None else found[0]
 
 
 def _is_view_of(x: Value, chain: Sequence[Node], v: Value) -> bool:
