@@ -285,6 +285,17 @@ def test_attention_with_inner_value_read_elsewhere_is_not_claimed():
     assert not _attention_regions(report), str(report)
 
 
+def test_an_operand_read_elsewhere_is_where_the_region_starts():
+    """Q scaled, and the scaled Q also read by another op: the region reads the scaled Q (its scale 1) rather than
+    taking the ``mul`` in and leaving it read outside."""
+    def f(q, k, v):
+        qs = q * 0.25
+        return torch.softmax(qs @ k.transpose(-1, -2), dim=-1) @ v + qs.sum()
+
+    (region,) = _check(f, _qkv(1, 2, 2, 4, 8, 8, torch.float32), torch.float32)
+    assert "scale=1 " in region.info["attention"] + " ", region.info
+
+
 # ------------------------------------------------------------------ seeds
 @pytest.mark.parametrize("seed", [flash_attention, flash_decoding])
 @pytest.mark.parametrize("shared", [False, True])

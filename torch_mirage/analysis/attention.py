@@ -187,8 +187,9 @@ def _heads_repeated(x_shape: tuple, shape: tuple) -> Layout | None:
 def _farthest(v: Value, seen: list[Node], want: Callable[[tuple], Layout | None],
               scalars: bool) -> tuple[Value, list[Node]] | None:
     """The farthest 4-D value ``x`` behind ``v`` — through layout ops, and casts and scalar ``mul`` / ``div``
-    where ``scalars`` — of which ``v`` holds the elements as ``want(x's shape)`` says (:mod:`.layout_map`), with
-    the nodes from it to ``v`` (which join ``seen``); None where there is none."""
+    where ``scalars``, each value on the way read by the next op alone — of which ``v`` holds the elements as
+    ``want(x's shape)`` says (:mod:`.layout_map`), with the nodes from it to ``v`` (which join ``seen``); None
+    where there is none."""
     chain: list[Node] = []            # from v backwards
     x, best = v, None
     for _ in range(32):
@@ -198,7 +199,7 @@ def _farthest(v: Value, seen: list[Node], want: Callable[[tuple], Layout | None]
                 best = (x, list(chain))
         n = x.producer
         if n is None or not (n.op.name in _LAYOUT or (scalars and _scalar_factor(n) is not None)) or not n.args \
-                or not isinstance(n.args[0], Value):
+                or not isinstance(n.args[0], Value) or len(x.users) != 1:   # x read elsewhere: not inner
             break
         chain.append(n)
         x = n.args[0]
@@ -304,11 +305,12 @@ def _softmax_input(p: Value, seen: list[Node]) -> tuple[Value, bool] | None:
     p = _back(p, seen, {"to_dtype", "copy"})
     safe = None
     if _op(p) == "where":
-        cond, fill, p = p.producer.args
+        where = p.producer
+        cond, fill, p = where.args
         rows, zero = _all_minus_inf(cond), _zero(fill)
         if rows is None or zero is None or not isinstance(p, Value):
             return None
-        safe = (rows[0], rows[1] + zero + [cond.users[0]])
+        safe = (rows[0], rows[1] + zero + [where])
         p = _back(p, seen, {"to_dtype", "copy"})
     if _op(p) != "div":
         return None
