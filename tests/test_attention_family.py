@@ -241,11 +241,21 @@ def _mT_gqa_attention(q, k, v):
     return torch.softmax((q @ k.mT).float() / math.sqrt(q.shape[-1]), dim=-1).to(q.dtype) @ v
 
 
-@pytest.mark.parametrize("form", ["einsum", "folded_heads", "mT_gqa"])
-def test_hand_written_layouts_are_read_by_what_they_hold(form):
-    """The same attention through other layout spellings: einsum's unsqueeze / permute / 5-D views, heads folded
-    into a 3-D bmm, GQA by repeat_interleave — each read by comparing layouts, not matched by form."""
-    fn = {"einsum": _einsum_attention, "folded_heads": _folded_heads_attention, "mT_gqa": _mT_gqa_attention}[form]
+def _late_normalised_attention(q, k, v):
+    """Mirage's rewrite written by hand: the row sums divide P·V instead of P (a causal additive mask)."""
+    sq, skv = q.shape[2], k.shape[2]
+    mask = torch.full((sq, skv), float("-inf")).triu(1 + skv - sq).to(q.dtype)
+    s = q @ k.transpose(-1, -2) * 0.3 + mask
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return (e @ v) / e.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("form", ["einsum", "folded_heads", "mT_gqa", "late_normalised"])
+def test_hand_written_forms_are_read_by_what_they_compute(form):
+    """The same attention through other layout spellings — einsum's unsqueeze / permute / 5-D views, heads folded
+    into a 3-D bmm, GQA by repeat_interleave: each read by comparing layouts — and normalised after P·V."""
+    fn = {"einsum": _einsum_attention, "folded_heads": _folded_heads_attention, "mT_gqa": _mT_gqa_attention,
+          "late_normalised": _late_normalised_attention}[form]
     hk = 2 if form == "mT_gqa" else 4
     (region,) = _check(fn, _qkv(2, 4, hk, 8, 16, 16, torch.float16), torch.float16)
     assert f"hk={hk}" in region.info["attention"], region.info

@@ -299,10 +299,23 @@ def _zero(v: Any) -> list[Node] | None:
     return None
 
 
-def _softmax_input(p: Value, seen: list[Node]) -> tuple[Value, bool] | None:
-    """``(x, empty_rows_zero)``: the scores ``x`` of ``p = exp(x - amax(x)) / sum(exp(x - amax(x)))`` over the last
-    dim (casts allowed), or of ``_safe_softmax``'s ``where(all(x == -inf), 0, p)`` (``empty_rows_zero``)."""
+def _softmax_input(p: Value, seen: list[Node]) -> tuple[Value, bool, Value | None] | None:
+    """``(x, empty_rows_zero, late_sum)``: the scores ``x`` of ``p = exp(x - amax(x)) / sum(exp(x - amax(x)))``
+    over the last dim (casts allowed), or of ``_safe_softmax``'s ``where(all(x == -inf), 0, p)``
+    (``empty_rows_zero``), or of ``p = exp(x - amax(x))`` whose row sums divide ``P·V`` afterwards (the late
+    normalisation: ``late_sum`` is that ``sum``'s value)."""
     p = _back(p, seen, {"to_dtype", "copy"})
+    if _op(p) == "exp":
+        total = next((u.outputs[0] for u in p.users if u.op.name == "sum" and u.args[0] is p), None)
+        if total is None or list(total.producer.args[1]) not in ([-1], [len(_shape(p)) - 1]) \
+                or _shape(total)[-1] != 1 or len(total.users) != 1:
+            return None
+        x = _exp_shifted(p)
+        if x is None:
+            return None
+        seen.extend([total.producer, p.producer, p.producer.args[0].producer,
+                     p.producer.args[0].producer.args[1].producer])
+        return x, False, total
     safe = None
     if _op(p) == "where":
         where = p.producer
@@ -321,15 +334,22 @@ def _softmax_input(p: Value, seen: list[Node]) -> tuple[Value, bool] | None:
     dims = list(total.producer.args[1])
     if dims not in ([-1], [len(_shape(e)) - 1]):
         return None
+    x = _exp_shifted(e)
+    if x is None or (safe is not None and safe[0] is not x):
+        return None
+    sub = e.producer.args[0]
+    seen.extend([div, total.producer, e.producer, sub.producer, sub.producer.args[1].producer])
+    seen.extend(safe[1] if safe is not None else ())
+    return x, safe is not None, None
+
+
+def _exp_shifted(e: Value) -> Value | None:
+    """``x`` where ``e`` is ``exp(x - amax(x))``."""
     sub = e.producer.args[0]
     if _op(sub) != "sub" or _op(sub.producer.args[1]) != "amax":
         return None
     x = sub.producer.args[0]
-    if sub.producer.args[1].producer.args[0] is not x or (safe is not None and safe[0] is not x):
-        return None
-    seen.extend([div, total.producer, e.producer, sub.producer, sub.producer.args[1].producer])
-    seen.extend(safe[1] if safe is not None else ())
-    return x, safe is not None
+    return x if sub.producer.args[1].producer.args[0] is x else None
 
 
 def _data_arg(n: Node) -> Value | None:
@@ -558,7 +578,7 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     softmax = _softmax_input(p, seen)
     if softmax is None:
         return None
-    x, empty_rows_zero = softmax
+    x, empty_rows_zero, late_sum = softmax
     # the raw scores: x followed back through the chain (scale, soft-cap, mask, casts) to the Q·Kᵀ bmm
     path, y = [x], x
     while y.producer is not None and y.producer.op.name != "matmul" and len(path) < 24:
@@ -598,6 +618,13 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     out = _viewed_forward(pv.outputs[0], seen, (b, h, sq, d))
     if out is None:
         return None
+    if late_sum is not None:             # (exp(x - m) · V) / sum(exp(x - m)): the division after P·V
+        norm = out.users[0] if len(out.users) == 1 else None
+        if norm is None or norm.op.name != "div" or norm.args[0] is not out or norm.args[1] is not late_sum \
+                or _shape(late_sum) != (b, h, sq, 1):
+            return None
+        seen.append(norm)
+        out = norm.outputs[0]
     if out.meta.dtype != qv.meta.dtype:   # SDPA's math path: fp32 P·V, cast back to the inputs' dtype
         cast = out.users[0] if len(out.users) == 1 else None
         if cast is None or cast.op.name != "to_dtype" or cast.outputs[0].meta.dtype != qv.meta.dtype:
@@ -610,14 +637,14 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
                          qv, kv, vv, out, seen)
     spec.empty_rows_zero = empty_rows_zero
     spec.probs, y = (), p_in                  # P from P·V's operand back to the softmax's div
-    while True:
+    while late_sum is None:                   # (late normalisation: P itself is never formed)
         if _shape(y) == (b, h, sq, skv):
             spec.probs += (y,)
         if _op(y) == "div":
             break
         y = y.producer.args[2 if _op(y) == "where" else 0]
-    div = y.producer
-    spec.row_stats = (div.args[0].producer.args[0].producer.args[1], div.args[1])
+    exps = late_sum.producer.args[0] if late_sum is not None else y.producer.args[0]
+    spec.row_stats = (exps.producer.args[0].producer.args[1], late_sum if late_sum is not None else y.producer.args[1])
     if mask_value is not None:
         ms = _shape(mask_value)
         if len(ms) > 4 or any(a not in (1, e) for a, e in zip(ms[::-1], (skv, sq, h, b))):
