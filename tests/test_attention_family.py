@@ -250,13 +250,22 @@ def _late_normalised_attention(q, k, v):
     return (e @ v) / e.sum(-1, keepdim=True)
 
 
-@pytest.mark.parametrize("form", ["einsum", "folded_heads", "mT_gqa", "late_normalised"])
+def _packed_gqa_attention(q, k, v):
+    """GQA without repeating K / V: each KV head's query heads packed into its rows, one bmm batch per KV head."""
+    b, h, sq, d = q.shape
+    hk, skv = k.shape[1], k.shape[2]
+    qp = q.reshape(b * hk, h // hk * sq, d)
+    p = torch.softmax(torch.bmm(qp, k.reshape(b * hk, skv, d).transpose(1, 2)) / math.sqrt(d), dim=-1)
+    return torch.bmm(p, v.reshape(b * hk, skv, d)).view(b, h, sq, d)
+
+
+@pytest.mark.parametrize("form", ["einsum", "folded_heads", "mT_gqa", "late_normalised", "packed_gqa"])
 def test_hand_written_forms_are_read_by_what_they_compute(form):
     """The same attention through other layout spellings — einsum's unsqueeze / permute / 5-D views, heads folded
     into a 3-D bmm, GQA by repeat_interleave: each read by comparing layouts — and normalised after P·V."""
     fn = {"einsum": _einsum_attention, "folded_heads": _folded_heads_attention, "mT_gqa": _mT_gqa_attention,
-          "late_normalised": _late_normalised_attention}[form]
-    hk = 2 if form == "mT_gqa" else 4
+          "late_normalised": _late_normalised_attention, "packed_gqa": _packed_gqa_attention}[form]
+    hk = 2 if form in ("mT_gqa", "packed_gqa") else 4
     (region,) = _check(fn, _qkv(2, 4, hk, 8, 16, 16, torch.float16), torch.float16)
     assert f"hk={hk}" in region.info["attention"], region.info
 

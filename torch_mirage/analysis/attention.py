@@ -208,10 +208,11 @@ def _farthest(v: Value, seen: list[Node], want: Callable[[tuple], Layout | None]
     return best
 
 
-def _operand(v: Value, seen: list[Node], transposed: bool) -> tuple[Value, float] | None:
+def _operand(v: Value, seen: list[Node], transposed: bool, query: str = "") -> tuple[Value, float] | None:
     """The 4-D ``(b, heads, s, d)`` tensor a bmm operand ``v`` reads — ``v`` holds it flattened to ``(b·h, s, d)``,
-    each head repeated per query-head group (:func:`_heads_repeated`), transposed for Kᵀ — with the product of
-    the scalar factors applied on the way. The operand is followed back through layout ops, casts and scalar
+    each head repeated per query-head group (:func:`_heads_repeated`), transposed for Kᵀ; for Q (``query``) a
+    row-major flattening, one head per bmm batch (``"per_head"``) or also a KV head's query heads packed into its
+    rows ``(b·hk, g·s, d)`` (``"packed"``) — with the product of the scalar factors applied on the way. The operand is followed back through layout ops, casts and scalar
     ``mul`` / ``div`` in any order and spelling (a reshape, an einsum's permutes and 5-D views, HF's ``repeat_kv``,
     ``k.mT``, SDPA's math path scaling Q and Kᵀ each by √scale) and compared by layout."""
     if len(_shape(v) or ()) != 3:
@@ -220,6 +221,12 @@ def _operand(v: Value, seen: list[Node], transposed: bool) -> tuple[Value, float
     flat = (batch, cols, rows) if transposed else (batch, rows, cols)
 
     def want(x_shape: tuple) -> Layout | None:
+        if query:   # Q's heads in order, one per bmm batch or a KV head's group of them packed into its rows
+            heads = x_shape[0] * x_shape[1]
+            if x_shape[-1] != cols or heads % batch or heads // batch * x_shape[2] != rows or \
+                    (query == "per_head" and heads != batch):
+                return None
+            return Layout.of_base(x_shape).view(flat)
         layout = _heads_repeated(x_shape, flat)
         return layout.permute((0, 2, 1)) if transposed and layout is not None else layout
 
@@ -589,7 +596,9 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     qk = y.producer
     if qk is None or qk.op.name != "matmul" or len(_shape(y) or ()) != 3:
         return None
-    q = _operand(qk.args[0], seen, False)
+    # Q one head per bmm batch where some 4-D tensor on the way is so read (a decode step's reshape of its query
+    # heads into (b, hk, g, d) is then read as g query rows per KV head), else packed per KV head
+    q = _operand(qk.args[0], seen, False, query="per_head") or _operand(qk.args[0], seen, False, query="packed")
     k = _operand(qk.args[1], seen, True)
     vv = _operand(v_in, seen, False)
     if q is None or k is None or vv is None or vv[1] != 1.0:
@@ -597,22 +606,25 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     (qv, qf), (kv, kf), vv = q, k, vv[0]
     b, h, sq, d = _shape(qv)
     _, hk, skv, dk = _shape(kv)
-    if dk != d or _shape(vv) != (b, hk, skv, d) or _shape(kv)[0] != b or h % hk or _shape(y)[0] != b * h or \
+    # the bmm's batch: one per query head, or one per KV head with its group's rows packed (then Kᵀ and V are
+    # read once per KV head)
+    if dk != d or _shape(vv) != (b, hk, skv, d) or _shape(kv)[0] != b or h % hk or \
+            _shape(y)[:2] not in ((b * h, sq), (b * hk, h // hk * sq)) or \
             len({qv.meta.dtype, kv.meta.dtype, vv.meta.dtype}) != 1:   # casts followed back: one dtype read
         return None
-    # the scores as the softmax's chain reads them: the bmm's (b·h, sq, skv), or a plain view of it as
-    # (b, h, sq, skv) through layout ops alone (an einsum's 5-D view and permute)
+    # the scores as the softmax's chain reads them: the bmm's own, or a plain row-major view of them through
+    # layout ops alone (an einsum's 5-D view and permute back to (b, h, sq, skv))
     prefix, s_raw = [], y
     for value in reversed(path[:-1]):
         if value.producer.op.name not in _LAYOUT:
             break
         prefix.append(value.producer)
         s_raw = value
-    if s_raw is not y and not (_shape(s_raw) == (b, h, sq, skv) and _is_view_of(y, prefix, s_raw)):
+    if s_raw is not y and not (_shape(s_raw)[-1] == skv and _is_view_of(y, prefix, s_raw)):
         return None
     scores = _scores(x, s_raw, seen)
-    if scores is None or (len(_shape(s_raw)) == 3 and scores.get("mask_value") is not None):
-        return None                            # a mask on folded heads: its broadcast is not read here
+    if scores is None or (_shape(s_raw) != (b, h, sq, skv) and scores.get("mask_value") is not None):
+        return None                            # a mask over folded or packed heads: its broadcast is not read
     seen.extend(prefix + [qk])
     # the output: (b·h, sq, d) as (b, h, sq, d), through layout ops that only view it
     out = _viewed_forward(pv.outputs[0], seen, (b, h, sq, d))
