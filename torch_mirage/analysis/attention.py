@@ -212,9 +212,10 @@ def _operand(v: Value, seen: list[Node], transposed: bool, query: str = "") -> t
     """The 4-D ``(b, heads, s, d)`` tensor a bmm operand ``v`` reads — ``v`` holds it flattened to ``(b·h, s, d)``,
     each head repeated per query-head group (:func:`_heads_repeated`), transposed for Kᵀ; for Q (``query``) a
     row-major flattening, one head per bmm batch (``"per_head"``) or also a KV head's query heads packed into its
-    rows ``(b·hk, g·s, d)`` (``"packed"``) — with the product of the scalar factors applied on the way. The operand is followed back through layout ops, casts and scalar
-    ``mul`` / ``div`` in any order and spelling (a reshape, an einsum's permutes and 5-D views, HF's ``repeat_kv``,
-    ``k.mT``, SDPA's math path scaling Q and Kᵀ each by √scale) and compared by layout."""
+    rows ``(b·hk, g·s, d)`` (``"packed"``) — with the product of the scalar factors applied on the way. The
+    operand is followed back through layout ops, casts and scalar ``mul`` / ``div`` in any order and spelling (a
+    reshape, an einsum's permutes and 5-D views, HF's ``repeat_kv``, ``k.mT``, SDPA's math path scaling Q and Kᵀ
+    each by √scale) and compared by layout."""
     if len(_shape(v) or ()) != 3:
         return None
     batch, rows, cols = _shape(v)
