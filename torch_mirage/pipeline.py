@@ -106,7 +106,7 @@ def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext
     # a node that reads or writes a tensor of symbolic size or stride is never claimed (kernels and the cost
     # model need static shapes): the claimers do not see it, and it joins the fallback's regions
     free = [n for n in graph.nodes if not _touches_symbolic(n)]
-    held = {id(n) for n in graph.nodes} - {id(n) for n in free}
+    claimed: set[int] = set()
     regions: list[Region] = []
     passed: list[Decline] = []
     for claimer in claimers:
@@ -125,8 +125,8 @@ def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext
                 raise MirageError(f"claimer {claimer.name} claimed a non-convex region {outcome.ops}")
             regions.append(Region.of_claim(outcome, claimer.name))
             free = [n for n in free if id(n) not in taken]
-    left = {id(n) for n in free} | held
-    regions.extend(_unclaimed_regions(graph, [n for n in graph.nodes if id(n) in left], ctx.config, passed,
+            claimed |= taken
+    regions.extend(_unclaimed_regions(graph, [n for n in graph.nodes if id(n) not in claimed], ctx.config, passed,
                                       ctx.analysis_of(graph).cost))
     return regions
 

@@ -137,6 +137,10 @@ class ReductionSpec:
     correction: int = 0
 
 
+# reductions given as (input, dim, keepdim): the ReductionSpec kind of each
+_DIM_REDUCTIONS = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.any.dim: "any", aten.any.dims: "any"}
+
+
 def reduction_spec(node: Node) -> ReductionSpec | None:
     """How the reduction node reduces, when it reduces exactly the last dim of its input; else None."""
     t, a, kw = node.target, node.args, node.kwargs
@@ -149,24 +153,18 @@ def reduction_spec(node: Node) -> ReductionSpec | None:
         dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
         return len(dims) == 1 and dims[0] % nd == nd - 1 or (not dims and nd == 1)
 
-    if t is aten.sum.dim_IntList or t is aten.mean.dim:
+    if t in _DIM_REDUCTIONS:
         dims = a[1] if len(a) > 1 else kw.get("dim")
         keep = a[2] if len(a) > 2 else kw.get("keepdim", False)
         if dims is None or (a[3:] or kw.get("dtype")) or not last_only(dims):
             return None
-        return ReductionSpec("sum" if t is aten.sum.dim_IntList else "mean", bool(keep))
+        return ReductionSpec(_DIM_REDUCTIONS[t], bool(keep))
     if t in (aten.amax.default, aten.amin.default):
         dims = a[1] if len(a) > 1 else kw.get("dim", [])
         keep = a[2] if len(a) > 2 else kw.get("keepdim", False)
         if not last_only(dims):
             return None
         return ReductionSpec("amax" if t is aten.amax.default else "amin", bool(keep))
-    if t in (aten.any.dim, aten.any.dims):
-        dims = a[1] if len(a) > 1 else kw.get("dim")
-        keep = a[2] if len(a) > 2 else kw.get("keepdim", False)
-        if dims is None or not last_only(dims):
-            return None
-        return ReductionSpec("any", bool(keep))
     if t is aten.var_mean.correction or t is prims.var.default:
         dims = a[1] if len(a) > 1 else kw.get("dim")
         corr = kw.get("correction", a[2] if t is prims.var.default and len(a) > 2 else 1)
