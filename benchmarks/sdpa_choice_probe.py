@@ -42,12 +42,15 @@ def main() -> int:
     b, s_, h = args.batch, args.tokens, model.config.num_attention_heads
     d = model.config.hidden_size // h
     q, k, v = (torch.randn(b, s_, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
-    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, False)
-    for name in ("flash", "efficient", "cudnn"):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ok = getattr(torch.backends.cuda, f"can_use_{name}_attention")(params, True)
-        print(f"can_use_{name}_attention: {ok}", *[str(w.message)[:200] for w in caught], sep="\n   ")
+    # transformers passes enable_gqa=True to SDPA when there is no mask (use_gqa_in_sdpa), even for MHA models
+    for enable_gqa in (False, True):
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, enable_gqa)
+        for name in ("flash", "efficient", "cudnn"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ok = getattr(torch.backends.cuda, f"can_use_{name}_attention")(params, True)
+            print(f"enable_gqa={enable_gqa} can_use_{name}_attention: {ok}",
+                  *[str(w.message)[:200] for w in caught], sep="\n   ")
     return 0
 
 
