@@ -270,6 +270,60 @@ def test_hand_written_forms_are_read_by_what_they_compute(form):
     assert f"hk={hk}" in region.info["attention"], region.info
 
 
+def _alibi(b, h, skv, dtype):
+    """BLOOM's ALiBi bias, (b·h, 1, skv): a slope per head times the key position."""
+    slopes = torch.tensor([2 ** (-8 * (i + 1) / h) for i in range(h)])
+    return (slopes[None, :, None] * torch.arange(skv)[None, None, :]).expand(b, h, skv).reshape(b * h, 1, skv) \
+        .to(dtype)
+
+
+def _bloom_attention(q, k, v, alibi, mask):
+    """BLOOM's eager attention: ``alibi.baddbmm(Q, Kᵀ, beta, alpha)`` over heads folded into the batch, viewed as
+    (b, h, sq, skv), the causal mask added, the softmax in fp32, P·V on the folded heads again."""
+    b, h, sq, d = q.shape
+    skv = k.shape[2]
+    s = alibi.baddbmm(q.reshape(b * h, sq, d), k.reshape(b * h, skv, d).transpose(1, 2), beta=1.0,
+                      alpha=1 / math.sqrt(d))
+    p = torch.softmax(s.view(b, h, sq, skv) + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(p.view(b * h, sq, skv), v.reshape(b * h, skv, d)).view(b, h, sq, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_alibi_in_baddbmm_and_a_causal_mask_are_one_region(dtype):
+    """Issue 16, any written form: ``baddbmm``'s bias is a mask term over folded heads, the causal mask added
+    after the view another; the region reads both (their sum is its mask) and matches eager."""
+    b, h, sq, skv, d = 2, 4, 8, 8, 16
+    q, k, v = _qkv(b, h, h, sq, skv, d, dtype)
+    mask = torch.zeros(b, 1, sq, skv).masked_fill(torch.ones(sq, skv, dtype=torch.bool).triu(1), float("-inf"))
+    (region,) = _check(_bloom_attention, (q, k, v, _alibi(b, h, skv, dtype), mask.to(dtype)), dtype)
+    assert "mask=additive+1" in region.info["attention"], region.info
+
+
+@pytest.mark.parametrize("mask_shape", [(8, 6, 10), (1, 6, 10), (8, 1, 10)])
+def test_a_mask_over_folded_heads_is_read_per_head(mask_shape):
+    """Scores kept (b·h, sq, skv) with a mask added there — per folded head, shared, or per key only — and then
+    scaled (the scale applies to the mask too): one region, eager-equal."""
+    def fn(q, k, v, mask):
+        b, h, sq, d = q.shape
+        s = torch.bmm(q.reshape(b * h, sq, d), k.reshape(b * h, -1, d).transpose(1, 2))
+        p = torch.softmax((s + mask) * 0.25, dim=-1)
+        return torch.bmm(p, v.reshape(b * h, -1, d)).view(b, h, sq, d)
+
+    q, k, v = _qkv(2, 4, 4, 6, 10, 8, torch.float32)
+    (region,) = _check(fn, (q, k, v, torch.randn(mask_shape)), torch.float32)
+    assert "mask=additive" in region.info["attention"], region.info
+
+
+def test_a_soft_cap_after_an_added_mask_is_not_attention():
+    """``tanh`` of scores that already hold a mask is not ``softcap`` then mask: left to Inductor, eager-equal."""
+    def fn(q, k, v, mask):
+        s = torch.tanh((q @ k.transpose(-1, -2) + mask) / 5.0) * 5.0
+        return torch.softmax(s, dim=-1) @ v
+
+    q, k, v = _qkv(1, 2, 2, 4, 8, 8, torch.float32)
+    _check(fn, (q, k, v, torch.randn(1, 1, 4, 8)), torch.float32, expect=0)
+
+
 def test_a_reshape_that_is_not_a_transpose_is_not_attention():
     """``k.reshape(b·h, d, s)`` has Kᵀ's shape but other elements: not read as attention, still eager-equal."""
     def fn(q, k, v):

@@ -40,6 +40,15 @@ def test_prefill_logits_equal_eager(name, attn):
     _forward_equal(name, attn)
 
 
+def test_bloom_alibi_attention_is_claimed_and_equals_eager():
+    """BLOOM's eager attention (ALiBi in ``baddbmm`` over folded heads, HF's causal mask added after the view) is
+    one mirage attention region per layer, its mask the sum of the two, with the causal band read off HF's mask."""
+    report = _forward_equal("bloom", "default")
+    regions = [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
+    assert len(regions) == 2, str(report)
+    assert all("mask=additive(causal)+1 band=0" in r.info["attention"] for r in regions), str(report)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,attn", [("qwen2", "default"), ("mistral", "default"), ("phi3", "default"), ("gpt2", "default"),
                                        ("opt", "default"), ("gemma2", "eager"), ("llama", "eager")])
@@ -68,7 +77,7 @@ def test_greedy_generate_with_static_cache_equals_eager(name):
 
 
 @pytest.mark.slow   # ~20-40 s each on a 2-core CPU
-@pytest.mark.parametrize("name", ["qwen2", "mistral", "gemma2", "phi3", "gpt2", "opt"])
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "gemma2", "phi3", "gpt2", "opt", "bloom"])
 def test_greedy_generate_of_each_causal_model_equals_eager(name):
     """Issue 18: every causal model of the set generates eager's tokens through mirage (8 greedy steps of a
     StaticCache decode after the prefill: the decode graphs' weight streams, GELU / soft-cap epilogues, cache
@@ -142,14 +151,45 @@ def test_tokens_match_stops_at_the_first_difference():
     assert M._tokens_match(got, ref) == pytest.approx((4 + 1) / 8)
 
 
+def test_the_decode_step_replays_generates_last_step_without_a_recompile():
+    """The bench's decode-step time calls the compiled forward with the arguments of ``generate``'s last decode
+    step, the static cache put back one token first: recorded without leaving the wrapper behind, one token per
+    row, the token ``generate`` chose again at every replay, and no new graph (a recompile would time another)."""
+    from torch._dynamo.utils import counters
+
+    spec = M.MODELS["llama"]
+    model = M.build(spec, "default", torch.float32, "cpu", tiny=True)
+    prompt = _ids(model.config.vocab_size, (2, 6))
+    torch._dynamo.reset()
+    compiled = model.forward = torch.compile(model.forward, backend="eager", dynamic=None)
+    try:
+        with torch.no_grad():
+            out = {}
+            call = M.last_decode_call(model, lambda: out.setdefault("tokens", M.greedy_generate(model, prompt, 4)))
+            assert model.forward is compiled
+            assert call is not None and call[1]["input_ids"].shape == (2, 1)
+            graphs = counters["stats"]["unique_graphs"]
+            step = M.decode_step(model, call)
+            for _ in range(3):
+                assert torch.equal(step().logits[:, -1].argmax(-1), out["tokens"][:, -1])
+            assert counters["stats"]["unique_graphs"] == graphs
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+    assert M.last_decode_call(model, lambda: model(input_ids=prompt)) is None   # a prefill only: no step
+    assert "forward" not in model.__dict__
+
+
 def test_report_derives_speedups_over_reduce_overhead_and_best_inductor():
     modes = {"eager": {"status": "ok", "prefill_us": 900.0, "us_per_token": 90.0},
              "inductor": {"status": "ok", "prefill_us": 600.0, "us_per_token": 80.0},
-             "reduce-overhead": {"status": "ok", "prefill_us": 500.0, "us_per_token": 40.0},
+             "reduce-overhead": {"status": "ok", "prefill_us": 500.0, "us_per_token": 40.0, "decode_step_us": 30.0},
              "max-autotune": {"status": "error", "prefill_us": 100.0},
-             "mirage": {"status": "ok", "prefill_us": 400.0, "us_per_token": 50.0, "max_err_vs_fp32": 0.01}}
+             "mirage": {"status": "ok", "prefill_us": 400.0, "us_per_token": 50.0, "decode_step_us": 24.0,
+                        "max_err_vs_fp32": 0.01}}
     derived = M._derived(modes)
     assert derived["prefill_us_speedup_vs_reduce_overhead"] == pytest.approx(1.25)
+    assert derived["decode_step_us_speedup_vs_reduce_overhead"] == pytest.approx(1.25)
     assert derived["prefill_us_best_inductor"] == 500.0   # a failed mode's time does not count
     assert derived["us_per_token_speedup_vs_best_inductor"] == pytest.approx(0.8)
     doc = {"env": {"device": "H100", "torch": "2.13"}, "timing": True,

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from .layout_map import Layout, apply as apply_layout
+from .op_dims import bind_args, matmul_operands
 from .values import Affine, ValueKind, analyze_values
 
 from ..capture.ir import Graph, Node, Value
@@ -48,6 +49,16 @@ SDPA_TARGETS = {
     "aten._scaled_dot_product_cudnn_attention.default": ("attn_mask", None, "dropout_p", "is_causal"),
     "aten.scaled_dot_product_attention.default": ("attn_mask", "dropout_p", "is_causal", "scale"),
 }
+
+
+@dataclass(frozen=True)
+class MaskTerm:
+    """One additive tensor of a mask read as several (:attr:`AttentionSpec.mask_terms`): the scores get
+    ``factor · value.reshape(shape)``, ``shape`` 4-D and broadcast to (b, h, sq, skv) — a tensor added to scores
+    whose heads are folded into the batch, ``(b·h, ·, skv)``, is viewed as ``(b, h, ·, skv)``."""
+    value: Value
+    factor: float
+    shape: tuple
 
 
 @dataclass
@@ -82,6 +93,11 @@ class AttentionSpec:
     empty_rows_zero: bool = False   # eager form: a row whose scores are all -inf gives zeros (_safe_softmax)
     probs: tuple = ()               # eager form: the values holding P (b, h, sq, skv), from the softmax to P·V
     row_stats: tuple = ()           # eager form: the softmax's row max and row sum of exponentials (b, h, sq, 1)
+    # an additive mask the graph adds as more than one tensor (BLOOM's ALiBi bias in ``baddbmm`` and the causal
+    # mask), over heads folded into the batch, or scaled after it is added: the mask is the sum of these terms
+    # (``mask`` "additive", ``mask_value`` the term whose value property gives the band, or the first); empty
+    # where the mask is ``mask_value`` itself
+    mask_terms: tuple = ()
 
     @property
     def group(self) -> int:
@@ -89,14 +105,37 @@ class AttentionSpec:
 
     @property
     def inputs(self) -> list[Value]:
+        if self.mask_terms:
+            return [self.q, self.k, self.v] + [t.value for t in self.mask_terms]
         return [self.q, self.k, self.v] + ([self.mask_value] if self.mask_value is not None else [])
+
+    @property
+    def mask_shape(self) -> tuple:
+        """The mask's shape as the scores (b, h, sq, skv) broadcast it, 4-D; () when there is no mask tensor."""
+        if self.mask_terms:
+            return tuple(torch.broadcast_shapes(*(t.shape for t in self.mask_terms)))
+        if self.mask_value is None:
+            return ()
+        shape = tuple(self.mask_value.meta.shape)
+        return (1,) * (4 - len(shape)) + shape
+
+    def combine_mask(self, terms: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The mask of :attr:`mask_terms` from those terms' tensors (in that order), in :attr:`mask_value`'s
+        dtype (the one the seeds' mask input is built for)."""
+        total = None
+        for t, x in zip(self.mask_terms, terms):
+            x = x.reshape(t.shape).float()
+            x = x * t.factor if t.factor != 1.0 else x
+            total = x if total is None else total + x
+        return total.to(self.mask_value.meta.dtype)
 
     def describe(self) -> str:
         parts = [f"b={self.b} h={self.h} hk={self.hk} sq={self.sq} skv={self.skv} d={self.d} scale={self.scale:.4g}"]
         if self.softcap is not None:
             parts.append(f"softcap={self.softcap:g}")
         if self.mask != "none":
-            parts.append(f"mask={self.mask}" + (f"({self.mask_structure})" if self.mask_structure else ""))
+            parts.append(f"mask={self.mask}" + (f"({self.mask_structure})" if self.mask_structure else "")
+                         + (f"+{len(self.mask_terms) - 1}" if len(self.mask_terms) > 1 else ""))
         if self.mask_band is not None:
             parts.append(f"band={self.mask_band[0]}" + (f",w{self.mask_band[1]}" if self.mask_band[1] else ""))
         if self.extra_outputs:
@@ -369,8 +408,11 @@ def _data_arg(n: Node) -> Value | None:
     return a if isinstance(a, Value) else None
 
 
-def _scores(x: Value, s: Value, seen: list[Node]) -> dict | None:
-    """The chain from the raw scores ``s`` to the softmax input ``x``: scale, soft-cap, mask."""
+def _scores(x: Value, s: Value, seen: list[Node], pre: float = 1.0, terms: Sequence[list] = ()) -> dict | None:
+    """The chain from the raw scores ``s`` to the softmax input ``x``: scale, soft-cap, mask. ``pre``: a factor
+    the scores already have, ``terms``: tensors already added to them, each ``[value, factor, the shape of the
+    scores it is added to]`` (``baddbmm``'s). Additive masks are collected as such terms, scaled by the factors
+    that follow them (no soft-cap then); ``mask_value`` is set where there is one term, added unscaled."""
     chain: list[Node] = []
     y = x
     while y is not s:
@@ -380,23 +422,32 @@ def _scores(x: Value, s: Value, seen: list[Node]) -> dict | None:
         y = _data_arg(y.producer)
         if y is None:
             return None
-    pre, post, cap_seen, out = 1.0, 1.0, False, {"mask": "none"}
+    post, cap_seen, out = 1.0, False, {"mask": "none"}
+    terms = [list(t) for t in terms]
     for n in reversed(chain):
         name = n.op.name
         a1 = n.args[1] if len(n.args) > 1 else None
         if name == "to_dtype" or name == "copy":
             pass
-        elif name in ("mul", "div") and _scalar(a1) is not None and out["mask"] == "none":
+        elif name in _LAYOUT:          # between adds only a plain view (BLOOM's folded heads viewed as (b, h, ·, ·))
+            if _shape(n.outputs[0])[-1:] != _shape(n.args[0])[-1:] or not _is_view_of(n.args[0], [n], n.outputs[0]):
+                return None
+        elif name in ("mul", "div") and _scalar(a1) is not None and out["mask"] in ("none", "additive") \
+                and not (cap_seen and terms):
             f = _scalar(a1) if name == "mul" else 1.0 / _scalar(a1)
             if cap_seen:
                 post *= f
             else:
                 pre *= f
-        elif name == "tanh" and not cap_seen and out["mask"] == "none":
+                for t in terms:
+                    t[1] *= f
+        elif name == "tanh" and not cap_seen and not terms and out["mask"] == "none":
             cap_seen = True
-        elif name == "add" and isinstance(a1, Value) and out["mask"] == "none":
-            out.update(mask="additive", mask_value=a1)
-        elif name == "where" and out["mask"] == "none" and isinstance(n.args[0], Value):
+        elif name == "add" and isinstance(a1, Value) and out["mask"] in ("none", "additive") \
+                and len(n.args) == 2 and not n.kwargs:
+            terms.append([a1, 1.0, _shape(n.outputs[0])])
+            out["mask"] = "additive"
+        elif name == "where" and out["mask"] == "none" and not terms and isinstance(n.args[0], Value):
             m = n.args[0]
             if m.meta is None or m.meta.dtype is not torch.bool:
                 return None
@@ -413,6 +464,11 @@ def _scores(x: Value, s: Value, seen: list[Node]) -> dict | None:
         else:
             return None
     seen.extend(chain)
+    if terms:
+        out["mask"] = "additive"
+        if len(terms) == 1 and terms[0][1] == 1.0:
+            out["mask_value"] = terms[0][0]
+    out["terms"] = [tuple(t) for t in terms]
     if cap_seen:
         out.update(softcap=post, scale=pre * post)
     else:
@@ -579,8 +635,8 @@ def _column_reductions(spec: AttentionSpec, outputs: set[int]) -> list[ColumnRed
 def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     """The eager attention whose ``P·V`` bmm is ``pv``."""
     seen: list[Node] = [pv]
-    p_in, v_in = pv.args[0], pv.args[1]
-    if len(_shape(p_in) or ()) != 3:
+    bias, p_in, v_in = matmul_operands(pv)
+    if bias is not None or len(_shape(p_in) or ()) != 3:
         return None
     p = _viewed_back(p_in, seen)              # P (b, h, sq, skv) or (b·h, sq, skv), however it was flattened
     softmax = _softmax_input(p, seen)
@@ -597,10 +653,18 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     qk = y.producer
     if qk is None or qk.op.name != "matmul" or len(_shape(y) or ()) != 3:
         return None
+    bias, q_in, k_in = matmul_operands(qk)
+    pre, terms = 1.0, []                    # baddbmm(bias, Q, Kᵀ, beta, alpha): alpha·Q·Kᵀ + beta·bias
+    if bias is not None:
+        bound = bind_args(qk)
+        beta, alpha = _scalar(bound.get("beta", 1)), _scalar(bound.get("alpha", 1))
+        if beta is None or alpha is None:
+            return None
+        pre, terms = alpha, [[bias, beta, _shape(y)]]
     # Q one head per bmm batch where some 4-D tensor on the way is so read (a decode step's reshape of its query
     # heads into (b, hk, g, d) is then read as g query rows per KV head), else packed per KV head
-    q = _operand(qk.args[0], seen, False, query="per_head") or _operand(qk.args[0], seen, False, query="packed")
-    k = _operand(qk.args[1], seen, True)
+    q = _operand(q_in, seen, False, query="per_head") or _operand(q_in, seen, False, query="packed")
+    k = _operand(k_in, seen, True)
     vv = _operand(v_in, seen, False)
     if q is None or k is None or vv is None or vv[1] != 1.0:
         return None
@@ -623,9 +687,17 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
         s_raw = value
     if s_raw is not y and not (_shape(s_raw)[-1] == skv and _is_view_of(y, prefix, s_raw)):
         return None
-    scores = _scores(x, s_raw, seen)
-    if scores is None or (_shape(s_raw) != (b, h, sq, skv) and scores.get("mask_value") is not None):
-        return None                            # a mask over folded or packed heads: its broadcast is not read
+    scores = _scores(x, s_raw, seen, pre, terms)
+    if scores is None:
+        return None
+    mask_terms = []
+    for value, factor, space in scores["terms"]:
+        shape = _term_shape(_shape(value), space, b, h, sq, skv)
+        if shape is None:                      # a mask over packed heads: its broadcast is not read
+            return None
+        mask_terms.append(MaskTerm(value, factor, shape))
+    if len(mask_terms) == 1 and scores.get("mask_value") is not None and scores["terms"][0][2] == (b, h, sq, skv):
+        mask_terms = []                        # one tensor added as it is: the mask is that value
     seen.extend(prefix + [qk])
     # the output: (b·h, sq, d) as (b, h, sq, d), through layout ops that only view it
     out = _viewed_forward(pv.outputs[0], seen, (b, h, sq, d))
@@ -645,6 +717,10 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
         seen.append(cast)
         out = cast.outputs[0]
     mask_value = scores.get("mask_value")
+    if mask_terms:                             # the band is read off a term added to the (b, h, sq, skv) scores
+        banded = [t for t in mask_terms if len(_shape(t.value)) == 4 and t.shape == _shape(t.value)
+                  and _mask_band(t.value, values, "additive", sq, skv) is not None]
+        mask_value = (banded or mask_terms)[0].value
     spec = AttentionSpec(b, h, hk, sq, skv, d, scores["scale"] * qf * kf, scores["softcap"],
                          scores["mask"], "", mask_value, scores.get("bool_fill"), qv.meta.dtype, "eager",
                          qv, kv, vv, out, seen)
@@ -658,15 +734,30 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
         y = y.producer.args[2 if _op(y) == "where" else 0]
     exps = late_sum.producer.args[0] if late_sum is not None else y.producer.args[0]
     spec.row_stats = (exps.producer.args[0].producer.args[1], late_sum if late_sum is not None else y.producer.args[1])
+    spec.mask_terms = tuple(mask_terms)
     if mask_value is not None:
-        ms = _shape(mask_value)
-        if len(ms) > 4 or any(a not in (1, e) for a, e in zip(ms[::-1], (skv, sq, h, b))):
+        ms = spec.mask_shape
+        if len(_shape(mask_value)) > 4 or any(a not in (1, e) for a, e in zip(ms, (b, h, sq, skv))):
             return None
         spec.mask_structure = _mask_structure(mask_value, values)
         spec.mask_band = _mask_band(mask_value, values, spec.mask, sq, skv)
-        spec.mask_zero_visible = spec.mask_band is not None and (
+        spec.mask_zero_visible = spec.mask_band is not None and not mask_terms and (
             spec.mask != "additive" or _visible_zero(mask_value, values))
     return spec
+
+
+def _term_shape(shape: tuple, space: tuple, b: int, h: int, sq: int, skv: int) -> tuple | None:
+    """The 4-D shape (broadcast to (b, h, sq, skv)) of a tensor of ``shape`` added to scores of shape ``space``:
+    (b, h, sq, skv) itself, or with the heads folded into the batch, (b·h, sq, skv) (its first dim then split into
+    (b, h)); None for any other (a KV head's query heads packed into its rows)."""
+    if len(shape) > len(space) or any(a not in (1, e) for a, e in zip(shape[::-1], space[::-1])):
+        return None
+    full = (1,) * (len(space) - len(shape)) + tuple(shape)
+    if space == (b, h, sq, skv):
+        return full
+    if space == (b * h, sq, skv):
+        return ((b, h) if full[0] == b * h else (1, 1)) + full[1:]
+    return None
 
 
 def _bind(node: Node, names: Sequence[str | None]) -> dict:

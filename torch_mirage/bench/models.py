@@ -7,7 +7,10 @@ attention implementation (``default``, what transformers picks — ``sdpa`` wher
 - a prefill forward (batch 4 × 256 tokens; logits checked against eager's, and their max error against an fp32
   eager reference of the same weights), and
 - for causal LMs, greedy ``generate`` with a static KV cache (``cache_implementation="static"``): the tokens are
-  checked against eager's; the time per generated token is the whole call's time over the new tokens.
+  checked against eager's; the time per generated token is the whole call's time over the new tokens, and the
+  decode step's time is one call of the (compiled) forward with the last decode step's arguments that
+  ``generate`` passed, the static cache put back one token first (:func:`decode_step`): the compiled graph
+  without ``generate``'s own Python, which is most of a token's time at these sizes.
 
 Modes: eager, Inductor default, ``reduce-overhead`` (Inductor with CUDA graphs), ``max-autotune`` and mirage, all
 compiled with ``dynamic=False``: one graph per input shape (the prefill and the decode step), which is the
@@ -91,6 +94,10 @@ MODELS: dict[str, HFModel] = {m.name: m for m in [
                  word_embed_proj_dim=1024, max_position_embeddings=2048),
             dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
                  word_embed_proj_dim=64, max_position_embeddings=256)),
+    # eager attention only: ALiBi added by ``baddbmm`` to scores whose heads are folded into the batch
+    HFModel("bloom", "BloomConfig", "BloomForCausalLM",
+            dict(hidden_size=1024, n_layer=4, n_head=16, vocab_size=32000),
+            dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=256)),
 ]}
 GPU_DEFAULT = ("llama", "gemma2", "gpt2", "bert")
 
@@ -185,6 +192,44 @@ def _step_per_call(compiled: Callable) -> Callable:
     return forward
 
 
+def last_decode_call(model, run: Callable[[], Any]) -> tuple[tuple, dict] | None:
+    """The ``(args, kwargs)`` of the last forward call that ``run`` (a ``generate``) makes with one new token per
+    row — a decode step, with its static cache and cache position —, recorded by wrapping the model's forward
+    (compiled or not) while ``run`` runs; None where it makes none."""
+    inner, own = model.forward, "forward" in model.__dict__
+    calls: list = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1:
+            calls[:] = [(args, kwargs)]
+        return inner(*args, **kwargs)
+
+    model.forward = recording
+    try:
+        run()
+    finally:
+        if own:
+            model.forward = inner
+        else:
+            del model.forward
+    return calls[0] if calls else None
+
+
+def decode_step(model, call: tuple[tuple, dict]) -> Callable[[], Any]:
+    """A recorded decode step (:func:`last_decode_call`) that can run again and again: the static cache is put
+    back one token (``crop(-1)``: an in-place decrement of each layer's length, a small kernel per layer, paid
+    alike in every mode) before the forward writes that token's K / V at the same position again."""
+    args, kwargs = call
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+
+    def step() -> Any:
+        if cache is not None:
+            cache.crop(-1)
+        return model.forward(*args, **kwargs)
+    return step
+
+
 def _timed(fn: Callable[[], Any], timing: dict | None) -> tuple[float | None, float | None]:
     """µs of ``fn()`` launched from Python (CUDA-graph replays included where the mode records them): the fastest
     of the repeats, and their median. A prefill forward of these models and a ``generate`` are host-bound (on the
@@ -241,6 +286,12 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
                     fastest, median = _timed(lambda: greedy_generate(model, prompt, new_tokens), timing)
                     res["us_per_token"] = fastest / new_tokens if fastest is not None else None
                     res["us_per_token_median"] = median / new_tokens if median is not None else None
+                    # one decode step as the compiled forward runs it, without generate's own Python around it
+                    # (which moved µs/token by up to 1.6x between processes and with the order of the modes)
+                    call = timing and last_decode_call(model, lambda: greedy_generate(model, prompt, new_tokens))
+                    if call:
+                        res["decode_step_us"], res["decode_step_us_median"] = _timed(decode_step(model, call),
+                                                                                     timing)
             if not math.isfinite(res["rel_err_vs_eager"]) or res["rel_err_vs_eager"] > tolerance(dtype, "model"):
                 res["status"] = "mismatch"
             if report is not None:
@@ -255,7 +306,7 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
         record["modes"][mode] = res
         log(_line(spec, attn, mode, res))
     record.update(_derived(record["modes"]))
-    del model
+    model = None   # freed before the next case (the closures above hold it only while they run)
     _free()
     return record
 
@@ -276,7 +327,7 @@ def _derived(modes: dict) -> dict:
 
     out = {}
     mirage = modes.get("mirage", {})
-    for key in ("prefill_us", "us_per_token"):
+    for key in ("prefill_us", "us_per_token", "decode_step_us"):
         ours = mirage.get(key) if mirage.get("status") == "ok" else None
         ro = modes.get("reduce-overhead", {})
         ro_t = ro.get(key) if ro.get("status") == "ok" else None
@@ -295,6 +346,8 @@ def _line(spec: HFModel, attn: str, mode: str, res: dict) -> str:
         parts.append(f"prefill {res['prefill_us']:.0f} µs")
     if res.get("us_per_token") is not None:
         parts.append(f"{res['us_per_token']:.0f} µs/token")
+    if res.get("decode_step_us") is not None:
+        parts.append(f"decode step {res['decode_step_us']:.0f} µs")
     if "tokens_match" in res:
         parts.append(f"tokens {res['tokens_match']:.0%}")
     graphs = res.get("mirage", {}).get("cuda_graphs", [])
@@ -319,7 +372,9 @@ def markdown(doc: dict) -> str:
         lines += [f"Not run (time budget): {', '.join(doc['not_run'])}.", ""]
     modes = doc["settings"]["modes"]
     head = ["model", "attn"] + [f"{m} prefill µs" for m in modes] + [f"{m} µs/tok" for m in modes] + [
-        "mirage ÷ RO prefill", "mirage ÷ best prefill", "mirage ÷ RO token", "max err vs fp32 (mirage / inductor)",
+        f"{m} decode step µs" for m in modes] + [
+        "mirage ÷ RO prefill", "mirage ÷ best prefill", "mirage ÷ RO token", "mirage ÷ RO decode step",
+        "max err vs fp32 (mirage / inductor)",
         "prefill kernels / layer (mirage / RO)", "mirage CUDA graph"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in doc["models"]:
@@ -350,9 +405,11 @@ def markdown(doc: dict) -> str:
         cg = "; ".join("yes" if g["captured"] else f"no: {g['reason']}" for g in graphs) or "–"
         lines.append("| " + " | ".join([r["model"], r["attn"]] + [cell(m, "prefill_us") for m in modes]
                                        + [cell(m, "us_per_token") for m in modes]
+                                       + [cell(m, "decode_step_us") for m in modes]
                                        + [ratio("prefill_us_speedup_vs_reduce_overhead"),
                                           ratio("prefill_us_speedup_vs_best_inductor"),
-                                          ratio("us_per_token_speedup_vs_reduce_overhead"), errs, kernels, cg])
+                                          ratio("us_per_token_speedup_vs_reduce_overhead"),
+                                          ratio("decode_step_us_speedup_vs_reduce_overhead"), errs, kernels, cg])
                      + " |")
     speed = [r["prefill_us_speedup_vs_reduce_overhead"] for r in doc["models"]
              if r.get("prefill_us_speedup_vs_reduce_overhead")]

@@ -292,7 +292,8 @@ class AttentionClaimer:
             return Reason.UNSUPPORTED_DEVICE, f"{device} tensors without Triton's interpreter"
         if target is Target.INTERPRETER and spec.dtype == torch.bfloat16:
             return Reason.UNSUPPORTED_DTYPE, "bf16 in Triton's interpreter"
-        if spec.mask_value is not None and not (spec.mask_value.meta and spec.mask_value.meta.is_static):
+        masks = spec.inputs[3:]
+        if not all(m.meta and m.meta.is_static for m in masks):
             return Reason.DYNAMIC_SHAPE, "a mask of dynamic shape"
         return None
 
@@ -384,8 +385,11 @@ def attention_kernel(spec: AttentionSpec, order: Sequence[int], slots: Sequence[
     """The region's kernel from a compiled attention μGraph (:func:`run_spec`): the region's inputs in the spec's
     order (``order``), its outputs (``slots`` into P·V and the column reductions) with the graph's strides."""
     def kernel(*ins):
+        args = [ins[i] for i in order]
+        if spec.mask_terms:         # a mask the graph adds as several tensors: their sum
+            args[3:] = [spec.combine_mask(args[3:])]
         # an SDPA op's other outputs (logsumexp, ...) are unread (find_attention checks)
-        outs = run_spec(spec, compiled, *[ins[i] for i in order], fixed=fixed, bool_mask=bool_mask,
+        outs = run_spec(spec, compiled, *args, fixed=fixed, bool_mask=bool_mask,
                         per_head=per_head, out_meta=metas[0])
         return tuple(_as_meta(outs[i], metas[i]) for i in slots)
     return kernel
@@ -462,9 +466,9 @@ def _example_mask(spec: AttentionSpec, graph: Graph, device: torch.device, by_in
     example_mask = None
     if spec.mask_value is not None:
         named = {graph.inputs[i].name: t for i, t in (observed or {}).items() if i < len(graph.inputs)}
-        example_mask = constant_value(graph, spec.mask_value, named)
-        if example_mask is None:
-            example_mask = random_like(spec.mask_value.meta)
+        terms = [constant_value(graph, m, named) for m in spec.inputs[3:]]
+        terms = [t if t is not None else random_like(m.meta) for t, m in zip(terms, spec.inputs[3:])]
+        example_mask = spec.combine_mask(terms) if spec.mask_terms else terms[0]
     packed = packed_mask(spec, example_mask, device, bool_mask, per_head).to(mask_dtype(spec, bool_mask))
     causal = packed.clamp_min(MASK_FLOOR).contiguous() if spec.mask == "causal" else None
     return packed, tuple(packed.shape[:2]), causal
@@ -503,8 +507,8 @@ def per_query_head(spec: AttentionSpec) -> bool:
     FlashAttention is the only seed (no split-KV: :func:`rows_fill_the_sms`, or KV too short to split). Q, the mask
     and the output are then the region's own tensors; packed rows copy Q and a head-shared mask per call (H200
     11-28, HF Llama prefill 4 x 256, 16 query / 8 KV heads: the region 30.4 us around a 9.8 us kernel)."""
-    mask = spec.mask_value.meta.shape if spec.mask_value is not None else ()
-    heads = mask[-3] if len(mask) >= 3 else 1                   # the mask's own heads: shared, or one per query head
+    mask = spec.mask_shape
+    heads = mask[-3] if mask else 1                             # the mask's own heads: shared, or one per query head
     return (spec.group > 1 and not spec.extra_outputs and spec.sq >= PREFILL_MIN_ROWS and heads in (1, spec.h)
             and (blocks(spec.skv, SPLIT_KV) <= 1 or rows_fill_the_sms(spec)))
 
