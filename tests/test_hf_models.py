@@ -49,6 +49,31 @@ def test_bloom_alibi_attention_is_claimed_and_equals_eager():
     assert all("mask=additive(causal)+1 band=0" in r.info["attention"] for r in regions), str(report)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_bloom_alibi_attention_on_gpu(dtype):
+    """BLOOM at the bench's size on the GPU (4 layers, hidden 1024, 16 heads, 2 x 128 tokens): each layer's
+    ALiBi + causal attention is claimed as one attention region, the logits within the model tolerance of eager's
+    (the guard may still keep Inductor's version of a region it times slower)."""
+    from torch_mirage.bench.harness import rel_error
+    from torch_mirage.numerics import tolerance
+
+    spec = M.MODELS["bloom"]
+    model = M.build(spec, "default", dtype, "cuda", tiny=False)
+    ids = _ids(model.config.vocab_size, (2, 128)).cuda()
+    with torch.no_grad():
+        expected = M.forward_logits(model, spec)(ids).float()
+        report = Report()
+        M.compile_forward(model, "mirage", report)
+        try:
+            got = M.forward_logits(model, spec)(ids).float()
+        finally:
+            M.compile_forward(model, "eager")
+    assert rel_error(got, expected) <= tolerance(dtype, "model")
+    claimed = [r for r in report.regions if r.claimer == "attention"]
+    assert len(claimed) == 4 and all("mask=additive(causal)+1" in r.info["attention"] for r in claimed), str(report)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,attn", [("qwen2", "default"), ("mistral", "default"), ("phi3", "default"), ("gpt2", "default"),
                                        ("opt", "default"), ("gemma2", "eager"), ("llama", "eager")])
@@ -137,7 +162,7 @@ def test_sliding_window_decode_graph_gets_its_cuda_graph_on_gpu():
 
 
 def test_builder_covers_the_issue_model_set_and_rejects_unknown_names():
-    assert {"llama", "qwen2", "mistral", "gemma2", "phi3", "gpt2", "bert", "opt"} <= set(M.MODELS)
+    assert {"llama", "qwen2", "mistral", "gemma2", "phi3", "gpt2", "bert", "opt", "bloom"} <= set(M.MODELS)
     for spec in M.MODELS.values():
         assert spec.config.get("num_hidden_layers", spec.config.get("n_layer")) == 4
         assert spec.config.get("hidden_size", spec.config.get("n_embd")) == 1024
