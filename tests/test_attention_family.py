@@ -314,6 +314,16 @@ def test_a_mask_over_folded_heads_is_read_per_head(mask_shape):
     assert "mask=additive" in region.info["attention"], region.info
 
 
+def test_a_mask_added_first_is_read_as_the_mask():
+    """``mask + scores`` (the mask the first argument of the add) is read as ``scores + mask``: one region."""
+    def fn(q, k, v, mask):
+        return torch.softmax(mask + q @ k.transpose(-1, -2) * 0.3, dim=-1) @ v
+
+    q, k, v = _qkv(2, 4, 4, 6, 10, 8, torch.float32)
+    (region,) = _check(fn, (q, k, v, torch.randn(2, 1, 6, 10)), torch.float32)
+    assert "mask=additive" in region.info["attention"], region.info
+
+
 def test_a_soft_cap_after_an_added_mask_is_not_attention():
     """``tanh`` of scores that already hold a mask is not ``softcap`` then mask: left to Inductor, eager-equal."""
     def fn(q, k, v, mask):

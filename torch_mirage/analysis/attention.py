@@ -399,13 +399,28 @@ def _exp_shifted(e: Value) -> Value | None:
     return x if sub.producer.args[1].producer.args[0] is x else None
 
 
-def _data_arg(n: Node) -> Value | None:
-    """The score operand of a node on the chain from the scores to the softmax (``where``'s non-fill side)."""
+def _data_arg(n: Node, depth: int = 24) -> Value | None:
+    """The score operand of a node on the chain from the scores to the softmax: ``where``'s non-fill side, the
+    side of an ``add`` that leads back to a matmul (``mask + scores`` as well as ``scores + mask``), else the
+    first argument. ``depth``: how far back an ``add``'s sides are followed."""
     if n.op.name == "where":
         a = n.args[2] if _scalar(n.args[1]) is not None else n.args[1]
+    elif n.op.name == "add" and len(n.args) == 2 and isinstance(n.args[1], Value) \
+            and not _leads_to_matmul(n.args[0], depth) and _leads_to_matmul(n.args[1], depth):
+        a = n.args[1]
     else:
         a = n.args[0] if n.args else None
     return a if isinstance(a, Value) else None
+
+
+def _leads_to_matmul(v: Any, depth: int) -> bool:
+    """Whether ``v`` is a matmul's output followed forward through at most ``depth`` nodes of a score chain."""
+    while depth > 0 and isinstance(v, Value) and v.producer is not None:
+        if v.producer.op.name == "matmul":
+            return True
+        depth -= 1
+        v = _data_arg(v.producer, depth)
+    return False
 
 
 def _scores(x: Value, s: Value, seen: list[Node], pre: float = 1.0, terms: Sequence[list] = ()) -> dict | None:
@@ -427,6 +442,8 @@ def _scores(x: Value, s: Value, seen: list[Node], pre: float = 1.0, terms: Seque
     for n in reversed(chain):
         name = n.op.name
         a1 = n.args[1] if len(n.args) > 1 else None
+        if name == "add" and a1 is _data_arg(n):   # mask + scores: the mask is the first argument
+            a1 = n.args[0]
         if name == "to_dtype" or name == "copy":
             pass
         elif name in _LAYOUT:          # between adds only a plain view (BLOOM's folded heads viewed as (b, h, ·, ·))
