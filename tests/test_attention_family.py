@@ -314,6 +314,26 @@ def test_a_mask_over_folded_heads_is_read_per_head(mask_shape):
     assert "mask=additive" in region.info["attention"], region.info
 
 
+@pytest.mark.parametrize("preallocated", ["empty_beta0", "zeros"])
+def test_baddbmm_into_a_preallocated_buffer_is_unmasked_attention(preallocated):
+    """Megatron's ``baddbmm`` into preallocated scores — ``empty`` with beta 0 (GPT-2's upcast path, ImageGPT),
+    or zeros (GPT-NeoX-Japanese) — adds no mask: one unmasked region, the buffer inside it."""
+    def fn(q, k, v):
+        b, h, sq, d = q.shape
+        skv = k.shape[2]
+        if preallocated == "zeros":
+            buf, beta = torch.zeros(b * h, sq, skv, dtype=q.dtype), 1.0
+        else:
+            buf, beta = torch.empty(b * h, sq, skv, dtype=q.dtype), 0.0
+        s = torch.baddbmm(buf, q.reshape(b * h, sq, d), k.reshape(b * h, skv, d).transpose(1, 2), beta=beta,
+                          alpha=d ** -0.5)
+        p = torch.softmax(s.view(b, h, sq, skv), dim=-1)
+        return torch.matmul(p, v)
+
+    (region,) = _check(fn, _qkv(2, 4, 4, 6, 10, 8, torch.float32), torch.float32)
+    assert "mask" not in region.info["attention"], region.info
+
+
 def test_a_mask_added_first_is_read_as_the_mask():
     """``mask + scores`` (the mask the first argument of the add) is read as ``scores + mask``: one region."""
     def fn(q, k, v, mask):

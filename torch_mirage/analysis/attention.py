@@ -677,7 +677,14 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
         beta, alpha = _scalar(bound.get("beta", 1)), _scalar(bound.get("alpha", 1))
         if beta is None or alpha is None:
             return None
-        pre, terms = alpha, [[bias, beta, _shape(y)]]
+        pre = alpha
+        # beta 0 ignores the bias (Megatron's preallocated ``empty`` scores); a zero fill adds nothing: either
+        # way no mask, and a buffer made only for this joins the region (dead once it runs)
+        made_here = bias.producer is not None and len(bias.users) == 1 and not bias.producer.inputs
+        if beta != 0 and not (made_here and _zero(bias) is not None):
+            terms = [[bias, beta, _shape(y)]]
+        elif made_here:
+            seen.append(bias.producer)
     # Q one head per bmm batch where some 4-D tensor on the way is so read (a decode step's reshape of its query
     # heads into (b, hk, g, d) is then read as g query rows per KV head), else packed per KV head
     q = _operand(q_in, seen, False, query="per_head") or _operand(q_in, seen, False, query="packed")
