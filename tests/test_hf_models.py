@@ -170,6 +170,17 @@ def test_builder_covers_the_issue_model_set_and_rejects_unknown_names():
         M.get(["llama", "gpt5"])
 
 
+def test_a_mode_that_raises_says_where():
+    def inner():
+        raise ValueError("too many values to unpack (expected 3)")
+
+    try:
+        inner()
+    except ValueError as e:
+        where = M._raised_at(e)
+    assert where[-1].endswith(" in inner") and "test_hf_models.py:" in where[-1]
+
+
 def test_tokens_match_stops_at_the_first_difference():
     ref = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])
     got = torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4]])

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -299,7 +300,7 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
                     {"graph": g.index, "kind": g.kind, "captured": bool(g.cuda_graph), "reason": g.cuda_graph_reason}
                     for g in report.graphs])
         except Exception as e:   # one mode failing does not stop the others
-            res = {"status": "error", "error": _short(e)}
+            res = {"status": "error", "error": _short(e), "raised_at": _raised_at(e)}
         finally:
             compile_forward(model, "eager")
             _free()
@@ -309,6 +310,13 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
     model = None   # freed before the next case (the closures above hold it only while they run)
     _free()
     return record
+
+
+def _raised_at(e: BaseException, frames: int = 4) -> list[str]:
+    """The innermost ``frames`` frames of ``e``'s traceback as ``file:line in function`` (file names shortened
+    to their last two parts): where an error of a mode was raised, kept in the JSON next to its message."""
+    tb = traceback.extract_tb(e.__traceback__)[-frames:]
+    return [f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno} in {f.name}" for f in tb]
 
 
 def _tokens_match(tokens: torch.Tensor, ref: torch.Tensor) -> float:
