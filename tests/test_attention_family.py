@@ -334,6 +334,35 @@ def test_baddbmm_into_a_preallocated_buffer_is_unmasked_attention(preallocated):
     assert "mask" not in region.info["attention"], region.info
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("form,sq", [("eager", 6), ("eager", 1), ("sdpa", 6), ("sdpa_causal", 6), ("sdpa_gqa", 1)])
+def test_value_heads_of_another_size_are_attention(form, sq, dtype):
+    """Multi-head latent attention (DeepSeek-V2 / V3): Q and K heads of 24 (a no-position part and a RoPE part),
+    V heads of 16 — eager with an additive mask, prefill and a decode step, and through SDPA (a GQA decode step
+    over 512 keys: the split-KV seeds): one region whose output has V's head size, eager-equal."""
+    b, h, hk, skv, d, dv = 2, 4, 4, 10, 24, 16
+    if form == "sdpa_gqa":
+        b, hk, skv = 1, 2, 512
+    q, k = torch.randn(b, h, sq, d, dtype=dtype), torch.randn(b, hk, skv, d, dtype=dtype)
+    v = torch.randn(b, hk, skv, dv, dtype=dtype)
+    if form == "eager":
+        def fn(q, k, v, mask):
+            s = q @ k.transpose(-1, -2) * d ** -0.5 + mask
+            return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+        args = (q, k, v, torch.randn(b, 1, sq, skv, dtype=dtype))
+    else:
+        causal = form == "sdpa_causal"
+        if causal:
+            k, v = k[:, :, :sq], v[:, :, :sq]
+
+        def fn(q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                    enable_gqa=form == "sdpa_gqa")
+        args = (q, k, v)
+    (region,) = _check(fn, args, dtype)
+    assert f"d={d} dv={dv}" in region.info["attention"], region.info
+
+
 def test_a_mask_added_first_is_read_as_the_mask():
     """``mask + scores`` (the mask the first argument of the add) is read as ``scores + mask``: one region."""
     def fn(q, k, v, mask):

@@ -49,6 +49,34 @@ def test_bloom_alibi_attention_is_claimed_and_equals_eager():
     assert all("mask=additive(causal)+1 band=0" in r.info["attention"] for r in regions), str(report)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_deepseek_v3_latent_attention_is_claimed_and_equals_eager(attn):
+    """DeepSeek-V3's multi-head latent attention (Q / K heads of a no-position and a RoPE part, 16 + 8, V heads of
+    16; dense layers only, no MoE) through both attention implementations: one attention region per layer with
+    V's head size its own, eager-equal logits."""
+    import transformers
+
+    import torch_mirage
+
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, vocab_size=256, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM._from_config(cfg, attn_implementation=attn).eval()
+    ids = _ids(cfg.vocab_size)
+    report = Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+        compiled = torch.compile(model, backend=torch_mirage.MirageBackend(report=report))
+        got = compiled(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    regions = [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
+    assert len(regions) == 2 and all("d=24 dv=16" in r.info["attention"] for r in regions), str(report)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_bloom_alibi_attention_on_gpu(dtype):

@@ -63,7 +63,8 @@ class MaskTerm:
 
 @dataclass
 class AttentionSpec:
-    """One attention region: ``softmax(mask(softcap(scale · Q Kᵀ))) · V``, Q (b, h, sq, d), K/V (b, hk, skv, d)."""
+    """One attention region: ``softmax(mask(softcap(scale · Q Kᵀ))) · V``, Q (b, h, sq, d), K (b, hk, skv, d),
+    V (b, hk, skv, dv) (:attr:`dv` where V's head size is not Q's and K's: multi-head latent attention)."""
     b: int
     h: int
     hk: int
@@ -98,6 +99,11 @@ class AttentionSpec:
     # (``mask`` "additive", ``mask_value`` the term whose value property gives the band, or the first); empty
     # where the mask is ``mask_value`` itself
     mask_terms: tuple = ()
+    dv: int | None = None           # V's head size (and the output's) where it is not ``d``
+
+    @property
+    def v_dim(self) -> int:
+        return self.dv or self.d
 
     @property
     def group(self) -> int:
@@ -130,7 +136,8 @@ class AttentionSpec:
         return total.to(self.mask_value.meta.dtype)
 
     def describe(self) -> str:
-        parts = [f"b={self.b} h={self.h} hk={self.hk} sq={self.sq} skv={self.skv} d={self.d} scale={self.scale:.4g}"]
+        parts = [f"b={self.b} h={self.h} hk={self.hk} sq={self.sq} skv={self.skv} d={self.d}"
+                 + (f" dv={self.dv}" if self.dv else "") + f" scale={self.scale:.4g}"]
         if self.softcap is not None:
             parts.append(f"softcap={self.softcap:g}")
         if self.mask != "none":
@@ -695,9 +702,10 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     (qv, qf), (kv, kf), vv = q, k, vv[0]
     b, h, sq, d = _shape(qv)
     _, hk, skv, dk = _shape(kv)
+    dv = _shape(vv)[-1]
     # the bmm's batch: one per query head, or one per KV head with its group's rows packed (then Kᵀ and V are
     # read once per KV head)
-    if dk != d or _shape(vv) != (b, hk, skv, d) or _shape(kv)[0] != b or h % hk or \
+    if dk != d or _shape(vv) != (b, hk, skv, dv) or _shape(kv)[0] != b or h % hk or \
             _shape(y)[:2] not in ((b * h, sq), (b * hk, h // hk * sq)) or \
             len({qv.meta.dtype, kv.meta.dtype, vv.meta.dtype}) != 1:   # casts followed back: one dtype read
         return None
@@ -723,8 +731,8 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     if len(mask_terms) == 1 and scores.get("mask_value") is not None and scores["terms"][0][2] == (b, h, sq, skv):
         mask_terms = []                        # one tensor added as it is: the mask is that value
     seen.extend(prefix + [qk])
-    # the output: (b·h, sq, d) as (b, h, sq, d), through layout ops that only view it
-    out = _viewed_forward(pv.outputs[0], seen, (b, h, sq, d))
+    # the output: (b·h, sq, dv) as (b, h, sq, dv), through layout ops that only view it
+    out = _viewed_forward(pv.outputs[0], seen, (b, h, sq, dv))
     if out is None:
         return None
     if late_sum is not None:             # (exp(x - m) · V) / sum(exp(x - m)): the division after P·V
@@ -749,6 +757,7 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
                          scores["mask"], "", mask_value, scores.get("bool_fill"), qv.meta.dtype, "eager",
                          qv, kv, vv, out, seen)
     spec.empty_rows_zero = empty_rows_zero
+    spec.dv = dv if dv != d else None
     spec.probs, y = (), p_in                  # P from P·V's operand back to the softmax's div
     while late_sum is None:                   # (late normalisation: P itself is never formed)
         if _shape(y) == (b, h, sq, skv):
@@ -831,16 +840,17 @@ def _sdpa_at(node: Node, values: dict | None, read_bool: bool = True) -> Attenti
         return None
     repeats: list[Node] = []        # HF's repeat_kv before SDPA (with a mask it does not pass enable_gqa): read
     k0, v0 = _unrepeat(k, repeats), _unrepeat(v, repeats)      # the KV heads themselves, no copy per query head
-    if k0 is k or v0 is v or _shape(k0) != _shape(v0):
+    if k0 is k or v0 is v or _shape(k0)[:3] != _shape(v0)[:3]:
         k0, v0, repeats = k, v, []
     b, h, sq, d = _shape(q)
     _, hk, skv, _ = _shape(k0)
-    if _shape(k0)[0] != b or _shape(v0) != _shape(k0) or h % hk:
+    dv = _shape(v0)[-1]
+    if _shape(k0)[0] != b or _shape(v0)[:3] != _shape(k0)[:3] or h % hk or _shape(k0)[-1] != d:
         return None
     scale = kw.get("scale")
     spec = AttentionSpec(b, h, hk, sq, skv, d, float(scale) if scale is not None else 1.0 / math.sqrt(d),
                          dtype=q.meta.dtype, form=node.target_name.split(".")[1], q=q, k=k0, v=v0,
-                         output=node.outputs[0], nodes=repeats + [node])
+                         output=node.outputs[0], nodes=repeats + [node], dv=dv if dv != d else None)
     if kw.get("is_causal"):
         if mask is not None:
             return None

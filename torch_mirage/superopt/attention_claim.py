@@ -163,7 +163,7 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.
     sums, where the mask's per-row max and a fill of P·V were six (H100 11-27, h2o_core n=1024: 9 kernels a call).
     ``out_meta`` (P·V's value in the graph): where the kernel's output is P·V's shape (a head per program), the
     kernel writes it with those strides (SDPA's (b, s, h, d) order: no copy into them after the call)."""
-    b, h, hk, sq, d = spec.b, spec.h, spec.hk, spec.sq, spec.d
+    b, h, hk, sq, d, dv = spec.b, spec.h, spec.hk, spec.sq, spec.d, spec.v_dim
     q = q if per_head else q.reshape(b, hk, spec.group * sq, d)
     args = [_rows_dense(q), _rows_dense(k), _rows_dense(v)]
     if fixed is not None:
@@ -171,10 +171,10 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.
     elif (m := kernel_mask(spec, mask, q.device, bool_mask)) is not None:
         args.append(_pack(spec, m, per_head))
     out = None
-    if out_meta is not None and (per_head or spec.group == 1) and tuple(out_meta.shape) == (b, h, sq, d):
+    if out_meta is not None and (per_head or spec.group == 1) and tuple(out_meta.shape) == (b, h, sq, dv):
         out = torch.empty_strided(out_meta.shape, out_meta.stride, dtype=out_meta.dtype, device=q.device)
     res = compiled(*args, outs={0: out}) if out is not None else compiled(*args)
-    outs = [res[0].reshape(b, h, sq, d)]
+    outs = [res[0].reshape(b, h, sq, dv)]
     if spec.extra_outputs:
         colsum = res[1]
         if len(res) > 2:           # the row sums, (b, hk, group·sq, 1): > 0 for a row that sees a key
@@ -253,7 +253,8 @@ def _seed_kwargs(spec: AttentionSpec, dtype: str, mask_shape: tuple | None, use_
             if spec.mask_band is not None and use_band else None)
     bool_mask = bool_in_kernel(spec, use_band) and mask_shape is not None
     return dict(scale=spec.scale, softcap=spec.softcap, mask=mask_shape, dtype=dtype,
-                mask_dtype=MASK_DTYPES[mask_dtype(spec, bool_mask)], band=band)
+                mask_dtype=MASK_DTYPES[mask_dtype(spec, bool_mask)], band=band,
+                **({"dv": spec.dv} if spec.dv else {}))
 
 
 def _softmax_kwargs(spec: AttentionSpec) -> dict:
@@ -295,6 +296,8 @@ class AttentionClaimer:
         masks = spec.inputs[3:]
         if not all(m.meta and m.meta.is_static for m in masks):
             return Reason.DYNAMIC_SHAPE, "a mask of dynamic shape"
+        if spec.dv and spec.extra_outputs:
+            return Reason.NO_KERNEL, "column sums of P with V's head size unlike Q's (no such plan)"
         return None
 
     def _claim(self, spec: AttentionSpec, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> Outcome:

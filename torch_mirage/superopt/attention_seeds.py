@@ -80,10 +80,12 @@ def flash_attention(b: int, hk: int, rows: int, skv: int, d: int, *, scale: floa
                     mask: tuple[int, int] | None = None, dtype: str = "float16", mask_dtype: str = "float32",
                     q_blocks: int | None = None, forloop_range: int | None = None, tile: int = 64,
                     band: tuple | None = None, stats: bool = False, mask_fill: float = NEG_INF,
-                    empty_rows: str = "nan", scan_table: bool = False, q_heads: int | None = None) -> KernelGraph:
-    """``softmax(mask + softcap(scale·Q Kᵀ)) V``: inputs Q (b, hk, rows, d), K, V (b, hk, skv, d)
+                    empty_rows: str = "nan", scan_table: bool = False, q_heads: int | None = None,
+                    dv: int | None = None) -> KernelGraph:
+    """``softmax(mask + softcap(scale·Q Kᵀ)) V``: inputs Q (b, hk, rows, d), K (b, hk, skv, d), V (b, hk, skv, dv)
+    (``dv``: V's head size where it is not Q's and K's, as in multi-head latent attention; default ``d``)
     [+ mask (bm, hm, rows, skv) when ``mask = (bm, hm)``: additive, or bool (``mask_dtype`` "bool", the scores
-    it does not keep set to ``mask_fill``)]; output (b, hk, rows, d) [+ with ``stats`` each row's softmax max and
+    it does not keep set to ``mask_fill``)]; output (b, hk, rows, dv) [+ with ``stats`` each row's softmax max and
     sum of exponentials, (b, hk, rows, 1) fp32: what a second pass over the scores needs]. ``empty_rows``: see
     :func:`_normalised`. ``scan_table``: kernel-level reductions first make the max and sum of each ``SCAN_TILE``
     square of an additive mask (:func:`mask_tile_table`; read once per call, not once per head and query block), whose
@@ -98,7 +100,7 @@ def flash_attention(b: int, hk: int, rows: int, skv: int, d: int, *, scale: floa
     where the packed rows (the default) are copies of Q and the mask per call, and the output is copied back."""
     g = new_kernel_graph()
     Q = g.new_input((b, q_heads or hk, rows, d), dtype)
-    K, V = g.new_input((b, hk, skv, d), dtype), g.new_input((b, hk, skv, d), dtype)
+    K, V = g.new_input((b, hk, skv, d), dtype), g.new_input((b, hk, skv, dv or d), dtype)
     M = g.new_input((*mask, rows, skv), mask_dtype) if mask is not None else None
     table = mask_tile_table(g, M, band) if scan_table else None
     outs = _flash_op(g, Q, K, V, M, scale=scale, softcap=softcap, q_blocks=q_blocks or blocks(rows, tile),
@@ -165,13 +167,13 @@ def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float
                    mask: tuple[int, int] | None = None, dtype: str = "float16", mask_dtype: str = "float32",
                    splits: int | None = None, forloop_range: int | None = None, q_blocks: int | None = None,
                    combine_q_blocks: int | None = None, tile: int = 64, band: tuple | None = None,
-                   mask_fill: float = NEG_INF, empty_rows: str = "nan") -> KernelGraph:
-    """The same attention split over KV: kernel 1 saves each split's (max, sum, out); kernel 2 rescales each by
-    ``exp(m_s − max_s m_s)`` and combines them. Decode (one row block, ``q_blocks`` 1): grid (hk, b, splits) over
-    Q, K, V as they are, so the mask may be shared by batch rows and / or KV heads or given for each — an HF
-    static-cache mask (b, 1, 1, skv) is read per batch row by every KV head. Several row blocks: grid (b·hk, row
-    blocks, splits), batch and KV heads merged into one grid dim, so a mask must be shared by all of them or given
-    for each: ``mask`` (1, 1) or (b, hk)."""
+                   mask_fill: float = NEG_INF, empty_rows: str = "nan", dv: int | None = None) -> KernelGraph:
+    """The same attention split over KV (V's head size ``dv``, default ``d``): kernel 1 saves each split's (max,
+    sum, out); kernel 2 rescales each by ``exp(m_s − max_s m_s)`` and combines them. Decode (one row block,
+    ``q_blocks`` 1): grid (hk, b, splits) over Q, K, V as they are, so the mask may be shared by batch rows and / or
+    KV heads or given for each — an HF static-cache mask (b, 1, 1, skv) is read per batch row by every KV head.
+    Several row blocks: grid (b·hk, row blocks, splits), batch and KV heads merged into one grid dim, so a mask must
+    be shared by all of them or given for each: ``mask`` (1, 1) or (b, hk)."""
     masked = mask is not None
     splits = splits or blocks(skv, 4 * tile)
     forloop_range = forloop_range or blocks(skv // splits, tile)
@@ -183,7 +185,9 @@ def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float
         raise ValueError(f"flash_decoding: a mask of batch/head dims {tuple(mask)} over {q_blocks} row blocks "
                          f"(need (1, 1) or {(b, hk)}, or one row block)")
     g = new_kernel_graph()
-    Q, K, V = g.new_input((b, hk, rows, d), dtype), g.new_input((b, hk, skv, d), dtype), g.new_input((b, hk, skv, d), dtype)
+    dv = dv or d
+    Q, K = g.new_input((b, hk, rows, d), dtype), g.new_input((b, hk, skv, d), dtype)
+    V = g.new_input((b, hk, skv, dv), dtype)
     M = g.new_input((*mask, rows, skv), mask_dtype) if masked else None
     bh = b * hk
     if q_blocks == 1:
@@ -197,7 +201,7 @@ def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float
         omap = (1, 0, 2)                       # (b, hk, splits·rows, ·): split s writes rows s·rows …
     else:
         Q4 = g.reshape(Q, shape=(bh, 1, rows, d))
-        K3, V3 = g.reshape(K, shape=(bh, skv, d)), g.reshape(V, shape=(bh, skv, d))
+        K3, V3 = g.reshape(K, shape=(bh, skv, d)), g.reshape(V, shape=(bh, skv, dv))
         M4 = g.reshape(M, shape=(mask[0] * mask[1], 1, rows, skv)) if masked else None
         ins = [Q4, K3, V3] + ([M4] if masked else [])
         tb = new_threadblock_graph((bh, q_blocks, splits), forloop_range)
@@ -214,7 +218,7 @@ def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float
     Ms, Ls, Os = (g.reshape(x, shape=(bh, splits, rows, x.shape[-1])) if q_blocks == 1 else x for x in states)
     Y = split_kv_combine(g, Ms, Ls, Os, bh, combine_q_blocks, dtype,           # (b·hk, 1, rows, d)
                          empty_eps=EMPTY_ROW_EPS if empty_rows == "zero" else None)
-    g.mark_output(g.reshape(Y, shape=(b, hk, rows, d)))
+    g.mark_output(g.reshape(Y, shape=(b, hk, rows, dv)))
     return g.build()
 
 

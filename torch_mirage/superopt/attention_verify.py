@@ -52,6 +52,8 @@ def small_instance(b: int, hk: int, group: int, sq: int, skv: int, kwargs: dict,
     sq_s = min(sq, COLUMN_SQ if columns else SMALL["sq"])
     rows_s, skv_s, tile = (1 if per_head else group_s) * sq_s, SMALL["skv"], SMALL["tile"]
     small = dict(kwargs, tile=tile)
+    if small.get("dv"):                    # V's head size unlike Q's: kept unlike, and small
+        small["dv"] = SMALL["d"] // 2
     if small.get("empty_rows") == "zero":
         small["empty_rows"] = "nan"         # o / l: the epsilon is a float device (module docstring)
     if kwargs.get("mask") is not None:
