@@ -49,23 +49,32 @@ def test_bloom_alibi_attention_is_claimed_and_equals_eager():
     assert all("mask=additive(causal)+1 band=0" in r.info["attention"] for r in regions), str(report)
 
 
+def _deepseek_v3(attn: str, real_heads: bool = False):
+    """A DeepSeek-V3 of dense layers only (no MoE), random weights: tiny (Q / K heads 16 + 8, V heads 16), or with
+    the real model's head sizes (``real_heads``: 128 + 64 and 128, 16 heads, hidden 1024, 4 layers)."""
+    import transformers
+
+    heads = dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_attention_heads=16,
+                 num_key_value_heads=16, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                 q_lora_rank=512, kv_lora_rank=512, vocab_size=32000) if real_heads else dict(
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_attention_heads=4, num_key_value_heads=4,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, q_lora_rank=32, kv_lora_rank=32, vocab_size=256)
+    cfg = transformers.DeepseekV3Config(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                                        n_group=1, topk_group=1, first_k_dense_replace=heads["num_hidden_layers"],
+                                        max_position_embeddings=512, **heads)
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM._from_config(cfg, attn_implementation=attn).eval()
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_deepseek_v3_latent_attention_is_claimed_and_equals_eager(attn):
     """DeepSeek-V3's multi-head latent attention (Q / K heads of a no-position and a RoPE part, 16 + 8, V heads of
     16; dense layers only, no MoE) through both attention implementations: one attention region per layer with
     V's head size its own, eager-equal logits."""
-    import transformers
-
     import torch_mirage
 
-    cfg = transformers.DeepseekV3Config(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-        first_k_dense_replace=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, vocab_size=256, max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM._from_config(cfg, attn_implementation=attn).eval()
-    ids = _ids(cfg.vocab_size)
+    model = _deepseek_v3(attn)
+    ids = _ids(model.config.vocab_size)
     report = Report()
     torch._dynamo.reset()
     with torch.no_grad():
@@ -75,6 +84,28 @@ def test_deepseek_v3_latent_attention_is_claimed_and_equals_eager(attn):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     regions = [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
     assert len(regions) == 2 and all("d=24 dv=16" in r.info["attention"] for r in regions), str(report)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_deepseek_v3_latent_attention_on_gpu(attn):
+    """DeepSeek-V3's head sizes on the GPU (Q / K 192, not a power of two, V 128; bf16, 2 x 128 tokens): each
+    layer's attention claimed with V's size its own, the logits within the model tolerance of eager's."""
+    import torch_mirage
+    from torch_mirage.bench.harness import rel_error
+    from torch_mirage.numerics import tolerance
+
+    model = _deepseek_v3(attn, real_heads=True).to("cuda", torch.bfloat16)
+    ids = _ids(model.config.vocab_size, (2, 128)).cuda()
+    report = Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits.float()
+        compiled = torch.compile(model, backend=torch_mirage.MirageBackend(report=report))
+        got = compiled(input_ids=ids, use_cache=False).logits.float()
+    assert rel_error(got, expected) <= tolerance(torch.bfloat16, "model")
+    claimed = [r for r in report.regions if r.claimer == "attention"]
+    assert len(claimed) == 4 and all("d=192 dv=128" in r.info["attention"] for r in claimed), str(report)
 
 
 @pytest.mark.gpu
