@@ -49,6 +49,31 @@ def test_bloom_alibi_attention_is_claimed_and_equals_eager():
     assert all("mask=additive(causal)+1 band=0" in r.info["attention"] for r in regions), str(report)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_t5_encoder_relative_position_bias_is_claimed_and_equals_eager(attn):
+    """T5's encoder: unscaled scores plus its relative position bias and a padding mask (a row batch with padded
+    keys), through both attention implementations: one attention region per layer, scale 1, eager-equal."""
+    import transformers
+
+    import torch_mirage
+
+    cfg = transformers.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=256)
+    torch.manual_seed(0)
+    model = transformers.T5EncoderModel._from_config(cfg, attn_implementation=attn).eval()
+    ids = _ids(cfg.vocab_size)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    report = Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        compiled = torch.compile(model, backend=torch_mirage.MirageBackend(report=report))
+        got = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    regions = [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
+    assert len(regions) == 2 and all("scale=1 mask=additive" in r.info["attention"] for r in regions), str(report)
+
+
 def _deepseek_v3(attn: str, real_heads: bool = False):
     """A DeepSeek-V3 of dense layers only (no MoE), random weights: tiny (Q / K heads 16 + 8, V heads 16), or with
     the real model's head sizes (``real_heads``: 128 + 64 and 128, 16 heads, hidden 1024, 4 layers)."""

@@ -195,8 +195,9 @@ def _step_per_call(compiled: Callable) -> Callable:
 
 def last_decode_call(model, run: Callable[[], Any]) -> tuple[tuple, dict] | None:
     """The ``(args, kwargs)`` of the last forward call that ``run`` (a ``generate``) makes with one new token per
-    row — a decode step, with its static cache and cache position —, recorded by wrapping the model's forward
-    (compiled or not) while ``run`` runs; None where it makes none."""
+    row — a decode step, its static cache among the arguments (transformers 5 passes no cache position: the
+    cache's own length says where the token goes) —, recorded by wrapping the model's forward (compiled or not)
+    while ``run`` runs; None where it makes none."""
     inner, own = model.forward, "forward" in model.__dict__
     calls: list = []
 
