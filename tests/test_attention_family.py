@@ -363,6 +363,24 @@ def test_value_heads_of_another_size_are_attention(form, sq, dtype):
     assert f"d={d} dv={dv}" in region.info["attention"], region.info
 
 
+def test_a_mask_packed_like_the_query_heads_is_read():
+    """GQA without repeating K / V, a KV head's query heads packed into its rows, and the (b, 1, sq, skv) mask
+    expanded and packed the same way before it is added: the packed mask is a view of (b, h, sq, skv), one
+    region."""
+    def fn(q, k, v, mask):
+        b, h, sq, d = q.shape
+        hk, skv = k.shape[1], k.shape[2]
+        g = h // hk
+        s = torch.bmm(q.reshape(b * hk, g * sq, d), k.reshape(b * hk, skv, d).transpose(1, 2)) * d ** -0.5
+        packed = mask.expand(b, h, sq, skv).reshape(b * hk, g * sq, skv)
+        p = torch.softmax(s + packed, dim=-1)
+        return torch.bmm(p, v.reshape(b * hk, skv, d)).view(b, h, sq, d)
+
+    q, k, v = _qkv(2, 4, 2, 6, 10, 8, torch.float32)
+    (region,) = _check(fn, (q, k, v, torch.randn(2, 1, 6, 10)), torch.float32)
+    assert "hk=2" in region.info["attention"] and "mask=additive" in region.info["attention"], region.info
+
+
 def test_a_mask_added_first_is_read_as_the_mask():
     """``mask + scores`` (the mask the first argument of the add) is read as ``scores + mask``: one region."""
     def fn(q, k, v, mask):

@@ -724,8 +724,8 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
         return None
     mask_terms = []
     for value, factor, space in scores["terms"]:
-        shape = _term_shape(_shape(value), space, b, h, sq, skv)
-        if shape is None:                      # a mask over packed heads: its broadcast is not read
+        shape = _term_shape(_shape(value), space, b, h, hk, sq, skv)
+        if shape is None:                      # a mask broadcast over packed heads: not read
             return None
         mask_terms.append(MaskTerm(value, factor, shape))
     if len(mask_terms) == 1 and scores.get("mask_value") is not None and scores["terms"][0][2] == (b, h, sq, skv):
@@ -779,10 +779,11 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
     return spec
 
 
-def _term_shape(shape: tuple, space: tuple, b: int, h: int, sq: int, skv: int) -> tuple | None:
+def _term_shape(shape: tuple, space: tuple, b: int, h: int, hk: int, sq: int, skv: int) -> tuple | None:
     """The 4-D shape (broadcast to (b, h, sq, skv)) of a tensor of ``shape`` added to scores of shape ``space``:
-    (b, h, sq, skv) itself, or with the heads folded into the batch, (b·h, sq, skv) (its first dim then split into
-    (b, h)); None for any other (a KV head's query heads packed into its rows)."""
+    (b, h, sq, skv) itself; with the heads folded into the batch, (b·h, sq, skv), its first dim split into (b, h);
+    with a KV head's query heads packed into its rows, (b·hk, g·sq, skv), only a tensor of one entry per score row
+    (a row-major view of (b, h, sq, ·)); None for any other (a packed tensor broadcast over heads or rows)."""
     if len(shape) > len(space) or any(a not in (1, e) for a, e in zip(shape[::-1], space[::-1])):
         return None
     full = (1,) * (len(space) - len(shape)) + tuple(shape)
@@ -790,6 +791,8 @@ def _term_shape(shape: tuple, space: tuple, b: int, h: int, sq: int, skv: int) -
         return full
     if space == (b * h, sq, skv):
         return ((b, h) if full[0] == b * h else (1, 1)) + full[1:]
+    if space == (b * hk, h // hk * sq, skv) and full[:2] == space[:2]:
+        return (b, h, sq, full[2])
     return None
 
 
