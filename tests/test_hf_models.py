@@ -299,6 +299,11 @@ def test_the_decode_step_replays_generates_last_step_without_a_recompile():
     assert M.last_decode_call(model, lambda: model(input_ids=prompt)) is None   # a prefill only: no step
     assert "forward" not in model.__dict__
 
+    class WrappedWindow:            # a sliding-window layer past its window: its token cannot be put back
+        is_croppable = False
+
+    assert M.decode_step(model, ((), {"cache": type("Cache", (), {"layers": [WrappedWindow()]})()})) is None
+
 
 def test_report_derives_speedups_over_reduce_overhead_and_best_inductor():
     modes = {"eager": {"status": "ok", "prefill_us": 900.0, "us_per_token": 90.0},

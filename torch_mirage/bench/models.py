@@ -218,12 +218,15 @@ def last_decode_call(model, run: Callable[[], Any]) -> tuple[tuple, dict] | None
     return calls[0] if calls else None
 
 
-def decode_step(model, call: tuple[tuple, dict]) -> Callable[[], Any]:
+def decode_step(model, call: tuple[tuple, dict]) -> Callable[[], Any] | None:
     """A recorded decode step (:func:`last_decode_call`) that can run again and again: the static cache is put
     back one token (``crop(-1)``: an in-place decrement of each layer's length, a small kernel per layer, paid
-    alike in every mode) before the forward writes that token's K / V at the same position again."""
+    alike in every mode) before the forward writes that token's K / V at the same position again. None where a
+    cache layer cannot be put back (a sliding window that has wrapped around)."""
     args, kwargs = call
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None and not all(getattr(layer, "is_croppable", True) for layer in getattr(cache, "layers", ())):
+        return None
 
     def step() -> Any:
         if cache is not None:
@@ -291,9 +294,9 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
                     # one decode step as the compiled forward runs it, without generate's own Python around it
                     # (which moved µs/token by up to 1.6x between processes and with the order of the modes)
                     call = timing and last_decode_call(model, lambda: greedy_generate(model, prompt, new_tokens))
-                    if call:
-                        res["decode_step_us"], res["decode_step_us_median"] = _timed(decode_step(model, call),
-                                                                                     timing)
+                    step = decode_step(model, call) if call else None
+                    if step is not None:
+                        res["decode_step_us"], res["decode_step_us_median"] = _timed(step, timing)
             if not math.isfinite(res["rel_err_vs_eager"]) or res["rel_err_vs_eager"] > tolerance(dtype, "model"):
                 res["status"] = "mismatch"
             if report is not None:
