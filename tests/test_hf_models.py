@@ -55,23 +55,29 @@ def test_t5_encoder_relative_position_bias_is_claimed_and_equals_eager(attn):
     keys), through both attention implementations: one attention region per layer, scale 1, eager-equal."""
     import transformers
 
-    import torch_mirage
-
     cfg = transformers.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=256)
     torch.manual_seed(0)
     model = transformers.T5EncoderModel._from_config(cfg, attn_implementation=attn).eval()
     ids = _ids(cfg.vocab_size)
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0
+    report = _equal_to_eager(model, "last_hidden_state", input_ids=ids, attention_mask=mask)
+    regions = [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
+    assert len(regions) == 2 and all("scale=1 mask=additive" in r.info["attention"] for r in regions), str(report)
+
+
+def _equal_to_eager(model, output: str, **inputs) -> Report:
+    """``model(**inputs)``'s ``output`` through ``backend="mirage"`` (a fresh Dynamo) equal to eager's (fp32),
+    and mirage's report of that compile."""
+    import torch_mirage
+
     report = Report()
     torch._dynamo.reset()
     with torch.no_grad():
-        expected = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        compiled = torch.compile(model, backend=torch_mirage.MirageBackend(report=report))
-        got = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+        expected = getattr(model(**inputs), output)
+        got = getattr(torch.compile(model, backend=torch_mirage.MirageBackend(report=report))(**inputs), output)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    regions = [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
-    assert len(regions) == 2 and all("scale=1 mask=additive" in r.info["attention"] for r in regions), str(report)
+    return report
 
 
 def _deepseek_v3(attn: str, real_heads: bool = False):
@@ -96,17 +102,8 @@ def test_deepseek_v3_latent_attention_is_claimed_and_equals_eager(attn):
     """DeepSeek-V3's multi-head latent attention (Q / K heads of a no-position and a RoPE part, 16 + 8, V heads of
     16; dense layers only, no MoE) through both attention implementations: one attention region per layer with
     V's head size its own, eager-equal logits."""
-    import torch_mirage
-
     model = _deepseek_v3(attn)
-    ids = _ids(model.config.vocab_size)
-    report = Report()
-    torch._dynamo.reset()
-    with torch.no_grad():
-        expected = model(input_ids=ids, use_cache=False).logits
-        compiled = torch.compile(model, backend=torch_mirage.MirageBackend(report=report))
-        got = compiled(input_ids=ids, use_cache=False).logits
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    report = _equal_to_eager(model, "logits", input_ids=_ids(model.config.vocab_size), use_cache=False)
     regions = [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
     assert len(regions) == 2 and all("d=24 dv=16" in r.info["attention"] for r in regions), str(report)
 
