@@ -391,6 +391,22 @@ def test_a_mask_added_first_is_read_as_the_mask():
     assert "mask=additive" in region.info["attention"], region.info
 
 
+def test_scores_added_to_themselves_are_not_a_mask():
+    """``s + s``: the add's other side is the scores themselves, not a mask from outside: the analysis finds no
+    attention (its region would read a value it computes; the check stage caught that before), and the program
+    stays eager-equal."""
+    from torch_mirage.analysis.attention import find_attention
+    from torch_mirage.testing.aten import trace_ir
+
+    def fn(q, k, v):
+        s = q @ k.transpose(-1, -2) * 0.3
+        return torch.softmax(s + s, dim=-1) @ v
+
+    args = _qkv(1, 2, 2, 4, 8, 8, torch.float32)
+    assert not find_attention(trace_ir(fn, *args))
+    _check(fn, args, torch.float32, expect=0)
+
+
 def test_a_soft_cap_after_an_added_mask_is_not_attention():
     """``tanh`` of scores that already hold a mask is not ``softcap`` then mask: left to Inductor, eager-equal."""
     def fn(q, k, v, mask):

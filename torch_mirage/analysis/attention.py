@@ -749,6 +749,10 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
         seen.append(cast)
         out = cast.outputs[0]
     mask_value = scores.get("mask_value")
+    inner = {id(n) for n in seen}              # a mask computed by the region itself (``s + s``) is no mask
+    if any(m is not None and m.producer is not None and id(m.producer) in inner
+           for m in [mask_value] + [t.value for t in mask_terms]):
+        return None
     if mask_terms:                             # the band is read off a term added to the (b, h, sq, skv) scores
         banded = [t for t in mask_terms if len(_shape(t.value)) == 4 and t.shape == _shape(t.value)
                   and _mask_band(t.value, values, "additive", sq, skv) is not None]
