@@ -435,21 +435,23 @@ def _scores(x: Value, s: Value, seen: list[Node], pre: float = 1.0, terms: Seque
     the scores already have, ``terms``: tensors already added to them, each ``[value, factor, the shape of the
     scores it is added to]`` (``baddbmm``'s). Additive masks are collected as such terms, scaled by the factors
     that follow them (no soft-cap then); ``mask_value`` is set where there is one term, added unscaled."""
-    chain: list[Node] = []
+    steps: list[tuple[Node, Value]] = []     # each node from the softmax input back, with its score operand
     y = x
     while y is not s:
         if y.producer is None:
             return None
-        chain.append(y.producer)
-        y = _data_arg(y.producer)
-        if y is None:
+        data = _data_arg(y.producer)
+        if data is None:
             return None
+        steps.append((y.producer, data))
+        y = data
+    chain = [n for n, _ in steps]
     post, cap_seen, out = 1.0, False, {"mask": "none"}
     terms = [list(t) for t in terms]
-    for n in reversed(chain):
+    for n, data in reversed(steps):
         name = n.op.name
         a1 = n.args[1] if len(n.args) > 1 else None
-        if name == "add" and a1 is _data_arg(n):   # mask + scores: the mask is the first argument
+        if name == "add" and a1 is data:           # mask + scores: the mask is the first argument
             a1 = n.args[0]
         if name == "to_dtype" or name == "copy":
             pass
