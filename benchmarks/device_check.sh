@@ -43,7 +43,7 @@ for arg in "$@"; do
       python3 -m pytest tests -q -m "gpu and not gpu_alone" -p no:cacheprovider --collect-only 2>/dev/null | grep '::' > "$d/ids"
       for i in $(seq 0 $((n - 1))); do
         awk -v n="$n" -v i="$i" 'NR % n == i' "$d/ids" > "$d/ids$i"   # ids may hold spaces: one per line
-        ( mapfile -t ids < "$d/ids$i"; timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider --durations=8 "${ids[@]}" \
+        ( mapfile -t ids < "$d/ids$i"; timeout "$LIMIT" python3 -m pytest -v -p no:cacheprovider --durations=8 -o faulthandler_timeout=${FAULT_S:-120} "${ids[@]}" \
             > "$d/shard$i.log" 2>&1; echo "shard $i rc=$?" >> "$d/shard$i.log" ) &
       done
       wait; cat "$d"/alone.log "$d"/shard*.log; ! grep -q 'rc=[^0]' "$d"/alone.log "$d"/shard*.log ;;

@@ -360,17 +360,40 @@ def test_large_region_is_verified_at_shrunk_sizes():
     assert verified_instance(small, gemv_seed(small))[0] is small
 
 
-def test_prompt_rows_merged_by_a_reshape_are_verified_shrunk():
-    """A prompt's projections (generate's first forward: 4 x 64 rows, merged into 256 by a reshape) are verified
-    at shrunk sizes with the rows shrunk as a product (4 x 16), not at their own: HF qwen2's took 1.2-7.3 s a
-    verification on the 2-core CPU that way, 0.01-0.07 s shrunk. A wrong seed is still rejected there."""
+@pytest.mark.parametrize("rows,small_rows", [((4, 64), (4, 16)), ((2, 128), (2, 32))])
+def test_prompt_rows_merged_by_a_reshape_are_verified_shrunk(rows, small_rows):
+    """A prompt's projections (generate's first forward: 4 x 64 rows, merged into 256 by a reshape; 2 x 128, whose
+    128 is itself shrunk first) are verified at shrunk sizes with the rows shrunk as a product, not at their own:
+    HF qwen2's took 1.2-7.3 s a verification on the 2-core CPU that way, 0.01-0.07 s shrunk; the 2 x 128 prompt of
+    a 1024 -> 2 x 2816 gated MLP 9.5 s. A wrong seed is still rejected there."""
+    from torch_mirage.superopt.search.shrink import MAX_VERIFY_WORK, executor_work
+
     fn = FORMS[12][1]
-    ref, program, seed, shapes = _verified_instance_of(fn, (4, 64, 1024), 2816)
-    assert program is not ref and shapes[0][:2] == (4, 16) and max(d for s in shapes for d in s) <= 64, shapes
+    ref, program, seed, shapes = _verified_instance_of(fn, (*rows, 1024), 2816)
+    assert program is not ref and shapes[0][:2] == small_rows and max(d for s in shapes for d in s) <= 96, shapes
+    assert executor_work(seed) < MAX_VERIFY_WORK < executor_work(gemv_seed(ref))
     examples = [torch.zeros(s, dtype=torch.float16) for s in shapes]
     assert verify(seed, program, examples)
-    _, swapped, _, _ = _verified_instance_of(lambda x, g, w1, w3: fn(x, g, w3, w1), (4, 64, 1024), 2816)
+    _, swapped, _, _ = _verified_instance_of(lambda x, g, w1, w3: fn(x, g, w3, w1), (*rows, 1024), 2816)
     assert not verify(seed, swapped, examples)    # SiLU of the other projection: another function
+
+
+def test_seed_too_costly_to_verify_at_its_own_sizes_is_declined(monkeypatch):
+    """A seed whose sizes do not shrink is verified at its own only while the verifier's executor work stays under
+    MAX_VERIFY_WORK (few block steps of large tiles cost as much as many small ones); above it the cut is declined
+    with the reason, and the claimer tries a smaller one."""
+    from torch_mirage.superopt import gemv_claim
+    from torch_mirage.superopt.search.shrink import executor_work
+
+    graph = trace(FORMS[12][1], _inputs("gw", 3, True))
+    ref = reference_of(graph.nodes, graph).graph
+    assert verified_instance(ref, gemv_seed(ref))[0] is ref           # small: verified as it is
+    config = load({})
+    seed, why = gemv_claim.verified_seed(ref, config)
+    assert seed is not None, why
+    monkeypatch.setattr(gemv_claim, "MAX_VERIFY_WORK", executor_work(gemv_seed(ref)) - 1)
+    seed, why = gemv_claim.verified_seed(ref, config)
+    assert seed is None and "too large to verify at its own sizes" in why and "elements to compute" in why
 
 
 @interpreted

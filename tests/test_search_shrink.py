@@ -91,7 +91,10 @@ def test_product_map_shrinks_rows_merged_by_a_reshape():
     assert m[256] == m[4] * m[64] and m[256] % SMALL_TILE == 0 and m[256] >= 2 * SMALL_TILE
     assert len(set(m.values())) == 5 and all(v <= 64 for v in m.values())
     assert product_size_map([4, 16, 4096]) is None                  # no product: the plain map serves
-    assert product_size_map([2, 320, 640, 288]) is None             # 2 x 320: a factor above BIG
+    m2 = product_size_map([2, 288, 320, 640])                       # 2 x 320: 320 mapped first, then the product
+    assert m2[640] == 2 * m2[320] and len(set(m2.values())) == 4
+    assert product_size_map([4, 64, 256, 1024])[1024] <= 64         # 4 x 256 only by chance: not made large
+    assert product_size_map([64, 128, 8192]) is None                # 64 x 128: a product too large to be small
     assert product_size_map in SIZE_MAPS
     g = new_kernel_graph()
     x = g.new_input((4, 64, 320), "float32")

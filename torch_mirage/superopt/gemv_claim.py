@@ -50,7 +50,8 @@ from .gemv_seed import NotStreamable, gemv_seed, rotation_groups
 from .launch import streaming_candidates
 from .cut import GROW, MAX_NODES, cache_writes, computes, grow, layout_tails_dropped, lowered_reference, reference_kernel
 from .search.reference import Reference
-from .search.shrink import SMALL_HEAD, SMALL_TILE, block_steps, head_size_map, product_size_map, shrink
+from .search.shrink import (MAX_VERIFY_WORK, SMALL_HEAD, SMALL_TILE, block_steps, executor_work, head_size_map,
+                            product_size_map, shrink)
 from .ugraph_plan import Alternative, UGraphPlan, random_inputs
 from .updates import split_updates, with_updates
 from .validate import problems
@@ -220,9 +221,11 @@ def verified_seed(ref: KernelGraph, config, halves: bool = False, cache: Any = N
         return None, f"not a weight-streaming matmul region: {e}"
     if invalid := problems(seed):
         return None, f"the weight-streaming seed is not valid: {'; '.join(invalid)}"
-    if program is ref and (steps := block_steps(candidate)) > MAX_VERIFY_STEPS:
-        return None, (f"the weight-streaming seed is too large to verify at its own sizes ({steps} block steps; its "
-                      "sizes do not shrink): a smaller cut is tried")
+    if program is ref and ((steps := block_steps(candidate)) > MAX_VERIFY_STEPS
+                           or (work := executor_work(candidate)) > MAX_VERIFY_WORK):
+        size = f"{steps} block steps" if steps > MAX_VERIFY_STEPS else f"{work:.2e} elements to compute"
+        return None, (f"the weight-streaming seed is too large to verify at its own sizes ({size}; its sizes do not "
+                      "shrink): a smaller cut is tried")
     examples = [torch.zeros(tuple(op.attrs["shape"]), dtype=TORCH_DTYPES[op.attrs["dtype"]]) for op in program.inputs]
     with unset_fake_temporarily():      # the verifier runs real tensors
         verdict = verify(candidate, program, examples, error_bound=config.verify_error_bound,

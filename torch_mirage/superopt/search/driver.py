@@ -61,7 +61,7 @@ from .heads import group_heads, unpack
 from .oracle import SubexprOracle
 from .schedule import schedules
 from .seeds import SEED_WORKLOADS, Seed, find_seed
-from .shrink import block_steps, shrunk_problems, transfers
+from .shrink import MAX_VERIFY_WORK, block_steps, executor_work, shrunk_problems, transfers
 
 log = logging.getLogger("torch_mirage")
 
@@ -71,7 +71,8 @@ log = logging.getLogger("torch_mirage")
 # keeping unproven misses (strict=False) had not found it after 40 s. The verifier guards correctness either way.
 DEFAULT_ORACLE = dict(use_z3=True, strict=True, z3_total_s=3.0)
 # A μGraph found on the shrunk problem is re-verified at the real size when its grid blocks x for-loop steps
-# (the executor's Python steps) are at most this many; above it the compile stage's float check runs on it.
+# (the executor's Python steps) are at most this many and its executor work at most MAX_VERIFY_WORK; above
+# either the compile stage's float check runs on it.
 RECHECK_STEPS = 256
 
 
@@ -402,7 +403,7 @@ def _carried_back(small: list, job: dict, shrunk, stats: SearchStats) -> list:
         for real_sched, big, _ in reals:
             big = _viewed(job, big)
             steps = block_steps(big)
-            if steps <= RECHECK_STEPS:
+            if steps <= RECHECK_STEPS and executor_work(big) <= MAX_VERIFY_WORK:
                 verdict = verify(big, job["reference"], examples, **job["vkw"])
                 if not verdict:
                     stats.rejected_by_verifier += 1
