@@ -7,6 +7,7 @@
 #        afterinductor:<args of benchmarks/compile_after_inductor.py> siblingpairs:<args of benchmarks/sibling_pairs_gpu.py>
 #        memorypeak:<bench cli args> (benchmarks/memory_peak_gpu.py: the call sites alive at the run's GPU memory peak)
 #        sdpaprobe:<args of benchmarks/sdpa_choice_probe.py> (the SDPA op an HF model's ATen graph holds, and why)
+#        maskprobe:<args of benchmarks/mask_form_probe.py> (the mask form each attention region of an HF model takes here)
 #        guardprobe:<args of benchmarks/guard_probe.py> (the whole-graph guard's versions: host, loop and device time)
 #        hfprofile:<args of benchmarks/hf_decode_profile.py> (one generate per mode under torch.profiler: host vs GPU)
 #        hf:<models, e.g. qwen2,phi3> (the HF model bench,
@@ -64,6 +65,7 @@ for arg in "$@"; do
     siblingpairs:*) timeout "$LIMIT" python3 benchmarks/sibling_pairs_gpu.py ${step#siblingpairs:} ;;   # "siblingpairs:--batch 8"
     memorypeak:*) timeout "$LIMIT" python3 benchmarks/memory_peak_gpu.py --out "$OUT/memorypeak" ${step#memorypeak:} ;;
     sdpaprobe:*) timeout "$LIMIT" python3 benchmarks/sdpa_choice_probe.py ${step#sdpaprobe:} ;;   # "sdpaprobe:" = bert
+    maskprobe:*) timeout "$LIMIT" python3 benchmarks/mask_form_probe.py ${step#maskprobe:} ;;   # "maskprobe:--model bloom"
     guardprobe:*) timeout "$LIMIT" python3 benchmarks/guard_probe.py ${step#guardprobe:} ;;   # "guardprobe:--model bert"
     hfprofile:*) timeout "$LIMIT" python3 benchmarks/hf_decode_profile.py ${step#hfprofile:} ;;   # "hfprofile:--model qwen2"
     afterinductor:*) timeout "$LIMIT" python3 benchmarks/compile_after_inductor.py ${step#afterinductor:} ;;   # "afterinductor:--profile"

@@ -238,6 +238,26 @@ def test_masked_side_assumes_finite_but_whole_tensors_stay_exact():
     assert _check_all_values(g, x) >= 4
 
 
+def test_padding_mask_gathered_from_ones_keeps_the_causal_triangle():
+    """transformers 5.17's causal mask: the triangle ANDed with a padding mask indexed out of an all-ones tensor
+    (BLOOM's prompt without a mask); a gather of a constant is that constant, so the triangle survives. A gather
+    of data is not known."""
+    def mask(x, data):
+        n = x.shape[-1]
+        pad = torch.ones(2, n).to(torch.bool)
+        b, kv = torch.arange(2)[:, None, None, None], torch.arange(n)[None, None, None, :]
+        q = torch.arange(n)[None, None, :, None]
+        keep = (kv <= q) & pad[b, kv]
+        return torch.where(keep, 0.0, float("-inf")) + x, data[b, kv]
+    x, data = torch.randn(2, 1, 6, 6), torch.randn(2, 6)
+    g = trace_ir(mask, x, data)
+    props = analyze_properties(g)
+    masked, gathered = g.output_values
+    assert props.value(masked).constant_where(-math.inf) is not None and props.value(masked).is_triangle
+    assert not props.value(gathered).known
+    assert _check_all_values(g, x, data) >= 4
+
+
 def test_opaque_ops_neither_link_nor_fail():
     g = trace_ir(lambda x: torch.sort(x, dim=-1).values.sum(-1), torch.randn(4, 9))
     props = analyze_properties(g)

@@ -328,13 +328,27 @@ def _value_unknown(node: Node, values: dict) -> list[ValueProperty]:
     return [UNKNOWN] * len(node.outputs)
 
 
+# ops whose every result element is one of their first operand's elements (gathers): a constant stays constant
+# (transformers 5.17's causal mask ANDs the triangle with a padding mask indexed out of ``ones``, BLOOM's prompt)
+_PICKS = frozenset({"aten.index.Tensor", "aten.index_select.default", "aten.gather.default",
+                    "aten.embedding.default"})
+
+
+def _value_opaque(node: Node, values: dict) -> list[ValueProperty]:
+    if node.target_name in _PICKS and len(node.outputs) == 1 and isinstance(node.args[0], Value):
+        source = _operand_value(node.args[0], values)
+        if source.is_constant:
+            return [source]
+    return _value_unknown(node, values)
+
+
 _VALUE_RULES: dict[OpKind, Callable[[Node, dict], list[ValueProperty]]] = {
     OpKind.ELEMENTWISE: _value_elementwise,
     OpKind.REDUCTION: _value_reduction,
     OpKind.MATMUL: _value_unknown,
     OpKind.LAYOUT: _value_layout,
     OpKind.CREATION: _value_creation,
-    OpKind.OPAQUE: _value_unknown,
+    OpKind.OPAQUE: _value_opaque,
 }
 
 
