@@ -225,14 +225,30 @@ def decode_step(model, call: tuple[tuple, dict]) -> Callable[[], Any] | None:
     cache layer cannot be put back (a sliding window that has wrapped around)."""
     args, kwargs = call
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if cache is not None and not all(getattr(layer, "is_croppable", True) for layer in getattr(cache, "layers", ())):
+    put_back = _put_back_one_token(cache) if cache is not None else (lambda: None)
+    if put_back is None:
         return None
 
     def step() -> Any:
-        if cache is not None:
-            cache.crop(-1)
+        put_back()
         return model.forward(*args, **kwargs)
     return step
+
+
+def _put_back_one_token(cache) -> Callable[[], None] | None:
+    """What takes ``cache`` back one token: its ``crop(-1)`` where every layer is croppable (transformers 5.24's
+    static layers), else, for static layers of full attention without ``crop`` (transformers 5.17, the device's),
+    the in-place decrement of each layer's ``cumulative_length`` that 5.24's ``crop`` does; None otherwise."""
+    layers = list(getattr(cache, "layers", ()))
+    if all(getattr(layer, "is_croppable", True) for layer in layers):
+        return lambda: cache.crop(-1)
+    if layers and all(isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
+                      and not getattr(layer, "is_sliding", True) for layer in layers):
+        def decrement() -> None:
+            for layer in layers:
+                layer.cumulative_length.sub_(1)
+        return decrement
+    return None
 
 
 def _timed(fn: Callable[[], Any], timing: dict | None) -> tuple[float | None, float | None]:
