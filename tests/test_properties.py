@@ -258,6 +258,47 @@ def test_padding_mask_gathered_from_ones_keeps_the_causal_triangle():
     assert _check_all_values(g, x, data) >= 4
 
 
+def _positions_mask(x, start: int = 0):
+    """transformers 5.24's causal mask for positions derived in the graph (no ``position_ids`` passed): the
+    positions gathered per (batch, query) and (batch, key) index, ANDed with its packed-sequence check (a cumsum
+    of where the positions do not step by one, all 0 here)."""
+    b, n = x.shape[0], x.shape[-1]
+    pos = (torch.arange(n) + start).unsqueeze(0)
+    e = pos.expand(b, -1)
+    c = torch.cat([e[:, 0:1] - 1, e], -1)
+    seq = ((c[..., 1:n + 1] - c[..., 0:n]) != 1).cumsum(-1)
+    bi = torch.arange(b)[:, None, None, None]
+    qi, ki = torch.arange(n)[None, None, :, None], torch.arange(n)[None, None, None, :]
+    keep = qi.new_ones((), dtype=torch.bool) & (e[bi, ki] <= e[bi, qi]) & (seq[bi, qi] == seq[bi, ki])
+    return torch.where(keep.expand(b, -1, n, n), 0.0, float("-inf")) + x
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_positions_gathered_by_index_keep_the_causal_triangle(start):
+    """Index arithmetic through a slice with an offset, a cat of one expression's pieces, a cumsum of a constant
+    and advanced indexing by index tensors: the mask HF builds from positions is still the causal triangle, and
+    every value the analysis claims holds in eager."""
+    x = torch.randn(2, 1, 7, 7)
+    g = trace_ir(lambda x: _positions_mask(x, start), x)
+    props = analyze_properties(g)
+    out = props.value(g.output_values[0])
+    assert out.is_triangle and out.constant_where(-math.inf) is not None, str(out)
+    assert props.value(_producer(g, "cat")).kind is ValueKind.AFFINE
+    assert _check_all_values(g, x) >= 30
+
+
+def test_gather_by_data_and_a_cat_of_different_pieces_are_not_known():
+    def f(x):
+        n = x.shape[-1]
+        i = torch.arange(n)
+        return torch.cat([i[:2], i[:3]]), i[x.argmax(-1)], torch.cat([i, i * 2]).cumsum(0)
+    x = torch.randn(4, 6)
+    g = trace_ir(f, x)
+    props = analyze_properties(g)
+    assert all(not props.value(v).known for v in g.output_values)
+    assert _check_all_values(g, x) >= 2
+
+
 def test_opaque_ops_neither_link_nor_fail():
     g = trace_ir(lambda x: torch.sort(x, dim=-1).values.sum(-1), torch.randn(4, 9))
     props = analyze_properties(g)

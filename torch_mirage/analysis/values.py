@@ -52,6 +52,16 @@ class Affine:
             t[d] = t.get(d, 0) + c
         return Affine.make(t, self.const + other.const)
 
+    def substituted(self, subs: dict[int, "Affine"]) -> "Affine | None":
+        """The expression with each index ``i[d]`` replaced by ``subs[d]`` (an expression over other indices: a
+        gather's index tensors, a slice's offset); None where a dim it reads has no substitute."""
+        if any(d not in subs for d, _ in self.terms):
+            return None
+        r = Affine((), self.const)
+        for d, c in self.terms:
+            r = r.plus(subs[d].scaled(c))
+        return r
+
     def remapped(self, dim_map: dict[int, int]) -> "Affine | None":
         if any(d not in dim_map for d, _ in self.terms):
             return None
@@ -120,6 +130,44 @@ def _eq_fill(a: Any, b: Any) -> bool:
 
 def const(c: Any) -> ValueProperty:
     return ValueProperty(ValueKind.CONSTANT, fill=c)
+
+
+def _typed(c: Any, value: Value) -> Any:
+    """``c`` as an element of ``value``'s dtype (bool / int / float), so that identities such as ``x & True``
+    recognise it."""
+    dtype = value.meta.dtype if value.meta is not None else None
+    if dtype is torch.bool:
+        return bool(c)
+    if dtype is not None and not dtype.is_floating_point and not dtype.is_complex:
+        return int(c)
+    return float(c)
+
+
+def _normalised(p: ValueProperty) -> ValueProperty:
+    """An index expression without index terms as the constant it is (``arange(n)[1:] - arange(n)[:-1]`` is 1
+    everywhere): AFFINE its value, MASK whether it holds, PIECEWISE the side it selects."""
+    if p.kind in (ValueKind.AFFINE, ValueKind.MASK, ValueKind.PIECEWISE) and not p.expr.terms:
+        c = p.expr.const
+        if p.kind is ValueKind.AFFINE:
+            return const(c)
+        if p.kind is ValueKind.MASK:
+            return const(c >= 0)
+        return p.inside if c >= 0 else p.outside
+    return p
+
+
+def _with_expr(p: ValueProperty, expr: Affine | None) -> ValueProperty:
+    """``p`` read through an index map that turns its expression into ``expr`` (None: not expressible)."""
+    if p.kind in (ValueKind.CONSTANT, ValueKind.UNKNOWN):
+        return p
+    if expr is None:
+        return UNKNOWN
+    return _normalised(ValueProperty(p.kind, fill=p.fill, expr=expr, inside=p.inside, outside=p.outside))
+
+
+def _identity_subs(rank: int) -> dict[int, Affine]:
+    """Every index of a rank-``rank`` tensor as itself (dims from the right)."""
+    return {d: Affine(((d, 1),)) for d in range(-rank, 0)}
 
 
 # ----------------------------------------------------------------------------- value rules (forward)
@@ -281,11 +329,29 @@ def _value_creation(node: Node, values: dict) -> list[ValueProperty]:
         if is_int(start) and is_int(step):
             return [ValueProperty(ValueKind.AFFINE, expr=Affine.make({-1: step}, start))]
         return [UNKNOWN]
+    return [_filled(node)]
+
+
+_FILLS = {"zeros": 0, "ones": 1, "new_zeros": 0, "new_ones": 1, "zeros_like": 0, "ones_like": 1}
+_CREATES = frozenset(_FILLS) | {"full_like", "new_full"}     # the op kinds' table calls these opaque
+
+
+def _filled(node: Node) -> ValueProperty:
+    """The constant a creation op fills its result with (``full``, ``ones``, ``new_ones``, ``zeros_like`` ...), in
+    the result's dtype; UNKNOWN for any other op."""
+    b = bind_args(node)
+    out = node.outputs[0]
     for key in ("fill_value", "s"):
-        if key in b:
-            return [const(b[key])]
-    fills = {"zeros": 0.0, "ones": 1.0}
-    return [next((const(v) for k, v in fills.items() if f".{k}." in name + "."), UNKNOWN)]
+        if key in b and isinstance(b[key], (int, float, bool)):
+            return const(_typed(b[key], out))
+    op = _aten_name(node)
+    return const(_typed(_FILLS[op], out)) if op in _FILLS else UNKNOWN
+
+
+def _aten_name(node: Node) -> str:
+    """``new_ones`` of ``aten.new_ones.default``; "" for a target of another form."""
+    parts = node.target_name.split(".")
+    return parts[1] if len(parts) >= 3 else ""
 
 
 def _value_reduction(node: Node, values: dict) -> list[ValueProperty]:
@@ -299,6 +365,10 @@ def _value_layout(node: Node, values: dict) -> list[ValueProperty]:
     outs = [o for o in node.outputs]
     if ins and all(p.is_constant for p in ins) and len({str(p.fill) for p in ins}) == 1:
         return [ins[0]] * len(outs)
+    if node.op.name == "cat":
+        return [_value_cat(node, ins)]
+    if node.op.name == "slice" and "index" not in bind_args(node) and ins and ins[0].known:
+        return [_value_sliced(node, ins[0])]
     pair_fn = LAYOUT_PAIRS.get(node.op.name)
     if pair_fn is None or not ins or not ins[0].known:
         return [UNKNOWN] * len(outs)
@@ -310,6 +380,45 @@ def _value_layout(node: Node, values: dict) -> list[ValueProperty]:
     if node.op.name == "view":   # size-1 dims the grouping skipped
         dim_map.update({d - ndim(x): None for d in range(ndim(x)) if is_one(x.meta.shape[d])})
     return [_remap(ins[0], dim_map)]
+
+
+def _value_sliced(node: Node, p: ValueProperty) -> ValueProperty:
+    """``x[..., start::step, ...]``: index ``i`` of the result reads index ``start + step·i`` of ``x``."""
+    b = bind_args(node)
+    x = tensor_inputs(node)[0]
+    rank, size = ndim(x), x.meta.shape[b["dim"] % ndim(x)]
+    start, step = b.get("start") or 0, b.get("step") or 1
+    if not (is_int(start) and is_int(step) and is_int(size)):
+        return UNKNOWN
+    start = max(start + size, 0) if start < 0 else start
+    d = b["dim"] % rank - rank
+    subs = _identity_subs(rank)
+    subs[d] = Affine.make({d: step}, start)
+    return _with_expr(p, p.expr.substituted(subs) if p.expr is not None else None)
+
+
+def _value_cat(node: Node, ins: list[ValueProperty]) -> ValueProperty:
+    """``cat`` of pieces that are one index expression (each read at its offset along the dim): that expression
+    (``cat([pos[:, :1] - 1, pos], -1)`` is ``i - 1`` throughout); UNKNOWN where the pieces differ."""
+    pieces = tensor_inputs(node)
+    if not pieces or any(not p.known for p in ins):
+        return UNKNOWN
+    rank = ndim(pieces[0])
+    d = (bind_args(node).get("dim", 0) or 0) % rank - rank
+    whole, offset = None, 0
+    for v, p in zip(pieces, ins):
+        subs = _identity_subs(rank)
+        subs[d] = Affine.make({d: 1}, -offset)
+        q = _with_expr(p, p.expr.substituted(subs) if p.expr is not None else None)
+        if whole is None:
+            whole = q
+        elif q != whole and not (q.is_constant and whole.is_constant and _eq_fill(q.fill, whole.fill)):
+            return UNKNOWN
+        size = v.meta.shape[d]
+        if not is_int(size):
+            return UNKNOWN
+        offset += size
+    return whole
 
 
 def _remap(p: ValueProperty, dim_map: dict[int, int | None]) -> ValueProperty:
@@ -335,11 +444,47 @@ _PICKS = frozenset({"aten.index.Tensor", "aten.index_select.default", "aten.gath
 
 
 def _value_opaque(node: Node, values: dict) -> list[ValueProperty]:
-    if node.target_name in _PICKS and len(node.outputs) == 1 and isinstance(node.args[0], Value):
+    if len(node.outputs) != 1:
+        return _value_unknown(node, values)
+    if node.target_name in _PICKS and isinstance(node.args[0], Value):
         source = _operand_value(node.args[0], values)
         if source.is_constant:
             return [source]
+        if node.target_name == "aten.index.Tensor":
+            return [_value_indexed(node, source, values)]
+    elif node.target_name == "aten.cumsum.default":
+        return [_value_cumsum(node, values)]
+    elif _aten_name(node) in _CREATES:
+        return [_filled(node)]
     return _value_unknown(node, values)
+
+
+def _value_indexed(node: Node, source: ValueProperty, values: dict) -> ValueProperty:
+    """``x[idx_0, ..., idx_k-1]`` (advanced indexing of the leading dims by index tensors): x's expression with
+    index ``j < k`` replaced by the expression of ``idx_j``, whose dims (broadcast together) lead the result, and
+    the dims after k kept (transformers' masks gather positions as ``pos[b, q]``)."""
+    indices = node.args[1] if len(node.args) > 1 else None
+    if source.expr is None or not indices or not all(isinstance(i, Value) for i in indices):
+        return UNKNOWN
+    exprs = [_affine_of(_operand_value(i, values)) for i in indices]
+    if any(e is None for e in exprs):
+        return UNKNOWN
+    rank, k = ndim(node.args[0]), len(indices)
+    trailing = rank - k
+    subs = {j - rank: Affine.make({d - trailing: c for d, c in e.terms}, e.const) for j, e in enumerate(exprs)}
+    subs.update({d: Affine(((d, 1),)) for d in range(-trailing, 0)})
+    return _with_expr(source, source.expr.substituted(subs))
+
+
+def _value_cumsum(node: Node, values: dict) -> ValueProperty:
+    """The running sum of a constant integer ``c`` along a dim: ``c·(i + 1)`` (0 for a mask that is all False)."""
+    x = node.args[0]
+    p = _operand_value(x, values)
+    if not p.is_constant or isinstance(p.fill, float) or not is_int(int(p.fill)):
+        return UNKNOWN
+    c = int(p.fill)
+    d = bind_args(node)["dim"] % ndim(x) - ndim(x)
+    return _normalised(ValueProperty(ValueKind.AFFINE, expr=Affine.make({d: c}, c)))
 
 
 _VALUE_RULES: dict[OpKind, Callable[[Node, dict], list[ValueProperty]]] = {
@@ -357,5 +502,5 @@ def analyze_values(nodes: Iterable[Node]) -> dict[int, ValueProperty]:
     values: dict[int, ValueProperty] = {}
     for node in nodes:
         for out, p in zip(node.outputs, _VALUE_RULES[node.kind](node, values)):
-            values[id(out)] = p
+            values[id(out)] = _normalised(p)
     return values
