@@ -206,6 +206,25 @@ def test_sdpa_bool_mask_read_additive_where_its_where_is_not_free():
     assert not any(n.op.name == "where" for n in spec.nodes)
 
 
+@pytest.mark.parametrize("form", ["ones", "index"])
+def test_sdpa_mask_that_hides_nothing_is_no_mask(form):
+    """A mask the graph builds that keeps every key (transformers 5.17's all-ones padding mask for BERT; a compare
+    of indices that always holds, ``i >= 0``) is no mask: the region reads Q, K and V alone, eager-equal."""
+    from torch_mirage.analysis.attention import find_attention
+    from torch_mirage.testing.aten import trace_ir
+
+    def f(q, k, v):
+        if form == "ones":
+            m = torch.ones(q.shape[0], 1, q.shape[-2], k.shape[-2], dtype=torch.bool)
+        else:
+            m = (torch.arange(k.shape[-2]) + torch.arange(q.shape[-2])[:, None]) >= 0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    q, k, v = _qkv(2, 4, 4, 8, 16, 16, torch.float32)
+    (spec,) = find_attention(trace_ir(f, q, k, v))
+    assert spec.mask == "none" and spec.mask_value is None and len(spec.inputs) == 3
+    _check(f, (q, k, v), torch.float32)
+
+
 # ------------------------------------------------------------------ hand-written
 def test_hand_written_causal_attention_from_index_comparisons():
     """Scale on q, the transpose spelled with permute, a causal mask from arange comparisons (its value property

@@ -287,6 +287,22 @@ def test_positions_gathered_by_index_keep_the_causal_triangle(start):
     assert _check_all_values(g, x) >= 30
 
 
+def test_a_compare_no_index_can_change_is_a_constant():
+    """Indices are >= 0: ``i + j >= 0`` holds everywhere and ``-i - 1 >= 0`` nowhere, so both are constants (and a
+    ``where`` over them one of its sides); ``i - j >= 0`` stays a mask."""
+    def f(x):
+        i, j = torch.arange(x.shape[0])[:, None], torch.arange(x.shape[1])
+        return torch.where(i + j >= 0, 0.0, float("-inf")) + x, (-i - 1) >= 0, i - j >= 0
+    x = torch.randn(5, 6)
+    g = trace_ir(f, x)
+    props = analyze_properties(g)
+    always, never, tri = (props.value(v) for v in g.output_values)
+    assert not always.known          # x itself: the where was the constant 0
+    assert props.value(_producer(g, "where")).is_constant and props.value(_producer(g, "where")).fill == 0.0
+    assert never.is_constant and never.fill is False and tri.kind is ValueKind.MASK
+    assert _check_all_values(g, x) >= 6
+
+
 def test_gather_by_data_and_a_cat_of_different_pieces_are_not_known():
     def f(x):
         n = x.shape[-1]

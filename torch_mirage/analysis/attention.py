@@ -864,7 +864,7 @@ def _sdpa_at(node: Node, values: dict | None, read_bool: bool = True) -> Attenti
         if mask is not None:
             return None
         spec.mask, spec.mask_structure, spec.mask_band, spec.mask_zero_visible = "causal", "causal", (0, None), True
-    elif isinstance(mask, Value):
+    elif isinstance(mask, Value) and not _hides_nothing(mask, values):
         spec.mask = "bool" if mask.meta.dtype is torch.bool else "additive"
         if read_bool and (behind := _bool_behind(mask)) is not None:   # SDPA's bool -> additive conversion
             mask, spec.mask, spec.bool_fill, builders = behind
@@ -877,6 +877,15 @@ def _sdpa_at(node: Node, values: dict | None, read_bool: bool = True) -> Attenti
         spec.mask_zero_visible = spec.mask_band is not None and (
             spec.mask != "additive" or _visible_zero(mask, values))
     return spec
+
+
+def _hides_nothing(mask: Value, values: dict | None) -> bool:
+    """Whether the mask's value property says it is all True (bool) or all 0 (additive): the region is then
+    unmasked (transformers 5.17 passes BERT's all-ones padding mask to SDPA as such a bool mask)."""
+    p = values.get(id(mask)) if values is not None else None
+    if p is None or not p.is_constant:
+        return False
+    return p.fill is True if mask.meta.dtype is torch.bool else p.fill == 0 and not isinstance(p.fill, bool)
 
 
 def find_attention(graph: Graph, nodes: Sequence[Node] | None = None,

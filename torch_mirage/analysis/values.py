@@ -145,14 +145,16 @@ def _typed(c: Any, value: Value) -> Any:
 
 def _normalised(p: ValueProperty) -> ValueProperty:
     """An index expression without index terms as the constant it is (``arange(n)[1:] - arange(n)[:-1]`` is 1
-    everywhere): AFFINE its value, MASK whether it holds, PIECEWISE the side it selects."""
-    if p.kind in (ValueKind.AFFINE, ValueKind.MASK, ValueKind.PIECEWISE) and not p.expr.terms:
-        c = p.expr.const
-        if p.kind is ValueKind.AFFINE:
-            return const(c)
-        if p.kind is ValueKind.MASK:
-            return const(c >= 0)
-        return p.inside if c >= 0 else p.outside
+    everywhere): AFFINE its value; and a predicate whose sign no index can change (indices are >= 0: ``i >= 0``
+    always holds, ``-i - 1 >= 0`` never) as that answer: MASK the bool, PIECEWISE the side it selects."""
+    if p.kind is ValueKind.AFFINE and not p.expr.terms:
+        return const(p.expr.const)
+    if p.kind in (ValueKind.MASK, ValueKind.PIECEWISE):
+        coefs, c = [k for _, k in p.expr.terms], p.expr.const
+        holds = True if c >= 0 and all(k >= 0 for k in coefs) else False if c < 0 and all(k <= 0 for k in coefs) \
+            else None
+        if holds is not None:
+            return const(holds) if p.kind is ValueKind.MASK else (p.inside if holds else p.outside)
     return p
 
 
