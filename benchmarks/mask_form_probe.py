@@ -17,10 +17,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--full", action="store_true", help="the bench's size, not the tiny model")
+    ap.add_argument("--attn", default="default", help="attn_implementation: default, eager, sdpa")
     args = ap.parse_args()
     print("torch", torch.__version__, "transformers", transformers.__version__, "device", args.device)
     spec = M.MODELS[args.model]
-    model = M.build(spec, "default", getattr(torch, args.dtype), args.device, tiny=not args.full)
+    model = M.build(spec, args.attn, getattr(torch, args.dtype), args.device, tiny=not args.full)
     ids = torch.randint(0, model.config.vocab_size, (2, args.seq), device=args.device)
     report = Report()
     with torch.no_grad():

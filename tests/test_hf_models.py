@@ -49,6 +49,17 @@ def test_bloom_alibi_attention_is_claimed_and_equals_eager():
     assert all("mask=additive(causal)+1 band=0" in r.info["attention"] for r in regions), str(report)
 
 
+@pytest.mark.parametrize("name,attn", [("llama", "default"), ("gemma2", "eager"), ("gpt2", "default")])
+def test_causal_band_is_read_off_the_masks_transformers_builds(name, attn):
+    """The causal masks transformers builds for a prompt (its positions gathered per query and key, ANDed with a
+    packed-sequence check, or a padding mask indexed out of ones) show their band: every layer's attention skips
+    the key tiles above the diagonal."""
+    report = _forward_equal(name, attn)
+    regions = [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
+    assert regions and all("(causal)" in r.info["attention"] and "band=0" in r.info["attention"]
+                           for r in regions), str(report)
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_t5_encoder_relative_position_bias_is_claimed_and_equals_eager(attn):
     """T5's encoder: unscaled scores plus its relative position bias and a padding mask (a row batch with padded

@@ -303,6 +303,24 @@ def test_a_compare_no_index_can_change_is_a_constant():
     assert _check_all_values(g, x) >= 6
 
 
+@pytest.mark.parametrize("window", [3, 256])
+def test_a_sliding_window_wider_than_the_prompt_is_the_causal_triangle(window):
+    """Gemma-2's sliding-window mask ANDs ``j > i - window`` with ``j <= i``: over a prompt no longer than the
+    window the first holds for every index below the sizes, and the mask is the causal triangle; a narrower
+    window is two half-planes, not one (not known)."""
+    def f(x):
+        n = x.shape[-1]
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        keep = torch.ones((), dtype=torch.bool) & (j > i - window) & (j <= i)
+        return torch.where(keep, 0.0, float("-inf")) + x
+    x = torch.randn(2, 7, 7)
+    g = trace_ir(f, x)
+    props = analyze_properties(g)
+    out = props.value(g.output_values[0])
+    assert (out.is_triangle and out.constant_where(-math.inf) is not None) == (window >= 7), str(out)
+    assert _check_all_values(g, x) >= 6
+
+
 def test_gather_by_data_and_a_cat_of_different_pieces_are_not_known():
     def f(x):
         n = x.shape[-1]

@@ -143,16 +143,24 @@ def _typed(c: Any, value: Value) -> Any:
     return float(c)
 
 
-def _normalised(p: ValueProperty) -> ValueProperty:
+def _normalised(p: ValueProperty, shape: tuple | None = None) -> ValueProperty:
     """An index expression without index terms as the constant it is (``arange(n)[1:] - arange(n)[:-1]`` is 1
-    everywhere): AFFINE its value; and a predicate whose sign no index can change (indices are >= 0: ``i >= 0``
-    always holds, ``-i - 1 >= 0`` never) as that answer: MASK the bool, PIECEWISE the side it selects."""
+    everywhere): AFFINE its value; and a predicate whose sign no index can change as that answer (MASK the bool,
+    PIECEWISE the side it selects): indices are >= 0 (``i >= 0`` always holds, ``-i - 1 >= 0`` never) and, where
+    ``shape`` (the tensor's, static) is given, below their sizes (a sliding window of 256 keys over a 16-token
+    prompt, ``j - i + 255 >= 0``, always holds)."""
     if p.kind is ValueKind.AFFINE and not p.expr.terms:
         return const(p.expr.const)
     if p.kind in (ValueKind.MASK, ValueKind.PIECEWISE):
-        coefs, c = [k for _, k in p.expr.terms], p.expr.const
-        holds = True if c >= 0 and all(k >= 0 for k in coefs) else False if c < 0 and all(k <= 0 for k in coefs) \
-            else None
+        lo = hi = p.expr.const
+        for d, k in p.expr.terms:
+            size = shape[d] if shape is not None and -len(shape) <= d and is_int(shape[d]) else None
+            if size is None:
+                lo, hi = (lo, None) if k > 0 else (None, hi)
+            else:
+                lo, hi = (lo + min(k * (size - 1), 0) if lo is not None else None,
+                          hi + max(k * (size - 1), 0) if hi is not None else None)
+        holds = True if lo is not None and lo >= 0 else False if hi is not None and hi < 0 else None
         if holds is not None:
             return const(holds) if p.kind is ValueKind.MASK else (p.inside if holds else p.outside)
     return p
@@ -504,5 +512,5 @@ def analyze_values(nodes: Iterable[Node]) -> dict[int, ValueProperty]:
     values: dict[int, ValueProperty] = {}
     for node in nodes:
         for out, p in zip(node.outputs, _VALUE_RULES[node.kind](node, values)):
-            values[id(out)] = _normalised(p)
+            values[id(out)] = _normalised(p, tuple(out.meta.shape) if out.meta is not None else None)
     return values
