@@ -322,10 +322,11 @@ def test_a_sliding_window_wider_than_the_prompt_is_the_causal_triangle(window):
 
 
 def test_gather_by_data_and_a_cat_of_different_pieces_are_not_known():
+    """Gathers at data-dependent or wrapping (negative) indices and a cat of two expressions are not known."""
     def f(x):
         n = x.shape[-1]
         i = torch.arange(n)
-        return torch.cat([i[:2], i[:3]]), i[x.argmax(-1)], torch.cat([i, i * 2]).cumsum(0)
+        return torch.cat([i[:2], i[:3]]), i[x.argmax(-1)], torch.cat([i, i * 2]).cumsum(0), i[i - 1]
     x = torch.randn(4, 6)
     g = trace_ir(f, x)
     props = analyze_properties(g)

@@ -152,18 +152,25 @@ def _normalised(p: ValueProperty, shape: tuple | None = None) -> ValueProperty:
     if p.kind is ValueKind.AFFINE and not p.expr.terms:
         return const(p.expr.const)
     if p.kind in (ValueKind.MASK, ValueKind.PIECEWISE):
-        lo = hi = p.expr.const
-        for d, k in p.expr.terms:
-            size = shape[d] if shape is not None and -len(shape) <= d and is_int(shape[d]) else None
-            if size is None:
-                lo, hi = (lo, None) if k > 0 else (None, hi)
-            else:
-                lo, hi = (lo + min(k * (size - 1), 0) if lo is not None else None,
-                          hi + max(k * (size - 1), 0) if hi is not None else None)
+        lo, hi = _bounds(p.expr, shape)
         holds = True if lo is not None and lo >= 0 else False if hi is not None and hi < 0 else None
         if holds is not None:
             return const(holds) if p.kind is ValueKind.MASK else (p.inside if holds else p.outside)
     return p
+
+
+def _bounds(expr: Affine, shape: tuple | None) -> tuple[int | None, int | None]:
+    """The least and greatest value of ``expr`` over the indices of a tensor of ``shape`` (each index at least 0,
+    and below its size where ``shape`` gives one); None for an unbounded side."""
+    lo = hi = expr.const
+    for d, k in expr.terms:
+        size = shape[d] if shape is not None and -len(shape) <= d and is_int(shape[d]) else None
+        if size is None:
+            lo, hi = (lo, None) if k > 0 else (None, hi)
+        else:
+            lo, hi = (lo + min(k * (size - 1), 0) if lo is not None else None,
+                      hi + max(k * (size - 1), 0) if hi is not None else None)
+    return lo, hi
 
 
 def _with_expr(p: ValueProperty, expr: Affine | None) -> ValueProperty:
@@ -479,6 +486,11 @@ def _value_indexed(node: Node, source: ValueProperty, values: dict) -> ValueProp
     exprs = [_affine_of(_operand_value(i, values)) for i in indices]
     if any(e is None for e in exprs):
         return UNKNOWN
+    sizes = node.args[0].meta.shape
+    for j, (i, e) in enumerate(zip(indices, exprs)):     # a negative index wraps around: not this expression
+        lo, hi = _bounds(e, tuple(i.meta.shape))
+        if lo is None or lo < 0 or hi is None or not is_int(sizes[j]) or hi >= sizes[j]:
+            return UNKNOWN
     rank, k = ndim(node.args[0]), len(indices)
     trailing = rank - k
     subs = {j - rank: Affine.make({d - trailing: c for d, c in e.terms}, e.const) for j, e in enumerate(exprs)}
