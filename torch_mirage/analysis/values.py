@@ -502,7 +502,7 @@ def _value_cumsum(node: Node, values: dict) -> ValueProperty:
     """The running sum of a constant integer ``c`` along a dim: ``c·(i + 1)`` (0 for a mask that is all False)."""
     x = node.args[0]
     p = _operand_value(x, values)
-    if not p.is_constant or isinstance(p.fill, float) or not is_int(int(p.fill)):
+    if not p.is_constant or not isinstance(p.fill, (bool, int)):
         return UNKNOWN
     c = int(p.fill)
     d = bind_args(node)["dim"] % ndim(x) - ndim(x)
