@@ -74,7 +74,9 @@ def mirage_summary(info: dict) -> dict | None:
                               "matmuls": sum(o.startswith(("aten.mm", "aten.bmm", "aten.addmm")) for o in r.ops),
                               "mirage_us": r.info["mirage_us"], "inductor_us": r.info["inductor_us"],
                               "launch": r.info.get("launch"), "sibling_launches": r.info.get("sibling_launches"),
-                              "stored_updates": r.info.get("stored_updates")}
+                              "stored_updates": r.info.get("stored_updates"),
+                              # an attention region's form as analysis read it (mask, band, heads)
+                              **({"attention": r.info["attention"]} if "attention" in r.info else {})}
                              for r in regions if "mirage_us" in r.info],
             # mirage regions kept without a time: Inductor's version of them could not be timed (why)
             # each built mirage region's build seconds (compiles and tuning; a cached plan's take far less)
