@@ -240,6 +240,26 @@ def test_hand_written_causal_attention_from_index_comparisons():
     assert "mask=bool_inverted(causal)" in region.info["attention"], region.info
 
 
+@pytest.mark.parametrize("window", [3, 64])
+def test_sliding_window_mask_anded_with_ones_gives_its_band(window):
+    """transformers 5.24's sliding-window mask: ``ones & ((j > i - window) & (j <= i))`` turned into an additive
+    mask. The all-True operand adds no condition, so the band is the window's (a window wider than the prompt
+    is the causal band); eager-equal."""
+    from torch_mirage.analysis.attention import find_attention
+    from torch_mirage.testing.aten import trace_ir
+
+    def f(q, k, v):
+        n = q.shape[-2]
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        keep = torch.ones((), dtype=torch.bool) & ((j > i - window) & (j <= i))   # its grouping
+        mask = torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.25 + mask, dim=-1) @ v
+    qkv = _qkv(1, 2, 2, 8, 8, 16, torch.float32)
+    (spec,) = find_attention(trace_ir(f, *qkv))
+    assert spec.mask_band == ((0, window) if window < 8 else (0, None)), spec.describe()
+    _check(f, qkv, torch.float32)
+
+
 def _einsum_attention(q, k, v):
     scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
     return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v)

@@ -538,6 +538,8 @@ def _visible_preds(v: Value, values: dict, keep: bool, depth: int = 0) -> list |
         return None
     p = values.get(id(v))
     is_bool = v.meta is not None and v.meta.dtype is torch.bool
+    if p is not None and p.is_constant and is_bool and p.fill == keep:   # keeps every score (HF's ``ones & ...``)
+        return []
     if p is not None and p.known and p.expr is not None:
         if p.kind is ValueKind.MASK and is_bool:
             return [p.expr if keep else p.expr.scaled(-1).plus(Affine((), -1))]
