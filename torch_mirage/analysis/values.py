@@ -481,7 +481,9 @@ def _value_indexed(node: Node, source: ValueProperty, values: dict) -> ValueProp
     index ``j < k`` replaced by the expression of ``idx_j``, whose dims (broadcast together) lead the result, and
     the dims after k kept (transformers' masks gather positions as ``pos[b, q]``)."""
     indices = node.args[1] if len(node.args) > 1 else None
-    if source.expr is None or not indices or not all(isinstance(i, Value) for i in indices):
+    if source.expr is None or not indices or not all(
+            isinstance(i, Value) and i.meta is not None and i.meta.dtype in (torch.int64, torch.int32)
+            for i in indices):              # a bool / byte index selects where it is True: no index expression
         return UNKNOWN
     exprs = [_affine_of(_operand_value(i, values)) for i in indices]
     if any(e is None for e in exprs):
