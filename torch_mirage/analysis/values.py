@@ -495,8 +495,8 @@ def _value_indexed(node: Node, source: ValueProperty, values: dict) -> ValueProp
             return UNKNOWN
     rank, k = ndim(node.args[0]), len(indices)
     trailing = rank - k
-    subs = {j - rank: Affine.make({d - trailing: c for d, c in e.terms}, e.const) for j, e in enumerate(exprs)}
-    subs.update({d: Affine(((d, 1),)) for d in range(-trailing, 0)})
+    subs = _identity_subs(trailing)        # the dims after k: the result's last dims, as they are
+    subs.update({j - rank: Affine.make({d - trailing: c for d, c in e.terms}, e.const) for j, e in enumerate(exprs)})
     return _with_expr(source, source.expr.substituted(subs))
 
 
@@ -508,7 +508,7 @@ def _value_cumsum(node: Node, values: dict) -> ValueProperty:
         return UNKNOWN
     c = int(p.fill)
     d = bind_args(node)["dim"] % ndim(x) - ndim(x)
-    return _normalised(ValueProperty(ValueKind.AFFINE, expr=Affine.make({d: c}, c)))
+    return ValueProperty(ValueKind.AFFINE, expr=Affine.make({d: c}, c))    # c = 0: analyze_values makes it 0
 
 
 _VALUE_RULES: dict[OpKind, Callable[[Node, dict], list[ValueProperty]]] = {
