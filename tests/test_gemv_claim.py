@@ -169,6 +169,77 @@ def test_norm_shared_by_projections_of_several_widths(fn, rows, transposed):
     assert [r for r in report.regions if r.compiled_by == "mirage"] == [region], str(report)
 
 
+def fused_gated_a(x, g, w):              # phi-3: one gate-up projection, chunked
+    gate, up = linear(norm_a(x, g), w).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def fused_gated_b(x, g, w):              # split by sizes, the halves in the other roles, SiLU written out
+    up, gate = torch.split(linear(norm_b(x, g), w), [N, N], dim=-1)
+    return up * (gate / (1 + torch.exp(-gate)))
+
+
+def fused_gated_c(x, g, w):              # sliced by hand
+    h = linear(norm_a(x, g), w)
+    return F.silu(h[..., :N]) * h[..., N:]
+
+
+@interpreted
+@pytest.mark.parametrize("fn,rows,transposed", [(fused_gated_a, 1, True), (fused_gated_b, 3, False),
+                                                (fused_gated_c, 16, True), (fused_gated_a, 3, False)])
+def test_fused_gate_up_projection_streams_as_a_gated_mlp(fn, rows, transposed):
+    """A gate-up projection fused into one weight and split after the matmul (``(A·W)[:, a:b] = A·W[:, a:b]``):
+    one weight-streaming region holds the norm, the matmul, the split and SiLU·mul, and equals eager."""
+    w = torch.randn((2 * N, K) if transposed else (K, 2 * N)) * K ** -0.5
+    xs = [torch.randn(rows, 1, K), 1 + 0.1 * torch.randn(K), w]
+    compiled, report = _compile(fn)
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+    (region,) = _gemv_regions(report)
+    ops = " ".join(region.ops)
+    assert region.info["matmuls"] == 1 and ("mean" in ops or "sum" in ops) and ("split" in ops or "slice" in ops)
+    assert [r for r in report.regions if r.compiled_by == "mirage"] == [region], str(report)
+    assert any(op in ops for op in ("exp", "sigmoid", "silu")), ops    # the gate is inside, not a kernel of its own
+    xs = [torch.randn(rows, 1, K), 1 + 0.1 * torch.randn(K), torch.randn_like(w) * K ** -0.5]
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+
+
+def fused_qkv(x, g, w):                  # phi-3's qkv_proj: one weight, q / k / v sliced off its result
+    h = linear(norm_a(x, g), w)
+    return h[..., :N], h[..., N:N + 24], h[..., N + 24:]
+
+
+@interpreted
+@pytest.mark.parametrize("rows,transposed", [(1, True), (3, False)])
+def test_fused_qkv_projection_split_after_the_matmul_streams(rows, transposed):
+    """q, k and v sliced off one fused projection's result (widths N, 24, 24): one region, one block graph per
+    width, each against its slice of the weight."""
+    w = torch.randn((N + 48, K) if transposed else (K, N + 48)) * K ** -0.5
+    xs = [torch.randn(rows, 1, K), 1 + 0.1 * torch.randn(K), w]
+    compiled, report = _compile(fused_qkv)
+    assert_close(compiled(*xs), [y.float() for y in fused_qkv(*[x.double() for x in xs])])
+    (region,) = _gemv_regions(report)
+    assert region.info["matmuls"] == 1 and [r for r in report.regions if r.compiled_by == "mirage"] == [region]
+
+
+def test_streams_split_a_matmul_read_only_in_slices_along_n():
+    """:func:`streams`: a matmul read only through last-dim slices is one stream per slice (its width a part of
+    n); one also read whole, or sliced along another dim, stays one stream."""
+    from torch_mirage.superopt.gemv_seed import streams
+
+    def mms(fn, *shapes):
+        graph = trace(fn, [torch.randn(s) for s in shapes])
+        ref = reference_of(graph.nodes, graph).graph
+        return ref, [i for i, op in enumerate(ref.ops) if op.name == "matmul"]
+
+    ref, found = mms(lambda x, w: torch.split(x @ w, [8, 24, 8], dim=-1), (2, 16), (16, 40))
+    assert [(st.mm, st.width, st.part is not None) for st in streams(ref, found)] == \
+        [(found[0], 8, True), (found[0], 24, True), (found[0], 8, True)]
+    ref, found = mms(lambda x, w: (lambda h: (h[:, :20], h))(x @ w), (2, 16), (16, 40))
+    assert [(st.width, st.part) for st in streams(ref, found)] == [(40, None)]       # also read whole
+    ref, found = mms(lambda x, w: (x @ w)[:1], (2, 16), (16, 40))
+    assert [(st.width, st.part) for st in streams(ref, found)] == [(40, None)]       # sliced along the rows
+
+
 @interpreted
 @pytest.mark.parametrize("transposed", [False, True])
 def test_pre_norm_residual_reads_its_input_in_two_roles(transposed):

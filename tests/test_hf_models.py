@@ -215,6 +215,30 @@ def test_greedy_generate_of_each_causal_model_equals_eager(name):
     assert any(r.compiled_by == "mirage" for r in report.regions), str(report)
 
 
+def test_phi3_fused_projections_stream_split_and_generate_eager_tokens():
+    """Phi-3's fused qkv_proj and gate_up_proj, split after the matmul, stream as one weight-streaming kernel each
+    (``MIRAGE_MIN_REGION_US=0``: at tiny sizes the regions are otherwise left to Inductor); q / k / v leave the
+    kernel in the strided layout of slices of the fused result, which the fallback regions reading them were
+    compiled for (Inductor asserted the strides before), and 8 greedy tokens equal eager's."""
+    import torch_mirage
+
+    model = M.build(M.MODELS["phi3"], "default", torch.float32, "cpu", tiny=True)
+    prompt = _ids(model.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        expected = M.greedy_generate(model, prompt, 8)
+        report = Report()
+        model.forward = torch.compile(model.forward, backend=torch_mirage.MirageBackend(
+            options={"min_region_us": 0}, report=report), dynamic=False)
+        try:
+            got = M.greedy_generate(model, prompt, 8)
+        finally:
+            M.compile_forward(model, "eager")
+    assert torch.equal(got, expected), (got, expected)
+    split = [r for r in report.regions if r.claimer == "ugraph-gemv" and r.compiled_by == "mirage"
+             and any("split" in op or "slice" in op for op in r.ops)]
+    assert split, str(report)
+
+
 def _gemma2_decode_under_default_dynamic(device: str):
     import torch_mirage
 
@@ -311,6 +335,32 @@ def test_the_decode_step_replays_generates_last_step_without_a_recompile():
         is_croppable = False
 
     assert M.decode_step(model, ((), {"cache": type("Cache", (), {"layers": [WrappedWindow()]})()})) is None
+
+
+def test_modes_are_timed_alternately_each_with_its_own_forward(monkeypatch):
+    """All modes are compiled and checked first; then each timed quantity (prefill, generated token, decode step)
+    is timed in the order A B … B A, each half with that mode's forward in place, nothing compiled while timing,
+    and each time is the mean of the halves' fastest samples (the median of all kept beside it)."""
+    from torch._dynamo.utils import counters
+
+    in_place, graphs = [], []
+    use = M._use_forward
+    monkeypatch.setattr(M, "_use_forward", lambda model, fwd: (in_place.append(fwd is None), use(model, fwd)))
+
+    def measure(fn, inputs, target_ms, repeats):   # the forward in place decides the samples: eager slow
+        graphs.append(counters["stats"]["unique_graphs"])
+        fn()
+        return {"samples": [10.0, 12.0] if in_place[-1] else [5.0, 7.0]}
+
+    rec = M.run_case(M.MODELS["llama"], "default", ["eager", "mirage"], torch.float32, torch.device("cpu"), True,
+                     2, 16, 4, {"repeats": 3, "target_ms": 1.0}, log=lambda line: None, measure=measure)
+    assert in_place == [True, False, False, True] * 3 + [True]   # A B B A per quantity, then the class's own
+    assert len(graphs) == 12 and len(set(graphs)) == 1, graphs   # every graph was compiled while checking
+    eager, mirage = rec["modes"]["eager"], rec["modes"]["mirage"]
+    assert eager["status"] == mirage["status"] == "ok" and mirage["tokens_match"] == 1.0
+    assert (eager["prefill_us"], mirage["prefill_us"], mirage["prefill_us_median"]) == (10.0, 5.0, 6.0)
+    assert (eager["us_per_token"], mirage["us_per_token"]) == (10.0 / 4, 5.0 / 4)   # 4 new tokens a generate
+    assert mirage["decode_step_us"] == 5.0 and rec["decode_step_us_speedup_vs_reduce_overhead"] is None
 
 
 def test_report_derives_speedups_over_reduce_overhead_and_best_inductor():

@@ -12,6 +12,9 @@ attention implementation (``default``, what transformers picks — ``sdpa`` wher
   ``generate`` passed, the static cache put back one token first (:func:`decode_step`): the compiled graph
   without ``generate``'s own Python, which is most of a token's time at these sizes.
 
+Every mode of a case is compiled and checked first and kept; then the modes are timed alternately (A B … B A),
+so that no mode inherits the process's state from the modes timed before it (:func:`run_case`).
+
 Modes: eager, Inductor default, ``reduce-overhead`` (Inductor with CUDA graphs), ``max-autotune`` and mirage, all
 compiled with ``dynamic=False``: one graph per input shape (the prefill and the decode step), which is the
 serving policy README's "CUDA graphs" section states. ``--dynamic default`` compiles every mode with
@@ -26,8 +29,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import gc
 import math
 import os
+import statistics
 import time
 import traceback
 from dataclasses import dataclass
@@ -38,7 +43,7 @@ import torch
 from ..backend import MirageBackend
 from ..numerics import tolerance
 from ..report import Report
-from ..timing import count_device_kernels, plain_timing
+from ..timing import alternating_times, count_device_kernels, fastest_per_half, plain_timing
 from . import has_transformers, select
 from .harness import _free, _short, mirage_summary, rel_error
 from .report import environment, pyplot, write_json
@@ -161,10 +166,12 @@ def static_cache(model, batch: int, length: int, device: torch.device):
     return cache
 
 
-def compile_forward(model, mode: str, report: Any = None, dynamic: bool | None = False) -> None:
+def compile_forward(model, mode: str, report: Any = None, dynamic: bool | None = False, reset: bool = True) -> None:
     """Replace ``model.forward`` by its compile under ``mode`` (``eager``: unchanged). ``generate`` calls
-    ``model.forward``, so both the prefill and the decode steps run compiled."""
-    torch._dynamo.reset()
+    ``model.forward``, so both the prefill and the decode steps run compiled. ``reset``: Dynamo's caches are
+    emptied first (False keeps earlier modes' graphs, so that their forwards still run compiled)."""
+    if reset:
+        torch._dynamo.reset()
     if "forward" in model.__dict__:
         del model.forward   # back to the class's forward
     if mode == "eager":
@@ -251,21 +258,19 @@ def _put_back_one_token(cache) -> Callable[[], None] | None:
     return None
 
 
-def _timed(fn: Callable[[], Any], timing: dict | None) -> tuple[float | None, float | None]:
-    """µs of ``fn()`` launched from Python (CUDA-graph replays included where the mode records them): the fastest
-    of the repeats, and their median. A prefill forward of these models and a ``generate`` are host-bound (on the
-    H200, gpt2's decode graph replays in about 0.2 ms of a token's 2.5-3.2 ms), and what the host adds only ever
-    slows a repeat down: the fastest repeat is the measure, the median says how noisy the run was."""
-    if timing is None:
-        return None, None
-    t = plain_timing(lambda: fn(), [], target_ms=timing["target_ms"], repeats=timing["repeats"])
-    return t["us_min"], t["us"]
+TIMED = ("prefill_us", "us_per_token", "decode_step_us")   # what each mode is timed on, alternately
 
 
 def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype, device: torch.device,
              tiny: bool, batch: int, tokens: int, new_tokens: int, timing: dict | None,
-             log: Callable[[str], None] = print, dynamic: bool | None = False) -> dict:
-    """One model with one attention implementation through every mode. Returns its JSON record."""
+             log: Callable[[str], None] = print, dynamic: bool | None = False,
+             measure: Callable[..., dict] = plain_timing) -> dict:
+    """One model with one attention implementation through every mode. Returns its JSON record.
+
+    Every mode is compiled and checked first and all of them are kept (one Dynamo cache holds each mode's graphs,
+    each entry guarded on its backend); then the modes are timed alternately (:func:`_time_modes`). Timed one
+    mode after another, a generated token's time followed the order of the modes: on the H200 (2026-11-28)
+    reduce-overhead was 0.79x of mirage's µs/token with mirage timed last and 1.27x with mirage timed first."""
     record: dict = {"model": spec.name, "attn": attn, "dtype": str(dtype).replace("torch.", ""),
                     "batch": batch, "tokens": tokens, "new_tokens": new_tokens if spec.causal else 0, "modes": {}}
     try:
@@ -283,53 +288,129 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
         ref32 = forward_logits(copy.deepcopy(model).float(), spec)(ids).float()
         eager_logits = forward_logits(model, spec)(ids).float()
         eager_tokens = greedy_generate(model, prompt, new_tokens) if spec.causal else None
-    for mode in modes:
-        report = Report() if mode == "mirage" else None
-        res: dict = {"status": "ok"}
+    forwards: dict[str, Any] = {}       # mode -> the compiled forward (None: the class's own)
+    steps: dict[str, Callable] = {}     # mode -> its recorded decode step
+    torch._dynamo.reset()
+    # every mode's prefill, prompt and decode graphs of one forward share Dynamo's per-frame recompile limit
+    with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 16 * len(modes))):
         try:
-            compile_forward(model, mode, report, dynamic)
-            fwd = forward_logits(model, spec)
-            with torch.no_grad():
-                start = time.perf_counter()
-                logits = fwd(ids).float().clone()
-                logits = fwd(ids).float().clone()   # a replay where the mode records a CUDA graph
-                res["compile_s"] = round(time.perf_counter() - start, 2)
-                res["rel_err_vs_eager"] = rel_error(logits, eager_logits)
-                res["max_err_vs_fp32"] = float((logits - ref32).abs().max())
-                res["prefill_us"], res["prefill_us_median"] = _timed(lambda: fwd(ids), timing)
-                if device.type == "cuda":   # kernels per layer of a prefill forward (None: hidden in a graph)
-                    n = count_device_kernels(lambda: fwd(ids))
-                    res["prefill_kernels_per_layer"] = (None if n is None else
-                                                        round(n / model.config.num_hidden_layers, 1))
-                if spec.causal:
-                    toks = greedy_generate(model, prompt, new_tokens)
-                    res["tokens_match"] = _tokens_match(toks, eager_tokens)
-                    fastest, median = _timed(lambda: greedy_generate(model, prompt, new_tokens), timing)
-                    res["us_per_token"] = fastest / new_tokens if fastest is not None else None
-                    res["us_per_token_median"] = median / new_tokens if median is not None else None
-                    # one decode step as the compiled forward runs it, without generate's own Python around it
-                    # (which moved µs/token by up to 1.6x between processes and with the order of the modes)
-                    call = timing and last_decode_call(model, lambda: greedy_generate(model, prompt, new_tokens))
-                    step = decode_step(model, call) if call else None
-                    if step is not None:
-                        res["decode_step_us"], res["decode_step_us_median"] = _timed(step, timing)
-            if not math.isfinite(res["rel_err_vs_eager"]) or res["rel_err_vs_eager"] > tolerance(dtype, "model"):
-                res["status"] = "mismatch"
-            if report is not None:
-                res["mirage"] = dict(mirage_summary({"report": report}) or {}, cuda_graphs=[
-                    {"graph": g.index, "kind": g.kind, "captured": bool(g.cuda_graph), "reason": g.cuda_graph_reason}
-                    for g in report.graphs])
-        except Exception as e:   # one mode failing does not stop the others
-            res = {"status": "error", "error": _short(e), "raised_at": _raised_at(e)}
+            for mode in modes:
+                record["modes"][mode] = _check_mode(model, spec, mode, dynamic, ids, prompt, new_tokens,
+                                                    ref32, eager_logits, eager_tokens, dtype, device, timing,
+                                                    forwards, steps)
+            if timing is not None:
+                _time_modes(model, spec, forwards, steps, ids, prompt, new_tokens, record["modes"], timing, measure)
         finally:
+            forwards.clear()
+            steps.clear()
             compile_forward(model, "eager")
             _free()
-        record["modes"][mode] = res
-        log(_line(spec, attn, mode, res))
+    for mode in modes:
+        log(_line(spec, attn, mode, record["modes"][mode]))
     record.update(_derived(record["modes"]))
     model = None   # freed before the next case (the closures above hold it only while they run)
     _free()
     return record
+
+
+def _check_mode(model, spec: HFModel, mode: str, dynamic: bool | None, ids: torch.Tensor, prompt: torch.Tensor,
+                new_tokens: int, ref32: torch.Tensor, eager_logits: torch.Tensor, eager_tokens: torch.Tensor | None,
+                dtype: torch.dtype, device: torch.device, timing: dict | None, forwards: dict, steps: dict) -> dict:
+    """Compile ``mode`` (Dynamo's caches kept), check its logits and tokens against eager's, count its kernels,
+    and keep its forward (and, when timed, its recorded decode step) for :func:`_time_modes`."""
+    report = Report() if mode == "mirage" else None
+    res: dict = {"status": "ok"}
+    try:
+        compile_forward(model, mode, report, dynamic, reset=False)
+        fwd = forward_logits(model, spec)
+        with torch.no_grad():
+            start = time.perf_counter()
+            logits = fwd(ids).float().clone()
+            logits = fwd(ids).float().clone()   # a replay where the mode records a CUDA graph
+            res["compile_s"] = round(time.perf_counter() - start, 2)
+            res["rel_err_vs_eager"] = rel_error(logits, eager_logits)
+            res["max_err_vs_fp32"] = float((logits - ref32).abs().max())
+            if device.type == "cuda":   # kernels per layer of a prefill forward (None: hidden in a graph)
+                n = count_device_kernels(lambda: fwd(ids))
+                res["prefill_kernels_per_layer"] = (None if n is None else
+                                                    round(n / model.config.num_hidden_layers, 1))
+            if spec.causal:
+                toks = greedy_generate(model, prompt, new_tokens)
+                res["tokens_match"] = _tokens_match(toks, eager_tokens)
+                # one decode step as the compiled forward runs it, without generate's own Python around it
+                call = timing and last_decode_call(model, lambda: greedy_generate(model, prompt, new_tokens))
+                step = decode_step(model, call) if call else None
+                if step is not None:
+                    steps[mode] = step
+        if not math.isfinite(res["rel_err_vs_eager"]) or res["rel_err_vs_eager"] > tolerance(dtype, "model"):
+            res["status"] = "mismatch"
+        if report is not None:
+            res["mirage"] = dict(mirage_summary({"report": report}) or {}, cuda_graphs=[
+                {"graph": g.index, "kind": g.kind, "captured": bool(g.cuda_graph), "reason": g.cuda_graph_reason}
+                for g in report.graphs])
+        if res["status"] == "ok":
+            forwards[mode] = model.__dict__.get("forward")
+    except Exception as e:   # one mode failing does not stop the others
+        res = {"status": "error", "error": _short(e), "raised_at": _raised_at(e)}
+        steps.pop(mode, None)
+    finally:
+        if "forward" in model.__dict__:
+            del model.forward   # the next mode compiles the class's forward
+        _collect()
+    return res
+
+
+def _time_modes(model, spec: HFModel, forwards: dict, steps: dict, ids: torch.Tensor, prompt: torch.Tensor,
+                new_tokens: int, results: dict, timing: dict, measure: Callable[..., dict] = plain_timing) -> None:
+    """Each checked mode's prefill, generated token and decode step, timed in the order A B … B A
+    (``timing.alternating_times``), each half ``ceil(repeats / 2)`` repeats launched from Python with that mode's
+    forward in place. The time is :func:`timing.fastest_per_half` (what the host adds only ever slows a repeat
+    down, so a half's fastest repeat is its least disturbed one); ``*_median`` the median of all repeats, which
+    says how noisy the run was."""
+    half_repeats = max(1, math.ceil(timing["repeats"] / 2))
+    calls: dict[str, Callable[[str], Callable[[], Any]]] = {   # key -> mode -> what one timed call runs
+        "prefill_us": lambda mode: lambda: forward_logits(model, spec)(ids),
+        "us_per_token": lambda mode: lambda: greedy_generate(model, prompt, new_tokens),
+        "decode_step_us": lambda mode: steps[mode]}
+    for key in TIMED:
+        names = [m for m in forwards if key == "prefill_us" or (spec.causal and key == "us_per_token")
+                 or (key == "decode_step_us" and m in steps)]
+        if not names:
+            continue
+        samples: dict[str, list[float]] = {m: [] for m in names}
+
+        def time_half(mode: str) -> list[float]:
+            _use_forward(model, forwards[mode])
+            fn = calls[key](mode)
+            with torch.no_grad():
+                got = list(measure(lambda: fn(), [], target_ms=timing["target_ms"], repeats=half_repeats)["samples"])
+            samples[mode] += got
+            return got
+
+        def failed(mode: str, e: Exception) -> None:
+            results[mode].update(status="error", error=f"timing {key}: {_short(e)}", raised_at=_raised_at(e))
+
+        fastest = alternating_times(names, time_half, on_error=failed, estimate=fastest_per_half)
+        per = new_tokens if key == "us_per_token" else 1
+        for mode, t in fastest.items():
+            results[mode][key] = t / per
+            results[mode][key + "_median"] = statistics.median(samples[mode]) / per
+    _use_forward(model, None)
+
+
+def _collect() -> None:
+    """Free what a checked mode left behind, Dynamo's caches kept (``harness._free`` resets them)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _use_forward(model, forward) -> None:
+    """Put ``forward`` (a mode's compiled forward; None: the class's own) in place as ``model.forward``."""
+    if forward is None:
+        model.__dict__.pop("forward", None)
+    else:
+        model.forward = forward
 
 
 def _raised_at(e: BaseException, frames: int = 4) -> list[str]:
@@ -394,8 +475,14 @@ def markdown(doc: dict) -> str:
     if not doc["timing"]:
         lines += ["Correctness only: no timing claims.", ""]
     else:   # the medians are in the JSON (``*_median``)
-        lines += [f"Times: the fastest of {doc['settings'].get('repeats', 5)} timed repeats (host-bound calls: what "
-                  f"the host adds only slows a repeat down).", ""]
+        repeats = doc['settings'].get('repeats', 5)
+        if doc["settings"].get("timing_order") == "alternating":
+            lines += [f"Times: the modes timed alternately, A B … B A, {math.ceil(repeats / 2)} repeats a half; each "
+                      f"time is the mean of its two halves' fastest repeats (host-bound calls: what the host adds "
+                      f"only slows a repeat down).", ""]
+        else:   # a document written before the modes were timed alternately
+            lines += [f"Times: the fastest of {repeats} timed repeats, the modes one after another (host-bound "
+                      f"calls: what the host adds only slows a repeat down).", ""]
     if doc.get("not_run"):
         lines += [f"Not run (time budget): {', '.join(doc['not_run'])}.", ""]
     modes = doc["settings"]["modes"]
@@ -491,7 +578,8 @@ def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequ
            "env": environment(torch.cuda.get_device_name() if cuda else "cpu"),
            "settings": {"models": [s.name for s in specs], "modes": list(modes), "attn": list(attns),
                         "dtype": str(dtype).replace("torch.", ""), "batch": batch, "tokens": tokens,
-                        "new_tokens": new_tokens, "tiny": tiny, "repeats": repeats, "dynamic": dynamic},
+                        "new_tokens": new_tokens, "tiny": tiny, "repeats": repeats, "dynamic": dynamic,
+                        "timing_order": "alternating"},
            "models": []}
     start = time.monotonic()
     for spec in specs:

@@ -2,7 +2,7 @@
 
 :func:`grow` is the region the μGraph claimers (the search's, the weight-streaming one) start from: producers of
 the given op kinds whose every result is read inside (a norm before a matmul, a transposed weight, a gated MLP's
-sibling matmul) and, while the region has one result read by free elementwise or layout nodes, those readers (a
+sibling matmul) and, while the region has one result (or views of one: a ``split``, slices) read by free elementwise or layout nodes, those readers (a
 gate after the matmul, a residual add, the view of a flattened matmul back to (batch, seq, n)); a reduction chain
 (kinds :data:`CHAIN`) also goes on from a row statistic to the ops that apply it. :func:`levels` are the smaller
 cuts ending at an anchor: its producers one step further back at a time (the sub-programs a library seed may be,
@@ -56,7 +56,7 @@ def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW, f
                     changed = True
         outs = [v for n in inside.values() for v in n.outputs
                 if id(v) in returned or any(id(u) not in inside for u in v.users)]
-        ahead = outs if (len(outs) == 1 or every_result) and forward else []
+        ahead = outs if (_one_result(outs) or every_result) and forward else []
         if kinds is CHAIN:      # a row statistic (mean, variance) goes on to where it is applied to the rows
             ahead = ahead + [v for v in outs if _numel(v) < rows and v not in ahead]
         for v in ahead:
@@ -66,6 +66,15 @@ def grow(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW, f
                     inside[id(u)] = u
                 changed = True
     return list(inside.values())
+
+
+def _one_result(outs: list) -> bool:
+    """``outs`` (a region's results) are one value, or views of one value (a fused projection's ``chunk`` /
+    ``split`` or slices of it): its readers may join the region."""
+    if len(outs) <= 1:
+        return bool(outs)
+    return len({id(v.producer.inputs[0]) if v.producer.op.kind is OpKind.LAYOUT and v.producer.inputs else id(v)
+                for v in outs}) == 1
 
 
 def levels(graph, anchor, free_ids: set, max_nodes: int = MAX_NODES, kinds=GROW, counts=None):
@@ -121,12 +130,30 @@ def reference_kernel(nodes: list, graph, ref, compiled):
     outputs = outputs_of(nodes, graph)
     out_order = [out_pos[id(v)] for v in outputs]
     shapes = [tuple(v.meta.shape) for v in outputs]
+    strides = [_strides_kept(v.meta) for v in outputs]
 
     def kernel(*ins):
         outs = compiled(*[ins[i] for i in in_order])
-        return tuple(outs[j].reshape(sh) for j, sh in zip(out_order, shapes))
+        return tuple(_restrided(outs[j].reshape(sh), st) for j, sh, st in zip(out_order, shapes, strides))
 
     return kernel
+
+
+def _strides_kept(meta) -> tuple | None:
+    """The strides a region's result must have for the graph's readers: the graph value's where it is a view with
+    gaps (q sliced off a fused QKV projection's rows: a fallback region compiled for the graph reads it with those
+    strides, Inductor asserting them); None where a dense result will do (its own layout, or a broadcast: stride 0)."""
+    shape, stride = tuple(meta.shape), tuple(meta.stride)
+    if getattr(meta, "is_contiguous", True) or any(st == 0 and n > 1 for n, st in zip(shape, stride)):
+        return None
+    return stride
+
+
+def _restrided(y: torch.Tensor, stride: tuple | None) -> torch.Tensor:
+    """``y`` with ``stride`` (a copy into a tensor laid out so), or ``y`` where it has them or none are asked."""
+    if stride is None or all(n == 1 or a == b for n, a, b in zip(y.shape, y.stride(), stride)):
+        return y
+    return torch.empty_strided(y.shape, stride, dtype=y.dtype, device=y.device).copy_(y)
 
 
 def lowered_reference(nodes: list, graph, ctx: CompileContext, first_use: bool = False) -> Reference | Decline:

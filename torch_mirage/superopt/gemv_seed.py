@@ -9,7 +9,11 @@ behind a ``transpose``, and
   expressions. An RMSNorm ``x · rsqrt(mean(x²) + eps) · g`` is the tile factors ``x``, ``g`` and the row scale
   ``rsqrt(mean(x²) + eps)``;
 * the ops after the matmuls are elementwise over their results (m, n), row tensors (m, n) and column vectors (n,):
-  a residual add, a bias, SiLU·mul of a gated MLP; each output is computed from matmuls of one width n;
+  a residual add, a bias, SiLU·mul of a gated MLP; each output is computed from matmuls of one width n. A
+  matmul whose result is only read in slices along n (a fused QKV projection split into q, k and v; a fused
+  gate-up projection chunked in two) is that many matmuls, each against the matching slice of the weight
+  (``(A·W)[:, a:b] = A·W[:, a:b]``, :func:`streams`): phi-3's ``gate, up = gate_up_proj(x).chunk(2, -1)`` then
+  streams as a gated MLP does, and its q, k and v as a QKV projection;
 * or RoPE's rotation of a result viewed as heads (b, h, 1, d): a ``concat`` of the two halves of each head of one
   value swapped, one or both negated (:func:`rotation`, read off the cat / neg / slice structure: HF's
   ``rotate_half``, or slices stacked and flattened), with tensors the same for every head (cos, sin: (m, d) or
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ..ugraph import KernelGraph, Ref
 from .builder import Tensor, new_kernel_graph, new_threadblock_graph
@@ -158,6 +162,57 @@ def rotation_groups(ref: KernelGraph) -> set[int]:
     return {rot[1] for i, op in enumerate(ref.ops) if op.name == "concat" and (rot := rotation(rd, Ref(i, 0)))}
 
 
+class Stream(NamedTuple):
+    """A matmul result the seed computes: a matmul's whole result, or one slice of it along n."""
+    ref: Ref                   # the value: the matmul's result, or the slice op's
+    mm: int                    # the matmul op
+    part: tuple | None         # (chunks, start, stop) of the weight's n, or None: all of it
+    width: int
+
+
+def streams(ref: KernelGraph, mms: list[int]) -> list[Stream]:
+    """The results of matmuls ``mms``: a matmul read only through slices along its last dim (reshapes keeping
+    that dim looked through) gives one stream per slice, each a matmul against that slice of the weight; any
+    other matmul, its whole result."""
+    readers: dict[Ref, list[int]] = {}
+    for j, op in enumerate(ref.ops):
+        for x in op.inputs:
+            readers.setdefault(x, []).append(j)
+    out = []
+    for i in mms:
+        n = ref.ops[i].shapes[0][-1]
+        slices = _slices_along_n(ref, readers, Ref(i, 0), n)
+        if slices is None:
+            out.append(Stream(Ref(i, 0), i, None, n))
+            continue
+        for j in slices:
+            at = ref.ops[j].attrs
+            out.append(Stream(Ref(j, 0), i, (at["chunks"], at["start"], at["stop"]),
+                              n * (at["stop"] - at["start"]) // at["chunks"]))
+    return out
+
+
+def _slices_along_n(ref: KernelGraph, readers: dict, r: Ref, n: int) -> list[int] | None:
+    """The slice ops along the last dim (of extent ``n``, whole parts) that all readers of ``r`` are, through
+    reshapes keeping that dim; None where ``r`` (or a reshape of it) has another reader or is an output."""
+    found, todo = [], [r]
+    while todo:
+        x = todo.pop()
+        if x in ref.outputs:
+            return None
+        for j in readers.get(x, ()):
+            op = ref.ops[j]
+            shape = op.shapes[0]
+            if op.name == "reshape" and shape and shape[-1] == n:
+                todo.append(Ref(j, 0))
+            elif op.name == "slice" and shape and op.attrs["dim"] % len(shape) == len(shape) - 1 and \
+                    n * (op.attrs["stop"] - op.attrs["start"]) % op.attrs["chunks"] == 0:
+                found.append(j)
+            else:
+                return None
+    return found or None
+
+
 def streamed_dims(ref: KernelGraph) -> tuple[int, int, int]:
     """``(m, k, n)`` of the reference's first matmul: rows, reduced dim, output columns."""
     mm = next((op for op in ref.ops if op.name == "matmul"), None)
@@ -185,7 +240,8 @@ def gemv_seed(ref: KernelGraph, tile: int = 64, gains_on_weights: bool = False, 
             raise NotStreamable(f"a batched matmul {rd.describe(Ref(i, 0))}: one (m, n) result per matmul is needed")
     weights = {i: _weight(rd, ref.ops[i].inputs[1]) for i in mms}
     m, k, _ = streamed_dims(ref)
-    widths = {i: ref.ops[i].shapes[0][-1] for i in mms}
+    results_of = streams(ref, mms)
+    widths = {st.ref.op: st.width for st in results_of}
     group_of = []                                   # each output: the width of the matmuls it is computed from
     for r in ref.outputs:
         found = {widths[i] for i in ref.ancestors([r.op]) if i in widths}
@@ -196,17 +252,17 @@ def gemv_seed(ref: KernelGraph, tile: int = 64, gains_on_weights: bool = False, 
         raise NotStreamable("no rotation: paired halves apply to RoPE's heads only")
     seed = _Seed(rd, m, k, tile, gains_on_weights)
     results: dict[int, Tensor] = {}
-    for n in dict.fromkeys(widths[i] for i in mms):   # one block graph per width (a QKV projection: three)
+    for n in dict.fromkeys(st.width for st in results_of):   # one block graph per width (a QKV projection: three)
         outs = [j for j, w in enumerate(group_of) if w == n]
         if not outs:
             raise NotStreamable(f"the matmul(s) of width {n} reach no output")
-        group = [i for i in mms if widths[i] == n]
+        group = [st for st in results_of if st.width == n]
         heads = {rot[1] for i in ref.ancestors([ref.outputs[j].op for j in outs]) if ref.ops[i].name == "concat"
                  and (rot := rotation(rd, Ref(i, 0))) is not None}
         if len(heads) > 1 or heads and n % min(heads):
             raise NotStreamable(f"rotations in groups of {sorted(heads)} over {n} columns: one head size is needed")
         block = _HalvesBlock(seed, n, min(heads)) if halves and heads else _Block(seed, n, min(heads) if heads else None)
-        ys = block.build(a, group, [weights[i] for i in group], [ref.outputs[j] for j in outs])
+        ys = block.build(a, group, [weights[st.mm] for st in group], [ref.outputs[j] for j in outs])
         results.update(zip(outs, ys))
     for j, r in enumerate(ref.outputs):
         y, shape = results[j], rd.shape(r)
@@ -249,11 +305,12 @@ class _Block:
         self.after: dict[Ref, Tensor] = {}               # ref value -> block tensor after the loop
 
     # ---------------------------------------------------------------- inputs
-    def _iterator(self, i: int, role: str) -> Tensor:
+    def _iterator(self, i: int, role: str, part: tuple | None = None) -> Tensor:
         """Block iterator over kernel input ``i`` as ``role``: rows_k (m, k), vec_k (k,), col_k (k, 1), rows_n
         (m, n), vec_n (n,), weight (k, n), weight_t (n, k), stat (m, 1); with a rotation, rows_head (m, head) and
-        vec_head (head,): the same for every head (RoPE's cos and sin), the block's tile one head."""
-        key = (i, role)
+        vec_head (head,): the same for every head (RoPE's cos and sin), the block's tile one head. ``part``
+        (chunks, start, stop): a weight's slice along n (a :class:`Stream` of a split matmul)."""
+        key = (i, role, part)
         if key in self.iters:
             return self.iters[key]
         m, k, n = self.m, self.k, self.n
@@ -262,7 +319,13 @@ class _Block:
                              "weight": ((k, n), (1,), 0), "weight_t": ((n, k), (0,), 1),
                              "stat": ((m, 1), (PHI,), PHI),
                              "rows_head": ((m, self.head), (PHI,), PHI), "vec_head": ((self.head,), (PHI,), PHI)}[role]
-        src = self.seed.view(i, shape)
+        if part is not None:    # the whole weight's view, sliced along n
+            chunks, start, stop = part
+            dim = {"weight": 1, "weight_t": 0}[role]
+            whole = tuple(x * chunks // (stop - start) if d == dim else x for d, x in enumerate(shape))
+            src = self.seed.g.slice(self.seed.view(i, whole), dim=dim, chunks=chunks, start=start, stop=stop)
+        else:
+            src = self.seed.view(i, shape)
         if any(t is src for t in self.sources):     # one iterator per kernel tensor: a second role reads a view
             src = self.seed.g.reshape(self.seed.kin[i], shape=shape)
         self.sources.append(src)
@@ -376,17 +439,18 @@ class _Block:
         return self.after[r]
 
     # ---------------------------------------------------------------- the graph
-    def build(self, a: Ref, mms: list[int], weights: list[tuple[Ref, bool]], outs: list[Ref]) -> list[Tensor]:
-        """The block graph computing ``outs`` from matmuls ``mms`` of activation ``a``; the kernel op's results."""
+    def build(self, a: Ref, group: list[Stream], weights: list[tuple[Ref, bool]], outs: list[Ref]) -> list[Tensor]:
+        """The block graph computing ``outs`` from the matmul results ``group`` of activation ``a``; the kernel
+        op's results."""
         lhs, scales, gains = self._rows(a)
-        for i, (w, transposed) in zip(mms, weights):
-            rhs = self._iterator(w.op, "weight_t" if transposed else "weight")
+        for st, (w, transposed) in zip(group, weights):
+            rhs = self._iterator(w.op, "weight_t" if transposed else "weight", st.part)
             for f, inv in gains:                  # (x·g)·W = x·(g·W): a column of g scales the weight tile
                 rhs = (self.tb.div if inv else self.tb.mul)(rhs, self._iterator(f.op, "col_k"))
             acc = self.tb.forloop_accum(self.tb.matmul(lhs, rhs), "sum")
             for f, inv in scales:
                 acc = (self.tb.div if inv else self.tb.mul)(acc, self.stat(f))
-            self.after[Ref(i, 0)] = acc
+            self.after[st.ref] = acc
         for r in outs:
             if math.prod(self.rd.shape(r)) != self.m * self.n:     # (m, n) rows, or a reshape of them: (b, h, 1, d)
                 raise NotStreamable(f"output {self.rd.describe(r)} is not ({self.m}, {self.n}) rows")
@@ -481,11 +545,13 @@ class _HalvesBlock(_Block):
         shape = self.rd.shape(self.rd.through_reshapes(r))
         return bool(shape) and shape[-1] == 1 and math.prod(shape[:-1]) == self.m and self.n != 1
 
-    def build(self, a: Ref, mms: list[int], weights: list[tuple[Ref, bool]], outs: list[Ref]) -> list[Tensor]:
+    def build(self, a: Ref, group: list[Stream], weights: list[tuple[Ref, bool]], outs: list[Ref]) -> list[Tensor]:
         if self.seed.gains_on_weights:
             raise NotStreamable("paired halves take the gains on the rows")
+        if any(st.part is not None for st in group):
+            raise NotStreamable("paired halves of a split matmul's weight slice are not built")
         lhs, scales, _ = self._rows(a)
-        for i, (w, transposed) in zip(mms, weights):
+        for st, (w, transposed) in zip(group, weights):
             if not transposed:
                 raise NotStreamable("paired halves read nn.Linear's (n, k) weight, stored along k")
             pair = []
@@ -494,7 +560,7 @@ class _HalvesBlock(_Block):
                 for f, inv in scales:
                     acc = (self.tb.div if inv else self.tb.mul)(acc, self.stat(f))
                 pair.append(acc)
-            self.pairs[Ref(i, 0)] = tuple(pair)
+            self.pairs[st.ref] = tuple(pair)
         for r in outs:
             if math.prod(self.rd.shape(r)) != self.m * self.n:     # (m, n) rows, or a reshape of them: (b, h, 1, d)
                 raise NotStreamable(f"output {self.rd.describe(r)} is not ({self.m}, {self.n}) rows")
