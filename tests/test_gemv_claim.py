@@ -203,6 +203,62 @@ def test_fused_gate_up_projection_streams_as_a_gated_mlp(fn, rows, transposed):
     assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
 
 
+def layer_norm_a(x, g, b, w, c):        # F.layer_norm, nn.Linear's bias
+    return F.linear(F.layer_norm(x, (K,), g, b, EPS), w, c)
+
+
+def layer_norm_b(x, g, b, w, c):        # written out: the biased variance, divided by the standard deviation
+    mu = x.mean(-1, keepdim=True)
+    var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    return linear((x - mu) / torch.sqrt(var + EPS) * g + b, w) + c
+
+
+def layer_norm_c(x, g, b, w, c):        # torch.var_mean, gain and bias in another order, the bias added first
+    var, mu = torch.var_mean(x, -1, keepdim=True, unbiased=False)
+    return c + linear(b + g * ((x - mu) * torch.rsqrt(var + EPS)), w)
+
+
+@interpreted
+@pytest.mark.parametrize("fn,rows,transposed", [(layer_norm_a, 1, True), (layer_norm_b, 3, False),
+                                                (layer_norm_c, 16, True), (layer_norm_b, 1, True)])
+def test_layer_norm_prologue_streams_as_a_sum_of_terms(fn, rows, transposed):
+    """A LayerNorm before the matmul (GPT-2, OPT, BLOOM, BERT): ``((x − μ)·r)·g + b`` is three terms (x·g scaled
+    by r, g by −μ·r, and b), each with an accumulator of its own, the variance ``Σx² − 2μ·Σx + k·μ²``; one
+    verified weight-streaming kernel with the norm inside, equal to eager (rows with a mean far from 0 included)."""
+    w = torch.randn((N, K) if transposed else (K, N)) * K ** -0.5
+    xs = [torch.randn(rows, 1, K) + 2.0, 1 + 0.1 * torch.randn(K), 0.1 * torch.randn(K), w, 0.1 * torch.randn(N)]
+    compiled, report = _compile(fn)
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+    (region,) = _gemv_regions(report)
+    ops = " ".join(region.ops)
+    assert "mean" in ops and region.info["matmuls"] == 1, ops
+    assert [r for r in report.regions if r.compiled_by == "mirage"] == [region], str(report)
+    xs[0] = torch.randn(rows, 1, K)
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+
+
+def test_terms_expand_what_reads_a_row_statistic_only():
+    """:func:`gemv_seed._terms`: a LayerNorm's activation is three terms and its variance's operand three (like
+    terms merged); an RMSNorm over a residual sum stays one term (the sum is one tile factor: one matmul)."""
+    from torch_mirage.superopt.gemv_seed import _Reader, _terms
+
+    graph = trace(lambda x, g, b: F.layer_norm(x, (16,), g, b), [torch.randn(2, 16), torch.randn(16), torch.randn(16)])
+    ref = reference_of(graph.nodes, graph).graph
+    rd = _Reader(ref)
+    (out,) = ref.outputs
+    got = _terms(rd, out, 2, 16)
+    assert len(got) == 3 and sorted(len(fa) for _, _, fa in got) == [1, 1, 2], got
+    assert sorted(len(sc) for _, sc, _ in got) == [0, 1, 2], got          # b; x·g by r; g by μ and r
+    var_operand = next(op.inputs[0] for op in ref.ops if op.name == "reduce_sum")
+    assert sorted(len(fa) for _, _, fa in _terms(rd, var_operand, 2, 16)) == [0, 1, 2]   # μ², x·μ, x²
+
+    graph = trace(lambda x, r, g: (lambda h: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * g)(x + r),
+                  [torch.randn(2, 16), torch.randn(2, 16), torch.randn(16)])
+    ref = reference_of(graph.nodes, graph).graph
+    (out,) = ref.outputs
+    assert len(_terms(_Reader(ref), out, 2, 16)) == 1
+
+
 def fused_qkv(x, g, w):                  # phi-3's qkv_proj: one weight, q / k / v sliced off its result
     h = linear(norm_a(x, g), w)
     return h[..., :N], h[..., N:N + 24], h[..., N + 24:]
@@ -486,7 +542,8 @@ def test_traced_decode_layer_streams_its_unit_batch_bmm():
 
 
 def test_seed_declines_forms_it_cannot_stream():
-    """LoRA's second matmul reads another activation; a LayerNorm's centring is not a row scale."""
+    """LoRA's second matmul reads another activation; a centring without a gain, ``(x − μ)·W``, has a term of the
+    row statistic alone (``μ`` times the weight's column sums, which no tile factor carries)."""
     def lora(x, w, a, b):
         return x @ w + (x @ a) @ b
 
@@ -494,7 +551,7 @@ def test_seed_declines_forms_it_cannot_stream():
         return (x - x.mean(-1, keepdim=True)) @ w
 
     for fn, shapes, words in ((lora, [(3, K), (K, N), (K, 4), (4, N)], "different activations"),
-                              (layernorm_linear, [(3, K), (K, N)], "not elementwise")):
+                              (layernorm_linear, [(3, K), (K, N)], "without a tile factor")):
         graph = trace(fn, [torch.randn(s) for s in shapes])
         with pytest.raises(NotStreamable, match=words):
             gemv_seed(reference_of(graph.nodes, graph).graph)

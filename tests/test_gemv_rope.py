@@ -195,6 +195,36 @@ def test_paired_halves_form_equals_eager_at_every_launch(rotate, rows, tmp_path)
                 assert_close(g, first)
 
 
+def fused_qkv_rope(rotate, heads=4, kv_heads=2, hd=HD):
+    """Phi-3's attention input: one fused projection, q / k / v sliced off its result, RoPE on q and k."""
+    def fn(x, cos, sin, g, w):
+        b, t, _ = x.shape
+        qkv = F.linear(rms_norm(x, g), w)
+        q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+        q, k, v = (y.view(b, t, -1, hd).transpose(1, 2) for y in (q, k, v))
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin, v
+    return fn
+
+
+@interpreted
+@pytest.mark.parametrize("rotate,rows", [(rotate_cat, 1), (rotate_stack, 3)])
+def test_fused_qkv_split_before_rope_claims_the_paired_halves_form(rotate, rows):
+    """A fused QKV projection split after its matmul (phi-3) streams like three projections: each part's weight
+    rows (a slice of the stored (n, k) weight) read through their two half views, RoPE paired in the block; the
+    paired-halves form is claimed as for separate projections, and equals eager."""
+    torch._dynamo.reset()
+    fn = fused_qkv_rope(rotate)
+    xs = _inputs(rows, torch.float32)
+    xs = xs[:4] + [torch.cat(xs[4:], dim=0)]          # wq, wk, wv stacked: the fused weight
+    compiled, report = _compile(fn)
+    for g, w in zip(compiled(*xs), fn(*[x.double() for x in xs])):
+        assert_close(g, w.float(), torch.float32)
+    (region,) = [r for r in report.regions if r.claimer == "ugraph-gemv"]
+    assert region.compiled_by == "mirage" and region.info["ugraph"] == "weight_streaming_halves", str(report)
+    assert any("split" in op for op in region.ops), region.ops
+
+
 @interpreted
 def test_few_kv_heads_stream_one_row_slices(tmp_path):
     """A width of few heads (k / v: 2 heads of 16 here, 8 of 128 in Llama-3-8B) fills the SMs only with slices of

@@ -269,8 +269,9 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
 
     Every mode is compiled and checked first and all of them are kept (one Dynamo cache holds each mode's graphs,
     each entry guarded on its backend); then the modes are timed alternately (:func:`_time_modes`). Timed one
-    mode after another, a generated token's time followed the order of the modes: on the H200 (2026-11-28)
-    reduce-overhead was 0.79x of mirage's µs/token with mirage timed last and 1.27x with mirage timed first."""
+    mode after another (H200, 11-28 and 11-29), mirage's µs/token over reduce-overhead's moved between 0.59 and
+    1.70 on models whose decode step mirage ran faster, and for qwen2 from 1.70 with mirage timed last to 0.79
+    with mirage timed first."""
     record: dict = {"model": spec.name, "attn": attn, "dtype": str(dtype).replace("torch.", ""),
                     "batch": batch, "tokens": tokens, "new_tokens": new_tokens if spec.causal else 0, "modes": {}}
     try:

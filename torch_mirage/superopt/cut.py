@@ -2,8 +2,9 @@
 
 :func:`grow` is the region the μGraph claimers (the search's, the weight-streaming one) start from: producers of
 the given op kinds whose every result is read inside (a norm before a matmul, a transposed weight, a gated MLP's
-sibling matmul) and, while the region has one result (or views of one: a ``split``, slices) read by free elementwise or layout nodes, those readers (a
-gate after the matmul, a residual add, the view of a flattened matmul back to (batch, seq, n)); a reduction chain
+sibling matmul) and, while the region has one result (or views of one: a ``split``, slices) read by free
+elementwise or layout nodes, those readers (a gate after the matmul, a residual add, the view of a flattened matmul
+back to (batch, seq, n)); a reduction chain
 (kinds :data:`CHAIN`) also goes on from a row statistic to the ops that apply it. :func:`levels` are the smaller
 cuts ending at an anchor: its producers one step further back at a time (the sub-programs a library seed may be,
 inside a larger region). :func:`reference_kernel` wraps a

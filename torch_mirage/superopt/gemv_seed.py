@@ -125,6 +125,61 @@ def _factors(rd: _Reader, r: Ref, inverse: bool = False) -> list[tuple[Ref, bool
     return [(r, inverse)]
 
 
+MAX_TERMS = 8   # the most terms an activation or a row reduction expands into (:func:`_terms`)
+
+
+def _is_row_stat(rd: _Reader, r: Ref, m: int, k: int) -> bool:
+    shape = rd.shape(r)
+    return bool(shape) and shape[-1] == 1 and math.prod(shape[:-1]) == m and k != 1
+
+
+def _terms(rd: _Reader, r: Ref, m: int, k: int) -> list[tuple[Fraction, tuple, tuple]]:
+    """``r`` (an (m, k) value or a row reduction's operand) expanded into a sum of terms ``coef · Π scales ·
+    Π factors``: each scale a row statistic (m, 1), each factor a row tensor (m, k) or a vector (k,), both given
+    as ``(ref, divides)`` and sorted; like terms merged. A LayerNorm's ``((x − μ)·r)·g + b`` is ``x·g`` scaled by
+    ``r``, ``g`` scaled by ``−μ·r`` and ``b``; its variance ``Σ(x − μ)²`` is ``Σx² − 2μ·Σx + k·μ²``. Sums and
+    differences that read a row statistic, negations, constant scalings, products and quotients by one term are
+    expanded; any other op is a leaf (a sum of tensors alone, ``x + residual``, is one tile factor: it stays one
+    matmul). :class:`NotStreamable` past :data:`MAX_TERMS` terms."""
+    def expand(r: Ref) -> list[tuple[Fraction, tuple, tuple]]:
+        r = rd.through_reshapes(r)
+        op = rd.op(r)
+        if op.name in ("add", "sub") and _reads_row_stat(rd, r, m, k):   # else one tile factor (x + residual)
+            a, b = (expand(x) for x in op.inputs)
+            return a + ([(-c, sc, fa) for c, sc, fa in b] if op.name == "sub" else b)
+        if op.name == "neg":
+            return [(-c, sc, fa) for c, sc, fa in expand(op.inputs[0])]
+        if op.name == "scalar_mul":
+            return [(c * Fraction(op.attrs["value"]), sc, fa) for c, sc, fa in expand(op.inputs[0])]
+        if op.name in ("mul", "square"):
+            a, b = (expand(op.inputs[0]), expand(op.inputs[-1]))
+            return [(ca * cb, sa + sb, fa + fb) for ca, sa, fa in a for cb, sb, fb in b]
+        if op.name == "div" and len(den := expand(op.inputs[1])) == 1:
+            (cd, sd, fd), = den
+            flip = lambda xs: tuple((x, not inv) for x, inv in xs)      # noqa: E731
+            return [(c / cd, sc + flip(sd), fa + flip(fd)) for c, sc, fa in expand(op.inputs[0])]
+        leaf = ((r, False),)
+        return [(Fraction(1), leaf, ())] if _is_row_stat(rd, r, m, k) else [(Fraction(1), (), leaf)]
+
+    merged: dict[tuple, Fraction] = {}
+    for c, sc, fa in expand(r):
+        key = (tuple(sorted(sc)), tuple(sorted(fa)))
+        merged[key] = merged.get(key, Fraction(0)) + c
+    terms = [(c, sc, fa) for (sc, fa), c in merged.items() if c != 0]
+    if len(terms) > MAX_TERMS:
+        raise NotStreamable(f"{rd.describe(r)} expands into {len(terms)} terms (at most {MAX_TERMS})")
+    return terms
+
+
+def _reads_row_stat(rd: _Reader, r: Ref, m: int, k: int) -> bool:
+    """Whether the value ``r`` of a row reduction's operand reads a row statistic (a LayerNorm's ``x − μ``)."""
+    r = rd.through_reshapes(r)
+    op = rd.op(r)
+    if _is_row_stat(rd, r, m, k):
+        return True
+    return op.name in ELEMENTWISE and any(_reads_row_stat(rd, x, m, k) for x in op.inputs)
+
+
 def rotation(rd: _Reader, r: Ref) -> tuple[Ref, int, tuple] | None:
     """RoPE's pairing read off a ``concat``: ``(source, group, signs)`` where ``r`` joins the two halves of each
     ``group`` columns of ``source`` swapped, each possibly negated (``cat((-x2, x1), -1)`` of ``x1, x2 =
@@ -389,7 +444,10 @@ class _Block:
                 x = op.inputs[0]
                 if op.attrs.get("dim") not in (len(self.rd.shape(x)) - 1, -1) or self.rd.shape(x)[-1] != self.k:
                     raise NotStreamable(f"{self.rd.describe(r)} does not reduce the rows' last dim ({self.k})")
-                acc = self.tb.forloop_accum(self.tile(x), "sum", dim=self.K_DIM)
+                if _reads_row_stat(self.rd, x, self.m, self.k):     # Σ(x − μ)²: a sum of terms' sums
+                    acc = self._expanded_sum(x)
+                else:
+                    acc = self.tb.forloop_accum(self.tile(x), "sum", dim=self.K_DIM)
                 self.after[r] = self.tb.scalar_mul(acc, value=1.0 / self.k) if op.name == "reduce_mean" else acc
             elif op.name == "input":
                 self.after[r] = self._iterator(r.op, "stat")
@@ -398,6 +456,48 @@ class _Block:
             else:
                 raise NotStreamable(f"{self.rd.describe(r)} is not a row statistic ({self.m}, 1)")
         return self.after[r]
+
+    def _product(self, factors: tuple) -> Tensor:
+        """The loop-side tile of a product of tile factors (a divides flag each; the first may not divide)."""
+        if factors[0][1]:
+            raise NotStreamable("a term's first tile factor divides")
+        t = self.tile(factors[0][0])
+        for f, inv in factors[1:]:
+            t = (self.tb.div if inv else self.tb.mul)(t, self.tile(f))
+        return t
+
+    def _scaled(self, t: Tensor | None, coef: Fraction, scales: tuple) -> Tensor:
+        """``coef · Π scales · t`` after the loop (``t`` None: the scales alone)."""
+        for s, inv in scales:
+            if t is None and inv:
+                raise NotStreamable("a term of row statistics alone that divides")
+            t = self.stat(s) if t is None else (self.tb.div if inv else self.tb.mul)(t, self.stat(s))
+        if t is None:
+            raise NotStreamable("a constant term")
+        return t if coef == 1 else self.tb.scalar_mul(t, value=float(coef))
+
+    def _expanded_sum(self, x: Ref) -> Tensor:
+        """``Σ_k x`` over the rows' last dim where ``x`` reads row statistics: the sum of its terms
+        (:func:`_terms`), each term's tile factors summed in the loop and scaled after it; a term of row statistics
+        alone sums to k times itself."""
+        total = None
+        for coef, scales, factors in _terms(self.rd, x, self.m, self.k):
+            acc = self.tb.forloop_accum(self._product(factors), "sum", dim=self.K_DIM) if factors else None
+            t = self._scaled(acc, coef if factors else coef * self.k, scales)
+            total = t if total is None else self.tb.add(total, t)
+        return total
+
+    def _term_lhs(self, factors: tuple) -> Tensor:
+        """The loop-side left operand of one term's matmul: its tile factors' product where one of them is a row
+        tensor; for vector factors alone (a LayerNorm's gain or bias), their product as a (1, k) row."""
+        if any(self._input_role(f, "k") != "vec_k" for f, _ in factors if self.rd.op(f).name == "input") or \
+                any(self.rd.op(f).name != "input" for f, _ in factors):
+            return self._product(factors)
+        col = None
+        for f, inv in factors:
+            c = self._iterator(f.op, "col_k")
+            col = c if col is None else (self.tb.div if inv else self.tb.mul)(col, c)
+        return self.tb.transpose(col)
 
     def _rotation(self, r: Ref) -> tuple:
         """RoPE's rotation at concat ``r`` (:func:`rotation`) in this block's heads, or :class:`NotStreamable`."""
@@ -442,6 +542,21 @@ class _Block:
     def build(self, a: Ref, group: list[Stream], weights: list[tuple[Ref, bool]], outs: list[Ref]) -> list[Tensor]:
         """The block graph computing ``outs`` from the matmul results ``group`` of activation ``a``; the kernel
         op's results."""
+        terms = _terms(self.rd, a, self.m, self.k)
+        if len(terms) > 1:      # a sum of terms (a LayerNorm): one accumulator a term, scaled and added after
+            if self.seed.gains_on_weights:
+                raise NotStreamable("gains on the weights: an activation of one term only")
+            for st, (w, transposed) in zip(group, weights):
+                rhs = self._iterator(w.op, "weight_t" if transposed else "weight", st.part)
+                total = None
+                for coef, scales, factors in terms:
+                    if not factors:
+                        raise NotStreamable("a term of the activation without a tile factor")
+                    acc = self.tb.forloop_accum(self.tb.matmul(self._term_lhs(factors), rhs), "sum")
+                    t = self._scaled(acc, coef, scales)
+                    total = t if total is None else self.tb.add(total, t)
+                self.after[st.ref] = total
+            return self._outputs(outs)
         lhs, scales, gains = self._rows(a)
         for st, (w, transposed) in zip(group, weights):
             rhs = self._iterator(w.op, "weight_t" if transposed else "weight", st.part)
@@ -451,6 +566,9 @@ class _Block:
             for f, inv in scales:
                 acc = (self.tb.div if inv else self.tb.mul)(acc, self.stat(f))
             self.after[st.ref] = acc
+        return self._outputs(outs)
+
+    def _outputs(self, outs: list[Ref]) -> list[Tensor]:
         for r in outs:
             if math.prod(self.rd.shape(r)) != self.m * self.n:     # (m, n) rows, or a reshape of them: (b, h, 1, d)
                 raise NotStreamable(f"output {self.rd.describe(r)} is not ({self.m}, {self.n}) rows")
@@ -478,16 +596,23 @@ class _HalvesBlock(_Block):
         self.pairs: dict[Ref, tuple[Tensor, Tensor]] = {}
         self.halves: dict[tuple, Tensor] = {}
 
-    def _half(self, i: int, shape: tuple, dim: int, half: int) -> Tensor:
-        """Kernel input ``i`` viewed as ``shape`` (dim ``dim`` of size 2: the halves) and sliced to ``half``."""
-        key = (i, shape, dim, half)
+    def _half(self, i: int, shape: tuple, dim: int, half: int, part: tuple | None = None) -> Tensor:
+        """Kernel input ``i`` viewed as ``shape`` (dim ``dim`` of size 2: the halves) and sliced to ``half``;
+        ``part`` (chunks, start, stop): first the slice of the (n, k) weight's rows a split matmul reads."""
+        key = (i, shape, dim, half, part)
         if key not in self.halves:
-            self.halves[key] = self.seed.g.slice(self.seed.view(i, shape), dim=dim, chunks=2, start=half,
-                                                 stop=half + 1)
+            if part is None:
+                whole = self.seed.view(i, shape)
+            else:                # the stored (n, k) rows of this part: one block of rows, reshaped to the halves
+                chunks, start, stop = part
+                rows = self.seed.g.slice(self.seed.view(i, (self.n * chunks // (stop - start), self.k)), dim=0,
+                                         chunks=chunks, start=start, stop=stop)
+                whole = self.seed.g.reshape(rows, shape=shape)
+            self.halves[key] = self.seed.g.slice(whole, dim=dim, chunks=2, start=half, stop=half + 1)
         return self.halves[key]
 
-    def _iterator(self, i: int, role: str, half: int | None = None) -> Tensor:
-        key = (i, role, half)
+    def _iterator(self, i: int, role: str, half: int | None = None, part: tuple | None = None) -> Tensor:
+        key = (i, role, half, part)
         if key in self.iters:
             return self.iters[key]
         m, k, heads, d2 = self.m, self.k, self.n // self.head, self.head // 2
@@ -500,7 +625,7 @@ class _HalvesBlock(_Block):
         elif half is None:
             raise NotStreamable(f"input {self.rd.describe(Ref(i, 0))} as {role} needs a half")
         elif role == "weight_t":
-            src, imap, fmap = self._half(i, (heads, 2, d2, k), 1, half), (0, 2), 3
+            src, imap, fmap = self._half(i, (heads, 2, d2, k), 1, half, part), (0, 2), 3
         else:    # after the loop, read through a mean accumulator: (…, 2, d/2) views sliced to the half
             shape, imap = {"rows_n": ((m, heads, 2, d2), (1, 3)), "vec_n": ((1, heads, 2, d2), (1, 3)),
                            "rows_head": ((m, 1, 2, d2), (PHI, 3)), "vec_head": ((1, 1, 2, d2), (PHI, 3))}[role]
@@ -548,15 +673,16 @@ class _HalvesBlock(_Block):
     def build(self, a: Ref, group: list[Stream], weights: list[tuple[Ref, bool]], outs: list[Ref]) -> list[Tensor]:
         if self.seed.gains_on_weights:
             raise NotStreamable("paired halves take the gains on the rows")
-        if any(st.part is not None for st in group):
-            raise NotStreamable("paired halves of a split matmul's weight slice are not built")
+        if len(_terms(self.rd, a, self.m, self.k)) > 1:
+            raise NotStreamable("paired halves of an activation of several terms are not built")
         lhs, scales, _ = self._rows(a)
         for st, (w, transposed) in zip(group, weights):
             if not transposed:
                 raise NotStreamable("paired halves read nn.Linear's (n, k) weight, stored along k")
             pair = []
             for half in (0, 1):
-                acc = self.tb.forloop_accum(self.tb.matmul(lhs, self._iterator(w.op, "weight_t", half)), "sum")
+                weight = self._iterator(w.op, "weight_t", half, st.part)
+                acc = self.tb.forloop_accum(self.tb.matmul(lhs, weight), "sum")
                 for f, inv in scales:
                     acc = (self.tb.div if inv else self.tb.mul)(acc, self.stat(f))
                 pair.append(acc)
