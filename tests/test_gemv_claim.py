@@ -264,15 +264,24 @@ def fused_qkv(x, g, w):                  # phi-3's qkv_proj: one weight, q / k /
     return h[..., :N], h[..., N:N + 24], h[..., N + 24:]
 
 
+def fused_qkv_bias(x, g, b, w, c):         # GPT-2's c_attn: LayerNorm, Conv1D's addmm with its bias, split
+    h = F.layer_norm(x, (K,), g, b, EPS) @ w + c
+    return h.split([N, 24, 24], dim=-1)
+
+
 @interpreted
-@pytest.mark.parametrize("rows,transposed", [(1, True), (3, False)])
-def test_fused_qkv_projection_split_after_the_matmul_streams(rows, transposed):
+@pytest.mark.parametrize("fn,rows,transposed", [(fused_qkv, 1, True), (fused_qkv, 3, False),
+                                                (fused_qkv_bias, 1, False), (fused_qkv_bias, 3, False)])
+def test_fused_qkv_projection_split_after_the_matmul_streams(fn, rows, transposed):
     """q, k and v sliced off one fused projection's result (widths N, 24, 24): one region, one block graph per
-    width, each against its slice of the weight."""
+    width, each against its slice of the weight (and, with a bias added before the split, its slice of the
+    bias)."""
     w = torch.randn((N + 48, K) if transposed else (K, N + 48)) * K ** -0.5
     xs = [torch.randn(rows, 1, K), 1 + 0.1 * torch.randn(K), w]
-    compiled, report = _compile(fused_qkv)
-    assert_close(compiled(*xs), [y.float() for y in fused_qkv(*[x.double() for x in xs])])
+    if fn is fused_qkv_bias:
+        xs = xs[:2] + [0.1 * torch.randn(K), w, 0.1 * torch.randn(N + 48)]
+    compiled, report = _compile(fn)
+    assert_close(compiled(*xs), [y.float() for y in fn(*[x.double() for x in xs])])
     (region,) = _gemv_regions(report)
     assert region.info["matmuls"] == 1 and [r for r in report.regions if r.compiled_by == "mirage"] == [region]
 

@@ -223,6 +223,7 @@ class Stream(NamedTuple):
     mm: int                    # the matmul op
     part: tuple | None         # (chunks, start, stop) of the weight's n, or None: all of it
     width: int
+    bias: Ref | None = None    # a split matmul's bias (n,), added before the split: its part is added to the part
 
 
 def streams(ref: KernelGraph, mms: list[int]) -> list[Stream]:
@@ -236,21 +237,23 @@ def streams(ref: KernelGraph, mms: list[int]) -> list[Stream]:
     out = []
     for i in mms:
         n = ref.ops[i].shapes[0][-1]
-        slices = _slices_along_n(ref, readers, Ref(i, 0), n)
-        if slices is None:
+        split = _slices_along_n(ref, readers, Ref(i, 0), n)
+        if split is None:
             out.append(Stream(Ref(i, 0), i, None, n))
             continue
+        slices, bias = split
         for j in slices:
             at = ref.ops[j].attrs
             out.append(Stream(Ref(j, 0), i, (at["chunks"], at["start"], at["stop"]),
-                              n * (at["stop"] - at["start"]) // at["chunks"]))
+                              n * (at["stop"] - at["start"]) // at["chunks"], bias))
     return out
 
 
-def _slices_along_n(ref: KernelGraph, readers: dict, r: Ref, n: int) -> list[int] | None:
+def _slices_along_n(ref: KernelGraph, readers: dict, r: Ref, n: int) -> tuple[list[int], Ref | None] | None:
     """The slice ops along the last dim (of extent ``n``, whole parts) that all readers of ``r`` are, through
-    reshapes keeping that dim; None where ``r`` (or a reshape of it) has another reader or is an output."""
-    found, todo = [], [r]
+    reshapes keeping that dim and at most one add of a bias (a kernel input of n elements: GPT-2's ``c_attn``),
+    with that bias; None where ``r`` (or a value on the way) has another reader or is an output."""
+    found, todo, bias = [], [r], None
     while todo:
         x = todo.pop()
         if x in ref.outputs:
@@ -258,14 +261,19 @@ def _slices_along_n(ref: KernelGraph, readers: dict, r: Ref, n: int) -> list[int
         for j in readers.get(x, ()):
             op = ref.ops[j]
             shape = op.shapes[0]
+            other = [y for y in op.inputs if y != x]
             if op.name == "reshape" and shape and shape[-1] == n:
+                todo.append(Ref(j, 0))
+            elif op.name == "add" and bias is None and len(other) == 1 and ref.ops[other[0].op].name == "input" \
+                    and math.prod(ref.ops[other[0].op].shapes[other[0].out]) == n and shape and shape[-1] == n:
+                bias = other[0]
                 todo.append(Ref(j, 0))
             elif op.name == "slice" and shape and op.attrs["dim"] % len(shape) == len(shape) - 1 and \
                     n * (op.attrs["stop"] - op.attrs["start"]) % op.attrs["chunks"] == 0:
                 found.append(j)
             else:
                 return None
-    return found or None
+    return (found, bias) if found else None
 
 
 def streamed_dims(ref: KernelGraph) -> tuple[int, int, int]:
@@ -376,7 +384,7 @@ class _Block:
                              "rows_head": ((m, self.head), (PHI,), PHI), "vec_head": ((self.head,), (PHI,), PHI)}[role]
         if part is not None:    # the whole weight's view, sliced along n
             chunks, start, stop = part
-            dim = {"weight": 1, "weight_t": 0}[role]
+            dim = {"weight": 1, "weight_t": 0, "vec_n": 0}[role]
             whole = tuple(x * chunks // (stop - start) if d == dim else x for d, x in enumerate(shape))
             src = self.seed.g.slice(self.seed.view(i, whole), dim=dim, chunks=chunks, start=start, stop=stop)
         else:
@@ -555,7 +563,7 @@ class _Block:
                     acc = self.tb.forloop_accum(self.tb.matmul(self._term_lhs(factors), rhs), "sum")
                     t = self._scaled(acc, coef, scales)
                     total = t if total is None else self.tb.add(total, t)
-                self.after[st.ref] = total
+                self.after[st.ref] = self._part_bias(st, total)
             return self._outputs(outs)
         lhs, scales, gains = self._rows(a)
         for st, (w, transposed) in zip(group, weights):
@@ -565,8 +573,14 @@ class _Block:
             acc = self.tb.forloop_accum(self.tb.matmul(lhs, rhs), "sum")
             for f, inv in scales:
                 acc = (self.tb.div if inv else self.tb.mul)(acc, self.stat(f))
-            self.after[st.ref] = acc
+            self.after[st.ref] = self._part_bias(st, acc)
         return self._outputs(outs)
+
+    def _part_bias(self, st: Stream, acc: Tensor) -> Tensor:
+        """A split matmul's part with its slice of the bias added before the split (``(A·W + b)[:, a:b]``)."""
+        if st.bias is None:
+            return acc
+        return self.tb.add(acc, self._iterator(st.bias.op, "vec_n", st.part))
 
     def _outputs(self, outs: list[Ref]) -> list[Tensor]:
         for r in outs:
@@ -675,6 +689,8 @@ class _HalvesBlock(_Block):
             raise NotStreamable("paired halves take the gains on the rows")
         if len(_terms(self.rd, a, self.m, self.k)) > 1:
             raise NotStreamable("paired halves of an activation of several terms are not built")
+        if any(st.bias is not None for st in group):
+            raise NotStreamable("paired halves of a split matmul with a bias are not built")
         lhs, scales, _ = self._rows(a)
         for st, (w, transposed) in zip(group, weights):
             if not transposed:
