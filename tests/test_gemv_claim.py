@@ -237,6 +237,27 @@ def test_layer_norm_prologue_streams_as_a_sum_of_terms(fn, rows, transposed):
     assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
 
 
+def gpt2_mlp_in(x, g, b, w, c):          # GPT-2: ln_2, c_fc (Conv1D), NewGELU with torch.pow(x, 3.0)
+    h = F.layer_norm(x, (K,), g, b, EPS) @ w + c
+    return 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
+
+
+@interpreted
+@pytest.mark.parametrize("rows", [1, 3])
+def test_layer_norm_linear_gelu_is_one_kernel(rows):
+    """GPT-2's MLP input: LayerNorm, the matmul with its bias and NewGELU, whose two branches (``0.5·h`` and
+    ``h + 0.044715·h³``) meet again: the cut follows every result's readers (not only a single result's), and
+    ``pow(h, 3)`` lowers to ``h²·h``; one weight-streaming kernel, equal to eager."""
+    w = torch.randn(K, N) * K ** -0.5
+    xs = [torch.randn(rows, 1, K), 1 + 0.1 * torch.randn(K), 0.1 * torch.randn(K), w, 0.1 * torch.randn(N)]
+    compiled, report = _compile(gpt2_mlp_in)
+    assert_close(compiled(*xs), gpt2_mlp_in(*[x.double() for x in xs]).float())
+    (region,) = _gemv_regions(report)
+    ops = " ".join(region.ops)
+    assert "mean" in ops and "tanh" in ops and "pow" in ops, ops
+    assert [r for r in report.regions if r.compiled_by == "mirage"] == [region], str(report)
+
+
 def test_terms_expand_what_reads_a_row_statistic_only():
     """:func:`gemv_seed._terms`: a LayerNorm's activation is three terms and its variance's operand three (like
     terms merged); an RMSNorm over a residual sum stays one term (the sum is one tile factor: one matmul)."""

@@ -8,10 +8,11 @@ tries cuts of the graph around it (:func:`cuts`, each grown by :func:`.cut.grow`
 cuts the larger has the lower roofline estimate):
 
 1. the free memory-bound matmuls reading the same activation (:func:`siblings`: a QKV projection's three, a gated
-   MLP's two; or one matmul whose result is split into parts, :func:`read_in_parts`: a fused QKV projection) with
-   the producers read only inside — the RMSNorm of the rows joins them (each matmul width gets a
+   MLP's two; a matmul alone is its own family) with the producers read only inside — the norm of the rows
+   joins them (each matmul width gets a
    block graph of its own in the seed, each recomputing the norm's row scale), first with the elementwise and
-   layout readers of every result (RoPE on a QKV projection's q and k, up to the attention and the cache write;
+   layout readers of every result (RoPE on a QKV projection's q and k, or on the parts of one fused projection
+   split after its matmul; both branches of a GELU that meet again; up to the attention and the cache write;
    then without the views of a result for readers outside, :func:`.cut.layout_tails_dropped`), then without readers;
    each of these first with the static KV cache writes of its results (:func:`.cut.cache_writes`: the seed is built
    and verified without them, :func:`.updates.split_updates`, and its kernel stores the new rows itself);
@@ -93,7 +94,7 @@ def cuts(graph: Graph, anchor: Node, free: Sequence[Node], free_ids: set, model:
     order = graph.positions()
     out: list[list[Node]] = []
     family = siblings(anchor, free, free_ids, model)
-    tries = [(family, GROW, True, True)] * (len(family) > 1 or read_in_parts(anchor)) + [(family, GROW, True, False)] + \
+    tries = [(family, GROW, True, True), (family, GROW, True, False)] + \
         [(anchor, kinds, forward, False) for kinds in (GROW, LAYOUT, NONE) for forward in (True, False)]
     views = weight_views(anchor, free_ids)
     for start, kinds, forward, every in tries:
@@ -110,17 +111,6 @@ def cuts(graph: Graph, anchor: Node, free: Sequence[Node], free_ids: set, model:
             if all({id(n) for n in nodes} != {id(n) for n in c} for c in out):
                 out.append(nodes)
     return sorted(out, key=len, reverse=True)
-
-
-def read_in_parts(anchor: Node) -> bool:
-    """``anchor``'s result, through the views it alone feeds, is split into parts (a fused QKV projection's
-    ``split`` into q, k and v): like sibling matmuls' results, each part's readers (RoPE on q and k) may join."""
-    v = anchor.outputs[0]
-    while len(v.users) == 1 and v.users[0].kind is OpKind.LAYOUT and len(v.users[0].outputs) == 1:
-        v = v.users[0].outputs[0]
-    users = v.users
-    return bool(users) and all(u.kind is OpKind.LAYOUT for u in users) and \
-        (len(users) > 1 or len(users[0].outputs) > 1)
 
 
 def weight_views(anchor: Node, free_ids: set) -> list[Node]:

@@ -172,7 +172,7 @@ def _terms(rd: _Reader, r: Ref, m: int, k: int) -> list[tuple[Fraction, tuple, t
 
 
 def _reads_row_stat(rd: _Reader, r: Ref, m: int, k: int) -> bool:
-    """Whether the value ``r`` of a row reduction's operand reads a row statistic (a LayerNorm's ``x − μ``)."""
+    """Whether ``r`` is a row statistic or reads one through elementwise ops (a LayerNorm's ``x − μ``)."""
     r = rd.through_reshapes(r)
     op = rd.op(r)
     if _is_row_stat(rd, r, m, k):
@@ -498,8 +498,7 @@ class _Block:
     def _term_lhs(self, factors: tuple) -> Tensor:
         """The loop-side left operand of one term's matmul: its tile factors' product where one of them is a row
         tensor; for vector factors alone (a LayerNorm's gain or bias), their product as a (1, k) row."""
-        if any(self._input_role(f, "k") != "vec_k" for f, _ in factors if self.rd.op(f).name == "input") or \
-                any(self.rd.op(f).name != "input" for f, _ in factors):
+        if not all(self.rd.op(f).name == "input" and self._input_role(f, "k") == "vec_k" for f, _ in factors):
             return self._product(factors)
         col = None
         for f, inv in factors:

@@ -12,7 +12,7 @@ Mapping: mm / bmm / addmm → matmul (+ bias); ``permute`` / ``t`` of the last
 two dims (``nn.Linear``'s weight) → transpose; view / reshape / squeeze /
 unsqueeze → reshape; expand → broadcasting, made explicit by concatenated
 copies only where a reshape needs it (GQA's ``repeat_kv``); clone → nothing; add / sub / mul / div with tensors or scalars → add / sub / mul /
-div / scalar_add / scalar_mul; pow 2 / 0.5 / -0.5 → square / sqrt / rsqrt;
+div / scalar_add / scalar_mul; pow 2 / 3 / 0.5 / -0.5 → square / square·x / sqrt / rsqrt;
 rsqrt / sqrt / exp / silu / neg; split / slice (unit step) → slice ops of whole chunks, cat → concat; a permute
 that moves only dims of size 1 → reshape; Inductor's decomposed SiLU
 ``a / (1 + exp(-a))`` and ``a · sigmoid(a)`` → silu; sum / mean / amax over dims → reduce ops;
@@ -291,9 +291,12 @@ def _lower(g: KernelBuilder, n, env: dict, ref: Reference) -> None:
         return
     if name == "pow":
         e = _scalar(args[1])
+        if e == 3.0:            # GPT-2's GELU: x³ = x² · x
+            put(g.mul(g.square(arg(0)), arg(0)))
+            return
         op = {2.0: "square", 0.5: "sqrt", -0.5: "rsqrt", 1.0: None}.get(e, "?") if e is not None else "?"
         if op == "?":
-            raise _Decline(n, f"pow with exponent {args[1]!r}", "only 2, 0.5, -0.5 lower to kernel ops")
+            raise _Decline(n, f"pow with exponent {args[1]!r}", "only 1, 2, 3, 0.5, -0.5 lower to kernel ops")
         put(arg(0) if op is None else getattr(g, op)(arg(0)))
         return
     if name in ("sum", "mean", "amax"):
