@@ -233,8 +233,11 @@ def _short(e: BaseException, limit: int = 600) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
-def _free() -> None:
-    torch._dynamo.reset()
+def _free(reset_dynamo: bool = True) -> None:
+    """Free what a case left behind: Dynamo's caches (unless ``reset_dynamo`` is False: graphs still to be timed),
+    unreachable objects and the CUDA allocator's cached blocks."""
+    if reset_dynamo:
+        torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import gc
 import math
 import os
 import statistics
@@ -357,7 +356,7 @@ def _check_mode(model, spec: HFModel, mode: str, dynamic: bool | None, ids: torc
     finally:
         if "forward" in model.__dict__:
             del model.forward   # the next mode compiles the class's forward
-        _collect()
+        _free(reset_dynamo=False)     # the mode's graphs stay for the timing
     return res
 
 
@@ -369,20 +368,18 @@ def _time_modes(model, spec: HFModel, forwards: dict, steps: dict, ids: torch.Te
     down, so a half's fastest repeat is its least disturbed one); ``*_median`` the median of all repeats, which
     says how noisy the run was."""
     half_repeats = max(1, math.ceil(timing["repeats"] / 2))
-    calls: dict[str, Callable[[str], Callable[[], Any]]] = {   # key -> mode -> what one timed call runs
-        "prefill_us": lambda mode: lambda: forward_logits(model, spec)(ids),
-        "us_per_token": lambda mode: lambda: greedy_generate(model, prompt, new_tokens),
-        "decode_step_us": lambda mode: steps[mode]}
+    runs: dict[str, Callable[[], Any]] = {"prefill_us": lambda: forward_logits(model, spec)(ids)}
+    if spec.causal:
+        runs["us_per_token"] = lambda: greedy_generate(model, prompt, new_tokens)
     for key in TIMED:
-        names = [m for m in forwards if key == "prefill_us" or (spec.causal and key == "us_per_token")
-                 or (key == "decode_step_us" and m in steps)]
+        names = [m for m in forwards if m in steps] if key == "decode_step_us" else list(forwards) * (key in runs)
         if not names:
             continue
         samples: dict[str, list[float]] = {m: [] for m in names}
 
         def time_half(mode: str) -> list[float]:
             _use_forward(model, forwards[mode])
-            fn = calls[key](mode)
+            fn = steps[mode] if key == "decode_step_us" else runs[key]
             with torch.no_grad():
                 got = list(measure(lambda: fn(), [], target_ms=timing["target_ms"], repeats=half_repeats)["samples"])
             samples[mode] += got
@@ -397,13 +394,6 @@ def _time_modes(model, spec: HFModel, forwards: dict, steps: dict, ids: torch.Te
             results[mode][key] = t / per
             results[mode][key + "_median"] = statistics.median(samples[mode]) / per
     _use_forward(model, None)
-
-
-def _collect() -> None:
-    """Free what a checked mode left behind, Dynamo's caches kept (``harness._free`` resets them)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _use_forward(model, forward) -> None:

@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .cut import DTYPES
+from .cut import DTYPES, with_meta_strides
 from ..cache import ProcessMemo
 from ..analysis.attention import AttentionSpec, find_attention
 from ..analysis.graph import GraphAnalysis, analyse
@@ -190,15 +190,6 @@ def _rows_dense(t: torch.Tensor) -> torch.Tensor:
     H200 11-28, HF Llama prefill 4 x 256: two of the four 3.5 us copies per layer around the attention kernel),
     else a contiguous copy."""
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-
-def _as_meta(t: torch.Tensor, meta) -> torch.Tensor:
-    """``t`` with the strides the graph's value has (a copy where they differ; a dim of size 1 has no stride that
-    matters)."""
-    if (meta.is_contiguous and t.is_contiguous()) or all(
-            a == m or n == 1 for a, m, n in zip(t.stride(), meta.stride, t.shape)):
-        return t
-    return torch.empty_strided(meta.shape, meta.stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def plan_candidates(spec: AttentionSpec, graph: Graph, mask_shape: tuple | None = None,
@@ -394,7 +385,7 @@ def attention_kernel(spec: AttentionSpec, order: Sequence[int], slots: Sequence[
         # an SDPA op's other outputs (logsumexp, ...) are unread (find_attention checks)
         outs = run_spec(spec, compiled, *args, fixed=fixed, bool_mask=bool_mask,
                         per_head=per_head, out_meta=metas[0])
-        return tuple(_as_meta(outs[i], metas[i]) for i in slots)
+        return tuple(with_meta_strides(outs[i], metas[i]) for i in slots)
     return kernel
 
 

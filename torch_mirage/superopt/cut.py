@@ -131,30 +131,27 @@ def reference_kernel(nodes: list, graph, ref, compiled):
     outputs = outputs_of(nodes, graph)
     out_order = [out_pos[id(v)] for v in outputs]
     shapes = [tuple(v.meta.shape) for v in outputs]
-    strides = [_strides_kept(v.meta) for v in outputs]
+    # a result the graph holds as a view with gaps (q sliced off a fused QKV projection's rows) is written in
+    # that layout: a fallback region compiled for the graph reads it so, Inductor asserting the strides; a dense
+    # result does for a contiguous value or a broadcast (stride 0)
+    laid_out = [v.meta if not v.meta.is_contiguous and all(st or n == 1 for n, st in zip(v.meta.shape, v.meta.stride))
+                else None for v in outputs]
 
     def kernel(*ins):
         outs = compiled(*[ins[i] for i in in_order])
-        return tuple(_restrided(outs[j].reshape(sh), st) for j, sh, st in zip(out_order, shapes, strides))
+        return tuple(with_meta_strides(y, meta) if meta is not None else y
+                     for y, meta in ((outs[j].reshape(sh), m) for j, sh, m in zip(out_order, shapes, laid_out)))
 
     return kernel
 
 
-def _strides_kept(meta) -> tuple | None:
-    """The strides a region's result must have for the graph's readers: the graph value's where it is a view with
-    gaps (q sliced off a fused QKV projection's rows: a fallback region compiled for the graph reads it with those
-    strides, Inductor asserting them); None where a dense result will do (its own layout, or a broadcast: stride 0)."""
-    shape, stride = tuple(meta.shape), tuple(meta.stride)
-    if getattr(meta, "is_contiguous", True) or any(st == 0 and n > 1 for n, st in zip(shape, stride)):
-        return None
-    return stride
-
-
-def _restrided(y: torch.Tensor, stride: tuple | None) -> torch.Tensor:
-    """``y`` with ``stride`` (a copy into a tensor laid out so), or ``y`` where it has them or none are asked."""
-    if stride is None or all(n == 1 or a == b for n, a, b in zip(y.shape, y.stride(), stride)):
-        return y
-    return torch.empty_strided(y.shape, stride, dtype=y.dtype, device=y.device).copy_(y)
+def with_meta_strides(t: torch.Tensor, meta) -> torch.Tensor:
+    """``t`` with the strides the graph's value ``meta`` has (a copy where they differ; a dim of size 1 has no
+    stride that matters)."""
+    if (meta.is_contiguous and t.is_contiguous()) or all(
+            a == m or n == 1 for a, m, n in zip(t.stride(), meta.stride, t.shape)):
+        return t
+    return torch.empty_strided(meta.shape, meta.stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def lowered_reference(nodes: list, graph, ctx: CompileContext, first_use: bool = False) -> Reference | Decline:

@@ -488,10 +488,15 @@ class _Block:
         """``Σ_k x`` over the rows' last dim where ``x`` reads row statistics: the sum of its terms
         (:func:`_terms`), each term's tile factors summed in the loop and scaled after it; a term of row statistics
         alone sums to k times itself."""
+        return self._summed(
+            self._scaled(self.tb.forloop_accum(self._product(factors), "sum", dim=self.K_DIM), coef, scales)
+            if factors else self._scaled(None, coef * self.k, scales)
+            for coef, scales, factors in _terms(self.rd, x, self.m, self.k))
+
+    def _summed(self, parts) -> Tensor:
+        """The sum of the after-loop tensors ``parts``, added in their order."""
         total = None
-        for coef, scales, factors in _terms(self.rd, x, self.m, self.k):
-            acc = self.tb.forloop_accum(self._product(factors), "sum", dim=self.K_DIM) if factors else None
-            t = self._scaled(acc, coef if factors else coef * self.k, scales)
+        for t in parts:
             total = t if total is None else self.tb.add(total, t)
         return total
 
@@ -555,13 +560,11 @@ class _Block:
                 raise NotStreamable("gains on the weights: an activation of one term only")
             for st, (w, transposed) in zip(group, weights):
                 rhs = self._iterator(w.op, "weight_t" if transposed else "weight", st.part)
-                total = None
-                for coef, scales, factors in terms:
-                    if not factors:
-                        raise NotStreamable("a term of the activation without a tile factor")
-                    acc = self.tb.forloop_accum(self.tb.matmul(self._term_lhs(factors), rhs), "sum")
-                    t = self._scaled(acc, coef, scales)
-                    total = t if total is None else self.tb.add(total, t)
+                if any(not factors for _, _, factors in terms):
+                    raise NotStreamable("a term of the activation without a tile factor")
+                total = self._summed(
+                    self._scaled(self.tb.forloop_accum(self.tb.matmul(self._term_lhs(factors), rhs), "sum"),
+                                 coef, scales) for coef, scales, factors in terms)
                 self.after[st.ref] = self._part_bias(st, total)
             return self._outputs(outs)
         lhs, scales, gains = self._rows(a)
