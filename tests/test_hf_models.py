@@ -2,6 +2,8 @@
 prefill logits and greedy ``generate`` with a static KV cache; the bench's model builder and its CLI entry."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -303,13 +305,16 @@ def test_tokens_match_stops_at_the_first_difference():
     assert M._tokens_match(got, ref) == pytest.approx((4 + 1) / 8)
 
 
-def test_the_decode_step_replays_generates_last_step_without_a_recompile():
+@pytest.mark.parametrize("name", ["llama", "opt"])
+def test_the_decode_step_replays_generates_last_step_without_a_recompile(name):
     """The bench's decode-step time calls the compiled forward with the arguments of ``generate``'s last decode
     step, the static cache put back one token first: recorded without leaving the wrapper behind, one token per
-    row, the token ``generate`` chose again at every replay, and no new graph (a recompile would time another)."""
+    row, the token ``generate`` chose again at every replay, and no new graph (a recompile would time another).
+    OPT: generate reads the forward's signature, so the recording wrapper must keep it (H200 11-29: every mode
+    failed with "too many values to unpack")."""
     from torch._dynamo.utils import counters
 
-    spec = M.MODELS["llama"]
+    spec = M.MODELS[name]
     model = M.build(spec, "default", torch.float32, "cpu", tiny=True)
     prompt = _ids(model.config.vocab_size, (2, 6))
     torch._dynamo.reset()
@@ -418,7 +423,11 @@ def test_cuda_graph_modes_start_a_step_and_clone_the_logits(monkeypatch):
     class Out(dict):
         logits = property(lambda self: self["logits"])
 
-    forward = M._step_per_call(lambda x: Out(logits=logits))
+    def compiled(input_ids, position_ids=None):
+        return Out(logits=logits)
+
+    forward = M._step_per_call(compiled)
+    assert inspect.signature(forward) == inspect.signature(compiled)   # generate chooses its arguments by it
     out = forward(1)
     assert steps == [1] and torch.equal(out.logits, logits) and out.logits.data_ptr() != logits.data_ptr()
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import os
@@ -189,7 +190,10 @@ def _step_per_call(compiled: Callable) -> Callable:
     """Inductor's CUDA-graph modes as ``generate`` needs them: each call starts a new CUDA-graph step, and the
     logits (which ``generate`` keeps past the next call) are cloned out of the graph's memory, as PyTorch's
     documentation asks of outputs that outlive a replay. Without it the second decode step fails with
-    "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run"."""
+    "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run". The wrapper keeps the
+    forward's signature, which ``generate`` reads to choose its arguments (without it OPT's layers get a 4-d
+    hidden state: "too many values to unpack")."""
+    @functools.wraps(compiled)
     def forward(*args: Any, **kwargs: Any) -> Any:
         torch.compiler.cudagraph_mark_step_begin()
         out = compiled(*args, **kwargs)
@@ -207,6 +211,7 @@ def last_decode_call(model, run: Callable[[], Any]) -> tuple[tuple, dict] | None
     inner, own = model.forward, "forward" in model.__dict__
     calls: list = []
 
+    @functools.wraps(inner)   # generate reads the forward's signature to choose its arguments (OPT: position_ids)
     def recording(*args: Any, **kwargs: Any) -> Any:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1:
