@@ -519,6 +519,39 @@ def test_float_constants_are_canonical():
     assert u.equivalent and u.error_bound is not None and u.error_bound <= 1e-9, u.reason
 
 
+def layer_norm_ref(x):
+    mu = x.mean(-1, keepdim=True)
+    return (x - mu) * torch.rsqrt(((x - mu) ** 2).mean(-1, keepdim=True) + 1e-5)
+
+
+def layer_norm_shifted(x):      # the weight-streaming seed's form: the rows less their first column first
+    return layer_norm_ref(x - x[:, :1])
+
+
+def layer_norm_shifted_wrong(x):      # shifted by a column vector, not a row constant: not a LayerNorm of x
+    return layer_norm_ref(x - x[:1, :])
+
+
+def test_reciprocals_of_integers_are_exact_in_the_field():
+    """fl(1/n) stands for 1/n (module docstring of finite_field): ``k · mean`` is the sum and a LayerNorm does
+    not see a row-constant shift — identities the weight-streaming seed's shifted LayerNorm rests on —, over a
+    row of 103 (1/103 is not a binary rational) and a row of 48; a shift that is not row-constant is rejected."""
+    from fractions import Fraction
+
+    from torch_mirage.superopt.ff_field import reciprocal_of
+    assert reciprocal_of(1.0 / 103) == Fraction(1, 103) and reciprocal_of(-1.0 / 3) == Fraction(-1, 3)
+    assert reciprocal_of(float(torch.tensor(1.0 / 103, dtype=torch.float32))) == Fraction(1, 103)   # an fp32 1/k
+    assert reciprocal_of(0.125) is None and reciprocal_of(0.3) is None and reciprocal_of(0.044715) is None
+    assert reciprocal_of(0.5) is None and reciprocal_of(3.0) is None and reciprocal_of(1.0 / (1 << 25)) is None
+    for k in (103, 48):
+        v = verify(lambda x: x / 3 * 3, lambda x: x, [r(4, k)])
+        assert v.equivalent and "finite-field test passed" in v.reason, v.reason
+        v = verify(layer_norm_shifted, layer_norm_ref, [r(4, k)])
+        assert v.equivalent and "finite-field test passed" in v.reason, v.reason
+        w = verify(layer_norm_shifted_wrong, layer_norm_ref, [r(4, k)])
+        assert not w.equivalent and w.reason.startswith("finite-field test rejects"), w.reason
+
+
 def test_trials_and_bound_come_from_the_configuration(monkeypatch):
     from torch_mirage.superopt import verify as verify_fn
     x, y = torch.randn(3, 4), torch.randn(4, 5)

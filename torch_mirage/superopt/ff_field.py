@@ -24,6 +24,7 @@ is the symbolic −∞ of an additive mask (x + −∞ = −∞, exp(−∞) = 0
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -79,15 +80,35 @@ class FieldParams:
         return pow(g, (self.p - 1) // self.q, self.p)
 
     def encode(self, value) -> tuple[int, int] | None:
-        """A real constant as (x_p, x_q): its exact binary rational a/b ↦ a·b⁻¹. None for −∞."""
+        """A real constant as (x_p, x_q): ±1/n where it is the float of the reciprocal of an integer
+        (:func:`reciprocal_of`), else its exact binary rational; a/b ↦ a·b⁻¹. None for −∞."""
         if isinstance(value, bool):
             value = int(value)
         if isinstance(value, float) and math.isinf(value) and value < 0:
             return None
         if isinstance(value, float) and not math.isfinite(value):
             raise NotLAX(f"constant {value} has no field value")
-        f = Fraction(value)
+        f = reciprocal_of(value) or Fraction(value)
         return tuple(f.numerator % m * pow(f.denominator, -1, m) % m for m in (self.p, self.q))
+
+
+MAX_RECIPROCAL = 1 << 24     # the largest n whose float 1/n the field reads as 1/n
+
+
+def reciprocal_of(value) -> Fraction | None:
+    """±1/n where ``value`` is a float that rounds to float32 like ±1/n for an integer 3 ≤ n ≤
+    :data:`MAX_RECIPROCAL` that is not a power of two (whose reciprocal the binary rational is already): a mean's
+    1/k, a ``/ 3``. In the field ``k · fl(1/k)`` is then 1, as the real numbers the float stands for have it, so
+    the identities that rest on it hold (a LayerNorm's mean of ``x − c`` is the mean of ``x`` less ``c``)."""
+    if not isinstance(value, float) or not math.isfinite(value) or value == 0:
+        return None
+    n = round(1.0 / abs(value))
+    if not 3 <= n <= MAX_RECIPROCAL or n & (n - 1) == 0:
+        return None
+    f32 = lambda v: struct.pack("<f", v)     # noqa: E731
+    if f32(abs(value)) != f32(1.0 / n):
+        return None
+    return Fraction(1 if value > 0 else -1, n)
 
 
 DEFAULT_FIELD = FieldParams(2147483579, 1073741789)

@@ -18,10 +18,13 @@ see :class:`~.ff_bound.Deg`), so outputs are compared on the Z_p component only.
 Constants (:meth:`FiniteFieldArith.constant`): a float64 constant c maps to its
 exact binary rational a/2^k ↦ a·(2^k)⁻¹ — a deterministic function of its bits
 that keeps the identities floats satisfy exactly (0.5·2 = 1, x/8 = x·0.125,
-integer counts). Division by a constant c maps to multiplication by the element
+integer counts) —, except that the float of an integer's reciprocal 1/n (compared
+after float32 rounding, :func:`~.ff_field.reciprocal_of`) maps to 1/n: a mean's
+1/k times k is 1, so (x/3)·3 = x and mean(x − c) = mean(x) − c hold in the field
+as in the reals. Division by a constant c maps to multiplication by the element
 of fl(1/c), the float64 reciprocal, so x/√48 and x·(1/√48) — the same float64
-constant on both sides — agree. The price: identities that hold only up to
-rounding do not hold in the field ((x/3)·3 ≠ x): such pairs are falsely
+constant on both sides — agree. The price: other identities that hold only up to
+rounding do not hold in the field (x/√3·√3 ≠ x): such pairs are falsely
 *rejected*. The map is sound in the sense that the field test then decides the
 equivalence of the two programs whose constants are exactly the float64 values
 they use (with division by c read as multiplication by fl(1/c)); programs that

@@ -26,10 +26,11 @@ three, each recomputing the row scales): grid over n, for-loop over k. In the lo
 each weight tile in a ``tl.dot`` accumulator and each row reduction accumulates its tile sums (codegen walks these
 matmul-free sums in a loop of their own, :func:`~..codegen.ugraph_triton.prologue_accumulators`); after the loop
 the row scales multiply the accumulators (a row scale commutes with the matmul: ``(s·A)·W = s·(A·W)``) and the
-epilogue runs on the (m, n) tile. An input the epilogue reads reaches it through a mean accumulator of its
-loop-invariant tile (a block graph's post-loop ops read accumulators only); an input read in two roles
-(``x + linear(norm(x), w)``: rows in the loop, residual after it) through a second view. Leading dims fold into the
-rows (kernel reshapes). With ``gains_on_weights`` the vector factors (an RMSNorm's gain ``g``) scale the weight
+epilogue runs on the (m, n) tile. An activation of several terms (a LayerNorm, :func:`_terms`) reads its rows less
+their first column (``LN(x − c) = LN(x)``): its terms cancel, and unshifted rows far from 0 lost eager's
+precision. An input the epilogue reads reaches it through a mean accumulator of its loop-invariant tile (a
+block graph's post-loop ops read accumulators only); an input read in two roles (``x + linear(norm(x), w)``: rows
+in the loop, residual after it) through a second view. Leading dims fold into the rows (kernel reshapes). With ``gains_on_weights`` the vector factors (an RMSNorm's gain ``g``) scale the weight
 tile instead of the rows (``(x·g)·W = x·(g·W)``, a column of ``g`` against each weight tile): the rows reach the
 matmul as loaded, and the weight tile takes the multiply. Verified like the default form, it is not claimed: on the
 H100 (11-25, RMSNorm + Linear 2 and 16 x 4096 x 4096 bf16, tuned) it ran 17.9 µs against the default form's 16.7;
@@ -358,6 +359,7 @@ class _Block:
     """The block graph of one matmul width n: grid over n, for-loop over k; the translation of reference values
     into its tiles (the prologue is translated again in each block graph: each recomputes the row scales)."""
     K_DIM = 1        # the k dim of a loop-side tile
+    shifted = False  # whether row inputs reach the loop less their first column (an activation of several terms)
 
     def __init__(self, seed: _Seed, n: int, head: int | None = None):
         self.seed, self.rd, self.m, self.k, self.n, self.head = seed, seed.rd, seed.m, seed.k, n, head
@@ -380,13 +382,15 @@ class _Block:
         shape, imap, fmap = {"rows_k": ((m, k), (PHI,), 1), "vec_k": ((k,), (PHI,), 0), "col_k": ((k, 1), (PHI,), 0),
                              "rows_n": ((m, n), (1,), PHI), "vec_n": ((n,), (0,), PHI),
                              "weight": ((k, n), (1,), 0), "weight_t": ((n, k), (0,), 1),
-                             "stat": ((m, 1), (PHI,), PHI),
+                             "stat": ((m, 1), (PHI,), PHI), "first_k": ((m, 1), (PHI,), PHI),
                              "rows_head": ((m, self.head), (PHI,), PHI), "vec_head": ((self.head,), (PHI,), PHI)}[role]
         if part is not None:    # the whole weight's view, sliced along n
             chunks, start, stop = part
             dim = {"weight": 1, "weight_t": 0, "vec_n": 0}[role]
             whole = tuple(x * chunks // (stop - start) if d == dim else x for d, x in enumerate(shape))
             src = self.seed.g.slice(self.seed.view(i, whole), dim=dim, chunks=chunks, start=start, stop=stop)
+        elif role == "first_k":  # the rows' first column, a row-constant shift (:meth:`tile`)
+            src = self.seed.g.slice(self.seed.view(i, (m, k)), dim=1, chunks=k, start=0, stop=1)
         else:
             src = self.seed.view(i, shape)
         if any(t is src for t in self.sources):     # one iterator per kernel tensor: a second role reads a view
@@ -395,8 +399,8 @@ class _Block:
         t = self.tb.new_input(src, imap=imap, fmap=fmap)
         if role == "weight_t":
             t = self.tb.transpose(t)
-        if fmap is None:     # read after the loop: through an accumulator (the mean of a loop-invariant tile is it)
-            t = self.tb.forloop_accum(t, "mean")
+        if fmap is None and role != "first_k":   # read after the loop: through an accumulator (the mean of a
+            t = self.tb.forloop_accum(t, "mean")   # loop-invariant tile is it); the shift is read in the loop
         self.iters[key] = t
         return t
 
@@ -438,6 +442,8 @@ class _Block:
                 if role == "stat":
                     raise NotStreamable(f"row statistic {self.rd.describe(r)} inside a tile factor")
                 self.tiles[r] = self._iterator(r.op, role)
+                if self.shifted and role == "rows_k":
+                    self.tiles[r] = self.tb.sub(self.tiles[r], self._iterator(r.op, "first_k"))
             else:
                 self.tiles[r] = self._elementwise(r, self.tile)
         return self.tiles[r]
@@ -558,6 +564,11 @@ class _Block:
         if len(terms) > 1:      # a sum of terms (a LayerNorm): one accumulator a term, scaled and added after
             if self.seed.gains_on_weights:
                 raise NotStreamable("gains on the weights: an activation of one term only")
+            # The terms cancel: x·g·r against μ·g·r, Σx² against k·μ². Far from 0 (|μ| / σ = 300, fp32) that
+            # lost 3 of eager's 7 digits, so the rows are shifted by their first column, which a LayerNorm does not
+            # see (LN(x − c) = LN(x)) and which leaves terms of the rows' spread: (x − c) is of σ's size where c is
+            # one of the row's values. An activation that the shift changes fails verification and is not claimed.
+            self.shifted = True
             for st, (w, transposed) in zip(group, weights):
                 rhs = self._iterator(w.op, "weight_t" if transposed else "weight", st.part)
                 if any(not factors for _, _, factors in terms):
