@@ -459,6 +459,9 @@ class _Block:
                 if op.attrs.get("dim") not in (len(self.rd.shape(x)) - 1, -1) or self.rd.shape(x)[-1] != self.k:
                     raise NotStreamable(f"{self.rd.describe(r)} does not reduce the rows' last dim ({self.k})")
                 if _reads_row_stat(self.rd, x, self.m, self.k):     # Σ(x − μ)²: a sum of terms' sums
+                    if not self.shifted:     # Σx² − 2μ·Σx + k·μ² cancels on rows far from 0 (see build)
+                        raise NotStreamable(f"{self.rd.describe(r)} reduces a centred value under an activation "
+                                            "that a shift of the rows would change")
                     acc = self._expanded_sum(x)
                 else:
                     acc = self.tb.forloop_accum(self.tile(x), "sum", dim=self.K_DIM)
