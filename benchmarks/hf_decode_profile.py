@@ -41,7 +41,7 @@ def profile_mode(spec, mode: str, new_tokens: int, batch: int, tokens: int, top:
         M.compile_forward(model, mode)
     else:
         model, forwards = shared
-        M._use_forward(model, forwards[mode])
+        M.use_forward(model, forwards[mode])
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, model.config.vocab_size, (batch, tokens), generator=gen).to(device)
     if prefill:
@@ -85,7 +85,7 @@ def profile_mode(spec, mode: str, new_tokens: int, batch: int, tokens: int, top:
         model = call = None   # frees the model before the next mode builds its own
         torch.cuda.empty_cache()
     else:
-        M._use_forward(model, None)
+        M.use_forward(model, None)
     return calls
 
 
@@ -105,7 +105,7 @@ def compile_all(spec, modes, new_tokens: int, batch: int, tokens: int) -> tuple:
             for _ in range(2):
                 M.greedy_generate(model, prompt, new_tokens)
         forwards[mode] = model.__dict__.get("forward")
-        M._use_forward(model, None)
+        M.use_forward(model, None)
     return model, forwards
 
 

@@ -349,8 +349,8 @@ def test_modes_are_timed_alternately_each_with_its_own_forward(monkeypatch):
     from torch._dynamo.utils import counters
 
     in_place, graphs = [], []
-    use = M._use_forward
-    monkeypatch.setattr(M, "_use_forward", lambda model, fwd: (in_place.append(fwd is None), use(model, fwd)))
+    use = M.use_forward
+    monkeypatch.setattr(M, "use_forward", lambda model, fwd: (in_place.append(fwd is None), use(model, fwd)))
 
     def measure(fn, inputs, target_ms, repeats):   # the forward in place decides the samples: eager slow
         graphs.append(counters["stats"]["unique_graphs"])

@@ -383,7 +383,7 @@ def _time_modes(model, spec: HFModel, forwards: dict, steps: dict, ids: torch.Te
         samples: dict[str, list[float]] = {m: [] for m in names}
 
         def time_half(mode: str) -> list[float]:
-            _use_forward(model, forwards[mode])
+            use_forward(model, forwards[mode])
             fn = steps[mode] if key == "decode_step_us" else runs[key]
             with torch.no_grad():
                 got = list(measure(lambda: fn(), [], target_ms=timing["target_ms"], repeats=half_repeats)["samples"])
@@ -398,10 +398,10 @@ def _time_modes(model, spec: HFModel, forwards: dict, steps: dict, ids: torch.Te
         for mode, t in fastest.items():
             results[mode][key] = t / per
             results[mode][key + "_median"] = statistics.median(samples[mode]) / per
-    _use_forward(model, None)
+    use_forward(model, None)
 
 
-def _use_forward(model, forward) -> None:
+def use_forward(model, forward) -> None:
     """Put ``forward`` (a mode's compiled forward; None: the class's own) in place as ``model.forward``."""
     if forward is None:
         model.__dict__.pop("forward", None)

@@ -95,6 +95,14 @@ class FieldParams:
 MAX_RECIPROCAL = 1 << 24     # the largest n whose float 1/n the field reads as 1/n
 
 
+def float32(v: float) -> float | None:
+    """``v`` rounded to float32 (None where it overflows): how constants are compared."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return None
+
+
 def reciprocal_of(value) -> Fraction | None:
     """±1/n where ``value`` is a float that rounds to float32 like ±1/n for an integer 3 ≤ n ≤
     :data:`MAX_RECIPROCAL` that is not a power of two (whose reciprocal the binary rational is already): a mean's
@@ -105,8 +113,7 @@ def reciprocal_of(value) -> Fraction | None:
     n = round(1.0 / abs(value))
     if not 3 <= n <= MAX_RECIPROCAL or n & (n - 1) == 0:
         return None
-    f32 = lambda v: struct.pack("<f", v)     # noqa: E731
-    if f32(abs(value)) != f32(1.0 / n):
+    if float32(abs(value)) != float32(1.0 / n):
         return None
     return Fraction(1 if value > 0 else -1, n)
 

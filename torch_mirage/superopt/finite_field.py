@@ -61,27 +61,19 @@ The bound these values feed and its derivation: :func:`~.ff_bound.per_trial_boun
 from __future__ import annotations
 
 import math
-import struct
 from typing import Sequence
 
 import torch
 
 from .arith import Arith
 from .ff_bound import CONST, VAR, Deg, bound_mul, sparse_zero_bound
-from .ff_field import DEFAULT_FIELD, NEG_INF, Q_BITS, Q_MASK, FieldParams, NotLAX, inv_mod, matmul_mod
+from .ff_field import DEFAULT_FIELD, NEG_INF, Q_BITS, Q_MASK, FieldParams, NotLAX, float32, inv_mod, matmul_mod
 from .ff_tensor import ID_LN2, DenIds, FieldTensor, den_of, raw, wrap
 
 _TANH_SALT = 0.8660254037844386   # √3/2: any constant no program adds before a sqrt
 
 
-def _f32(v: float) -> float | None:
-    try:
-        return struct.unpack("f", struct.pack("f", v))[0]
-    except OverflowError:
-        return None
-
-
-_LN2_FORMS = tuple((k, _f32(math.frexp(c)[0]), math.frexp(c)[1]) for k, c in ((1, math.log(2)), (-1, 1 / math.log(2))))
+_LN2_FORMS = tuple((k, float32(math.frexp(c)[0]), math.frexp(c)[1]) for k, c in ((1, math.log(2)), (-1, 1 / math.log(2))))
 
 
 def ln2_form(value) -> tuple[int, int, int] | None:
@@ -90,7 +82,7 @@ def ln2_form(value) -> tuple[int, int, int] | None:
     if not isinstance(value, float) or not math.isfinite(value) or value == 0:
         return None
     mant, e = math.frexp(abs(value))
-    r = _f32(mant)
+    r = float32(mant)
     for k, ref_mant, ref_e in _LN2_FORMS:
         if r == ref_mant:
             return k, e - ref_e, 1 if value > 0 else -1
