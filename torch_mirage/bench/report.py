@@ -142,7 +142,7 @@ def _num(x: float | None, fmt: str) -> str:
 
 def markdown(doc: dict) -> str:
     env, ceil, timing = doc["env"], doc.get("ceilings"), doc["timing"]
-    lines = [f"# torch-mirage benchmarks", "",
+    lines = ["# torch-mirage benchmarks", "",
              f"Device: {env['device']} · torch {env['torch']} · triton {env.get('triton')} · "
              f"torch_mirage {env['torch_mirage']}" + (f" · transformers {env['transformers']}" if env.get("transformers") else "")]
     if ceil:

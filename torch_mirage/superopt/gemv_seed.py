@@ -569,8 +569,10 @@ class _Block:
                 raise NotStreamable("gains on the weights: an activation of one term only")
             # The terms cancel: x·g·r against μ·g·r, Σx² against k·μ². Far from 0 (|μ| / σ = 300, fp32) that
             # lost 3 of eager's 7 digits, so the rows are shifted by their first column, which a LayerNorm does not
-            # see (LN(x − c) = LN(x)) and which leaves terms of the rows' spread: (x − c) is of σ's size where c is
-            # one of the row's values. An activation that the shift changes fails verification and is not claimed.
+            # see (LN(x − c) = LN(x)) and which leaves terms of the rows' spread: for c one of the row's values
+            # |c − μ| ≤ σ·√k, so the cancellation is bounded by k (a massive activation in the first column), where
+            # unshifted it grew with (μ / σ)² without bound. An activation that the shift changes fails
+            # verification and is not claimed.
             self.shifted = True
             for st, (w, transposed) in zip(group, weights):
                 rhs = self._iterator(w.op, "weight_t" if transposed else "weight", st.part)

@@ -14,7 +14,7 @@ model passes in.
 """
 from __future__ import annotations
 
-from ..ugraph import ITEMSIZE, B, K, T, BlockGraph, Graph, KernelGraph, MuGraphError, Ref, band_geometry, nbytes, spec
+from ..ugraph import B, K, T, BlockGraph, Graph, KernelGraph, MuGraphError, Ref, band_geometry, nbytes, spec
 from .optimise import memory_problem
 
 SMEM_BYTES = 227 * 1024
