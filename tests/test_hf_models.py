@@ -432,6 +432,26 @@ def test_cuda_graph_modes_start_a_step_and_clone_the_logits(monkeypatch):
     assert steps == [1] and torch.equal(out.logits, logits) and out.logits.data_ptr() != logits.data_ptr()
 
 
+def test_the_bench_compiles_each_model_with_its_own_dynamic_setting(monkeypatch, tmp_path):
+    """``--dynamic auto`` (the default): gemma2 with torch.compile's own default (its sliding-window cache's token
+    count recompiles a ``dynamic=False`` decode step at every token), every other model with False; the table's
+    header says which; ``false`` / ``default`` set every model."""
+    seen = {}
+
+    def run_case(spec, *args, dynamic, **kwargs):
+        seen[spec.name] = dynamic
+        return {"model": spec.name, "attn": "default", "modes": {}}
+
+    monkeypatch.setattr(M, "run_case", run_case)
+    monkeypatch.setattr(M, "plot", lambda doc, path: None)
+    doc = M.run(["llama", "gemma2"], str(tmp_path), attns=("default",), tiny=True)
+    assert seen == {"llama": False, "gemma2": None}
+    assert "dynamic=False; gemma2: None" in M.markdown(doc)
+    seen.clear()
+    doc = M.run(["llama", "gemma2"], str(tmp_path), attns=("default",), tiny=True, dynamic="false")
+    assert seen == {"llama": False, "gemma2": False} and "dynamic=False)" in M.markdown(doc)
+
+
 def test_compile_forward_passes_the_bench_dynamic_setting(monkeypatch):
     """``--dynamic default`` compiles every mode with torch.compile's own default (None); without it, False."""
     seen = []

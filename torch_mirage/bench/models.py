@@ -16,11 +16,12 @@ Every mode of a case is compiled and checked first and kept; then the modes are 
 so that no mode inherits the process's state from the modes timed before it (:func:`run_case`).
 
 Modes: eager, Inductor default, ``reduce-overhead`` (Inductor with CUDA graphs), ``max-autotune`` and mirage, all
-compiled with ``dynamic=False``: one graph per input shape (the prefill and the decode step), which is the
-serving policy README's "CUDA graphs" section states. ``--dynamic default`` compiles every mode with
-``torch.compile``'s own default instead (``dynamic=None``): under ``dynamic=False`` Gemma-2's sliding-window cache
-makes its decode step recompile at every token (Dynamo guards on the cache's token count) until Dynamo's recompile
-limit, in every mode. Mirage's report (regions kept, CUDA graph or the op that
+compiled with the model's :attr:`HFModel.dynamic` (``--dynamic auto``, the default): ``dynamic=False`` — one graph
+per input shape (the prefill and the decode step), the serving policy README's "CUDA graphs" section states —
+except for Gemma-2, whose sliding-window cache makes a ``dynamic=False`` decode step recompile at every token
+(Dynamo guards on the cache's token count) until Dynamo's recompile limit, in every mode, and which gets
+``torch.compile``'s own default (``dynamic=None``) instead. ``--dynamic false`` / ``default`` compile every model
+with False / None. Mirage's report (regions kept, CUDA graph or the op that
 prevents it, what the first-call timing against Inductor kept) is recorded per case. Writes ``NAME.json``,
 ``NAME.md`` and ``NAME.png`` (speedup of mirage over reduce-overhead) like the workload bench.
 """
@@ -50,7 +51,8 @@ from .report import environment, pyplot, write_json
 
 SCHEMA = "torch_mirage.bench.models/1"
 MODES = ("eager", "inductor", "reduce-overhead", "max-autotune", "mirage")
-DYNAMIC = {"false": False, "default": None}   # --dynamic: torch.compile's ``dynamic`` for every mode
+DYNAMIC = {"false": False, "default": None}   # --dynamic: torch.compile's ``dynamic`` for every mode; "auto":
+AUTO = "auto"                                 # each model's own (HFModel.dynamic)
 ATTN = ("default", "eager")   # default: what transformers picks (sdpa where the model supports it)
 MISSING = "transformers is not installed: the model bench needs it (pip install 'torch-mirage[bench]')"
 
@@ -63,6 +65,7 @@ class HFModel:
     config: dict          # the bench size
     tiny: dict            # the CPU test size
     causal: bool = True   # has ``generate``
+    dynamic: bool | None = False   # torch.compile's ``dynamic`` under ``--dynamic auto``: a static decode graph
 
 
 def _llama_like(**extra: Any) -> tuple[dict, dict]:
@@ -85,7 +88,8 @@ MODELS: dict[str, HFModel] = {m.name: m for m in [
             dict(_llama_like()[0], head_dim=64, query_pre_attn_scalar=64, sliding_window=4096,
                  attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
             dict(_llama_like()[1], head_dim=16, query_pre_attn_scalar=16, sliding_window=256,
-                 attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+                 attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+            dynamic=None),      # its cache's token count: under dynamic=False a recompile per decode token
     _spec("phi3", "Phi3Config", "Phi3ForCausalLM", _llama_like(pad_token_id=0)),
     HFModel("gpt2", "GPT2Config", "GPT2LMHeadModel",
             dict(n_embd=1024, n_layer=4, n_head=16, n_positions=2048, vocab_size=32000),
@@ -461,13 +465,23 @@ def _line(spec: HFModel, attn: str, mode: str, res: dict) -> str:
     return f"  {spec.name:8s} {attn:5s} {mode:16s} " + "  ".join(parts)
 
 
+def _dynamic_setting(doc: dict) -> str:
+    """torch.compile's ``dynamic`` as the document's cases ran: one value, or each model's."""
+    used = {m["model"]: m.get("dynamic", DYNAMIC.get(doc["settings"].get("dynamic"), False)) for m in doc["models"]}
+    values = sorted(set(used.values()), key=str)
+    if len(values) <= 1:
+        return str(values[0] if values else DYNAMIC.get(doc["settings"].get("dynamic"), False))
+    common = False if False in values else values[0]
+    return f"{common}; " + ", ".join(f"{name}: {v}" for name, v in used.items() if v is not common)
+
+
 def markdown(doc: dict) -> str:
     env = doc["env"]
     lines = [f"# torch-mirage on Hugging Face models — {env['device']}", "",
              f"torch {env['torch']}, transformers {env.get('transformers')}, {doc['settings']['dtype']}, "
              f"batch {doc['settings']['batch']} × {doc['settings']['tokens']} tokens prefill, "
              f"{doc['settings']['new_tokens']} greedy tokens with a static cache, "
-             f"torch.compile(dynamic={'None' if doc['settings'].get('dynamic') == 'default' else 'False'}).", ""]
+             f"torch.compile(dynamic={_dynamic_setting(doc)}).", ""]
     if not doc["timing"]:
         lines += ["Correctness only: no timing claims.", ""]
     else:   # the medians are in the JSON (``*_median``)
@@ -559,8 +573,9 @@ def plot(doc: dict, path: str) -> str | None:
 def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequence[str] | None = None,
         attns: Sequence[str] = ATTN, tiny: bool | None = None, batch: int | None = None, tokens: int | None = None,
         new_tokens: int | None = None, repeats: int = 9, budget_s: float | None = None,
-        dynamic: str = "false") -> dict:
-    """The whole bench; writes ``out/stem.{json,md,png}`` and returns the document."""
+        dynamic: str = AUTO) -> dict:
+    """The whole bench; writes ``out/stem.{json,md,png}`` and returns the document. ``dynamic``: a key of
+    :data:`DYNAMIC`, or ``auto`` for each model's own (:attr:`HFModel.dynamic`)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     tiny = (not cuda) if tiny is None else tiny
@@ -585,8 +600,10 @@ def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequ
                 print(f"{spec.name} attn={attn}: not run (--budget-s {budget_s:.0f} spent)", flush=True)
                 continue
             print(f"{spec.name} attn={attn}", flush=True)
-            doc["models"].append(run_case(spec, attn, modes, dtype, device, tiny, batch, tokens, new_tokens, timing,
-                                          dynamic=DYNAMIC[dynamic]))
+            compile_dynamic = spec.dynamic if dynamic == AUTO else DYNAMIC[dynamic]
+            record = run_case(spec, attn, modes, dtype, device, tiny, batch, tokens, new_tokens, timing,
+                              dynamic=compile_dynamic)
+            doc["models"].append(dict(record, dynamic=compile_dynamic))
             write_json(doc, os.path.join(out, f"{stem}.json"))   # partial results survive a time limit
     write_json(doc, os.path.join(out, f"{stem}.json"))
     with open(os.path.join(out, f"{stem}.md"), "w") as f:
@@ -632,9 +649,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch", type=int), p.add_argument("--tokens", type=int), p.add_argument("--new-tokens", type=int)
     p.add_argument("--repeats", type=int, default=9, help="timed repeats per measure (the fastest is reported)")
     p.add_argument("--budget-s", type=float, default=None, help="start no new case after this many seconds")
-    p.add_argument("--dynamic", choices=list(DYNAMIC), default="false",
-                   help="torch.compile's dynamic for every mode: false (default: one static graph per shape) or "
-                        "default (torch.compile's own, dynamic=None)")
+    p.add_argument("--dynamic", choices=[AUTO, *DYNAMIC], default=AUTO,
+                   help="torch.compile's dynamic for every mode: auto (default: each model's own — one static graph "
+                        "per shape, torch.compile's own for gemma2), false (one static graph per shape for every "
+                        "model) or default (torch.compile's own, dynamic=None, for every model)")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench-results")
     p.add_argument("--name", default="models")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier runs into --out/NAME.{json,md} and exit")
