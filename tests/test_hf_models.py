@@ -2,6 +2,7 @@
 prefill logits and greedy ``generate`` with a static KV cache; the bench's model builder and its CLI entry."""
 from __future__ import annotations
 
+import gc
 import inspect
 
 import pytest
@@ -354,11 +355,13 @@ def test_modes_are_timed_alternately_each_with_its_own_forward(monkeypatch):
 
     def measure(fn, inputs, target_ms, repeats):   # the forward in place decides the samples: eager slow
         graphs.append(counters["stats"]["unique_graphs"])
+        assert not gc.isenabled()                   # no collection falls into one mode's repeats
         fn()
         return {"samples": [10.0, 12.0] if in_place[-1] else [5.0, 7.0]}
 
     rec = M.run_case(M.MODELS["llama"], "default", ["eager", "mirage"], torch.float32, torch.device("cpu"), True,
                      2, 16, 4, {"repeats": 3, "target_ms": 1.0}, log=lambda line: None, measure=measure)
+    assert gc.isenabled()
     assert in_place == [True, False, False, True] * 3 + [True]   # A B B A per quantity, then the class's own
     assert len(graphs) == 12 and len(set(graphs)) == 1, graphs   # every graph was compiled while checking
     eager, mirage = rec["modes"]["eager"], rec["modes"]["mirage"]

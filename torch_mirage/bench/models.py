@@ -28,8 +28,10 @@ prevents it, what the first-call timing against Inductor kept) is recorded per c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
+import gc
 import json
 import math
 import os
@@ -373,7 +375,7 @@ def _time_modes(model, spec: HFModel, forwards: dict, steps: dict, ids: torch.Te
                 new_tokens: int, results: dict, timing: dict, measure: Callable[..., dict] = plain_timing) -> None:
     """Each checked mode's prefill, generated token and decode step, timed in the order A B … B A
     (``timing.alternating_times``), each half ``ceil(repeats / 2)`` repeats launched from Python with that mode's
-    forward in place. The time is :func:`timing.fastest_per_half` (what the host adds only ever slows a repeat
+    forward in place and Python's garbage collector paused (:func:`_collector_paused`). The time is :func:`timing.fastest_per_half` (what the host adds only ever slows a repeat
     down, so a half's fastest repeat is its least disturbed one); ``*_median`` the median of all repeats, which
     says how noisy the run was."""
     half_repeats = max(1, math.ceil(timing["repeats"] / 2))
@@ -389,7 +391,7 @@ def _time_modes(model, spec: HFModel, forwards: dict, steps: dict, ids: torch.Te
         def time_half(mode: str) -> list[float]:
             use_forward(model, forwards[mode])
             fn = steps[mode] if key == "decode_step_us" else runs[key]
-            with torch.no_grad():
+            with torch.no_grad(), _collector_paused():
                 got = list(measure(lambda: fn(), [], target_ms=timing["target_ms"], repeats=half_repeats)["samples"])
             samples[mode] += got
             return got
@@ -403,6 +405,21 @@ def _time_modes(model, spec: HFModel, forwards: dict, steps: dict, ids: torch.Te
             results[mode][key] = t / per
             results[mode][key + "_median"] = statistics.median(samples[mode]) / per
     use_forward(model, None)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's garbage collector collected before and paused during a timed half, as ``timeit`` does: a
+    ``generate`` is milliseconds of Python, and a collection falling into one mode's repeats but not the other's
+    would be timed as that mode's."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def use_forward(model, forward) -> None:
