@@ -53,8 +53,8 @@ from .report import environment, pyplot, write_json
 
 SCHEMA = "torch_mirage.bench.models/1"
 MODES = ("eager", "inductor", "reduce-overhead", "max-autotune", "mirage")
-DYNAMIC = {"false": False, "default": None}   # --dynamic: torch.compile's ``dynamic`` for every mode; "auto":
-AUTO = "auto"                                 # each model's own (HFModel.dynamic)
+DYNAMIC = {"false": False, "default": None}   # --dynamic: torch.compile's ``dynamic`` for every model
+AUTO = "auto"                                 # --dynamic auto: each model's own (HFModel.dynamic)
 ATTN = ("default", "eager")   # default: what transformers picks (sdpa where the model supports it)
 MISSING = "transformers is not installed: the model bench needs it (pip install 'torch-mirage[bench]')"
 
@@ -375,9 +375,9 @@ def _time_modes(model, spec: HFModel, forwards: dict, steps: dict, ids: torch.Te
                 new_tokens: int, results: dict, timing: dict, measure: Callable[..., dict] = plain_timing) -> None:
     """Each checked mode's prefill, generated token and decode step, timed in the order A B … B A
     (``timing.alternating_times``), each half ``ceil(repeats / 2)`` repeats launched from Python with that mode's
-    forward in place and Python's garbage collector paused (:func:`_collector_paused`). The time is :func:`timing.fastest_per_half` (what the host adds only ever slows a repeat
-    down, so a half's fastest repeat is its least disturbed one); ``*_median`` the median of all repeats, which
-    says how noisy the run was."""
+    forward in place and Python's garbage collector paused (:func:`_collector_paused`). The time is
+    :func:`timing.fastest_per_half` (what the host adds only ever slows a repeat down, so a half's fastest repeat
+    is its least disturbed one); ``*_median`` the median of all repeats, which says how noisy the run was."""
     half_repeats = max(1, math.ceil(timing["repeats"] / 2))
     runs: dict[str, Callable[[], Any]] = {"prefill_us": lambda: forward_logits(model, spec)(ids)}
     if spec.causal:

@@ -73,7 +73,8 @@ from .ff_tensor import ID_LN2, DenIds, FieldTensor, den_of, raw, wrap
 _TANH_SALT = 0.8660254037844386   # √3/2: any constant no program adds before a sqrt
 
 
-_LN2_FORMS = tuple((k, float32(math.frexp(c)[0]), math.frexp(c)[1]) for k, c in ((1, math.log(2)), (-1, 1 / math.log(2))))
+_LN2_FORMS = tuple((k, float32(math.frexp(c)[0]), math.frexp(c)[1])
+                   for k, c in ((1, math.log(2)), (-1, 1 / math.log(2))))
 
 
 def ln2_form(value) -> tuple[int, int, int] | None:

@@ -30,9 +30,10 @@ epilogue runs on the (m, n) tile. An activation of several terms (a LayerNorm, :
 their first column (``LN(x − c) = LN(x)``): its terms cancel, and unshifted rows far from 0 lost eager's
 precision. An input the epilogue reads reaches it through a mean accumulator of its loop-invariant tile (a
 block graph's post-loop ops read accumulators only); an input read in two roles (``x + linear(norm(x), w)``: rows
-in the loop, residual after it) through a second view. Leading dims fold into the rows (kernel reshapes). With ``gains_on_weights`` the vector factors (an RMSNorm's gain ``g``) scale the weight
-tile instead of the rows (``(x·g)·W = x·(g·W)``, a column of ``g`` against each weight tile): the rows reach the
-matmul as loaded, and the weight tile takes the multiply. Verified like the default form, it is not claimed: on the
+in the loop, residual after it) through a second view. Leading dims fold into the rows (kernel reshapes). With
+``gains_on_weights`` the vector factors (an RMSNorm's gain ``g``) scale the weight tile instead of the rows
+(``(x·g)·W = x·(g·W)``, a column of ``g`` against each weight tile): the rows reach the matmul as loaded, and the
+weight tile takes the multiply. Verified like the default form, it is not claimed: on the
 H100 (11-25, RMSNorm + Linear 2 and 16 x 4096 x 4096 bf16, tuned) it ran 17.9 µs against the default form's 16.7;
 ``benchmarks/ugraph_config_sweep.py --seed --gain-on-weights`` times it. Launches — one-wave stream, split-K,
 split-N — are :func:`.launch.streaming_candidates`.
@@ -569,10 +570,10 @@ class _Block:
                 raise NotStreamable("gains on the weights: an activation of one term only")
             # The terms cancel: x·g·r against μ·g·r, Σx² against k·μ². Far from 0 (|μ| / σ = 300, fp32) that
             # lost 3 of eager's 7 digits, so the rows are shifted by their first column, which a LayerNorm does not
-            # see (LN(x − c) = LN(x)) and which leaves terms of the rows' spread: for c one of the row's values
-            # |c − μ| ≤ σ·√k, so the cancellation is bounded by k (a massive activation in the first column), where
-            # unshifted it grew with (μ / σ)² without bound. An activation that the shift changes fails
-            # verification and is not claimed.
+            # see (LN(x − c) = LN(x)) and which leaves terms of the rows' spread: for c one of the row's
+            # values |c − μ| ≤ σ·√k, so the cancellation is bounded by k (a massive activation in the first
+            # column), where unshifted it grew with (μ / σ)² without bound. An activation that the shift
+            # changes fails verification and is not claimed.
             self.shifted = True
             for st, (w, transposed) in zip(group, weights):
                 rhs = self._iterator(w.op, "weight_t" if transposed else "weight", st.part)
