@@ -92,13 +92,12 @@ def profile_mode(spec, mode: str, new_tokens: int, batch: int, tokens: int, top:
 def compile_all(spec, modes, new_tokens: int, batch: int, tokens: int) -> tuple:
     """One model with every mode compiled and warmed up in this process before any is profiled, each mode's forward
     kept (one Dynamo cache holds every mode's graphs, guarded on the backend), as ``bench/models.py`` times them:
-    ``(model, {mode: forward})``."""
+    ``(model, {mode: forward})``; called, and its forwards profiled, under ``models.room_for_modes``."""
     model = M.build(spec, "default", torch.bfloat16, torch.device("cuda"), tiny=False)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, model.config.vocab_size, (batch, tokens), generator=gen).to("cuda")
     forwards = {}
     torch._dynamo.reset()
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16 * len(modes))
     for mode in modes:
         M.compile_forward(model, mode, reset=False)
         with torch.no_grad():
@@ -142,13 +141,14 @@ def main() -> int:
         return 2
     profiled = []
     spec = M.MODELS[args.model]
-    shared = compile_all(spec, args.modes, args.new_tokens, args.batch, args.tokens) if args.shared else None
-    for mode in args.modes:
-        try:
-            profiled.append((mode, profile_mode(spec, mode, args.new_tokens, args.batch, args.tokens, args.top,
-                                                args.prefill, shared)))
-        except Exception as e:   # one mode failing does not hide the other's profile
-            print(f"=== {args.model} {mode}: failed: {type(e).__name__}: {e}")
+    with M.room_for_modes(args.modes):
+        shared = compile_all(spec, args.modes, args.new_tokens, args.batch, args.tokens) if args.shared else None
+        for mode in args.modes:
+            try:
+                profiled.append((mode, profile_mode(spec, mode, args.new_tokens, args.batch, args.tokens, args.top,
+                                                    args.prefill, shared)))
+            except Exception as e:   # one mode failing does not hide the other's profile
+                print(f"=== {args.model} {mode}: failed: {type(e).__name__}: {e}")
     if len(profiled) >= 2:
         print_call_differences(profiled[0], profiled[1])
     return 0

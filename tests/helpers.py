@@ -6,6 +6,14 @@ from conftest import assert_close, rel_error  # noqa: F401
 from torch_mirage.build import Built, built_regions, kernel_of
 
 
+def errors_against_fp64(compiled, fn, xs) -> tuple[float, float, float]:
+    """``(compiled's, eager's max abs error, the reference's max abs)`` of ``fn`` on ``xs`` against ``fn`` in fp64:
+    for precision tests that compare a kernel's rounding with eager's own."""
+    ref = fn(*[x.double() for x in xs])
+    err, eager_err = ((y.double() - ref).abs().max().item() for y in (compiled(*xs), fn(*xs)))
+    return err, eager_err, ref.abs().max().item()
+
+
 @dataclass
 class ReadyKernel:
     """A test claimer's plan: a kernel it supplies whole, which the build stage takes as it is (production

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import torch_mirage
 from conftest import assert_close
+from helpers import errors_against_fp64
 
 # the CPU test's kernels run in Triton's interpreter; the GPU test runs without it (a module-wide mark skipped it)
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -132,9 +133,8 @@ def test_searched_layer_norm_keeps_eagers_precision_far_from_zero():
                 cache=False)
     compiled = torch.compile(layer_norm_linear, backend=torch_mirage.MirageBackend(options=opts, report=report))
     xs = [torch.randn(8, 103) + 300.0, 1 + 0.1 * torch.randn(103), 0.1 * torch.randn(103), torch.randn(40, 103) * 0.1]
-    ref = layer_norm_linear(*[x.double() for x in xs])
-    err, eager_err = ((y.double() - ref).abs().max().item() for y in (compiled(*xs), layer_norm_linear(*xs)))
-    assert err <= 4 * eager_err + 1e-6 * ref.abs().max().item(), (err, eager_err)
+    err, eager_err, scale = errors_against_fp64(compiled, layer_norm_linear, xs)
+    assert err <= 4 * eager_err + 1e-6 * scale, (err, eager_err)
     assert [r.claimer for r in report.regions if r.compiled_by == "mirage"] == ["ugraph-search"], str(report)
 
 

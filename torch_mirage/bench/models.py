@@ -302,8 +302,7 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
     forwards: dict[str, Any] = {}       # mode -> the compiled forward (None: the class's own)
     steps: dict[str, Callable] = {}     # mode -> its recorded decode step
     torch._dynamo.reset()
-    # every mode's prefill, prompt and decode graphs of one forward share Dynamo's per-frame recompile limit
-    with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 16 * len(modes))):
+    with room_for_modes(modes):
         try:
             for mode in modes:
                 record["modes"][mode] = _check_mode(model, spec, mode, dynamic, ids, prompt, new_tokens,
@@ -322,6 +321,12 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
     model = None   # freed before the next case (the closures above hold it only while they run)
     _free()
     return record
+
+
+def room_for_modes(modes: Sequence[str]):
+    """Dynamo's per-frame recompile limit raised for ``modes`` kept at once on one forward: every mode's prefill,
+    prompt and decode graphs share it (16 a mode)."""
+    return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 16 * len(modes)))
 
 
 def _check_mode(model, spec: HFModel, mode: str, dynamic: bool | None, ids: torch.Tensor, prompt: torch.Tensor,

@@ -53,6 +53,7 @@ from .library import PHI, blocks
 ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "exp", "sqrt", "rsqrt", "silu", "neg", "square", "tanh",
                          "scalar_mul", "scalar_add"})
 ROW_REDUCTIONS = frozenset({"reduce_sum", "reduce_mean"})
+IN_LOOP = frozenset({"first_k"})   # loop-invariant roles read inside the loop (not through an accumulator)
 MIN_TILE = 16        # a loop / grid tile below this (a prime extent) holds the whole extent instead
 WHOLE_EXTENT = 1024  # the largest extent one tile may hold whole
 
@@ -400,8 +401,8 @@ class _Block:
         t = self.tb.new_input(src, imap=imap, fmap=fmap)
         if role == "weight_t":
             t = self.tb.transpose(t)
-        if fmap is None and role != "first_k":   # read after the loop: through an accumulator (the mean of a
-            t = self.tb.forloop_accum(t, "mean")   # loop-invariant tile is it); the shift is read in the loop
+        if fmap is None and role not in IN_LOOP:  # read after the loop: through an accumulator (the mean of a
+            t = self.tb.forloop_accum(t, "mean")   # loop-invariant tile is it)
         self.iters[key] = t
         return t
 
@@ -575,10 +576,10 @@ class _Block:
             # column), where unshifted it grew with (μ / σ)² without bound. An activation that the shift
             # changes fails verification and is not claimed.
             self.shifted = True
+            if any(not factors for _, _, factors in terms):
+                raise NotStreamable("a term of the activation without a tile factor")
             for st, (w, transposed) in zip(group, weights):
                 rhs = self._iterator(w.op, "weight_t" if transposed else "weight", st.part)
-                if any(not factors for _, _, factors in terms):
-                    raise NotStreamable("a term of the activation without a tile factor")
                 total = self._summed(
                     self._scaled(self.tb.forloop_accum(self.tb.matmul(self._term_lhs(factors), rhs), "sum"),
                                  coef, scales) for coef, scales, factors in terms)
