@@ -753,3 +753,23 @@ def test_layers_of_one_program_verify_their_seed_once(monkeypatch):
     for got, want in zip(compiled(*xs), two_layers(*[x.double() for x in xs])):
         assert_close(got, want.float())
     assert len(_gemv_regions(report)) == 2 and len(calls) == 1, str(report)
+
+
+@interpreted
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_result_upcast_to_fp32_is_returned_in_fp32(rows):
+    """BLOOM's residual add after a projection, upcast for the next LayerNorm: the region's result is
+    ``(x·Wᵀ + b + r).float()`` from fp16 inputs. The reference tracks the computation in fp16 (a cast is not an op),
+    so the kernel's result is fp16; the region returns it in fp32, as the graph's value is (before: the check
+    stage found ``float16[2, 128, 1024] instead of float32`` and sent the region to Inductor)."""
+    def fn(x, w, b, r):
+        return (F.linear(x, w, b) + r).float()
+
+    xs = [torch.randn(rows, 1, K), torch.randn(N, K) * K ** -0.5, 0.1 * torch.randn(N), torch.randn(rows, 1, N)]
+    xs = [x.half() for x in xs]
+    compiled, report = _compile(fn, strict=True)
+    got = compiled(*xs)
+    assert got.dtype == torch.float32
+    assert_close(got, fn(*[x.double() for x in xs]).float(), dtype=torch.float16)    # computed from fp16 rows
+    (region,) = _gemv_regions(report)
+    assert region.info["matmuls"] == 1 and any("convert_element_type" in op for op in region.ops), region.ops

@@ -136,13 +136,22 @@ def reference_kernel(nodes: list, graph, ref, compiled):
     # result does for a contiguous value or a broadcast (stride 0)
     laid_out = [v.meta if not v.meta.is_contiguous and all(st or n == 1 for n, st in zip(v.meta.shape, v.meta.stride))
                 else None for v in outputs]
+    # a cast is not an op of the reference (it tracks the computation in its float dtype), so a result the region
+    # upcasts (BLOOM's residual sum, made fp32 for the next LayerNorm) comes out of the kernel in the computation's
+    # dtype and is returned in the graph's
+    dtypes = [v.meta.dtype for v in outputs]
 
     def kernel(*ins):
         outs = compiled(*[ins[i] for i in in_order])
         return tuple(with_meta_strides(y, meta) if meta is not None else y
-                     for y, meta in ((outs[j].reshape(sh), m) for j, sh, m in zip(out_order, shapes, laid_out)))
+                     for y, meta in ((_as(outs[j].reshape(sh), dt), m)
+                                     for j, sh, dt, m in zip(out_order, shapes, dtypes, laid_out)))
 
     return kernel
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def with_meta_strides(t: torch.Tensor, meta) -> torch.Tensor:

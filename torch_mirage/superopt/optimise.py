@@ -274,9 +274,9 @@ def _order_phase(bg: BlockGraph, seg: list, lo: int, hi: int, step: dict, tiles:
         live = [_var(prob, f"l{t.ref[0]}_{t.ref[1]}_{p}") for p in range(n)]
         for p in range(n):
             made = done[t.op, p] if mine else 1
-            if outside >= hi:
+            if lo + p <= outside:     # read or held at a fixed step at or past this one (held to the loop's end)
                 prob += live[p] >= made
-            for u in inside or {t.op}:
+            for u in inside or ({t.op} if mine else ()):
                 prob += live[p] >= made - (done[u, p - 1] if p else 0)
             rows[p].append(t.size * live[p])
     top = _var(prob, "peak")
