@@ -353,21 +353,26 @@ class _Block(torch.nn.Module):
         return torch.softmax(self.proj(x) * 2 + 1, -1) * x.sigmoid()
 
 
-def _serve(sizes, dynamic=None, mark=False, options=None):
-    """Compile a block with mirage, call it at each batch size (eager-checked); returns the report."""
+def _serve(sizes, dynamic=None, mark=False, options=None, device="cpu"):
+    """Compile a block with mirage, call it at each batch size (eager-checked, each result again after the last
+    call: no call's result is overwritten by a later one); returns the report."""
     from torch_mirage.backend import MirageBackend
     from torch_mirage.report import Report
 
     torch.manual_seed(0)
-    block, report = _Block(), Report()
+    block, report = _Block().to(device), Report()
     torch._dynamo.reset()
     compiled = torch.compile(block, backend=MirageBackend(options, report=report), dynamic=dynamic)
+    results = []
     with torch.no_grad():
         for n in sizes:
-            x = torch.randn(n, 32)
+            x = torch.randn(n, 32, device=device)
             if mark:
                 torch._dynamo.mark_dynamic(x, 0)
-            torch.testing.assert_close(compiled(x), block(x), rtol=1e-5, atol=1e-5)
+            results.append((compiled(x), block(x)))
+            torch.testing.assert_close(*results[-1], rtol=1e-5, atol=1e-5)
+        for got, want in results:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
     return report
 
@@ -377,7 +382,28 @@ def test_a_new_size_recompiles_at_most_once_by_default():
     sizes (Dynamo's automatic dynamic shapes), never a graph per call."""
     report = _serve([8, 16, 24, 8, 40, 16])
     assert len(report.graphs) == 2
-    assert report.graphs[1].cuda_graph_reason.startswith("dynamic shapes")
+    assert not report.graphs[0].symbolic_sizes and report.graphs[1].symbolic_sizes
+
+
+@pytest.mark.gpu
+def test_a_symbolic_graph_is_captured_once_per_size_on_gpu(monkeypatch):
+    """Dynamo's automatic dynamic shapes on the GPU: the first size's static graph and the symbolic graph for
+    the sizes after it both run in CUDA graphs, the symbolic one recorded once per size (16, 24, 40) and replayed
+    when a size comes again; every result equal to eager's, none overwritten by a later call."""
+    from torch_mirage.runtime import cudagraph
+
+    captured = []
+    capture = cudagraph.CudaGraphRunner._capture
+    monkeypatch.setattr(cudagraph.CudaGraphRunner, "_capture",
+                        lambda self, args: captured.append([tuple(a.shape) for a in args if        # not the weight
+                                                            isinstance(a, torch.Tensor) and not a.requires_grad])
+                        or capture(self, args))
+    report = _serve([8, 16, 24, 16, 40, 24, 8], device="cuda")
+    assert len(report.graphs) == 2 and report.graphs[1].symbolic_sizes
+    assert all(g.cuda_graph for g in report.graphs), [g.cuda_graph_reason for g in report.graphs]
+    rows = sorted(n for shapes in captured for n, _ in shapes)
+    assert len(captured) == 4 and rows == [8, 16, 24, 40], captured
+    assert "one per input size" in str(report)
 
 
 def test_static_serving_compiles_one_graph_per_size():
@@ -437,3 +463,63 @@ def test_copy_all_copies_every_pair_fused_or_not():
     copy_all([(one, srcs[0])])
     copy_all([])
     assert torch.equal(one, srcs[0])
+
+
+class _Recorder:
+    """A stand-in for :class:`CudaGraphRunner` (CPU): counts the calls of each runner the dispatcher makes."""
+    made: list = []
+
+    def __init__(self, fn, static_input_indices=(), on_disable=None, mutated_input_indices=()):
+        self.fn, self.static, self.mutated, self.calls = fn, static_input_indices, mutated_input_indices, 0
+        _Recorder.made.append(self)
+
+    def __call__(self, args):
+        self.calls += 1
+        return self.fn(args)
+
+
+def test_a_symbolic_graph_gets_one_recording_per_input_size_up_to_the_limit(caplog):
+    """:class:`SizedCudaGraphs`: a call's size is its scalars and the shapes of its copied tensors (not the
+    parameters captured in place); each new size gets a runner of its own, a size seen before reuses it, and past
+    the limit a new size runs the graph uncaptured, said once in the log."""
+    import logging
+
+    from torch_mirage.runtime.cudagraph import SizedCudaGraphs
+
+    _Recorder.made = []
+    w = torch.randn(8, 4)
+    plain = []
+    fn = lambda args: plain.append(len(args)) or [args[2] @ args[0][: args[1]]]   # noqa: E731
+    sized = SizedCudaGraphs(fn, static_input_indices=[0], limit=2, mutated_input_indices=[2], runner=_Recorder)
+    with caplog.at_level(logging.INFO, logger="torch_mirage"):
+        for n in (3, 2, 3, 4, 5, 2, 4):
+            x = torch.randn(5, n)
+            (y,) = sized([w, n, x])
+            torch.testing.assert_close(y, x @ w[:n])
+    assert [r.calls for r in _Recorder.made] == [2, 2]              # sizes 3 and 2 recorded; 4 and 5 are not
+    assert all(r.static == (0,) and r.mutated == (2,) for r in _Recorder.made)
+    assert len(plain) == 7                                          # every call computed, captured or not
+    lines = [r.getMessage() for r in caplog.records if "MIRAGE_CUDA_GRAPH_SIZES" in r.getMessage()]
+    assert len(lines) == 1 and "for 2 sizes" in lines[0], lines
+    # a parameter captured in place does not make a size: the same user input at another weight is one size
+    _Recorder.made = []
+    sized = SizedCudaGraphs(fn, static_input_indices=[0], limit=2, runner=_Recorder)
+    for weight in (w, torch.randn(8, 4)):
+        sized([weight, 3, torch.randn(5, 3)])
+    assert len(_Recorder.made) == 1
+
+
+def test_symbolic_sizes_are_read_off_scalars_and_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from torch_mirage.runtime.cudagraph import symbolic_sizes
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    dynamic = mode.from_tensor(torch.randn(4, 8), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
+    static = FakeTensorMode().from_tensor(torch.randn(4, 8))    # no shape environment: static sizes
+    assert symbolic_sizes([torch.randn(2), dynamic])
+    assert symbolic_sizes([torch.randn(2), env.create_unbacked_symint()])
+    assert not symbolic_sizes([torch.randn(2), 3, 1.5, static])     # a fake tensor of static sizes is static

@@ -465,3 +465,34 @@ def test_compile_forward_passes_the_bench_dynamic_setting(monkeypatch):
     M.compile_forward(model, "inductor")
     M.compile_forward(model, "eager")
     assert seen == [None, None, None, False]
+
+
+@pytest.mark.parametrize("forget", [True, False])
+def test_a_mode_compiled_after_others_sees_its_own_sizes(forget):
+    """Modes share one forward's Dynamo caches in the bench. Under ``dynamic=None`` a mode compiled after one
+    that ran two sizes compiled symbolic from its first call (gemma2's mirage prefill without a CUDA graph);
+    :func:`models.forget_seen_sizes` makes its first graph static, as alone."""
+    from torch_mirage.runtime.cudagraph import symbolic_sizes
+
+    def fn(x):
+        return x.sin() * 2
+
+    graphs = {"first": [], "second": []}
+
+    def backend(name):
+        def compile_(gm, example_inputs):
+            graphs[name].append(symbolic_sizes(example_inputs))
+            return gm.forward
+        return compile_
+
+    torch._dynamo.reset()
+    first = torch.compile(fn, backend=backend("first"), dynamic=None)
+    for n in (4, 8):
+        first(torch.randn(n))
+    assert graphs["first"] == [False, True]
+    if forget:
+        M.forget_seen_sizes()
+    second = torch.compile(fn, backend=backend("second"), dynamic=None)
+    second(torch.randn(4))
+    assert graphs["second"] == [not forget]
+    torch._dynamo.reset()

@@ -73,6 +73,7 @@ def _default_cache_dir() -> str:
 class Config:
     cache_dir: str = _knob(_default_cache_dir(), "Directory of the on-disk cache (search results, generated kernels, timings); the default is $XDG_CACHE_HOME/torch_mirage where XDG_CACHE_HOME is set.", check=NON_EMPTY)
     cuda_graphs: bool = _knob(True, "Wrap compiled graphs in CUDA graphs where that is safe. Turn off when the caller captures its own graph.")
+    cuda_graph_sizes: int = _knob(8, "Input sizes of a graph with symbolic sizes (dynamic=True, mark_dynamic, or Dynamo's automatic dynamic shapes after a second size) that each get a CUDA graph of their own, as Inductor's CUDA-graph trees record one per size; later sizes run without one. Each holds its own memory for the graph's intermediates. 0: symbolic graphs are not captured.", check=at_least(0))
     fallback: str = _knob("inductor", "Where everything mirage does not claim goes: 'inductor' or 'eager'.", affects_output=True, choices=("inductor", "eager"))
     inductor_mode: str = _knob("default", "Inductor mode for the fallback: 'default', 'max-autotune-no-cudagraphs', or 'max-autotune-gemm' (only the matmuls autotuned: prefill's GEMMs at a fraction of max-autotune's compile time).", affects_output=True, choices=("default", "max-autotune-no-cudagraphs", "max-autotune-gemm"))
     strict: bool = _knob(False, "Raise on any internal compile error instead of falling back.")

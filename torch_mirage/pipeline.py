@@ -41,7 +41,8 @@ from .partition.region import Claim, Claimer, Decline, Reason, Region, is_convex
 from .partition.stitch import StitchClaimer
 from .report import DeclineReport, GraphReport, RegionReport
 from .runtime.assemble import assemble, inductor_configs, prelude_mode
-from .runtime.cudagraph import CudaGraphRunner, cuda_graph_blocker, input_device, move_constants_to_device
+from .runtime.cudagraph import (CudaGraphRunner, SizedCudaGraphs, cuda_graph_blocker, input_device,
+                                move_constants_to_device, symbolic_sizes)
 from .runtime.choose import declared_mutations, is_timeable, mutated_inputs
 from .runtime.inductor_quiet import without_artifact_warning
 from .runtime.measure import check_regions, keep_faster
@@ -190,6 +191,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
     """Compile one ATen graph; returns a boxed callable. A failure in any stage hands the graph to
     Inductor whole (see :func:`_after_failure`), or raises under ``strict``."""
     report, config = ctx.report, ctx.config
+    report.symbolic_sizes = symbolic_sizes(example_inputs)
     report.num_nodes = sum(n.op == "call_function" for n in gm.graph.nodes)
     report.num_inputs = sum(n.op == "placeholder" for n in gm.graph.nodes)
     try:
@@ -357,30 +359,45 @@ def _maybe_cuda_graph(fn: Any, gm: fx.GraphModule, example_inputs: Sequence[Any]
 
 def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence[int], config: Config,
                     report: GraphReport, mutated_input_indices: Sequence[int] = ()) -> Any:
-    """``fn`` (boxed) inside a :class:`CudaGraphRunner` when capture is allowed; the reason in the report.
+    """``fn`` (boxed) inside a :class:`CudaGraphRunner` when capture is allowed (a graph of symbolic sizes: one
+    per input size, :class:`SizedCudaGraphs`, up to ``config.cuda_graph_sizes``); the reason in the report.
     Static inputs (parameters, buffers, KV caches) are captured in place; written user inputs are copied back."""
     if not config.cuda_graphs:
         report.cuda_graph_reason = "disabled (MIRAGE_CUDA_GRAPHS=0)"
-    else:
-        if blocker is None:
-            report.cuda_graph = True
-            def on_disable(why: str) -> None:
-                report.cuda_graph, report.cuda_graph_reason = False, why
+    elif blocker is None and report.symbolic_sizes and config.cuda_graph_sizes == 0:
+        report.cuda_graph_reason = "symbolic sizes (MIRAGE_CUDA_GRAPH_SIZES=0)"
+    elif blocker is None:
+        report.cuda_graph = True
 
+        def on_disable(why: str) -> None:
+            report.cuda_graph, report.cuda_graph_reason = False, why
+
+        if report.symbolic_sizes:
+            _log_symbolic(report, f"in a CUDA graph per input size (up to {config.cuda_graph_sizes}, "
+                                  "MIRAGE_CUDA_GRAPH_SIZES)")
+            runner = SizedCudaGraphs(fn, static_input_indices, config.cuda_graph_sizes, on_disable,
+                                     mutated_input_indices)
+        else:
             runner = CudaGraphRunner(fn, static_input_indices, on_disable=on_disable,
                                      mutated_input_indices=mutated_input_indices)
-            return _boxed(runner)
+        return _boxed(runner)
+    else:
         report.cuda_graph_reason = blocker
-    if blocker is not None and blocker.startswith("dynamic shapes"):
-        # the one line a serving user sees for a symbolic-size graph: what runs it, and the way to static graphs
-        ran = ("mirage's static parts and Inductor" if any(r.compiled_by == "mirage" for r in report.regions)
-               else "Inductor")
-        log.info("torch_mirage: %s graph %d has symbolic sizes: %s runs it, without a CUDA graph; compile with "
-                 "dynamic=False for one static, captured graph per size", report.kind, report.index, ran)
+    if report.symbolic_sizes:
+        _log_symbolic(report, f"without a CUDA graph ({report.cuda_graph_reason})")
         return fn
     log.debug("torch_mirage: %s graph %d runs without a CUDA graph: %s", report.kind, report.index,
               report.cuda_graph_reason)
     return fn
+
+
+def _log_symbolic(report: GraphReport, how: str) -> None:
+    """The one line a serving user sees for a graph of symbolic sizes: what runs it, how, and the way to mirage's
+    own kernels at each size."""
+    ran = ("mirage's static parts and Inductor" if any(r.compiled_by == "mirage" for r in report.regions)
+           else "Inductor")
+    log.info("torch_mirage: %s graph %d has symbolic sizes: %s runs it, %s; compile with dynamic=False for "
+             "mirage's kernels at each size (one static graph per size)", report.kind, report.index, ran, how)
 
 
 def _boxed(fn: Any) -> Any:

@@ -97,6 +97,7 @@ class GraphReport:
     untimed_reason: str = ""             # why mirage's version could not be timed against Inductor's
     prelude: str = ""                    # the input-only ops run first as one Inductor graph (MIRAGE_PRELUDE)
     host_scalars: tuple[str, ...] = ()   # symbolic scalar inputs computed on the host around the graph (host_scalars)
+    symbolic_sizes: bool = False         # its inputs have symbolic sizes: captured once per size (SizedCudaGraphs)
     stage_times_ms: dict[str, float] = field(default_factory=dict)
     # how far each stage raised the process's peak of allocated GPU memory (MiB; only where CUDA was in use):
     # a compile whose tuning or timing holds more than the model's own memory shows here, stage by stage
@@ -114,7 +115,8 @@ class GraphReport:
                 self.stage_peak_rise_mib[name] = round(self.stage_peak_rise_mib.get(name, 0.0) + rise, 1)
 
     def __str__(self) -> str:
-        cg = "yes" if self.cuda_graph else f"no ({self.cuda_graph_reason})"
+        cg = ("yes, one per input size" if self.symbolic_sizes else "yes") if self.cuda_graph else \
+            f"no ({self.cuda_graph_reason})"
         stages = ", ".join(f"{k} {v:.0f} ms" + (f" (GPU peak +{self.stage_peak_rise_mib[k]:.0f} MiB)"
                                                  if self.stage_peak_rise_mib.get(k) else "")
                            for k, v in self.stage_times_ms.items())

@@ -33,6 +33,7 @@ import copy
 import functools
 import gc
 import json
+import logging
 import math
 import os
 import statistics
@@ -50,6 +51,8 @@ from ..timing import alternating_times, count_device_kernels, fastest_per_half, 
 from . import has_transformers, select
 from .harness import _free, _short, mirage_summary, rel_error
 from .report import environment, pyplot, write_json
+
+logger = logging.getLogger("torch_mirage")
 
 SCHEMA = "torch_mirage.bench.models/1"
 MODES = ("eager", "inductor", "reduce-overhead", "max-autotune", "mirage")
@@ -323,6 +326,19 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
     return record
 
 
+def forget_seen_sizes() -> None:
+    """Dynamo's record of the sizes each frame was called with emptied (its compiled graphs kept): under
+    ``dynamic=None`` a mode compiled after others then compiles its first size static and its second symbolic, as
+    alone, rather than symbolic from its first call because earlier modes' calls on the same forward saw two sizes
+    (11-29: gemma2's mirage prefill ran symbolic, without a CUDA graph, 2247 µs against reduce-overhead's 590)."""
+    reset = getattr(torch._dynamo, "reset_code_state", None)
+    if reset is None:
+        logger.warning("torch_mirage bench: this torch has no torch._dynamo.reset_code_state; under dynamic=None "
+                    "a mode compiled after others sees their sizes")
+        return
+    reset()
+
+
 def room_for_modes(modes: Sequence[str]):
     """Dynamo's per-frame recompile limit raised for ``modes`` kept at once on one forward: every mode's prefill,
     prompt and decode graphs share it (16 a mode)."""
@@ -337,6 +353,8 @@ def _check_mode(model, spec: HFModel, mode: str, dynamic: bool | None, ids: torc
     report = Report() if mode == "mirage" else None
     res: dict = {"status": "ok"}
     try:
+        if dynamic is None:
+            forget_seen_sizes()
         compile_forward(model, mode, report, dynamic, reset=False)
         fwd = forward_logits(model, spec)
         with torch.no_grad():

@@ -163,13 +163,26 @@ def input_device(example_inputs: Sequence[Any]) -> torch.device | None:
     return next(iter(devices)) if len(devices) == 1 and next(iter(devices)).type != "cpu" else None
 
 
+def symbolic_sizes(example_inputs: Sequence[Any]) -> bool:
+    """Whether a graph's example inputs carry symbolic values (a SymInt input, or a tensor of symbolic size):
+    Dynamo's ``dynamic=True``, ``mark_dynamic``, or its automatic dynamic shapes after a second size."""
+    def symbolic(x: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            return any(isinstance(d, torch.SymInt) for d in (*x.shape, *x.stride()))
+        return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+    return any(symbolic(x) for x in example_inputs)
+
+
 def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kind: str) -> str | None:
-    """Why this ATen graph cannot be captured, or ``None`` when it can."""
+    """Why this ATen graph cannot be captured, or ``None`` when it can (a graph of symbolic sizes: once per
+    size, :class:`SizedCudaGraphs`)."""
     if kind != "inference":
         return f"{kind} graph: capture only for inference graphs"
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    if any(not isinstance(x, (torch.Tensor, int, float, bool)) or isinstance(x, torch.SymInt) for x in example_inputs):
-        return "dynamic shapes (symbolic sizes among the inputs)"
+    if any(not isinstance(x, (torch.Tensor, int, float, bool, torch.SymInt)) for x in example_inputs):
+        return "inputs of a kind a CUDA graph cannot replay (" + ", ".join(
+            sorted({type(x).__name__ for x in example_inputs
+                    if not isinstance(x, (torch.Tensor, int, float, bool, torch.SymInt))})) + ")"
     if not tensors:
         return "inputs not all CUDA tensors (no tensor input)"
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -336,3 +349,44 @@ class CudaGraphRunner:
         copy_all(copy_back)
         args.clear()
         return [o.clone() if isinstance(o, torch.Tensor) else o for o in self.static_outputs]
+
+
+class SizedCudaGraphs:
+    """Boxed callable for a graph of symbolic sizes: one :class:`CudaGraphRunner` per input size, as Inductor's
+    CUDA-graph trees record one graph per size. A call's size is its non-tensor inputs (Dynamo passes every size
+    symbol as one) and the shapes and strides of the tensors copied into the graph (the tensors captured in place,
+    parameters and caches, are checked by their runner). Up to ``limit`` sizes are recorded (each has its own
+    memory for the graph's intermediates); a later size runs uncaptured, said once in the log."""
+
+    def __init__(self, fn: Callable[[list], Any], static_input_indices: Sequence[int] = (), limit: int = 8,
+                 on_disable: Callable[[str], None] | None = None, mutated_input_indices: Sequence[int] = (),
+                 runner: Callable[..., Callable[[list], Any]] | None = None):
+        self.fn = fn
+        self.static_idx = set(static_input_indices)
+        self.mutated_idx = tuple(mutated_input_indices)
+        self.limit = limit
+        self.on_disable = on_disable
+        self.make_runner = runner or CudaGraphRunner
+        self.runners: dict[tuple, Callable[[list], Any]] = {}
+        self.sized: list[int] | None = None      # positions whose value or shape make the size
+        self.full_logged = False
+
+    def size_of(self, args: Sequence[Any]) -> tuple:
+        if self.sized is None:
+            self.sized = [i for i, a in enumerate(args) if not isinstance(a, torch.Tensor) or i not in self.static_idx]
+        return tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+                     for a in (args[i] for i in self.sized))
+
+    def __call__(self, args: list) -> Any:
+        key = self.size_of(args)
+        runner = self.runners.get(key)
+        if runner is None:
+            if len(self.runners) >= self.limit:
+                if not self.full_logged:
+                    self.full_logged = True
+                    log.info("torch_mirage: a graph of symbolic sizes has CUDA graphs for %d sizes "
+                             "(MIRAGE_CUDA_GRAPH_SIZES); later sizes run without one", self.limit)
+                return self.fn(args)
+            runner = self.runners[key] = self.make_runner(self.fn, tuple(self.static_idx), on_disable=self.on_disable,
+                                                          mutated_input_indices=self.mutated_idx)
+        return runner(args)
