@@ -388,8 +388,10 @@ def test_a_new_size_recompiles_at_most_once_by_default():
 @pytest.mark.gpu
 def test_a_symbolic_graph_is_captured_once_per_size_on_gpu(monkeypatch):
     """Dynamo's automatic dynamic shapes on the GPU: the first size's static graph and the symbolic graph for
-    the sizes after it both run in CUDA graphs, the symbolic one recorded once per size (16, 24, 40) and replayed
-    when a size comes again; every result equal to eager's, none overwritten by a later call."""
+    the sizes after it both run in CUDA graphs, the symbolic one recorded once per size and replayed when a size
+    comes again; every result equal to eager's, none overwritten by a later call. Dynamo tries its newest graph
+    first, so the last call's 8 rows go to the symbolic graph (a size of its own, recorded); graph 0's one or two
+    recordings (mirage's version, and Inductor's where the whole graph is timed) come first (H200, 11-29)."""
     from torch_mirage.runtime import cudagraph
 
     captured = []
@@ -401,8 +403,8 @@ def test_a_symbolic_graph_is_captured_once_per_size_on_gpu(monkeypatch):
     report = _serve([8, 16, 24, 16, 40, 24, 8], device="cuda")
     assert len(report.graphs) == 2 and report.graphs[1].symbolic_sizes
     assert all(g.cuda_graph for g in report.graphs), [g.cuda_graph_reason for g in report.graphs]
-    rows = sorted(n for shapes in captured for n, _ in shapes)
-    assert len(captured) == 4 and rows == [8, 16, 24, 40], captured
+    rows = [n for shapes in captured for n, _ in shapes]
+    assert rows[-4:] == [16, 24, 40, 8] and set(rows[:-4]) == {8} and 1 <= len(rows) - 4 <= 2, captured
     assert "one per input size" in str(report)
 
 
