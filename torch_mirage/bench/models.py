@@ -334,7 +334,7 @@ def forget_seen_sizes() -> None:
     reset = getattr(torch._dynamo, "reset_code_state", None)
     if reset is None:
         logger.warning("torch_mirage bench: this torch has no torch._dynamo.reset_code_state; under dynamic=None "
-                    "a mode compiled after others sees their sizes")
+                       "a mode compiled after others sees their sizes")
         return
     reset()
 
