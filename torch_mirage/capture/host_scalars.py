@@ -56,7 +56,8 @@ def _pure(node: fx.Node) -> bool:
     return module in ("_operator", "operator", "math") or (module.startswith("torch") and name.startswith("sym_"))
 
 
-def _symbolic_size(value: Any) -> bool:
+def has_symbolic_size(value: Any) -> bool:
+    """Whether ``value`` is a tensor with a symbolic size or stride."""
     return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride()))
 
 
@@ -69,7 +70,7 @@ def split_host_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Hos
     positions = tuple(i for i, x in enumerate(example_inputs) if isinstance(x, SYMBOLIC))
     if not positions:
         return None
-    if any(_symbolic_size(n.meta.get("example_value")) for n in placeholders):
+    if any(has_symbolic_size(n.meta.get("example_value")) for n in placeholders):
         return None      # a symbolic size (Dynamo's example inputs are real tensors; its fake ones carry the symbols)
     scalars = {placeholders[i] for i in positions}
     closure: list[fx.Node] = []                  # the arithmetic on them, in graph order
@@ -84,7 +85,7 @@ def split_host_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Hos
                 return None          # a scalar reaches a tensor op, or mixes with a value computed on the device
             closure.append(node)
             inside.add(node)
-        elif isinstance(node.meta.get("example_value"), SYMBOLIC) or _symbolic_size(node.meta.get("example_value")):
+        elif isinstance(node.meta.get("example_value"), SYMBOLIC) or has_symbolic_size(node.meta.get("example_value")):
             return None              # another symbolic value (a size read off a tensor): not this case
     results = output.args[0]
     if not isinstance(results, (tuple, list)):

@@ -15,6 +15,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ..capture.host_scalars import SYMBOLIC, has_symbolic_size
+
 log = logging.getLogger("torch_mirage")
 
 _HOST_SYNC = {"aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default",
@@ -166,11 +168,7 @@ def input_device(example_inputs: Sequence[Any]) -> torch.device | None:
 def symbolic_sizes(example_inputs: Sequence[Any]) -> bool:
     """Whether a graph's example inputs carry symbolic values (a SymInt input, or a tensor of symbolic size):
     Dynamo's ``dynamic=True``, ``mark_dynamic``, or its automatic dynamic shapes after a second size."""
-    def symbolic(x: Any) -> bool:
-        if isinstance(x, torch.Tensor):
-            return any(isinstance(d, torch.SymInt) for d in (*x.shape, *x.stride()))
-        return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
-    return any(symbolic(x) for x in example_inputs)
+    return any(isinstance(x, SYMBOLIC) or has_symbolic_size(x) for x in example_inputs)
 
 
 def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kind: str) -> str | None:
@@ -179,10 +177,10 @@ def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     if kind != "inference":
         return f"{kind} graph: capture only for inference graphs"
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    if any(not isinstance(x, (torch.Tensor, int, float, bool, torch.SymInt)) for x in example_inputs):
-        return "inputs of a kind a CUDA graph cannot replay (" + ", ".join(
-            sorted({type(x).__name__ for x in example_inputs
-                    if not isinstance(x, (torch.Tensor, int, float, bool, torch.SymInt))})) + ")"
+    others = sorted({type(x).__name__ for x in example_inputs
+                     if not isinstance(x, (torch.Tensor, int, float, bool, torch.SymInt))})
+    if others:
+        return f"inputs of a kind a CUDA graph cannot replay ({', '.join(others)})"
     if not tensors:
         return "inputs not all CUDA tensors (no tensor input)"
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
