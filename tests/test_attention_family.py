@@ -666,8 +666,8 @@ def test_tuning_sees_the_compiled_calls_mask(monkeypatch):
     seen = []
     examples = claim._examples
 
-    def spy(spec, graph, by_index=False, bool_mask=False, per_head=False, observed=None):
-        out = examples(spec, graph, by_index, bool_mask, per_head, observed)
+    def spy(spec, graph, by_index=False, bool_mask=False, per_head=False, observed=None, bias=False):
+        out = examples(spec, graph, by_index, bool_mask, per_head, observed, bias)
         seen.append((dict(observed or {}), out[0], observed))
         return out
     monkeypatch.setattr(claim, "_examples", spy)

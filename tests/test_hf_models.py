@@ -45,11 +45,14 @@ def test_prefill_logits_equal_eager(name, attn):
 
 def test_bloom_alibi_attention_is_claimed_and_equals_eager():
     """BLOOM's eager attention (ALiBi in ``baddbmm`` over folded heads, HF's causal mask added after the view) is
-    one mirage attention region per layer, its mask the sum of the two, with the causal band read off HF's mask."""
+    one mirage attention region per layer, its mask the sum of the two, with the causal band read off HF's mask:
+    the kernels compute the causal term from indices and load ALiBi (b, h, 1, skv) as it is (no per-call sum)."""
     report = _forward_equal("bloom", "default")
     regions = [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
     assert len(regions) == 2, str(report)
     assert all("mask=additive(causal)+1 band=0" in r.info["attention"] for r in regions), str(report)
+    assert all(r.info["mask"].startswith("the band's term from indices") and "loaded as a bias (2, 4, 1, " in
+               r.info["mask"] for r in regions), str(report)
 
 
 @pytest.mark.parametrize("name,attn", [("llama", "default"), ("gemma2", "eager"), ("gpt2", "default")])
@@ -167,6 +170,7 @@ def test_bloom_alibi_attention_on_gpu(dtype):
     assert rel_error(got, expected) <= tolerance(dtype, "model")
     claimed = [r for r in report.regions if r.claimer == "attention"]
     assert len(claimed) == 4 and all("mask=additive(causal)+1" in r.info["attention"] for r in claimed), str(report)
+    assert all("loaded as a bias (2, 16, 1, 128)" in r.info["mask"] for r in claimed), str(report)
 
 
 @pytest.mark.slow

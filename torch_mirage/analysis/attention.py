@@ -99,6 +99,13 @@ class AttentionSpec:
     # (``mask`` "additive", ``mask_value`` the term whose value property gives the band, or the first); empty
     # where the mask is ``mask_value`` itself
     mask_terms: tuple = ()
+    # of more than one :attr:`mask_terms`: the one holding ``mask_value`` (:attr:`mask_term`) and the others, whose
+    # sum (:meth:`combine_mask` over them) the seeds may load as a bias at its own shape — BLOOM's ALiBi
+    # (b, h, 1, skv) — beside the mask term at its own (HF's causal (b, 1, sq, skv)), not summed per call;
+    # ``band_term_exact``: the mask term is exactly its band (0 wherever it sees), so the seeds compute it from indices
+    mask_term: MaskTerm | None = None
+    bias_terms: tuple = ()
+    band_term_exact: bool = False
     dv: int | None = None           # V's head size (and the output's) where it is not ``d``
 
     @property
@@ -125,15 +132,18 @@ class AttentionSpec:
         shape = tuple(self.mask_value.meta.shape)
         return (1,) * (4 - len(shape)) + shape
 
-    def combine_mask(self, terms: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The mask of :attr:`mask_terms` from those terms' tensors (in that order), in :attr:`mask_value`'s
-        dtype (the one the seeds' mask input is built for)."""
+    def combine_mask(self, terms: Sequence[torch.Tensor], of: Sequence[MaskTerm] | None = None) -> torch.Tensor:
+        """The mask of :attr:`mask_terms` (or of the terms ``of``) from those terms' tensors (in that order), in
+        :attr:`mask_value`'s dtype (the one the seeds' mask input is built for), at the terms' broadcast shape."""
+        of, dtype = self.mask_terms if of is None else of, self.mask_value.meta.dtype
+        if len(of) == 1 and of[0].factor == 1.0:       # one term as it is: a view where it has the dtype
+            return terms[0].reshape(of[0].shape).to(dtype)
         total = None
-        for t, x in zip(self.mask_terms, terms):
+        for t, x in zip(of, terms):
             x = x.reshape(t.shape).float()
             x = x * t.factor if t.factor != 1.0 else x
             total = x if total is None else total + x
-        return total.to(self.mask_value.meta.dtype)
+        return total.to(dtype)
 
     def describe(self) -> str:
         parts = [f"b={self.b} h={self.h} hk={self.hk} sq={self.sq} skv={self.skv} d={self.d}"
@@ -784,6 +794,11 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
         spec.mask_band = _mask_band(mask_value, values, spec.mask, sq, skv)
         spec.mask_zero_visible = spec.mask_band is not None and not mask_terms and (
             spec.mask != "additive" or _visible_zero(mask_value, values))
+        if len(mask_terms) > 1:
+            spec.mask_term = (banded or mask_terms)[0]
+            spec.bias_terms = tuple(t for t in mask_terms if t is not spec.mask_term)
+            spec.band_term_exact = bool(banded) and spec.mask_band is not None and spec.mask_term.factor == 1.0 \
+                and _visible_zero(mask_value, values)
     return spec
 
 

@@ -147,8 +147,26 @@ def index_mask(spec: AttentionSpec) -> bool:
     return spec.mask in ("causal", "additive") or (spec.bool_fill is not None and spec.bool_fill <= -6e4)
 
 
+def split_bias(spec: AttentionSpec) -> bool:
+    """Whether the seeds take a mask added as several terms as two inputs at their own shapes — the mask term
+    (:attr:`~torch_mirage.analysis.attention.AttentionSpec.mask_term`: HF's causal mask, computed from indices where
+    it is exactly its band) and the sum of the others as a bias (BLOOM's ALiBi, (b, h, 1, skv)) — instead of the sum
+    of every term at the scores' (b, h, sq, skv), made per call: without column sums, where the bias is not packed
+    (one query head per KV head, or a program per query head) and both have a key dim."""
+    if not (spec.bias_terms and not spec.extra_outputs and (spec.group == 1 or per_query_head(spec))):
+        return False
+    shape = bias_shape(spec)
+    return shape[-1] == spec.skv and shape[-2] in (1, spec.sq) and spec.mask_term.shape[-1] == spec.skv
+
+
+def bias_shape(spec: AttentionSpec) -> tuple:
+    """The 4-D shape of the sum of :func:`split_bias`'s terms (their broadcast)."""
+    return tuple(torch.broadcast_shapes(*(t.shape for t in spec.bias_terms)))
+
+
 def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.Tensor | None = None,
-             bool_mask: bool = False, per_head: bool = False, out_meta=None) -> tuple:
+             bool_mask: bool = False, per_head: bool = False, out_meta=None,
+             bias: torch.Tensor | None = None) -> tuple:
     """The region's outputs from the compiled seed: P·V (b, h, sq, d), then each of ``spec.extra_outputs`` from
     the seed's column sums of P (b, h, skv) when it has them. Q is packed per KV head (a view where its strides
     allow it, as with one query head per KV head; else a copy), or read as it is with ``per_head``
@@ -162,7 +180,8 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.
     so the heads whose row sums (its third output) are not all positive are filled — three small ops on the row
     sums, where the mask's per-row max and a fill of P·V were six (H100 11-27, h2o_core n=1024: 9 kernels a call).
     ``out_meta`` (P·V's value in the graph): where the kernel's output is P·V's shape (a head per program), the
-    kernel writes it with those strides (SDPA's (b, s, h, d) order: no copy into them after the call)."""
+    kernel writes it with those strides (SDPA's (b, s, h, d) order: no copy into them after the call). ``bias``
+    (:func:`split_bias`): the seed's bias input, 4-D at its own shape, after the mask."""
     b, h, hk, sq, d, dv = spec.b, spec.h, spec.hk, spec.sq, spec.d, spec.v_dim
     q = q if per_head else q.reshape(b, hk, spec.group * sq, d)
     args = [_rows_dense(q), _rows_dense(k), _rows_dense(v)]
@@ -170,6 +189,8 @@ def run_spec(spec: AttentionSpec, compiled, q, k, v, mask=None, *, fixed: torch.
         args.append(fixed)
     elif (m := kernel_mask(spec, mask, q.device, bool_mask)) is not None:
         args.append(_pack(spec, m, per_head))
+    if bias is not None:
+        args.append(_rows_dense(bias))
     out = None
     if out_meta is not None and (per_head or spec.group == 1) and tuple(out_meta.shape) == (b, h, sq, dv):
         out = torch.empty_strided(out_meta.shape, out_meta.stride, dtype=out_meta.dtype, device=q.device)
@@ -236,16 +257,20 @@ def plan_candidates(spec: AttentionSpec, graph: Graph, mask_shape: tuple | None 
     return cands
 
 
-def _seed_kwargs(spec: AttentionSpec, dtype: str, mask_shape: tuple | None, use_band: bool = True) -> dict:
+def _seed_kwargs(spec: AttentionSpec, dtype: str, mask_shape: tuple | None, use_band: bool = True,
+                 bias: tuple | None = None) -> dict:
     """The seed's parameters; a mask whose value property bounds the visible keys (causal, sliding window) gives
     the for-loop band: each query block visits only the key tiles it can see (config ``attention_band``), and
-    where the mask is exactly the band (:func:`index_mask`) its partly seen tiles compute it from indices."""
-    band = ((spec.sq, *spec.mask_band, spec.mask_zero_visible, index_mask(spec))
+    where the mask is exactly the band (:func:`index_mask`) its partly seen tiles compute it from indices — as
+    they compute the mask term where the other terms are a ``bias`` (:func:`split_bias`: its (bm, hm, br)) and
+    that term is exactly its band."""
+    exact = spec.band_term_exact if bias is not None else index_mask(spec)
+    band = ((spec.sq, *spec.mask_band, exact or spec.mask_zero_visible, exact)
             if spec.mask_band is not None and use_band else None)
     bool_mask = bool_in_kernel(spec, use_band) and mask_shape is not None
     return dict(scale=spec.scale, softcap=spec.softcap, mask=mask_shape, dtype=dtype,
                 mask_dtype=MASK_DTYPES[mask_dtype(spec, bool_mask)], band=band,
-                **({"dv": spec.dv} if spec.dv else {}))
+                **({"dv": spec.dv} if spec.dv else {}), **({"bias": tuple(bias)} if bias is not None else {}))
 
 
 def _softmax_kwargs(spec: AttentionSpec) -> dict:
@@ -296,20 +321,23 @@ class AttentionClaimer:
 
         dtype = DTYPES[spec.dtype]
         use_band = ctx.config.attention_band
+        bias = split_bias(spec)
         # the mask from indices only where every kernel of the plan walks the band (the row-block kernel has none)
-        by_index = use_band and index_mask(spec) and not (
-            spec.extra_outputs and "row_block" in _plan(plan_candidates(spec, graph, (1, 1), ctx.analysis_of(graph))))
+        by_index = use_band and spec.mask_band is not None and spec.band_term_exact if bias else \
+            use_band and index_mask(spec) and not (spec.extra_outputs and "row_block" in
+                                                   _plan(plan_candidates(spec, graph, (1, 1), ctx.analysis_of(graph))))
         bool_mask = bool_in_kernel(spec, use_band)
         per_head = per_query_head(spec)
         with unset_fake_temporarily():
-            _, mask_shape, fixed = _example_mask(spec, graph, spec.q.meta.device, by_index, bool_mask, per_head)
-        kwargs = _seed_kwargs(spec, dtype, mask_shape, use_band)
+            _, mask_shape, fixed = _example_mask(spec, graph, spec.q.meta.device, by_index, bool_mask, per_head,
+                                                 bias=bias)
+        kwargs = _seed_kwargs(spec, dtype, mask_shape, use_band, bias_shape(spec)[:3] if bias else None)
         if spec.extra_outputs:
             plans, info, names = self._column_plan(spec, graph, kwargs, ctx.analysis_of(graph))
             seeds, info["verified"] = verified(plans, names, (spec.b, spec.hk, spec.group, spec.sq, spec.skv),
                                                kwargs, ctx.config, ctx.cache)
         else:
-            names, built_with = _seeds(spec, per_head), kwargs | _softmax_kwargs(spec)
+            names, built_with = _seeds(spec, per_head, bias), kwargs | _softmax_kwargs(spec)
             seeds, verdicts = verified(_build_seeds(spec, names, built_with), names,
                                        (spec.b, spec.hk, spec.group, spec.sq, spec.skv), built_with, ctx.config,
                                        ctx.cache)
@@ -319,9 +347,16 @@ class AttentionClaimer:
             why = "; ".join(f"{k}: {v}" for k, v in info.get("verified", {}).items())
             return Decline(spec.nodes, Reason.NO_KERNEL, f"{what} ({spec.describe()}): none built"
                            + (f" and verified ({why})" if why else ""))
-        # a mask the kernel computes from indices: the nodes that build it only for this region join it (dead)
+        # a mask the kernel computes from indices: the nodes that build it only for this region join it (dead) —
+        # unless they build a bias term too, which the kernel reads
         nodes = spec.nodes + (_mask_builders(spec, graph, free) if by_index else [])
         positions = {id(x): i for i, x in enumerate(inputs_of(nodes))}
+        if bias and any(id(t.value) not in positions for t in spec.bias_terms):
+            nodes = spec.nodes
+            positions = {id(x): i for i, x in enumerate(inputs_of(nodes))}
+        # the bias terms' inputs, then the mask term's (none where the kernels compute it from indices)
+        bias_at = ([positions[id(t.value)] for t in spec.bias_terms]
+                   + ([] if by_index else [positions[id(spec.mask_term.value)]])) if bias else None
         order = [positions[id(x)] for x in spec.inputs if id(x) in positions]
         produced = [spec.output] + [r.value for r in spec.extra_outputs]
         slots = [next(i for i, p in enumerate(produced) if p is v) for v in outputs_of(nodes, graph)]
@@ -339,9 +374,13 @@ class AttentionClaimer:
         if by_index:
             info["mask"] = "from indices" + (f" ({len(nodes) - len(spec.nodes)} mask nodes joined)"
                                              if len(nodes) > len(spec.nodes) else "")
+        if bias:
+            info["mask"] = ("the band's term from indices" if by_index else f"a term at {spec.mask_term.shape}") + \
+                f", the other {len(spec.bias_terms)} term(s) loaded as a bias {bias_shape(spec)}"
         plan = UGraphPlan(alternatives, functools.partial(_example_inputs, spec, graph, by_index, bool_mask,
-                                                          per_head, ctx.observed_inputs),
-                          functools.partial(attention_kernel, spec, order, slots, metas, fixed, bool_mask, per_head),
+                                                          per_head, ctx.observed_inputs, bias),
+                          functools.partial(attention_kernel, spec, order, slots, metas, fixed, bool_mask, per_head,
+                                            bias_at),
                           what=f"attention {spec.describe()} {dtype}")
         return Claim(nodes, plan, detail=alternatives[0].detail, info=info)
 
@@ -375,16 +414,26 @@ class AttentionClaimer:
 
 
 def attention_kernel(spec: AttentionSpec, order: Sequence[int], slots: Sequence[int], metas: Sequence,
-                     fixed: torch.Tensor | None, bool_mask: bool, per_head: bool, compiled) -> Callable[..., tuple]:
+                     fixed: torch.Tensor | None, bool_mask: bool, per_head: bool, bias_at: Sequence[int] | None,
+                     compiled) -> Callable[..., tuple]:
     """The region's kernel from a compiled attention μGraph (:func:`run_spec`): the region's inputs in the spec's
-    order (``order``), its outputs (``slots`` into P·V and the column reductions) with the graph's strides."""
+    order (``order``), its outputs (``slots`` into P·V and the column reductions) with the graph's strides.
+    ``bias_at``: the inputs holding :func:`split_bias`'s bias terms (summed at their own shape), then its mask
+    term's, where the kernels read it (else ``fixed``'s stand-in)."""
+    n_bias = len(spec.bias_terms)
+
     def kernel(*ins):
         args = [ins[i] for i in order]
-        if spec.mask_terms:         # a mask the graph adds as several tensors: their sum
+        bias = None
+        if bias_at is not None:     # the mask term (or the stand-in of one computed from indices) and a bias
+            bias = spec.combine_mask([ins[i] for i in bias_at[:n_bias]], spec.bias_terms)
+            mask_at = bias_at[n_bias:]
+            args = args[:3] + ([spec.combine_mask([ins[mask_at[0]]], [spec.mask_term])] if mask_at else [])
+        elif spec.mask_terms:       # a mask the graph adds as several tensors: their sum
             args[3:] = [spec.combine_mask(args[3:])]
         # an SDPA op's other outputs (logsumexp, ...) are unread (find_attention checks)
         outs = run_spec(spec, compiled, *args, fixed=fixed, bool_mask=bool_mask,
-                        per_head=per_head, out_meta=metas[0])
+                        per_head=per_head, out_meta=metas[0], bias=bias)
         return tuple(with_meta_strides(outs[i], metas[i]) for i in slots)
     return kernel
 
@@ -423,15 +472,20 @@ def _mask_builders(spec: AttentionSpec, graph: Graph, free: Sequence[Node]) -> l
 
 
 def _example_inputs(spec: AttentionSpec, graph: Graph, by_index: bool = False, bool_mask: bool = False,
-                    per_head: bool = False, observed: dict | None = None) -> list:
+                    per_head: bool = False, observed: dict | None = None, bias: bool = False) -> list:
     """The seeds' example inputs (:func:`_examples`), made by the build stage when it compiles them; ``observed``:
     the compile's real inputs by graph input index (:attr:`CompileContext.observed_inputs`, emptied after the
-    build)."""
-    return _examples(spec, graph, by_index, bool_mask, per_head, observed)[0]
+    build); ``bias`` (:func:`split_bias`): the mask term alone, then the bias terms' sum."""
+    ex = _examples(spec, graph, by_index, bool_mask, per_head, observed, bias)[0]
+    if bias:
+        terms = _term_examples(spec, graph, spec.bias_terms, observed)
+        ex.append(spec.combine_mask(terms, spec.bias_terms).to(mask_dtype(spec)))
+    return ex
 
 
 def _examples(spec: AttentionSpec, graph: Graph, by_index: bool = False, bool_mask: bool = False,
-              per_head: bool = False, observed: dict | None = None) -> tuple[list, tuple | None, torch.Tensor | None]:
+              per_head: bool = False, observed: dict | None = None, bias: bool = False
+              ) -> tuple[list, tuple | None, torch.Tensor | None]:
     """Random inputs shaped as the seeds take them (Q packed per KV head and the mask packed, or both as they are
     with ``per_head``), with the graph's strides, the mask's batch/head
     dims, and the region's fixed mask: ``is_causal``'s (built once, clamped) or, with ``by_index`` (an
@@ -442,15 +496,16 @@ def _examples(spec: AttentionSpec, graph: Graph, by_index: bool = False, bool_ma
     q, k, v = (random_like(x.meta) for x in (spec.q, spec.k, spec.v))
     q = q if per_head else q.reshape(spec.b, spec.hk, spec.group * spec.sq, spec.d)
     ex = [_rows_dense(q), _rows_dense(k), _rows_dense(v)]
-    mask, mask_shape, causal = _example_mask(spec, graph, q.device, by_index, bool_mask, per_head, observed)
+    mask, mask_shape, causal = _example_mask(spec, graph, q.device, by_index, bool_mask, per_head, observed, bias)
     return ex + ([mask] if mask is not None else []), mask_shape, causal
 
 
 def _example_mask(spec: AttentionSpec, graph: Graph, device: torch.device, by_index: bool = False,
-                  bool_mask: bool = False, per_head: bool = False, observed: dict | None = None
+                  bool_mask: bool = False, per_head: bool = False, observed: dict | None = None, bias: bool = False
                   ) -> tuple[torch.Tensor | None, tuple | None, torch.Tensor | None]:
     """The mask part of :func:`_examples` (no Q, K, V drawn: the claim needs only the mask's dims and the fixed
-    mask): the packed example mask or None (unmasked), its batch/head dims, the region's fixed mask."""
+    mask): the packed example mask or None (unmasked), its batch/head dims, the region's fixed mask. ``bias``
+    (:func:`split_bias`): the mask term alone."""
     if by_index:
         rows = spec.sq if per_head else spec.group * spec.sq
         standin = torch.zeros((), dtype=mask_dtype(spec), device=device).expand(1, 1, rows, spec.skv)
@@ -459,16 +514,26 @@ def _example_mask(spec: AttentionSpec, graph: Graph, device: torch.device, by_in
         return None, None, None
     example_mask = None
     if spec.mask_value is not None:
-        named = {graph.inputs[i].name: t for i, t in (observed or {}).items() if i < len(graph.inputs)}
-        terms = [constant_value(graph, m, named) for m in spec.inputs[3:]]
-        terms = [t if t is not None else random_like(m.meta) for t, m in zip(terms, spec.inputs[3:])]
-        example_mask = spec.combine_mask(terms) if spec.mask_terms else terms[0]
+        if bias:
+            example_mask = spec.combine_mask(_term_examples(spec, graph, [spec.mask_term], observed),
+                                             [spec.mask_term])
+        else:
+            terms = _term_examples(spec, graph, spec.mask_terms or [spec.mask_value], observed)
+            example_mask = spec.combine_mask(terms) if spec.mask_terms else terms[0]
     packed = packed_mask(spec, example_mask, device, bool_mask, per_head).to(mask_dtype(spec, bool_mask))
     causal = packed.clamp_min(MASK_FLOOR).contiguous() if spec.mask == "causal" else None
     return packed, tuple(packed.shape[:2]), causal
 
 
-def _seeds(spec: AttentionSpec, per_head: bool = False) -> dict[str, tuple[str, dict]]:
+def _term_examples(spec: AttentionSpec, graph: Graph, terms: Sequence, observed: dict | None) -> list:
+    """Example tensors of mask ``terms`` (MaskTerms, or Values): a term the graph computes from constants (or from
+    the compile's ``observed`` inputs) with its real contents, else random."""
+    named = {graph.inputs[i].name: t for i, t in (observed or {}).items() if i < len(graph.inputs)}
+    values = [getattr(t, "value", t) for t in terms]
+    return [t if (t := constant_value(graph, m, named)) is not None else random_like(m.meta) for m in values]
+
+
+def _seeds(spec: AttentionSpec, per_head: bool = False, bias: bool = False) -> dict[str, tuple[str, dict]]:
     """The seeds to build for attention without column sums, by the name they are timed and reported under: the
     seed and its own parameters. FlashAttention, and split-KV where KV is long enough to split. Decode — one row
     block of queries (the heads of a KV head packed, a few tokens each) — builds split-KV at each of
@@ -477,7 +542,8 @@ def _seeds(spec: AttentionSpec, per_head: bool = False) -> dict[str, tuple[str, 
     kernel where ``flash_decoding`` takes two). Split-KV is left out where the query rows alone fill the SMs
     (:func:`rows_fill_the_sms`: prefill). Prefill with an additive mask also builds FlashAttention with the
     mask's tile table (``flash_attention/scan``: timed against the others on the compiled call's mask).
-    ``per_head`` (:func:`per_query_head`, where no split-KV seed is built): each with a program per query head."""
+    ``per_head`` (:func:`per_query_head`, where no split-KV seed is built): each with a program per query head.
+    ``bias`` (:func:`split_bias`): no tile-table seed (its table covers one mask)."""
     seeds: dict[str, tuple[str, dict]] = {"flash_attention": ("flash_attention", {})}
     if spec.group * spec.sq <= SEED_TILE:
         bh, n_sm = spec.b * spec.hk, DeviceModel.current().sm_count
@@ -487,8 +553,8 @@ def _seeds(spec: AttentionSpec, per_head: bool = False) -> dict[str, tuple[str, 
                 "flash_attention": ("flash_attention", {})}
     if blocks(spec.skv, SPLIT_KV) > 1 and not rows_fill_the_sms(spec):
         seeds["flash_decoding"] = ("flash_decoding", {})
-    if spec.mask == "additive":     # a mask passed in: its tile table lets the launches skip what it hides (the
-        seeds["flash_attention/scan"] = ("flash_attention", {"scan_table": True})   # seed refuses under a band)
+    if spec.mask == "additive" and not bias:  # a mask passed in: its tile table lets the launches skip what it
+        seeds["flash_attention/scan"] = ("flash_attention", {"scan_table": True})   # hides (refused under a band)
     if per_head:
         seeds = {name: (seed, {**own, "q_heads": spec.h}) for name, (seed, own) in seeds.items()}
     return seeds

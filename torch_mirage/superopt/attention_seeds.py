@@ -10,7 +10,10 @@ c·tanh(x/c)`` inside the KV loop, then run the online-softmax accumulator:
 
 An additive mask arrives as one more input, (bm, hm, g·sq, skv) with bm ∈ {1, b} and hm ∈ {1, hk} (a mask the
 same for every batch row or KV head is read by every block, not copied), loaded per tile by an iterator that walks
-KV with K; the claimer turns bool masks and ``is_causal`` into that form. Both graphs are ordinary μGraphs: they verify
+KV with K; the claimer turns bool masks and ``is_causal`` into that form. ``bias = (bm, hm, br)`` adds a second one,
+(bm, hm, br, skv) with br ∈ {1, rows} (one row: broadcast over the tile's rows), loaded on every tile the loop
+visits: the terms of a mask other than its band's (BLOOM's ALiBi), where the band's term is computed from indices
+and the mask input is its stand-in (``band``'s ``index_mask``), so the two are not summed per call. Both graphs are ordinary μGraphs: they verify
 (:mod:`.verify`) and compile (:mod:`.compile`) like the library's.
 
 Where the mask's value property shows a causal / sliding-window structure, ``band = (period, offset, window)``
@@ -57,12 +60,15 @@ def _band(tb, band, q_input: int, q_dim: int, k_input: int, mask_input: int | No
                            z) + ((True,) if index else ())     # 7 fields unless index_mask: other hashes stay
 
 
-def _scores(tb, tQ, tK, scale: float, softcap: float | None, tMask, mask_fill: float = NEG_INF):
-    """``mask + softcap(scale·Q Kᵀ)``; a bool mask (the user's, read as it is) keeps the scores it holds True
-    and puts ``mask_fill`` at the others: ``where(keep, s, fill)``, which is ``s + where(keep, 0, fill)``."""
+def _scores(tb, tQ, tK, scale: float, softcap: float | None, tMask, mask_fill: float = NEG_INF, tBias=None):
+    """``mask + bias + softcap(scale·Q Kᵀ)``; a bool mask (the user's, read as it is) keeps the scores it holds
+    True and puts ``mask_fill`` at the others: ``where(keep, s, fill)``, which is ``s + where(keep, 0, fill)``.
+    ``tBias``: a second additive mask, broadcast over the tile's rows where it has one row."""
     s = tb.scalar_mul(tb.matmul(tQ, tb.transpose(tK)), value=scale)
     if softcap is not None:
         s = tb.scalar_mul(tb.tanh(tb.scalar_mul(s, value=1.0 / softcap)), value=softcap)
+    if tBias is not None:
+        s = tb.add(s, tBias)
     if tMask is None:
         return s
     return tb.where(tMask, s, value=mask_fill) if tMask.dtype == "bool" else tb.add(s, tMask)
@@ -81,11 +87,12 @@ def flash_attention(b: int, hk: int, rows: int, skv: int, d: int, *, scale: floa
                     q_blocks: int | None = None, forloop_range: int | None = None, tile: int = 64,
                     band: tuple | None = None, stats: bool = False, mask_fill: float = NEG_INF,
                     empty_rows: str = "nan", scan_table: bool = False, q_heads: int | None = None,
-                    dv: int | None = None) -> KernelGraph:
+                    dv: int | None = None, bias: tuple[int, int, int] | None = None) -> KernelGraph:
     """``softmax(mask + softcap(scale·Q Kᵀ)) V``: inputs Q (b, hk, rows, d), K (b, hk, skv, d), V (b, hk, skv, dv)
     (``dv``: V's head size where it is not Q's and K's, as in multi-head latent attention; default ``d``)
     [+ mask (bm, hm, rows, skv) when ``mask = (bm, hm)``: additive, or bool (``mask_dtype`` "bool", the scores
-    it does not keep set to ``mask_fill``)]; output (b, hk, rows, dv) [+ with ``stats`` each row's softmax max and
+    it does not keep set to ``mask_fill``)] [+ bias (bm, hm, br, skv) ``mask_dtype`` when ``bias = (bm, hm, br)``,
+    added to the scores]; output (b, hk, rows, dv) [+ with ``stats`` each row's softmax max and
     sum of exponentials, (b, hk, rows, 1) fp32: what a second pass over the scores needs]. ``empty_rows``: see
     :func:`_normalised`. ``scan_table``: kernel-level reductions first make the max and sum of each ``SCAN_TILE``
     square of an additive mask (:func:`mask_tile_table`; read once per call, not once per head and query block), whose
@@ -102,13 +109,30 @@ def flash_attention(b: int, hk: int, rows: int, skv: int, d: int, *, scale: floa
     Q = g.new_input((b, q_heads or hk, rows, d), dtype)
     K, V = g.new_input((b, hk, skv, d), dtype), g.new_input((b, hk, skv, dv or d), dtype)
     M = g.new_input((*mask, rows, skv), mask_dtype) if mask is not None else None
+    B = _bias_input(g, bias, rows, skv, mask_dtype)
     table = mask_tile_table(g, M, band) if scan_table else None
     outs = _flash_op(g, Q, K, V, M, scale=scale, softcap=softcap, q_blocks=q_blocks or blocks(rows, tile),
                      forloop_range=forloop_range or blocks(skv, tile), band=band, stats=stats, mask_fill=mask_fill,
-                     empty_rows=empty_rows, table=table)
+                     empty_rows=empty_rows, table=table, B=B)
     for t in outs:
         g.mark_output(t)
     return g.build()
+
+
+def _bias_input(g, bias: tuple | None, rows: int, skv: int, dtype: str):
+    """The bias input (bm, hm, br, skv) of ``bias = (bm, hm, br)``, br one row or ``rows``; None without one."""
+    if bias is None:
+        return None
+    bm, hm, br = bias
+    if br not in (1, rows):
+        raise ValueError(f"a bias of {br} rows over {rows} query rows (need 1 or {rows})")
+    return g.new_input((bm, hm, br, skv), dtype)
+
+
+def _bias_imap(B, head: int, batch: int, rows: int | None) -> tuple:
+    """A bias iterator's imap over grid dims (head, batch, rows): each dim the bias has (more than one entry)."""
+    bm, hm, br = B.shape[:3]
+    return (head if hm > 1 else PHI, batch if bm > 1 else PHI, rows if br > 1 and rows is not None else PHI)
 
 
 SCAN_TILE = 64        # the mask squares a scan table's entries cover: the smallest prefill tile edge
@@ -140,9 +164,9 @@ def mask_tile_table(g, M, band: tuple | None):
 
 def _flash_op(g, Q, K, V, M, *, scale: float, softcap: float | None, q_blocks: int, forloop_range: int,
               band: tuple | None, stats: bool, mask_fill: float = NEG_INF, empty_rows: str = "nan",
-              table=None) -> list:
+              table=None, B=None) -> list:
     """The FlashAttention block graph on kernel tensors Q (b, h, rows, d), K, V (b, hk, skv, d) [, M [, its scan
-    ``table``]]: grid (h, b, row blocks) — h = hk, or a multiple whose programs share KV heads —, the for-loop
+    ``table``]] [, bias ``B`` (bm, hm, br, skv)]: grid (h, b, row blocks) — h = hk, or a multiple whose programs share KV heads —, the for-loop
     over KV tiles; returns the output [and the row max / sum of exponentials]."""
     b, hk = Q.shape[:2]
     mask = M.shape[:2] if M is not None else None
@@ -155,25 +179,33 @@ def _flash_op(g, Q, K, V, M, *, scale: float, softcap: float | None, q_blocks: i
     if table is not None:       # read by the launches that scan it, never by the math
         tb.new_input(table, imap=(1 if mask[1] > 1 else PHI, 0 if mask[0] > 1 else PHI, 2), fmap=3)
         tb.forloop_scan = 4
-    m, l, o = tb.forloop_accum_online_softmax(_scores(tb, tQ, tK, scale, softcap, tM, mask_fill), tV)
+    tB = None
+    if B is not None:
+        if table is not None:
+            raise ValueError("a bias beside a scan table (the table covers one mask)")
+        tB = tb.new_input(B, imap=_bias_imap(B, 1, 0, 2), fmap=3)
+    m, l, o = tb.forloop_accum_online_softmax(_scores(tb, tQ, tK, scale, softcap, tM, mask_fill, tB), tV)
     tb.new_output(_normalised(tb, o, l, empty_rows), omap=(1, 0, 2))
     if stats:
         tb.new_output(m, omap=(1, 0, 2), dtype="float32")
         tb.new_output(l, omap=(1, 0, 2), dtype="float32")
-    return g.customized([Q, K, V] + ([M] if M is not None else []) + ([table] if table is not None else []), tb)
+    return g.customized([Q, K, V] + ([M] if M is not None else []) + ([table] if table is not None else [])
+                        + ([B] if B is not None else []), tb)
 
 
 def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float, softcap: float | None = None,
                    mask: tuple[int, int] | None = None, dtype: str = "float16", mask_dtype: str = "float32",
                    splits: int | None = None, forloop_range: int | None = None, q_blocks: int | None = None,
                    combine_q_blocks: int | None = None, tile: int = 64, band: tuple | None = None,
-                   mask_fill: float = NEG_INF, empty_rows: str = "nan", dv: int | None = None) -> KernelGraph:
+                   mask_fill: float = NEG_INF, empty_rows: str = "nan", dv: int | None = None,
+                   bias: tuple[int, int, int] | None = None) -> KernelGraph:
     """The same attention split over KV (V's head size ``dv``, default ``d``): kernel 1 saves each split's (max,
     sum, out); kernel 2 rescales each by ``exp(m_s − max_s m_s)`` and combines them. Decode (one row block,
     ``q_blocks`` 1): grid (hk, b, splits) over Q, K, V as they are, so the mask may be shared by batch rows and / or
     KV heads or given for each — an HF static-cache mask (b, 1, 1, skv) is read per batch row by every KV head.
     Several row blocks: grid (b·hk, row blocks, splits), batch and KV heads merged into one grid dim, so a mask must
-    be shared by all of them or given for each: ``mask`` (1, 1) or (b, hk)."""
+    be shared by all of them or given for each: ``mask`` (1, 1) or (b, hk); so must a ``bias`` (as
+    :func:`flash_attention`'s)."""
     masked = mask is not None
     splits = splits or blocks(skv, 4 * tile)
     forloop_range = forloop_range or blocks(skv // splits, tile)
@@ -184,35 +216,44 @@ def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float
     if masked and q_blocks > 1 and tuple(mask) not in ((1, 1), (b, hk)):
         raise ValueError(f"flash_decoding: a mask of batch/head dims {tuple(mask)} over {q_blocks} row blocks "
                          f"(need (1, 1) or {(b, hk)}, or one row block)")
+    if bias is not None and q_blocks > 1 and tuple(bias[:2]) not in ((1, 1), (b, hk)):
+        raise ValueError(f"flash_decoding: a bias of batch/head dims {tuple(bias[:2])} over {q_blocks} row blocks "
+                         f"(need (1, 1) or {(b, hk)}, or one row block)")
     g = new_kernel_graph()
     dv = dv or d
     Q, K = g.new_input((b, hk, rows, d), dtype), g.new_input((b, hk, skv, d), dtype)
     V = g.new_input((b, hk, skv, dv), dtype)
     M = g.new_input((*mask, rows, skv), mask_dtype) if masked else None
+    B = _bias_input(g, bias, rows, skv, mask_dtype)
     bh = b * hk
     if q_blocks == 1:
-        ins = [Q, K, V] + ([M] if masked else [])
+        ins = [Q, K, V] + ([M] if masked else []) + ([B] if B is not None else [])
         tb = new_threadblock_graph((hk, b, splits), forloop_range)
         _band(tb, band, 0, 2, 1, 3 if masked else None)
         tQ = tb.new_input(Q, imap=(1, 0, PHI), fmap=PHI)
         tK = tb.new_input(K, imap=(1, 0, 2), fmap=2)
         tV = tb.new_input(V, imap=(1, 0, 2), fmap=2)
         tM = tb.new_input(M, imap=(1 if mask[1] > 1 else PHI, 0 if mask[0] > 1 else PHI, 3), fmap=3) if masked else None
+        # the grid's split dim walks the keys: imap 3 (the whole rows, one split's keys each)
+        tB = tb.new_input(B, imap=_bias_imap(B, 1, 0, None)[:2] + (3,), fmap=3) if B is not None else None
         omap = (1, 0, 2)                       # (b, hk, splits·rows, ·): split s writes rows s·rows …
     else:
         Q4 = g.reshape(Q, shape=(bh, 1, rows, d))
         K3, V3 = g.reshape(K, shape=(bh, skv, d)), g.reshape(V, shape=(bh, skv, dv))
         M4 = g.reshape(M, shape=(mask[0] * mask[1], 1, rows, skv)) if masked else None
-        ins = [Q4, K3, V3] + ([M4] if masked else [])
+        B4 = g.reshape(B, shape=(bias[0] * bias[1], 1, bias[2], skv)) if B is not None else None
+        ins = [Q4, K3, V3] + ([M4] if masked else []) + ([B4] if B is not None else [])
         tb = new_threadblock_graph((bh, q_blocks, splits), forloop_range)
         _band(tb, band, 0, 2, 1, 3 if masked else None)
         tQ = tb.new_input(Q4, imap=(0, 2, PHI), fmap=PHI)
         tK = tb.new_input(K3, imap=(0, PHI, 1), fmap=1)
         tV = tb.new_input(V3, imap=(0, PHI, 1), fmap=1)
         tM = tb.new_input(M4, imap=(0 if mask[0] * mask[1] > 1 else PHI, 2, 3), fmap=3) if masked else None
+        tB = (tb.new_input(B4, imap=(0 if bias[0] * bias[1] > 1 else PHI, 2 if bias[2] > 1 else PHI, 3), fmap=3)
+              if B is not None else None)
         omap = (0, 2, 1)                       # (b·hk, splits, rows, ·)
     acc_dtype = "float32" if dtype in ("float16", "bfloat16") else dtype
-    for t in tb.forloop_accum_online_softmax(_scores(tb, tQ, tK, scale, softcap, tM, mask_fill), tV):
+    for t in tb.forloop_accum_online_softmax(_scores(tb, tQ, tK, scale, softcap, tM, mask_fill, tB), tV):
         tb.new_output(t, omap=omap, dtype=acc_dtype)
     states = g.customized(ins, tb)
     Ms, Ls, Os = (g.reshape(x, shape=(bh, splits, rows, x.shape[-1])) if q_blocks == 1 else x for x in states)

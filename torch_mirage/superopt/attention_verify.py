@@ -39,7 +39,7 @@ SMALL = dict(b=1, heads=2, group=2, sq=2, skv=16, d=8, tile=4, splits=2)   # the
 COLUMN_SQ = 8         # query positions of a column-sum plan's small instance: its column pass walks several row tiles
 # what a seed name builds: the attention seeds, and a column-sum plan (its own parameters: group, kernels, ...)
 BUILDERS = {**SEEDS, "column_sums": attention_column_sums}
-REFERENCE = "softmax(mask + softcap(scale·Q Kᵀ)) V"   # what :func:`reference` computes: its verdicts' cache key
+REFERENCE = "softmax(mask + bias + softcap(scale·Q Kᵀ)) V"   # what :func:`reference` computes: its verdicts' cache key
 
 
 def small_instance(b: int, hk: int, group: int, sq: int, skv: int, kwargs: dict, own: dict
@@ -59,6 +59,9 @@ def small_instance(b: int, hk: int, group: int, sq: int, skv: int, kwargs: dict,
     if kwargs.get("mask") is not None:
         _, hm = kwargs["mask"]             # shared over batch rows or not: one batch row here either way
         small["mask"] = (1, 1 if hm == 1 else hk_s * (group_s if per_head else 1))
+    if kwargs.get("bias") is not None:     # the same, and one row or a row per query row
+        _, hm, br = kwargs["bias"]
+        small["bias"] = (1, 1 if hm == 1 else hk_s * (group_s if per_head else 1), 1 if br == 1 else rows_s)
     if kwargs.get("band") is not None:
         period, offset, window, *flags = kwargs["band"]
         # keys a query sees: ``offset`` ahead of its position, ``window`` back; kept at the same place in the keys
@@ -86,23 +89,31 @@ def small_instance(b: int, hk: int, group: int, sq: int, skv: int, kwargs: dict,
 def reference(scale: float, softcap: float | None, mask_fill: float, columns: tuple[int, int] | None = None
               ) -> Callable:
     """The attention the seeds compute, on their inputs (Q packed per KV head, or a head per query head, each
-    group's KV head repeated): ``softmax(mask + softcap(scale·Q Kᵀ)) V`` (a bool
-    mask keeps the scores where True and puts ``mask_fill`` elsewhere); with ``columns = (group, sq)`` also the
+    group's KV head repeated): ``softmax(mask + bias + softcap(scale·Q Kᵀ)) V`` (a bool
+    mask keeps the scores where True and puts ``mask_fill`` elsewhere; ``bias``, a second additive mask of one row
+    or a row per query row, is added as it is: the verifier draws it as any float input); with ``columns = (group, sq)`` also the
     column sums of P per query head (b, hk·group, skv), as a column-sum plan outputs them."""
-    def attention(q, k, v, mask=None):
+    def per_query_head(m, h, g, rows):
+        """A (bm, hm, rows | 1, skv) mask seen as the scores' (b, hk, g, rows, skv)."""
+        return m.reshape(m.shape[0], -1, g, m.shape[2], m.shape[-1]) if m.shape[1] == h and g > 1 else m.unsqueeze(2)
+
+    def attention(q, k, v, mask=None, bias=None):
         b, h, rows, _ = q.shape
         hk, g = k.shape[1], h // k.shape[1]      # g > 1: a head per program, its group's KV head
-        if mask is not None and mask.is_floating_point():    # an fp32 mask on fp16 scores: both in fp32
-            dt = torch.promote_types(q.dtype, mask.dtype)
-            q, k, v, mask = q.to(dt), k.to(dt), v.to(dt), mask.to(dt)
+        for m in (mask, bias):
+            if m is not None and m.is_floating_point():    # an fp32 mask on fp16 scores: both in fp32
+                dt = torch.promote_types(q.dtype, m.dtype)
+                q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        mask, bias = (m.to(q.dtype) if m is not None and m.is_floating_point() else m for m in (mask, bias))
         # the group's heads as one matmul per KV head (views of the contiguous inputs, which the field test's
         # traced reference evaluates as they are), the scores then seen per query head
         s = (q.reshape(b, hk, g * rows, q.shape[-1]) @ k.transpose(-1, -2) * scale).reshape(b, hk, g, rows, -1)
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
+        if bias is not None:
+            s = s + per_query_head(bias, h, g, rows)
         if mask is not None:
-            m = mask.reshape(mask.shape[0], -1, g, rows, mask.shape[-1]) if mask.shape[1] == h and g > 1 \
-                else mask.unsqueeze(2)
+            m = per_query_head(mask, h, g, rows)
             s = torch.where(m, s, mask_fill) if mask.dtype == torch.bool else s + m
         p = torch.softmax(s, -1).reshape(b, hk, g * rows, -1)
         if columns is None:
