@@ -135,3 +135,22 @@ def test_a_bias_of_other_rows_is_refused():
     with pytest.raises(ValueError, match="bias of 3 rows"):
         flash_attention(1, 2, 8, 8, 16, scale=0.25, mask=(1, 1), dtype="float32", band=(8, 0, None, True, True),
                         bias=(1, 2, 3))
+
+
+@interp
+def test_gqa_prefill_with_a_bias_runs_a_program_per_query_head(monkeypatch):
+    """GQA prefill (a program per query head, Q and the masks read as they are): the bias (b, h, 1, skv) is read
+    per query head beside the causal term computed from indices, eager-equal."""
+    b, h, hk, sq, d = 1, 4, 2, 128, 16
+
+    def fn(q, k, v, bias):
+        k, v = (x[:, :, None].expand(b, hk, h // hk, sq, d).reshape(b, h, sq, d) for x in (k, v))
+        s = q @ k.transpose(-1, -2) * d ** -0.5 + bias + _inmask(sq, sq, None, q.dtype, q.device)
+        return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+    q, k, v = _qkv(b, h, hk, sq, sq, d, torch.float32)
+    seen = _runs(monkeypatch)
+    (region,) = _check(fn, (q, k, v, _alibi(b, h, sq, torch.float32).reshape(b, h, 1, sq)), torch.float32)
+    assert region.info.get("layout", "").startswith("a program per query head"), region.info
+    assert "loaded as a bias (1, 4, 1, 128)" in region.info["mask"], region.info
+    assert seen and all(tuple(bias.shape) == (b, h, 1, sq) for _, _, bias in seen)
