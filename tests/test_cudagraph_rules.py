@@ -379,10 +379,35 @@ def _serve(sizes, dynamic=None, mark=False, options=None, device="cpu"):
 
 def test_a_new_size_recompiles_at_most_once_by_default():
     """Default torch.compile: the first size is static; a second size gives one symbolic graph for all later
-    sizes (Dynamo's automatic dynamic shapes), never a graph per call."""
+    sizes (Dynamo's automatic dynamic shapes), never a graph per call — which mirage compiles again at each new
+    size up to ``MIRAGE_STATIC_SIZES`` (4 by default), once per size."""
     report = _serve([8, 16, 24, 8, 40, 16])
-    assert len(report.graphs) == 2
-    assert not report.graphs[0].symbolic_sizes and report.graphs[1].symbolic_sizes
+    dynamo = [g for g in report.graphs if not g.sizes_of]
+    assert len(dynamo) == 2
+    assert not dynamo[0].symbolic_sizes and dynamo[1].symbolic_sizes and dynamo[1].static_sizes == 4
+    fixed = [g for g in report.graphs if g.sizes_of]
+    # Dynamo tries its newest graph first: the repeated 8 reaches the symbolic graph, a size of its own there
+    assert [g.sizes_of.split("=")[-1] for g in fixed] == ["[16, 32]", "[24, 32]", "[8, 32]", "[40, 32]"], str(report)
+    assert not any(g.symbolic_sizes for g in fixed)
+
+
+def test_a_symbolic_graph_is_compiled_again_at_its_first_sizes_only(caplog):
+    """``static_sizes=2``: the symbolic graph's first two sizes get static compiles of their own (mirage's
+    regions in them, as in the first size's static graph), each compiled once; the third size runs the symbolic
+    graph, said in one log line; every result eager-equal (``_serve``)."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="torch_mirage"):
+        report = _serve([8, 16, 24, 16, 40, 24, 48], options={"static_sizes": 2, "min_region_us": 0,
+                                                              "log_level": "INFO"})
+    fixed = [g for g in report.graphs if g.sizes_of]
+    assert len(fixed) == 2 and "[16, 32]" in fixed[0].sizes_of and "[24, 32]" in fixed[1].sizes_of, str(report)
+    first = report.graphs[0]
+    assert [r.compiled_by for r in fixed[0].regions] == [r.compiled_by for r in first.regions], str(report)
+    assert "compiled with graph 1's" in str(report) and "first 2 input sizes" in str(report)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("met more than 2 sizes" in m for m in lines) == 1, lines
+    assert sum("compiled again at" in m for m in lines) == 2, lines
 
 
 @pytest.mark.gpu
@@ -400,7 +425,7 @@ def test_a_symbolic_graph_is_captured_once_per_size_on_gpu(monkeypatch):
                         lambda self, args: captured.append([tuple(a.shape) for a in args if        # not the weight
                                                             isinstance(a, torch.Tensor) and not a.requires_grad])
                         or capture(self, args))
-    report = _serve([8, 16, 24, 16, 40, 24, 8], device="cuda")
+    report = _serve([8, 16, 24, 16, 40, 24, 8], device="cuda", options={"static_sizes": 0})
     assert len(report.graphs) == 2 and report.graphs[1].symbolic_sizes
     assert all(g.cuda_graph for g in report.graphs), [g.cuda_graph_reason for g in report.graphs]
     rows = [n for shapes in captured for n, _ in shapes]
@@ -417,7 +442,7 @@ def test_mark_dynamic_runs_correctly_with_one_log_line(caplog):
     import logging
 
     with caplog.at_level(logging.INFO, logger="torch_mirage"):
-        report = _serve([8, 13, 21], mark=True, options={"log_level": "INFO"})
+        report = _serve([8, 13, 21], mark=True, options={"log_level": "INFO", "static_sizes": 0})
     assert len(report.graphs) == 1
     lines = [r.getMessage() for r in caplog.records if "symbolic sizes" in r.getMessage()]
     assert len(lines) == 1, lines

@@ -20,7 +20,7 @@ from torch._dynamo.backends.common import aot_autograd
 from . import config as config_mod
 from . import failures
 from .cache import DiskCache, cache_key
-from .capture.host_scalars import split_host_scalars
+from .capture.host_scalars import split_host_scalars, symbolic_positions
 from .partition.region import Claimer, Reason
 from .failures import Failure
 from .context import CompileContext
@@ -28,6 +28,7 @@ from .pipeline import WholeGraphToInductor, compile_graph, wrap_cuda_graph
 from .report import GraphReport, RegionReport, Report
 from .runtime.assemble import inductor_configs
 from .runtime.choose import FasterOf, writes_in_place
+from .runtime.static_sizes import StaticSizes, size_key
 from .tune import cached_choice
 
 log = logging.getLogger("torch_mirage")
@@ -102,7 +103,7 @@ class MirageBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         host = split_host_scalars(gm, example_inputs)
         if host is None:
-            return self._compile(gm, example_inputs, **kwargs)
+            return self._compile_sized(gm, example_inputs, **kwargs)
         first_graph = len(self.report.graphs)
         compiled = self._compile(host.static_graph, host.static_inputs(example_inputs), **kwargs)
         for graph in self.report.graphs[first_graph:]:
@@ -111,14 +112,52 @@ class MirageBackend:
                  "call around the graph, which compiled with static shapes", ", ".join(host.names))
         return host.around(compiled)
 
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        """The Dynamo graph (static, or symbolic where Dynamo made it so) through AOTAutograd and the pipeline."""
+    def _config(self, kwargs: dict) -> config_mod.Config:
+        """The configuration of a compile: the environment, this backend's options, then torch.compile's."""
         options = dict(self.options)
         options.update(kwargs.get("options") or {})
         if kwargs.get("mode") not in (None, "default"):
             raise ValueError(f"torch_mirage: mode={kwargs['mode']!r} is not supported; use options={{...}} "
                              f"(known keys: {[f for f in config_mod.Config.__dataclass_fields__]})")
-        cfg = config_mod.load(options)
+        return config_mod.load(options)
+
+    def _compile_sized(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        """:meth:`_compile`; an inference graph of symbolic sizes is then compiled again at each of its first
+        ``static_sizes`` sizes with those sizes fixed (:class:`~torch_mirage.runtime.static_sizes.StaticSizes`)."""
+        positions = symbolic_positions(gm, example_inputs)
+        first = len(self.report.graphs)
+        compiled = self._compile(gm, example_inputs, **kwargs)
+        cfg, graphs = self._config(kwargs), self.report.graphs[first:]
+        if not positions or cfg.static_sizes == 0 or not graphs or any(g.kind != "inference" for g in graphs):
+            return compiled
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        index = graphs[0].index
+        for g in graphs:
+            g.static_sizes = cfg.static_sizes
+
+        def describe(key: tuple) -> str:
+            return f"graph {index}'s " + ", ".join(
+                f"{names[i] if i < len(names) else i}={list(v[:len(v) // 2]) if isinstance(v, tuple) else v}"
+                for i, v in zip(positions, key))
+
+        def compile_at(args: list) -> Any:
+            from torch._guards import TracingContext, tracing
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            start = len(self.report.graphs)
+            # a context of its own, as Dynamo gives each compile (Inductor's compiles and AOTAutograd's static
+            # inputs read it); the call's tensors have concrete sizes, so the compile is static
+            with tracing(TracingContext(FakeTensorMode())):
+                fn = self._compile(gm, args, **kwargs)
+            for g in self.report.graphs[start:]:
+                g.sizes_of = describe(size_key(args, positions))
+            return fn
+        return StaticSizes(compile_at, compiled, positions, cfg.static_sizes, describe, cfg.strict)
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        """The Dynamo graph (static, or symbolic where Dynamo made it so) through AOTAutograd and the pipeline."""
+        cfg = self._config(kwargs)
+        options = {**self.options, **(kwargs.get("options") or {})}
         _configure_logging(cfg.log_level, explicit=bool({"log_level", "mirage.log_level"} & set(options))
                            or config_mod.env_name("log_level") in os.environ)
         cache = self._cache = DiskCache(cfg.cache_dir) if cfg.cache else None

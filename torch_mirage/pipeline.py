@@ -374,7 +374,7 @@ def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence
 
         if report.symbolic_sizes:
             _log_symbolic(report, f"in a CUDA graph per input size (up to {config.cuda_graph_sizes}, "
-                                  "MIRAGE_CUDA_GRAPH_SIZES)")
+                                  "MIRAGE_CUDA_GRAPH_SIZES)", config)
             runner = SizedCudaGraphs(fn, static_input_indices, config.cuda_graph_sizes, on_disable,
                                      mutated_input_indices)
         else:
@@ -384,20 +384,23 @@ def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence
     else:
         report.cuda_graph_reason = blocker
     if report.symbolic_sizes:
-        _log_symbolic(report, f"without a CUDA graph ({report.cuda_graph_reason})")
+        _log_symbolic(report, f"without a CUDA graph ({report.cuda_graph_reason})", config)
         return fn
     log.debug("torch_mirage: %s graph %d runs without a CUDA graph: %s", report.kind, report.index,
               report.cuda_graph_reason)
     return fn
 
 
-def _log_symbolic(report: GraphReport, how: str) -> None:
+def _log_symbolic(report: GraphReport, how: str, config: Config) -> None:
     """The one line a serving user sees for a graph of symbolic sizes: what runs it, how, and the way to mirage's
     own kernels at each size."""
     ran = ("mirage's static parts and Inductor" if any(r.compiled_by == "mirage" for r in report.regions)
            else "Inductor")
-    log.info("torch_mirage: %s graph %d has symbolic sizes: %s runs it, %s; compile with dynamic=False for "
-             "mirage's kernels at each size (one static graph per size)", report.kind, report.index, ran, how)
+    fixed = (f"its first {config.static_sizes} sizes are compiled again with the sizes fixed, mirage's kernels "
+             "there (MIRAGE_STATIC_SIZES)" if report.kind == "inference" and config.static_sizes else
+             "compile with dynamic=False for mirage's kernels at each size (one static graph per size)")
+    log.info("torch_mirage: %s graph %d has symbolic sizes: %s runs it, %s; %s", report.kind, report.index, ran, how,
+             fixed)
 
 
 def _boxed(fn: Any) -> Any:

@@ -98,6 +98,8 @@ class GraphReport:
     prelude: str = ""                    # the input-only ops run first as one Inductor graph (MIRAGE_PRELUDE)
     host_scalars: tuple[str, ...] = ()   # symbolic scalar inputs computed on the host around the graph (host_scalars)
     symbolic_sizes: bool = False         # its inputs have symbolic sizes: captured once per size (SizedCudaGraphs)
+    static_sizes: int = 0                # of symbolic sizes: compiled again at its first this many sizes (StaticSizes)
+    sizes_of: str = ""                   # such a compile: the symbolic graph and the sizes it fixed
     stage_times_ms: dict[str, float] = field(default_factory=dict)
     # how far each stage raised the process's peak of allocated GPU memory (MiB; only where CUDA was in use):
     # a compile whose tuning or timing holds more than the model's own memory shows here, stage by stage
@@ -122,6 +124,11 @@ class GraphReport:
                            for k, v in self.stage_times_ms.items())
         lines = [f"graph {self.index} [{self.kind}]: {self.num_nodes} ATen nodes, {len(self.regions)} regions, "
                  f"CUDA graph: {cg}", f"  stages: {stages}"]
+        if self.sizes_of:
+            lines.append(f"  compiled with {self.sizes_of} fixed (MIRAGE_STATIC_SIZES)")
+        if self.static_sizes:
+            lines.append(f"  symbolic sizes: compiled again with its sizes fixed at each of its first {self.static_sizes}"
+                         " input sizes (MIRAGE_STATIC_SIZES); later sizes run this graph")
         if self.whole_graph_to_inductor:
             lines.append("  no mirage region: the whole graph went to Inductor's own compile_fx")
         if self.mutated_inputs:

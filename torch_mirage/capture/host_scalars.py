@@ -61,6 +61,17 @@ def has_symbolic_size(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride()))
 
 
+def symbolic_positions(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[int, ...]:
+    """The inputs of Dynamo graph ``gm`` that carry its symbolic sizes: SymInt (and other symbolic scalar) inputs,
+    and tensors whose placeholder's example value has a symbolic size or stride (Dynamo's example inputs are real
+    tensors)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return tuple(i for i, x in enumerate(example_inputs) if isinstance(x, SYMBOLIC) or has_symbolic_size(x))
+    return tuple(i for i, (x, n) in enumerate(zip(example_inputs, placeholders))
+                 if isinstance(x, SYMBOLIC) or has_symbolic_size(x) or has_symbolic_size(n.meta.get("example_value")))
+
+
 def split_host_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> HostScalars | None:
     """The host-only symbolic scalars of ``gm`` split off (``gm`` itself unchanged), or None where there are none
     or a symbolic value reaches the device."""

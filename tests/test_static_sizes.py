@@ -1,0 +1,94 @@
+"""A graph of symbolic sizes compiled again at each concrete size (``MIRAGE_STATIC_SIZES``, issue 18's serving
+case): the wrapper's own rules, and an HF model served at two prompt lengths under torch.compile's default
+``dynamic=None`` with mirage's kernels at both."""
+import logging
+import os
+
+import pytest
+import torch
+
+from torch_mirage.runtime.static_sizes import StaticSizes, size_key
+
+
+def _wrapper(limit=2, fail_at=()):
+    compiled = []
+
+    def compile_at(args):
+        if args[1] in fail_at:
+            raise RuntimeError(f"no kernel at {args[1]}")
+        compiled.append(args[1])
+        return lambda x, n: ("static", n)
+    return StaticSizes(compile_at, lambda x, n: ("symbolic", n), positions=(1,), limit=limit), compiled
+
+
+def test_each_size_is_compiled_once_up_to_the_limit():
+    run, compiled = _wrapper(limit=2)
+    x = torch.zeros(2)
+    assert [run(x, n)[0] for n in (3, 5, 3, 7, 5, 7)] == ["static", "static", "static", "symbolic", "static",
+                                                          "symbolic"]
+    assert compiled == [3, 5]
+
+
+def test_a_failed_static_compile_runs_the_symbolic_graph_and_is_not_retried(caplog):
+    run, compiled = _wrapper(limit=4, fail_at=(5,))
+    x = torch.zeros(2)
+    with caplog.at_level(logging.WARNING, logger="torch_mirage"):
+        assert [run(x, n)[0] for n in (5, 5, 3)] == ["symbolic", "symbolic", "static"]
+    assert compiled == [3]
+    assert sum("no kernel at 5" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_strict_raises_the_failed_compile():
+    compile_at = lambda args: (_ for _ in ()).throw(RuntimeError("boom"))    # noqa: E731
+    run = StaticSizes(compile_at, lambda *a: None, positions=(0,), limit=1, strict=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        run(4)
+
+
+def test_a_call_that_records_gradients_runs_the_symbolic_graph():
+    run, compiled = _wrapper()
+    w = torch.zeros(2, requires_grad=True)
+    assert run(w, 3)[0] == "symbolic" and compiled == []
+    with torch.no_grad():
+        assert run(w, 3)[0] == "static" and compiled == [3]
+
+
+def test_the_size_key_reads_scalars_shapes_and_strides():
+    x = torch.zeros(4, 6)
+    assert size_key([x, 7, x.t()], (1, 2)) == (7, (6, 4, 1, 6))
+    assert size_key([x], (0,)) != size_key([torch.zeros(6, 4).t()], (0,))
+
+
+@pytest.mark.slow   # ~25 s on a 2-core CPU: three compiles of the model
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+def test_an_hf_model_served_at_two_prompt_lengths_runs_mirage_at_both():
+    """Tiny Llama, torch.compile's default ``dynamic=None``: the second prompt length makes Dynamo's graph
+    symbolic; mirage compiles it again at that length (once: the length's second prompt reuses it), claiming there
+    what it claims in the first length's static graph; logits equal eager's at each call."""
+    pytest.importorskip("transformers")
+    import torch_mirage
+    from torch_mirage.bench import models as M
+    from torch_mirage.report import Report
+
+    model = M.build(M.MODELS["llama"], "default", torch.float32, "cpu", tiny=True)
+    report = Report()
+    prompts = [torch.randint(1, model.config.vocab_size, (2, n)) for n in (12, 20, 20)]
+    with torch.no_grad():
+        expected = [model(ids).logits for ids in prompts]
+        forward = model.forward
+        model.forward = torch.compile(forward, backend=torch_mirage.MirageBackend(
+            options={"min_region_us": 0}, report=report), dynamic=None)
+        try:
+            got = [model(ids).logits for ids in prompts]
+        finally:
+            model.forward = forward
+            torch._dynamo.reset()
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    symbolic = [g for g in report.graphs if g.symbolic_sizes]
+    fixed = [g for g in report.graphs if g.sizes_of]
+    assert len(symbolic) == 1 and len(fixed) == 1 and "20" in fixed[0].sizes_of, str(report)
+    assert not any(r.compiled_by == "mirage" for r in symbolic[0].regions)      # nothing of symbolic size
+    ours = [sum(r.compiled_by == "mirage" for r in g.regions) for g in (report.graphs[0], fixed[0])]
+    assert ours[0] > 0 and ours[1] == ours[0], str(report)
