@@ -55,6 +55,25 @@ def test_bloom_alibi_attention_is_claimed_and_equals_eager():
                r.info["mask"] for r in regions), str(report)
 
 
+def test_attention_is_claimed_where_the_cache_keeps_k_and_v():
+    """``model(ids)`` as users call it: transformers' DynamicCache keeps each layer's K and V, so the contiguous
+    copies SDPA reads leave the graph; the attention region reads them as SDPA gets them (it once followed them back
+    to the projections and then dropped the region because the copies leave). Logits eager-equal."""
+    import torch_mirage
+
+    model = M.build(M.MODELS["llama"], "default", torch.float32, "cpu", tiny=True)
+    ids, report = _ids(model.config.vocab_size), Report()
+    with torch.no_grad():
+        expected = model(ids).logits
+        compiled = torch.compile(model.forward, backend=torch_mirage.MirageBackend(
+            options={"min_region_us": 0}, report=report), dynamic=False)
+        got = compiled(ids).logits
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    regions = [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
+    assert len(regions) == model.config.num_hidden_layers, str(report)
+
+
 @pytest.mark.parametrize("name,attn", [("llama", "default"), ("gemma2", "eager"), ("gpt2", "default")])
 def test_causal_band_is_read_off_the_masks_transformers_builds(name, attn):
     """The causal masks transformers builds for a prompt (its positions gathered per query and key, ANDed with a

@@ -849,9 +849,11 @@ def _bool_behind(mask: Value) -> tuple[Value, str, float, list[Node]] | None:
     return n.args[0], kind, fill, builders
 
 
-def _sdpa_at(node: Node, values: dict | None, read_bool: bool = True) -> AttentionSpec | None:
+def _sdpa_at(node: Node, values: dict | None, read_bool: bool = True, unrepeat: bool = True) -> AttentionSpec | None:
     """The attention of an SDPA ATen op (its first output; the others must be unread). ``read_bool``: a mask
-    traced from a bool one is read as that bool (:func:`_bool_behind`), else as the additive mask it is."""
+    traced from a bool one is read as that bool (:func:`_bool_behind`), else as the additive mask it is.
+    ``unrepeat``: K and V are followed back through the ops that repeat (or copy) their heads, which join the
+    region; else read as the op gets them."""
     names = SDPA_TARGETS.get(node.target_name)
     if names is None:
         return None
@@ -865,7 +867,7 @@ def _sdpa_at(node: Node, values: dict | None, read_bool: bool = True) -> Attenti
     if any(o.users for o in node.outputs[1:]):
         return None
     repeats: list[Node] = []        # HF's repeat_kv before SDPA (with a mask it does not pass enable_gqa): read
-    k0, v0 = _unrepeat(k, repeats), _unrepeat(v, repeats)      # the KV heads themselves, no copy per query head
+    k0, v0 = (_unrepeat(k, repeats), _unrepeat(v, repeats)) if unrepeat else (k, v)   # the KV heads themselves
     if k0 is k or v0 is v or _shape(k0)[:3] != _shape(v0)[:3]:
         k0, v0, repeats = k, v, []
     b, h, sq, d = _shape(q)
@@ -946,9 +948,21 @@ def find_attention(graph: Graph, nodes: Sequence[Node] | None = None,
 def _region_at(n: Node, values, read_bool: bool, graph: Graph, allowed: set, taken: set, outputs: set
                ) -> AttentionSpec | None:
     """:func:`find_attention`'s attention at ``n`` with its column reductions, where all its nodes are free and
-    none of its inner values is read outside; else None."""
+    none of its inner values is read outside; else None. An SDPA op whose K / V copies leave the region (a cache
+    keeps the contiguous K and V that HF's ``repeat_kv`` or a ``contiguous`` made: transformers' DynamicCache) is
+    read again with K and V as it gets them."""
+    sdpa = n.target_name in SDPA_TARGETS
+    for unrepeat in (True, False) if sdpa else (True,):
+        spec = _region_once(n, values, read_bool, graph, allowed, taken, outputs, unrepeat)
+        if spec is not None or not sdpa:
+            return spec
+    return None
+
+
+def _region_once(n: Node, values, read_bool: bool, graph: Graph, allowed: set, taken: set, outputs: set,
+                 unrepeat: bool) -> AttentionSpec | None:
     try:
-        spec = _sdpa_at(n, values, read_bool) if n.target_name in SDPA_TARGETS else (
+        spec = _sdpa_at(n, values, read_bool, unrepeat) if n.target_name in SDPA_TARGETS else (
             _eager_at(n, values) if n.op.name == "matmul" else None)
     except (AttributeError, IndexError, TypeError, ValueError):   # a shape this analysis does not read
         spec = None

@@ -7,8 +7,8 @@ graph ran Inductor's kernels only — a serving user lost mirage's prefill from 
 values of the graph's symbolic inputs: scalars, and the shapes and strides of tensors of symbolic size) the Dynamo
 graph is compiled once more on the call's own inputs, whose sizes are concrete — the whole pipeline: mirage's
 kernels, the timing against Inductor, the CUDA graph — and that compile serves the size from then on. A size whose
-static compile fails runs the symbolic graph (logged once). Only calls without autograd are compiled again (a call
-that records gradients runs the symbolic graph)."""
+static compile fails runs the symbolic graph (logged once). Only calls without autograd, outside a caller's
+CUDA-graph capture, are compiled again (others run the symbolic graph)."""
 from __future__ import annotations
 
 import logging
@@ -53,6 +53,8 @@ class StaticSizes:
         if key in self.failed or (torch.is_grad_enabled() and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
             return self.symbolic
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return self.symbolic      # inside the caller's CUDA-graph capture: no compile (its timing) there
         if len(self.compiled) >= self.limit:
             if not self._said_full:
                 self._said_full = True

@@ -478,7 +478,7 @@ def _example_inputs(spec: AttentionSpec, graph: Graph, by_index: bool = False, b
     build); ``bias`` (:func:`split_bias`): the mask term alone, then the bias terms' sum."""
     ex = _examples(spec, graph, by_index, bool_mask, per_head, observed, bias)[0]
     if bias:
-        terms = _term_examples(spec, graph, spec.bias_terms, observed)
+        terms = _term_examples(graph, spec.bias_terms, observed)
         ex.append(spec.combine_mask(terms, spec.bias_terms).to(mask_dtype(spec)))
     return ex
 
@@ -515,17 +515,17 @@ def _example_mask(spec: AttentionSpec, graph: Graph, device: torch.device, by_in
     example_mask = None
     if spec.mask_value is not None:
         if bias:
-            example_mask = spec.combine_mask(_term_examples(spec, graph, [spec.mask_term], observed),
+            example_mask = spec.combine_mask(_term_examples(graph, [spec.mask_term], observed),
                                              [spec.mask_term])
         else:
-            terms = _term_examples(spec, graph, spec.mask_terms or [spec.mask_value], observed)
+            terms = _term_examples(graph, spec.mask_terms or [spec.mask_value], observed)
             example_mask = spec.combine_mask(terms) if spec.mask_terms else terms[0]
     packed = packed_mask(spec, example_mask, device, bool_mask, per_head).to(mask_dtype(spec, bool_mask))
     causal = packed.clamp_min(MASK_FLOOR).contiguous() if spec.mask == "causal" else None
     return packed, tuple(packed.shape[:2]), causal
 
 
-def _term_examples(spec: AttentionSpec, graph: Graph, terms: Sequence, observed: dict | None) -> list:
+def _term_examples(graph: Graph, terms: Sequence, observed: dict | None) -> list:
     """Example tensors of mask ``terms`` (MaskTerms, or Values): a term the graph computes from constants (or from
     the compile's ``observed`` inputs) with its real contents, else random."""
     named = {graph.inputs[i].name: t for i, t in (observed or {}).items() if i < len(graph.inputs)}
