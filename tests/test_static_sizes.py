@@ -21,19 +21,27 @@ def _wrapper(limit=2, fail_at=()):
     return StaticSizes(compile_at, lambda x, n: ("symbolic", n), positions=(1,), limit=limit), compiled
 
 
-def test_each_size_is_compiled_once_up_to_the_limit():
+def test_a_size_that_comes_back_is_compiled_once_up_to_the_limit():
+    """A size's first call runs the symbolic graph (a size met once — a growing KV cache's — is never compiled);
+    its second compiles it; the first ``limit`` sizes that come back are compiled, later ones are not."""
     run, compiled = _wrapper(limit=2)
     x = torch.zeros(2)
-    assert [run(x, n)[0] for n in (3, 5, 3, 7, 5, 7)] == ["static", "static", "static", "symbolic", "static",
-                                                          "symbolic"]
+    assert [run(x, n)[0] for n in (3, 5, 3, 7, 5, 3, 9, 7, 7)] == [
+        "symbolic", "symbolic", "static", "symbolic", "static", "static", "symbolic", "symbolic", "symbolic"]
     assert compiled == [3, 5]
+
+
+def test_a_growing_size_is_never_compiled():
+    run, compiled = _wrapper(limit=4)
+    assert all(run(torch.zeros(2), n)[0] == "symbolic" for n in range(10, 40))
+    assert compiled == []
 
 
 def test_a_failed_static_compile_runs_the_symbolic_graph_and_is_not_retried(caplog):
     run, compiled = _wrapper(limit=4, fail_at=(5,))
     x = torch.zeros(2)
     with caplog.at_level(logging.WARNING, logger="torch_mirage"):
-        assert [run(x, n)[0] for n in (5, 5, 3)] == ["symbolic", "symbolic", "static"]
+        assert [run(x, n)[0] for n in (5, 5, 5, 3, 3)] == ["symbolic"] * 4 + ["static"]
     assert compiled == [3]
     assert sum("no kernel at 5" in r.getMessage() for r in caplog.records) == 1
 
@@ -41,6 +49,7 @@ def test_a_failed_static_compile_runs_the_symbolic_graph_and_is_not_retried(capl
 def test_strict_raises_the_failed_compile():
     compile_at = lambda args: (_ for _ in ()).throw(RuntimeError("boom"))    # noqa: E731
     run = StaticSizes(compile_at, lambda *a: None, positions=(0,), limit=1, strict=True)
+    run(4)
     with pytest.raises(RuntimeError, match="boom"):
         run(4)
 
@@ -50,7 +59,7 @@ def test_a_call_that_records_gradients_runs_the_symbolic_graph():
     w = torch.zeros(2, requires_grad=True)
     assert run(w, 3)[0] == "symbolic" and compiled == []
     with torch.no_grad():
-        assert run(w, 3)[0] == "static" and compiled == [3]
+        assert [run(w, 3)[0] for _ in range(2)] == ["symbolic", "static"] and compiled == [3]
 
 
 def test_the_size_key_reads_scalars_shapes_and_strides():
@@ -64,8 +73,8 @@ def test_the_size_key_reads_scalars_shapes_and_strides():
                     reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
 def test_an_hf_model_served_at_two_prompt_lengths_runs_mirage_at_both():
     """Tiny Llama, torch.compile's default ``dynamic=None``: the second prompt length makes Dynamo's graph
-    symbolic; mirage compiles it again at that length (once: the length's second prompt reuses it), claiming there
-    what it claims in the first length's static graph; logits equal eager's at each call."""
+    symbolic; mirage compiles it again at that length when it comes back (its second prompt), claiming there what
+    it claims in the first length's static graph; logits equal eager's at each call."""
     pytest.importorskip("transformers")
     import torch_mirage
     from torch_mirage.bench import models as M

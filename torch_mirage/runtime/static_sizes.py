@@ -3,10 +3,13 @@
 Under torch.compile's default ``dynamic=None`` a second prompt length makes Dynamo recompile into one graph of
 symbolic sizes. Mirage claims nothing whose sizes are symbolic (its μGraphs are built for fixed shapes), so that
 graph ran Inductor's kernels only — a serving user lost mirage's prefill from the second prompt length on.
-:class:`StaticSizes` keeps the symbolic compile for what lies past its limit; at each new size before it (the
-values of the graph's symbolic inputs: scalars, and the shapes and strides of tensors of symbolic size) the Dynamo
-graph is compiled once more on the call's own inputs, whose sizes are concrete — the whole pipeline: mirage's
-kernels, the timing against Inductor, the CUDA graph — and that compile serves the size from then on. A size whose
+:class:`StaticSizes` keeps the symbolic compile for sizes met once and for what lies past its limit; a size (the
+values of the graph's symbolic inputs: scalars, and the shapes and strides of tensors of symbolic size) that comes
+back — :data:`CALLS_BEFORE_COMPILE` calls — gets the Dynamo graph compiled once more on that call's own inputs,
+whose sizes are concrete — the whole pipeline: mirage's kernels, the timing against Inductor, the CUDA graph — and
+that compile serves the size from then on. A size met once runs the symbolic graph: a KV cache that grows by a
+token per decode step (transformers' DynamicCache) never meets a size twice, and compiling each step would cost
+seconds a step for nothing. A size whose
 static compile fails runs the symbolic graph (logged once). Only calls without autograd, outside a caller's
 CUDA-graph capture, are compiled again (others run the symbolic graph)."""
 from __future__ import annotations
@@ -19,6 +22,9 @@ import torch
 
 log = logging.getLogger("torch_mirage")
 
+CALLS_BEFORE_COMPILE = 2   # a size's call at which its static compile is made: sizes that come back
+SEEN_SIZES = 4096          # sizes whose calls are counted (a longer history is forgotten and counted again)
+
 
 def size_key(args: Sequence[Any], positions: Sequence[int]) -> tuple:
     """The size of a call: each symbolic input's value — an int, or a tensor's shape and strides."""
@@ -28,7 +34,7 @@ def size_key(args: Sequence[Any], positions: Sequence[int]) -> tuple:
 
 class StaticSizes:
     """``symbolic`` (the compiled graph of symbolic sizes) with each of the first ``limit`` sizes it is called at
-    served by ``compile_at(args)``: a static compile of the same graph on a call's inputs. ``positions``: the
+    again served by ``compile_at(args)``: a static compile of the same graph on a call's inputs. ``positions``: the
     inputs that carry the sizes (:func:`size_key`); ``describe(key)``: the size in words, for the log;
     ``strict``: a failed static compile raises instead of running the symbolic graph."""
 
@@ -38,6 +44,7 @@ class StaticSizes:
         self.positions, self.limit, self.describe, self.strict = tuple(positions), limit, describe, strict
         self.compiled: dict[tuple, Callable] = {}
         self.failed: set[tuple] = set()
+        self.calls: dict[tuple, int] = {}        # calls of each size not compiled
         self._said_full = False
 
     def __call__(self, *args: Any) -> Any:
@@ -48,18 +55,24 @@ class StaticSizes:
         return fn(*args)          # Dynamo's calling convention: a backend's compile takes its inputs unboxed
 
     def _compile(self, key: tuple, args: Sequence[Any]) -> Callable:
-        """The static compile for ``key``, or the symbolic graph where none is made (past the limit, a failed
-        compile, a call that records gradients)."""
+        """The static compile for ``key``, or the symbolic graph where none is made (a size met once, past the
+        limit, a failed compile, a call that records gradients)."""
         if key in self.failed or (torch.is_grad_enabled() and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
             return self.symbolic
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return self.symbolic      # inside the caller's CUDA-graph capture: no compile (its timing) there
+        if len(self.calls) >= SEEN_SIZES:
+            self.calls.clear()
+        self.calls[key] = calls = self.calls.get(key, 0) + 1
+        if calls < CALLS_BEFORE_COMPILE:
+            return self.symbolic
         if len(self.compiled) >= self.limit:
             if not self._said_full:
                 self._said_full = True
-                log.info("torch_mirage: a graph of symbolic sizes met more than %d sizes (MIRAGE_STATIC_SIZES): %s "
-                         "and later new sizes run the symbolic graph", self.limit, self.describe(key))
+                log.info("torch_mirage: a graph of symbolic sizes met more than %d sizes that came back "
+                         "(MIRAGE_STATIC_SIZES): %s and later new sizes run the symbolic graph", self.limit,
+                         self.describe(key))
             return self.symbolic
         start = time.perf_counter()
         try:
@@ -72,6 +85,7 @@ class StaticSizes:
                         "that size runs the symbolic graph", self.describe(key), type(e).__name__, e)
             return self.symbolic
         self.compiled[key] = fn
+        self.calls.pop(key, None)
         log.info("torch_mirage: graph of symbolic sizes compiled again at %s in %.1f s (%d of MIRAGE_STATIC_SIZES=%d)",
                  self.describe(key), time.perf_counter() - start, len(self.compiled), self.limit)
         return fn
