@@ -101,3 +101,16 @@ def test_an_hf_model_served_at_two_prompt_lengths_runs_mirage_at_both():
     assert not any(r.compiled_by == "mirage" for r in symbolic[0].regions)      # nothing of symbolic size
     ours = [sum(r.compiled_by == "mirage" for r in g.regions) for g in (report.graphs[0], fixed[0])]
     assert ours[0] > 0 and ours[1] == ours[0], str(report)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_static_compiles_run_in_cuda_graphs_on_gpu():
+    """On the GPU each static compile of a size that came back runs in a CUDA graph of its own, its results
+    eager-equal and none overwritten by a later call (``_serve``)."""
+    from test_cudagraph_rules import _serve
+
+    report = _serve([8, 16, 16, 24, 24, 16, 40], device="cuda", options={"min_region_us": 0})
+    fixed = [g for g in report.graphs if g.sizes_of]
+    assert len(fixed) == 2 and all(g.cuda_graph for g in fixed), str(report)
+    assert any(r.compiled_by == "mirage" for g in fixed for r in g.regions), str(report)
