@@ -112,18 +112,22 @@ class MirageBackend:
                  "call around the graph, which compiled with static shapes", ", ".join(host.names))
         return host.around(compiled)
 
+    def _options(self, kwargs: dict) -> dict:
+        """A compile's options: this backend's, then torch.compile's ``options=``."""
+        return {**self.options, **(kwargs.get("options") or {})}
+
     def _config(self, kwargs: dict) -> config_mod.Config:
-        """The configuration of a compile: the environment, this backend's options, then torch.compile's."""
-        options = dict(self.options)
-        options.update(kwargs.get("options") or {})
+        """The configuration of a compile: the environment, then :meth:`_options`."""
+        options = self._options(kwargs)
         if kwargs.get("mode") not in (None, "default"):
             raise ValueError(f"torch_mirage: mode={kwargs['mode']!r} is not supported; use options={{...}} "
                              f"(known keys: {[f for f in config_mod.Config.__dataclass_fields__]})")
         return config_mod.load(options)
 
     def _compile_sized(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        """:meth:`_compile`; an inference graph of symbolic sizes is then compiled again at each of its first
-        ``static_sizes`` sizes with those sizes fixed (:class:`~torch_mirage.runtime.static_sizes.StaticSizes`)."""
+        """:meth:`_compile`; an inference graph of symbolic sizes is then compiled again with its sizes fixed at each
+        size that comes back, up to ``static_sizes`` of them
+        (:class:`~torch_mirage.runtime.static_sizes.StaticSizes`)."""
         positions = symbolic_positions(gm, example_inputs)
         first = len(self.report.graphs)
         compiled = self._compile(gm, example_inputs, **kwargs)
@@ -157,8 +161,7 @@ class MirageBackend:
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         """The Dynamo graph (static, or symbolic where Dynamo made it so) through AOTAutograd and the pipeline."""
         cfg = self._config(kwargs)
-        options = {**self.options, **(kwargs.get("options") or {})}
-        _configure_logging(cfg.log_level, explicit=bool({"log_level", "mirage.log_level"} & set(options))
+        _configure_logging(cfg.log_level, explicit=bool({"log_level", "mirage.log_level"} & set(self._options(kwargs)))
                            or config_mod.env_name("log_level") in os.environ)
         cache = self._cache = DiskCache(cfg.cache_dir) if cfg.cache else None
 

@@ -396,8 +396,8 @@ def _log_symbolic(report: GraphReport, how: str, config: Config) -> None:
     own kernels at each size."""
     ran = ("mirage's static parts and Inductor" if any(r.compiled_by == "mirage" for r in report.regions)
            else "Inductor")
-    fixed = (f"its first {config.static_sizes} sizes are compiled again with the sizes fixed, mirage's kernels "
-             "there (MIRAGE_STATIC_SIZES)" if report.kind == "inference" and config.static_sizes else
+    fixed = (f"sizes that come back (up to {config.static_sizes}) are compiled again with the sizes fixed, "
+             "mirage's kernels there (MIRAGE_STATIC_SIZES)" if report.kind == "inference" and config.static_sizes else
              "compile with dynamic=False for mirage's kernels at each size (one static graph per size)")
     log.info("torch_mirage: %s graph %d has symbolic sizes: %s runs it, %s; %s", report.kind, report.index, ran, how,
              fixed)

@@ -127,8 +127,8 @@ class GraphReport:
         if self.sizes_of:
             lines.append(f"  compiled with {self.sizes_of} fixed (MIRAGE_STATIC_SIZES)")
         if self.static_sizes:
-            lines.append(f"  symbolic sizes: compiled again with its sizes fixed at each of its first {self.static_sizes}"
-                         " input sizes (MIRAGE_STATIC_SIZES); later sizes run this graph")
+            lines.append(f"  symbolic sizes: compiled again with its sizes fixed at each input size that comes "
+                         f"back, up to {self.static_sizes} (MIRAGE_STATIC_SIZES); other sizes run this graph")
         if self.whole_graph_to_inductor:
             lines.append("  no mirage region: the whole graph went to Inductor's own compile_fx")
         if self.mutated_inputs:
