@@ -55,13 +55,15 @@ def test_bloom_alibi_attention_is_claimed_and_equals_eager():
                r.info["mask"] for r in regions), str(report)
 
 
-def test_attention_is_claimed_where_the_cache_keeps_k_and_v():
-    """``model(ids)`` as users call it: transformers' DynamicCache keeps each layer's K and V, so the contiguous
-    copies SDPA reads leave the graph; the attention region reads them as SDPA gets them (it once followed them back
-    to the projections and then dropped the region because the copies leave). Logits eager-equal."""
+@pytest.mark.parametrize("name", ["llama", "bloom", "gemma2"])
+def test_attention_is_claimed_where_the_cache_keeps_k_and_v(name):
+    """``model(ids)`` as users call it: transformers' DynamicCache (gemma2: its hybrid cache) keeps each layer's K
+    and V, so the contiguous copies the attention reads leave the graph; the region reads them as it gets them (it
+    once followed them back to the projections and then dropped the region because the copies leave) — SDPA
+    (llama), BLOOM's eager ``baddbmm`` attention, gemma2's sliding and global layers. Logits eager-equal."""
     import torch_mirage
 
-    model = M.build(M.MODELS["llama"], "default", torch.float32, "cpu", tiny=True)
+    model = M.build(M.MODELS[name], "default", torch.float32, "cpu", tiny=True)
     ids, report = _ids(model.config.vocab_size), Report()
     with torch.no_grad():
         expected = model(ids).logits

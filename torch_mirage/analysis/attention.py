@@ -241,11 +241,11 @@ def _heads_repeated(x_shape: tuple, shape: tuple) -> Layout | None:
 
 
 def _farthest(v: Value, seen: list[Node], want: Callable[[tuple], Layout | None],
-              scalars: bool) -> tuple[Value, list[Node]] | None:
+              scalars: bool, stop: frozenset = frozenset()) -> tuple[Value, list[Node]] | None:
     """The farthest 4-D value ``x`` behind ``v`` — through layout ops, and casts and scalar ``mul`` / ``div``
-    where ``scalars``, each value on the way read by the next op alone — of which ``v`` holds the elements as
-    ``want(x's shape)`` says (:mod:`.layout_map`), with the nodes from it to ``v`` (which join ``seen``); None
-    where there is none."""
+    where ``scalars``, each value on the way read by the next op alone and none past a value of ``stop`` (ids of
+    values read outside the region: a graph output) — of which ``v`` holds the elements as ``want(x's shape)``
+    says (:mod:`.layout_map`), with the nodes from it to ``v`` (which join ``seen``); None where there is none."""
     chain: list[Node] = []            # from v backwards
     x, best = v, None
     for _ in range(32):
@@ -255,7 +255,7 @@ def _farthest(v: Value, seen: list[Node], want: Callable[[tuple], Layout | None]
                 best = (x, list(chain))
         n = x.producer
         if n is None or not (n.op.name in _LAYOUT or (scalars and _scalar_factor(n) is not None)) or not n.args \
-                or not isinstance(n.args[0], Value) or len(x.users) != 1:   # x read elsewhere: not inner
+                or not isinstance(n.args[0], Value) or len(x.users) != 1 or id(x) in stop:   # x read elsewhere
             break
         chain.append(n)
         x = n.args[0]
@@ -264,7 +264,8 @@ def _farthest(v: Value, seen: list[Node], want: Callable[[tuple], Layout | None]
     return best
 
 
-def _operand(v: Value, seen: list[Node], transposed: bool, query: str = "") -> tuple[Value, float] | None:
+def _operand(v: Value, seen: list[Node], transposed: bool, query: str = "",
+             stop: frozenset = frozenset()) -> tuple[Value, float] | None:
     """The 4-D ``(b, heads, s, d)`` tensor a bmm operand ``v`` reads — ``v`` holds it flattened to ``(b·h, s, d)``,
     each head repeated per query-head group (:func:`_heads_repeated`), transposed for Kᵀ; for Q (``query``) a
     row-major flattening, one head per bmm batch (``"per_head"``) or also a KV head's query heads packed into its
@@ -287,17 +288,17 @@ def _operand(v: Value, seen: list[Node], transposed: bool, query: str = "") -> t
         layout = _heads_repeated(x_shape, flat)
         return layout.permute((0, 2, 1)) if transposed and layout is not None else layout
 
-    found = _farthest(v, seen, want, scalars=True)
+    found = _farthest(v, seen, want, scalars=True, stop=stop)
     if found is None:
         return None
     x, nodes = found
     return x, math.prod(f for n in nodes if (f := _scalar_factor(n)) is not None)
 
 
-def _unrepeat(v: Value, seen: list[Node]) -> Value:
+def _unrepeat(v: Value, seen: list[Node], stop: frozenset = frozenset()) -> Value:
     """The KV heads a 4-D K or V ``(b, h, s, d)`` repeats per query-head group (HF's ``repeat_kv``,
-    ``repeat_interleave``: any spelling, compared by layout), else ``v``."""
-    found = _farthest(v, seen, lambda x_shape: _heads_repeated(x_shape, _shape(v)), scalars=False)
+    ``repeat_interleave``: any spelling, compared by layout), else ``v``; not past the values of ``stop``."""
+    found = _farthest(v, seen, lambda x_shape: _heads_repeated(x_shape, _shape(v)), scalars=False, stop=stop)
     return v if found is None else found[0]
 
 
@@ -670,8 +671,8 @@ def _column_reductions(spec: AttentionSpec, outputs: set[int]) -> list[ColumnRed
     return found
 
 
-def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
-    """The eager attention whose ``P·V`` bmm is ``pv``."""
+def _eager_at(pv: Node, values: dict | None, stop: frozenset = frozenset()) -> AttentionSpec | None:
+    """The eager attention whose ``P·V`` bmm is ``pv``; Q, K and V followed back no further than ``stop``."""
     seen: list[Node] = [pv]
     bias, p_in, v_in = matmul_operands(pv)
     if bias is not None or len(_shape(p_in) or ()) != 3:
@@ -708,9 +709,10 @@ def _eager_at(pv: Node, values: dict | None) -> AttentionSpec | None:
             seen.append(bias.producer)
     # Q one head per bmm batch where some 4-D tensor on the way is so read (a decode step's reshape of its query
     # heads into (b, hk, g, d) is then read as g query rows per KV head), else packed per KV head
-    q = _operand(q_in, seen, False, query="per_head") or _operand(q_in, seen, False, query="packed")
-    k = _operand(k_in, seen, True)
-    vv = _operand(v_in, seen, False)
+    q = _operand(q_in, seen, False, query="per_head", stop=stop) or \
+        _operand(q_in, seen, False, query="packed", stop=stop)
+    k = _operand(k_in, seen, True, stop=stop)
+    vv = _operand(v_in, seen, False, stop=stop)
     if q is None or k is None or vv is None or vv[1] != 1.0:
         return None
     (qv, qf), (kv, kf), vv = q, k, vv[0]
@@ -849,11 +851,12 @@ def _bool_behind(mask: Value) -> tuple[Value, str, float, list[Node]] | None:
     return n.args[0], kind, fill, builders
 
 
-def _sdpa_at(node: Node, values: dict | None, read_bool: bool = True, unrepeat: bool = True) -> AttentionSpec | None:
+def _sdpa_at(node: Node, values: dict | None, read_bool: bool = True,
+             stop: frozenset = frozenset()) -> AttentionSpec | None:
     """The attention of an SDPA ATen op (its first output; the others must be unread). ``read_bool``: a mask
-    traced from a bool one is read as that bool (:func:`_bool_behind`), else as the additive mask it is.
-    ``unrepeat``: K and V are followed back through the ops that repeat (or copy) their heads, which join the
-    region; else read as the op gets them."""
+    traced from a bool one is read as that bool (:func:`_bool_behind`), else as the additive mask it is. K and V
+    are followed back through the ops that repeat (or copy) their heads, which join the region, not past the
+    values of ``stop``."""
     names = SDPA_TARGETS.get(node.target_name)
     if names is None:
         return None
@@ -867,7 +870,8 @@ def _sdpa_at(node: Node, values: dict | None, read_bool: bool = True, unrepeat: 
     if any(o.users for o in node.outputs[1:]):
         return None
     repeats: list[Node] = []        # HF's repeat_kv before SDPA (with a mask it does not pass enable_gqa): read
-    k0, v0 = (_unrepeat(k, repeats), _unrepeat(v, repeats)) if unrepeat else (k, v)   # the KV heads themselves
+    # the KV heads themselves, no copy per query head
+    k0, v0 = _unrepeat(k, repeats, stop), _unrepeat(v, repeats, stop)
     if k0 is k or v0 is v or _shape(k0)[:3] != _shape(v0)[:3]:
         k0, v0, repeats = k, v, []
     b, h, sq, d = _shape(q)
@@ -948,37 +952,38 @@ def find_attention(graph: Graph, nodes: Sequence[Node] | None = None,
 def _region_at(n: Node, values, read_bool: bool, graph: Graph, allowed: set, taken: set, outputs: set
                ) -> AttentionSpec | None:
     """:func:`find_attention`'s attention at ``n`` with its column reductions, where all its nodes are free and
-    none of its inner values is read outside; else None. An SDPA op whose K / V copies leave the region (a cache
-    keeps the contiguous K and V that HF's ``repeat_kv`` or a ``contiguous`` made: transformers' DynamicCache) is
-    read again with K and V as it gets them."""
-    sdpa = n.target_name in SDPA_TARGETS
-    for unrepeat in (True, False) if sdpa else (True,):
-        spec = _region_once(n, values, read_bool, graph, allowed, taken, outputs, unrepeat)
-        if spec is not None or not sdpa:
-            return spec
-    return None
+    none of its inner values is read outside; else None. Where values that Q, K or V were followed back through
+    leave the region — a cache keeps the contiguous K and V that a ``contiguous`` or HF's ``repeat_kv`` made
+    (transformers' DynamicCache) — the attention is read again, stopping at those values: the region reads them."""
+    spec, leaks = _region_once(n, values, read_bool, graph, allowed, taken, outputs)
+    if spec is None and leaks:
+        spec, _ = _region_once(n, values, read_bool, graph, allowed, taken, outputs, leaks)
+    return spec
 
 
 def _region_once(n: Node, values, read_bool: bool, graph: Graph, allowed: set, taken: set, outputs: set,
-                 unrepeat: bool) -> AttentionSpec | None:
+                 stop: frozenset = frozenset()) -> tuple[AttentionSpec | None, frozenset]:
+    """:func:`_region_at` once, Q, K and V followed back no further than the values of ``stop``: the spec, or None
+    and the inner values read outside the region (empty where something else failed)."""
     try:
-        spec = _sdpa_at(n, values, read_bool, unrepeat) if n.target_name in SDPA_TARGETS else (
-            _eager_at(n, values) if n.op.name == "matmul" else None)
+        spec = _sdpa_at(n, values, read_bool, stop) if n.target_name in SDPA_TARGETS else (
+            _eager_at(n, values, stop) if n.op.name == "matmul" else None)
     except (AttributeError, IndexError, TypeError, ValueError):   # a shape this analysis does not read
         spec = None
     if spec is None:
-        return None
+        return None, frozenset()
     spec.nodes = list({id(x): x for x in spec.nodes}.values())
     spec.extra_outputs = tuple(r for r in _column_reductions(spec, outputs)
                                if all(id(x) in allowed and id(x) not in taken for x in r.nodes))
     spec.nodes += [x for r in spec.extra_outputs for x in r.nodes]
     ids = {id(x) for x in spec.nodes}
     if not ids <= allowed or ids & taken:
-        return None
+        return None, frozenset()
     leaving = {id(spec.output)} | {id(r.value) for r in spec.extra_outputs}
-    if any(id(w) not in leaving and (id(w) in outputs or any(id(u) not in ids for u in w.users))
-           for x in spec.nodes for w in x.outputs):
-        return None
+    leaks = frozenset(id(w) for x in spec.nodes for w in x.outputs
+                      if id(w) not in leaving and (id(w) in outputs or any(id(u) not in ids for u in w.users)))
+    if leaks:
+        return None, leaks
     order = graph.positions()
     spec.nodes.sort(key=lambda x: order[id(x)])
-    return spec
+    return spec, frozenset()
