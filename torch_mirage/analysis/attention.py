@@ -102,7 +102,7 @@ class AttentionSpec:
     # of more than one :attr:`mask_terms`: the one holding ``mask_value`` (:attr:`mask_term`) and the others, whose
     # sum (:meth:`combine_mask` over them) the seeds may load as a bias at its own shape — BLOOM's ALiBi
     # (b, h, 1, skv) — beside the mask term at its own (HF's causal (b, 1, sq, skv)), not summed per call;
-    # ``band_term_exact``: the mask term is exactly its band (0 wherever it sees), so the seeds compute it from indices
+    # ``band_term_exact``: the mask term is exactly its band (0 wherever it sees): the seeds compute it from indices
     mask_term: MaskTerm | None = None
     bias_terms: tuple = ()
     band_term_exact: bool = False

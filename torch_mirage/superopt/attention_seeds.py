@@ -10,11 +10,12 @@ c·tanh(x/c)`` inside the KV loop, then run the online-softmax accumulator:
 
 An additive mask arrives as one more input, (bm, hm, g·sq, skv) with bm ∈ {1, b} and hm ∈ {1, hk} (a mask the
 same for every batch row or KV head is read by every block, not copied), loaded per tile by an iterator that walks
-KV with K; the claimer turns bool masks and ``is_causal`` into that form. ``bias = (bm, hm, br)`` adds a second one,
-(bm, hm, br, skv) with br ∈ {1, rows} (one row: broadcast over the tile's rows), loaded on every tile the loop
-visits: the terms of a mask other than its band's (BLOOM's ALiBi), where the band's term is computed from indices
-and the mask input is its stand-in (``band``'s ``index_mask``), so the two are not summed per call. Both graphs are ordinary μGraphs: they verify
-(:mod:`.verify`) and compile (:mod:`.compile`) like the library's.
+KV with K; the claimer turns bool masks and ``is_causal`` into that form. ``bias = (bm, hm, br)`` adds a second
+one, (bm, hm, br, skv) with br ∈ {1, rows} (one row: broadcast over the tile's rows), loaded on every tile the loop
+visits: a mask the graph adds as several terms is not summed per call — one term is the mask (computed from
+indices where it is exactly its band, its input then a stand-in: ``band``'s ``index_mask``), the others' sum the
+bias (BLOOM's ALiBi). Both graphs are ordinary μGraphs: they verify (:mod:`.verify`) and compile
+(:mod:`.compile`) like the library's.
 
 Where the mask's value property shows a causal / sliding-window structure, ``band = (period, offset, window)``
 sets the block graph's ``forloop_band`` (:func:`~torch_mirage.ugraph.band_range`): query row ``r`` (position ``r % period``)
@@ -166,8 +167,8 @@ def _flash_op(g, Q, K, V, M, *, scale: float, softcap: float | None, q_blocks: i
               band: tuple | None, stats: bool, mask_fill: float = NEG_INF, empty_rows: str = "nan",
               table=None, B=None) -> list:
     """The FlashAttention block graph on kernel tensors Q (b, h, rows, d), K, V (b, hk, skv, d) [, M [, its scan
-    ``table``]] [, bias ``B`` (bm, hm, br, skv)]: grid (h, b, row blocks) — h = hk, or a multiple whose programs share KV heads —, the for-loop
-    over KV tiles; returns the output [and the row max / sum of exponentials]."""
+    ``table``]] [, bias ``B`` (bm, hm, br, skv)]: grid (h, b, row blocks) — h = hk, or a multiple whose programs
+    share KV heads —, the for-loop over KV tiles; returns the output [and the row max / sum of exponentials]."""
     b, hk = Q.shape[:2]
     mask = M.shape[:2] if M is not None else None
     tb = new_threadblock_graph((hk, b, q_blocks), forloop_range)
