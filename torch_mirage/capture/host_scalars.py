@@ -61,15 +61,20 @@ def has_symbolic_size(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride()))
 
 
+def is_symbolic(value: Any) -> bool:
+    """Whether ``value`` is a symbolic scalar or a tensor of symbolic size or stride."""
+    return isinstance(value, SYMBOLIC) or has_symbolic_size(value)
+
+
 def symbolic_positions(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[int, ...]:
     """The inputs of Dynamo graph ``gm`` that carry its symbolic sizes: SymInt (and other symbolic scalar) inputs,
     and tensors whose placeholder's example value has a symbolic size or stride (Dynamo's example inputs are real
     tensors)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
-        return tuple(i for i, x in enumerate(example_inputs) if isinstance(x, SYMBOLIC) or has_symbolic_size(x))
+        placeholders = [None] * len(example_inputs)
     return tuple(i for i, (x, n) in enumerate(zip(example_inputs, placeholders))
-                 if isinstance(x, SYMBOLIC) or has_symbolic_size(x) or has_symbolic_size(n.meta.get("example_value")))
+                 if is_symbolic(x) or (n is not None and has_symbolic_size(n.meta.get("example_value"))))
 
 
 def split_host_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> HostScalars | None:
@@ -96,7 +101,7 @@ def split_host_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Hos
                 return None          # a scalar reaches a tensor op, or mixes with a value computed on the device
             closure.append(node)
             inside.add(node)
-        elif isinstance(node.meta.get("example_value"), SYMBOLIC) or has_symbolic_size(node.meta.get("example_value")):
+        elif is_symbolic(node.meta.get("example_value")):
             return None              # another symbolic value (a size read off a tensor): not this case
     results = output.args[0]
     if not isinstance(results, (tuple, list)):

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ..capture.host_scalars import SYMBOLIC, has_symbolic_size
+from ..capture.host_scalars import is_symbolic
 
 log = logging.getLogger("torch_mirage")
 
@@ -168,7 +168,7 @@ def input_device(example_inputs: Sequence[Any]) -> torch.device | None:
 def symbolic_sizes(example_inputs: Sequence[Any]) -> bool:
     """Whether a graph's example inputs carry symbolic values (a SymInt input, or a tensor of symbolic size):
     Dynamo's ``dynamic=True``, ``mark_dynamic``, or its automatic dynamic shapes after a second size."""
-    return any(isinstance(x, SYMBOLIC) or has_symbolic_size(x) for x in example_inputs)
+    return any(is_symbolic(x) for x in example_inputs)
 
 
 def cuda_graph_blocker(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kind: str) -> str | None:
