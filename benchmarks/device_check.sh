@@ -9,6 +9,7 @@
 #        sdpaprobe:<args of benchmarks/sdpa_choice_probe.py> (the SDPA op an HF model's ATen graph holds, and why)
 #        maskprobe:<args of benchmarks/mask_form_probe.py> (the mask form each attention region of an HF model takes here)
 #        guardprobe:<args of benchmarks/guard_probe.py> (the whole-graph guard's versions: host, loop and device time)
+#        serving:<args of benchmarks/serving_sizes_gpu.py> (prefill at several prompt lengths under dynamic=None)
 #        hfprofile:<args of benchmarks/hf_decode_profile.py> (one generate per mode under torch.profiler: host vs GPU)
 #        hf:<models, e.g. qwen2,phi3> (the HF model bench,
 #        default attention, one process per model; MIRAGE_LOG_LEVEL=INFO logs each tuned choice's compile seconds)
@@ -67,6 +68,7 @@ for arg in "$@"; do
     sdpaprobe:*) timeout "$LIMIT" python3 benchmarks/sdpa_choice_probe.py ${step#sdpaprobe:} ;;   # "sdpaprobe:" = bert
     maskprobe:*) timeout "$LIMIT" python3 benchmarks/mask_form_probe.py ${step#maskprobe:} ;;   # "maskprobe:--model bloom"
     guardprobe:*) timeout "$LIMIT" python3 benchmarks/guard_probe.py ${step#guardprobe:} ;;   # "guardprobe:--model bert"
+    serving:*) timeout "$LIMIT" python3 benchmarks/serving_sizes_gpu.py --out "$OUT" ${step#serving:} ;;   # "serving:--model llama"
     hfprofile:*) timeout "$LIMIT" python3 benchmarks/hf_decode_profile.py ${step#hfprofile:} ;;   # "hfprofile:--model qwen2"
     afterinductor:*) timeout "$LIMIT" python3 benchmarks/compile_after_inductor.py ${step#afterinductor:} ;;   # "afterinductor:--profile"
     bench:*)  BUDGET_S=$((LIMIT - 40)) timeout "$LIMIT" bash benchmarks/run_h100.sh ${step#bench:} ;;   # "bench:PART ARGS..." splits

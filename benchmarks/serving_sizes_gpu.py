@@ -1,0 +1,110 @@
+"""Serving with changing prompt lengths: one HF model's prefill forward under ``dynamic=None`` (torch.compile's
+default) called at several prompt lengths in turn, in mirage and in Inductor's reduce-overhead mode, each mode
+in a fresh Dynamo.
+
+Per mode and length it prints and writes (JSON under ``--out``):
+
+* the wall seconds of the first three calls at that length (a compile shows here: Dynamo's static first graph,
+  its symbolic recompile at the second length, mirage's static compile of a symbolic graph at a size's second
+  call, a CUDA graph's recording);
+* the prefill µs once every length has been seen (host-launched, fastest sample per half, as the HF bench);
+* the relative error of the logits against eager's at that length;
+* for mirage, its graphs: which are symbolic, which are static compiles of which sizes, which run in CUDA graphs.
+
+    python benchmarks/serving_sizes_gpu.py [--model llama] [--batch 4] [--lengths 256,192,320]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from torch_mirage.bench import models as M  # noqa: E402
+from torch_mirage.bench.harness import rel_error  # noqa: E402
+from torch_mirage.report import Report  # noqa: E402
+from torch_mirage.timing import fastest_per_half, plain_timing  # noqa: E402
+
+
+def _timed_call(fn, ids) -> tuple[float, torch.Tensor]:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn(ids).float().clone()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, out
+
+
+def run_mode(model, spec, mode: str, prompts: dict[int, torch.Tensor], eager: dict[int, torch.Tensor],
+             calls: int) -> dict:
+    report = Report() if mode == "mirage" else None
+    M.compile_forward(model, mode, report, dynamic=None, reset=True)
+    fwd = M.forward_logits(model, spec)
+    res: dict = {"lengths": {}}
+    with torch.no_grad():
+        for n, ids in prompts.items():
+            seconds, out = [], None
+            for _ in range(calls):
+                s, out = _timed_call(fwd, ids)
+                seconds.append(round(s, 3))
+            res["lengths"][n] = {"call_s": seconds, "rel_err_vs_eager": rel_error(out, eager[n])}
+            print(f"  {mode:16s} length {n:4d}: calls {seconds} s, rel err {res['lengths'][n]['rel_err_vs_eager']:.2e}",
+                  flush=True)
+        for n, ids in prompts.items():
+            halves = [plain_timing(lambda: fwd(ids), [], target_ms=20, repeats=4)["samples"] for _ in range(2)]
+            res["lengths"][n]["prefill_us"] = round(fastest_per_half(halves), 1)
+    if report is not None:
+        res["graphs"] = [{"graph": g.index, "kind": g.kind, "cuda_graph": bool(g.cuda_graph),
+                          "symbolic_sizes": g.symbolic_sizes, "static_sizes": g.static_sizes,
+                          "sizes_of": g.sizes_of, "reason": g.cuda_graph_reason} for g in report.graphs]
+        for g in res["graphs"]:
+            print(f"    graph {g}", flush=True)
+    M.compile_forward(model, "eager")
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--lengths", default="256,192,320")
+    p.add_argument("--modes", default="reduce-overhead,mirage")
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    a = p.parse_args()
+    spec = M.MODELS[a.model]
+    dtype, device = torch.bfloat16, torch.device("cuda")
+    model = M.build(spec, "default", dtype, device, tiny=False)
+    gen = torch.Generator().manual_seed(1)
+    lengths = [int(x) for x in a.lengths.split(",")]
+    prompts = {n: torch.randint(1, model.config.vocab_size, (a.batch, n), generator=gen).to(device) for n in lengths}
+    with torch.no_grad():
+        eager = {n: M.forward_logits(model, spec)(ids).float() for n, ids in prompts.items()}
+    doc = {"model": a.model, "batch": a.batch, "lengths": lengths, "dtype": "bfloat16",
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "modes": {}}
+    import triton
+    doc["triton"] = triton.__version__
+    print(f"{a.model} batch {a.batch}, prompt lengths {lengths}, dynamic=None", flush=True)
+    for mode in a.modes.split(","):
+        with torch._dynamo.config.patch(recompile_limit=64):
+            doc["modes"][mode] = run_mode(model, spec, mode, prompts, eager, a.calls)
+    print("\n| length | " + " | ".join(f"{m} calls (s) | {m} prefill µs" for m in doc["modes"]) + " |")
+    print("|---" * (1 + 2 * len(doc["modes"])) + "|")
+    for n in lengths:
+        cells = []
+        for m, r in doc["modes"].items():
+            c = r["lengths"][n]
+            cells += [" / ".join(f"{s:.2f}" for s in c["call_s"]), f"{c['prefill_us']:.0f}"]
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"serving-{a.model}.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
