@@ -66,7 +66,9 @@ def test_attention_is_claimed_where_the_cache_keeps_k_and_v(name, device):
     and V, so the contiguous copies the attention reads leave the graph; the region reads them as it gets them (it
     once followed them back to the projections and then dropped the region because the copies leave) — SDPA
     (llama), BLOOM's eager ``baddbmm`` attention, gemma2's sliding and global layers. Logits eager-equal (fp32;
-    on the GPU to 1e-3: other kernels than eager's cuBLAS and SDPA, other summation orders)."""
+    on the GPU to 1e-3: other kernels than eager's cuBLAS and SDPA, other summation orders). Not timed against
+    Inductor: at these sizes the whole-graph guard keeps Inductor's launch-bound version on the GPU (118 vs 96 µs,
+    H200)."""
     import torch_mirage
 
     model = M.build(M.MODELS[name], "default", torch.float32, device, tiny=True)
@@ -74,7 +76,7 @@ def test_attention_is_claimed_where_the_cache_keeps_k_and_v(name, device):
     with torch.no_grad():
         expected = model(ids).logits
         compiled = torch.compile(model.forward, backend=torch_mirage.MirageBackend(
-            options={"min_region_us": 0}, report=report), dynamic=False)
+            options={"min_region_us": 0, "measure_regions": False}, report=report), dynamic=False)
         got = compiled(ids).logits
     torch._dynamo.reset()
     tol = 1e-4 if device == "cpu" else 1e-3
