@@ -68,6 +68,31 @@ def test_the_size_key_reads_scalars_shapes_and_strides():
     assert size_key([x], (0,)) != size_key([torch.zeros(6, 4).t()], (0,))
 
 
+@pytest.mark.parametrize("symbolic_to_inductor", [True, False])
+def test_static_compiles_are_timed_against_the_symbolic_graphs_inductor_compile(monkeypatch, symbolic_to_inductor):
+    """A static compile of a size is timed against what runs that size otherwise — Inductor's compile of the
+    graph at symbolic sizes, already made — not against a fresh Inductor compile at the size (seconds a size);
+    where the symbolic graph is not Inductor's whole (mirage claimed part of it), a fresh compile as before."""
+    from torch_mirage import backend as B
+
+    backend, given = B.MirageBackend(options={"static_sizes": 2}), []
+
+    def compile_graph(self, gm, inputs, *, inductor_version=None, **kwargs):
+        graph = self.report.new_graph("inference")
+        graph.whole_graph_to_inductor = symbolic_to_inductor and inductor_version is None
+        given.append(inductor_version)
+        return symbolic if inductor_version is None and not given[1:] else (lambda *a: "static")
+
+    def symbolic(*args):
+        return "symbolic"
+    monkeypatch.setattr(B.MirageBackend, "_compile", compile_graph)
+    monkeypatch.setattr(B, "symbolic_positions", lambda gm, inputs: [0])
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    served = backend._compile_sized(gm, [torch.ones(3)])
+    assert [served(torch.ones(5)) for _ in range(3)] == ["symbolic", "static", "static"]
+    assert given == [None, symbolic if symbolic_to_inductor else None]
+
+
 @pytest.mark.slow   # ~25 s on a 2-core CPU: three compiles of the model
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
@@ -113,3 +138,5 @@ def test_static_compiles_run_in_cuda_graphs_on_gpu():
     report = _serve([8, 16, 16, 24, 24, 16, 40], device="cuda", options={"min_region_us": 0})
     fixed = [g for g in report.graphs if g.sizes_of]
     assert len(fixed) == 2 and all(g.cuda_graph for g in fixed), str(report)
+    # each timed against the symbolic graph's Inductor compile, which serves the size otherwise
+    assert all(g.choice and "symbolic sizes" in g.choice_against for g in fixed), str(report)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from functorch.compile import min_cut_rematerialization_partition
@@ -138,6 +138,11 @@ class MirageBackend:
         index = graphs[0].index
         for g in graphs:
             g.static_sizes = cfg.static_sizes
+        # what the user runs at a size without a static compile: Inductor's compile of this graph at symbolic
+        # sizes (in its per-size CUDA graphs). Each static compile is timed against it rather than against a
+        # fresh Inductor compile at that size, which would cost seconds a size (llama prefill, H200: 3.5-4.5 s
+        # of a 14-18 s static compile) to beat a version nobody runs.
+        symbolic_inductor = compiled if all(g.whole_graph_to_inductor for g in graphs) else None
 
         def describe(key: tuple) -> str:
             return f"graph {index}'s " + ", ".join(
@@ -152,14 +157,17 @@ class MirageBackend:
             # a context of its own, as Dynamo gives each compile (Inductor's compiles and AOTAutograd's static
             # inputs read it); the call's tensors have concrete sizes, so the compile is static
             with tracing(TracingContext(FakeTensorMode())):
-                fn = self._compile(gm, args, **kwargs)
+                fn = self._compile(gm, args, inductor_version=symbolic_inductor, **kwargs)
             for g in self.report.graphs[start:]:
                 g.sizes_of = describe(size_key(args, positions))
             return fn
         return StaticSizes(compile_at, compiled, positions, cfg.static_sizes, describe, cfg.strict)
 
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        """The Dynamo graph (static, or symbolic where Dynamo made it so) through AOTAutograd and the pipeline."""
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
+                 inductor_version: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
+        """The Dynamo graph (static, or symbolic where Dynamo made it so) through AOTAutograd and the pipeline.
+        ``inductor_version``: Inductor's compile of this graph already made (at symbolic sizes, in its CUDA-graph
+        wrapper), which mirage's version is timed against instead of a compile of its own."""
         cfg = self._config(kwargs)
         _configure_logging(cfg.log_level, explicit=bool({"log_level", "mirage.log_level"} & set(self._options(kwargs)))
                            or config_mod.env_name("log_level") in os.environ)
@@ -213,7 +221,7 @@ class MirageBackend:
                 name, decide = step
                 try:
                     with failures.stage(name):
-                        return decide(gm, example_inputs, cfg, compiled, graph)
+                        return decide(gm, example_inputs, cfg, compiled, graph, inductor_version)
                 except Exception as e:
                     if cfg.strict:
                         raise
@@ -223,9 +231,15 @@ class MirageBackend:
         return compiled
 
     def _untimed_to_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: config_mod.Config,
-                             mirage: Any, report: GraphReport) -> Any:
+                             mirage: Any, report: GraphReport, inductor_version: Callable[..., Any] | None = None
+                             ) -> Any:
         """Mirage's version could not be timed against Inductor's: never keep a version not shown to be no
-        slower, so the graph runs as ``backend="inductor"`` would run it (in our CUDA graph where allowed)."""
+        slower, so the graph runs as ``backend="inductor"`` would run it (in our CUDA graph where allowed;
+        ``inductor_version``: that compile, already made, in its own wrapper)."""
+        if inductor_version is not None:
+            _inductor_kept(report, f"not timed ({report.untimed_reason}): Inductor's compile at symbolic sizes kept")
+            report.cuda_graph, report.cuda_graph_reason = False, "runs Inductor's compile at symbolic sizes"
+            return inductor_version
         lifted = _lifted(gm)
         aligned = report.num_inputs == lifted + len(example_inputs)
         static = tuple(i - lifted for i in _static_input_indices() if i >= lifted) if aligned else ()
@@ -240,12 +254,7 @@ class MirageBackend:
             log.info("torch_mirage: graph %d: Inductor could not compile it (%s: %s); mirage's version kept untimed",
                      report.index, type(e).__name__, e)
             return mirage
-        report.choice = "inductor"
-        detail = f"not timed ({report.untimed_reason}): Inductor's compile kept"
-        for r in report.regions:
-            if r.compiled_by == "mirage":
-                r.compiled_by, r.reason, r.detail = "inductor", Reason.SLOWER_THAN_INDUCTOR, detail
-        log.info("torch_mirage: graph %d %s", report.index, detail)
+        _inductor_kept(report, f"not timed ({report.untimed_reason}): Inductor's compile kept")
         report.cuda_graph, report.cuda_graph_reason = False, ""
         return _in_cuda_graph(inductor, blocker, static, cfg, report, mutated)
 
@@ -301,8 +310,10 @@ class MirageBackend:
             return compiled
 
     def _faster_of_mirage_and_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                                       cfg: config_mod.Config, mirage: Any, report: GraphReport) -> Any:
-        """Mirage's compile and Inductor's, the faster one chosen by timing on the first call."""
+                                       cfg: config_mod.Config, mirage: Any, report: GraphReport,
+                                       inductor_version: Callable[..., Any] | None = None) -> Any:
+        """Mirage's compile and Inductor's, the faster one chosen by timing on the first call.
+        ``inductor_version``: Inductor's compile already made, in its own CUDA-graph wrapper (not compiled here)."""
         # AOTAutograd's inputs are the Dynamo graph's own parameters and buffers, then the Dynamo inputs
         lifted = _lifted_tensors(gm)
         aligned = report.num_inputs == len(lifted) + len(example_inputs)
@@ -311,25 +322,31 @@ class MirageBackend:
             # writes we cannot name (inputs deduplicated by AOTAutograd, or a write the ATen graph does not show):
             # re-running the graph for timing could change the caller's state, so mirage's version is kept
             report.untimed_reason = "it writes state the timing could not save and restore"
-            return self._untimed_to_inductor(gm, example_inputs, cfg, mirage, report)
+            return self._untimed_to_inductor(gm, example_inputs, cfg, mirage, report, inductor_version)
         static = tuple(i - len(lifted) for i in _static_input_indices() if i >= len(lifted)) if aligned else ()
         written = lambda args: [[*lifted, *args][i] for i in positions]
+        if inductor_version is not None:
+            report.choice_against = "the graph at symbolic sizes (what runs this size otherwise)"
         key = whole_graph_key(gm, example_inputs, cfg, report) if self._cache is not None else None
         verdict = cached_choice(self._cache, key, ["mirage", "inductor"])
         if verdict is not None and verdict.winner == "mirage":   # a warm compile: Inductor's is neither built nor timed
             _choice_recorder(report, cached=True)("mirage", verdict.times)
             return mirage
-        try:
-            inductor = self._inductor_compile(gm, example_inputs, cfg, report)
-        except Exception as e:
-            if cfg.strict:
-                raise
-            report.untimed_reason = f"Inductor could not compile the graph ({type(e).__name__}: {e})"
-            log.info("torch_mirage: graph %d: %s", report.index, report.untimed_reason)
-            return mirage
-        blocker = None if report.cuda_graph else (report.cuda_graph_reason or "not captured")
-        mutated = tuple(i - len(lifted) for i in positions if i >= len(lifted))
-        inductor = _in_cuda_graph(inductor, blocker, static, cfg, GraphReport(report.index, report.kind), mutated)
+        if inductor_version is not None:
+            inductor = inductor_version
+        else:
+            try:
+                inductor = self._inductor_compile(gm, example_inputs, cfg, report)
+            except Exception as e:
+                if cfg.strict:
+                    raise
+                report.untimed_reason = f"Inductor could not compile the graph ({type(e).__name__}: {e})"
+                log.info("torch_mirage: graph %d: %s", report.index, report.untimed_reason)
+                return mirage
+            blocker = None if report.cuda_graph else (report.cuda_graph_reason or "not captured")
+            mutated = tuple(i - len(lifted) for i in positions if i >= len(lifted))
+            inductor = _in_cuda_graph(inductor, blocker, static, cfg, GraphReport(report.index, report.kind),
+                                      mutated)
         if verdict is not None:                                   # Inductor's won when this graph was timed
             _choice_recorder(report, cached=True)("inductor", verdict.times)
             return inductor
@@ -363,7 +380,8 @@ def whole_graph_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg
     """The cache key of the whole-graph verdict (mirage's version against Inductor's compile) of this Dynamo
     graph: its code, its inputs' and lifted parameters' shapes, strides and dtypes, what mirage built for each
     region (claimer, who compiles it, its μGraph and launches; not the region timings), the knobs that change
-    what runs, the device and the library versions (:func:`~torch_mirage.cache.cache_key`). A graph whose
+    what runs, which Inductor compile it is timed against (``report.choice_against``), the device and the library
+    versions (:func:`~torch_mirage.cache.cache_key`). A graph whose
     regions came out otherwise (another region timing verdict, another tuned launch) gets a key of its own."""
     def meta(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -376,9 +394,18 @@ def whole_graph_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg
              if cfg.__dataclass_fields__[f].metadata.get("affects_output") or f in timed}
     return cache_key(kind="whole-graph-verdict", code=gm.code,
                      inputs=[meta(x) for x in [*_lifted_tensors(gm), *example_inputs]],
-                     regions=regions, knobs=knobs,
+                     regions=regions, knobs=knobs, against=report.choice_against,
                      device=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
                      timing="first call, fastest per half" if cfg.cuda_graphs else "in the caller's CUDA graph")
+
+
+def _inductor_kept(report: GraphReport, detail: str) -> None:
+    """Inductor's version of the graph kept untimed: its mirage regions say so."""
+    report.choice = "inductor"
+    for r in report.regions:
+        if r.compiled_by == "mirage":
+            r.compiled_by, r.reason, r.detail = "inductor", Reason.SLOWER_THAN_INDUCTOR, detail
+    log.info("torch_mirage: graph %d %s", report.index, detail)
 
 
 def _choice_recorder(report: GraphReport, cached: bool = False):

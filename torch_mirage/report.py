@@ -94,6 +94,8 @@ class GraphReport:
     choice: str | None = None            # "mirage" | "inductor": the faster version of the whole graph, timed
     choice_times_us: dict[str, float] = field(default_factory=dict)
     choice_cached: bool = False          # that choice read from the disk cache (an earlier compile timed it)
+    choice_against: str = "the whole graph"   # Inductor's compile timed against: of the whole graph, or the
+    #                                           symbolic graph's that a static compile of one of its sizes replaces
     untimed_reason: str = ""             # why mirage's version could not be timed against Inductor's
     prelude: str = ""                    # the input-only ops run first as one Inductor graph (MIRAGE_PRELUDE)
     host_scalars: tuple[str, ...] = ()   # symbolic scalar inputs computed on the host around the graph (host_scalars)
@@ -141,7 +143,8 @@ class GraphReport:
         if self.choice:
             times = ", ".join(f"{k} {v:.1f} µs" for k, v in self.choice_times_us.items())
             when = "by an earlier compile (disk cache)" if self.choice_cached else "on first call"
-            lines.append(f"  timed against Inductor's compile of the whole graph {when}: kept {self.choice} ({times})")
+            lines.append(f"  timed against Inductor's compile of {self.choice_against} {when}: kept {self.choice} "
+                         f"({times})")
         if self.untimed_reason:
             kept = "Inductor's compile" if self.choice == "inductor" else "mirage's version"
             lines.append(f"  not timed against Inductor ({self.untimed_reason}): kept {kept}")
