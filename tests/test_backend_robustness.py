@@ -626,3 +626,6 @@ def test_the_whole_graph_verdict_key_names_the_graph_what_mirage_built_and_the_k
     assert key != whole_graph_key(gm, [x], cfg, report([{"grid": [4]}]))
     assert key != whole_graph_key(gm, [x], config.load({"stitch": False}), report([{"grid": [8]}]))
     assert key == whole_graph_key(gm, [x], config.load({"log_level": "INFO"}), report([{"grid": [8]}]))
+    against_symbolic = report([{"grid": [8]}])        # a static compile timed against the symbolic graph's compile
+    against_symbolic.choice_against = "the graph at symbolic sizes"
+    assert key != whole_graph_key(gm, [x], cfg, against_symbolic)

@@ -93,6 +93,24 @@ def test_static_compiles_are_timed_against_the_symbolic_graphs_inductor_compile(
     assert given == [None, symbolic if symbolic_to_inductor else None]
 
 
+def test_a_static_compile_without_mirage_regions_runs_the_symbolic_graphs_inductor_compile(monkeypatch):
+    """A size at which mirage claims nothing is not compiled by Inductor once more: Inductor's compile at
+    symbolic sizes, already made, serves it (none of Inductor's compile runs)."""
+    from torch_mirage import backend as B
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("Inductor compiled the graph again")
+    monkeypatch.setattr(B.MirageBackend, "_inductor_compile", no_compile)
+    backend = B.MirageBackend()
+    gm = torch.fx.symbolic_trace(lambda x: (torch.cos(x),))    # cos: outside mirage's IR, no region
+
+    def symbolic(*args):
+        return "symbolic"
+    assert backend._compile(gm, [torch.randn(4, 8)], inductor_version=symbolic) is symbolic
+    (graph,) = backend.report.graphs
+    assert graph.whole_graph_to_inductor and "symbolic sizes" in graph.cuda_graph_reason, str(backend.report)
+
+
 @pytest.mark.slow   # ~25 s on a 2-core CPU: three compiles of the model
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")

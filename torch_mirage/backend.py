@@ -193,6 +193,12 @@ class MirageBackend:
             with failures.stage("capture"):
                 compiled = compiler(gm, example_inputs)
         except WholeGraphToInductor as whole:
+            if inductor_version is not None and whole.failure is None:
+                # nothing of mirage's at this size: Inductor's compile already made serves it, no compile of its own
+                report = self.report.graphs[-1]
+                report.cuda_graph, report.cuda_graph_reason = False, ("runs Inductor's compile at symbolic sizes, "
+                                                                      "captured per size there")
+                return inductor_version
             return self._inductor_whole_graph(gm, example_inputs, cfg, self.report.graphs[-1], whole)
         except Exception as e:
             if cfg.strict:
@@ -238,7 +244,8 @@ class MirageBackend:
         ``inductor_version``: that compile, already made, in its own wrapper)."""
         if inductor_version is not None:
             _inductor_kept(report, f"not timed ({report.untimed_reason}): Inductor's compile at symbolic sizes kept")
-            report.cuda_graph, report.cuda_graph_reason = False, "runs Inductor's compile at symbolic sizes"
+            report.cuda_graph, report.cuda_graph_reason = False, ("runs Inductor's compile at symbolic sizes, "
+                                                                 "captured per size there")
             return inductor_version
         lifted = _lifted(gm)
         aligned = report.num_inputs == lifted + len(example_inputs)
