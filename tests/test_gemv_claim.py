@@ -99,7 +99,7 @@ def _inputs(extra: str, rows: int, transposed: bool, dtype=torch.float32, seq: i
 
 def _compile(fn, **options):
     report = torch_mirage.Report()
-    opts = dict(min_region_us=0, measure_regions=False, **options)
+    opts = {"min_region_us": 0, "measure_regions": False, **options}
     return torch.compile(fn, backend=torch_mirage.MirageBackend(options=opts, report=report)), report
 
 
@@ -126,6 +126,19 @@ def test_fused_form_runs_one_weight_streaming_kernel(name, fn, extra, transposed
     assert not [r for r in report.regions if r.compiled_by == "mirage" and r is not region], str(report)
     xs = _inputs(extra, rows, transposed)                               # fresh inputs, same kernel
     assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+
+
+@interpreted
+def test_a_small_matmul_region_is_claimed_below_the_stitch_floor():
+    """``MIRAGE_MIN_REGION_US`` (3 µs by default) holds back small stitch regions, not a region around a matmul:
+    Inductor runs the matmul as a kernel of its own too, so the fused norm + projection replaces launches
+    (the bench's HF decode projections, 0.6-1.7 µs of traffic, were left to Inductor by it)."""
+    name, fn, extra = FORMS[-4]                       # norm + linear + residual, 1 row: ~20 KB of traffic
+    xs = _inputs(extra, 1, True)
+    compiled, report = _compile(fn, min_region_us=3.0)
+    assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
+    (region,) = _gemv_regions(report)
+    assert region.info["matmuls"] == 1 and "mean" in " ".join(region.ops), str(report)
 
 
 @interpreted
