@@ -1,6 +1,7 @@
 """Claim parity after the library's exact-form matcher retired (issue 15): every bench workload the library claimed
-is still claimed, by the search's library seeds or the analysis claimers, eager-equal, and where the μGraph is a
-library seed it is the library's own μGraph at the workload's dims (the same hash: the same kernel on the GPU).
+is still claimed, by the search's library seeds or the analysis claimers (the weight-streaming claimer, which
+takes the memory-bound matmuls first, set aside), eager-equal, and where the μGraph is a library seed it is the
+library's own μGraph at the workload's dims (the same hash: the same kernel on the GPU).
 The bench's functions (torch_mirage/bench/workloads.py) at their --quick sizes, b = 1 and 8, in the interpreter."""
 import dataclasses
 import os
@@ -11,16 +12,23 @@ import torch
 import torch_mirage
 from helpers import assert_close
 from torch_mirage.bench.workloads import WORKLOADS
-from torch_mirage.config import Config
+from torch_mirage.config import Config, load
+from torch_mirage.pipeline import default_claimers
+from torch_mirage.superopt.gemv_claim import GemvClaimer
 from torch_mirage.superopt import library
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
 
 EPS = 1e-6      # numerics.rms_norm's default, which the bench's functions use
-# the knob's own default (conftest sets 0 for the suite): at these tiny sizes it leaves the matmuls to the library's
-# seeds, as it left them to the library claimer (the weight-streaming claimer runs first in both orders)
+# the knob's own default (conftest sets 0 for the suite)
 MIN_REGION_US = next(f.default for f in dataclasses.fields(Config) if f.name == "min_region_us")
+
+
+def _without_weight_streaming() -> list:
+    """The default claimers less the weight-streaming one, which claims every memory-bound matmul ahead of the
+    library's seeds (at the bench's sizes on the GPU as at these): what the seeds alone make of the workload."""
+    return [c for c in default_claimers(load({})) if not isinstance(c, GemvClaimer)]
 
 
 def _library_graph(name: str, d: dict):
@@ -46,7 +54,8 @@ def test_bench_workload_keeps_its_claim_and_ugraph(name, b):
     xs = w.make_inputs(b, torch.float32, "cpu", seed=b, quick=True)
     report = torch_mirage.Report()
     compiled = torch.compile(w.fn, backend=torch_mirage.MirageBackend(options={"min_region_us": MIN_REGION_US},
-                                                                              report=report))
+                                                                              report=report,
+                                                                              claimers=_without_weight_streaming()))
     assert_close(compiled(*xs), w.fn(*[x.double() for x in xs]).float())
     (region,) = report.regions
     assert region.compiled_by == "mirage", str(report)
@@ -56,6 +65,20 @@ def test_bench_workload_keeps_its_claim_and_ugraph(name, b):
     else:
         assert region.claimer == "ugraph-search" and "seed" in region.info["source"], str(report)
         assert region.info["ugraph_hash"] == expected.hash()[:16], str(report)
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_linear", "gated_mlp"])
+def test_memory_bound_bench_matmuls_stream_with_the_default_claimers(name):
+    """With every claimer, the weight-streaming one takes the matmul workloads at any size (one verified
+    weight-streaming kernel with the norm or the gate inside), eager-equal."""
+    w = WORKLOADS[name]
+    xs = w.make_inputs(1, torch.float32, "cpu", seed=3, quick=True)
+    report = torch_mirage.Report()
+    compiled = torch.compile(w.fn, backend=torch_mirage.MirageBackend(options={"min_region_us": MIN_REGION_US},
+                                                                              report=report))
+    assert_close(compiled(*xs), w.fn(*[x.double() for x in xs]).float())
+    (region,) = report.regions
+    assert region.claimer == "ugraph-gemv" and region.info["ugraph"] == "weight_streaming", str(report)
 
 
 @pytest.mark.parametrize("scale", [64 ** -0.5, 0.3])
