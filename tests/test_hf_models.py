@@ -408,10 +408,11 @@ def test_modes_are_timed_alternately_each_with_its_own_forward(monkeypatch):
 def test_report_derives_speedups_over_reduce_overhead_and_best_inductor():
     modes = {"eager": {"status": "ok", "prefill_us": 900.0, "us_per_token": 90.0},
              "inductor": {"status": "ok", "prefill_us": 600.0, "us_per_token": 80.0},
-             "reduce-overhead": {"status": "ok", "prefill_us": 500.0, "us_per_token": 40.0, "decode_step_us": 30.0},
+             "reduce-overhead": {"status": "ok", "prefill_us": 500.0, "us_per_token": 40.0, "decode_step_us": 30.0,
+                                 "decode_kernels_per_layer": 9.5},
              "max-autotune": {"status": "error", "prefill_us": 100.0},
              "mirage": {"status": "ok", "prefill_us": 400.0, "us_per_token": 50.0, "decode_step_us": 24.0,
-                        "max_err_vs_fp32": 0.01}}
+                        "max_err_vs_fp32": 0.01, "prefill_kernels_per_layer": 13.0, "decode_kernels_per_layer": 6.25}}
     derived = M._derived(modes)
     assert derived["prefill_us_speedup_vs_reduce_overhead"] == pytest.approx(1.25)
     assert derived["decode_step_us_speedup_vs_reduce_overhead"] == pytest.approx(1.25)
@@ -424,6 +425,7 @@ def test_report_derives_speedups_over_reduce_overhead_and_best_inductor():
     text = M.markdown(doc)
     assert "Geomean prefill speedup of mirage over reduce-overhead: 1.25× over 1 cases." in text
     assert "skipped: no sdpa" in text
+    assert "| 13.0 / – | 6.25 / 9.5 |" in text     # kernels per layer: prefill, then the decode step
 
 
 def test_runs_of_one_model_each_merge_into_one_document(tmp_path):

@@ -365,9 +365,7 @@ def _check_mode(model, spec: HFModel, mode: str, dynamic: bool | None, ids: torc
             res["rel_err_vs_eager"] = rel_error(logits, eager_logits)
             res["max_err_vs_fp32"] = float((logits - ref32).abs().max())
             if device.type == "cuda":   # kernels per layer of a prefill forward (None: hidden in a graph)
-                n = count_device_kernels(lambda: fwd(ids))
-                res["prefill_kernels_per_layer"] = (None if n is None else
-                                                    round(n / model.config.num_hidden_layers, 1))
+                res["prefill_kernels_per_layer"] = _kernels_per_layer(model, lambda: fwd(ids))
             if spec.causal:
                 toks = greedy_generate(model, prompt, new_tokens)
                 res["tokens_match"] = _tokens_match(toks, eager_tokens)
@@ -376,6 +374,8 @@ def _check_mode(model, spec: HFModel, mode: str, dynamic: bool | None, ids: torc
                 step = decode_step(model, call) if call else None
                 if step is not None:
                     steps[mode] = step
+                    if device.type == "cuda":   # the step's put-back adds a small kernel a layer in every mode
+                        res["decode_kernels_per_layer"] = _kernels_per_layer(model, step)
         if not math.isfinite(res["rel_err_vs_eager"]) or res["rel_err_vs_eager"] > tolerance(dtype, "model"):
             res["status"] = "mismatch"
         if report is not None:
@@ -392,6 +392,12 @@ def _check_mode(model, spec: HFModel, mode: str, dynamic: bool | None, ids: torc
             del model.forward   # the next mode compiles the class's forward
         _free(reset_dynamo=False)     # the mode's graphs stay for the timing
     return res
+
+
+def _kernels_per_layer(model, run: Callable[[], Any]) -> float | None:
+    """GPU kernels of one ``run()`` per decoder layer (None where the profiler cannot see them)."""
+    n = count_device_kernels(run)
+    return None if n is None else round(n / model.config.num_hidden_layers, 1)
 
 
 def _time_modes(model, spec: HFModel, forwards: dict, steps: dict, ids: torch.Tensor, prompt: torch.Tensor,
@@ -540,7 +546,7 @@ def markdown(doc: dict) -> str:
         f"{m} decode step µs" for m in modes] + [
         "mirage ÷ RO prefill", "mirage ÷ best prefill", "mirage ÷ RO token", "mirage ÷ RO decode step",
         "max err vs fp32 (mirage / inductor)",
-        "prefill kernels / layer (mirage / RO)", "mirage CUDA graph"]
+        "prefill kernels / layer (mirage / RO)", "decode step kernels / layer (mirage / RO)", "mirage CUDA graph"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in doc["models"]:
         if r.get("skipped"):
@@ -564,8 +570,8 @@ def markdown(doc: dict) -> str:
         mir = ms.get("mirage", {})
         ind = ms.get("inductor", {})
         errs = f"{mir.get('max_err_vs_fp32', float('nan')):.2e} / {ind.get('max_err_vs_fp32', float('nan')):.2e}"
-        kernels = " / ".join(str(ms.get(m, {}).get("prefill_kernels_per_layer") or "–")
-                             for m in ("mirage", "reduce-overhead"))
+        kernels, decode_kernels = (" / ".join(str(ms.get(m, {}).get(key) or "–") for m in ("mirage", "reduce-overhead"))
+                                   for key in ("prefill_kernels_per_layer", "decode_kernels_per_layer"))
         graphs = mir.get("mirage", {}).get("cuda_graphs", [])
         cg = "; ".join("yes" if g["captured"] else f"no: {g['reason']}" for g in graphs) or "–"
         lines.append("| " + " | ".join([r["model"], r["attn"]] + [cell(m, "prefill_us") for m in modes]
@@ -574,7 +580,8 @@ def markdown(doc: dict) -> str:
                                        + [ratio("prefill_us_speedup_vs_reduce_overhead"),
                                           ratio("prefill_us_speedup_vs_best_inductor"),
                                           ratio("us_per_token_speedup_vs_reduce_overhead"),
-                                          ratio("decode_step_us_speedup_vs_reduce_overhead"), errs, kernels, cg])
+                                          ratio("decode_step_us_speedup_vs_reduce_overhead"), errs, kernels,
+                                          decode_kernels, cg])
                      + " |")
     speed = [r["prefill_us_speedup_vs_reduce_overhead"] for r in doc["models"]
              if r.get("prefill_us_speedup_vs_reduce_overhead")]
