@@ -129,15 +129,22 @@ def test_fused_form_runs_one_weight_streaming_kernel(name, fn, extra, transposed
 
 
 @interpreted
-def test_a_small_matmul_region_is_claimed_below_the_stitch_floor():
-    """``MIRAGE_MIN_REGION_US`` (3 µs by default) holds back small stitch regions, not a region around a matmul:
-    Inductor runs the matmul as a kernel of its own too, so the fused norm + projection replaces launches
-    (the bench's HF decode projections, 0.6-1.7 µs of traffic, were left to Inductor by it)."""
-    name, fn, extra = FORMS[-4]                       # norm + linear + residual, 1 row: ~20 KB of traffic
-    xs = _inputs(extra, 1, True)
+@pytest.mark.parametrize("rows", [1, 32])
+def test_a_small_decode_matmul_region_is_claimed_below_the_stitch_floor(rows):
+    """``MIRAGE_MIN_REGION_US`` (3 µs by default) holds back small stitch regions, not a region around a decode
+    matmul (up to 16 rows): Inductor runs the matmul as a kernel of its own too, so the fused norm + projection
+    replaces launches (the bench's HF decode projections, 0.6-1.7 µs of traffic, were left to Inductor by it).
+    A prompt's rows keep the floor (cuBLAS was faster there)."""
+    name, fn, extra = FORMS[-4]                       # norm + linear + residual: ~20 KB of traffic a row
+    xs = _inputs(extra, rows, True)
     compiled, report = _compile(fn, min_region_us=3.0)
     assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float())
-    (region,) = _gemv_regions(report)
+    regions = _gemv_regions(report)
+    if rows > 16:
+        assert not regions and any(d.reason is Reason.BELOW_MIN_REGION and d.claimer == "ugraph-gemv"
+                                   for r in report.regions for d in r.declines), str(report)
+        return
+    (region,) = regions
     assert region.info["matmuls"] == 1 and "mean" in " ".join(region.ops), str(report)
 
 

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import torch
 
 from ..cache import ProcessMemo
-from ..analysis.cost import CostModel, matmul_rows, skinny_matmul
+from ..analysis.cost import SKINNY_ROWS, CostModel, matmul_rows, skinny_matmul
 from ..analysis.op_dims import matmul_operands
 from ..capture.ir import Graph, Node, Value
 from ..ugraph import KernelGraph
@@ -155,11 +155,18 @@ class GemvClaimer:
             if not is_convex(graph, nodes):
                 why = Decline(nodes, Reason.NOT_CONVEX, f"the region grown around {anchor.name}")
                 continue
-            # No MIRAGE_MIN_REGION_US floor here: Inductor runs a matmul as a kernel of its own too (cuBLAS), with
-            # the norm before it and the epilogue after it as further kernels, so the fused region replaces at
-            # least one launch with one; the measure stage times it against Inductor's. With the floor, the bench's
-            # HF decode graphs (hidden 1024, 4 rows) left every projection but the gated MLP's and the LM head's
-            # to Inductor (QKV + RoPE 1.3 µs, o_proj 0.6, down_proj 1.7 µs of traffic on the H100 model).
+            # A decode GEMV (at most SKINNY_ROWS rows) is not held back by MIRAGE_MIN_REGION_US: Inductor runs the
+            # matmul as a kernel of its own too (cuBLAS), with the norm before it and the epilogue after it as
+            # further kernels, so the fused region replaces at least one launch with one; the measure stage times
+            # it against Inductor's. With the floor, the bench's HF decode graphs (hidden 1024, 4 rows) left every
+            # projection but the gated MLP's and the LM head's to Inductor (QKV + RoPE 1.3 µs, o_proj 0.6,
+            # down_proj 1.7 µs of traffic on the H100 model). More rows (a prompt's, memory-bound by intensity
+            # only) keep the floor: there cuBLAS was faster (H200, 256 rows: 15.4 against 22.8 µs).
+            if matmul_rows(anchor) > SKINNY_ROWS:
+                # the graph's value facts from the analyse stage: not recomputed over the whole graph for each cut
+                memory_us = ctx.analysis_of(graph).region_cost(nodes, model).memory_us
+                if memory_us < ctx.config.min_region_us:
+                    return Decline(nodes, Reason.BELOW_MIN_REGION, f"{memory_us:.2f} µs of memory traffic")
             outcome = self._claim_cut(graph, nodes, ctx)
             if isinstance(outcome, Claim):
                 return outcome
