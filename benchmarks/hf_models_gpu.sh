@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Hugging Face models on one GPU (issue 18): mirage against eager and Inductor's modes, plus the gpu-marked tests.
 #
-#   [DYNAMIC=auto|false|default] [MODES=mirage,reduce-overhead] benchmarks/hf_models_gpu.sh quick   # ≈8 min: gpu tests, then llama,gemma2,gpt2,bert, default attention,
+#   [DYNAMIC=auto|false|default] [CACHE=static|dynamic] [MODES=mirage,reduce-overhead] benchmarks/hf_models_gpu.sh quick   # ≈8 min: gpu tests, then llama,gemma2,gpt2,bert, default attention,
 #                                       # eager/inductor/reduce-overhead/mirage, prefill 4×256 + 16 greedy tokens
 #   benchmarks/hf_models_gpu.sh full MODELS [ATTN]   # every mode incl. max-autotune (one 10-min command per
 #                                                    # model or two), e.g. full qwen2,mistral default,eager
@@ -24,7 +24,7 @@ case "$PART" in
     for model in ${MODELS:-llama gemma2 gpt2 bert}; do
       if (( SECONDS - start > ${BUDGET_S:-240} )); then echo "$model: not run (BUDGET_S spent)"; continue; fi
       "$PY" -X faulthandler -m torch_mirage.bench.models --models "$model" --attn default \
-        --modes "${MODES:-eager,inductor,reduce-overhead,mirage}" --new-tokens 16 --dynamic "${DYNAMIC:-auto}" \
+        --modes "${MODES:-eager,inductor,reduce-overhead,mirage}" --new-tokens 16 --dynamic "${DYNAMIC:-auto}" --cache "${CACHE:-static}" \
         --out "$OUTDIR" --name "hf_models_$model" 2>&1 | grep -v "cudagraph_utils.py" | tee -a "$OUTDIR/hf_models.log" \
         || echo "$model: exit ${PIPESTATUS[0]}" | tee -a "$OUTDIR/hf_models.log"
       [[ -f "$OUTDIR/hf_models_$model.json" ]] && parts+=("$OUTDIR/hf_models_$model.json")

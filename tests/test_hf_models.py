@@ -491,6 +491,20 @@ def test_the_bench_compiles_each_model_with_its_own_dynamic_setting(monkeypatch,
     assert seen == {"llama": False, "gemma2": False} and "dynamic=False)" in M.markdown(doc)
 
 
+@pytest.mark.slow   # ~30 s on a 2-core CPU
+def test_the_bench_generates_with_transformers_default_cache(tmp_path):
+    """``--cache dynamic``: generate with transformers' DynamicCache (no cache passed) under torch.compile's own
+    ``dynamic=None`` — mirage's tokens eager's, no decode step recorded (its size changes every step), and the
+    table's header names the cache."""
+    doc = M.run(["llama"], str(tmp_path), modes=["eager", "mirage"], attns=("default",), tiny=True,
+                dynamic="default", cache_kind="dynamic")
+    (record,) = doc["models"]
+    mirage = record["modes"]["mirage"]
+    assert mirage["status"] == "ok" and mirage["tokens_match"] == 1.0, record
+    assert "decode_kernels_per_layer" not in mirage and doc["settings"]["cache"] == "dynamic"
+    assert "greedy tokens with a dynamic cache" in M.markdown(doc)
+
+
 def test_compile_forward_passes_the_bench_dynamic_setting(monkeypatch):
     """``--dynamic default`` compiles every mode with torch.compile's own default (None); without it, False."""
     seen = []

@@ -10,7 +10,10 @@ attention implementation (``default``, what transformers picks — ``sdpa`` wher
   checked against eager's; the time per generated token is the whole call's time over the new tokens, and the
   decode step's time is one call of the (compiled) forward with the last decode step's arguments that
   ``generate`` passed, the static cache put back one token first (:func:`decode_step`): the compiled graph
-  without ``generate``'s own Python, which is most of a token's time at these sizes.
+  without ``generate``'s own Python, which is most of a token's time at these sizes. ``--cache dynamic``:
+  ``generate`` with transformers' default DynamicCache instead (``model.generate(ids)`` as most users call it),
+  timed per token only; pair it with ``--dynamic default``, as a DynamicCache's growing K / V recompile every
+  step under ``dynamic=False``.
 
 Every mode of a case is compiled and checked first and kept; then the modes are timed alternately (A B … B A),
 so that no mode inherits the process's state from the modes timed before it (:func:`run_case`).
@@ -57,6 +60,10 @@ logger = logging.getLogger("torch_mirage")
 SCHEMA = "torch_mirage.bench.models/1"
 MODES = ("eager", "inductor", "reduce-overhead", "max-autotune", "mirage")
 DYNAMIC = {"false": False, "default": None}   # --dynamic: torch.compile's ``dynamic`` for every model
+# --cache: the KV cache of ``generate``: a StaticCache allocated before the first call (as transformers' docs build
+# one for torch.compile), or transformers' default DynamicCache (``model.generate(ids)`` as most users call it:
+# its K / V grow a token a step, so the decode graph's sizes change every step)
+CACHES = ("static", "dynamic")
 AUTO = "auto"                                 # --dynamic auto: each model's own (HFModel.dynamic)
 ATTN = ("default", "eager")   # default: what transformers picks (sdpa where the model supports it)
 MISSING = "transformers is not installed: the model bench needs it (pip install 'torch-mirage[bench]')"
@@ -139,9 +146,13 @@ def forward_logits(model, spec: HFModel) -> Callable[[torch.Tensor], torch.Tenso
     return lambda ids: model(input_ids=ids, **extra).logits
 
 
-def greedy_generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Greedy decoding of exactly ``new_tokens`` tokens with a static KV cache. ``disable_compile``: on CUDA with a
-    static cache transformers would otherwise compile the forward itself, and eager would not be eager."""
+def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache_kind: str = "static") -> torch.Tensor:
+    """Greedy decoding of exactly ``new_tokens`` tokens with a static KV cache (``cache_kind="dynamic"``:
+    transformers' default DynamicCache). ``disable_compile``: on CUDA with a static cache transformers would
+    otherwise compile the forward itself, and eager would not be eager."""
+    if cache_kind == "dynamic":
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, disable_compile=True)
     cache = static_cache(model, ids.shape[0], ids.shape[1] + new_tokens, ids.device)
     if cache is not None:
         cache.reset()   # the same storage for every call (zeroed in place), as a serving loop keeps it
@@ -277,7 +288,7 @@ TIMED = ("prefill_us", "us_per_token", "decode_step_us")   # what each mode is t
 def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype, device: torch.device,
              tiny: bool, batch: int, tokens: int, new_tokens: int, timing: dict | None,
              log: Callable[[str], None] = print, dynamic: bool | None = False,
-             measure: Callable[..., dict] = plain_timing) -> dict:
+             measure: Callable[..., dict] = plain_timing, cache_kind: str = "static") -> dict:
     """One model with one attention implementation through every mode. Returns its JSON record.
 
     Every mode is compiled and checked first and all of them are kept (one Dynamo cache holds each mode's graphs,
@@ -301,7 +312,7 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
     with torch.no_grad():
         ref32 = forward_logits(copy.deepcopy(model).float(), spec)(ids).float()
         eager_logits = forward_logits(model, spec)(ids).float()
-        eager_tokens = greedy_generate(model, prompt, new_tokens) if spec.causal else None
+        eager_tokens = greedy_generate(model, prompt, new_tokens, cache_kind) if spec.causal else None
     forwards: dict[str, Any] = {}       # mode -> the compiled forward (None: the class's own)
     steps: dict[str, Callable] = {}     # mode -> its recorded decode step
     torch._dynamo.reset()
@@ -310,9 +321,10 @@ def run_case(spec: HFModel, attn: str, modes: Sequence[str], dtype: torch.dtype,
             for mode in modes:
                 record["modes"][mode] = _check_mode(model, spec, mode, dynamic, ids, prompt, new_tokens,
                                                     ref32, eager_logits, eager_tokens, dtype, device, timing,
-                                                    forwards, steps)
+                                                    forwards, steps, cache_kind)
             if timing is not None:
-                _time_modes(model, spec, forwards, steps, ids, prompt, new_tokens, record["modes"], timing, measure)
+                _time_modes(model, spec, forwards, steps, ids, prompt, new_tokens, record["modes"], timing, measure,
+                            cache_kind)
         finally:
             forwards.clear()
             steps.clear()
@@ -347,9 +359,11 @@ def room_for_modes(modes: Sequence[str]):
 
 def _check_mode(model, spec: HFModel, mode: str, dynamic: bool | None, ids: torch.Tensor, prompt: torch.Tensor,
                 new_tokens: int, ref32: torch.Tensor, eager_logits: torch.Tensor, eager_tokens: torch.Tensor | None,
-                dtype: torch.dtype, device: torch.device, timing: dict | None, forwards: dict, steps: dict) -> dict:
+                dtype: torch.dtype, device: torch.device, timing: dict | None, forwards: dict, steps: dict,
+                cache_kind: str = "static") -> dict:
     """Compile ``mode`` (Dynamo's caches kept), check its logits and tokens against eager's, count its kernels,
-    and keep its forward (and, when timed, its recorded decode step) for :func:`_time_modes`."""
+    and keep its forward (and, when timed with a static cache, its recorded decode step) for :func:`_time_modes`.
+    A DynamicCache has no decode step to time: generate's steps each have a size of their own."""
     report = Report() if mode == "mirage" else None
     res: dict = {"status": "ok"}
     try:
@@ -367,10 +381,11 @@ def _check_mode(model, spec: HFModel, mode: str, dynamic: bool | None, ids: torc
             if device.type == "cuda":   # kernels per layer of a prefill forward (None: hidden in a graph)
                 res["prefill_kernels_per_layer"] = _kernels_per_layer(model, lambda: fwd(ids))
             if spec.causal:
-                toks = greedy_generate(model, prompt, new_tokens)
+                toks = greedy_generate(model, prompt, new_tokens, cache_kind)
                 res["tokens_match"] = _tokens_match(toks, eager_tokens)
                 # one decode step as the compiled forward runs it, without generate's own Python around it
-                call = timing and last_decode_call(model, lambda: greedy_generate(model, prompt, new_tokens))
+                call = timing and cache_kind == "static" and last_decode_call(
+                    model, lambda: greedy_generate(model, prompt, new_tokens))
                 step = decode_step(model, call) if call else None
                 if step is not None:
                     steps[mode] = step
@@ -401,7 +416,8 @@ def _kernels_per_layer(model, run: Callable[[], Any]) -> float | None:
 
 
 def _time_modes(model, spec: HFModel, forwards: dict, steps: dict, ids: torch.Tensor, prompt: torch.Tensor,
-                new_tokens: int, results: dict, timing: dict, measure: Callable[..., dict] = plain_timing) -> None:
+                new_tokens: int, results: dict, timing: dict, measure: Callable[..., dict] = plain_timing,
+                cache_kind: str = "static") -> None:
     """Each checked mode's prefill, generated token and decode step, timed in the order A B … B A
     (``timing.alternating_times``), each half ``ceil(repeats / 2)`` repeats launched from Python with that mode's
     forward in place and Python's garbage collector paused (:func:`_collector_paused`). The time is
@@ -410,7 +426,7 @@ def _time_modes(model, spec: HFModel, forwards: dict, steps: dict, ids: torch.Te
     half_repeats = max(1, math.ceil(timing["repeats"] / 2))
     runs: dict[str, Callable[[], Any]] = {"prefill_us": lambda: forward_logits(model, spec)(ids)}
     if spec.causal:
-        runs["us_per_token"] = lambda: greedy_generate(model, prompt, new_tokens)
+        runs["us_per_token"] = lambda: greedy_generate(model, prompt, new_tokens, cache_kind)
     for key in TIMED:
         names = [m for m in forwards if m in steps] if key == "decode_step_us" else list(forwards) * (key in runs)
         if not names:
@@ -526,7 +542,7 @@ def markdown(doc: dict) -> str:
     lines = [f"# torch-mirage on Hugging Face models — {env['device']}", "",
              f"torch {env['torch']}, transformers {env.get('transformers')}, {doc['settings']['dtype']}, "
              f"batch {doc['settings']['batch']} × {doc['settings']['tokens']} tokens prefill, "
-             f"{doc['settings']['new_tokens']} greedy tokens with a static cache, "
+             f"{doc['settings']['new_tokens']} greedy tokens with a {doc['settings'].get('cache', 'static')} cache, "
              f"torch.compile(dynamic={_dynamic_setting(doc)}).", ""]
     if not doc["timing"]:
         lines += ["Correctness only: no timing claims.", ""]
@@ -620,9 +636,10 @@ def plot(doc: dict, path: str) -> str | None:
 def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequence[str] | None = None,
         attns: Sequence[str] = ATTN, tiny: bool | None = None, batch: int | None = None, tokens: int | None = None,
         new_tokens: int | None = None, repeats: int = 9, budget_s: float | None = None,
-        dynamic: str = AUTO) -> dict:
+        dynamic: str = AUTO, cache_kind: str = "static") -> dict:
     """The whole bench; writes ``out/stem.{json,md,png}`` and returns the document. ``dynamic``: a key of
-    :data:`DYNAMIC`, or ``auto`` for each model's own (:attr:`HFModel.dynamic`)."""
+    :data:`DYNAMIC`, or ``auto`` for each model's own (:attr:`HFModel.dynamic`); ``cache_kind``: one of
+    :data:`CACHES`, the KV cache of ``generate``."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     tiny = (not cuda) if tiny is None else tiny
@@ -637,6 +654,7 @@ def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequ
            "settings": {"models": [s.name for s in specs], "modes": list(modes), "attn": list(attns),
                         "dtype": str(dtype).replace("torch.", ""), "batch": batch, "tokens": tokens,
                         "new_tokens": new_tokens, "tiny": tiny, "repeats": repeats, "dynamic": dynamic,
+                        "cache": cache_kind,
                         "timing_order": "alternating"},
            "models": []}
     start = time.monotonic()
@@ -649,7 +667,7 @@ def run(names: Sequence[str] | None, out: str, stem: str = "models", modes: Sequ
             print(f"{spec.name} attn={attn}", flush=True)
             compile_dynamic = spec.dynamic if dynamic == AUTO else DYNAMIC[dynamic]
             record = run_case(spec, attn, modes, dtype, device, tiny, batch, tokens, new_tokens, timing,
-                              dynamic=compile_dynamic)
+                              dynamic=compile_dynamic, cache_kind=cache_kind)
             doc["models"].append(dict(record, dynamic=compile_dynamic))
             write_json(doc, os.path.join(out, f"{stem}.json"))   # partial results survive a time limit
     write_json(doc, os.path.join(out, f"{stem}.json"))
@@ -700,6 +718,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="torch.compile's dynamic for every mode: auto (default: each model's own — one static graph "
                         "per shape, torch.compile's own for gemma2), false (one static graph per shape for every "
                         "model) or default (torch.compile's own, dynamic=None, for every model)")
+    p.add_argument("--cache", choices=CACHES, default="static",
+                   help="generate's KV cache: static (default: a StaticCache allocated before the first call) or "
+                        "dynamic (transformers' default DynamicCache, as model.generate(ids) uses; no decode step "
+                        "is timed, its size changes every step; pair it with --dynamic default, or every step "
+                        "recompiles)")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench-results")
     p.add_argument("--name", default="models")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier runs into --out/NAME.{json,md} and exit")
@@ -712,7 +735,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     split = lambda s: [x for x in s.split(",") if x] if s else None
     run(split(args.models), args.out, args.name, split(args.modes), split(args.attn), args.tiny or None,
-        args.batch, args.tokens, args.new_tokens, args.repeats, args.budget_s, args.dynamic)
+        args.batch, args.tokens, args.new_tokens, args.repeats, args.budget_s, args.dynamic, args.cache)
     return 0
 
 
