@@ -11,7 +11,9 @@ Per mode and length it prints and writes (JSON under ``--out``):
   symbolic graph, compiled after it, now catches is compiled again there), host-launched, fastest sample per
   half, as the HF bench;
 * the relative error of the logits against eager's at that length;
-* for mirage, its graphs: which are symbolic, which are static compiles of which sizes, which run in CUDA graphs.
+* for mirage, its graphs: which are symbolic, which are static compiles of which sizes, which run in CUDA graphs,
+  their stage seconds; and per length, the fallback partitions Inductor compiled in mirage's assemble stage
+  (count, seconds, the slowest three).
 
     python benchmarks/serving_sizes_gpu.py [--model llama] [--batch 4] [--lengths 256,192,320]
 """
@@ -33,6 +35,31 @@ from torch_mirage.report import Report  # noqa: E402
 from torch_mirage.timing import fastest_per_half, plain_timing  # noqa: E402
 
 
+class PartitionCompiles:
+    """Inductor's compiles of the fallback's partitions (``regional_inductor`` calls ``standalone_compile`` once
+    per partition in mirage's assemble stage), timed: where a static compile's assemble seconds go."""
+
+    def __init__(self):
+        import torch._inductor
+        self.calls: list[tuple[float, int]] = []
+        self._orig = torch._inductor.standalone_compile
+
+        def timed(gm, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return self._orig(gm, *args, **kwargs)
+            finally:
+                self.calls.append((time.perf_counter() - start,
+                                   sum(n.op == "call_function" for n in gm.graph.nodes)))
+        torch._inductor.standalone_compile = timed
+
+    def take(self) -> dict:
+        calls, self.calls = self.calls, []
+        slowest = sorted(calls, reverse=True)[:3]
+        return {"partitions": len(calls), "seconds": round(sum(t for t, _ in calls), 2),
+                "slowest": [{"s": round(t, 2), "ops": n} for t, n in slowest]}
+
+
 def _timed_call(fn, ids) -> tuple[float, torch.Tensor]:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -42,7 +69,7 @@ def _timed_call(fn, ids) -> tuple[float, torch.Tensor]:
 
 
 def run_mode(model, spec, mode: str, prompts: dict[int, torch.Tensor], eager: dict[int, torch.Tensor],
-             calls: int) -> dict:
+             calls: int, partitions: PartitionCompiles) -> dict:
     report = Report() if mode == "mirage" else None
     M.compile_forward(model, mode, report, dynamic=None, reset=True)
     fwd = M.forward_logits(model, spec)
@@ -53,9 +80,11 @@ def run_mode(model, spec, mode: str, prompts: dict[int, torch.Tensor], eager: di
             for _ in range(calls):
                 s, out = _timed_call(fwd, ids)
                 seconds.append(round(s, 3))
-            res["lengths"][n] = {"call_s": seconds, "rel_err_vs_eager": rel_error(out, eager[n])}
-            print(f"  {mode:16s} length {n:4d}: calls {seconds} s, rel err {res['lengths'][n]['rel_err_vs_eager']:.2e}",
-                  flush=True)
+            res["lengths"][n] = {"call_s": seconds, "rel_err_vs_eager": rel_error(out, eager[n]),
+                                 "partition_compiles": partitions.take()}
+            got = res["lengths"][n]
+            print(f"  {mode:16s} length {n:4d}: calls {seconds} s, rel err {got['rel_err_vs_eager']:.2e}, "
+                  f"fallback partitions compiled {got['partition_compiles']}", flush=True)
         for n, ids in prompts.items():
             for _ in range(calls):   # a size the symbolic graph now catches first compiles here, not in the timing
                 fwd(ids)
@@ -94,9 +123,10 @@ def main() -> int:
     import triton
     doc["triton"] = triton.__version__
     print(f"{a.model} batch {a.batch}, prompt lengths {lengths}, dynamic=None", flush=True)
+    partitions = PartitionCompiles()
     for mode in a.modes.split(","):
         with torch._dynamo.config.patch(recompile_limit=64):
-            doc["modes"][mode] = run_mode(model, spec, mode, prompts, eager, a.calls)
+            doc["modes"][mode] = run_mode(model, spec, mode, prompts, eager, a.calls, partitions)
     print("\n| length | " + " | ".join(f"{m} calls (s) | {m} prefill µs" for m in doc["modes"]) + " |")
     print("|---" * (1 + 2 * len(doc["modes"])) + "|")
     for n in lengths:
