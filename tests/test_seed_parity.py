@@ -69,8 +69,8 @@ def test_bench_workload_keeps_its_claim_and_ugraph(name, b):
 
 @pytest.mark.parametrize("name", ["rmsnorm_linear", "gated_mlp"])
 def test_memory_bound_bench_matmuls_stream_with_the_default_claimers(name):
-    """With every claimer, the weight-streaming one takes the matmul workloads at any size (one verified
-    weight-streaming kernel with the norm or the gate inside), eager-equal."""
+    """With every claimer, the weight-streaming one takes the matmul workloads at decode rows (one here), whatever
+    their size (one verified weight-streaming kernel with the norm or the gate inside), eager-equal."""
     w = WORKLOADS[name]
     xs = w.make_inputs(1, torch.float32, "cpu", seed=3, quick=True)
     report = torch_mirage.Report()
