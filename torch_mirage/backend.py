@@ -195,10 +195,7 @@ class MirageBackend:
         except WholeGraphToInductor as whole:
             if inductor_version is not None and whole.failure is None:
                 # nothing of mirage's at this size: Inductor's compile already made serves it, no compile of its own
-                report = self.report.graphs[-1]
-                report.cuda_graph, report.cuda_graph_reason = False, ("runs Inductor's compile at symbolic sizes, "
-                                                                      "captured per size there")
-                return inductor_version
+                return _served_by(inductor_version, self.report.graphs[-1])
             return self._inductor_whole_graph(gm, example_inputs, cfg, self.report.graphs[-1], whole)
         except Exception as e:
             if cfg.strict:
@@ -244,9 +241,7 @@ class MirageBackend:
         ``inductor_version``: that compile, already made, in its own wrapper)."""
         if inductor_version is not None:
             _inductor_kept(report, f"not timed ({report.untimed_reason}): Inductor's compile at symbolic sizes kept")
-            report.cuda_graph, report.cuda_graph_reason = False, ("runs Inductor's compile at symbolic sizes, "
-                                                                 "captured per size there")
-            return inductor_version
+            return _served_by(inductor_version, report)
         lifted = _lifted(gm)
         aligned = report.num_inputs == lifted + len(example_inputs)
         static = tuple(i - lifted for i in _static_input_indices() if i >= lifted) if aligned else ()
@@ -404,6 +399,14 @@ def whole_graph_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg
                      regions=regions, knobs=knobs, against=report.choice_against,
                      device=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
                      timing="first call, fastest per half" if cfg.cuda_graphs else "in the caller's CUDA graph")
+
+
+def _served_by(inductor_version: Callable[..., Any], report: GraphReport) -> Callable[..., Any]:
+    """``inductor_version`` (Inductor's compile at symbolic sizes, in its own per-size CUDA graphs) serving the
+    graph of ``report``, which says so."""
+    report.cuda_graph, report.cuda_graph_reason = False, "runs Inductor's compile at symbolic sizes, captured per " \
+        "size there"
+    return inductor_version
 
 
 def _inductor_kept(report: GraphReport, detail: str) -> None:
