@@ -107,6 +107,21 @@ def test_hf_eager_forms_are_claimed(case, dtype):
     assert "eager" in info and "hk=2" in info and ("softcap=5" in info) == (case == "softcap"), info
 
 
+@pytest.mark.parametrize("skv,steps", [(67, 1), (134, 2)])
+def test_a_kv_length_without_a_short_divisor_is_walked_in_whole_tiles(skv, steps):
+    """Decode GQA (HF's ``repeat_kv`` then SDPA, as its sdpa path runs a DynamicCache) at a KV length whose
+    divisors up to the seed's 64-key tile are all below tl.dot's 16 (67 is prime): the seed's loop walks tiles
+    of 67 keys padded to 128 (1 step; 2 for 134), not 67 one-key steps, and is eager-equal."""
+    b, h, hk, d = 2, 4, 2, 16
+    q, k, v = _qkv(b, h, hk, 1, skv, d, torch.float16)
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, h // hk), repeat_kv(v, h // hk))
+
+    (region,) = _check(f, (q, k, v), torch.float16)
+    assert [launch["forloop_range"] for launch in region.info["launch"]] == [steps], region.info
+
+
 # ------------------------------------------------------------------ SDPA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", ["plain", "causal", "bool", "bool_empty_rows", "float", "gqa", "scale",

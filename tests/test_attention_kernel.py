@@ -371,6 +371,64 @@ def test_gpu_decode_split_kv_tuned(dtype):
     assert_close(out, _reference(q, k, v, m, d ** -0.5, None).to(dtype), dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("steps", ["one_key", "whole_tile"])
+def test_gpu_decode_seed_at_a_prime_kv_length(steps):
+    """Decode GQA (2 query rows per KV head packed, 8 KV heads, b=4, d 64, bf16) over 67 keys, the seed's loop
+    walking one key a step (what the seed did before ``library.tiles``; H200 11-29 y: its tuned launches disagreed
+    with its own schedule there) or one tile of 67 padded to 128 — every launch the tuner times, fp64-equal."""
+    from torch_mirage.superopt.launch import candidates
+
+    b, hk, rows, skv, d, dtype = 4, 8, 2, 67, 64, torch.bfloat16
+    kg = flash_attention(b, hk, rows, skv, d, scale=d ** -0.5, dtype="bfloat16",
+                         forloop_range=skv if steps == "one_key" else 1)
+    q = torch.randn(b, hk, rows, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(b, hk, skv, d, device="cuda", dtype=dtype) for _ in range(2))
+    want = _reference(q, k, v, torch.zeros(1, device="cuda"), d ** -0.5, None).to(dtype)
+    c = compile_ugraph(kg, [q, k, v], target=Target.CUDA)
+    assert_close(c(q, k, v)[0], want, dtype)
+    (bg,) = [op.body for op in kg.ops if op.name == "customized"]
+    for i, config in enumerate(candidates(bg, torch.cuda.get_device_properties(0).multi_processor_count)[:8]):
+        def only(bg, n_sm, limit, config=config):
+            return [config]
+        only.__name__ = f"only_{i}"      # a launch cache key of its own
+        one = compile_ugraph(kg, [q, k, v], target=Target.CUDA, propose=only)
+        assert_close(one(q, k, v)[0], want, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("skv", [64, 67, 131, 257])
+def test_gpu_decode_gqa_region_at_any_kv_length(skv, caplog):
+    """The region a DynamicCache decode hands the backend on Hopper (HF's ``repeat_kv``, then SDPA: cuDNN's op),
+    bf16, 16 query / 8 KV heads, b=4, at KV lengths that divide into 64-key tiles, that do not (67, 131: one tile
+    of the length) and 257 (no tile from 16 to 256 divides it): compiled strict — a failed check raises — with no
+    tuned launch disagreeing with the seed's own schedule, fp64-equal."""
+    import logging
+
+    import torch.nn.functional as F
+
+    import torch_mirage
+    from test_attention_family import _attention_regions, repeat_kv
+
+    b, h, hk, d, dtype = 4, 16, 8, 64, torch.bfloat16
+    q = torch.randn(b, h, 1, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(b, hk, skv, d, device="cuda", dtype=dtype) for _ in range(2))
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, h // hk), repeat_kv(v, h // hk))
+
+    torch._dynamo.reset()
+    report = torch_mirage.Report()
+    backend = torch_mirage.MirageBackend(options={"min_region_us": 0, "strict": True}, report=report)
+    with caplog.at_level(logging.WARNING, logger="torch_mirage"):
+        out = torch.compile(f, backend=backend)(q, k, v)
+    assert not [r.message for r in caplog.records if "disagrees" in r.message]
+    assert len(_attention_regions(report)) == 1, str(report)
+    assert_close(out, f(q.double(), k.double(), v.double()).to(dtype), dtype)
+
+
 @interp
 def test_column_sums_multiply_by_the_row_sum_reciprocal():
     """H2O's column-sum kernel divides each score's exp by its row's sum: one reciprocal per row (a (rows, 1)

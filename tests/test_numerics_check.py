@@ -1,5 +1,6 @@
 """The check stage's float64 reference: casts written in the graph (``softmax(..., dtype=float32).to(fp16)``)
 must not leave the reference with mixed dtypes."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -102,3 +103,50 @@ def test_the_check_runs_once_per_kind_of_region_and_hands_back_each_wrong_one():
         r.compiled_by, r.kernel, r.info = "mirage", kernel_of(r.nodes), {"ugraph_hash": h}
     check_regions(layers, graph, ctx)
     assert len(runs) == 2 and all(r.compiled_by == "mirage" for r in layers)
+
+
+def _fused_sdpa_graph(op, q, k, v, bias, **kwargs):
+    """One fused SDPA call as the backend lowers it from a CUDA graph (fake CUDA tensors: no GPU needed)."""
+    import operator
+
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from torch_mirage.capture.lower import lower
+
+    g = fx.Graph()
+    names = ["q", "k", "v"] + (["bias"] if bias is not None else [])
+    ph = [g.placeholder(n) for n in names]
+    args = (*ph[:3], ph[3] if bias is not None else None, False) if "cudnn" in str(op) or "efficient" in str(op) \
+        else tuple(ph[:3])
+    call = g.call_function(op, args, kwargs)
+    g.output((g.call_function(operator.getitem, (call, 0)),))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fakes = [torch.empty(t.shape, dtype=torch.bfloat16, device="cuda") if t.is_floating_point()
+                 else torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in (q, k, v, bias) if t is not None]
+    FakeTensorProp(gm, mode).propagate(*fakes)
+    return lower(gm)
+
+
+@pytest.mark.parametrize("op,gqa,bias,causal", [
+    ("_scaled_dot_product_cudnn_attention", True, True, False),
+    ("_scaled_dot_product_cudnn_attention", False, False, True),
+    ("_scaled_dot_product_efficient_attention", True, True, False),
+    ("_scaled_dot_product_flash_attention", False, False, True)])
+def test_the_float64_reference_of_a_fused_sdpa_kernel_is_the_math_path(op, gqa, bias, causal):
+    """A fused CUDA SDPA op's float64 reference (the check stage's) is SDPA's math path in float64 — GQA (fewer KV
+    heads), an additive bias, causal (top-left, sq < skv), the scale — never the fused kernel called on float64
+    inputs; built from fake CUDA tensors, so it runs on the CPU."""
+    b, h, hk, sq, skv, d = 2, 4, 2 if gqa else 4, 3, 7, 16
+    q, k, v = (torch.randn(b, n, s, d, dtype=torch.float64) for n, s in ((h, sq), (hk, skv), (hk, skv)))
+    mask = torch.randn(b, 1, sq, skv, dtype=torch.float64) if bias else None
+    target = getattr(torch.ops.aten, op).default
+    graph = _fused_sdpa_graph(target, q, k, v, mask, is_causal=causal, scale=0.3) if causal else \
+        _fused_sdpa_graph(target, q, k, v, mask, scale=0.3)
+    (out,) = to_fx(graph, float64=True)(*[t for t in (q, k, v, mask) if t is not None])
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=0.3, enable_gqa=gqa)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)

@@ -8,6 +8,7 @@ library's programs, the verifier's references; the backend's own graphs come fro
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -98,6 +99,61 @@ def _in_float64(args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+# the fused scaled_dot_product_attention kernels: their float64 reference is SDPA's math path
+# (:func:`_sdpa_in_float64`), not the kernel itself — cuDNN's and flash's take fp16 / bf16 only
+_FUSED_SDPA = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+               "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _is_fused_sdpa(target: Any) -> bool:
+    parts = str(target).split(".")
+    return len(parts) == 3 and parts[0] == "aten" and parts[1] in _FUSED_SDPA
+
+
+def _sdpa_in_float64(target: Any, outputs: list) -> Any:
+    """A stand-in for fused SDPA op ``target`` run on float64 inputs: the same call structure, its output from
+    ``aten._scaled_dot_product_attention_math`` (a float64 GQA, mask, causal and scale as the op reads them) and
+    its log-sum-exp from the scores, where the op's has the rows' shape; the other outputs (sequence offsets,
+    RNG state, debug mask) are the examples' shapes filled with NaN (float) or 0, never a reference. A fused
+    kernel is no float64 reference: it may refuse float64 or not compute in it (H200 11-29 y: the check of a
+    decode GQA region put eager's own bf16 cuDNN output 94 % off the float64 cuDNN call it made)."""
+    schema = target._schema
+
+    def run(*args: Any, **kwargs: Any) -> tuple:
+        a = {arg.name: arg.default_value for arg in schema.arguments if arg.has_default_value()}
+        a.update({arg.name: x for arg, x in zip(schema.arguments, args)})
+        a.update(kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
+        mask = a.get("attn_mask", a.get("attn_bias"))
+        gqa = q.shape[-3] != k.shape[-3]
+        out, _ = torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, mask, dropout_p=float(a.get("dropout_p") or 0.0), is_causal=bool(a.get("is_causal")),
+            scale=a.get("scale"), enable_gqa=gqa)
+        scale = a.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+        if gqa:
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        s = (q @ k.transpose(-1, -2)) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+        if a.get("is_causal"):
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        results = [out]
+        for ex in outputs[1:]:
+            shape, dtype = tuple(getattr(ex, "shape", ())), getattr(ex, "dtype", None)
+            if len(results) == 1 and dtype is not None and dtype.is_floating_point and lse.numel() == math.prod(shape):
+                results.append(lse.reshape(shape))
+            elif isinstance(dtype, torch.dtype):
+                fill = float("nan") if dtype.is_floating_point else 0
+                results.append(torch.full(shape, fill, dtype=torch.float64 if dtype.is_floating_point else dtype,
+                                          device=q.device))
+            else:
+                results.append(ex)
+        return tuple(results)
+
+    return run
+
+
 def to_fx(graph: Graph, float64: bool = False) -> fx.GraphModule:
     """The graph as an FX ``GraphModule`` of ATen calls (``meta['val']`` kept).
 
@@ -122,9 +178,12 @@ def to_fx(graph: Graph, float64: bool = False) -> fx.GraphModule:
         env[id(v)] = p
     for node in graph.nodes:
         args, kwargs = map_values((node.args, node.kwargs), lambda v: env[id(v)])
+        target = node.target
         if float64:
             args, kwargs = _in_float64(tuple(args), dict(kwargs), node.target)
-        call = g.call_function(node.target, tuple(args), dict(kwargs))
+            if _is_fused_sdpa(node.target):
+                target = _sdpa_in_float64(node.target, [v.example for v in node.outputs])
+        call = g.call_function(target, tuple(args), dict(kwargs))
         call.meta["val"] = pytree.tree_unflatten([v.example for v in node.outputs], node.out_structure)
         if len(node.outputs) == 1 and isinstance(graph.result(node), Value):
             env[id(node.outputs[0])] = call

@@ -52,7 +52,7 @@ from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_co
 from .attention_seeds import PLAN_KERNELS, ROW_BLOCK_KV, SEEDS, attention_column_sums, decode_split_counts
 from .attention_verify import verified
 from .launch import PREFILL_MIN_ROWS
-from .library import blocks
+from .library import blocks, tiles
 from .plan_select import Candidate, select_plan
 from .ugraph_plan import Alternative, UGraphPlan
 from .validate import validate
@@ -249,7 +249,7 @@ def plan_candidates(spec: AttentionSpec, graph: Graph, mask_shape: tuple | None 
         cands.append(Candidate("column_sums", us(column_pass, colsums), PLAN_KERNELS["column_sums"].produces,
                                PLAN_KERNELS["column_sums"].needs))
     if spec.skv <= ROW_BLOCK_KV:
-        per_head = blocks(spec.sq, SEED_TILE)      # more than one: partial sums, and a kernel that adds them
+        per_head = tiles(spec.sq, SEED_TILE)      # more than one: partial sums, and a kernel that adds them
         scratch_us = 0.0 if per_head == 1 else (2 * spec.b * spec.h * per_head * spec.skv * 4 / model.device.bandwidth
                                                 + model.kernel_overhead_s) * 1e6
         cands.append(Candidate("row_block", us(spec.nodes, [spec.output, *colsums]) + scratch_us,
@@ -577,7 +577,7 @@ def rows_fill_the_sms(spec: AttentionSpec) -> bool:
     """Whether FlashAttention's programs over ``spec``'s query rows alone (a block of ``SEED_TILE`` rows per batch
     row and KV head, the smallest row tile the prefill launches take) make ``ROW_WAVES`` waves of the device's
     SMs: then the split-KV seed is not built."""
-    programs = spec.b * spec.hk * blocks(spec.group * spec.sq, SEED_TILE)
+    programs = spec.b * spec.hk * tiles(spec.group * spec.sq, SEED_TILE)
     return programs >= ROW_WAVES * DeviceModel.current().sm_count
 
 

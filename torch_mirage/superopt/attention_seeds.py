@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 
 from ..ugraph import KernelGraph
 from .builder import new_kernel_graph, new_threadblock_graph
-from .library import blocks, split_kv_combine
+from .library import blocks, split_kv_combine, tiles
 
 PHI = None
 NEG_INF = float("-inf")
@@ -112,8 +112,8 @@ def flash_attention(b: int, hk: int, rows: int, skv: int, d: int, *, scale: floa
     M = g.new_input((*mask, rows, skv), mask_dtype) if mask is not None else None
     B = _bias_input(g, bias, rows, skv, mask_dtype)
     table = mask_tile_table(g, M, band) if scan_table else None
-    outs = _flash_op(g, Q, K, V, M, scale=scale, softcap=softcap, q_blocks=q_blocks or blocks(rows, tile),
-                     forloop_range=forloop_range or blocks(skv, tile), band=band, stats=stats, mask_fill=mask_fill,
+    outs = _flash_op(g, Q, K, V, M, scale=scale, softcap=softcap, q_blocks=q_blocks or tiles(rows, tile),
+                     forloop_range=forloop_range or tiles(skv, tile), band=band, stats=stats, mask_fill=mask_fill,
                      empty_rows=empty_rows, table=table, B=B)
     for t in outs:
         g.mark_output(t)
@@ -209,8 +209,8 @@ def flash_decoding(b: int, hk: int, rows: int, skv: int, d: int, *, scale: float
     :func:`flash_attention`'s)."""
     masked = mask is not None
     splits = splits or blocks(skv, 4 * tile)
-    forloop_range = forloop_range or blocks(skv // splits, tile)
-    q_blocks = q_blocks or blocks(rows, tile)
+    forloop_range = forloop_range or tiles(skv // splits, tile)
+    q_blocks = q_blocks or tiles(rows, tile)
     # the combine holds (splits, its rows, d) fp32 in registers, rows padded to 16 unless one: decode's few rows
     # one per program (on the H100 the 64-split decode seed, its combine 64 x 16 padded rows x d 128, never ran)
     combine_q_blocks = combine_q_blocks or (rows if rows < 16 else blocks(rows, 8))
@@ -400,7 +400,7 @@ def _row_block_op(g, Q, K, V, M, *, group: int, scale: float, softcap: float | N
 
 def _k_flash(g, env, p, stats=False):
     outs = _flash_op(g, env["q"], env["k"], env["v"], env.get("mask"), scale=p["scale"], softcap=p["softcap"],
-                     q_blocks=blocks(p["rows"], p["tile"]), forloop_range=blocks(p["skv"], p["tile"]),
+                     q_blocks=tiles(p["rows"], p["tile"]), forloop_range=tiles(p["skv"], p["tile"]),
                      band=p["band"], stats=stats, table=env.get("table"))
     return dict(zip(("out", "row_max", "row_sum"), outs))
 
@@ -409,7 +409,7 @@ def _k_columns(g, env, p):
     sq = p["rows"] // p["group"]
     return {"colsum": _column_op(g, env["q"], env["k"], env.get("mask"), env["row_max"], env["row_sum"],
                                  group=p["group"], scale=p["scale"], softcap=p["softcap"],
-                                 q_tiles=blocks(sq, p["tile"]), k_blocks=blocks(p["skv"], p["tile"]),
+                                 q_tiles=tiles(sq, p["tile"]), k_blocks=tiles(p["skv"], p["tile"]),
                                  band=p["band"], table=env.get("table"))}
 
 
@@ -418,7 +418,7 @@ def _k_row_block(g, env, p):
         raise ValueError(f"row-block column sums: KV length {p['skv']} > {ROW_BLOCK_KV} (a block holds whole rows)")
     sq = p["rows"] // p["group"]
     out, colsum = _row_block_op(g, env["q"], env["k"], env["v"], env.get("mask"), group=p["group"],
-                                scale=p["scale"], softcap=p["softcap"], q_blocks=p["group"] * blocks(sq, p["tile"]))
+                                scale=p["scale"], softcap=p["softcap"], q_blocks=p["group"] * tiles(sq, p["tile"]))
     return {"out": out, "colsum": colsum}
 
 

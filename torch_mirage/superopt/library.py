@@ -37,6 +37,25 @@ def blocks(extent: int, tile: int) -> int:
     return next(d for d in range(1, extent + 1) if extent % d == 0 and extent // d <= tile)
 
 
+DOT_MIN = 16   # tl.dot's shortest tile edge: a shorter part is a broadcast multiply-sum, one key or row a step
+
+
+def tiles(extent: int, tile: int) -> int:
+    """How many equal tiles a kernel walks ``extent`` in: :func:`blocks`' fewest parts at most ``tile`` long,
+    unless those are shorter than ``DOT_MIN`` while ``extent`` is not (a length with no divisor in between: 67
+    keys would be 67 one-key steps of the loop) — then the fewest parts at most ``2 · tile``, else ``4 · tile``,
+    long, where those reach ``DOT_MIN`` (one tile of 67 keys padded to 128; two of 67 for 134). A ``tile`` below
+    ``DOT_MIN`` is taken as asked."""
+    n = blocks(extent, tile)
+    if extent // n >= DOT_MIN or extent < DOT_MIN or tile < DOT_MIN:
+        return n
+    for cap in (2 * tile, 4 * tile):
+        wide = blocks(extent, cap)
+        if extent // wide >= DOT_MIN:
+            return wide
+    return n
+
+
 # ------------------------------------------------------------------ RMSNorm + Linear
 def rmsnorm_linear(m: int, k: int, n: int, *, dtype: str = "float16", eps: float = 0.0,
                    grid: int | None = None, forloop_range: int | None = None, tile: int = 64) -> KernelGraph:
