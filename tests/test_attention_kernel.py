@@ -399,12 +399,13 @@ def test_gpu_decode_seed_at_a_prime_kv_length(steps):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("skv", [64, 67, 131, 257])
+@pytest.mark.parametrize("skv", [64, 67, 134, 131])
 def test_gpu_decode_gqa_region_at_any_kv_length(skv, caplog):
     """The region a DynamicCache decode hands the backend on Hopper (HF's ``repeat_kv``, then SDPA: cuDNN's op),
-    bf16, 16 query / 8 KV heads, b=4, at KV lengths that divide into 64-key tiles, that do not (67, 131: one tile
-    of the length) and 257 (no tile from 16 to 256 divides it): compiled strict — a failed check raises — with no
-    tuned launch disagreeing with the seed's own schedule, fp64-equal."""
+    bf16, 16 query / 8 KV heads, b=4, at KV lengths that divide into 64-key tiles, that do not (67: one tile of
+    67, 134: two) and 131 (no tile from 16 to 128 divides it: one key a step): claimed (no timing against
+    Inductor), compiled strict — a failed check raises — with no tuned launch disagreeing with the seed's own
+    schedule, fp64-equal."""
     import logging
 
     import torch.nn.functional as F
@@ -421,7 +422,8 @@ def test_gpu_decode_gqa_region_at_any_kv_length(skv, caplog):
 
     torch._dynamo.reset()
     report = torch_mirage.Report()
-    backend = torch_mirage.MirageBackend(options={"min_region_us": 0, "strict": True}, report=report)
+    backend = torch_mirage.MirageBackend(options={"min_region_us": 0, "strict": True, "measure_regions": False},
+                                         report=report)
     with caplog.at_level(logging.WARNING, logger="torch_mirage"):
         out = torch.compile(f, backend=backend)(q, k, v)
     assert not [r.message for r in caplog.records if "disagrees" in r.message]

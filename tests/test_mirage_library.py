@@ -162,11 +162,11 @@ def test_executor_does_all_arithmetic_through_arith():
 
 
 @pytest.mark.parametrize("extent,tile,want", [(256, 64, 4), (100, 64, 2), (5, 64, 1), (67, 64, 1), (134, 64, 2),
-                                              (131, 64, 1), (257, 64, 257), (12, 4, 3), (16, 4, 4)])
+                                              (131, 64, 131), (201, 64, 3), (12, 4, 3), (16, 4, 4)])
 def test_tiles_walk_a_length_without_a_short_divisor_in_whole_tiles(extent, tile, want):
     """A length whose divisors up to ``tile`` are all shorter than tl.dot's 16 (67, a prime) is walked in one
-    padded tile of 67 (two of 67 for 134), not 67 one-key steps; 257 has no such tile within 4·64 and stays; a
-    length that divides well, or a tile below 16 asked for (4 of 16), is :func:`library.blocks`' answer."""
+    padded tile of 67 (two of 67 for 134, three for 201), not 67 one-key steps; 131 has no such tile within
+    2·64 and stays; a length that divides well, or a tile below 16 asked for (4 of 16), is :func:`library.blocks`' answer."""
     assert library.tiles(extent, tile) == want
     if extent // library.blocks(extent, tile) >= library.DOT_MIN or extent <= tile or tile < library.DOT_MIN:
         assert want == library.blocks(extent, tile)

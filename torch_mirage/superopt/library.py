@@ -43,12 +43,14 @@ DOT_MIN = 16   # tl.dot's shortest tile edge: a shorter part is a broadcast mult
 def tiles(extent: int, tile: int) -> int:
     """How many equal tiles a kernel walks ``extent`` in: :func:`blocks`' fewest parts at most ``tile`` long,
     unless those are shorter than ``DOT_MIN`` while ``extent`` is not (a length with no divisor in between: 67
-    keys would be 67 one-key steps of the loop) — then the fewest parts at most ``2 · tile``, else ``4 · tile``,
-    long, where those reach ``DOT_MIN`` (one tile of 67 keys padded to 128; two of 67 for 134). A ``tile`` below
-    ``DOT_MIN`` is taken as asked."""
+    keys would be 67 one-key steps of the loop) — then the fewest parts at most ``2 · tile`` long, where those
+    reach ``DOT_MIN`` (one tile of 67 keys padded to 128; two of 67 for 134). No wider: a 128-row block's
+    scores over 128 keys already fill ``launch.MAX_TILE``. A ``tile`` below ``DOT_MIN`` is taken as asked."""
     n = blocks(extent, tile)
     if extent // n >= DOT_MIN or extent < DOT_MIN or tile < DOT_MIN:
         return n
+    wide = blocks(extent, 2 * tile)
+    return wide if extent // wide >= DOT_MIN else n
     for cap in (2 * tile, 4 * tile):
         wide = blocks(extent, cap)
         if extent // wide >= DOT_MIN:

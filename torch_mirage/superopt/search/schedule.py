@@ -26,7 +26,7 @@ def divisors(n: int) -> list[int]:
 
 def forloop_ranges(skel: Skeleton, inputs: Sequence, tile: int) -> list[int]:
     """Candidate for-loop ranges: divisors of every fmapped dim, the one giving tiles closest to
-    ``tile`` (at most ``tile``) first — as :func:`~..library.tiles` chooses, tiles of up to 2 or 4 ``tile``
+    ``tile`` (at most ``tile``) first — as :func:`~..library.tiles` chooses, tiles of up to 2 ``tile``
     where those at most ``tile`` would be shorter than ``DOT_MIN`` (a prime length) —; 1 when no iterator
     has an fmap."""
     sizes = [inputs[i][0][f] for i, f in enumerate(skel.fmaps) if f is not None]
@@ -38,7 +38,7 @@ def forloop_ranges(skel: Skeleton, inputs: Sequence, tile: int) -> list[int]:
         return next((d for d in common if max(sizes) // d <= cap), common[-1])
     best = fewest(tile)
     if min(sizes) // best < DOT_MIN <= min(sizes) and tile >= DOT_MIN:
-        best = next((d for d in (fewest(2 * tile), fewest(4 * tile)) if min(sizes) // d >= DOT_MIN), best)
+        best = wide if min(sizes) // (wide := fewest(2 * tile)) >= DOT_MIN else best
     return [best] + [d for d in (skel.probe_range,) if d != best and d in common]
 
 
