@@ -122,6 +122,23 @@ def test_a_kv_length_without_a_short_divisor_is_walked_in_whole_tiles(skv, steps
     assert [launch["forloop_range"] for launch in region.info["launch"]] == [steps], region.info
 
 
+def test_a_kv_length_with_only_short_tiles_is_left_to_inductor():
+    """131 keys (a prime above the 128-key widest tile): the seeds would walk one key a step, so the claimer
+    declines and says why; the program is eager-equal through Inductor."""
+    b, h, hk, d = 2, 4, 2, 16
+    q, k, v = _qkv(b, h, hk, 1, 131, d, torch.float16)
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, h // hk), repeat_kv(v, h // hk))
+
+    torch._dynamo.reset()
+    compiled, report = _compile(f)
+    assert_close(compiled(q, k, v), f(q.double(), k.double(), v.double()).to(q.dtype), torch.float16)
+    assert not _attention_regions(report)
+    why = [d.detail for r in report.regions for d in r.declines if d.claimer == "attention"]
+    assert any("a KV length of 131 keys" in w for w in why), why
+
+
 # ------------------------------------------------------------------ SDPA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", ["plain", "causal", "bool", "bool_empty_rows", "float", "gqa", "scale",

@@ -52,7 +52,7 @@ from ..partition.region import Claim, Decline, Outcome, Reason, inputs_of, is_co
 from .attention_seeds import PLAN_KERNELS, ROW_BLOCK_KV, SEEDS, attention_column_sums, decode_split_counts
 from .attention_verify import verified
 from .launch import PREFILL_MIN_ROWS
-from .library import blocks, tiles
+from .library import DOT_MIN, blocks, tiles
 from .plan_select import Candidate, select_plan
 from .ugraph_plan import Alternative, UGraphPlan
 from .validate import validate
@@ -314,6 +314,13 @@ class AttentionClaimer:
             return Reason.DYNAMIC_SHAPE, "a mask of dynamic shape"
         if spec.dv and spec.extra_outputs:
             return Reason.NO_KERNEL, "column sums of P with V's head size unlike Q's (no such plan)"
+        key_tile = spec.skv // tiles(spec.skv, SEED_TILE)
+        if key_tile < DOT_MIN <= spec.skv:
+            # a KV length with no divisor from 16 to 128 (131, a prime; 2·131): the seeds' loop would walk
+            # tiles of one or a few keys, each step a broadcast multiply-sum or a tl.dot mostly padding (and the
+            # one-key launches disagreed on the H200, 11-29 y); whole tiles with a ragged last one are not built
+            return Reason.NO_KERNEL, (f"a KV length of {spec.skv} keys, whose tiles of at most "
+                                      f"{2 * SEED_TILE} keys would be {key_tile} key(s) long")
         return None
 
     def _claim(self, spec: AttentionSpec, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> Outcome:
