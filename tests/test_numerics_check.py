@@ -56,6 +56,28 @@ def test_check_against_float64_reports_a_wrong_kernel_instead_of_failing():
     assert numerics_problem(region, graph) is None
 
 
+def test_a_float64_reference_without_a_value_passes_no_kernel(monkeypatch):
+    """A kernel off eager by more than the tolerance is passed only by a float64 reference it is near: where the
+    reference has NaN (an output the float64 program cannot compute: a fused SDPA op's RNG state), it fails."""
+    import torch_mirage.runtime.measure as measure
+
+    graph = trace_ir(_attention, *_qkv(torch.float16))
+    program = to_fx(graph)
+
+    def off_by_five_percent(*inputs):
+        (out,) = program(*inputs)
+        return (out * 1.05,)
+
+    def no_reference(g, float64=False):
+        run = to_fx(g, float64=float64)
+        return (lambda *xs: tuple(torch.full_like(o, float("nan")) for o in run(*xs))) if float64 else run
+
+    monkeypatch.setattr(measure, "to_fx", no_reference)
+    region = Region(list(graph.nodes), "mirage", Reason.CLAIMED, kernel=off_by_five_percent)
+    problem = numerics_problem(region, graph)
+    assert problem is not None and "against float64" in problem, problem
+
+
 def _two_layers(x, w1, w2):
     """Two matmuls of one shape on different weights (a model's layers' regions)."""
     h = torch.softmax(x @ w1, dim=-1)

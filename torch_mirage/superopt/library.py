@@ -51,11 +51,6 @@ def tiles(extent: int, tile: int) -> int:
         return n
     wide = blocks(extent, 2 * tile)
     return wide if extent // wide >= DOT_MIN else n
-    for cap in (2 * tile, 4 * tile):
-        wide = blocks(extent, cap)
-        if extent // wide >= DOT_MIN:
-            return wide
-    return n
 
 
 # ------------------------------------------------------------------ RMSNorm + Linear
