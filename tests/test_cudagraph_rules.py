@@ -550,3 +550,60 @@ def test_symbolic_sizes_are_read_off_scalars_and_tensor_shapes():
     assert symbolic_sizes([torch.randn(2), dynamic])
     assert symbolic_sizes([torch.randn(2), env.create_unbacked_symint()])
     assert not symbolic_sizes([torch.randn(2), 3, 1.5, static])     # a fake tensor of static sizes is static
+
+
+def test_a_graph_of_symbolic_sizes_is_timeable_at_its_first_call():
+    """The whole-graph timing runs on the first real call, whose sizes are concrete: a graph of symbolic sizes
+    (a SymInt input, a tensor of a symbolic dim) is timeable as a static one is; random ops or inputs off the
+    GPU are not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from torch_mirage.runtime.choose import is_timeable
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    with mode:
+        cuda = torch.empty(4, 8, device="cuda")
+    dynamic = mode.from_tensor(torch.randn(4, 8), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
+    plain = torch.fx.symbolic_trace(lambda x, n: x * 2)
+    noisy = torch.fx.symbolic_trace(lambda x, n: x + torch.ops.aten.rand_like.default(x))
+    size = env.create_unbacked_symint()
+    assert is_timeable(plain, [cuda, size])
+    assert not is_timeable(noisy, [cuda, size])
+    assert not is_timeable(plain, [dynamic, size])          # a CPU tensor (fake, of symbolic rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_symbolic_decode_graph_is_timed_whole_on_gpu():
+    """A decode step under a cache that grows a token a step (transformers' DynamicCache, ``dynamic=None``):
+    Dynamo's symbolic graph holds a static projection (4 rows: mirage's weight-streaming region) and the cache's
+    concatenation at symbolic length. It is timed whole against Inductor's compile at its first call — it was
+    kept Inductor's untimed ("dynamic shapes") — and every step is eager-equal."""
+    import torch_mirage
+
+    torch.manual_seed(0)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.float16) * 0.03
+
+    def step(x, cache):
+        h = x + torch.nn.functional.linear(x, w)
+        cache = torch.cat([cache, h[:, None, :64]], 1)
+        return h, cache
+
+    report = torch_mirage.Report()
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=torch_mirage.MirageBackend({"static_sizes": 0}, report=report))
+    cache = torch.randn(4, 8, 64, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 1024, device="cuda", dtype=torch.float16)
+            (h, new), (h_ref, new_ref) = compiled(x, cache), step(x, cache)
+            torch.testing.assert_close(h, h_ref, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(new, new_ref)
+            cache = new_ref
+    torch._dynamo.reset()
+    symbolic = [g for g in report.graphs if g.symbolic_sizes]
+    assert symbolic and any(r.claimer == "ugraph-gemv" for g in symbolic for r in g.regions), str(report)
+    assert all(set(g.choice_times_us) == {"mirage", "inductor"} for g in symbolic), str(report)

@@ -361,7 +361,7 @@ def _timed_against_inductor(report: GraphReport, cfg: config_mod.Config) -> bool
                and report.fallback_error is None and any(r.compiled_by == "mirage" for r in report.regions)
                and torch.cuda.is_available())
     if applies and not report.timeable:
-        report.untimed_reason = ("random ops, dynamic shapes, or writes beyond what the graph shows "
+        report.untimed_reason = ("random ops, inputs not all CUDA tensors, or writes beyond what the graph shows "
                                  "(re-running it could change the caller's state)")
     return applies and report.timeable
 

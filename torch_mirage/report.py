@@ -90,7 +90,7 @@ class GraphReport:
     fallback_error: str | None = None
     whole_graph_to_inductor: bool = False   # no mirage region: the Dynamo graph went to Inductor's compile_fx
     mutated_inputs: tuple[int, ...] = ()    # graph inputs written in place (cloned when the graph is timed)
-    timeable: bool = False                  # may be re-run on real inputs (CUDA, static shapes, no random ops)
+    timeable: bool = False                  # may be re-run on real inputs (CUDA, no random ops; symbolic: at one size)
     choice: str | None = None            # "mirage" | "inductor": the faster version of the whole graph, timed
     choice_times_us: dict[str, float] = field(default_factory=dict)
     choice_cached: bool = False          # that choice read from the disk cache (an earlier compile timed it)
