@@ -347,8 +347,10 @@ class MirageBackend:
                 return mirage
             blocker = None if report.cuda_graph else (report.cuda_graph_reason or "not captured")
             mutated = tuple(i - len(lifted) for i in positions if i >= len(lifted))
-            inductor = _in_cuda_graph(inductor, blocker, static, cfg, GraphReport(report.index, report.kind),
-                                      mutated)
+            # the wrapper's own report (what it records is not this graph's), symbolic where the graph is: a CUDA
+            # graph per input size, as mirage's version has
+            own = GraphReport(report.index, report.kind, symbolic_sizes=report.symbolic_sizes)
+            inductor = _in_cuda_graph(inductor, blocker, static, cfg, own, mutated, log_symbolic=False)
         if verdict is not None:                                   # Inductor's won when this graph was timed
             _choice_recorder(report, cached=True)("inductor", verdict.times)
             return inductor
@@ -367,13 +369,14 @@ def _timed_against_inductor(report: GraphReport, cfg: config_mod.Config) -> bool
 
 
 def _in_cuda_graph(compiled: Any, blocker: str | None, static_input_indices: Sequence[int], cfg: config_mod.Config,
-                   report: GraphReport, mutated_input_indices: Sequence[int] = ()) -> Any:
-    """An unboxed ``compiled(*args)`` in our CUDA-graph wrapper where capture is allowed."""
+                   report: GraphReport, mutated_input_indices: Sequence[int] = (), log_symbolic: bool = True) -> Any:
+    """An unboxed ``compiled(*args)`` in our CUDA-graph wrapper where capture is allowed (``log_symbolic``: see
+    :func:`~torch_mirage.pipeline.wrap_cuda_graph`)."""
     if blocker is not None or not cfg.cuda_graphs:
-        wrap_cuda_graph(None, blocker, (), cfg, report)   # records the reason only
+        wrap_cuda_graph(None, blocker, (), cfg, report, log_symbolic=log_symbolic)   # records the reason only
         return compiled
     boxed = wrap_cuda_graph(lambda args: compiled(*args), None, static_input_indices, cfg, report,
-                            mutated_input_indices)
+                            mutated_input_indices, log_symbolic=log_symbolic)
     return lambda *args: boxed(list(args))
 
 

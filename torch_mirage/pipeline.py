@@ -358,10 +358,12 @@ def _maybe_cuda_graph(fn: Any, gm: fx.GraphModule, example_inputs: Sequence[Any]
 
 
 def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence[int], config: Config,
-                    report: GraphReport, mutated_input_indices: Sequence[int] = ()) -> Any:
+                    report: GraphReport, mutated_input_indices: Sequence[int] = (), log_symbolic: bool = True) -> Any:
     """``fn`` (boxed) inside a :class:`CudaGraphRunner` when capture is allowed (a graph of symbolic sizes: one
     per input size, :class:`SizedCudaGraphs`, up to ``config.cuda_graph_sizes``); the reason in the report.
-    Static inputs (parameters, buffers, KV caches) are captured in place; written user inputs are copied back."""
+    Static inputs (parameters, buffers, KV caches) are captured in place; written user inputs are copied back.
+    ``log_symbolic``: a graph of symbolic sizes says how it runs in one INFO line (not for Inductor's version that
+    its whole-graph timing wraps: the graph's own line says it)."""
     if not config.cuda_graphs:
         report.cuda_graph_reason = "disabled (MIRAGE_CUDA_GRAPHS=0)"
     elif blocker is None and report.symbolic_sizes and config.cuda_graph_sizes == 0:
@@ -372,7 +374,7 @@ def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence
         def on_disable(why: str) -> None:
             report.cuda_graph, report.cuda_graph_reason = False, why
 
-        if report.symbolic_sizes:
+        if report.symbolic_sizes and log_symbolic:
             _log_symbolic(report, f"in a CUDA graph per input size (up to {config.cuda_graph_sizes}, "
                                   "MIRAGE_CUDA_GRAPH_SIZES)", config)
             runner = SizedCudaGraphs(fn, static_input_indices, config.cuda_graph_sizes, on_disable,
@@ -384,7 +386,8 @@ def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence
     else:
         report.cuda_graph_reason = blocker
     if report.symbolic_sizes:
-        _log_symbolic(report, f"without a CUDA graph ({report.cuda_graph_reason})", config)
+        if log_symbolic:
+            _log_symbolic(report, f"without a CUDA graph ({report.cuda_graph_reason})", config)
         return fn
     log.debug("torch_mirage: %s graph %d runs without a CUDA graph: %s", report.kind, report.index,
               report.cuda_graph_reason)
