@@ -607,3 +607,24 @@ def test_a_symbolic_decode_graph_is_timed_whole_on_gpu():
     symbolic = [g for g in report.graphs if g.symbolic_sizes]
     assert symbolic and any(r.claimer == "ugraph-gemv" for g in symbolic for r in g.regions), str(report)
     assert all(set(g.choice_times_us) == {"mirage", "inductor"} for g in symbolic), str(report)
+
+
+@pytest.mark.parametrize("log_symbolic", [True, False])
+def test_a_symbolic_graphs_wrapper_records_per_size_and_logs_once(monkeypatch, caplog, log_symbolic):
+    """A graph of symbolic sizes is wrapped in a CUDA graph per input size whether or not it says so in its INFO
+    line: the whole-graph timing wraps Inductor's version of such a graph quietly (the graph's own line has
+    said how it runs), and that version must still be recorded per size, not once."""
+    import logging
+
+    import torch_mirage.pipeline as P
+    from torch_mirage.config import load
+    from torch_mirage.report import GraphReport
+
+    made = []
+    monkeypatch.setattr(P, "SizedCudaGraphs", lambda *a, **k: made.append("per size") or (lambda args: None))
+    monkeypatch.setattr(P, "CudaGraphRunner", lambda *a, **k: made.append("once") or (lambda args: None))
+    report = GraphReport(0, "inference", symbolic_sizes=True)
+    with caplog.at_level(logging.INFO, logger="torch_mirage"):
+        P.wrap_cuda_graph(lambda args: None, None, (), load(), report, log_symbolic=log_symbolic)
+    lines = [r.getMessage() for r in caplog.records if "has symbolic sizes" in r.getMessage()]
+    assert made == ["per size"] and len(lines) == int(log_symbolic), (made, lines)

@@ -374,9 +374,10 @@ def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence
         def on_disable(why: str) -> None:
             report.cuda_graph, report.cuda_graph_reason = False, why
 
-        if report.symbolic_sizes and log_symbolic:
-            _log_symbolic(report, f"in a CUDA graph per input size (up to {config.cuda_graph_sizes}, "
-                                  "MIRAGE_CUDA_GRAPH_SIZES)", config)
+        if report.symbolic_sizes:
+            if log_symbolic:
+                _log_symbolic(report, f"in a CUDA graph per input size (up to {config.cuda_graph_sizes}, "
+                                      "MIRAGE_CUDA_GRAPH_SIZES)", config)
             runner = SizedCudaGraphs(fn, static_input_indices, config.cuda_graph_sizes, on_disable,
                                      mutated_input_indices)
         else:
