@@ -433,8 +433,8 @@ def test_rotated_input_sets_keep_strides_inductor_checks():
     def fn(m, y):
         return torch.where(m, y, 0.0).sum(-1)
     compiled = standalone_compile(torch.fx.symbolic_trace(fn), [mask, x], dynamic_shapes="from_example_inputs")
-    for m, y in sets:
-        assert torch.allclose(compiled(m, y), fn(mask, x))
+    for m, y in sets:   # fp32 sums of 64 terms in another order: absolute error ~1e-6 where a sum is near 0
+        torch.testing.assert_close(compiled(m, y), fn(mask, x), rtol=1e-5, atol=1e-5)
 
 
 def test_timing_input_sets_copy_only_what_a_copy_keeps_the_same():
