@@ -155,13 +155,15 @@ def _fused_sdpa_graph(op, q, k, v, bias, **kwargs):
 
 @pytest.mark.parametrize("op,gqa,bias,causal", [
     ("_scaled_dot_product_cudnn_attention", True, True, False),
+    ("_scaled_dot_product_cudnn_attention", True, True, True),
     ("_scaled_dot_product_cudnn_attention", False, False, True),
     ("_scaled_dot_product_efficient_attention", True, True, False),
     ("_scaled_dot_product_flash_attention", False, False, True)])
 def test_the_float64_reference_of_a_fused_sdpa_kernel_is_the_math_path(op, gqa, bias, causal):
     """A fused CUDA SDPA op's float64 reference (the check stage's) is SDPA's math path in float64 — GQA (fewer KV
-    heads), an additive bias, causal (top-left, sq < skv), the scale — never the fused kernel called on float64
-    inputs; built from fake CUDA tensors, so it runs on the CPU."""
+    heads), an additive bias, causal (top-left, sq < skv), both at once (cuDNN's op takes both; the math path
+    one), the scale — never the fused kernel called on float64 inputs; built from fake CUDA tensors, so it runs
+    on the CPU."""
     b, h, hk, sq, skv, d = 2, 4, 2 if gqa else 4, 3, 7, 16
     q, k, v = (torch.randn(b, n, s, d, dtype=torch.float64) for n, s in ((h, sq), (hk, skv), (hk, skv)))
     mask = torch.randn(b, 1, sq, skv, dtype=torch.float64) if bias else None
@@ -169,6 +171,9 @@ def test_the_float64_reference_of_a_fused_sdpa_kernel_is_the_math_path(op, gqa, 
     graph = _fused_sdpa_graph(target, q, k, v, mask, is_causal=causal, scale=0.3) if causal else \
         _fused_sdpa_graph(target, q, k, v, mask, scale=0.3)
     (out,) = to_fx(graph, float64=True)(*[t for t in (q, k, v, mask) if t is not None])
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=0.3, enable_gqa=gqa)
+    both = causal and mask is not None      # SDPA takes one of them: the causal triangle folded into the bias
+    keep = torch.ones(sq, skv, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.masked_fill(~keep, float("-inf")) if both else mask,
+                                          is_causal=causal and not both, scale=0.3, enable_gqa=gqa)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)

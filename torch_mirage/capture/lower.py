@@ -124,18 +124,21 @@ def _sdpa_in_float64(target: Any, outputs: list) -> Any:
         a.update({arg.name: x for arg, x in zip(schema.arguments, args)})
         a.update(kwargs)
         q, k, v = a["query"], a["key"], a["value"]
-        mask = a.get("attn_mask", a.get("attn_bias"))
+        mask, causal = a.get("attn_mask", a.get("attn_bias")), bool(a.get("is_causal"))
+        if causal and mask is not None:   # both (cuDNN's op takes them): the math path takes one, so fold them
+            keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+            mask, causal = (mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))), False
         gqa = q.shape[-3] != k.shape[-3]
         out, _ = torch.ops.aten._scaled_dot_product_attention_math(
-            q, k, v, mask, dropout_p=float(a.get("dropout_p") or 0.0), is_causal=bool(a.get("is_causal")),
-            scale=a.get("scale"), enable_gqa=gqa)
+            q, k, v, mask, dropout_p=float(a.get("dropout_p") or 0.0), is_causal=causal, scale=a.get("scale"),
+            enable_gqa=gqa)
         scale = a.get("scale") or 1.0 / math.sqrt(q.shape[-1])
         if gqa:
             k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
         s = (q @ k.transpose(-1, -2)) * scale
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-        if a.get("is_causal"):
+        if causal:
             s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
         results = [out]
