@@ -166,7 +166,8 @@ def test_executor_does_all_arithmetic_through_arith():
 def test_tiles_walk_a_length_without_a_short_divisor_in_whole_tiles(extent, tile, want):
     """A length whose divisors up to ``tile`` are all shorter than tl.dot's 16 (67, a prime) is walked in one
     padded tile of 67 (two of 67 for 134, three for 201), not 67 one-key steps; 131 has no such tile within
-    2·64 and stays; a length that divides well, or a tile below 16 asked for (4 of 16), is :func:`library.blocks`' answer."""
+    2·64 and stays; a length that divides well, or a tile below 16 asked for (4 of 16), is
+    :func:`library.blocks`' answer."""
     assert library.tiles(extent, tile) == want
     if extent // library.blocks(extent, tile) >= library.DOT_MIN or extent <= tile or tile < library.DOT_MIN:
         assert want == library.blocks(extent, tile)

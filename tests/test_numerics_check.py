@@ -1,5 +1,6 @@
 """The check stage's float64 reference: casts written in the graph (``softmax(..., dtype=float32).to(fp16)``)
-must not leave the reference with mixed dtypes."""
+must not leave the reference with mixed dtypes; a fused SDPA kernel's is SDPA's math path; a NaN reference
+passes no kernel."""
 import pytest
 import torch
 import torch.nn.functional as F
