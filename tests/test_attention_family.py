@@ -122,21 +122,36 @@ def test_a_kv_length_without_a_short_divisor_is_walked_in_whole_tiles(skv, steps
     assert [launch["forloop_range"] for launch in region.info["launch"]] == [steps], region.info
 
 
-def test_a_kv_length_with_only_short_tiles_is_left_to_inductor():
-    """131 keys (a prime above the 128-key widest tile): the seeds would walk one key a step, so the claimer
-    declines and says why; the program is eager-equal through Inductor."""
+def test_a_kv_length_with_only_short_tiles_is_claimed():
+    """Decode at 131 keys (a prime above the 128-key widest tile): claimed; the seed's own schedule walks one key
+    a step (what the CPU runs; a launch on the GPU re-tiles it into whole tiles with a ragged last one:
+    tests/test_attention_ragged.py), eager-equal."""
     b, h, hk, d = 2, 4, 2, 16
     q, k, v = _qkv(b, h, hk, 1, 131, d, torch.float16)
 
     def f(q, k, v):
         return F.scaled_dot_product_attention(q, repeat_kv(k, h // hk), repeat_kv(v, h // hk))
 
+    (region,) = _check(f, (q, k, v), torch.float16)
+    assert [launch["forloop_range"] for launch in region.info["launch"]] == [131], region.info
+
+
+def test_a_prompt_with_only_short_tiles_is_left_to_inductor():
+    """A 131-token causal prompt: its keys and its query rows have no tile from 16 to 128 (a launch re-tiles the
+    keys only, the rows would be one a program), so the claimer declines and says why; eager-equal through
+    Inductor."""
+    b, h, n, d = 1, 2, 131, 16
+    q, k, v = _qkv(b, h, h, n, n, d, torch.float16)
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
     torch._dynamo.reset()
     compiled, report = _compile(f)
     assert_close(compiled(q, k, v), f(q.double(), k.double(), v.double()).to(q.dtype), torch.float16)
     assert not _attention_regions(report)
     why = [d.detail for r in report.regions for d in r.declines if d.claimer == "attention"]
-    assert any("a KV length of 131 keys" in w for w in why), why
+    assert any("a KV length of 131 keys" in w and "131 query rows alike" in w for w in why), why
 
 
 # ------------------------------------------------------------------ SDPA

@@ -85,6 +85,20 @@ def padded(extent: int) -> int:
     return 1 if extent == 1 else max(16, 1 << (extent - 1).bit_length())
 
 
+def reduction(fn: str, expr: str, pshape, dim: int, keep: bool = True) -> str:
+    """``fn`` (``tl.sum`` / ``tl.max`` / ``tl.min``) of the fp32 tile expression ``expr`` (block shape ``pshape``)
+    along ``dim``, kept at 1 (``keep``) or dropped. Along a unit dim it is ``expr`` itself (a reshape where the dim
+    is dropped): one element's sum or max is that element, and no reduction is emitted. (H200 12-01: the decode
+    seed walking one key a step, its scores a (16, 1) tile, gave results 7x off fp64 under every launch on the GPU,
+    exact in the interpreter; its max and sums over the one key and its P·V multiply-sum over a unit axis were
+    such reductions.)"""
+    if pshape[dim] != 1:
+        return f"{fn}({expr}, axis={dim}{', keep_dims=True' if keep else ''})"
+    if keep:
+        return expr
+    return f"tl.reshape({expr}, {tuple(pshape[:dim]) + tuple(pshape[dim + 1:])})"
+
+
 def strip(shape) -> tuple[tuple, int]:
     """``shape`` without its leading unit dims (rank ≥ 2 tiles keep rank 2); returns (shape, dims dropped)."""
     shape, keep, i = tuple(shape), min(len(shape), 2), 0
@@ -193,6 +207,8 @@ class _Emitter:
         self.band: dict | None = None      # the band's geometry where its mask is computed from indices (index_mask)
         self.wide: dict[int, tuple] = {}    # deferred column sums: acc op -> (whole-tile accumulator, reduced dim)
         self.full = False
+        self.walked: int | None = None      # the walked dim's extent in the tensors, where the tiles cover more
+        self.walked_index: str | None = None    # the walked dim's indices of the loop step's tiles (1-d), then
         self.users = bg.consumers()
         self.phase = _phase_of(bg)
         self.raw_scores = {id(op): _raw_terms(bg, op.inputs[0]) for op in bg.ops if op.name == "acc_online_softmax"}
@@ -327,6 +343,11 @@ class _Emitter:
             return self.band_mask_tile(op, starts, trans)
         p = f"in{a['index']}"
         offs, mask = self.offsets(p, full, tile, starts, trans)
+        if self.walked is not None and a["fmap"] is not None:    # whole tiles, the last one ragged: keys past the end
+            d = a["fmap"]
+            self.walked_index = f"({starts[d]} + {self.r(padded(tile[d]))})"
+            inside = f"({self.coordinates(tile, starts[:len(full)], trans)[d]} < {self.walked})"
+            mask = inside if mask is None else f"{mask} & {inside}"
         extra = f", mask={mask}, other={other}" if mask else ""
         return self.assign("x", f"tl.load({p}_ptr + {offs}{extra})", strip(tile)[0], a["dtype"], trans=trans)
 
@@ -548,7 +569,7 @@ class _Emitter:
         if name == "rms_norm":
             x = xs[0]
             last = len(x.shape) - 1
-            ss = f"tl.sum({self.masked(x, [last], '0.0')} * {self.masked(x, [last], '0.0')}, axis={last}, keep_dims=True)"
+            ss = reduction("tl.sum", f"{self.masked(x, [last], '0.0')} * {self.masked(x, [last], '0.0')}", x.pshape, last)
             expr = f"{self.f32(x)} / tl.sqrt({ss} / {x.shape[last]}.0 + {float(a.get('eps') or 0.0)!r})"
             return [self.assign("v", expr, out, natural=x.pshape)]
         if name == "matmul":
@@ -607,7 +628,7 @@ class _Emitter:
         dim = op.attrs["dim"] - (full_rank - len(x.shape))
         if dim < 0:                      # a dropped unit dim: reducing one element is the identity
             return self.assign("v", self.f32(x), out, natural=x.pshape)
-        expr = f"{fn}({self.masked(x, [dim], fill)}, axis={dim}, keep_dims=True)"
+        expr = reduction(fn, self.masked(x, [dim], fill), x.pshape, dim)
         if op.name == "reduce_mean":
             expr = f"{expr} / {x.shape[dim]}.0"
         nat = x.pshape[:dim] + (1,) + x.pshape[dim + 1:]
@@ -666,12 +687,14 @@ class _Emitter:
                 # projection's 128 x 128 tiles took 54 µs this way against 38.5 through the transpose)
                 am = am if a_dt == "float32" else f"{am}.to(tl.float32)"
                 bt = src.name if src.dtype == "float32" else f"{src.name}.to(tl.float32)"
-                term = f"tl.sum({am}[:, None, :] * {bt}[None, :, :], axis=2)"
+                term = reduction("tl.sum", f"{am}[:, None, :] * {bt}[None, :, :]",
+                                 (padded(pa.shape[0]), src.phys[0], padded(k)), 2, keep=False)
                 expr = self.assign("d", term if expr is None else f"{expr} + {term}", (pa.shape[0], pb.shape[1])).name
             else:
                 am = am if a_dt == "float32" else f"{am}.to(tl.float32)"
                 bm = bm if b_dt == "float32" else f"{bm}.to(tl.float32)"
-                term = f"tl.sum({am}[:, :, None] * {bm}[None, :, :], axis=1)"
+                term = reduction("tl.sum", f"{am}[:, :, None] * {bm}[None, :, :]",
+                                 (padded(pa.shape[0]), padded(k), padded(pb.shape[1])), 1, keep=False)
                 expr = self.assign("d", term if expr is None else f"{expr} + {term}", (pa.shape[0], pb.shape[1])).name
         res = Val(expr, (a.shape[0], b.shape[1]), "float32")
         if tuple(out) != res.shape:     # (m, c) rows of a lhs with unit middle dims: back to (m, 1, …, c)
@@ -739,11 +762,11 @@ def _acc_update(e: _Emitter, op: Op, states: list[Val], xs: list[Val], fused: tu
         sq = e.assign("v", f"{e.f32(x)} * {e.f32(x)}", x.shape, natural=x.pshape)
         x = sq
     if op.name == "acc_max":
-        part = f"tl.max({e.masked(x, [dim], NEG_INF)}, axis={dim}, keep_dims=True)" \
+        part = reduction("tl.max", e.masked(x, [dim], NEG_INF), x.pshape, dim) \
             if dim is not None and dim >= 0 else e.f32(x)
         e.line(f"{st.name} = tl.maximum({st.name}, {_conform_expr(part, x, dim, st)})")
         return
-    part = f"tl.sum({e.masked(x, [dim], '0.0')}, axis={dim}, keep_dims=True)" if dim is not None and dim >= 0 \
+    part = reduction("tl.sum", e.masked(x, [dim], '0.0'), x.pshape, dim) if dim is not None and dim >= 0 \
         else e.f32(x)
     e.line(f"{st.name} = {st.name} + {_conform_expr(part, x, dim, st)}")
 
@@ -778,8 +801,10 @@ def _online_softmax_update(e: _Emitter, states: list[Val], s: Val, v: Val, clamp
         scores = base if factor == 1.0 else f"{base} * {factor!r}"
     else:
         scores = e.masked(s, [last], NEG_INF) if s.log2e else f"{e.masked(s, [last], NEG_INF)} * {LOG2E!r}"
+    if e.walked is not None and e.walked_index is not None:     # keys past the tensors' end: -inf
+        scores = f"tl.where({e.walked_index}{_expand(len(s.shape), last)} < {e.walked}, {scores}, {NEG_INF})"
     sm = held if clamp and scores == held.name else e.assign("s", scores, s.shape, natural=s.pshape)
-    mt = e.assign("m", f"tl.max({sm.name}, axis={last}, keep_dims=True)", m.shape,
+    mt = e.assign("m", reduction("tl.max", sm.name, sm.pshape, last), m.shape,
                   natural=sm.pshape[:last] + (1,))
     mn = e.assign("m", f"tl.maximum({m.name}, {mt.name})", m.shape, natural=m.pshape)
     alpha = e.assign("a", f"tl.math.exp2({m.name} - {mn.name})", m.shape, natural=m.pshape)
@@ -789,7 +814,7 @@ def _online_softmax_update(e: _Emitter, states: list[Val], s: Val, v: Val, clamp
     # Scores that add no loaded tile to a matmul's (a tile every row sees whole, its mask 0) are not clamped.
     diff = f"tl.minimum({sm.name} - {mn.name}, 0.0)" if clamp else f"{sm.name} - {mn.name}"
     p = e.assign("p", f"tl.math.exp2({diff})", s.shape, natural=s.pshape)
-    e.line(f"{l.name} = {l.name} * {alpha.name} + tl.sum({p.name}, axis={last}, keep_dims=True)")
+    e.line(f"{l.name} = {l.name} * {alpha.name} + {reduction('tl.sum', p.name, p.pshape, last)}")
     scaled = e.assign("o", f"{o.name} * {alpha.name}", o.shape, natural=o.pshape)
     new_o = e.matmul(p, v, o.shape, acc=scaled)
     e.line(f"{o.name} = {new_o.name}")
@@ -1046,7 +1071,8 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
                       combine: BlockGraph | None = None, prologue: bool = False, order=None,
                       transposed=None, target: Target = Target.INTERPRETER, sums_after: bool = False,
                       combine_in_kernel: bool = False, flat_pid: bool = False,
-                      through: Sequence[StoreThrough] = (), mask_scan: bool = False, pdl: bool = False) -> BlockKernel:
+                      through: Sequence[StoreThrough] = (), mask_scan: bool = False, pdl: bool = False,
+                      walked_extent: int | None = None) -> BlockKernel:
     """Triton source for one graph-defined op, for ``target`` (the interpreter's forms run anywhere). ``in_ranks``: rank of each kernel input (its strides are
     arguments). ``combine``: the re-tiling of ``bg`` whose grid the combine kernel runs on (split > 1;
     default ``bg``'s own grid). ``prologue``: the :func:`prologue_accumulators` walk the for-loop range in a
@@ -1063,7 +1089,10 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     stores the outputs. ``mask_scan``: where :func:`scanned_mask` finds the loop's mask, each program first reads
     its mask tiles and walks only from the first to the last key tile that one of its rows sees
     (:func:`_scanned_bounds`). ``pdl``: the kernel (and its combine kernel) first waits for its predecessor and then
-    lets its dependents launch (:mod:`.dependent_launch`); a sibling launch's part leaves that to the launch."""
+    lets its dependents launch (:mod:`.dependent_launch`); a sibling launch's part leaves that to the launch.
+    ``walked_extent``: the kernel tensors the for-loop walks hold only that many elements of the walked dim, which
+    ``bg``'s iterators read further (whole tiles, the last one ragged: ``launch.ragged_walk``): their loads past it
+    read 0 and the online softmax's scores there are -inf, so those keys add nothing."""
     if bg.forloop_range % split:
         raise CodegenError(f"μGraph codegen: split {split} does not divide forloop_range {bg.forloop_range}")
     if flat_pid and split > 1 and not combine_in_kernel:
@@ -1081,6 +1110,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     ws = [math.prod(padded(x) for x in s) for s in state_shapes] if split > 1 else []
     n_inputs = len(in_ranks)
     e = _Emitter(bg, n_inputs, split, order, transposed, target, through)
+    e.walked = walked_extent
     _pids(e, bg.grid, split, heaviest_first(bg, split, mask_scan), flat_pid)
     pdl = pdl and not flat_pid
     if pdl:
@@ -1134,7 +1164,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     e.full = False
     for i, (wide, dim) in e.wide.items():
         st = states[i][0]
-        e.line(f"{st.name} = {st.name} + {_conform_expr(f'tl.sum({wide.name}, axis={dim}, keep_dims=True)', wide, dim, st)}")
+        e.line(f"{st.name} = {st.name} + {_conform_expr(reduction('tl.sum', wide.name, wide.pshape, dim), wide, dim, st)}")
     in_kernel = split > 1 and combine_in_kernel      # the outputs are written here, after the fold
     kept_outs = out_ranks if split == 1 or in_kernel else []
     params = _params(n_inputs, in_ranks, kept_outs, len(ws), loop, in_kernel, flat_pid, through)

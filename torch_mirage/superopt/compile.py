@@ -36,8 +36,8 @@ from ..tune import cached_choice
 from ..timing import is_dense
 from ..ugraph import BlockGraph, KernelGraph, Ref
 from .arith import TorchArith
-from .launch import (LaunchConfig, candidates, choose, combine_tiling, default_config, launch_key, proposed,
-                     retile)
+from .launch import (LaunchConfig, candidates, choose, combine_tiling, default_config, launch_key, launch_tiling,
+                     proposed, ragged_walk)
 from .optimise import plan_block
 from .siblings import SiblingLauncher, faster_apart, regroup, sibling_groups
 from .updates import store_through
@@ -63,7 +63,7 @@ class BlockLauncher:
     def __init__(self, bg: BlockGraph, config: LaunchConfig, in_ranks: Sequence[int], cache_dir: str,
                  name: str = "ugraph_kernel", target: Target | None = None, flat_pid: bool = False,
                  through: Sequence[StoreThrough] = ()):
-        tiled = retile(bg, config.grid, config.forloop_range)
+        tiled = launch_tiling(bg, config)
         if tiled is None:
             raise CodegenError(f"launch config {config} does not re-tile the block graph (grid {bg.grid}, "
                                f"forloop_range {bg.forloop_range})")
@@ -77,7 +77,8 @@ class BlockLauncher:
                                                      sums_after=config.sums_after,
                                                      combine_in_kernel=config.combine_in_kernel,
                                                      flat_pid=flat_pid, through=through,
-                                                     mask_scan=config.mask_scan, pdl=self.pdl)
+                                                     mask_scan=config.mask_scan, pdl=self.pdl,
+                                                     walked_extent=ragged_walk(bg) if config.ragged else None)
         self.through = tuple(through)
         self.source = module_source([self.kernel])
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")

@@ -114,6 +114,7 @@ class LaunchConfig:
     sums_after: bool = False  # with prologue: that loop runs after the main loop, not before it
     combine_in_kernel: bool = False  # split > 1: a tile's last program folds its states (no combine kernel)
     mask_scan: bool = False   # each program bounds its loop by the key tiles its mask lets a row see (scanned_mask)
+    ragged: int = 0           # the walked dim's extent the loop's tiles cover, past the tensors' own (0: theirs)
 
     def to_json(self) -> dict:
         return {**asdict(self), "grid": list(self.grid)}
@@ -141,12 +142,13 @@ def _rebody(tg: ThreadGraph, in_shapes, in_dtypes) -> ThreadGraph:
     return ThreadGraph(ops=tuple(ops), outputs=tg.outputs)
 
 
-def retile(bg: BlockGraph, grid: Sequence[int], forloop_range: int) -> BlockGraph | None:
+def retile(bg: BlockGraph, grid: Sequence[int], forloop_range: int, walked: int = 0) -> BlockGraph | None:
     """``bg`` with a new grid and for-loop range, or None where that changes what the op computes
     (a shape rule fails, a saver's output shape changes, or an iterator's reads become shared by programs or stop
-    being shared: :func:`~torch_mirage.ugraph.grid_split`)."""
+    being shared: :func:`~torch_mirage.ugraph.grid_split`). ``walked``: the iterators the for-loop walks read
+    that many elements along the walked dim, past their tensors' own extent (:func:`ragged_walk`; 0: their own)."""
     grid = tuple(int(g) for g in grid)
-    if grid == tuple(bg.grid) and forloop_range == bg.forloop_range:
+    if grid == tuple(bg.grid) and forloop_range == bg.forloop_range and not walked:
         return bg
     ctx = Ctx(grid, int(forloop_range))
     ops: list = []
@@ -155,7 +157,10 @@ def retile(bg: BlockGraph, grid: Sequence[int], forloop_range: int) -> BlockGrap
             shapes = [ops[r[0]].shapes[r[1]] for r in op.inputs]
             dtypes = [ops[r[0]].dtypes[r[1]] for r in op.inputs]
             body = _rebody(op.body, shapes, dtypes) if isinstance(op.body, ThreadGraph) else op.body
-            ops.append(make_op(op.name, op.inputs, shapes, dtypes, dict(op.attrs), body, ctx))
+            attrs = dict(op.attrs)
+            if walked and op.name == "iterator" and attrs["fmap"] is not None:
+                attrs["shape"] = tuple(walked if d == attrs["fmap"] else x for d, x in enumerate(attrs["shape"]))
+            ops.append(make_op(op.name, op.inputs, shapes, dtypes, attrs, body, ctx))
     except MuGraphError:
         return None
     new = BlockGraph(ops=tuple(ops), grid=grid, forloop_range=int(forloop_range), forloop_band=bg.forloop_band,
@@ -163,6 +168,38 @@ def retile(bg: BlockGraph, grid: Sequence[int], forloop_range: int) -> BlockGrap
     if [_saved(new, s) for s in new.savers] != [_saved(bg, s) for s in bg.savers] or _shared(new) != _shared(bg):
         return None
     return new
+
+
+def ragged_walk(bg: BlockGraph) -> int | None:
+    """The extent of the dim the for-loop walks where a launch may walk it in whole tiles with a ragged last one
+    (``LaunchConfig.ragged``), else None. That is online-softmax attention: the walked iterators (keys, values, a
+    mask's or bias's key columns) share the extent, the online softmax is the only accumulator over it, so that
+    keys past the end — read as 0, their scores -inf (:func:`~torch_mirage.codegen.ugraph_triton.emit_block_kernel`'s
+    ``walked_extent``) — add nothing; no saver stores along it (a column-sum pass does) and no table of mask tiles
+    bounds the loop."""
+    if bg.forloop_scan is not None or [op.name for op in bg.ops if op.name.startswith("acc_")] != ["acc_online_softmax"]:
+        return None
+    if _attention_iterators(bg) is None:
+        return None
+    extents = {op.attrs["shape"][op.attrs["fmap"]] for op in bg.iterators if op.attrs["fmap"] is not None}
+    return extents.pop() if len(extents) == 1 else None
+
+
+def launch_tiling(bg: BlockGraph, config: LaunchConfig) -> BlockGraph | None:
+    """The block graph ``config`` launches: :func:`retile` at its grid and for-loop range, the walked dim read at
+    ``config.ragged`` elements where it sets that; None where it does not re-tile ``bg``."""
+    if config.ragged and (ragged_walk(bg) is None or config.ragged < ragged_walk(bg) or config.mask_scan):
+        return None
+    return retile(bg, config.grid, config.forloop_range, config.ragged)
+
+
+def ragged_steps(extent: int, tile: int, multiple: int = 1) -> tuple[int, int] | None:
+    """``(for-loop steps, extent they cover)`` of whole ``tile``-long steps over ``extent`` with a ragged last one,
+    the steps a multiple of ``multiple`` (a split's), or None where ``tile`` divides ``extent`` (no ragged tile)."""
+    if extent % (tile * multiple) == 0:
+        return None
+    steps = -(-extent // (tile * multiple)) * multiple
+    return steps, steps * tile
 
 
 def _shared(bg: BlockGraph) -> set[tuple[int, int]]:
@@ -411,11 +448,17 @@ def _schedules(bg: BlockGraph, found: tuple[int, int, int] | None, schedules: Se
     g, across, along = found
     out = []
     for per_program, per_step, warps, stages in schedules:
-        if across % per_program or along % per_step:
+        if across % per_program:
             continue
         grid = tuple(across // per_program if d == g else x for d, x in enumerate(bg.grid))
-        if retile(bg, grid, along // per_step) is not None:
-            out.append(LaunchConfig(grid, along // per_step, 1, warps, stages))
+        if along % per_step == 0:
+            if retile(bg, grid, along // per_step) is not None:
+                out.append(LaunchConfig(grid, along // per_step, 1, warps, stages))
+        elif ragged_walk(bg) is not None:         # whole steps, the last one ragged
+            steps, cover = ragged_steps(along, per_step)
+            config = LaunchConfig(grid, steps, 1, warps, stages, ragged=cover)
+            if launch_tiling(bg, config) is not None:
+                out.append(config)
     return out
 
 
@@ -432,10 +475,22 @@ def decode_candidates(bg: BlockGraph, n_sm: int) -> list[LaunchConfig]:
     keys = whole_kv_decode(bg)
     if keys is None:
         return []
-    return [LaunchConfig(tuple(bg.grid), keys // t, s, warps, stages, combine_in_kernel=True)
-            for s in decode_split_counts(math.prod(bg.grid), keys, n_sm)
-            for t, warps, stages in DECODE_SCHEDULES[:DECODE_FOLD_SCHEDULES]
-            if keys % (t * s) == 0 and retile(bg, bg.grid, keys // t) is not None]
+    out = [LaunchConfig(tuple(bg.grid), keys // t, s, warps, stages, combine_in_kernel=True)
+           for s in decode_split_counts(math.prod(bg.grid), keys, n_sm)
+           for t, warps, stages in DECODE_SCHEDULES[:DECODE_FOLD_SCHEDULES]
+           if keys % (t * s) == 0 and retile(bg, bg.grid, keys // t) is not None]
+    if out or ragged_walk(bg) is None:
+        return out
+    # no tile of DECODE_SCHEDULES divides the keys (131, a prime; 2·131): whole tiles, the last one ragged, at the
+    # whole-key launch and each split (the split's share a whole number of steps)
+    whole = -(-keys // DECODE_SCHEDULES[0][0]) * DECODE_SCHEDULES[0][0]      # the keys at whole first-schedule tiles
+    for s in (1, *decode_split_counts(math.prod(bg.grid), whole, n_sm)):
+        for t, warps, stages in DECODE_SCHEDULES[:DECODE_FOLD_SCHEDULES]:
+            steps, cover = ragged_steps(keys, t, s)
+            config = LaunchConfig(tuple(bg.grid), steps, s, warps, stages, combine_in_kernel=s > 1, ragged=cover)
+            if launch_tiling(bg, config) is not None:
+                out.append(config)
+    return list(dict.fromkeys(out))
 
 
 def _scored(bg: BlockGraph, n_sm: int) -> list[tuple]:
@@ -505,7 +560,7 @@ def scanning(bg: BlockGraph, configs: Sequence[LaunchConfig]) -> list[LaunchConf
         return list(configs)
 
     def scans(c: LaunchConfig) -> bool:       # the table's tile covers the program's mask tile
-        tiled = retile(bg, c.grid, c.forloop_range)
+        tiled = None if c.ragged else retile(bg, c.grid, c.forloop_range)
         return tiled is not None and scanned_mask(tiled) is not None
     return list(dict.fromkeys(replace(c, mask_scan=True) if scans(c) else c for c in configs))
 
@@ -687,7 +742,7 @@ def launch_key(bg: BlockGraph, inputs: Sequence[torch.Tensor], device: torch.dev
                      space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS,
                             STREAM_PIPELINE, CONTIGUOUS_PIPELINES, FILL_PIPELINE, STREAM_STAGE_BYTES, STREAM_RUN_BYTES,
                             RUN_TILES, PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES, COLUMN_SCHEDULES,
-                            "mask scan"]
+                            "mask scan", "ragged walk"]
                      + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
 
 
@@ -772,7 +827,7 @@ def scan_twin(bg: BlockGraph, config: LaunchConfig) -> LaunchConfig | None:
     mask: a step early in a long cache sees a few of its slots, and its programs then walk only those): timed
     against ``config`` after the other candidates, on the compiled call's mask (one more kernel to build, not a
     twin of each). None where that does not apply (prefill times each schedule both ways: :func:`scanning`)."""
-    if config.mask_scan or config.forloop_range // config.split <= 1 or prefill_attention(bg) is not None \
+    if config.mask_scan or config.ragged or config.forloop_range // config.split <= 1 or prefill_attention(bg) is not None \
             or scanned_mask(bg) is None:      # one loop step per program: nothing to bound
         return None
     if split_kv_decode(bg) is None and whole_kv_decode(bg) is None:
