@@ -126,3 +126,13 @@ def test_the_emitter_bounds_only_the_walked_dim():
     loads = [line for line in src.splitlines() if "tl.load(" in line]
     assert sum("< 131)" in line for line in loads) == 2, loads
     assert "tl.where((it * 64 + r64)[None, :] < 131" in src
+
+
+def test_a_split_past_the_keys_visits_no_tile():
+    """131 keys in 4 splits of two 32-key steps (256 covered): the loop stops after the fifth step, so the fourth
+    split — wholly past the keys — visits no tile (H200 12-01: 4099 keys ran as 16 splits of 5 steps, 5120)."""
+    bg = _body(flash_attention(1, 2, 2, 131, 64, scale=0.125, dtype="float16"))
+    config = LaunchConfig(bg.grid, 8, 4, combine_in_kernel=True, ragged=256)
+    src = emit_block_kernel(launch_tiling(bg, config), [4, 4, 4], split=4, combine_in_kernel=True,
+                            target=Target.CUDA, walked_extent=131).source
+    assert "for it in tl.range(split * 2, tl.minimum(split * 2 + 2, 5)" in src, src

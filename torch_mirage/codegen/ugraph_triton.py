@@ -1127,6 +1127,9 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
 
     lo = f"split * {per}" if split > 1 else "0"
     hi = f"{lo} + {per}" if split > 1 else f"{per}"
+    if walked_extent is not None and (steps := _walked_steps(bg, walked_extent)) is not None and steps < bg.forloop_range:
+        # tiles wholly past the keys (a split's share of the steps rounded up) are not visited
+        hi = f"tl.minimum({hi}, {steps})" if split > 1 else str(min(per, steps))
     segments = [(lo, hi, False)]
     edge_stages = "NUM_STAGES"          # the pipeline depth of the loops over partly seen tiles
     if bg.forloop_band is not None:     # per-block loop bounds: entirely masked key tiles are never visited
@@ -1236,6 +1239,16 @@ def emit_sibling_kernel(name: str, parts: Sequence[BlockKernel], pdl: bool = Fal
 def _offset_args(own: Sequence[str], j: int, start: int) -> str:
     """A part's call arguments: its parameters as the sibling kernel names them, its program ``lin - start``."""
     return ", ".join((f"lin - {start}" if start else "lin") if p == "lin" else f"p{j}_{p}" for p in own)
+
+
+def _walked_steps(bg: BlockGraph, extent: int) -> int | None:
+    """The for-loop steps whose tiles hold one of the first ``extent`` elements of the walked dim, where no grid dim
+    splits that dim (each program's steps start at its first element), else None."""
+    walked = [op for op in bg.iterators if op.attrs["fmap"] is not None]
+    if not walked or any(m == op.attrs["fmap"] for op in walked for m in op.attrs["imap"]):
+        return None
+    tile = walked[0].shapes[0][walked[0].attrs["fmap"]]
+    return -(-extent // tile)
 
 
 def _band_bounds(e: _Emitter, bg: BlockGraph, lo: str, hi: str) -> list[tuple[str, str, bool]]:

@@ -486,7 +486,9 @@ def decode_candidates(bg: BlockGraph, n_sm: int) -> list[LaunchConfig]:
     whole = -(-keys // DECODE_SCHEDULES[0][0]) * DECODE_SCHEDULES[0][0]      # the keys at whole first-schedule tiles
     for s in (1, *decode_split_counts(math.prod(bg.grid), whole, n_sm)):
         for t, warps, stages in DECODE_SCHEDULES[:DECODE_FOLD_SCHEDULES]:
-            steps, cover = ragged_steps(keys, t, s)
+            if (walk := ragged_steps(keys, t, s)) is None:      # the tiles divide the keys
+                continue
+            steps, cover = walk
             config = LaunchConfig(tuple(bg.grid), steps, s, warps, stages, combine_in_kernel=s > 1, ragged=cover)
             if launch_tiling(bg, config) is not None:
                 out.append(config)
