@@ -265,8 +265,8 @@ def test_both_passes_scan_the_mask_tile_table(monkeypatch, group):
     from torch_mirage.superopt import compile as compile_mod
     from torch_mirage.superopt.launch import scanning
 
-    own = compile_mod.default_config
-    monkeypatch.setattr(compile_mod, "default_config", lambda bg: scanning(bg, [own(bg)])[0])
+    own = compile_mod.untuned_config
+    monkeypatch.setattr(compile_mod, "untuned_config", lambda bg: scanning(bg, [own(bg)])[0])
     b, hk, n, d = 1, 2, 256, 16
     sq = n // group                                    # GQA: the group's query heads packed, sq rows each
     kg = attention_column_sums(b, hk, n, n, d, group=group, kernels=("flash_stats", "column_sums"), scale=0.3,
@@ -297,8 +297,8 @@ def test_scanned_column_pass_gives_eager_nan_for_a_row_it_skips(monkeypatch):
     from torch_mirage.superopt.attention_claim import run_spec
     from torch_mirage.superopt.launch import scanning
 
-    own = compile_mod.default_config
-    monkeypatch.setattr(compile_mod, "default_config", lambda bg: scanning(bg, [own(bg)])[0])
+    own = compile_mod.untuned_config
+    monkeypatch.setattr(compile_mod, "untuned_config", lambda bg: scanning(bg, [own(bg)])[0])
     b, h, n, d = 1, 2, 128, 16
     m = _causal(n, n, torch.float32).repeat(1, h, 1, 1)
     m[0, 0, 3] = float("-inf")                        # head 0, row 3: no key
@@ -353,9 +353,9 @@ def test_column_schedules_are_eager_equal(monkeypatch):
     p = torch.softmax(q.double() @ k.double().transpose(-1, -2) * 0.3 + m.double(), -1)
     cands = column_candidates(next(op.body for op in reversed(kg.ops) if op.name == "customized"))
     assert len(cands) >= 3
-    own = compile_mod.default_config
+    own = compile_mod.untuned_config
     for cfg in cands:
-        monkeypatch.setattr(compile_mod, "default_config", lambda bg: cfg if column_pass(bg) else own(bg))
+        monkeypatch.setattr(compile_mod, "untuned_config", lambda bg: cfg if column_pass(bg) else own(bg))
         c = compile_ugraph(kg, [q, k, v, m])
         assert any(f"pid_2 * {n // cfg.grid[2]}" in src for src in c.sources), cfg
         assert_close(c(q, k, v, m)[1], p.sum(2).float(), torch.float32)

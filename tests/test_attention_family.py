@@ -124,8 +124,8 @@ def test_a_kv_length_without_a_short_divisor_is_walked_in_whole_tiles(skv, steps
 
 def test_a_kv_length_with_only_short_tiles_is_claimed():
     """Decode at 131 keys (a prime above the 128-key widest tile): claimed; the seed's own schedule walks one key
-    a step (what the CPU runs; a launch on the GPU re-tiles it into whole tiles with a ragged last one:
-    tests/test_attention_ragged.py), eager-equal."""
+    a step, and the untuned launch (the CPU's) whole 64-key tiles with a ragged last one (three steps over 192),
+    eager-equal (a tuned launch on the GPU is checked against the seed's schedule: tests/test_attention_ragged.py)."""
     b, h, hk, d = 2, 4, 2, 16
     q, k, v = _qkv(b, h, hk, 1, 131, d, torch.float16)
 
@@ -133,25 +133,44 @@ def test_a_kv_length_with_only_short_tiles_is_claimed():
         return F.scaled_dot_product_attention(q, repeat_kv(k, h // hk), repeat_kv(v, h // hk))
 
     (region,) = _check(f, (q, k, v), torch.float16)
-    assert [launch["forloop_range"] for launch in region.info["launch"]] == [131], region.info
+    assert [(launch["forloop_range"], launch["ragged"]) for launch in region.info["launch"]] == [(3, 192)], region.info
 
 
-def test_a_prompt_with_only_short_tiles_is_left_to_inductor():
-    """A 131-token causal prompt: its keys and its query rows have no tile from 16 to 128 (a launch re-tiles the
-    keys only, the rows would be one a program), so the claimer declines and says why; eager-equal through
-    Inductor."""
-    b, h, n, d = 1, 2, 131, 16
+def test_a_prompt_with_only_short_tiles_is_claimed():
+    """A 131-token causal prompt: its keys and its query rows have no tile from 16 to 128, so the seed's own
+    schedule is one row a program and one key a step; the untuned launch (the CPU's) cuts both into whole
+    64-long blocks with a ragged last one (192 covered); claimed, eager-equal."""
+    b, h, n, d = 1, 1, 131, 16
     q, k, v = _qkv(b, h, h, n, n, d, torch.float16)
 
     def f(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    (region,) = _check(f, (q, k, v), torch.float16)
+    launches = [(c["forloop_range"], c["ragged"], c["ragged_rows"]) for c in region.info["launch"]]
+    assert launches == [(3, 192, 192)], region.info
+
+
+def test_column_sums_at_a_kv_length_with_only_short_tiles_are_left_to_inductor():
+    """H2O's column sums of P at 131 keys: the column pass's keys are its programs', which a launch does not cut
+    raggedly, so the claimer declines and says why; eager-equal through Inductor."""
+    b, h, n, d = 1, 2, 131, 16
+    q, k, v = _qkv(b, h, h, n, n, d, torch.float32)
+
+    def f(q, k, v):
+        s = (q @ k.transpose(-1, -2)) * d ** -0.5
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        p = torch.softmax(s, -1)
+        return p @ v, p.sum(-2)
+
     torch._dynamo.reset()
     compiled, report = _compile(f)
-    assert_close(compiled(q, k, v), f(q.double(), k.double(), v.double()).to(q.dtype), torch.float16)
+    out, ref = compiled(q, k, v), f(q.double(), k.double(), v.double())
+    for o, r in zip(out, ref):
+        assert_close(o, r.float(), torch.float32)
     assert not _attention_regions(report)
     why = [d.detail for r in report.regions for d in r.declines if d.claimer == "attention"]
-    assert any("a KV length of 131 keys" in w and "131 query rows alike" in w for w in why), why
+    assert any("a KV length of 131 keys" in w and "column sums" in w for w in why), why
 
 
 # ------------------------------------------------------------------ SDPA

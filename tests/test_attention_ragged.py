@@ -13,8 +13,8 @@ from torch_mirage.codegen.ugraph_triton import emit_block_kernel
 from torch_mirage.context import Target
 from torch_mirage.superopt.attention_seeds import attention_column_sums, flash_attention
 from torch_mirage.superopt.compile import BlockLauncher
-from torch_mirage.superopt.launch import (LaunchConfig, candidates, default_config, launch_tiling, ragged_steps,
-                                          ragged_walk)
+from torch_mirage.superopt.launch import (LaunchConfig, candidates, default_config, launch_tiling, ragged_rows,
+                                          ragged_steps, ragged_walk, untuned_config)
 
 interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                             reason="CPU kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
@@ -136,3 +136,101 @@ def test_a_split_past_the_keys_visits_no_tile():
     src = emit_block_kernel(launch_tiling(bg, config), [4, 4, 4], split=4, combine_in_kernel=True,
                             target=Target.CUDA, walked_extent=131).source
     assert "for it in tl.range(split * 2, tl.minimum(split * 2 + 2, 5)" in src, src
+
+
+# ------------------------------------------------------------------ ragged row blocks (a prompt no tile divides)
+@interp
+@pytest.mark.parametrize("mask", ["none", "band", "band_from_indices", "heads", "packed"])
+@pytest.mark.parametrize("rows_per,keys_per", [(16, 16), (32, 16), (64, 64)])
+def test_ragged_row_blocks_equal_fp64(mask, rows_per, keys_per, tmp_path):
+    """A 37-token prompt against 37 keys, its seed one row a program and one key a step, launched in whole blocks
+    of 16 / 32 / 64 rows and 16 / 64 keys with a ragged last one of each — with no mask, a causal band read from
+    the mask or computed from indices, a program per query head, and two query heads packed in a KV head's rows
+    (74 rows, positions modulo 37) — fp64-equal, the outputs of the prompt's own rows."""
+    b, hk, sq, skv, d = 1, 2, 37, 37, 16
+    group = 2 if mask in ("heads", "packed") else 1
+    rows = sq * (group if mask == "packed" else 1)
+    band = {"band": (sq, 0, None, True, False), "band_from_indices": (sq, 0, None, True, True),
+            "packed": (sq, 0, None, True, True)}.get(mask)
+    kg = flash_attention(b, hk, rows, skv, d, scale=d ** -0.5, dtype="float32", forloop_range=skv, q_blocks=rows,
+                         mask=(1, 1) if band else None, band=band, q_heads=hk * group if mask == "heads" else None)
+    bg = _body(kg)
+    g, extent = ragged_rows(bg)
+    assert extent == rows and bg.grid[g] == rows
+    heads = hk * group if mask == "heads" else hk
+    q, k, v = torch.randn(b, heads, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
+    m = torch.zeros(sq, skv).masked_fill(torch.arange(skv)[None] > torch.arange(sq)[:, None], -1e30)
+    m = m.repeat(rows // sq, 1)[None, None]
+    xs = [q, k, v] + ([m] if band else [])
+    kk, vv = (x.repeat_interleave(heads // hk, 1).double() for x in (k, v))
+    s = q.double() @ kk.transpose(-1, -2) * d ** -0.5 + (m.double() if band else 0)
+    want = torch.softmax(s, -1) @ vv
+    grid = tuple(-(-rows // rows_per) if i == g else x for i, x in enumerate(bg.grid))
+    steps = -(-skv // keys_per)
+    config = LaunchConfig(grid, steps, ragged=steps * keys_per, ragged_rows=grid[g] * rows_per)
+    launcher = BlockLauncher(bg, config, [x.dim() for x in xs], str(tmp_path), "rows", Target.INTERPRETER)
+    out = launcher(*xs)[0]
+    assert out.shape == want.shape
+    assert_close(out, want.float(), torch.float32)
+
+
+def test_ragged_row_blocks_in_the_candidates_and_the_untuned_launch():
+    """A 131-token prompt (the seed: 131 one-row programs, 131 one-key steps): the prefill schedules cut its rows
+    and keys into whole blocks with a ragged last one, and a compile that does not tune runs 64-long ones; a
+    split of ragged row blocks does not tile (its combine kernel stores whole blocks); a prompt that divides
+    keeps its own schedule untuned."""
+    bg = _body(flash_attention(1, 8, 131, 131, 64, scale=0.125, dtype="bfloat16", band=(131, 0, None, True, True),
+                               mask=(1, 1)))
+    assert bg.forloop_range == 131 and ragged_rows(bg) == (2, 131)
+    cands = candidates(bg, 132)
+    assert cands[0] == default_config(bg)
+    assert {(c.grid[2], c.ragged_rows, c.forloop_range, c.ragged) for c in cands} >= {(2, 256, 3, 192), (3, 192, 3, 192)}
+    assert untuned_config(bg) == LaunchConfig((8, 1, 3), 3, ragged=192, ragged_rows=192)
+    assert launch_tiling(bg, LaunchConfig((8, 1, 3), 4, 2, ragged=256, ragged_rows=192)) is None
+    whole = _body(flash_attention(1, 8, 256, 256, 64, scale=0.125, dtype="bfloat16"))
+    assert untuned_config(whole) == default_config(whole)
+
+
+def test_ragged_row_blocks_store_the_prompts_rows_only():
+    """The ragged-row kernel bounds Q's loads and the output's stores by the 131 rows; its output tensor has 131."""
+    bg = _body(flash_attention(1, 2, 131, 131, 64, scale=0.125, dtype="float16"))
+    config = LaunchConfig((2, 1, 3), 3, ragged=192, ragged_rows=192)
+    kernel = emit_block_kernel(launch_tiling(bg, config), [4, 4, 4], target=Target.CUDA, walked_extent=131,
+                               row_bound=(2, 131))
+    stores = [line for line in kernel.source.splitlines() if "tl.store(" in line]
+    assert stores and all("< 131)" in line for line in stores), stores
+    assert kernel.outputs == [((1, 2, 131, 64), "float16")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [131, 1031])
+def test_gpu_prompt_at_a_prime_length(n, caplog):
+    """A causal prompt of a prime length (HF's SDPA path, GQA by ``repeat_kv``, bf16, 16 query / 8 KV heads): claimed
+    (no timing against Inductor), compiled strict, no tuned launch disagreeing with the seed's own schedule (one row
+    a program, one key a step), the launch picked cutting rows and keys into whole blocks with a ragged last
+    one; fp64-equal."""
+    import logging
+
+    import torch.nn.functional as F
+
+    import torch_mirage
+    from test_attention_family import _attention_regions, repeat_kv
+
+    b, h, hk, d, dtype = 1, 16, 8, 64, torch.bfloat16
+    q = torch.randn(b, h, n, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=dtype) for _ in range(2))
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, h // hk), repeat_kv(v, h // hk), is_causal=True)
+
+    torch._dynamo.reset()
+    report = torch_mirage.Report()
+    backend = torch_mirage.MirageBackend(options={"min_region_us": 0, "strict": True, "measure_regions": False},
+                                         report=report)
+    with caplog.at_level(logging.WARNING, logger="torch_mirage"):
+        out = torch.compile(f, backend=backend)(q, k, v)
+    assert not [r.message for r in caplog.records if "disagrees" in r.message]
+    (region,) = _attention_regions(report)
+    assert all(c["ragged"] and c["ragged_rows"] for c in region.info["launch"]), region.info
+    assert_close(out, f(q.double(), k.double(), v.double()).to(dtype), dtype)

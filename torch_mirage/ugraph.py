@@ -673,6 +673,8 @@ def band_mask_dims(bg: BlockGraph, it: Op) -> tuple[int, int]:
     :func:`band_geometry`: the roles swap in a loop over queries, FlashTensor's column sums)."""
     kd = it.attrs["fmap"]
     rest = [d for d, e in enumerate(it.shapes[0]) if e > 1 and d != kd]
+    if len(rest) != 1:      # a tile of one position (one row a program): the tensor's other dim of extent > 1
+        rest = [d for d, e in enumerate(it.attrs["shape"]) if e > 1 and d != kd]
     if kd is None or len(rest) != 1:
         raise MuGraphError(f"forloop_band {bg.forloop_band}: the index mask's tile {it.shapes[0]} needs one "
                            "walked key dim and one position dim")

@@ -209,6 +209,7 @@ class _Emitter:
         self.full = False
         self.walked: int | None = None      # the walked dim's extent in the tensors, where the tiles cover more
         self.walked_index: str | None = None    # the walked dim's indices of the loop step's tiles (1-d), then
+        self.row_bound: tuple[int, int] | None = None   # (grid dim, rows the tensors hold) of ragged row blocks
         self.users = bg.consumers()
         self.phase = _phase_of(bg)
         self.raw_scores = {id(op): _raw_terms(bg, op.inputs[0]) for op in bg.ops if op.name == "acc_online_softmax"}
@@ -325,6 +326,15 @@ class _Emitter:
                  if c != "0"]
         return " + ".join(terms) or "0", self.mask(strip(tile)[0], trans)
 
+    def bounded(self, mask: str | None, tile, starts, bounds: dict, trans: bool = False) -> str | None:
+        """``mask`` and each dim ``d`` of ``bounds`` held below its bound: a tile at ``starts`` of a tensor that
+        holds only ``bounds[d]`` elements of dim ``d`` (ragged tiles; a dim of one element is a start alone)."""
+        coords = self.coordinates(tile, starts, trans)
+        for d, bound in bounds.items():
+            inside = f"({coords[d]} < {bound})"
+            mask = inside if mask is None else f"{mask} & {inside}"
+        return mask
+
     def load_iterator(self, op: Op, it: str | None, trans: bool = False, other: str = "0.0") -> Val:
         """The tile of iterator ``op`` at loop step ``it``; elements past the tensor's end read ``other``."""
         a, bg = op.attrs, self.bg
@@ -346,8 +356,11 @@ class _Emitter:
         if self.walked is not None and a["fmap"] is not None:    # whole tiles, the last one ragged: keys past the end
             d = a["fmap"]
             self.walked_index = f"({starts[d]} + {self.r(padded(tile[d]))})"
-            inside = f"({self.coordinates(tile, starts[:len(full)], trans)[d]} < {self.walked})"
-            mask = inside if mask is None else f"{mask} & {inside}"
+            mask = self.bounded(mask, tile, starts[:len(full)], {d: self.walked}, trans)
+        if self.row_bound is not None:                           # ragged row blocks: rows past the end
+            g, rows = self.row_bound
+            mask = self.bounded(mask, tile, starts[:len(full)], {a["imap"][g]: rows} if a["imap"][g] is not None
+                                else {}, trans)
         extra = f", mask={mask}, other={other}" if mask else ""
         return self.assign("x", f"tl.load({p}_ptr + {offs}{extra})", strip(tile)[0], a["dtype"], trans=trans)
 
@@ -383,6 +396,8 @@ class _Emitter:
             value = self.conform(part, strip(part_tile)[0])
             if through is None or not through.only:
                 offs, mask = self.offsets(f"out{k}", full, part_tile, part_starts)
+                if self.row_bound is not None and (d := op.attrs["omap"][self.row_bound[0]]) is not None:
+                    mask = self.bounded(mask, part_tile, part_starts, {d: self.row_bound[1]})
                 extra = f", mask={mask}" if mask else ""
                 self.line(f"tl.store(out{k}_ptr + {offs}, {value}.to({TL[op.attrs['dtype']]}){extra})")
             if through is not None:
@@ -1072,7 +1087,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
                       transposed=None, target: Target = Target.INTERPRETER, sums_after: bool = False,
                       combine_in_kernel: bool = False, flat_pid: bool = False,
                       through: Sequence[StoreThrough] = (), mask_scan: bool = False, pdl: bool = False,
-                      walked_extent: int | None = None) -> BlockKernel:
+                      walked_extent: int | None = None, row_bound: tuple[int, int] | None = None) -> BlockKernel:
     """Triton source for one graph-defined op, for ``target`` (the interpreter's forms run anywhere). ``in_ranks``: rank of each kernel input (its strides are
     arguments). ``combine``: the re-tiling of ``bg`` whose grid the combine kernel runs on (split > 1;
     default ``bg``'s own grid). ``prologue``: the :func:`prologue_accumulators` walk the for-loop range in a
@@ -1092,7 +1107,10 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     lets its dependents launch (:mod:`.dependent_launch`); a sibling launch's part leaves that to the launch.
     ``walked_extent``: the kernel tensors the for-loop walks hold only that many elements of the walked dim, which
     ``bg``'s iterators read further (whole tiles, the last one ragged: ``launch.ragged_walk``): their loads past it
-    read 0 and the online softmax's scores there are -inf, so those keys add nothing."""
+    read 0 and the online softmax's scores there are -inf, so those keys add nothing. ``row_bound`` = (grid dim,
+    rows): the tensors that grid dim maps hold only that many of the rows its blocks cover (whole row blocks,
+    the last one ragged: ``launch.ragged_rows``): loads past them read 0, stores past them are dropped, and the
+    outputs have that many rows."""
     if bg.forloop_range % split:
         raise CodegenError(f"μGraph codegen: split {split} does not divide forloop_range {bg.forloop_range}")
     if flat_pid and split > 1 and not combine_in_kernel:
@@ -1109,8 +1127,10 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     state_shapes = [strip(s)[0] for i in accs for s in bg.ops[i].shapes]
     ws = [math.prod(padded(x) for x in s) for s in state_shapes] if split > 1 else []
     n_inputs = len(in_ranks)
+    if row_bound is not None and split > 1:
+        raise CodegenError(f"μGraph codegen: ragged row blocks with a split of {split} (its combine stores whole blocks)")
     e = _Emitter(bg, n_inputs, split, order, transposed, target, through)
-    e.walked = walked_extent
+    e.walked, e.row_bound = walked_extent, row_bound
     _pids(e, bg.grid, split, heaviest_first(bg, split, mask_scan), flat_pid)
     pdl = pdl and not flat_pid
     if pdl:
@@ -1172,7 +1192,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     kept_outs = out_ranks if split == 1 or in_kernel else []
     params = _params(n_inputs, in_ranks, kept_outs, len(ws), loop, in_kernel, flat_pid, through)
     head = _header(name, params)
-    outputs = [(_saved(bg, s), s.attrs["dtype"]) for s in savers]
+    outputs = [(_saved(bg, s, row_bound), s.attrs["dtype"]) for s in savers]
     if split > 1:
         j = 0
         for i in accs:
@@ -1261,7 +1281,8 @@ def _band_bounds(e: _Emitter, bg: BlockGraph, lo: str, hi: str) -> list[tuple[st
     b = band_geometry(bg)
     start = " + ".join(f"pid_{g} * {n}" for g, n in b["q_starts"]) or "0"
     rows, period, t, off = b["q_rows"], b["period"], b["k_tile"], b["offset"]
-    if period % rows == 0:
+    unpacked = e.row_bound is not None and period == e.row_bound[1]     # ragged row blocks of one head's rows
+    if period % rows == 0 or unpacked:
         e.line(f"band_p0 = ({start}) % {period}")
         e.line(f"band_p1 = band_p0 + {rows - 1}")
     else:                               # rows of several query positions' residues: the whole period
@@ -1442,9 +1463,14 @@ def _raw_terms(bg: BlockGraph, ref) -> set[int]:
     return out
 
 
-def _saved(bg: BlockGraph, s: Op) -> tuple:
+def _saved(bg: BlockGraph, s: Op, row_bound: tuple[int, int] | None = None) -> tuple:
+    """The shape of the kernel tensor saver ``s`` writes: its tiles over the grid; the dim grid dim
+    ``row_bound[0]`` maps cut to ``row_bound[1]`` (ragged row blocks run past the tensor's rows)."""
     tile = bg.shape(s.inputs[0])
-    return tuple(t * math.prod(bg.grid[g] for g, m in enumerate(s.attrs["omap"]) if m == d) for d, t in enumerate(tile))
+    shape = tuple(t * math.prod(bg.grid[g] for g, m in enumerate(s.attrs["omap"]) if m == d) for d, t in enumerate(tile))
+    if row_bound is None or (d := s.attrs["omap"][row_bound[0]]) is None:
+        return shape
+    return tuple(min(x, row_bound[1]) if k == d else x for k, x in enumerate(shape))
 
 
 def _emit_combine(bg: BlockGraph, fine: BlockGraph, name: str, accs, epi, out_ranks, ws, split: int, order=None,

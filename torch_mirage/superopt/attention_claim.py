@@ -315,16 +315,12 @@ class AttentionClaimer:
         if spec.dv and spec.extra_outputs:
             return Reason.NO_KERNEL, "column sums of P with V's head size unlike Q's (no such plan)"
         key_tile = spec.skv // tiles(spec.skv, SEED_TILE)
-        rows = spec.sq if per_query_head(spec) else spec.group * spec.sq
-        row_tile = rows // tiles(rows, SEED_TILE)
-        if key_tile < DOT_MIN <= spec.skv and (spec.extra_outputs or row_tile < DOT_MIN <= rows):
-            # a KV length with no divisor from 16 to 128 (131, a prime; 2·131): the seeds' loop walks tiles of one
-            # or a few keys, which a launch re-tiles into whole tiles with a ragged last one (launch.ragged_walk) —
-            # but not a column-sum pass (its keys are the programs'), nor query rows that have no such divisor
-            # either (131 rows of a prompt: one-row programs, the launch re-tiles the keys only)
+        if key_tile < DOT_MIN <= spec.skv and spec.extra_outputs:
+            # a KV length with no divisor from 16 to 128 (131, a prime; 2·131): the seeds walk tiles of one or a
+            # few keys (and rows), which a launch re-tiles into whole tiles with a ragged last one
+            # (launch.ragged_walk, launch.ragged_rows) — but not a column-sum pass: its keys are the programs'
             return Reason.NO_KERNEL, (f"a KV length of {spec.skv} keys, whose tiles of at most "
-                                      f"{2 * SEED_TILE} keys would be {key_tile} key(s) long, with "
-                                      + ("column sums of P" if spec.extra_outputs else f"{rows} query rows alike"))
+                                      f"{2 * SEED_TILE} keys would be {key_tile} key(s) long, with column sums of P")
         return None
 
     def _claim(self, spec: AttentionSpec, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> Outcome:

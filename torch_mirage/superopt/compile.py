@@ -36,8 +36,8 @@ from ..tune import cached_choice
 from ..timing import is_dense
 from ..ugraph import BlockGraph, KernelGraph, Ref
 from .arith import TorchArith
-from .launch import (LaunchConfig, candidates, choose, combine_tiling, default_config, launch_key, launch_tiling,
-                     proposed, ragged_walk)
+from .launch import (LaunchConfig, candidates, choose, combine_tiling, launch_bounds, launch_key, launch_tiling,
+                     proposed, untuned_config)
 from .optimise import plan_block
 from .siblings import SiblingLauncher, faster_apart, regroup, sibling_groups
 from .updates import store_through
@@ -78,7 +78,7 @@ class BlockLauncher:
                                                      combine_in_kernel=config.combine_in_kernel,
                                                      flat_pid=flat_pid, through=through,
                                                      mask_scan=config.mask_scan, pdl=self.pdl,
-                                                     walked_extent=ragged_walk(bg) if config.ragged else None)
+                                                     **launch_bounds(bg, config))
         self.through = tuple(through)
         self.source = module_source([self.kernel])
         module, self.path = load_source(self.source, cache_dir, prefix="ugraph")
@@ -409,7 +409,7 @@ def compile_ugraph(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor], 
             def build(cfg: LaunchConfig, bg=op.body, ranks=ranks, name=name) -> BlockLauncher:
                 return BlockLauncher(bg, cfg, ranks, cache_dir, name, target)
             cfg = choose(op.body, build, xs, cache=cache, limit=limit, propose=propose) if tune \
-                else default_config(op.body)
+                else untuned_config(op.body)
             launcher = build(cfg)
             log.info("torch_mirage: μGraph op %d uses %s (%s)", i, cfg, launcher.path)
             res = launcher(*xs)

@@ -30,6 +30,7 @@ from ..timing import cuda_graph_timing, rotated_input_sets
 from ..tune import cached_choice, tune
 from ..ugraph import BlockGraph, Ctx, MuGraphError, Op, ThreadGraph, grid_split, make_op
 from .attention_seeds import decode_split_counts
+from .library import DOT_MIN, tiles
 
 log = logging.getLogger("torch_mirage")
 
@@ -95,6 +96,7 @@ DECODE_SCHEDULES = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3)
 # keys: 16 splits of 64-key tiles at 4 / 3, folded in-kernel, 11.7 µs in one kernel against split-KV's 8.8 + 2.5)
 DECODE_FOLD_SCHEDULES = 2
 PROBE_WAVES = (2, 4)           # programs per SM of the extra candidates :func:`candidates` always adds
+RAGGED_TILE = 64               # the tile edge an untuned launch walks ragged keys / rows in (untuned_config)
 MAX_TILE = 128 * 128           # elements any block tile may hold (registers of one program)
 MAX_STAGE_BYTES = 48 * 1024    # bytes one for-loop iteration loads (x num_stages must fit shared memory)
 # programs the combine kernel after a split aims for: it reads every partial state once, so it wants the SMs
@@ -115,6 +117,7 @@ class LaunchConfig:
     combine_in_kernel: bool = False  # split > 1: a tile's last program folds its states (no combine kernel)
     mask_scan: bool = False   # each program bounds its loop by the key tiles its mask lets a row see (scanned_mask)
     ragged: int = 0           # the walked dim's extent the loop's tiles cover, past the tensors' own (0: theirs)
+    ragged_rows: int = 0      # the query rows the row blocks cover, past the tensors' own (0: theirs)
 
     def to_json(self) -> dict:
         return {**asdict(self), "grid": list(self.grid)}
@@ -125,8 +128,32 @@ class LaunchConfig:
 
 
 def default_config(bg: BlockGraph) -> LaunchConfig:
-    """The μGraph's own schedule, no split: what the CPU interpreter and the tests run."""
+    """The μGraph's own schedule, no split: what every tuned launch is checked against (:func:`choose`)."""
     return LaunchConfig(tuple(bg.grid), bg.forloop_range)
+
+
+def untuned_config(bg: BlockGraph) -> LaunchConfig:
+    """The launch a compile that does not tune runs (the CPU interpreter, tests): the μGraph's own schedule, except
+    where that walks attention's keys or blocks its query rows in tiles shorter than tl.dot's ``DOT_MIN`` because
+    no longer tile divides them (131, a prime: one key a step, one row a program) — then whole ``SEED_TILE``
+    tiles (``RAGGED_TILE`` long) with a ragged last one (:func:`ragged_walk`, :func:`ragged_rows`), the float check
+    against eager judging the region as for any launch."""
+    own = default_config(bg)
+    grid, steps, walked, rows = list(bg.grid), bg.forloop_range, 0, 0
+
+    def undivided(extent: int, parts: int) -> bool:     # short tiles, and no tile up to 2 · RAGGED_TILE is longer
+        return extent // parts < DOT_MIN <= extent and extent // tiles(extent, RAGGED_TILE) < DOT_MIN
+    keys = ragged_walk(bg)
+    if keys is not None and undivided(keys, bg.forloop_range) and (walk := ragged_steps(keys, RAGGED_TILE)):
+        steps, walked = walk
+    row_dim = ragged_rows(bg)
+    if row_dim is not None and undivided(row_dim[1], bg.grid[row_dim[0]]) and \
+            (cut := ragged_steps(row_dim[1], RAGGED_TILE)):
+        grid[row_dim[0]], rows = cut
+    if not walked and not rows:
+        return own
+    config = LaunchConfig(tuple(grid), steps, ragged=walked, ragged_rows=rows)
+    return config if launch_tiling(bg, config) is not None else own
 
 
 # ------------------------------------------------------------------ re-tiling
@@ -142,14 +169,19 @@ def _rebody(tg: ThreadGraph, in_shapes, in_dtypes) -> ThreadGraph:
     return ThreadGraph(ops=tuple(ops), outputs=tg.outputs)
 
 
-def retile(bg: BlockGraph, grid: Sequence[int], forloop_range: int, walked: int = 0) -> BlockGraph | None:
+def retile(bg: BlockGraph, grid: Sequence[int], forloop_range: int, walked: int = 0, rows: int = 0
+           ) -> BlockGraph | None:
     """``bg`` with a new grid and for-loop range, or None where that changes what the op computes
     (a shape rule fails, a saver's output shape changes, or an iterator's reads become shared by programs or stop
     being shared: :func:`~torch_mirage.ugraph.grid_split`). ``walked``: the iterators the for-loop walks read
-    that many elements along the walked dim, past their tensors' own extent (:func:`ragged_walk`; 0: their own)."""
+    that many elements along the walked dim, past their tensors' own extent (:func:`ragged_walk`; 0: their own);
+    ``rows``: likewise the query rows' grid dim (:func:`ragged_rows`), its savers' tiles cover that many rows."""
     grid = tuple(int(g) for g in grid)
-    if grid == tuple(bg.grid) and forloop_range == bg.forloop_range and not walked:
+    if grid == tuple(bg.grid) and forloop_range == bg.forloop_range and not walked and not rows:
         return bg
+    row_dim = ragged_rows(bg) if rows else None
+    if rows and (row_dim is None or rows < row_dim[1]):
+        return None
     ctx = Ctx(grid, int(forloop_range))
     ops: list = []
     try:
@@ -160,14 +192,26 @@ def retile(bg: BlockGraph, grid: Sequence[int], forloop_range: int, walked: int 
             attrs = dict(op.attrs)
             if walked and op.name == "iterator" and attrs["fmap"] is not None:
                 attrs["shape"] = tuple(walked if d == attrs["fmap"] else x for d, x in enumerate(attrs["shape"]))
+            if row_dim is not None and op.name == "iterator":
+                attrs["shape"] = tuple(rows if d in _mapped_dims(attrs["imap"], row_dim[0]) else x
+                                       for d, x in enumerate(attrs["shape"]))
             ops.append(make_op(op.name, op.inputs, shapes, dtypes, attrs, body, ctx))
     except MuGraphError:
         return None
     new = BlockGraph(ops=tuple(ops), grid=grid, forloop_range=int(forloop_range), forloop_band=bg.forloop_band,
                      forloop_scan=bg.forloop_scan)
-    if [_saved(new, s) for s in new.savers] != [_saved(bg, s) for s in bg.savers] or _shared(new) != _shared(bg):
+    if [_saved(new, s, row_dim) for s in new.savers] != [_saved(bg, s) for s in bg.savers] \
+            or _shared(new) != _shared(bg):
         return None
     return new
+
+
+def _mapped_dims(imap, g: int) -> set[int]:
+    """The tensor dims grid dim ``g`` maps (an ``imap`` / ``omap``)."""
+    return {m for k, m in enumerate(imap) if k == g and m is not None and m >= 0}
+
+
+
 
 
 def ragged_walk(bg: BlockGraph) -> int | None:
@@ -185,12 +229,41 @@ def ragged_walk(bg: BlockGraph) -> int | None:
     return extents.pop() if len(extents) == 1 else None
 
 
+def ragged_rows(bg: BlockGraph) -> tuple[int, int] | None:
+    """``(grid dim, query rows)`` where a launch may cut online-softmax attention's query rows into whole blocks
+    with a ragged last one (``LaunchConfig.ragged_rows``), else None: the attention of :func:`ragged_walk`, its
+    query rows one grid dim, which maps only dims of as many rows (Q's, a mask's; K and V are read whole by
+    every row block) and the rows of every saver."""
+    if ragged_walk(bg) is None:
+        return None
+    q, k, rows_dim, _ = _attention_dims(bg)
+    gs = [g for g, m in enumerate(q.attrs["imap"]) if m == rows_dim]
+    if len(gs) != 1:
+        return None
+    g, rows = gs[0], q.attrs["shape"][rows_dim]
+    if any(op.attrs["shape"][d] != rows for op in bg.iterators for d in _mapped_dims(op.attrs["imap"], g)) \
+            or not all(_mapped_dims(s.attrs["omap"], g) for s in bg.savers):
+        return None
+    return g, rows
+
+
 def launch_tiling(bg: BlockGraph, config: LaunchConfig) -> BlockGraph | None:
     """The block graph ``config`` launches: :func:`retile` at its grid and for-loop range, the walked dim read at
-    ``config.ragged`` elements where it sets that; None where it does not re-tile ``bg``."""
+    ``config.ragged`` elements and the query rows' blocks at ``config.ragged_rows`` where it sets those; None where
+    it does not re-tile ``bg`` (a split of ragged row blocks: its combine kernel stores whole blocks)."""
     if config.ragged and (ragged_walk(bg) is None or config.ragged < ragged_walk(bg) or config.mask_scan):
         return None
-    return retile(bg, config.grid, config.forloop_range, config.ragged)
+    if config.ragged_rows and (config.split > 1 or config.mask_scan):
+        return None
+    return retile(bg, config.grid, config.forloop_range, config.ragged, config.ragged_rows)
+
+
+def launch_bounds(bg: BlockGraph, config: LaunchConfig) -> dict:
+    """What :func:`~torch_mirage.codegen.ugraph_triton.emit_block_kernel` needs to know of ``config``'s ragged
+    tiles: ``walked_extent`` (the keys the tensors hold) and ``row_bound`` (the query rows' grid dim and the rows
+    the tensors hold)."""
+    return {"walked_extent": ragged_walk(bg) if config.ragged else None,
+            "row_bound": ragged_rows(bg) if config.ragged_rows else None}
 
 
 def ragged_steps(extent: int, tile: int, multiple: int = 1) -> tuple[int, int] | None:
@@ -447,18 +520,23 @@ def _schedules(bg: BlockGraph, found: tuple[int, int, int] | None, schedules: Se
         return []
     g, across, along = found
     out = []
+    row_dim = ragged_rows(bg)
     for per_program, per_step, warps, stages in schedules:
-        if across % per_program:
-            continue
-        grid = tuple(across // per_program if d == g else x for d, x in enumerate(bg.grid))
+        rows = 0
+        if across % per_program:               # whole row blocks, the last one ragged
+            if row_dim is None or row_dim[0] != g:
+                continue
+            rows = ragged_steps(across, per_program)[1]
+        grid = tuple(-(-across // per_program) if d == g else x for d, x in enumerate(bg.grid))
         if along % per_step == 0:
-            if retile(bg, grid, along // per_step) is not None:
-                out.append(LaunchConfig(grid, along // per_step, 1, warps, stages))
+            config = LaunchConfig(grid, along // per_step, 1, warps, stages, ragged_rows=rows)
         elif ragged_walk(bg) is not None:         # whole steps, the last one ragged
             steps, cover = ragged_steps(along, per_step)
-            config = LaunchConfig(grid, steps, 1, warps, stages, ragged=cover)
-            if launch_tiling(bg, config) is not None:
-                out.append(config)
+            config = LaunchConfig(grid, steps, 1, warps, stages, ragged=cover, ragged_rows=rows)
+        else:
+            continue
+        if launch_tiling(bg, config) is not None:
+            out.append(config)
     return out
 
 
@@ -766,7 +844,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     tolerance of the lowest precision involved; the fastest that agrees wins (:func:`~torch_mirage.tune.tune`)."""
     base = default_config(bg)
     if not inputs or inputs[0].device.type != "cuda":
-        return base
+        return untuned_config(bg)
     key = launch_key(bg, inputs, inputs[0].device, limit, propose)
     props = torch.cuda.get_device_properties(inputs[0].device)
     configs = proposed(bg, inputs[0].device, limit, propose)
