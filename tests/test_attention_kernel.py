@@ -408,12 +408,10 @@ def test_gpu_decode_gqa_region_at_any_kv_length(skv, caplog):
     67, 134: two) and at 131 (no tile from 16 to 128 divides it: the seed walks one key a step, and the tuner
     picks a launch of whole 64-key tiles with a ragged last one) — claimed (no timing against Inductor), compiled
     strict (a failed check raises), with no tuned launch disagreeing with the seed's own schedule; fp64-equal."""
-    import logging
-
     import torch.nn.functional as F
 
-    import torch_mirage
-    from test_attention_family import _attention_regions, repeat_kv
+    from helpers import strict_attention_compile
+    from test_attention_family import repeat_kv
 
     b, h, hk, d, dtype = 4, 16, 8, 64, torch.bfloat16
     q = torch.randn(b, h, 1, d, device="cuda", dtype=dtype)
@@ -422,14 +420,7 @@ def test_gpu_decode_gqa_region_at_any_kv_length(skv, caplog):
     def f(q, k, v):
         return F.scaled_dot_product_attention(q, repeat_kv(k, h // hk), repeat_kv(v, h // hk))
 
-    torch._dynamo.reset()
-    report = torch_mirage.Report()
-    backend = torch_mirage.MirageBackend(options={"min_region_us": 0, "strict": True, "measure_regions": False},
-                                         report=report)
-    with caplog.at_level(logging.WARNING, logger="torch_mirage"):
-        out = torch.compile(f, backend=backend)(q, k, v)
-    assert not [r.message for r in caplog.records if "disagrees" in r.message]
-    (region,) = _attention_regions(report)
+    out, (region,) = strict_attention_compile(f, (q, k, v), caplog)
     if skv == 131:
         assert all(launch["ragged"] for launch in region.info["launch"]), region.info
     assert_close(out, f(q.double(), k.double(), v.double()).to(dtype), dtype)

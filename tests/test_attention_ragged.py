@@ -87,8 +87,9 @@ def test_ragged_steps():
 
 def test_candidates_walk_a_prime_kv_length_in_whole_tiles():
     """Decode at 131 keys (the seed: 131 one-key steps) is timed at its own schedule and at whole 64-key tiles
-    with a ragged last one (the decode schedules' first two pipeline depths); 67 keys (one padded tile) gets two 64-key tiles too; prefill at 4100 keys (the
-    seed's tiles of 50) gets 64-key tiles, 4160 covered. The launches re-tile the block graph."""
+    with a ragged last one (the decode schedules' first two pipeline depths); 67 keys (one padded tile) gets two
+    64-key tiles too; prefill at 4100 keys (the seed's tiles of 50) gets 64-key tiles, 4160 covered. The launches
+    re-tile the block graph."""
     decode = _body(flash_attention(4, 8, 2, 131, 64, scale=0.125, dtype="bfloat16"))
     assert decode.forloop_range == 131 and ragged_walk(decode) == 131
     cands = candidates(decode, 132)
@@ -184,7 +185,8 @@ def test_ragged_row_blocks_in_the_candidates_and_the_untuned_launch():
     assert bg.forloop_range == 131 and ragged_rows(bg) == (2, 131)
     cands = candidates(bg, 132)
     assert cands[0] == default_config(bg)
-    assert {(c.grid[2], c.ragged_rows, c.forloop_range, c.ragged) for c in cands} >= {(2, 256, 3, 192), (3, 192, 3, 192)}
+    tilings = {(c.grid[2], c.ragged_rows, c.forloop_range, c.ragged) for c in cands}
+    assert tilings >= {(2, 256, 3, 192), (3, 192, 3, 192)}
     assert untuned_config(bg) == LaunchConfig((8, 1, 3), 3, ragged=192, ragged_rows=192)
     assert launch_tiling(bg, LaunchConfig((8, 1, 3), 4, 2, ragged=256, ragged_rows=192)) is None
     whole = _body(flash_attention(1, 8, 256, 256, 64, scale=0.125, dtype="bfloat16"))
@@ -210,12 +212,10 @@ def test_gpu_prompt_at_a_prime_length(n, caplog):
     (no timing against Inductor), compiled strict, no tuned launch disagreeing with the seed's own schedule (one row
     a program, one key a step), the launch picked cutting rows and keys into whole blocks with a ragged last
     one; fp64-equal."""
-    import logging
-
     import torch.nn.functional as F
 
-    import torch_mirage
-    from test_attention_family import _attention_regions, repeat_kv
+    from helpers import strict_attention_compile
+    from test_attention_family import repeat_kv
 
     b, h, hk, d, dtype = 1, 16, 8, 64, torch.bfloat16
     q = torch.randn(b, h, n, d, device="cuda", dtype=dtype)
@@ -224,13 +224,6 @@ def test_gpu_prompt_at_a_prime_length(n, caplog):
     def f(q, k, v):
         return F.scaled_dot_product_attention(q, repeat_kv(k, h // hk), repeat_kv(v, h // hk), is_causal=True)
 
-    torch._dynamo.reset()
-    report = torch_mirage.Report()
-    backend = torch_mirage.MirageBackend(options={"min_region_us": 0, "strict": True, "measure_regions": False},
-                                         report=report)
-    with caplog.at_level(logging.WARNING, logger="torch_mirage"):
-        out = torch.compile(f, backend=backend)(q, k, v)
-    assert not [r.message for r in caplog.records if "disagrees" in r.message]
-    (region,) = _attention_regions(report)
+    out, (region,) = strict_attention_compile(f, (q, k, v), caplog)
     assert all(c["ragged"] and c["ragged_rows"] for c in region.info["launch"]), region.info
     assert_close(out, f(q.double(), k.double(), v.double()).to(dtype), dtype)

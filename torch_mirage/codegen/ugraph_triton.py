@@ -1128,7 +1128,8 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     ws = [math.prod(padded(x) for x in s) for s in state_shapes] if split > 1 else []
     n_inputs = len(in_ranks)
     if row_bound is not None and split > 1:
-        raise CodegenError(f"μGraph codegen: ragged row blocks with a split of {split} (its combine stores whole blocks)")
+        raise CodegenError(f"μGraph codegen: ragged row blocks with a split of {split} "
+                           "(its combine kernel stores whole blocks)")
     e = _Emitter(bg, n_inputs, split, order, transposed, target, through)
     e.walked, e.row_bound = walked_extent, row_bound
     _pids(e, bg.grid, split, heaviest_first(bg, split, mask_scan), flat_pid)
@@ -1147,7 +1148,8 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
 
     lo = f"split * {per}" if split > 1 else "0"
     hi = f"{lo} + {per}" if split > 1 else f"{per}"
-    if walked_extent is not None and (steps := _walked_steps(bg, walked_extent)) is not None and steps < bg.forloop_range:
+    steps = _walked_steps(bg, walked_extent) if walked_extent is not None else None
+    if steps is not None and steps < bg.forloop_range:
         # tiles wholly past the keys (a split's share of the steps rounded up) are not visited
         hi = f"tl.minimum({hi}, {steps})" if split > 1 else str(min(per, steps))
     segments = [(lo, hi, False)]
@@ -1187,7 +1189,8 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     e.full = False
     for i, (wide, dim) in e.wide.items():
         st = states[i][0]
-        e.line(f"{st.name} = {st.name} + {_conform_expr(reduction('tl.sum', wide.name, wide.pshape, dim), wide, dim, st)}")
+        total = _conform_expr(reduction("tl.sum", wide.name, wide.pshape, dim), wide, dim, st)
+        e.line(f"{st.name} = {st.name} + {total}")
     in_kernel = split > 1 and combine_in_kernel      # the outputs are written here, after the fold
     kept_outs = out_ranks if split == 1 or in_kernel else []
     params = _params(n_inputs, in_ranks, kept_outs, len(ws), loop, in_kernel, flat_pid, through)
@@ -1467,7 +1470,8 @@ def _saved(bg: BlockGraph, s: Op, row_bound: tuple[int, int] | None = None) -> t
     """The shape of the kernel tensor saver ``s`` writes: its tiles over the grid; the dim grid dim
     ``row_bound[0]`` maps cut to ``row_bound[1]`` (ragged row blocks run past the tensor's rows)."""
     tile = bg.shape(s.inputs[0])
-    shape = tuple(t * math.prod(bg.grid[g] for g, m in enumerate(s.attrs["omap"]) if m == d) for d, t in enumerate(tile))
+    shape = tuple(t * math.prod(bg.grid[g] for g, m in enumerate(s.attrs["omap"]) if m == d)
+                  for d, t in enumerate(tile))
     if row_bound is None or (d := s.attrs["omap"][row_bound[0]]) is None:
         return shape
     return tuple(min(x, row_bound[1]) if k == d else x for k, x in enumerate(shape))

@@ -221,7 +221,8 @@ def ragged_walk(bg: BlockGraph) -> int | None:
     keys past the end — read as 0, their scores -inf (:func:`~torch_mirage.codegen.ugraph_triton.emit_block_kernel`'s
     ``walked_extent``) — add nothing; no saver stores along it (a column-sum pass does) and no table of mask tiles
     bounds the loop."""
-    if bg.forloop_scan is not None or [op.name for op in bg.ops if op.name.startswith("acc_")] != ["acc_online_softmax"]:
+    accumulators = [op.name for op in bg.ops if op.name.startswith("acc_")]
+    if bg.forloop_scan is not None or accumulators != ["acc_online_softmax"]:
         return None
     if _attention_iterators(bg) is None:
         return None
@@ -907,7 +908,8 @@ def scan_twin(bg: BlockGraph, config: LaunchConfig) -> LaunchConfig | None:
     mask: a step early in a long cache sees a few of its slots, and its programs then walk only those): timed
     against ``config`` after the other candidates, on the compiled call's mask (one more kernel to build, not a
     twin of each). None where that does not apply (prefill times each schedule both ways: :func:`scanning`)."""
-    if config.mask_scan or config.ragged or config.forloop_range // config.split <= 1 or prefill_attention(bg) is not None \
+    if config.mask_scan or config.ragged or config.forloop_range // config.split <= 1 \
+            or prefill_attention(bg) is not None \
             or scanned_mask(bg) is None:      # one loop step per program: nothing to bound
         return None
     if split_kv_decode(bg) is None and whole_kv_decode(bg) is None:
