@@ -178,3 +178,24 @@ def test_the_float64_reference_of_a_fused_sdpa_kernel_is_the_math_path(op, gqa, 
                                           is_causal=causal and not both, scale=0.3, enable_gqa=gqa)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_the_float64_reference_gives_a_row_with_no_key_zeros(mask_kind):
+    """A fused SDPA op's float64 reference (cuDNN's takes HF's bool masks) follows
+    ``F.scaled_dot_product_attention``: a bool mask hides keys (the math op called directly adds it as 1 / 0:
+    every row with a hidden key was off, torch 2.13, CPU), and a row whose keys it hides whole gives zeros."""
+    from torch_mirage.capture.lower import _sdpa_in_float64
+
+    b, h, sq, skv, d = 1, 2, 4, 6, 8
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64) for s in (sq, skv, skv))
+    keep = torch.rand(b, 1, sq, skv) > 0.3
+    keep[..., 0, :] = True
+    keep[..., 2, :] = False                            # row 2 sees no key
+    mask = keep if mask_kind == "bool" else torch.zeros(b, 1, sq, skv, dtype=torch.float64).masked_fill(
+        ~keep, float("-inf"))
+    run = _sdpa_in_float64(torch.ops.aten._scaled_dot_product_cudnn_attention.default, [torch.empty(b, h, sq, d)])
+    (out,) = run(q, k, v, mask, False, scale=0.3)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    assert torch.equal(out[..., 2, :], torch.zeros_like(out[..., 2, :]))
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)

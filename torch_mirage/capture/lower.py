@@ -114,9 +114,11 @@ def _sdpa_in_float64(target: Any, outputs: list) -> Any:
     """A stand-in for fused SDPA op ``target`` run on float64 inputs: the same call structure, its output from
     ``aten._scaled_dot_product_attention_math`` (a float64 GQA, mask, causal and scale as the op reads them) and
     its log-sum-exp from the scores, where the op's has the rows' shape; the other outputs (sequence offsets,
-    RNG state, debug mask) are the examples' shapes filled with NaN (float) or 0, never a reference. A fused
-    kernel is no float64 reference: it may refuse float64 or not compute in it (H200 11-29 y: the check of a
-    decode GQA region put eager's own bf16 cuDNN output 94 % off the float64 cuDNN call it made)."""
+    RNG state, debug mask) are the examples' shapes filled with NaN (float) or 0, never a reference. A bool mask
+    is the math op's -inf bias (called directly, it adds the bool as 1 / 0), and a row whose keys are all hidden
+    gives zeros, as ``F.scaled_dot_product_attention`` does. A fused kernel is no float64 reference: it may refuse float64 or not compute in it (H200
+    11-29 y: the check of a decode GQA region put eager's own bf16 cuDNN output 94 % off the float64 cuDNN call
+    it made)."""
     schema = target._schema
 
     def run(*args: Any, **kwargs: Any) -> tuple:
@@ -129,8 +131,11 @@ def _sdpa_in_float64(target: Any, outputs: list) -> Any:
             keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
             mask, causal = (mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))), False
         gqa = q.shape[-3] != k.shape[-3]
+        # the math op adds a bool mask as 1 / 0 (F.scaled_dot_product_attention turns it into a -inf bias first)
+        bias = mask if mask is None or mask.dtype != torch.bool else \
+            torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
         out, _ = torch.ops.aten._scaled_dot_product_attention_math(
-            q, k, v, mask, dropout_p=float(a.get("dropout_p") or 0.0), is_causal=causal, scale=a.get("scale"),
+            q, k, v, bias, dropout_p=float(a.get("dropout_p") or 0.0), is_causal=causal, scale=a.get("scale"),
             enable_gqa=gqa)
         scale = a.get("scale") or 1.0 / math.sqrt(q.shape[-1])
         if gqa:
@@ -141,6 +146,7 @@ def _sdpa_in_float64(target: Any, outputs: list) -> Any:
         if causal:
             s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
+        out = out.masked_fill(torch.isneginf(lse)[..., None], 0.0)    # rows with no key: SDPA's zeros
         results = [out]
         for ex in outputs[1:]:
             shape, dtype = tuple(getattr(ex, "shape", ())), getattr(ex, "dtype", None)
