@@ -18,17 +18,17 @@ def _ids(vocab: int, shape=(2, 12), seed: int = 0) -> torch.Tensor:
     return torch.randint(1, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _forward_equal(name: str, attn: str) -> Report:
+def _forward_equal(name: str, attn: str, shape=(2, 12)) -> Report:
     spec = M.MODELS[name]
     model = M.build(spec, attn, torch.float32, "cpu", tiny=True)
-    ids = _ids(model.config.vocab_size)
+    ids = _ids(model.config.vocab_size, shape)
     with torch.no_grad():
         expected = M.forward_logits(model, spec)(ids)
         report = Report()
         M.compile_forward(model, "mirage", report)
         try:
             got = M.forward_logits(model, spec)(ids)
-            fresh = _ids(model.config.vocab_size, seed=1)   # same shape, new tokens: no recompile, still equal
+            fresh = _ids(model.config.vocab_size, shape, seed=1)   # same shape, new tokens: no recompile, still equal
             got_fresh = M.forward_logits(model, spec)(fresh)
         finally:
             M.compile_forward(model, "eager")
@@ -94,6 +94,19 @@ def test_causal_band_is_read_off_the_masks_transformers_builds(name, attn):
     regions = [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
     assert regions and all("(causal)" in r.info["attention"] and "band=0" in r.info["attention"]
                            for r in regions), str(report)
+
+
+@pytest.mark.slow   # ~1 min each on a 2-core CPU: 131-token prompts through interpreted kernels
+@pytest.mark.parametrize("name,attn", [("llama", "default"), ("gemma2", "eager")])
+def test_a_prompt_of_a_prime_length_is_claimed_and_equals_eager(name, attn):
+    """A 131-token prompt (no tile from 16 to 128 divides its rows or keys) through HF's own attention (SDPA with
+    the causal mask transformers builds; gemma2's eager soft-capped path): every layer's attention is mirage's,
+    its rows and keys in whole 64-long blocks with a ragged last one, and the logits equal eager's."""
+    report = _forward_equal(name, attn, shape=(1, 131))
+    regions = [r for r in report.regions if r.claimer == "attention" and r.compiled_by == "mirage"]
+    assert len(regions) == 2, str(report)                 # both layers
+    assert all(c["ragged"] == 192 and c["ragged_rows"] for r in regions for c in r.info["launch"]), \
+        [r.info["launch"] for r in regions]
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
