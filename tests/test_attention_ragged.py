@@ -78,6 +78,25 @@ def test_ragged_launch_of_a_head_per_program(tmp_path):
     assert_close(launcher(q, k, v)[0], want.float(), torch.float32)
 
 
+@interp
+def test_ragged_launches_with_a_bias_and_v_heads_of_their_own(tmp_path):
+    """A mask and a bias at their own shapes (BLOOM's ALiBi: (b, h, 1, skv)) both walked along the keys, V heads
+    of their own size (latent attention): the ragged launches, alone and split, are fp64-equal."""
+    b, hk, sq, skv, d, dv = 1, 2, 4, 37, 16, 8
+    kg = flash_attention(b, hk, sq, skv, d, scale=d ** -0.5, dtype="float32", forloop_range=skv, mask=(1, 1),
+                         bias=(b, hk, 1), dv=dv)
+    bg = _body(kg)
+    q, k, v = torch.randn(b, hk, sq, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, dv)
+    m = torch.zeros(1, 1, sq, skv)
+    m[..., -3:] = -1e30
+    bias = torch.randn(b, hk, 1, skv)
+    s = q.double() @ k.double().transpose(-1, -2) * d ** -0.5 + m.double() + bias.double()
+    want = torch.softmax(s, -1) @ v.double()
+    for config in (LaunchConfig(tuple(bg.grid), 3, ragged=48), LaunchConfig(tuple(bg.grid), 4, 2, ragged=64)):
+        launcher = BlockLauncher(bg, config, [4] * 5, str(tmp_path), f"bias{config.split}", Target.INTERPRETER)
+        assert_close(launcher(q, k, v, m, bias)[0], want.float(), torch.float32)
+
+
 def test_ragged_steps():
     """Whole tiles over a length they do not divide, the steps a multiple of a split's; none where they divide."""
     assert ragged_steps(131, 64) == (3, 192)
