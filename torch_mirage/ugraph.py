@@ -670,7 +670,8 @@ def band_full(bg: BlockGraph, block: tuple, it: int) -> bool:
 def band_mask_dims(bg: BlockGraph, it: Op) -> tuple[int, int]:
     """(position dim, key dim) of the band's ``index_mask`` iterator ``it``: its tile has two dims of extent > 1,
     the one the for-loop walks holds the band's keys, the other its query positions (both as in
-    :func:`band_geometry`: the roles swap in a loop over queries, FlashTensor's column sums)."""
+    :func:`band_geometry`: the roles swap in a loop over queries, FlashTensor's column sums); a tile of one
+    position (one query row a program) or one key a step: the dims of the tensor's own shape."""
     kd = it.attrs["fmap"]
     rest = [d for d, e in enumerate(it.shapes[0]) if e > 1 and d != kd]
     if len(rest) != 1:      # a tile of one position (one row a program): the tensor's other dim of extent > 1

@@ -135,9 +135,9 @@ def default_config(bg: BlockGraph) -> LaunchConfig:
 def untuned_config(bg: BlockGraph) -> LaunchConfig:
     """The launch a compile that does not tune runs (the CPU interpreter, tests): the μGraph's own schedule, except
     where that walks attention's keys or blocks its query rows in tiles shorter than tl.dot's ``DOT_MIN`` because
-    no longer tile divides them (131, a prime: one key a step, one row a program) — then whole ``SEED_TILE``
-    tiles (``RAGGED_TILE`` long) with a ragged last one (:func:`ragged_walk`, :func:`ragged_rows`), the float check
-    against eager judging the region as for any launch."""
+    no longer tile divides them (131, a prime: one key a step, one row a program) — then whole ``RAGGED_TILE``-long
+    tiles with a ragged last one (:func:`ragged_walk`, :func:`ragged_rows`), the float check against eager judging
+    the region as for any launch."""
     own = default_config(bg)
     grid, steps, walked, rows = list(bg.grid), bg.forloop_range, 0, 0
 
@@ -207,11 +207,8 @@ def retile(bg: BlockGraph, grid: Sequence[int], forloop_range: int, walked: int 
 
 
 def _mapped_dims(imap, g: int) -> set[int]:
-    """The tensor dims grid dim ``g`` maps (an ``imap`` / ``omap``)."""
-    return {m for k, m in enumerate(imap) if k == g and m is not None and m >= 0}
-
-
-
+    """The tensor dim grid dim ``g`` maps in an ``imap`` / ``omap`` (none: φ, replicated)."""
+    return set() if imap[g] is None else {imap[g]}
 
 
 def ragged_walk(bg: BlockGraph) -> int | None:
@@ -641,7 +638,7 @@ def scanning(bg: BlockGraph, configs: Sequence[LaunchConfig]) -> list[LaunchConf
         return list(configs)
 
     def scans(c: LaunchConfig) -> bool:       # the table's tile covers the program's mask tile
-        tiled = None if c.ragged else retile(bg, c.grid, c.forloop_range)
+        tiled = None if c.ragged or c.ragged_rows else retile(bg, c.grid, c.forloop_range)
         return tiled is not None and scanned_mask(tiled) is not None
     return list(dict.fromkeys(replace(c, mask_scan=True) if scans(c) else c for c in configs))
 
