@@ -116,9 +116,9 @@ def _sdpa_in_float64(target: Any, outputs: list) -> Any:
     its log-sum-exp from the scores, where the op's has the rows' shape; the other outputs (sequence offsets,
     RNG state, debug mask) are the examples' shapes filled with NaN (float) or 0, never a reference. A bool mask
     is the math op's -inf bias (called directly, it adds the bool as 1 / 0), and a row whose keys are all hidden
-    gives zeros, as ``F.scaled_dot_product_attention`` does. A fused kernel is no float64 reference: it may refuse float64 or not compute in it (H200
-    11-29 y: the check of a decode GQA region put eager's own bf16 cuDNN output 94 % off the float64 cuDNN call
-    it made)."""
+    gives zeros, as ``F.scaled_dot_product_attention`` does. A fused kernel is no float64 reference: it may refuse
+    float64 or not compute in it (H200 11-29 y: the check of a decode GQA region put eager's own bf16 cuDNN output
+    94 % off the float64 cuDNN call it made)."""
     schema = target._schema
 
     def run(*args: Any, **kwargs: Any) -> tuple:
@@ -132,17 +132,17 @@ def _sdpa_in_float64(target: Any, outputs: list) -> Any:
             mask, causal = (mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))), False
         gqa = q.shape[-3] != k.shape[-3]
         # the math op adds a bool mask as 1 / 0 (F.scaled_dot_product_attention turns it into a -inf bias first)
-        bias = mask if mask is None or mask.dtype != torch.bool else \
-            torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
         out, _ = torch.ops.aten._scaled_dot_product_attention_math(
-            q, k, v, bias, dropout_p=float(a.get("dropout_p") or 0.0), is_causal=causal, scale=a.get("scale"),
+            q, k, v, mask, dropout_p=float(a.get("dropout_p") or 0.0), is_causal=causal, scale=a.get("scale"),
             enable_gqa=gqa)
         scale = a.get("scale") or 1.0 / math.sqrt(q.shape[-1])
         if gqa:
             k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
         s = (q @ k.transpose(-1, -2)) * scale
         if mask is not None:
-            s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+            s = s + mask
         if causal:
             s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
         lse = torch.logsumexp(s, dim=-1)

@@ -315,7 +315,7 @@ class AttentionClaimer:
         if spec.dv and spec.extra_outputs:
             return Reason.NO_KERNEL, "column sums of P with V's head size unlike Q's (no such plan)"
         key_tile = spec.skv // tiles(spec.skv, SEED_TILE)
-        if key_tile < DOT_MIN <= spec.skv and spec.extra_outputs:
+        if spec.extra_outputs and key_tile < DOT_MIN <= spec.skv:
             # a KV length with no divisor from 16 to 128 (131, a prime; 2·131): the seeds walk tiles of one or a
             # few keys (and rows), which a launch re-tiles into whole tiles with a ragged last one
             # (launch.ragged_walk, launch.ragged_rows) — but not a column-sum pass: its keys are the programs'

@@ -249,7 +249,8 @@ def launch_tiling(bg: BlockGraph, config: LaunchConfig) -> BlockGraph | None:
     """The block graph ``config`` launches: :func:`retile` at its grid and for-loop range, the walked dim read at
     ``config.ragged`` elements and the query rows' blocks at ``config.ragged_rows`` where it sets those; None where
     it does not re-tile ``bg`` (a split of ragged row blocks: its combine kernel stores whole blocks)."""
-    if config.ragged and (ragged_walk(bg) is None or config.ragged < ragged_walk(bg) or config.mask_scan):
+    keys = ragged_walk(bg) if config.ragged else None
+    if config.ragged and (keys is None or config.ragged < keys or config.mask_scan):
         return None
     if config.ragged_rows and (config.split > 1 or config.mask_scan):
         return None
