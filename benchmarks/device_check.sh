@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels and the package, then run the named steps, each under its own
 # time limit (STEP_LIMIT_S, or step@SECONDS), logging to $OUT/<step>.log.
-# Steps: gputests gpushards:<N> (the gpu suite in N parallel pytest processes) gputest:<pytest -k expr> pytest:<pytest args> stitch stitchq stitchsweep mirageset mirageprofile bench:<part>
+# Steps: gputests gpushards:<N> (the gpu suite in N parallel pytest processes; GPU_IDS=<file of test ids>: those only) gputest:<pytest -k expr> pytest:<pytest args> stitch stitchq stitchsweep mirageset mirageprofile bench:<part>
 #        layerkernels:<batch> (benchmarks/layer_kernels_gpu.py) llmab:<args of benchmarks/llm_ab.py> attnprobe:<args of benchmarks/attention_probe.py>
 #        attnkernel:<args of benchmarks/attention_kernel_gpu.py> pdlprobe:<args of benchmarks/pdl_probe.py>
 #        afterinductor:<args of benchmarks/compile_after_inductor.py> siblingpairs:<args of benchmarks/sibling_pairs_gpu.py>
@@ -40,9 +40,10 @@ for arg in "$@"; do
     gpushards:*)   # the gpu suite in N pytest processes at once (Triton compiles are CPU-bound; the GPU is shared);
                    # the tests that measure the GPU itself (gpu_alone) run first, with the GPU to themselves
       n=${step#gpushards:}; d=$(mktemp -d)
-      timeout "$LIMIT" python3 -m pytest tests -q -m "gpu and gpu_alone" -p no:cacheprovider > "$d/alone.log" 2>&1
+      [[ -n ${GPU_IDS:-} ]] && : > "$d/alone.log" || timeout "$LIMIT" python3 -m pytest tests -q -m "gpu and gpu_alone" -p no:cacheprovider > "$d/alone.log" 2>&1
       echo "alone rc=$?" >> "$d/alone.log"; sed -i 's/alone rc=5$/alone rc=0/' "$d/alone.log"   # 5: none collected
-      python3 -m pytest tests -q -m "gpu and not gpu_alone" -p no:cacheprovider --collect-only 2>/dev/null | grep '::' > "$d/ids"
+      if [[ -n ${GPU_IDS:-} ]]; then cp "$GPU_IDS" "$d/ids"   # GPU_IDS=file: only these tests (one id a line), e.g. the rest of a cut run
+      else python3 -m pytest tests -q -m "gpu and not gpu_alone" -p no:cacheprovider --collect-only 2>/dev/null | grep '::' > "$d/ids"; fi
       for i in $(seq 0 $((n - 1))); do
         awk -v n="$n" -v i="$i" 'NR % n == i' "$d/ids" > "$d/ids$i"   # ids may hold spaces: one per line
         ( mapfile -t ids < "$d/ids$i"; timeout "$LIMIT" python3 -m pytest -v -p no:cacheprovider --durations=8 -o faulthandler_timeout=${FAULT_S:-120} "${ids[@]}" \
