@@ -1161,6 +1161,11 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
             edge_stages = "1"
     elif mask_scan and loop and (m := scanned_mask(bg)) is not None:   # the same, the mask read at run time
         segments = _scanned_bounds(e, bg, bg.ops[m], lo, hi)
+    peeled = loop and steps is not None
+    if peeled:                          # only the last key tile is ragged: the whole ones load unbounded
+        segments = _peel_ragged_tail(segments, walked_extent // _walked_tile(bg))
+    else:
+        segments = [(*seg, True) for seg in segments]
     emit_ops(ph.invariant, None)
     states = {i: _acc_init(e, bg.ops[i]) for i in accs}
     for i in accs:                      # column sums: the whole tile summed per iteration, reduced after the loop
@@ -1171,10 +1176,11 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
     groups = [first, [i for i in accs if i not in first]] if first else [accs]
     for group in (groups[::-1] if sums_after else groups):
         needed = bg.ancestors(group)
-        for s_lo, s_hi, full in segments if loop else [(lo, hi, False)]:
+        for s_lo, s_hi, full, bounded in segments if loop else [(lo, hi, False, True)]:
             e.full = full
-            if loop:
-                stages = "NUM_STAGES" if full else edge_stages
+            e.walked = walked_extent if bounded else None
+            if loop:            # a peeled tail is one step at most: not pipelined
+                stages = "1" if peeled and bounded else "NUM_STAGES" if full else edge_stages
                 e.line(f"for it in tl.range({s_lo}, {s_hi}, num_stages={stages}):")
                 e.indent += 1
             emit_ops([i for i in ph.variant if i in needed], "it" if loop else lo)
@@ -1186,7 +1192,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
                             else [], pair, e.wide.get(i))
             if loop:
                 e.indent -= 1
-    e.full = False
+    e.full, e.walked = False, walked_extent
     for i, (wide, dim) in e.wide.items():
         st = states[i][0]
         total = _conform_expr(reduction("tl.sum", wide.name, wide.pshape, dim), wide, dim, st)
@@ -1264,14 +1270,41 @@ def _offset_args(own: Sequence[str], j: int, start: int) -> str:
     return ", ".join((f"lin - {start}" if start else "lin") if p == "lin" else f"p{j}_{p}" for p in own)
 
 
-def _walked_steps(bg: BlockGraph, extent: int) -> int | None:
-    """The for-loop steps whose tiles hold one of the first ``extent`` elements of the walked dim, where no grid dim
-    splits that dim (each program's steps start at its first element), else None."""
+def _walked_tile(bg: BlockGraph) -> int | None:
+    """The walked dim's tile (elements a for-loop step covers), where no grid dim splits that dim (each program's
+    steps start at its first element), else None."""
     walked = [op for op in bg.iterators if op.attrs["fmap"] is not None]
     if not walked or any(m == op.attrs["fmap"] for op in walked for m in op.attrs["imap"]):
         return None
-    tile = walked[0].shapes[0][walked[0].attrs["fmap"]]
-    return -(-extent // tile)
+    return walked[0].shapes[0][walked[0].attrs["fmap"]]
+
+
+def _walked_steps(bg: BlockGraph, extent: int) -> int | None:
+    """The for-loop steps whose tiles hold one of the first ``extent`` elements of the walked dim (see
+    :func:`_walked_tile`), else None."""
+    tile = _walked_tile(bg)
+    return None if tile is None else -(-extent // tile)
+
+
+def _peel_ragged_tail(segments: Sequence[tuple[str, str, bool]], whole: int) -> list[tuple[str, str, bool, bool]]:
+    """Each loop segment ``(lo, hi, full)`` of a ragged walk cut at step ``whole`` (the steps whose tiles lie wholly
+    inside the walked extent) into ``(lo, hi, full, bounded)``: the steps before it load and score unbounded, the
+    ones from it on (the ragged last tile, where a segment reaches it) with the extent's bound. Loop bounds known
+    here fold to numbers; run-time ones (a split's share, a band's) become ``tl.minimum`` / ``tl.maximum``."""
+    def at_most(a: str) -> str:
+        return str(min(int(a), whole)) if a.isdigit() else f"tl.minimum({a}, {whole})"
+
+    def at_least(a: str) -> str:
+        return str(max(int(a), whole)) if a.isdigit() else f"tl.maximum({a}, {whole})"
+
+    out = []
+    for lo, hi, full in segments:
+        inner, tail = at_most(hi), at_least(lo)
+        if not (inner.isdigit() and lo.isdigit() and int(inner) <= int(lo)):
+            out.append((lo, inner, full, False))
+        if not (tail.isdigit() and hi.isdigit() and int(hi) <= int(tail)):
+            out.append((tail, hi, full, True))
+    return out
 
 
 def _band_bounds(e: _Emitter, bg: BlockGraph, lo: str, hi: str) -> list[tuple[str, str, bool]]:
