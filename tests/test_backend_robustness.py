@@ -468,6 +468,37 @@ def test_alternating_times_order_and_failures():
         alternating_times(["a", "c"], half)
 
 
+def test_a_slow_call_is_replayed_fewer_times():
+    """A fixed replay count holds for µs-long calls; a replay long enough that the count would run past
+    ``REPEAT_MS`` a repeat is replayed fewer times (one at least), so a hopeless tuning candidate costs a fraction
+    of a second, not seconds."""
+    from torch_mirage.timing import REPEAT_MS, replays_within
+
+    assert replays_within(10, 0.05) == 10                       # 16 sets of a 3 µs kernel: unchanged
+    assert replays_within(10, REPEAT_MS / 4) == 4
+    assert replays_within(10, 208.0) == 1                       # 16 sets of 13 ms: one replay a repeat
+    assert replays_within(20, 0.0) == 20 and replays_within(1, 1e9) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_slow_calls_are_timed_within_the_repeat_bound():
+    """A call of more than 20 ms replayed in a CUDA graph: asked for 10 replays a repeat, it gets at most four
+    (the bound is 100 ms; the count comes from one replay of its own, timed apart from the test's)."""
+    from torch_mirage.timing import cuda_graph_timing
+
+    a = torch.randn(4096, 4096, device="cuda")
+
+    def slow(x):
+        for _ in range(40):
+            x = x @ a
+        return x
+
+    one = cuda_graph_timing(slow, [[a]], replays=1, repeats=1)["us"] / 1e3
+    got = cuda_graph_timing(slow, [[a]], replays=10, repeats=2)
+    assert one > 20 and 1 <= got["replays"] <= 4, (one, got)
+
+
 def test_host_launched_times_drop_host_noise_and_keep_the_drift_balance():
     """Launched from Python, a candidate's time is the mean of each half's fastest sample: a spike the host adds
     to a few samples (another process, a collection) changes nothing, and the A B B A halves still cancel a

@@ -32,17 +32,32 @@ def random_like(meta, device=None) -> torch.Tensor:
     return t
 
 
+REPEAT_MS = 100.0   # a repeat of a fixed replay count runs at most about this long (one replay at least)
+
+
+def replays_within(replays: int, one_ms: float, longest_ms: float = REPEAT_MS) -> int:
+    """``replays``, cut so that a repeat of them takes about ``longest_ms`` at most where one takes ``one_ms``
+    (never below one). A call that long averages its own noise: the count is for µs-long calls, and a candidate
+    that is hopelessly slow (an attention seed's one-key, one-row schedule at a 1031-token prompt: 16 input sets of
+    ~10 ms a replay) would spend seconds of the compile being timed to that count."""
+    return max(1, min(replays, math.floor(longest_ms / max(one_ms, 1e-6))))
+
+
 def _repeated_timing(run_once: Callable[[], Any], calls_per_run: int, replays: int | None, target_ms: float | None,
                      repeats: int) -> dict:
-    """Time ``run_once`` ``replays`` times per repeat (or as often as fills ``target_ms``): µs per call."""
+    """Time ``run_once`` ``replays`` times per repeat (fewer where that would run past :data:`REPEAT_MS`, see
+    :func:`replays_within`; or as often as fills ``target_ms``): µs per call."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     run_once()
+    start.record()
+    run_once()
+    end.record()
+    end.synchronize()
+    one_ms = start.elapsed_time(end)
     if replays is None:
-        start.record()
-        run_once()
-        end.record()
-        end.synchronize()
-        replays = max(1, math.ceil((target_ms or 10.0) / max(start.elapsed_time(end), 1e-3)))
+        replays = max(1, math.ceil((target_ms or 10.0) / max(one_ms, 1e-3)))
+    else:
+        replays = replays_within(replays, one_ms)
     per_call = []
     for _ in range(repeats):
         start.record()
