@@ -177,6 +177,73 @@ def test_a_split_past_the_keys_visits_no_tile():
     assert "for it in tl.range(tl.maximum(split * 2, 4), tl.minimum(split * 2 + 2, 5), num_stages=1)" in src, src
 
 
+@interp
+@pytest.mark.parametrize("ragged", [False, True])
+def test_one_query_row_under_a_band_from_indices(ragged, tmp_path):
+    """A decode step's one query row under a causal band computed from indices (keys up to its position): the
+    index mask has no position dim of extent > 1 — it failed to build (`band_mask_dims`, found by a fuzz of ragged
+    launches on 12-02) — and is fp64-equal, at the seed's own schedule and at a ragged walk of 16-key tiles."""
+    b, hk, skv, d = 1, 2, 37, 16
+    kg = flash_attention(b, hk, 1, skv, d, scale=d ** -0.5, dtype="float32", forloop_range=skv, mask=(1, 1),
+                         band=(1, skv - 1, None, True, True))
+    bg = _body(kg)
+    q, k, v = torch.randn(b, hk, 1, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
+    want = torch.softmax(q.double() @ k.double().transpose(-1, -2) * d ** -0.5, -1) @ v.double()
+    config = LaunchConfig(tuple(bg.grid), 3, ragged=48) if ragged else default_config(bg)
+    launcher = BlockLauncher(bg, config, [4] * 4, str(tmp_path), f"one{ragged}", Target.INTERPRETER)
+    assert_close(launcher(q, k, v, torch.zeros(1, 1, 1, skv))[0], want.float(), torch.float32)
+
+
+@interp
+def test_random_ragged_launches_equal_fp64(tmp_path):
+    """Six ragged launches drawn afresh each run — decode (1-5 query rows, 17-200 keys, 16- to 64-key tiles, splits
+    of 1, 2 or 4 folded in-kernel or by a combine kernel, no mask / an additive one / a causal band read or
+    computed) and prompts (17-100 tokens, ragged row blocks and key walks, with and without the band): each
+    fp64-equal; the drawn case is in the failure message."""
+    import random
+
+    rng = random.Random()
+    b, hk, d = 1, 2, 16
+    for i in range(6):
+        if i % 2 == 0:
+            sq, skv = rng.choice([1, 2, 3, 5]), rng.randint(17, 200)
+            tile, split = rng.choice([16, 32, 64]), rng.choice([1, 2, 4])
+            mask = rng.choice(["none", "additive", "band", "band_from_indices"])
+            band = {"band": (sq, skv - sq, None, True, False),
+                    "band_from_indices": (sq, skv - sq, None, True, True)}.get(mask)
+            bg = _body(flash_attention(b, hk, sq, skv, d, scale=d ** -0.5, dtype="float32", forloop_range=skv,
+                                       mask=None if mask == "none" else (1, 1), band=band))
+            if ragged_steps(skv, tile, split) is None:      # the tiles divide the keys: one whole walk
+                split = 1
+            steps, cover = ragged_steps(skv, tile, split) or (skv // tile, skv)
+            config = LaunchConfig(tuple(bg.grid), steps, split, ragged=cover,
+                                  combine_in_kernel=split > 1 and rng.random() < 0.5)
+        else:
+            sq = skv = rng.randint(17, 100)
+            rows_per, tile = rng.choice([16, 32, 64]), rng.choice([16, 32, 64])
+            mask = rng.choice(["none", "band", "band_from_indices"])
+            band = {"band": (sq, 0, None, True, False), "band_from_indices": (sq, 0, None, True, True)}.get(mask)
+            bg = _body(flash_attention(b, hk, sq, skv, d, scale=d ** -0.5, dtype="float32", forloop_range=skv,
+                                       q_blocks=sq, mask=None if mask == "none" else (1, 1), band=band))
+            g, rows = ragged_rows(bg)
+            grid = tuple(-(-rows // rows_per) if j == g else x for j, x in enumerate(bg.grid))
+            steps = -(-skv // tile)
+            config = LaunchConfig(grid, steps, ragged=steps * tile, ragged_rows=grid[g] * rows_per)
+        q, k, v = torch.randn(b, hk, sq, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
+        m = torch.zeros(1, 1, sq, skv)
+        if mask == "additive":
+            m[..., rng.randint(1, skv - 1):] = -1e30
+        elif mask != "none":
+            m = _band_mask(sq, skv)
+        xs = [q, k, v] + ([m] if mask != "none" else [])
+        s = q.double() @ k.double().transpose(-1, -2) * d ** -0.5 + m.double()
+        want = torch.softmax(s, -1) @ v.double()
+        case = dict(sq=sq, skv=skv, mask=mask, config=config)
+        launcher = BlockLauncher(bg, config, [x.dim() for x in xs], str(tmp_path), f"rand{i}", Target.INTERPRETER)
+        out = launcher(*xs)[0]
+        assert torch.allclose(out.double(), want, rtol=1e-4, atol=1e-4), (case, (out.double() - want).abs().max())
+
+
 # ------------------------------------------------------------------ ragged row blocks (a prompt no tile divides)
 @interp
 @pytest.mark.parametrize("mask", ["none", "band", "band_from_indices", "heads", "packed"])

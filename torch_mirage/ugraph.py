@@ -671,11 +671,15 @@ def band_mask_dims(bg: BlockGraph, it: Op) -> tuple[int, int]:
     """(position dim, key dim) of the band's ``index_mask`` iterator ``it``: its tile has two dims of extent > 1,
     the one the for-loop walks holds the band's keys, the other its query positions (both as in
     :func:`band_geometry`: the roles swap in a loop over queries, FlashTensor's column sums); a tile of one
-    position (one query row a program) or one key a step: the dims of the tensor's own shape."""
+    position (one query row a program) or one key a step: the dims of the tensor's own shape; a mask of one query
+    position in all (decode, keys last): the dim before the keys."""
     kd = it.attrs["fmap"]
     rest = [d for d, e in enumerate(it.shapes[0]) if e > 1 and d != kd]
     if len(rest) != 1:      # a tile of one position (one row a program): the tensor's other dim of extent > 1
         rest = [d for d, e in enumerate(it.attrs["shape"]) if e > 1 and d != kd]
+    rank = len(it.attrs["shape"])
+    if not rest and kd is not None and rank >= 2 and kd == rank - 1:
+        rest = [rank - 2]   # one query position in all (a decode step): its row dim, of extent 1, index 0
     if kd is None or len(rest) != 1:
         raise MuGraphError(f"forloop_band {bg.forloop_band}: the index mask's tile {it.shapes[0]} needs one "
                            "walked key dim and one position dim")
