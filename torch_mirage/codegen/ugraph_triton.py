@@ -1148,7 +1148,9 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
 
     lo = f"split * {per}" if split > 1 else "0"
     hi = f"{lo} + {per}" if split > 1 else f"{per}"
-    steps = _walked_steps(bg, walked_extent) if walked_extent is not None else None
+    walk_tile = _walked_tile(bg) if walked_extent is not None else None
+    # the steps whose tiles hold a walked element
+    steps = -(-walked_extent // walk_tile) if walk_tile is not None else None
     if steps is not None and steps < bg.forloop_range:
         # tiles wholly past the keys (a split's share of the steps rounded up) are not visited
         hi = f"tl.minimum({hi}, {steps})" if split > 1 else str(min(per, steps))
@@ -1163,7 +1165,7 @@ def emit_block_kernel(bg: BlockGraph, in_ranks, name: str = "ugraph_kernel", spl
         segments = _scanned_bounds(e, bg, bg.ops[m], lo, hi)
     peeled = loop and steps is not None
     if peeled:                          # only the last key tile is ragged: the whole ones load unbounded
-        segments = _peel_ragged_tail(segments, walked_extent // _walked_tile(bg))
+        segments = _peel_ragged_tail(segments, walked_extent // walk_tile)
     else:
         segments = [(*seg, True) for seg in segments]
     emit_ops(ph.invariant, None)
@@ -1277,13 +1279,6 @@ def _walked_tile(bg: BlockGraph) -> int | None:
     if not walked or any(m == op.attrs["fmap"] for op in walked for m in op.attrs["imap"]):
         return None
     return walked[0].shapes[0][walked[0].attrs["fmap"]]
-
-
-def _walked_steps(bg: BlockGraph, extent: int) -> int | None:
-    """The for-loop steps whose tiles hold one of the first ``extent`` elements of the walked dim (see
-    :func:`_walked_tile`), else None."""
-    tile = _walked_tile(bg)
-    return None if tile is None else -(-extent // tile)
 
 
 def _peel_ragged_tail(segments: Sequence[tuple[str, str, bool]], whole: int) -> list[tuple[str, str, bool, bool]]:
