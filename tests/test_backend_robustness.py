@@ -468,6 +468,30 @@ def test_alternating_times_order_and_failures():
         alternating_times(["a", "c"], half)
 
 
+def test_a_hopeless_candidate_is_timed_once():
+    """Tuning: a candidate whose first half is more than ``HOPELESS`` times the fastest first half gets no second
+    half (its time is its first's); one within that factor, and every candidate of a call without ``hopeless``
+    (the bench), is timed twice. Through :func:`tune` the hopeless one is still reported, and never chosen."""
+    from torch_mirage.timing import HOPELESS, alternating_times
+    from torch_mirage.tune import tune
+
+    speed = {"fast": 10.0, "close": 10.0 * HOPELESS * 0.9, "slow": 10.0 * HOPELESS * 1.1}
+    order = []
+
+    def half(name):
+        order.append(name)
+        return [speed[name] + 0.1 * len(order), speed[name]]
+
+    times = alternating_times(list(speed), half, hopeless=HOPELESS)
+    assert order == ["fast", "close", "slow", "close", "fast"], order
+    assert set(times) == set(speed) and min(times, key=times.get) == "fast"
+    order.clear()
+    assert set(alternating_times(list(speed), half)) == set(speed) and len(order) == 6
+    order.clear()
+    got = tune(["slow", "fast"], lambda name, built: half(name))
+    assert order == ["slow", "fast", "fast"] and got.winner == "fast" and set(got.times) == {"slow", "fast"}
+
+
 def test_a_slow_call_is_replayed_fewer_times():
     """A fixed replay count holds for µs-long calls; a replay long enough that the count would run past
     ``REPEAT_MS`` a repeat is replayed fewer times (one at least), so a hopeless tuning candidate costs a fraction

@@ -413,10 +413,12 @@ def test_a_symbolic_graph_is_compiled_again_at_its_first_sizes_only(caplog):
 @pytest.mark.gpu
 def test_a_symbolic_graph_is_captured_once_per_size_on_gpu(monkeypatch):
     """Dynamo's automatic dynamic shapes on the GPU: the first size's static graph and the symbolic graph for
-    the sizes after it both run in CUDA graphs, the symbolic one recorded once per size and replayed when a size
-    comes again; every result equal to eager's, none overwritten by a later call. Dynamo tries its newest graph
-    first, so the last call's 8 rows go to the symbolic graph (a size of its own, recorded); graph 0's one or two
-    recordings (mirage's version, and Inductor's where the whole graph is timed) come first (H200, 11-29)."""
+    the sizes after it both run in CUDA graphs, the symbolic one recorded once per size when that size comes back
+    (``MIRAGE_CUDA_GRAPH_RECORD_AT=2``, the default: 16 at its second call, 24 at its second; 40, met once, runs
+    uncaptured) and replayed after; every result equal to eager's, none overwritten by a later call. Dynamo tries
+    its newest graph first, so the last call's 8 rows go to the symbolic graph (its first call of that size:
+    uncaptured); graph 0's one or two recordings (mirage's version, and Inductor's where the whole graph is
+    timed) come first (H200, 11-29)."""
     from torch_mirage.runtime import cudagraph
 
     captured = []
@@ -429,7 +431,7 @@ def test_a_symbolic_graph_is_captured_once_per_size_on_gpu(monkeypatch):
     assert len(report.graphs) == 2 and report.graphs[1].symbolic_sizes
     assert all(g.cuda_graph for g in report.graphs), [g.cuda_graph_reason for g in report.graphs]
     rows = [n for shapes in captured for n, _ in shapes]
-    assert rows[-4:] == [16, 24, 40, 8] and set(rows[:-4]) == {8} and 1 <= len(rows) - 4 <= 2, captured
+    assert rows[-2:] == [16, 24] and set(rows[:-2]) == {8} and 1 <= len(rows) - 2 <= 2, captured
     assert "one per input size" in str(report)
 
 
@@ -505,10 +507,12 @@ class _Recorder:
         return self.fn(args)
 
 
-def test_a_symbolic_graph_gets_one_recording_per_input_size_up_to_the_limit(caplog):
+@pytest.mark.parametrize("record_at, recorded", [(1, [2, 2]), (2, [1, 1]), (3, [])])
+def test_a_symbolic_graph_gets_one_recording_per_input_size_up_to_the_limit(caplog, record_at, recorded):
     """:class:`SizedCudaGraphs`: a call's size is its scalars and the shapes of its copied tensors (not the
-    parameters captured in place); each new size gets a runner of its own, a size seen before reuses it, and past
-    the limit a new size runs the graph uncaptured, said once in the log."""
+    parameters captured in place); a size gets a runner of its own at its ``record_at``-th call (before that it
+    runs uncaptured: a size met once costs no recording), a size recorded before reuses it, and past the limit a
+    new size runs the graph uncaptured, said once in the log."""
     import logging
 
     from torch_mirage.runtime.cudagraph import SizedCudaGraphs
@@ -517,17 +521,20 @@ def test_a_symbolic_graph_gets_one_recording_per_input_size_up_to_the_limit(capl
     w = torch.randn(8, 4)
     plain = []
     fn = lambda args: plain.append(len(args)) or [args[2] @ args[0][: args[1]]]   # noqa: E731
-    sized = SizedCudaGraphs(fn, static_input_indices=[0], limit=2, mutated_input_indices=[2], runner=_Recorder)
+    sized = SizedCudaGraphs(fn, static_input_indices=[0], limit=2, mutated_input_indices=[2], runner=_Recorder,
+                            record_at=record_at)
     with caplog.at_level(logging.INFO, logger="torch_mirage"):
         for n in (3, 2, 3, 4, 5, 2, 4):
             x = torch.randn(5, n)
             (y,) = sized([w, n, x])
             torch.testing.assert_close(y, x @ w[:n])
-    assert [r.calls for r in _Recorder.made] == [2, 2]              # sizes 3 and 2 recorded; 4 and 5 are not
+    # record_at 1: sizes 3 and 2 recorded at once, each called twice there; 2: each recorded when it comes back
+    # (3 at the third call, 2 at the sixth), 4 and 5 never; 3: no size is called three times
+    assert [r.calls for r in _Recorder.made] == recorded
     assert all(r.static == (0,) and r.mutated == (2,) for r in _Recorder.made)
     assert len(plain) == 7                                          # every call computed, captured or not
     lines = [r.getMessage() for r in caplog.records if "MIRAGE_CUDA_GRAPH_SIZES" in r.getMessage()]
-    assert len(lines) == 1 and "for 2 sizes" in lines[0], lines
+    assert len(lines) == int(len(recorded) == 2) and all("for 2 sizes" in m for m in lines), lines
     # a parameter captured in place does not make a size: the same user input at another weight is one size
     _Recorder.made = []
     sized = SizedCudaGraphs(fn, static_input_indices=[0], limit=2, runner=_Recorder)

@@ -376,10 +376,12 @@ def wrap_cuda_graph(fn: Any, blocker: str | None, static_input_indices: Sequence
 
         if report.symbolic_sizes:
             if log_symbolic:
-                _log_symbolic(report, f"in a CUDA graph per input size (up to {config.cuda_graph_sizes}, "
+                when = ("recorded at its first call" if config.cuda_graph_record_at == 1 else
+                        f"recorded at its call {config.cuda_graph_record_at}, MIRAGE_CUDA_GRAPH_RECORD_AT")
+                _log_symbolic(report, f"in a CUDA graph per input size ({when}; up to {config.cuda_graph_sizes}, "
                                       "MIRAGE_CUDA_GRAPH_SIZES)", config)
             runner = SizedCudaGraphs(fn, static_input_indices, config.cuda_graph_sizes, on_disable,
-                                     mutated_input_indices)
+                                     mutated_input_indices, record_at=config.cuda_graph_record_at)
         else:
             runner = CudaGraphRunner(fn, static_input_indices, on_disable=on_disable,
                                      mutated_input_indices=mutated_input_indices)

@@ -114,17 +114,28 @@ def fastest_per_half(halves: Sequence[Sequence[float]]) -> float:
     return statistics.fmean(min(half) for half in halves if half)
 
 
+HOPELESS = 4.0   # a tuning candidate whose first half is this many times the best first half gets no second
+
+
 def alternating_times(names: Sequence[str], time_half: Callable[[str], list[float]],
                       on_error: Callable[[str, Exception], None] | None = None,
-                      estimate: Callable[[list[list[float]]], float] = pooled_median) -> dict[str, float]:
+                      estimate: Callable[[list[list[float]]], float] = pooled_median,
+                      hopeless: float | None = None) -> dict[str, float]:
     """µs per call of each named candidate, timed in the order A B … B A by ``time_half(name)`` (which returns
     per-call samples): the GPU's clock and temperature drift between back-to-back timings, and each candidate
     then meets the drift alike. ``estimate`` makes one time of a candidate's halves of samples
     (:func:`pooled_median`, or :func:`fastest_per_half` for timings launched from Python). A candidate whose
-    timing raises is dropped when ``on_error`` is given (and told), else the error propagates."""
+    timing raises is dropped when ``on_error`` is given (and told), else the error propagates.
+
+    ``hopeless``: a candidate whose first half's median is more than this many times the fastest first half's
+    is not timed a second time (its time is its first half's): drift is a few percent, so it cannot win, and a
+    slow candidate's half is the longest of the schedule (an attention seed's one-key, one-row schedule at a
+    1031-token prompt: 45 ms a call, seconds a half). ``None`` (the bench, which reports every time): all twice."""
     halves: dict[str, list[list[float]] | None] = {name: [] for name in names}
-    for name in [*names, *reversed(names)]:
+    for k, name in enumerate([*names, *reversed(names)]):
         if halves[name] is None:
+            continue
+        if k >= len(names) and hopeless is not None and _far_behind(halves, name, hopeless):
             continue
         try:
             halves[name].append(list(time_half(name)))
@@ -134,6 +145,12 @@ def alternating_times(names: Sequence[str], time_half: Callable[[str], list[floa
             on_error(name, e)
             halves[name] = None
     return {name: estimate(got) for name, got in halves.items() if got and any(got)}
+
+
+def _far_behind(halves: dict[str, list[list[float]] | None], name: str, factor: float) -> bool:
+    """Whether ``name``'s first half of samples is more than ``factor`` times the fastest first half's median."""
+    firsts = {n: statistics.median(got[0]) for n, got in halves.items() if got and got[0]}
+    return name in firsts and firsts[name] > factor * min(firsts.values())
 
 
 def cuda_graph_time_us(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], replays: int = 20,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .compile_pool import run_all, workers
-from .timing import alternating_times, pooled_median
+from .timing import HOPELESS, alternating_times, pooled_median
 
 log = logging.getLogger("torch_mirage")
 
@@ -150,7 +150,7 @@ def tune(names: Sequence[str], time_half: Callable[[str, Any], list[float]], *,
 
     built_s = time.perf_counter() - start
     out.times = alternating_times(list(out.built), lambda name: time_half(name, out.built[name]),
-                                  on_error=failed, estimate=estimate)
+                                  on_error=failed, estimate=estimate, hopeless=HOPELESS)
     if out.times:
         out.winner = min(out.times, key=out.times.get)
         log.info("torch_mirage: %s", ", ".join(f"{label} {n}: {us:.2f} µs" for n, us in out.times.items()))

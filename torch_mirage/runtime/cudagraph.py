@@ -353,19 +353,25 @@ class SizedCudaGraphs:
     """Boxed callable for a graph of symbolic sizes: one :class:`CudaGraphRunner` per input size, as Inductor's
     CUDA-graph trees record one graph per size. A call's size is its non-tensor inputs (Dynamo passes every size
     symbol as one) and the shapes and strides of the tensors copied into the graph (the tensors captured in place,
-    parameters and caches, are checked by their runner). Up to ``limit`` sizes are recorded (each has its own
-    memory for the graph's intermediates); a later size runs uncaptured, said once in the log."""
+    parameters and caches, are checked by their runner). A size is recorded at its ``record_at``-th call (2 by
+    default: when it comes back, as Inductor's trees warm a new size up uncaptured first) and runs uncaptured
+    before that: a size met once — a KV cache that grows by a token a step, as transformers' DynamicCache does —
+    costs one plain run instead of two warm-up runs, a capture and copies of its inputs, and holds no memory of
+    its own. Up to ``limit`` sizes are recorded (each has its own memory for the graph's intermediates); a later
+    size runs uncaptured, said once in the log."""
 
     def __init__(self, fn: Callable[[list], Any], static_input_indices: Sequence[int] = (), limit: int = 8,
                  on_disable: Callable[[str], None] | None = None, mutated_input_indices: Sequence[int] = (),
-                 runner: Callable[..., Callable[[list], Any]] | None = None):
+                 runner: Callable[..., Callable[[list], Any]] | None = None, record_at: int = 2):
         self.fn = fn
         self.static_idx = set(static_input_indices)
         self.mutated_idx = tuple(mutated_input_indices)
         self.limit = limit
+        self.record_at = max(1, record_at)
         self.on_disable = on_disable
         self.make_runner = runner or CudaGraphRunner
         self.runners: dict[tuple, Callable[[list], Any]] = {}
+        self.calls: dict[tuple, int] = {}        # calls of each size not recorded yet
         self.sized: list[int] | None = None      # positions whose value or shape make the size
         self.full_logged = False
 
@@ -385,6 +391,12 @@ class SizedCudaGraphs:
                     log.info("torch_mirage: a graph of symbolic sizes has CUDA graphs for %d sizes "
                              "(MIRAGE_CUDA_GRAPH_SIZES); later sizes run without one", self.limit)
                 return self.fn(args)
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return self.fn(args)   # in the caller's CUDA graph: plain kernels there, no call counted
+            seen = self.calls[key] = self.calls.get(key, 0) + 1
+            if seen < self.record_at:
+                return self.fn(args)   # not come back yet (MIRAGE_CUDA_GRAPH_RECORD_AT)
+            del self.calls[key]
             runner = self.runners[key] = self.make_runner(self.fn, tuple(self.static_idx), on_disable=self.on_disable,
                                                           mutated_input_indices=self.mutated_idx)
         return runner(args)
