@@ -37,6 +37,26 @@ def test_a_growing_size_is_never_compiled():
     assert compiled == []
 
 
+def test_a_growing_cache_called_again_is_not_compiled(caplog):
+    """A second pass over a growing cache's sizes (a second ``generate`` at the same prompt length): every size
+    comes back, but after more than ``SPREAD_SIZES`` others, so none is compiled (said once in the log); a
+    graph whose first size comes back among few others compiles as before."""
+    from torch_mirage.runtime.static_sizes import SPREAD_SIZES
+
+    run, compiled = _wrapper(limit=4)
+    steps = range(10, 11 + SPREAD_SIZES)                    # one size more than the spread allows
+    with caplog.at_level(logging.INFO, logger="torch_mirage"):
+        for _ in range(3):
+            assert all(run(torch.zeros(2), n)[0] == "symbolic" for n in steps)
+    assert compiled == []
+    said = [r.getMessage() for r in caplog.records if "before" in r.getMessage() and "came back" in r.getMessage()]
+    assert len(said) == 1 and f"met {SPREAD_SIZES + 1} sizes" in said[0], said
+    run, compiled = _wrapper(limit=4)
+    steps = range(10, 10 + SPREAD_SIZES)                    # as many as it allows: compiled when they come back
+    second = [run(torch.zeros(2), n)[0] for _ in range(2) for n in steps][len(steps):]
+    assert second == ["static"] * 4 + ["symbolic"] * (len(steps) - 4) and compiled == list(steps)[:4]
+
+
 def test_a_failed_static_compile_runs_the_symbolic_graph_and_is_not_retried(caplog):
     run, compiled = _wrapper(limit=4, fail_at=(5,))
     x = torch.zeros(2)

@@ -9,7 +9,11 @@ back — :data:`CALLS_BEFORE_COMPILE` calls — gets the Dynamo graph compiled o
 whose sizes are concrete — the whole pipeline: mirage's kernels, the timing against Inductor, the CUDA graph — and
 that compile serves the size from then on. A size met once runs the symbolic graph: a KV cache that grows by a
 token per decode step (transformers' DynamicCache) never meets a size twice, and compiling each step would cost
-seconds a step for nothing. A size whose
+seconds a step for nothing. Nor are the sizes of a graph that met more than :data:`SPREAD_SIZES` sizes
+before the first came back: that is such a cache called again (a second ``generate`` at the same prompt length
+meets each step's size a second time, once a call), where a static compile of seconds per size would pay for
+one call a ``generate`` (on the H200 a second DynamicCache ``generate`` of an HF llama took 54 s this way,
+2026-12-02), or serving at more prompt lengths than a few static compiles cover. A size whose
 static compile fails runs the symbolic graph (logged once). Only calls without autograd, outside a caller's
 CUDA-graph capture, are compiled again (others run the symbolic graph)."""
 from __future__ import annotations
@@ -24,6 +28,7 @@ log = logging.getLogger("torch_mirage")
 
 CALLS_BEFORE_COMPILE = 2   # a size's call at which its static compile is made: sizes that come back
 SEEN_SIZES = 4096          # sizes whose calls are counted (a longer history is forgotten and counted again)
+SPREAD_SIZES = 16          # sizes met before the first comes back past which no size is compiled again
 
 
 def size_key(args: Sequence[Any], positions: Sequence[int]) -> tuple:
@@ -45,6 +50,7 @@ class StaticSizes:
         self.compiled: dict[tuple, Callable] = {}
         self.failed: set[tuple] = set()
         self.calls: dict[tuple, int] = {}        # calls of each size not compiled
+        self.spread: int | None = None            # sizes met when the first came back
         self._said_full = False
 
     def __call__(self, *args: Any) -> Any:
@@ -66,6 +72,15 @@ class StaticSizes:
             self.calls.clear()
         self.calls[key] = calls = self.calls.get(key, 0) + 1
         if calls < CALLS_BEFORE_COMPILE:
+            return self.symbolic
+        if self.spread is None:
+            self.spread = len(self.calls)
+            if self.spread > SPREAD_SIZES:
+                log.info("torch_mirage: a graph of symbolic sizes met %d sizes before %s came back (a KV cache "
+                         "growing a token a step, as transformers' DynamicCache, called again): no size of it is "
+                         "compiled again (MIRAGE_STATIC_SIZES), each would cost seconds for a call or so a "
+                         "generate", self.spread, self.describe(key))
+        if self.spread > SPREAD_SIZES:
             return self.symbolic
         if len(self.compiled) >= self.limit:
             if not self._said_full:
