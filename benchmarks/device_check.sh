@@ -10,6 +10,7 @@
 #        maskprobe:<args of benchmarks/mask_form_probe.py> (the mask form each attention region of an HF model takes here)
 #        guardprobe:<args of benchmarks/guard_probe.py> (the whole-graph guard's versions: host, loop and device time)
 #        serving:<args of benchmarks/serving_sizes_gpu.py> (prefill at several prompt lengths under dynamic=None)
+#        fuzz:<args of benchmarks/fuzz_backend.py> (random programs compiled on the GPU against float64)
 #        dyncache:<args of benchmarks/dynamic_cache_generate_gpu.py> (generate with a DynamicCache, per MIRAGE_CUDA_GRAPH_RECORD_AT)
 #        hfprofile:<args of benchmarks/hf_decode_profile.py> (one generate per mode under torch.profiler: host vs GPU)
 #        hf:<models, e.g. qwen2,phi3> (the HF model bench,
@@ -70,6 +71,7 @@ for arg in "$@"; do
     sdpaprobe:*) timeout "$LIMIT" python3 benchmarks/sdpa_choice_probe.py ${step#sdpaprobe:} ;;   # "sdpaprobe:" = bert
     maskprobe:*) timeout "$LIMIT" python3 benchmarks/mask_form_probe.py ${step#maskprobe:} ;;   # "maskprobe:--model bloom"
     guardprobe:*) timeout "$LIMIT" python3 benchmarks/guard_probe.py ${step#guardprobe:} ;;   # "guardprobe:--model bert"
+    fuzz:*) timeout "$LIMIT" python3 benchmarks/fuzz_backend.py --device cuda ${step#fuzz:} ;;   # "fuzz:--seeds 0:10 --dtype bfloat16"
     dyncache:*) timeout "$LIMIT" python3 benchmarks/dynamic_cache_generate_gpu.py --out "$OUT" ${step#dyncache:} ;;   # "dyncache:" = llama, record_at 1 and 2
     serving:*) timeout "$LIMIT" python3 benchmarks/serving_sizes_gpu.py --out "$OUT" ${step#serving:} ;;   # "serving:--model llama"
     hfprofile:*) timeout "$LIMIT" python3 benchmarks/hf_decode_profile.py ${step#hfprofile:} ;;   # "hfprofile:--model qwen2"

@@ -1,7 +1,7 @@
 """Differential test of the backend on random small transformer-like programs
 (:mod:`torch_mirage.testing.random_programs`): drawn afresh each run, compiled with ``backend="mirage"`` (kernels
 in the interpreter, every region kept), equal to float64 within the dtype's tolerance or no worse than eager.
-``benchmarks/fuzz_backend_cpu.py`` runs many more (720 programs, fp32 and fp16, all equal on 2026-12-02)."""
+``benchmarks/fuzz_backend.py`` runs many more (720 programs, fp32 and fp16, all equal on 2026-12-02)."""
 import random
 
 import pytest
