@@ -589,8 +589,9 @@ def test_a_symbolic_decode_graph_is_timed_whole_on_gpu(monkeypatch):
     Dynamo's symbolic graph holds a static projection (4 rows: mirage's weight-streaming region) and the cache's
     concatenation at symbolic length. It is timed whole against Inductor's compile at its first call — it was
     kept Inductor's untimed ("dynamic shapes") — and every step is eager-equal. The region timing is held to
-    mirage's side: the 4 x 1024 x 1024 GEMV runs about as fast either way, and in a busy shard of the gpu suite
-    (H200, 12-01 and 12-02) its timing handed the region back, leaving no region of mirage's to time whole."""
+    mirage's side: the 4 x 1024 x 1024 GEMV runs about as fast either way. The cache's new row is h's and is
+    compared as h is: it compared exactly, and failed in busy shards of the gpu suite (H200, 12-01 to 12-02: 9 of
+    2560 elements an fp16 ulp apart) wherever the whole-graph timing kept mirage's version."""
     import torch_mirage
     from torch_mirage.runtime import measure
 
@@ -613,7 +614,10 @@ def test_a_symbolic_decode_graph_is_timed_whole_on_gpu(monkeypatch):
             x = torch.randn(4, 1024, device="cuda", dtype=torch.float16)
             (h, new), (h_ref, new_ref) = compiled(x, cache), step(x, cache)
             torch.testing.assert_close(h, h_ref, rtol=2e-2, atol=2e-2)
-            torch.testing.assert_close(new, new_ref)
+            # the cache's old rows are copied (exact); its new row is h's, as close as h is (mirage's GEMV
+            # rounds its fp16 sums in another order than cuBLAS: an ulp apart in a few elements)
+            torch.testing.assert_close(new[:, :-1], cache, rtol=0, atol=0)
+            torch.testing.assert_close(new[:, -1], new_ref[:, -1], rtol=2e-2, atol=2e-2)
             cache = new_ref
     torch._dynamo.reset()
     symbolic = [g for g in report.graphs if g.symbolic_sizes]
