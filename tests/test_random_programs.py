@@ -9,15 +9,17 @@ import torch
 
 from torch_mirage.backend import MirageBackend
 from torch_mirage.report import Report
-from torch_mirage.testing.random_programs import check, draw, make_inputs
+from torch_mirage.testing.random_programs import check, draw, draw_attention, draw_decode, make_inputs
 
-SEEDS = [random.randrange(10 ** 6) for _ in range(4)]
+KINDS = {"chains": (draw, 4), "attention": (draw_attention, 3), "decode": (draw_decode, 2)}
+CASES = [(kind, random.randrange(10 ** 6)) for kind, (_, n) in KINDS.items() for _ in range(n)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("seed", SEEDS)
-def test_a_random_program_equals_float64(seed, dtype):
-    prog = draw(seed)
+@pytest.mark.parametrize("kind,seed", CASES)
+def test_a_random_program_equals_float64(kind, seed, dtype):
+    """Chains of ops, attention calls and decode steps with a static cache (its writes compared too)."""
+    prog = KINDS[kind][0](seed)
     report = Report()
 
     def compile_fn(fn):
@@ -30,7 +32,7 @@ def test_a_random_program_equals_float64(seed, dtype):
     half = dtype == torch.float16 or any(s.kind == "half" for s in prog.steps)
     tol = 5e-3 if half else 1e-4
     for err, eager in zip(got["errors"], got["eager_errors"]):
-        assert err <= max(tol, 20 * eager), f"seed {seed}: {got}\n{prog.source()}\n{report}"
+        assert err <= max(tol, 20 * eager), f"{kind} seed {seed}: {got}\n{prog.source()}\n{report}"
 
 
 def test_drawn_programs_cover_the_op_kinds_and_keep_their_magnitude():

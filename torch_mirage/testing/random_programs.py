@@ -1,10 +1,14 @@
 """Random small tensor programs for differential testing of the backend: chains of the ops transformer blocks
 are made of (elementwise maps, row reductions and their broadcasts back, softmax, RMSNorm / LayerNorm written
-several ways, ``nn.Linear``-style matmuls with transposed weights, residual adds, fp16 round trips), drawn from
-a seed, run compiled and against the same program in float64.
+several ways, ``nn.Linear``-style matmuls with transposed weights, residual adds, fp16 round trips), and
+attention calls as models write them (HF's eager form, SDPA, masks, soft-cap, GQA, decode rows, q / k norms,
+column sums), and a decoder layer's decode step with a static KV cache written in place, drawn from a seed, run
+compiled and against the same program in float64 (outputs, and the inputs a program writes).
 
-:func:`draw` makes a :class:`Program` (its source is printed on a mismatch, so a failure can be replayed by
-hand); :func:`check` compiles it with a backend and says how far the result is from float64's."""
+:func:`draw` makes a :class:`Program`, :func:`draw_attention` an :class:`AttentionProgram`, :func:`draw_decode`
+a :class:`DecodeStepProgram` (their source is
+printed on a mismatch, so a failure can be replayed by hand); :func:`check` compiles one with a backend and says
+how far the result is from float64's."""
 from __future__ import annotations
 
 import random
@@ -160,9 +164,12 @@ def draw(seed: int, max_steps: int = 7) -> Program:
     return prog
 
 
-def make_inputs(prog: Program, dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[torch.Tensor]:
+def make_inputs(prog: "Program | AttentionProgram | DecodeStepProgram", dtype: torch.dtype = torch.float32,
+                device: str = "cpu") -> list[torch.Tensor]:
     """Fresh random inputs: the activation unit-normal, weights scaled by 1/sqrt(fan-in) (a matmul chain keeps
     its magnitude), norm weights near one."""
+    if isinstance(prog, (AttentionProgram, DecodeStepProgram)):
+        return prog.make_inputs(dtype, device)
     out = []
     for k, shape in enumerate(prog.inputs):
         t = torch.randn(shape, dtype=torch.float64)
@@ -176,19 +183,234 @@ def make_inputs(prog: Program, dtype: torch.dtype = torch.float32, device: str =
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``|got - want| / |want|`` in the 2-norm, over the whole tensor (float64)."""
+    """``|got - want| / |want|`` in the 2-norm, over the whole tensor (float64). NaN where one has a NaN the other
+    has not (an attention row that sees no key: NaN in SDPA with a bool mask); the NaNs that agree count as 0."""
     got, want = got.double().cpu(), want.double().cpu()
+    if not torch.equal(torch.isnan(got), torch.isnan(want)):
+        return float("nan")
+    got, want = got.nan_to_num(), want.nan_to_num()
     return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
-def check(prog: Program, compile_fn: Callable[[Callable], Callable], dtype: torch.dtype = torch.float32,
+def check(prog: "Program | AttentionProgram | DecodeStepProgram", compile_fn: Callable[[Callable], Callable], dtype: torch.dtype = torch.float32,
           device: str = "cpu") -> dict[str, Any]:
     """Compile ``prog.run`` with ``compile_fn`` and run it on fresh inputs: the relative error of each output
     against float64's, and eager's in ``dtype`` for scale (the dtype's own rounding)."""
     ins = make_inputs(prog, dtype, device)
+    mutated = getattr(prog, "mutated", ())
+
+    def run(fn: Callable, args: list) -> list:   # the outputs, then the inputs it writes in place
+        outs = list(fn(*args))
+        return outs + [args[i] for i in mutated]
+
     with torch.no_grad():
-        got = compile_fn(prog.run)(*ins)
-        eager = prog.run(*ins)
-        want = prog.run(*[t.double() for t in ins])
+        got = run(compile_fn(prog.run), [t.clone() for t in ins])
+        eager = run(prog.run, [t.clone() for t in ins])
+        want = run(prog.run, [t.double() if t.is_floating_point() else t.clone() for t in ins])
     return {"errors": [relative_error(g, w) for g, w in zip(got, want)],
             "eager_errors": [relative_error(e, w) for e, w in zip(eager, want)]}
+
+
+# ------------------------------------------------------------------ attention
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """HF's repeat_kv: (b, hk, s, d) -> (b, hk·n_rep, s, d) by expand and reshape."""
+    b, hk, s, d = x.shape
+    return x if n_rep == 1 else x[:, :, None].expand(b, hk, n_rep, s, d).reshape(b, hk * n_rep, s, d)
+
+
+@dataclass
+class AttentionProgram:
+    """One attention call as models write it: ``form`` (``hf_eager``: matmul, scale, soft-cap, additive mask,
+    softmax in fp32, matmul; ``manual``: the same with ``softmax`` in the input dtype and the scale on q;
+    ``sdpa``: ``F.scaled_dot_product_attention``), a ``mask`` (``none``, ``causal`` / ``padding`` / ``window``
+    additive at finfo.min, ``bool`` causal for SDPA, ``is_causal``), GQA by ``repeat_kv`` or SDPA's
+    ``enable_gqa``, an optional RMSNorm of q and k (``qk_norm``), the P column sums (``column_sums``, H2O's) and
+    the output as (b, h, sq, d) or (b, sq, h·d)."""
+    b: int
+    h: int
+    hk: int
+    sq: int
+    skv: int
+    d: int
+    form: str
+    mask: str
+    softcap: float | None
+    gqa: str            # "repeat_kv" or "enable_gqa"
+    qk_norm: bool
+    column_sums: bool
+    merge_heads: bool
+
+    @property
+    def steps(self) -> list:
+        return []
+
+    def _mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        if self.mask in ("none", "is_causal"):
+            return None
+        i = torch.arange(self.sq)[:, None] + (self.skv - self.sq)
+        j = torch.arange(self.skv)[None, :]
+        keep = (j <= i).expand(self.b, 1, self.sq, self.skv).clone()
+        if self.mask == "window":
+            keep &= i - j < 8
+        if self.mask == "padding":
+            for r in range(self.b):
+                keep[r, :, :, : 3 * r] = False
+        if self.mask == "bool":
+            return keep
+        return torch.zeros(self.b, 1, self.sq, self.skv, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+
+    def make_inputs(self, dtype: torch.dtype, device: str) -> list[torch.Tensor]:
+        ins = [torch.randn(self.b, self.h, self.sq, self.d), torch.randn(self.b, self.hk, self.skv, self.d),
+               torch.randn(self.b, self.hk, self.skv, self.d)]
+        ins = [t.to(dtype=dtype, device=device) for t in ins]
+        mask = self._mask(dtype)
+        if mask is not None:
+            ins.append(mask.to(device))
+        if self.qk_norm:
+            ins += [(1.0 + 0.1 * torch.randn(self.d)).to(dtype=dtype, device=device) for _ in range(2)]
+        return ins
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: torch.Tensor) -> tuple:
+        rest = list(rest)
+        mask = rest.pop(0) if self.mask not in ("none", "is_causal") else None
+        if self.qk_norm:
+            wq, wk = rest
+            q, k = _rmsnorm_upcast(q, wq), _rmsnorm_upcast(k, wk)
+        scale = self.d ** -0.5
+        n_rep = self.h // self.hk
+        if self.form == "sdpa":
+            gqa = self.gqa == "enable_gqa" and n_rep > 1
+            if not gqa:
+                k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.mask == "is_causal",
+                                               scale=scale, **({"enable_gqa": True} if gqa else {}))
+            outs = [o]
+        else:
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+            if self.form == "hf_eager":
+                w = torch.matmul(q, k.transpose(2, 3)) * scale
+            else:
+                w = (q * scale) @ k.transpose(-1, -2)
+            if self.softcap is not None:
+                w = torch.tanh(w / self.softcap) * self.softcap
+            if mask is not None:
+                w = w + mask
+            if self.form == "hf_eager":
+                p = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+            else:
+                p = torch.softmax(w, dim=-1)
+            outs = [torch.matmul(p, v)]
+            if self.column_sums:
+                outs.append(p.sum(-2))
+        if self.merge_heads:
+            outs[0] = outs[0].transpose(1, 2).reshape(self.b, self.sq, self.h * self.d)
+        return tuple(outs)
+
+    def source(self) -> str:
+        return repr(self)
+
+
+def draw_attention(seed: int) -> AttentionProgram:
+    """An attention call of small, often ragged sizes (decode rows, prime KV lengths, GQA groups)."""
+    rng = random.Random(seed)
+    hk, rep = rng.choice([1, 2]), rng.choice([1, 2, 4])
+    sq = rng.choice([1, 1, 2, 5, 16, 17, 32])
+    skv = rng.choice([16, 37, 64, 131]) if sq <= 2 else rng.choice([sq, sq + 16, 64])
+    form = rng.choice(["hf_eager", "hf_eager", "manual", "sdpa", "sdpa"])
+    masks = ["none", "causal", "padding", "window"] + (["bool"] + ["is_causal"] * (sq == skv) if form == "sdpa" else [])
+    return AttentionProgram(
+        b=rng.choice([1, 2]), h=hk * rep, hk=hk, sq=sq, skv=skv, d=rng.choice([16, 32, 64]), form=form,
+        mask=rng.choice(masks), softcap=rng.choice([None, None, 30.0]) if form != "sdpa" else None,
+        gqa=rng.choice(["repeat_kv", "enable_gqa"]), qk_norm=rng.random() < 0.25,
+        column_sums=form != "sdpa" and rng.random() < 0.25, merge_heads=rng.random() < 0.5)
+
+
+# ------------------------------------------------------------------ a decode step with a static KV cache
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class DecodeStepProgram:
+    """One decoder layer's decode step as HF writes it with a ``StaticCache``: an RMSNorm (``norm``: one of the
+    chain programs' forms), the q / k / v projections (``fused_qkv``: one weight split after the matmul), RoPE
+    (``rope``), the cache write at the position (``write``: ``index_copy_`` or slice assignment), attention over
+    every slot with an additive mask hiding the slots past the position (GQA by ``repeat_kv``), the output
+    projection and the residual, and optionally the gated MLP. Returns the layer's output; the caches are written
+    in place (:attr:`mutated`)."""
+    b: int
+    dim: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    slots: int
+    norm: str
+    fused_qkv: bool
+    rope: bool
+    write: str
+    mlp: bool
+
+    steps = property(lambda self: [])
+    mutated = (1, 2)     # the K and V caches among the inputs
+
+    def make_inputs(self, dtype: torch.dtype, device: str) -> list[torch.Tensor]:
+        b, d, h, hk, hd, n = self.b, self.dim, self.heads, self.kv_heads, self.head_dim, self.slots
+        pos = random.randrange(n)
+        keep = torch.arange(n) <= pos
+        mask = torch.zeros(b, 1, 1, n).masked_fill(~keep, torch.finfo(dtype).min)
+        angle = torch.rand(b, 1, hd // 2) * 6.0
+        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+        w = lambda o, i: torch.randn(o, i) * i ** -0.5   # noqa: E731
+        floats = [torch.randn(b, 1, d), torch.randn(b, hk, n, hd), torch.randn(b, hk, n, hd), mask, cos, sin,
+                  1.0 + 0.1 * torch.randn(d), w((h + 2 * hk) * hd, d), w(d, h * hd), 1.0 + 0.1 * torch.randn(d),
+                  w(2 * 2 * d, d), w(d, 2 * d)]
+        ins = [t.to(dtype=dtype, device=device) for t in floats]
+        ins.insert(3, torch.tensor([pos], device=device))
+        return ins
+
+    def run(self, x, k_cache, v_cache, pos, mask, cos, sin, g1, w_qkv, w_o, g2, w_gu, w_down) -> tuple:
+        b, h, hk, hd = self.b, self.heads, self.kv_heads, self.head_dim
+        hn = _NORMS[self.norm](x, g1)
+        if self.fused_qkv:
+            q, k, v = F.linear(hn, w_qkv).split([h * hd, hk * hd, hk * hd], dim=-1)
+        else:
+            wq, wk, wv = w_qkv.split([h * hd, hk * hd, hk * hd], dim=0)
+            q, k, v = F.linear(hn, wq), F.linear(hn, wk), F.linear(hn, wv)
+        q = q.view(b, 1, h, hd).transpose(1, 2)
+        k = k.view(b, 1, hk, hd).transpose(1, 2)
+        v = v.view(b, 1, hk, hd).transpose(1, 2)
+        if self.rope:
+            c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+            q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+        if self.write == "index_copy":
+            k_cache.index_copy_(2, pos, k)
+            v_cache.index_copy_(2, pos, v)
+        else:
+            k_cache[:, :, pos] = k
+            v_cache[:, :, pos] = v
+        keys, values = repeat_kv(k_cache, h // hk), repeat_kv(v_cache, h // hk)
+        w = torch.matmul(q, keys.transpose(2, 3)) * hd ** -0.5 + mask
+        p = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = torch.matmul(p, values).transpose(1, 2).reshape(b, 1, h * hd)
+        x = x + F.linear(o, w_o)
+        if self.mlp:
+            gate, up = F.linear(_NORMS[self.norm](x, g2), w_gu).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w_down)
+        return (x,)
+
+    def source(self) -> str:
+        return repr(self)
+
+
+def draw_decode(seed: int) -> DecodeStepProgram:
+    """A decode step of small, often ragged sizes (odd slot counts, GQA groups, batch 1-4)."""
+    rng = random.Random(seed)
+    head_dim = rng.choice([16, 32])
+    heads = rng.choice([2, 4])
+    return DecodeStepProgram(
+        b=rng.choice([1, 2, 4]), dim=rng.choice([64, 96, 128]), heads=heads, kv_heads=rng.choice([1, 2, heads]),
+        head_dim=head_dim, slots=rng.choice([17, 32, 37, 64]), norm=rng.choice(["rmsnorm_rsqrt", "rmsnorm_div",
+                                                                               "rmsnorm_upcast"]),
+        fused_qkv=rng.random() < 0.5, rope=rng.random() < 0.7, write=rng.choice(["index_copy", "slice"]),
+        mlp=rng.random() < 0.5)
