@@ -39,7 +39,7 @@ def test_drawn_programs_cover_the_op_kinds_and_keep_their_magnitude():
     """The generator draws every kind of step over a few hundred seeds, and its inputs keep a chain of matmuls
     near unit scale (a fuzz whose values blow up or vanish tests nothing)."""
     kinds = {s.kind for seed in range(300) for s in draw(seed).steps}
-    assert kinds == {"unary", "binary", "norm", "rowwise", "linear", "matmul_t", "half"}
+    assert kinds == {"unary", "binary", "norm", "rowwise", "linear", "matmul_t", "half", "linear_bias", "addmm"}
     prog = next(p for p in map(draw, range(1000)) if sum(s.kind in ("linear", "matmul_t") for s in p.steps) >= 3)
     with torch.no_grad():
         outs = prog.run(*make_inputs(prog, torch.float64))

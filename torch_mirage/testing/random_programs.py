@@ -1,6 +1,7 @@
 """Random small tensor programs for differential testing of the backend: chains of the ops transformer blocks
 are made of (elementwise maps, row reductions and their broadcasts back, softmax, RMSNorm / LayerNorm written
-several ways, ``nn.Linear``-style matmuls with transposed weights, residual adds, fp16 round trips), and
+several ways, ``nn.Linear``-style matmuls with transposed weights, with a bias, GPT-2's ``addmm``, residual adds,
+fp16 round trips), and
 attention calls as models write them (HF's eager form, SDPA, masks, soft-cap, GQA, decode rows, q / k norms,
 column sums), and a decoder layer's decode step with a static KV cache written in place, drawn from a seed, run
 compiled and against the same program in float64 (outputs, and the inputs a program writes).
@@ -61,7 +62,8 @@ def _layernorm_manual(x, w):
 
 _NORMS = {"rmsnorm_rsqrt": _rmsnorm_rsqrt, "rmsnorm_div": _rmsnorm_div, "rmsnorm_upcast": _rmsnorm_upcast,
           "layernorm_manual": _layernorm_manual,
-          "layer_norm": lambda x, w: F.layer_norm(x, (x.shape[-1],), w, None, 1e-5)}
+          "layer_norm": lambda x, w: F.layer_norm(x, (x.shape[-1],), w, None, 1e-5),
+          "layer_norm_bias": lambda x, w: F.layer_norm(x, (x.shape[-1],), w, w - 1.0, 1e-5)}   # a bias near 0
 
 _ROWWISE = {
     "softmax": lambda x: torch.softmax(x, -1),
@@ -107,6 +109,11 @@ class Program:
                 values.append(_ROWWISE[s.name](a[0]))
             elif s.kind == "linear":
                 values.append(F.linear(a[0], p))
+            elif s.kind == "linear_bias":    # nn.Linear with its bias (the bias the next input)
+                values.append(F.linear(a[0], p, ins[s.param + 1]))
+            elif s.kind == "addmm":          # GPT-2's Conv1D: bias + x @ w, the weight stored (in, out)
+                flat = a[0].reshape(-1, a[0].shape[-1])
+                values.append(torch.addmm(ins[s.param + 1], flat, p).view(*a[0].shape[:-1], p.shape[1]))
             elif s.kind == "matmul_t":      # the weight stored (in, out): x @ w
                 values.append(a[0] @ p)
             elif s.kind == "half":
@@ -134,7 +141,8 @@ def draw(seed: int, max_steps: int = 7) -> Program:
         last = len(prog.widths) - 1
         pick = rng.choice([last, last, rng.randrange(len(prog.widths))])
         w = prog.widths[pick]
-        kind = rng.choice(["unary", "unary", "binary", "norm", "rowwise", "linear", "linear", "matmul_t", "half"])
+        kind = rng.choice(["unary", "unary", "binary", "norm", "rowwise", "linear", "linear", "matmul_t", "half",
+                           "linear_bias", "addmm"])
         if kind == "unary":
             prog.steps.append(Step(kind, rng.choice(list(_UNARY)), (pick,)))
         elif kind == "binary":
@@ -150,10 +158,12 @@ def draw(seed: int, max_steps: int = 7) -> Program:
             prog.steps.append(Step(kind, rng.choice(list(_NORMS)), (pick,), len(prog.inputs) - 1))
         elif kind == "rowwise":
             prog.steps.append(Step(kind, rng.choice(list(_ROWWISE)), (pick,)))
-        elif kind in ("linear", "matmul_t"):
+        elif kind in ("linear", "matmul_t", "linear_bias", "addmm"):
             out = rng.choice([16, 32, 64, 96, w])
-            prog.inputs.append((out, w) if kind == "linear" else (w, out))
+            prog.inputs.append((out, w) if kind.startswith("linear") else (w, out))
             prog.steps.append(Step(kind, kind, (pick,), len(prog.inputs) - 1, out))
+            if kind in ("linear_bias", "addmm"):
+                prog.inputs.append((out,))
             w = out
         else:
             prog.steps.append(Step(kind, "fp16_round_trip", (pick,)))
@@ -174,8 +184,8 @@ def make_inputs(prog: "Program | AttentionProgram | DecodeStepProgram", dtype: t
     for k, shape in enumerate(prog.inputs):
         t = torch.randn(shape, dtype=torch.float64)
         step = next((s for s in prog.steps if s.param == k), None)
-        if step is not None and step.kind in ("linear", "matmul_t"):
-            t = t / (shape[1] if step.kind == "linear" else shape[0]) ** 0.5
+        if step is not None and step.kind in ("linear", "matmul_t", "linear_bias", "addmm"):
+            t = t / (shape[1] if step.kind.startswith("linear") else shape[0]) ** 0.5
         elif step is not None and step.kind == "norm":
             t = 1.0 + 0.1 * t
         out.append(t.to(dtype=dtype, device=device))
