@@ -343,7 +343,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class DecodeStepProgram:
-    """One decoder layer's decode step as HF writes it with a ``StaticCache``: an RMSNorm (``norm``: one of the
+    """One decoder layer's decode step (or a prefill chunk of ``tokens``) as HF writes it with a ``StaticCache``: an RMSNorm (``norm``: one of the
     chain programs' forms), the q / k / v projections (``fused_qkv``: one weight split after the matmul), RoPE
     (``rope``), the cache write at the position (``write``: ``index_copy_`` or slice assignment), attention over
     every slot with an additive mask hiding the slots past the position (GQA by ``repeat_kv``), the output
@@ -360,36 +360,37 @@ class DecodeStepProgram:
     rope: bool
     write: str
     mlp: bool
+    tokens: int = 1      # query tokens of the step: 1 a decode step, more a prefill chunk at contiguous positions
 
     steps = property(lambda self: [])
     mutated = (1, 2)     # the K and V caches among the inputs
 
     def make_inputs(self, dtype: torch.dtype, device: str) -> list[torch.Tensor]:
-        b, d, h, hk, hd, n = self.b, self.dim, self.heads, self.kv_heads, self.head_dim, self.slots
-        pos = random.randrange(n)
-        keep = torch.arange(n) <= pos
-        mask = torch.zeros(b, 1, 1, n).masked_fill(~keep, torch.finfo(dtype).min)
-        angle = torch.rand(b, 1, hd // 2) * 6.0
+        b, d, h, hk, hd, n, t = self.b, self.dim, self.heads, self.kv_heads, self.head_dim, self.slots, self.tokens
+        first = random.randrange(n - t + 1)
+        keep = torch.arange(n)[None, :] <= torch.arange(first, first + t)[:, None]
+        mask = torch.zeros(b, 1, t, n).masked_fill(~keep, torch.finfo(dtype).min)
+        angle = torch.rand(b, t, hd // 2) * 6.0
         cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
         w = lambda o, i: torch.randn(o, i) * i ** -0.5   # noqa: E731
-        floats = [torch.randn(b, 1, d), torch.randn(b, hk, n, hd), torch.randn(b, hk, n, hd), mask, cos, sin,
+        floats = [torch.randn(b, t, d), torch.randn(b, hk, n, hd), torch.randn(b, hk, n, hd), mask, cos, sin,
                   1.0 + 0.1 * torch.randn(d), w((h + 2 * hk) * hd, d), w(d, h * hd), 1.0 + 0.1 * torch.randn(d),
                   w(2 * 2 * d, d), w(d, 2 * d)]
         ins = [t.to(dtype=dtype, device=device) for t in floats]
-        ins.insert(3, torch.tensor([pos], device=device))
+        ins.insert(3, torch.arange(first, first + t, device=device))
         return ins
 
     def run(self, x, k_cache, v_cache, pos, mask, cos, sin, g1, w_qkv, w_o, g2, w_gu, w_down) -> tuple:
-        b, h, hk, hd = self.b, self.heads, self.kv_heads, self.head_dim
+        b, h, hk, hd, t = self.b, self.heads, self.kv_heads, self.head_dim, self.tokens
         hn = _NORMS[self.norm](x, g1)
         if self.fused_qkv:
             q, k, v = F.linear(hn, w_qkv).split([h * hd, hk * hd, hk * hd], dim=-1)
         else:
             wq, wk, wv = w_qkv.split([h * hd, hk * hd, hk * hd], dim=0)
             q, k, v = F.linear(hn, wq), F.linear(hn, wk), F.linear(hn, wv)
-        q = q.view(b, 1, h, hd).transpose(1, 2)
-        k = k.view(b, 1, hk, hd).transpose(1, 2)
-        v = v.view(b, 1, hk, hd).transpose(1, 2)
+        q = q.view(b, t, h, hd).transpose(1, 2)
+        k = k.view(b, t, hk, hd).transpose(1, 2)
+        v = v.view(b, t, hk, hd).transpose(1, 2)
         if self.rope:
             c, s = cos.unsqueeze(1), sin.unsqueeze(1)
             q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
@@ -402,7 +403,7 @@ class DecodeStepProgram:
         keys, values = repeat_kv(k_cache, h // hk), repeat_kv(v_cache, h // hk)
         w = torch.matmul(q, keys.transpose(2, 3)) * hd ** -0.5 + mask
         p = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(p, values).transpose(1, 2).reshape(b, 1, h * hd)
+        o = torch.matmul(p, values).transpose(1, 2).reshape(b, t, h * hd)
         x = x + F.linear(o, w_o)
         if self.mlp:
             gate, up = F.linear(_NORMS[self.norm](x, g2), w_gu).chunk(2, dim=-1)
@@ -423,4 +424,4 @@ def draw_decode(seed: int) -> DecodeStepProgram:
         head_dim=head_dim, slots=rng.choice([17, 32, 37, 64]), norm=rng.choice(["rmsnorm_rsqrt", "rmsnorm_div",
                                                                                "rmsnorm_upcast"]),
         fused_qkv=rng.random() < 0.5, rope=rng.random() < 0.7, write=rng.choice(["index_copy", "slice"]),
-        mlp=rng.random() < 0.5)
+        mlp=rng.random() < 0.5, tokens=rng.choice([1, 1, 1, 3, 8, 13]))
