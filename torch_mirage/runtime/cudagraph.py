@@ -393,6 +393,8 @@ class SizedCudaGraphs:
                 return self.fn(args)
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return self.fn(args)   # in the caller's CUDA graph: plain kernels there, no call counted
+            if len(self.calls) >= 4096:   # a long history of one-shot sizes is forgotten, as StaticSizes does
+                self.calls.clear()
             seen = self.calls[key] = self.calls.get(key, 0) + 1
             if seen < self.record_at:
                 return self.fn(args)   # not come back yet (MIRAGE_CUDA_GRAPH_RECORD_AT)
