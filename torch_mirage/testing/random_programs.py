@@ -347,7 +347,8 @@ class DecodeStepProgram:
     chain programs' forms), the q / k / v projections (``fused_qkv``: one weight split after the matmul), RoPE
     (``rope``), the cache write at the position (``write``: ``index_copy_`` or slice assignment), attention over
     every slot with an additive mask hiding the slots past the position (GQA by ``repeat_kv``), the output
-    projection and the residual, and optionally the gated MLP. Returns the layer's output; the caches are written
+    projection and the residual, and optionally the gated MLP (Gemma-2's soft-cap, sliding window and GELU-tanh as
+    options). Returns the layer's output; the caches are written
     in place (:attr:`mutated`)."""
     b: int
     dim: int
@@ -361,6 +362,9 @@ class DecodeStepProgram:
     write: str
     mlp: bool
     tokens: int = 1      # query tokens of the step: 1 a decode step, more a prefill chunk at contiguous positions
+    softcap: float | None = None   # Gemma-2's attention soft-cap
+    window: int | None = None      # a sliding window: keys more than this far behind a query are hidden
+    act: str = "silu"              # the gated MLP's activation: silu (Llama) or gelu_tanh (Gemma)
 
     steps = property(lambda self: [])
     mutated = (1, 2)     # the K and V caches among the inputs
@@ -368,7 +372,10 @@ class DecodeStepProgram:
     def make_inputs(self, dtype: torch.dtype, device: str) -> list[torch.Tensor]:
         b, d, h, hk, hd, n, t = self.b, self.dim, self.heads, self.kv_heads, self.head_dim, self.slots, self.tokens
         first = random.randrange(n - t + 1)
-        keep = torch.arange(n)[None, :] <= torch.arange(first, first + t)[:, None]
+        rows = torch.arange(first, first + t)[:, None]
+        keep = torch.arange(n)[None, :] <= rows
+        if self.window is not None:
+            keep &= rows - torch.arange(n)[None, :] < self.window
         mask = torch.zeros(b, 1, t, n).masked_fill(~keep, torch.finfo(dtype).min)
         angle = torch.rand(b, t, hd // 2) * 6.0
         cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
@@ -401,13 +408,17 @@ class DecodeStepProgram:
             k_cache[:, :, pos] = k
             v_cache[:, :, pos] = v
         keys, values = repeat_kv(k_cache, h // hk), repeat_kv(v_cache, h // hk)
-        w = torch.matmul(q, keys.transpose(2, 3)) * hd ** -0.5 + mask
+        w = torch.matmul(q, keys.transpose(2, 3)) * hd ** -0.5
+        if self.softcap is not None:
+            w = torch.tanh(w / self.softcap) * self.softcap
+        w = w + mask
         p = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
         o = torch.matmul(p, values).transpose(1, 2).reshape(b, t, h * hd)
         x = x + F.linear(o, w_o)
         if self.mlp:
             gate, up = F.linear(_NORMS[self.norm](x, g2), w_gu).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w_down)
+            act = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+            x = x + F.linear(act * up, w_down)
         return (x,)
 
     def source(self) -> str:
@@ -424,4 +435,5 @@ def draw_decode(seed: int) -> DecodeStepProgram:
         head_dim=head_dim, slots=rng.choice([17, 32, 37, 64]), norm=rng.choice(["rmsnorm_rsqrt", "rmsnorm_div",
                                                                                "rmsnorm_upcast"]),
         fused_qkv=rng.random() < 0.5, rope=rng.random() < 0.7, write=rng.choice(["index_copy", "slice"]),
-        mlp=rng.random() < 0.5, tokens=rng.choice([1, 1, 1, 3, 8, 13]))
+        mlp=rng.random() < 0.5, tokens=rng.choice([1, 1, 1, 3, 8, 13]), softcap=rng.choice([None, None, 50.0]),
+        window=rng.choice([None, None, 8]), act=rng.choice(["silu", "gelu_tanh"]))
