@@ -25,10 +25,10 @@ import torch  # noqa: E402
 
 from torch_mirage.backend import MirageBackend  # noqa: E402
 from torch_mirage.report import Report  # noqa: E402
-from torch_mirage.testing.random_programs import check, draw, draw_attention, draw_decode  # noqa: E402
+from torch_mirage.testing.random_programs import check, draw, draw_attention, draw_decode, tolerance  # noqa: E402
 
 
-def fuzz_one(seed: int, dtype: torch.dtype, tol: float, ratio: float, options: dict, device: str = "cpu",
+def fuzz_one(seed: int, dtype: torch.dtype, tol: float | None, ratio: float, options: dict, device: str = "cpu",
              kind: str = "chains") -> dict:
     prog = {"chains": draw, "attention": draw_attention, "decode": draw_decode}[kind](seed)
     report = Report()
@@ -43,8 +43,7 @@ def fuzz_one(seed: int, dtype: torch.dtype, tol: float, ratio: float, options: d
         return {"seed": seed, "status": "raised", "error": f"{type(e).__name__}: {e}"[:500], "source": prog.source()}
     finally:
         torch._dynamo.reset()
-    if any(s.kind == "half" for s in prog.steps):
-        tol = max(tol, 5e-3)   # an fp16 rounding that flips (a sum in another order) moves its value by an ulp there
+    tol = tolerance(prog, dtype, tol)
     # NaN (a NaN where float64 has none, or the reverse) is never within tolerance
     bad = [i for i, (e, ref) in enumerate(zip(got["errors"], got["eager_errors"])) if not (e <= tol or e <= ratio * ref)]
     regions = [(r.compiled_by, r.claimer) for g in report.graphs for r in g.regions]
@@ -58,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default="cpu", help="cuda: real Triton kernels (in CUDA graphs), bf16 allowed (the "
                    "interpreter gets bf16 wrong)")
-    p.add_argument("--tol", type=float, default=None, help="default: 1e-4 (float32), 5e-3 (float16)")
+    p.add_argument("--tol", type=float, default=None, help="default: random_programs.tolerance (1e-4 fp32, 5e-3 fp16, 2e-2 bf16)")
     p.add_argument("--ratio", type=float, default=20.0)
     p.add_argument("--kind", default="chains", choices=["chains", "attention", "decode"],
                    help="chains of elementwise / norm / matmul ops, attention calls, or decode steps of a layer "
@@ -66,14 +65,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    tol = args.tol if args.tol is not None else {torch.float32: 1e-4, torch.float16: 5e-3}.get(dtype, 2e-2)
     start, stop = map(int, args.seeds.split(":"))
     results, claimers = [], collections.Counter()
     t0 = time.perf_counter()
     for seed in range(start, stop):
         # every region kept, none handed back to Inductor by timing: mirage's own kernels are what is tested
         options = {"min_region_us": 0.0, "cache": False, "measure_regions": False}
-        r = fuzz_one(seed, dtype, tol, args.ratio, options, args.device, args.kind)
+        r = fuzz_one(seed, dtype, args.tol, args.ratio, options, args.device, args.kind)
         results.append(r)
         claimers.update(f"{by}:{c}" for by, c in r.get("regions", []) if by == "mirage")
         worst = max(r.get("errors") or [0.0])
@@ -87,7 +85,7 @@ def main(argv=None) -> int:
           f"claimer: {dict(claimers)}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"dtype": args.dtype, "device": args.device, "kind": args.kind, "tol": tol, "ratio": args.ratio, "torch": torch.__version__,
+            json.dump({"dtype": args.dtype, "device": args.device, "kind": args.kind, "tol": args.tol, "ratio": args.ratio, "torch": torch.__version__,
                        "results": results, "claimers": dict(claimers)}, f, indent=1)
     return 1 if bad else 0
 

@@ -9,7 +9,7 @@ import torch
 
 from torch_mirage.backend import MirageBackend
 from torch_mirage.report import Report
-from torch_mirage.testing.random_programs import check, draw, draw_attention, draw_decode, make_inputs
+from torch_mirage.testing.random_programs import check, draw, draw_attention, draw_decode, make_inputs, tolerance
 
 KINDS = {"chains": (draw, 4), "attention": (draw_attention, 3), "decode": (draw_decode, 2)}
 CASES = [(kind, random.randrange(10 ** 6)) for kind, (_, n) in KINDS.items() for _ in range(n)]
@@ -29,8 +29,7 @@ def test_a_random_program_equals_float64(kind, seed, dtype):
 
     got = check(prog, compile_fn, dtype)
     torch._dynamo.reset()
-    half = dtype == torch.float16 or any(s.kind == "half" for s in prog.steps)
-    tol = 5e-3 if half else 1e-4
+    tol = tolerance(prog, dtype)
     for err, eager in zip(got["errors"], got["eager_errors"]):
         assert err <= max(tol, 20 * eager), f"{kind} seed {seed}: {got}\n{prog.source()}\n{report}"
 

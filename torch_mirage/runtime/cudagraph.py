@@ -16,6 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..capture.host_scalars import is_symbolic
+from .static_sizes import SEEN_SIZES
 
 log = logging.getLogger("torch_mirage")
 
@@ -393,7 +394,7 @@ class SizedCudaGraphs:
                 return self.fn(args)
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return self.fn(args)   # in the caller's CUDA graph: plain kernels there, no call counted
-            if len(self.calls) >= 4096:   # a long history of one-shot sizes is forgotten, as StaticSizes does
+            if len(self.calls) >= SEEN_SIZES:   # a long history of one-shot sizes is forgotten, as StaticSizes does
                 self.calls.clear()
             seen = self.calls[key] = self.calls.get(key, 0) + 1
             if seen < self.record_at:

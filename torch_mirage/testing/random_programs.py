@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..numerics import rms_norm
+
 _UNARY = {
     "exp_tanh": lambda x: torch.exp(torch.tanh(x)),
     "sigmoid": torch.sigmoid,
@@ -40,18 +42,8 @@ _BINARY = {
 }
 
 
-def _rmsnorm_rsqrt(x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
-
-
 def _rmsnorm_div(x, w):
     return w * (x / torch.sqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-6))
-
-
-def _rmsnorm_upcast(x, w):   # HF's LlamaRMSNorm: in float32, cast back, weight after
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-    return w * h.to(x.dtype)
 
 
 def _layernorm_manual(x, w):
@@ -60,7 +52,12 @@ def _layernorm_manual(x, w):
     return (x - mu) / torch.sqrt(var + 1e-5) * w
 
 
-_NORMS = {"rmsnorm_rsqrt": _rmsnorm_rsqrt, "rmsnorm_div": _rmsnorm_div, "rmsnorm_upcast": _rmsnorm_upcast,
+def _rmsnorm_upcast(x, w):   # HF's LlamaRMSNorm: in float32, cast back, weight after
+    return rms_norm(x, 1e-6, w)
+
+
+_NORMS = {"rmsnorm_rsqrt": lambda x, w: rms_norm(x, 1e-6, w, upcast=False), "rmsnorm_div": _rmsnorm_div,
+          "rmsnorm_upcast": _rmsnorm_upcast,
           "layernorm_manual": _layernorm_manual,
           "layer_norm": lambda x, w: F.layer_norm(x, (x.shape[-1],), w, None, 1e-5),
           "layer_norm_bias": lambda x, w: F.layer_norm(x, (x.shape[-1],), w, w - 1.0, 1e-5)}   # a bias near 0
@@ -82,7 +79,6 @@ class Step:
     name: str
     args: tuple
     param: int | None = None
-    width: int = 0          # a matmul's output columns
 
 
 @dataclass
@@ -121,6 +117,20 @@ class Program:
             else:
                 raise ValueError(s.kind)
         return tuple(values[i] for i in self.outputs)
+
+    def make_inputs(self, dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[torch.Tensor]:
+        """Fresh random inputs: the activation unit-normal, weights scaled by 1/sqrt(fan-in) (a matmul chain keeps
+        its magnitude), norm weights near one."""
+        out = []
+        for k, shape in enumerate(self.inputs):
+            t = torch.randn(shape, dtype=torch.float64)
+            step = next((s for s in self.steps if s.param == k), None)
+            if step is not None and step.kind in ("linear", "matmul_t", "linear_bias", "addmm"):
+                t = t / (shape[1] if step.kind.startswith("linear") else shape[0]) ** 0.5
+            elif step is not None and step.kind == "norm":
+                t = 1.0 + 0.1 * t
+            out.append(t.to(dtype=dtype, device=device))
+        return out
 
     def source(self) -> str:
         lines = [f"rows {self.rows}, inputs {self.inputs}"]
@@ -161,7 +171,7 @@ def draw(seed: int, max_steps: int = 7) -> Program:
         elif kind in ("linear", "matmul_t", "linear_bias", "addmm"):
             out = rng.choice([16, 32, 64, 96, w])
             prog.inputs.append((out, w) if kind.startswith("linear") else (w, out))
-            prog.steps.append(Step(kind, kind, (pick,), len(prog.inputs) - 1, out))
+            prog.steps.append(Step(kind, kind, (pick,), len(prog.inputs) - 1))
             if kind in ("linear_bias", "addmm"):
                 prog.inputs.append((out,))
             w = out
@@ -176,20 +186,19 @@ def draw(seed: int, max_steps: int = 7) -> Program:
 
 def make_inputs(prog: "Program | AttentionProgram | DecodeStepProgram", dtype: torch.dtype = torch.float32,
                 device: str = "cpu") -> list[torch.Tensor]:
-    """Fresh random inputs: the activation unit-normal, weights scaled by 1/sqrt(fan-in) (a matmul chain keeps
-    its magnitude), norm weights near one."""
-    if isinstance(prog, (AttentionProgram, DecodeStepProgram)):
-        return prog.make_inputs(dtype, device)
-    out = []
-    for k, shape in enumerate(prog.inputs):
-        t = torch.randn(shape, dtype=torch.float64)
-        step = next((s for s in prog.steps if s.param == k), None)
-        if step is not None and step.kind in ("linear", "matmul_t", "linear_bias", "addmm"):
-            t = t / (shape[1] if step.kind.startswith("linear") else shape[0]) ** 0.5
-        elif step is not None and step.kind == "norm":
-            t = 1.0 + 0.1 * t
-        out.append(t.to(dtype=dtype, device=device))
-    return out
+    """Fresh random inputs of ``prog`` (its ``make_inputs``)."""
+    return prog.make_inputs(dtype, device)
+
+
+def tolerance(prog: "Program | AttentionProgram | DecodeStepProgram", dtype: torch.dtype,
+              base: float | None = None) -> float:
+    """The relative error (against float64) ``prog`` may have in ``dtype``: ``base`` or the dtype's own (1e-4 fp32,
+    5e-3 fp16, 2e-2 bf16), and 5e-3 at least where a chain rounds to fp16 on the way (a rounding that flips, a sum
+    in another order, moves its value by an fp16 ulp)."""
+    tol = base if base is not None else {torch.float32: 1e-4, torch.float16: 5e-3}.get(dtype, 2e-2)
+    if isinstance(prog, Program) and any(s.kind == "half" for s in prog.steps):
+        tol = max(tol, 5e-3)
+    return tol
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -249,10 +258,6 @@ class AttentionProgram:
     qk_norm: bool
     column_sums: bool
     merge_heads: bool
-
-    @property
-    def steps(self) -> list:
-        return []
 
     def _mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         if self.mask in ("none", "is_causal"):
@@ -366,7 +371,6 @@ class DecodeStepProgram:
     window: int | None = None      # a sliding window: keys more than this far behind a query are hidden
     act: str = "silu"              # the gated MLP's activation: silu (Llama) or gelu_tanh (Gemma)
 
-    steps = property(lambda self: [])
     mutated = (1, 2)     # the K and V caches among the inputs
 
     def make_inputs(self, dtype: torch.dtype, device: str) -> list[torch.Tensor]:
