@@ -53,10 +53,12 @@ def one_process(args) -> dict:
             sync()
             calls.append({"prompt": n, "s": round(time.perf_counter() - start, 4),
                           "tokens_equal": round(M._tokens_match(got, want), 4),
+                          "graphs_compiled": len(report.graphs),
                           "memory_mib": round((held() - base) / 2 ** 20, 1)})
             print(f"  record_at {args.record_at[0]}  prompt {n:4d}: {calls[-1]}", flush=True)
     graphs = [{"graph": g.index, "symbolic": g.symbolic_sizes, "cuda_graph": g.cuda_graph,
-               "reason": g.cuda_graph_reason, "sizes_of": g.sizes_of} for g in report.graphs]
+               "reason": g.cuda_graph_reason, "sizes_of": g.sizes_of,
+               "stage_s": {k: round(v / 1e3, 2) for k, v in g.stage_times_ms.items()}} for g in report.graphs]
     return {"record_at": args.record_at[0], "calls": calls, "graphs": graphs}
 
 
