@@ -8,12 +8,26 @@ size when it comes back. The calls (``--prompts``): a prompt length called twice
 sizes (recorded then under 2), a new length shifts every size.
 
     python benchmarks/dynamic_cache_generate_gpu.py [--model llama] [--batch 4] [--new-tokens 32]
-        [--prompts 64,64,64,100,64] [--record-at 1 2] [--out DIR]
+        [--prompts 64,64,64,100,64] [--record-at 1 2] [--out DIR] [--profile]
+
+``--census``: after each call, the live CUDA tensors Python can reach (after ``gc.collect()``), the largest with
+what holds them, against ``memory_allocated`` (the rest is held outside Python: CUDA-graph pools, cuBLAS's
+workspace per stream); after the last call also ``memory_allocated`` once cuBLAS's workspaces are cleared.
+
+``--profile``: each process profiles its first call (the compiles) and writes ``profile-<n>.txt`` (cumulative and
+own time, top entries) to ``--out``; ``--record-at 2 2`` then profiles a cold and a warm compile (the second
+process finds the first one's disk caches).
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import cProfile
+import gc
+import inspect
+import io
 import json
+import pstats
 import os
 import subprocess
 import sys
@@ -44,22 +58,121 @@ def one_process(args) -> dict:
             ids = torch.randint(0, model.config.vocab_size, (args.batch, n), device=device)
             eager_tokens[n] = (ids, M.greedy_generate(model, ids, args.new_tokens, "dynamic"))
         M.compile_forward(model, "mirage", report=report, dynamic=None)
+        gc.collect()
         base = held()
-        for n in args.prompts:
+        base_census = memory_census() if args.census and cuda else None
+        for i, n in enumerate(args.prompts):
             ids, want = eager_tokens[n]
             sync()
             start = time.perf_counter()
+            profile = cProfile.Profile() if args.profile and i == 0 else None
+            if profile:
+                profile.enable()
             got = M.greedy_generate(model, ids, args.new_tokens, "dynamic")
             sync()
+            if profile:
+                profile.disable()
+                write_profile(profile, os.path.join(args.out or ".", f"profile-{args.index}.txt"))
             calls.append({"prompt": n, "s": round(time.perf_counter() - start, 4),
                           "tokens_equal": round(M._tokens_match(got, want), 4),
                           "graphs_compiled": len(report.graphs),
                           "memory_mib": round((held() - base) / 2 ** 20, 1)})
-            print(f"  record_at {args.record_at[0]}  prompt {n:4d}: {calls[-1]}", flush=True)
+            if args.census and cuda:
+                calls[-1]["census"] = memory_census()
+                calls[-1]["memory_mib_after_gc"] = round((held() - base) / 2 ** 20, 1)
+                if i == len(args.prompts) - 1:   # what cuBLAS keeps per stream it ran on (a workspace each)
+                    torch._C._cuda_clearCublasWorkspaces()
+                    calls[-1]["memory_mib_after_cublas_clear"] = round((held() - base) / 2 ** 20, 1)
+            print(f"  record_at {args.record_at[0]}  prompt {n:4d}: "
+                  f"{ {k: v for k, v in calls[-1].items() if k != 'census'} }", flush=True)
+            if "census" in calls[-1]:
+                c = calls[-1]["census"]
+                print(f"    reachable {c['reachable_mib']} MiB of {c['allocated_mib']} allocated; largest: "
+                      + "; ".join(f"{x['mib']} {x['shape']} {x['held_by']}" for x in c["largest"][:5]), flush=True)
     graphs = [{"graph": g.index, "symbolic": g.symbolic_sizes, "cuda_graph": g.cuda_graph,
                "reason": g.cuda_graph_reason, "sizes_of": g.sizes_of,
                "stage_s": {k: round(v / 1e3, 2) for k, v in g.stage_times_ms.items()}} for g in report.graphs]
-    return {"record_at": args.record_at[0], "calls": calls, "graphs": graphs}
+    return {"record_at": args.record_at[0], "calls": calls, "graphs": graphs, "census_before": base_census}
+
+
+def _key_of(mapping: dict, value) -> str | None:
+    for k, v in mapping.items():
+        if v is value:
+            return str(k)[:40]
+    return None
+
+
+def _holder(target, ignore: set[int], depth: int = 5) -> str:
+    """A chain of what refers to ``target`` (the attribute, key or function where found), innermost first;
+    ``ignore``: ids of the census's own containers. (No closure here may capture the object walked: its cell
+    would be the first referrer found.)"""
+    chain, seen, obj = [], set(ignore) | {id(target)}, target
+    for _ in range(depth):
+        refs = gc.get_referrers(obj)
+        seen.add(id(refs))
+        found = None
+        for r in refs:
+            if id(r) not in seen and not inspect.isframe(r):
+                found = r
+                break
+        del refs
+        if found is None:
+            break
+        seen.add(id(found))
+        if isinstance(found, dict):
+            key = _key_of(found, obj)
+            owner = None
+            for o in gc.get_referrers(found):
+                if getattr(o, "__dict__", None) is found:
+                    owner = o
+                    break
+            chain.append(f"{type(owner).__qualname__}.{key}" if owner is not None else f"dict[{key!r}]")
+            found = found if owner is None else owner
+        elif inspect.isfunction(found):
+            chain.append(f"function {found.__qualname__}")
+        elif type(found).__name__ in ("cell", "tuple", "list"):
+            chain.append(type(found).__name__)
+        else:
+            attr = _key_of(getattr(found, "__dict__", {}), obj)
+            chain.append(type(found).__qualname__ + (f".{attr}" if attr else ""))
+        seen.add(id(found))
+        obj = found
+    return " <- ".join(chain)
+
+
+def memory_census(top: int = 12) -> dict:
+    """Live CUDA tensors reachable from Python, storages counted once: their total and the largest ones."""
+    gc.collect()
+    storages: dict[int, torch.Tensor] = {}
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, torch.Tensor) and o.is_cuda:
+                storages.setdefault(o.untyped_storage().data_ptr(), o)
+        except Exception:
+            continue
+    sizes = sorted(((t.untyped_storage().nbytes(), p) for p, t in storages.items()), reverse=True)
+    by_shape: collections.Counter = collections.Counter()
+    for n, p in sizes:
+        by_shape[(tuple(storages[p].shape), str(storages[p].dtype))] += n
+    ignore = {id(storages), id(sizes)}
+    largest = []
+    for n, p in sizes[:top]:
+        t = storages[p]
+        largest.append({"mib": round(n / 2 ** 20, 2), "shape": list(t.shape), "dtype": str(t.dtype),
+                        "held_by": _holder(t, ignore)})
+    return {"reachable_mib": round(sum(n for n, _ in sizes) / 2 ** 20, 1),
+            "allocated_mib": round(torch.cuda.memory_allocated() / 2 ** 20, 1), "largest": largest,
+            "by_shape_mib": [[list(k[0]), k[1], round(v / 2 ** 20, 2)] for k, v in by_shape.most_common(top)]}
+
+
+def write_profile(profile: cProfile.Profile, path: str, top: int = 90) -> None:
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top // 2)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
 
 
 def main(argv=None) -> int:
@@ -72,17 +185,23 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="the model at its test sizes (a CPU smoke run)")
+    p.add_argument("--profile", action="store_true", help="profile each process's first call into --out")
+    p.add_argument("--census", action="store_true", help="the live CUDA tensors after each call (in the JSON)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(one_process(args)), flush=True)
         return 0
     runs = []
-    for record_at in args.record_at:   # a fresh process each: Dynamo, the caches in memory and the GPU start alike
+    for index, record_at in enumerate(args.record_at):   # a fresh process each: Dynamo, the caches in memory and the GPU start alike
         env = dict(os.environ, MIRAGE_CUDA_GRAPH_RECORD_AT=str(record_at))
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--batch",
                str(args.batch), "--new-tokens", str(args.new_tokens), "--prompts",
-               ",".join(map(str, args.prompts)), "--record-at", str(record_at), "--device", args.device] + ["--tiny"] * args.tiny
+               ",".join(map(str, args.prompts)), "--record-at", str(record_at), "--device", args.device, "--index", str(index)] + ["--tiny"] * args.tiny
+        if args.profile:
+            cmd += ["--profile", "--out", args.out or "."]
+        cmd += ["--census"] * args.census
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         sys.stdout.write("".join(line + "\n" for line in done.stdout.splitlines() if not line.startswith("RESULT ")))
         found = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]

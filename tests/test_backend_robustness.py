@@ -523,6 +523,42 @@ def test_gpu_slow_calls_are_timed_within_the_repeat_bound():
     assert one > 20 and 1 <= got["replays"] <= 4, (one, got)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_timing_and_captures_leave_no_cublas_workspace_per_run():
+    """Forty timings and captures of a matmul leave at most two cuBLAS workspaces behind (the side stream's and the
+    capture stream's), not one for every stream of the pool that ``torch.cuda.Stream()`` hands out in turn."""
+    from torch_mirage.runtime.cudagraph import CudaGraphRunner
+    from torch_mirage.timing import cuda_graph_timing, side_stream
+
+    a = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
+    mm = lambda x: x @ x   # noqa: E731
+    cuda_graph_timing(mm, [[a]], replays=1, repeats=1)      # the side stream's and capture stream's workspaces
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(20):
+        cuda_graph_timing(mm, [[a]], replays=1, repeats=1)
+        runner = CudaGraphRunner(lambda args: [mm(args[0])], static_input_indices=(), warmup=1)
+        runner([a])
+        del runner
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before
+    assert side_stream() is side_stream(torch.device("cuda"))
+    assert grown < 1 << 20, f"{grown / 2 ** 20:.1f} MiB more allocated after 40 runs"
+
+
+def test_mirage_warms_up_on_one_side_stream_only():
+    """Every warm-up before a capture runs on :func:`~torch_mirage.timing.side_stream`: no module of the package
+    makes a stream of its own (each fresh one costs a cuBLAS workspace for the life of the process)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(torch_mirage.__file__).parent
+    fresh = [str(f.relative_to(root)) for f in root.rglob("*.py")
+             if re.search(r"torch\.cuda\.Stream\(", f.read_text()) and f.name != "timing.py"]
+    assert not fresh, f"modules making their own CUDA streams: {fresh}"
+
+
 def test_host_launched_times_drop_host_noise_and_keep_the_drift_balance():
     """Launched from Python, a candidate's time is the mean of each half's fastest sample: a spike the host adds
     to a few samples (another process, a collection) changes nothing, and the A B B A halves still cancel a

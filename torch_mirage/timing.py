@@ -70,12 +70,28 @@ def _repeated_timing(run_once: Callable[[], Any], calls_per_run: int, replays: i
             "replays": replays, "repeats": repeats, "sets": calls_per_run, "samples": per_call}
 
 
+_SIDE_STREAMS: dict[int, Any] = {}
+
+
+def side_stream(device: Any = None) -> "torch.cuda.Stream":
+    """The one side stream per device on which mirage warms a function up before capturing it (Triton's JIT and
+    Inductor's autotuning run there, outside the capture). One stream, not ``torch.cuda.Stream()`` each time:
+    cuBLAS keeps a workspace for every stream it has run a matmul on until the process ends (``memory_allocated``
+    counts it, ``empty_cache`` does not free it), and ``torch.cuda.Stream()`` hands out the pool's 32 streams in
+    turn, so fresh streams for each tuning run and capture leave up to 32 workspaces behind."""
+    index = torch.cuda.current_device() if device is None or torch.device(device).index is None \
+        else torch.device(device).index
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return _SIDE_STREAMS[index]
+
+
 def cuda_graph_timing(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], *, replays: int | None = None,
                       target_ms: float | None = None, repeats: int = 5) -> dict:
     """µs per call of ``fn`` in one CUDA graph that calls it once per input set (warmed up on a side stream, so
     compilation and autotuning happen before capture), replayed ``replays`` times per repeat or for about
     ``target_ms``; median, min and max over the repeats."""
-    stream = torch.cuda.Stream()
+    stream = side_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for inputs in input_sets:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ..timing import side_stream
+
 log = logging.getLogger("torch_mirage")
 
 KB, MB = 1024, 1024 * 1024
@@ -226,7 +228,7 @@ def calibrate(model: DeviceModel | None = None, device: Any = None, iters: int =
     tiny = torch.zeros(1, device=dev)
     n = 200
     launch = timed(lambda: tiny.add_(1), n)
-    stream = torch.cuda.Stream(dev)
+    stream = side_stream(dev)
     stream.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(stream):
         tiny.add_(1)

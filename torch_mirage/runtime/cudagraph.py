@@ -16,6 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..capture.host_scalars import is_symbolic
+from ..timing import side_stream
 from .static_sizes import SEEN_SIZES
 
 log = logging.getLogger("torch_mirage")
@@ -300,7 +301,7 @@ class CudaGraphRunner:
             for t, saved in in_place_writes:
                 t.copy_(saved)
 
-        stream = torch.cuda.Stream()
+        stream = side_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(self.warmup):   # Triton JIT and autotuning happen here, outside capture
