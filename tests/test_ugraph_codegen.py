@@ -177,6 +177,28 @@ def test_choose_on_cpu_is_the_graphs_own_schedule():
     assert 2 <= len(cands) <= 22
 
 
+def test_a_stored_launch_is_read_back_without_proposing_candidates(tmp_path, monkeypatch):
+    """A warm compile finds :func:`launch.choose`'s stored winner by its name (its JSON) and never proposes the
+    candidates; a name that no longer parses, or a config that does not tile the μGraph, is no answer; where the
+    mask-scan round applies, both rounds must be stored."""
+    from torch_mirage.cache import DiskCache
+
+    bg = next(o for o in library.lora(16, 64, 64, 16, dtype="float32").ops if o.name == "customized").body
+    cands = launch.candidates(bg, n_sm=132)
+    cache, key = DiskCache(str(tmp_path)), "k" * 64
+    assert launch.cached_launch(bg, cache, key) is None
+    winner = cands[-1]
+    cache.put_json(key, {"times": {launch._config_name(c): (1.0 if c == winner else 2.0 + i)
+                                   for i, c in enumerate(cands)}})
+    monkeypatch.setattr(launch, "proposed", lambda *a, **k: pytest.fail("proposed on a cache hit"))
+    assert launch.cached_launch(bg, cache, key) == winner
+    assert launch._cached_answer(bg, [torch.randn(16, 64)], cache, key) == winner    # no scan round for lora
+    cache.put_json(key, {"times": {'{"grid": [1]': 1.0}})                               # not JSON any more
+    assert launch.cached_launch(bg, cache, key) is None
+    cache.put_json(key, {"times": {launch._config_name(dataclasses.replace(winner, grid=(3, 5, 7))): 1.0}})
+    assert launch.cached_launch(bg, cache, key) is None                                  # does not tile bg
+
+
 def test_candidates_include_more_programs_per_sm():
     """Weight streaming at small batch: besides the model's best picks, re-tilings with 2 and 4 programs per SM
     are timed (the model ranks them like 1 per SM)."""

@@ -80,15 +80,16 @@ class Tuned:
     budget_spent: bool = False                           # candidates left unbuilt or untimed by :func:`budget`
 
 
-def cached_choice(cache: Any, key: str | None, names: Sequence[str]) -> Tuned | None:
+def cached_choice(cache: Any, key: str | None, names: Sequence[str] | None) -> Tuned | None:
     """The choice :func:`tune` stored under ``key`` (its times; the fastest the winner) where that winner is one of
-    ``names``, else None — what :func:`tune` returns on a hit, for a caller that wants to know before building."""
+    ``names`` (any name: None), else None — what :func:`tune` returns on a hit, for a caller that wants to know
+    before building."""
     if cache is None or key is None:
         return None
     hit = cache.get_json(key)
     times = hit.get("times") if isinstance(hit, dict) else None
     if isinstance(times, dict) and times and all(isinstance(v, (int, float)) for v in times.values()) \
-            and min(times, key=times.get) in names:
+            and (names is None or min(times, key=times.get) in names):
         return Tuned(min(times, key=times.get), dict(times), cached=True)
     return None
 

@@ -32,12 +32,11 @@ from ..codegen.ugraph_triton import (BlockKernel, CodegenError, StoreThrough, em
                                      order_by_depth)
 from ..config import load
 from ..context import Target
-from ..tune import cached_choice
 from ..timing import is_dense
 from ..ugraph import BlockGraph, KernelGraph, Ref
 from .arith import TorchArith
-from .launch import (LaunchConfig, candidates, choose, combine_tiling, launch_bounds, launch_key, launch_tiling,
-                     proposed, untuned_config)
+from .launch import (LaunchConfig, cached_launch, candidates, choose, combine_tiling, launch_bounds, launch_key,
+                     launch_tiling, proposed, untuned_config)
 from .optimise import plan_block
 from .siblings import SiblingLauncher, faster_apart, regroup, sibling_groups
 from .updates import store_through
@@ -469,9 +468,9 @@ def tuning_compiles(kgraph: KernelGraph, example_inputs: Sequence[torch.Tensor],
     jobs: dict[str, Callable[[], None]] = {}
     for i, xs in placeholders.items():
         body = kgraph.ops[i].body
-        configs = proposed(body, device, limit, propose)
-        if cached_choice(cache, launch_key(body, xs, device, limit, propose), list(configs)) is not None:
+        if cached_launch(body, cache, launch_key(body, xs, device, limit, propose)) is not None:
             continue
+        configs = proposed(body, device, limit, propose)
         name, ranks = f"{label}_op{i}", [x.dim() for x in xs]
         for config_name, config in configs.items():
             jobs[f"{name} {config_name}"] = functools.partial(_compile_launch, body, config, ranks, cache_dir, name,

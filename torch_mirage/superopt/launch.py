@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..cache import cache_key
+from ..cache import cache_key, source_digest
 from ..codegen.ugraph_triton import ELEMENTWISE, _saved, padded, prologue_accumulators, scanned_mask, strip
 from ..numerics import relative_error, same_non_finite, tolerance
 from ..timing import cuda_graph_timing, rotated_input_sets
@@ -815,14 +815,32 @@ class AgreesWithFirst:
 
 def launch_key(bg: BlockGraph, inputs: Sequence[torch.Tensor], device: torch.device, limit: int,
                propose: Callable[..., list[LaunchConfig]]) -> str:
-    """The cache key of :func:`choose`'s answer for ``bg`` on inputs of these strides on CUDA ``device``."""
+    """The cache key of :func:`choose`'s answer for ``bg`` on inputs of these strides on CUDA ``device``; with the
+    digest of this module, which proposes the candidates (:func:`cached_launch` reads an answer back without
+    proposing them, so a changed proposal must not find an old answer)."""
     return cache_key(kind="ugraph-launch", graph=bg.hash(), strides=[list(t.stride()) for t in inputs],
+                     code=source_digest("superopt/launch.py"),
                      device=torch.cuda.get_device_name(device), timing="cuda graph, rotated inputs, ABBA",
                      space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS,
                             STREAM_PIPELINE, CONTIGUOUS_PIPELINES, FILL_PIPELINE, STREAM_STAGE_BYTES, STREAM_RUN_BYTES,
                             RUN_TILES, PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES, COLUMN_SCHEDULES,
                             "mask scan", "ragged walk"]
                      + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
+
+
+def cached_launch(bg: BlockGraph, cache: Any, key: str) -> LaunchConfig | None:
+    """The launch config :func:`choose` stored under ``key`` for ``bg``, read back without proposing the
+    candidates again (a warm compile of a llama decode graph spent about 2 s of its build there, H200 12-02):
+    the winner's name is its JSON. None where nothing is stored, or the name no longer makes a config that
+    tiles ``bg``."""
+    hit = cached_choice(cache, key, None)
+    if hit is None:
+        return None
+    try:
+        config = LaunchConfig.from_json(json.loads(hit.winner))
+    except (ValueError, TypeError, KeyError):
+        return None
+    return config if launch_tiling(bg, config) is not None else None
 
 
 def proposed(bg: BlockGraph, device: torch.device, limit: int, propose: Callable[..., list[LaunchConfig]]
@@ -845,6 +863,8 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     if not inputs or inputs[0].device.type != "cuda":
         return untuned_config(bg)
     key = launch_key(bg, inputs, inputs[0].device, limit, propose)
+    if (known := _cached_answer(bg, inputs, cache, key)) is not None:
+        return known
     props = torch.cuda.get_device_properties(inputs[0].device)
     configs = proposed(bg, inputs[0].device, limit, propose)
     sets: list = []
@@ -871,7 +891,7 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
         return winner
     pair = [_config_name(c) for c in (winner, twin)]
     configs[pair[1]] = twin
-    key2 = cache_key(kind="ugraph-launch-scan", first=key, hidden=hidden_share(bg, inputs))
+    key2 = scan_key(bg, inputs, key)
     hit = cached_choice(cache, key2, pair)
     if hit is not None:
         return configs[hit.winner]
@@ -880,6 +900,26 @@ def choose(bg: BlockGraph, build: Callable[[LaunchConfig], Callable], inputs: Se
     second = tune(pair, lambda name, run: time_launches(run, inputs, sets), build=make, check=agrees,
                   cache=cache, key=key2, label="mask scan", precompile=precompile)
     return configs[second.winner] if second.winner is not None else winner
+
+
+def scan_key(bg: BlockGraph, inputs: Sequence[torch.Tensor], key: str) -> str:
+    """The cache key of :func:`scan_twin`'s round after the first round's ``key``."""
+    return cache_key(kind="ugraph-launch-scan", first=key, hidden=hidden_share(bg, inputs))
+
+
+def _cached_answer(bg: BlockGraph, inputs: Sequence[torch.Tensor], cache: Any, key: str) -> LaunchConfig | None:
+    """:func:`choose`'s answer where both of its rounds are in the cache (the scan round only where
+    :func:`scan_twin` applies), found without proposing, building or timing anything; None otherwise."""
+    winner = cached_launch(bg, cache, key)
+    if winner is None:
+        return None
+    twin = scan_twin(bg, winner)
+    if twin is None:
+        return winner
+    hit = cached_choice(cache, scan_key(bg, inputs, key), [_config_name(winner), _config_name(twin)])
+    if hit is None:
+        return None
+    return winner if hit.winner == _config_name(winner) else twin
 
 
 def hidden_share(bg: BlockGraph, inputs: Sequence[torch.Tensor]) -> float | None:
