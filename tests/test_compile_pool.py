@@ -495,3 +495,22 @@ def test_workers_started_under_another_ptxas_are_replaced(monkeypatch):
     assert all(w.stopped for w in first) and len(started) == 4
     assert all(w.env["TRITON_PTXAS_PATH"] == "/torch/bin/ptxas" for w in second)
     compile_pool._stop_workers()
+
+
+def test_triton_cache_dir_is_pinned_where_inductor_puts_it(monkeypatch):
+    """Before mirage's first CUDA compile the process's ``TRITON_CACHE_DIR`` is Inductor's (which Inductor would
+    set only at its first kernel, after some of mirage's went to ``~/.triton/cache``); a directory the user set
+    stays; off CUDA nothing is set."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    from torch_mirage.codegen.aot import pin_triton_cache_dir
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert pin_triton_cache_dir(torch.device("cpu")) is None and "TRITON_CACHE_DIR" not in os.environ
+    assert pin_triton_cache_dir(None) is None and "TRITON_CACHE_DIR" not in os.environ
+    want = triton_cache_dir(1)
+    assert pin_triton_cache_dir(torch.device("cuda", 1)) == want == os.environ["TRITON_CACHE_DIR"]
+    assert want.endswith(os.path.join("triton", "1"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/of/mine")
+    assert pin_triton_cache_dir(torch.device("cuda")) == "/somewhere/of/mine"

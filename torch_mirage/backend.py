@@ -21,6 +21,7 @@ from . import config as config_mod
 from . import failures
 from .cache import DiskCache, cache_key
 from .capture.host_scalars import split_host_scalars, symbolic_positions
+from .codegen.aot import pin_triton_cache_dir
 from .partition.region import Claimer, Reason
 from .failures import Failure
 from .context import CompileContext
@@ -28,6 +29,7 @@ from .pipeline import WholeGraphToInductor, compile_graph, wrap_cuda_graph
 from .report import GraphReport, RegionReport, Report
 from .runtime.assemble import inductor_configs
 from .runtime.choose import FasterOf, writes_in_place
+from .runtime.cudagraph import input_device
 from .runtime.static_sizes import StaticSizes, size_key
 from .tune import cached_choice
 
@@ -189,6 +191,7 @@ class MirageBackend:
             keep_inference_input_mutations=True,
         )
         first_graph = len(self.report.graphs)
+        pin_triton_cache_dir(input_device(example_inputs))    # before any kernel of mirage's or Inductor's compiles
         try:
             with failures.stage("capture"):
                 compiled = compiler(gm, example_inputs)

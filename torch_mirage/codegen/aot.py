@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,24 @@ import torch
 from ..context import Target
 
 _BIND = threading.Lock()
+
+
+def pin_triton_cache_dir(device: torch.device | None) -> str | None:
+    """Triton's cache directory for the rest of the process, fixed before mirage compiles anything for CUDA
+    ``device``: where Inductor puts it anyway. Inductor sets ``TRITON_CACHE_DIR`` (to
+    ``<its cache dir>/triton/<device index>``) when it loads its first kernel, unless the user set it; Triton reads
+    the variable at every compile and load. Left to Inductor, the kernels mirage compiled before that moment went
+    to ``~/.triton/cache`` and the later ones to Inductor's directory, and a later process — whose compiles
+    come in another order once the disk caches answer the tuning — looked for them in the other one: on the
+    H200 a warm compile of an HF llama built 10 kernel launchers with gcc and compiled 12 kernels again.
+    A directory the user set is kept. Returns the directory (None off CUDA: nothing is set)."""
+    if device is None or device.type != "cuda":
+        return None
+    if os.environ.get("TRITON_CACHE_DIR") is None:
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+        os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(device.index or 0)
+    return os.environ["TRITON_CACHE_DIR"]
 
 
 @dataclass(frozen=True)
