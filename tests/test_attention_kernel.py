@@ -487,6 +487,32 @@ def test_mask_scan_skips_unseen_key_tiles_eager_equal(split, kind, tmp_path):
     assert scanned_mask(floor) is None
 
 
+def test_a_stored_decode_launch_needs_its_mask_scan_round_too(tmp_path):
+    """Read back from the cache (a warm compile), a masked decode launch is an answer only when the mask-scan
+    round after it is stored as well (that round's key holds the share of the mask hidden); then its winner,
+    the scanned twin or not, is the answer."""
+    from torch_mirage.cache import DiskCache
+    from torch_mirage.superopt import launch
+
+    b, hk, rows, skv, d = 2, 2, 4, 64, 16
+    bg = _body(flash_decoding(b, hk, rows, skv, d, scale=0.25, mask=(b, 1), dtype="float32", splits=4, tile=4))
+    mask = torch.zeros(b, 1, rows, skv)
+    mask[..., 16:] = float("-inf")
+    inputs = [torch.randn(b, hk, rows, d), torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d), mask]
+    cache, key = DiskCache(str(tmp_path)), "d" * 64
+    first = LaunchConfig(tuple(bg.grid), bg.forloop_range)
+    twin = launch.scan_twin(bg, first)
+    assert twin is not None
+    cache.put_json(key, {"times": {launch._config_name(first): 1.0}})
+    assert launch.cached_launch(bg, cache, key) == first
+    assert launch._cached_answer(bg, inputs, cache, key) is None            # the scan round is not stored
+    cache.put_json(launch.scan_key(bg, inputs, key), {"times": {launch._config_name(first): 2.0,
+                                                                launch._config_name(twin): 1.0}})
+    assert launch._cached_answer(bg, inputs, cache, key) == twin
+    mask[..., 16:] = 0.0                                                     # another hidden share: another key
+    assert launch._cached_answer(bg, inputs, cache, key) is None
+
+
 @interp
 def test_decode_mask_scan_walks_only_written_slots(tmp_path):
     """Decode over a static cache early in it: split-KV (a grid dim over the key splits) with the mask scan walks
