@@ -8,11 +8,15 @@ size when it comes back. The calls (``--prompts``): a prompt length called twice
 sizes (recorded then under 2), a new length shifts every size.
 
     python benchmarks/dynamic_cache_generate_gpu.py [--model llama] [--batch 4] [--new-tokens 32]
-        [--prompts 64,64,64,100,64] [--record-at 1 2] [--out DIR] [--profile]
+        [--prompts 64,64,64,100,64] [--record-at 1 2] [--out DIR] [--caches fresh|shared] [--profile] [--census]
 
 ``--census``: after each call, the live CUDA tensors Python can reach (after ``gc.collect()``), the largest with
 what holds them, against ``memory_allocated`` (the rest is held outside Python: CUDA-graph pools, cuBLAS's
 workspace per stream); after the last call also ``memory_allocated`` once cuBLAS's workspaces are cleared.
+
+``--caches fresh`` (default) gives each process empty disk caches of its own, so every column is a cold compile;
+``--caches shared`` uses the machine's (a process after the first then compiles warm: ``--record-at 2 2`` compares
+a cold and a warm compile). Until 12-02 (twenty-ninth) the caches were shared, so the second column was warm.
 
 ``--profile``: each process profiles its first call (the compiles) and writes ``profile-<n>.txt`` (cumulative and
 own time, top entries) to ``--out``; ``--record-at 2 2`` then profiles a cold and a warm compile (the second
@@ -28,6 +32,8 @@ import inspect
 import io
 import json
 import pstats
+import shutil
+import tempfile
 import os
 import subprocess
 import sys
@@ -186,6 +192,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="the model at its test sizes (a CPU smoke run)")
     p.add_argument("--profile", action="store_true", help="profile each process's first call into --out")
+    p.add_argument("--caches", choices=["fresh", "shared"], default="fresh",
+                   help="fresh: each process its own empty disk caches (mirage's, Inductor's, Triton's), so that every "
+                        "column is a cold compile; shared: the machine's, so a process after the first compiles warm")
     p.add_argument("--census", action="store_true", help="the live CUDA tensors after each call (in the JSON)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -194,15 +203,23 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(one_process(args)), flush=True)
         return 0
     runs = []
-    for index, record_at in enumerate(args.record_at):   # a fresh process each: Dynamo, the caches in memory and the GPU start alike
+    # a fresh process each: Dynamo, the caches in memory and the GPU start alike
+    for index, record_at in enumerate(args.record_at):
         env = dict(os.environ, MIRAGE_CUDA_GRAPH_RECORD_AT=str(record_at))
+        if args.caches == "fresh":   # every process compiles cold: empty disk caches of its own
+            root = tempfile.mkdtemp(prefix=f"dyncache-{index}-")
+            env.update({name: os.path.join(root, sub) for name, sub in (("MIRAGE_CACHE_DIR", "mirage"),
+                        ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"))})
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--batch",
                str(args.batch), "--new-tokens", str(args.new_tokens), "--prompts",
-               ",".join(map(str, args.prompts)), "--record-at", str(record_at), "--device", args.device, "--index", str(index)] + ["--tiny"] * args.tiny
+               ",".join(map(str, args.prompts)), "--record-at", str(record_at), "--device", args.device,
+               "--index", str(index)] + ["--tiny"] * args.tiny
         if args.profile:
             cmd += ["--profile", "--out", args.out or "."]
         cmd += ["--census"] * args.census
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if args.caches == "fresh":
+            shutil.rmtree(root, ignore_errors=True)
         sys.stdout.write("".join(line + "\n" for line in done.stdout.splitlines() if not line.startswith("RESULT ")))
         found = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode or not found:
@@ -212,7 +229,7 @@ def main(argv=None) -> int:
         runs.append(json.loads(found[0]))
     doc = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "torch": torch.__version__,
            "triton": __import__("triton").__version__, "model": args.model, "batch": args.batch,
-           "new_tokens": args.new_tokens, "prompts": args.prompts, "runs": runs}
+           "new_tokens": args.new_tokens, "prompts": args.prompts, "caches": args.caches, "runs": runs}
     lines = ["| call | prompt | " + " | ".join(f"record_at {r['record_at']} s (MiB held)" for r in runs) + " |",
              "|---|---|" + "---|" * len(runs)]
     for i, n in enumerate(args.prompts):
