@@ -8,6 +8,7 @@ which exists because every region is convex.
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import operator
 from typing import Any, Sequence
@@ -237,6 +238,25 @@ def _region_runner(kernel, n_out: int):
     return run_region
 
 
+@contextlib.contextmanager
+def cacheable_context():
+    """A tracing context whose fake mode has a ShapeEnv for Inductor's compiles of the fallback partitions, where
+    the ambient one has none (a static-size compile of a symbolic graph runs in a context of its own, whose fake
+    mode must stay without one: AOTAutograd would make the sizes it passes as ints symbolic again).
+    AOTAutograd's cache bypasses every compile without a ShapeEnv ("No shape env"), so each process lowered and
+    generated those partitions again. Static shapes: the partitions' inputs keep their sizes."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    ctx = TracingContext.try_get()
+    if ctx is not None and ctx.fake_mode is not None and ctx.fake_mode.shape_env is not None:
+        yield
+        return
+    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True))):
+        yield
+
+
 def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallback: str,
              inductor_mode: str = "default", prelude: str = "inline", taken: list[str] | None = None) -> Any:
     """A boxed callable running ``gm`` with mirage regions replaced by their kernels. ``prelude`` (the knob):
@@ -294,7 +314,7 @@ def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallba
 
 
         example = [n.meta.get("val") for n in new_gm.graph.nodes if n.op == "placeholder"]
-        with without_artifact_warning():
+        with without_artifact_warning(), cacheable_context():
             compiled = regional_inductor(new_gm, *example)
         return compiled  # regional_inductor returns a boxed-calling GraphModule
     return make_boxed_func(new_gm)
