@@ -183,11 +183,13 @@ def test_quick_cli_reports_mirages_cold_and_warm_compile(tmp_path):
 def test_inductor_whole_graph_caches_are_off_unless_asked_for(tmp_path, keep):
     """By default the bench turns Inductor's FX graph cache off (no mode's compile a hit on another's);
     ``--inductor-caches`` keeps it as a user has it, for a warm-compile run; the document says which."""
+    import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     out = tmp_path / "bench"
     argv = ["--quick", "--workloads", "bias_gelu", "--modes", "eager", "--llms", "none", "--out", str(out)]
-    with inductor_config.patch(fx_graph_cache=True):
+    # both put back after the test: a later test in this process may rely on the caches users have
+    with inductor_config.patch(fx_graph_cache=True), functorch_config.patch(enable_autograd_cache=True):
         assert cli.main(argv + ["--inductor-caches"] * keep) == 0
         assert inductor_config.fx_graph_cache is keep
     caches = json.loads((out / "results.json").read_text())["settings"]["compile_caches"]
