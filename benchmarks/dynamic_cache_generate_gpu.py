@@ -154,8 +154,8 @@ def memory_census(top: int = 12) -> dict:
         try:
             if isinstance(o, torch.Tensor) and o.is_cuda:
                 storages.setdefault(o.untyped_storage().data_ptr(), o)
-        except Exception:
-            continue
+        except (ReferenceError, RuntimeError, NotImplementedError):
+            continue   # a dead weak proxy; a tensor without a storage of its own (sparse, nested, a subclass's)
     sizes = sorted(((t.untyped_storage().nbytes(), p) for p, t in storages.items()), reverse=True)
     by_shape: collections.Counter = collections.Counter()
     for n, p in sizes:

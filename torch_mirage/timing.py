@@ -79,8 +79,8 @@ def side_stream(device: Any = None) -> "torch.cuda.Stream":
     cuBLAS keeps a workspace for every stream it has run a matmul on until the process ends (``memory_allocated``
     counts it, ``empty_cache`` does not free it), and ``torch.cuda.Stream()`` hands out the pool's 32 streams in
     turn, so fresh streams for each tuning run and capture leave up to 32 workspaces behind."""
-    index = torch.cuda.current_device() if device is None or torch.device(device).index is None \
-        else torch.device(device).index
+    index = None if device is None else torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(index)
     return _SIDE_STREAMS[index]

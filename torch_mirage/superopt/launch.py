@@ -916,10 +916,11 @@ def _cached_answer(bg: BlockGraph, inputs: Sequence[torch.Tensor], cache: Any, k
     twin = scan_twin(bg, winner)
     if twin is None:
         return winner
-    hit = cached_choice(cache, scan_key(bg, inputs, key), [_config_name(winner), _config_name(twin)])
+    names = [_config_name(winner), _config_name(twin)]
+    hit = cached_choice(cache, scan_key(bg, inputs, key), names)
     if hit is None:
         return None
-    return winner if hit.winner == _config_name(winner) else twin
+    return winner if hit.winner == names[0] else twin
 
 
 def hidden_share(bg: BlockGraph, inputs: Sequence[torch.Tensor]) -> float | None:
