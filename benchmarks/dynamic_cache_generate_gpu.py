@@ -9,6 +9,7 @@ sizes (recorded then under 2), a new length shifts every size.
 
     python benchmarks/dynamic_cache_generate_gpu.py [--model llama] [--batch 4] [--new-tokens 32]
         [--prompts 64,64,64,100,64] [--record-at 1 2] [--out DIR] [--caches fresh|shared] [--profile] [--census]
+        [--cache-log]
 
 ``--census``: after each call, the live CUDA tensors Python can reach (after ``gc.collect()``), the largest with
 what holds them, against ``memory_allocated`` (the rest is held outside Python: CUDA-graph pools, cuBLAS's
@@ -17,6 +18,10 @@ workspace per stream); after the last call also ``memory_allocated`` once cuBLAS
 ``--caches fresh`` (default) gives each process empty disk caches of its own, so every column is a cold compile;
 ``--caches shared`` uses the machine's (a process after the first then compiles warm: ``--record-at 2 2`` compares
 a cold and a warm compile). Until 12-02 (twenty-ninth) the caches were shared, so the second column was warm.
+
+``--cache-log``: each process logs Inductor's FX graph cache and AOTAutograd's cache during its first call into
+``cache-log-<n>.txt`` in ``--out`` (hits, misses, bypasses with their reasons, and each key's hash details, so that
+a key that misses in a warm process can be diffed against the cold process's), and the JSON holds the counters.
 
 ``--profile``: each process profiles its first call (the compiles) and writes ``profile-<n>.txt`` (cumulative and
 own time, top entries) to ``--out``; ``--record-at 2 2`` then profiles a cold and a warm compile (the second
@@ -72,6 +77,8 @@ def one_process(args) -> dict:
             sync()
             start = time.perf_counter()
             profile = cProfile.Profile() if args.profile and i == 0 else None
+            cache_log = CacheLog(os.path.join(args.out or ".", f"cache-log-{args.index}.txt")) \
+                if args.cache_log and i == 0 else None
             if profile:
                 profile.enable()
             got = M.greedy_generate(model, ids, args.new_tokens, "dynamic")
@@ -79,10 +86,13 @@ def one_process(args) -> dict:
             if profile:
                 profile.disable()
                 write_profile(profile, os.path.join(args.out or ".", f"profile-{args.index}.txt"))
+            cache_counts = cache_log.close() if cache_log else None
             calls.append({"prompt": n, "s": round(time.perf_counter() - start, 4),
                           "tokens_equal": round(M._tokens_match(got, want), 4),
                           "graphs_compiled": len(report.graphs),
                           "memory_mib": round((held() - base) / 2 ** 20, 1)})
+            if cache_counts is not None:
+                calls[-1]["cache_counts"] = cache_counts
             if args.census and cuda:
                 calls[-1]["census"] = memory_census()
                 calls[-1]["memory_mib_after_gc"] = round((held() - base) / 2 ** 20, 1)
@@ -171,6 +181,42 @@ def memory_census(top: int = 12) -> dict:
             "by_shape_mib": [[list(k[0]), k[1], round(v / 2 ** 20, 2)] for k, v in by_shape.most_common(top)]}
 
 
+class CacheLog:
+    """Inductor's FX graph cache and AOTAutograd's cache, logged at DEBUG into a file (hits, misses, bypass
+    reasons, hash details) from construction to ``close()``, which returns the counters' growth in between."""
+
+    LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
+
+    def __init__(self, path: str):
+        import logging
+        from torch._dynamo.utils import counters
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.handler = logging.FileHandler(path, mode="w")
+        self.handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+        self.levels = {}
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            self.levels[name] = logger.level
+            logger.setLevel(logging.DEBUG)
+            logger.addHandler(self.handler)
+        self.counters = counters
+        self.before = self._counts()
+
+    def _counts(self) -> dict:
+        return {f"{group}.{k}": v for group in ("inductor", "aot_autograd")
+                for k, v in self.counters[group].items() if "cache" in k}
+
+    def close(self) -> dict:
+        import logging
+        for name, level in self.levels.items():
+            logger = logging.getLogger(name)
+            logger.removeHandler(self.handler)
+            logger.setLevel(level)
+        self.handler.close()
+        after = self._counts()
+        return {k: v - self.before.get(k, 0) for k, v in after.items() if v - self.before.get(k, 0)}
+
+
 def write_profile(profile: cProfile.Profile, path: str, top: int = 90) -> None:
     text = io.StringIO()
     stats = pstats.Stats(profile, stream=text)
@@ -196,6 +242,8 @@ def main(argv=None) -> int:
                    help="fresh: each process its own empty disk caches (mirage's, Inductor's, Triton's), so that every "
                         "column is a cold compile; shared: the machine's, so a process after the first compiles warm")
     p.add_argument("--census", action="store_true", help="the live CUDA tensors after each call (in the JSON)")
+    p.add_argument("--cache-log", action="store_true",
+                   help="log Inductor's and AOTAutograd's caches during each process's first call into --out")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -217,6 +265,8 @@ def main(argv=None) -> int:
         if args.profile:
             cmd += ["--profile", "--out", args.out or "."]
         cmd += ["--census"] * args.census
+        if args.cache_log:
+            cmd += ["--cache-log", "--out", args.out or "."]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if args.caches == "fresh":
             shutil.rmtree(root, ignore_errors=True)

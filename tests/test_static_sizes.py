@@ -214,3 +214,49 @@ def test_static_compiles_run_in_cuda_graphs_on_gpu():
     assert len(fixed) == 2 and all(g.cuda_graph for g in fixed), str(report)
     # each timed against the symbolic graph's Inductor compile, which serves the size otherwise
     assert all(g.choice and "symbolic sizes" in g.choice_against for g in fixed), str(report)
+
+
+def test_a_partition_takes_no_compound_size_so_its_cache_entry_loads(tmp_path, monkeypatch):
+    """An Inductor partition fed a compound size (``s + 1``, computed outside it) and not ``s`` itself: AOTAutograd's
+    cache writes that input's guard in the outer graph's sources (``L['k']``) and no later lookup can load the entry
+    ("unable to load compiled graph: 'k'"; a warm process compiled the symbolic decode graph's attention partitions
+    again). ``rematerialize_sizes`` computes the size inside the partition from its leaves; a second compile of the
+    same graph then hits the cache, and the results stay eager's."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+    from torch.fx.passes.regional_inductor import regional_inductor
+
+    from torch_mirage.runtime.assemble import rematerialize_sizes
+
+    rewritten = []
+
+    def fw(gm, example):   # as ``assemble`` annotates: tensor ops for Inductor, size arithmetic left outside
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and not isinstance(n.meta.get("val"), (torch.SymInt, int)):
+                n.meta["custom"] = {"compile_with_inductor": {"inductor_configs": {}, "inductor_region": 0}}
+        rewritten.append(rematerialize_sizes(gm.graph))
+        gm.recompile()
+        return regional_inductor(gm, *example)
+
+    def fn(k, knew):
+        kc = torch.cat([k, knew], 1)
+        n = kc.shape[1]
+        return kc, kc[:, None].expand(2, 2, n, 16).reshape(4, n, 16).sum(1) * 2
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    seen = []
+    for length in (5, 7):   # a second compile, as a warm process makes it (Dynamo reset, the disk caches kept)
+        torch._dynamo.reset()
+        k, knew = torch.randn(2, length, 16), torch.randn(2, 1, 16)
+        torch._dynamo.mark_dynamic(k, 1)
+        with functorch_config.patch(enable_autograd_cache=True), inductor_config.patch(fx_graph_cache=True):
+            counters.clear()
+            got = torch.compile(fn, backend=aot_autograd(fw_compiler=fw))(k, knew)
+        seen.append(dict(counters["aot_autograd"]))
+        for a, b in zip(got, fn(k, knew)):
+            torch.testing.assert_close(a, b)
+    assert rewritten and all(n >= 1 for n in rewritten), rewritten
+    assert seen[0].get("autograd_cache_saved", 0) >= 1, seen
+    assert seen[1].get("autograd_cache_hit", 0) >= 1 and not seen[1].get("autograd_cache_miss"), seen

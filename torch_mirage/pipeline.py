@@ -40,7 +40,7 @@ from .failures import Failure, describe_error, format_failure, fx_graph_summary,
 from .partition.region import Claim, Claimer, Decline, Reason, Region, is_convex
 from .partition.stitch import StitchClaimer
 from .report import DeclineReport, GraphReport, RegionReport
-from .runtime.assemble import assemble, inductor_configs, prelude_mode
+from .runtime.assemble import assemble, inductor_configs, prelude_mode, rematerialize_sizes
 from .runtime.cudagraph import (CudaGraphRunner, SizedCudaGraphs, cuda_graph_blocker, input_device,
                                 move_constants_to_device, symbolic_sizes)
 from .runtime.choose import declared_mutations, is_timeable, mutated_inputs
@@ -346,6 +346,7 @@ def inductor_whole_aten_graph(gm: fx.GraphModule, inductor_mode: str = "default"
             continue
         n.meta["custom"] = dict(n.meta.get("custom") or {}, compile_with_inductor={
             "inductor_configs": inductor_configs(inductor_mode), "inductor_region": 0})
+    rematerialize_sizes(graph)
     copy = fx.GraphModule(gm, graph)
     example = [n.meta.get("val") for n in copy.graph.nodes if n.op == "placeholder"]
     with without_artifact_warning():

@@ -209,6 +209,66 @@ def reinplace_write_backs(graph: fx.Graph) -> int:
     return done
 
 
+# size arithmetic a partition may compute again from its leaves (host-side integer ops, no side effects)
+_SIZE_OPS = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
+             torch.sym_sum, torch.sym_max, torch.sym_min, torch.ops.aten.sym_size.int,
+             torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int}
+
+
+def _compound_size(node: Any) -> bool:
+    """Whether ``node`` holds a SymInt whose expression is more than one symbol (``s47 + 1``)."""
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(v, torch.SymInt):
+        return False
+    expr = v.node.expr
+    return not expr.is_Symbol and bool(expr.free_symbols)
+
+
+def rematerialize_sizes(graph: fx.Graph) -> int:
+    """Each Inductor-annotated node's arguments that are compound sizes (``s47 + 1``), computed by size arithmetic
+    computed again right before it (annotated alike, so they join its partition) from their leaves:
+    tensors, plain-symbol SymInts and constants. A partition then takes no compound SymInt input.
+
+    Why: AOTAutograd's cache saves a partition's guards over its SymInt inputs, and writes the guard of a compound
+    input in terms of the outer graph's sources (``L['kwargs'][...]``); every later load fails evaluating it
+    ("AOTAutograd cache unable to load compiled graph: 'kwargs'", torch 2.11), so each process compiled those
+    partitions again — the symbolic decode graph's three attention partitions of an HF llama, about 4 s of a warm
+    compile on the H200 (12-03). Returns how many arguments were rewritten; originals left unused are erased."""
+    done = 0
+
+    def leaf(n: Any) -> bool:
+        return not isinstance(n, fx.Node) or not _compound_size(n) or n.op == "placeholder"
+
+    def pure(n: fx.Node) -> bool:   # the arithmetic between ``n`` and its leaves is size ops only
+        return leaf(n) or (n.op == "call_function" and n.target in _SIZE_OPS
+                           and all(pure(a) for a in n.all_input_nodes))
+
+    def copy_before(n: Any, user: fx.Node, memo: dict) -> Any:
+        if leaf(n):
+            return n
+        if n not in memo:
+            with graph.inserting_before(user):
+                c = graph.node_copy(n, lambda a: copy_before(a, user, memo))
+            c.meta = dict(n.meta, custom=user.meta["custom"])
+            memo[n] = c
+        return memo[n]
+
+    for user in list(graph.nodes):
+        custom = user.meta.get("custom") if user.op == "call_function" else None
+        if not (isinstance(custom, dict) and "compile_with_inductor" in custom):
+            continue
+        memo: dict = {}
+        for a in user.all_input_nodes:   # annotated ones too: a cycle or the prelude may put them elsewhere
+            if leaf(a) or not pure(a):
+                continue
+            user.replace_input_with(a, copy_before(a, user, memo))
+            done += 1
+    for n in reversed(list(graph.nodes)):   # the originals (and their size-op inputs) nothing reads any more
+        if n.op == "call_function" and n.target in _SIZE_OPS and not n.users and _compound_size(n):
+            graph.erase_node(n)
+    return done
+
+
 def _returned_as_view(node: fx.Node) -> bool:
     """Whether the graph returns ``node`` or a view of it (made in place, the caller would get the input)."""
     seen, todo = set(), [node]
@@ -308,6 +368,8 @@ def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallba
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     new.output(fx.node.map_arg(out_node.args[0], lambda a: env[a]))
     reinplace_write_backs(new)
+    if fallback == "inductor":
+        rematerialize_sizes(new)
     new_gm = fx.GraphModule(gm, new)
     if fallback == "inductor" and fb_owner:
         from torch.fx.passes.regional_inductor import regional_inductor
