@@ -21,7 +21,8 @@ a cold and a warm compile). Until 12-02 (twenty-ninth) the caches were shared, s
 
 ``--cache-log``: each process logs Inductor's FX graph cache and AOTAutograd's cache during its first call into
 ``cache-log-<n>.txt`` in ``--out`` (hits, misses, bypasses with their reasons, and each key's hash details, so that
-a key that misses in a warm process can be diffed against the cold process's), and the JSON holds the counters.
+a key that misses in a warm process can be diffed against the cold process's), with mirage's INFO lines (what each
+build compiled, in how long); the JSON holds the counters.
 
 ``--profile``: each process profiles its first call (the compiles) and writes ``profile-<n>.txt`` (cumulative and
 own time, top entries) to ``--out``; ``--record-at 2 2`` then profiles a cold and a warm compile (the second
@@ -183,21 +184,24 @@ def memory_census(top: int = 12) -> dict:
 
 class CacheLog:
     """Inductor's FX graph cache and AOTAutograd's cache, logged at DEBUG into a file (hits, misses, bypass
-    reasons, hash details) from construction to ``close()``, which returns the counters' growth in between."""
+    reasons, hash details), with mirage's INFO lines (what each build compiled and in how long) and the
+    process's milliseconds on each line, from construction to ``close()``, which returns the counters' growth in
+    between."""
 
-    LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
+    LOGGERS = {"torch._inductor.codecache": "DEBUG", "torch._functorch._aot_autograd.autograd_cache": "DEBUG",
+               "torch_mirage": "INFO"}
 
     def __init__(self, path: str):
         import logging
         from torch._dynamo.utils import counters
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.handler = logging.FileHandler(path, mode="w")
-        self.handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+        self.handler.setFormatter(logging.Formatter("%(relativeCreated)d %(name)s %(levelname)s %(message)s"))
         self.levels = {}
-        for name in self.LOGGERS:
+        for name, level in self.LOGGERS.items():
             logger = logging.getLogger(name)
             self.levels[name] = logger.level
-            logger.setLevel(logging.DEBUG)
+            logger.setLevel(level)
             logger.addHandler(self.handler)
         self.counters = counters
         self.before = self._counts()

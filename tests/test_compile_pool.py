@@ -497,20 +497,33 @@ def test_workers_started_under_another_ptxas_are_replaced(monkeypatch):
     compile_pool._stop_workers()
 
 
-def test_triton_cache_dir_is_pinned_where_inductor_puts_it(monkeypatch):
-    """Before mirage's first CUDA compile the process's ``TRITON_CACHE_DIR`` is Inductor's (which Inductor would
-    set only at its first kernel, after some of mirage's went to ``~/.triton/cache``); a directory the user set
-    stays; off CUDA nothing is set."""
+def test_triton_cache_dir_and_ptxas_are_pinned_where_inductor_puts_them(monkeypatch, tmp_path):
+    """Before mirage's first CUDA compile the process's ``TRITON_CACHE_DIR`` and ``TRITON_PTXAS_PATH`` are
+    Inductor's (which Inductor would set only at its first kernel, after some of mirage's compiled under Triton's
+    own directory and ptxas, so that a later process keyed them otherwise); values the user set stay; off CUDA
+    nothing is set; a torch without a ptxas of its own leaves Triton's."""
     import os
 
     from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
-    from torch_mirage.codegen.aot import pin_triton_cache_dir
+    from torch_mirage.codegen import aot
 
+    ptxas = tmp_path / "ptxas"
+    ptxas.write_text("#!/bin/sh\n")
+    ptxas.chmod(0o755)
+    monkeypatch.setattr(aot, "inductor_ptxas", lambda: str(ptxas))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    assert pin_triton_cache_dir(torch.device("cpu")) is None and "TRITON_CACHE_DIR" not in os.environ
-    assert pin_triton_cache_dir(None) is None and "TRITON_CACHE_DIR" not in os.environ
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    assert aot.pin_triton_environment(torch.device("cpu")) is None and "TRITON_CACHE_DIR" not in os.environ
+    assert aot.pin_triton_environment(None) is None and "TRITON_PTXAS_PATH" not in os.environ
     want = triton_cache_dir(1)
-    assert pin_triton_cache_dir(torch.device("cuda", 1)) == want == os.environ["TRITON_CACHE_DIR"]
+    assert aot.pin_triton_environment(torch.device("cuda", 1)) == {
+        "TRITON_CACHE_DIR": want, "TRITON_PTXAS_PATH": str(ptxas)} and os.environ["TRITON_CACHE_DIR"] == want
     assert want.endswith(os.path.join("triton", "1"))
     monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/of/mine")
-    assert pin_triton_cache_dir(torch.device("cuda")) == "/somewhere/of/mine"
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/my/ptxas")
+    assert aot.pin_triton_environment(torch.device("cuda")) == {
+        "TRITON_CACHE_DIR": "/somewhere/of/mine", "TRITON_PTXAS_PATH": "/my/ptxas"}
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
+    monkeypatch.setattr(aot, "inductor_ptxas", lambda: None)
+    assert aot.pin_triton_environment(torch.device("cuda"))["TRITON_PTXAS_PATH"] is None
+    assert "TRITON_PTXAS_PATH" not in os.environ

@@ -21,7 +21,8 @@ from . import config as config_mod
 from . import failures
 from .cache import DiskCache, cache_key
 from .capture.host_scalars import split_host_scalars, symbolic_positions
-from .codegen.aot import pin_triton_cache_dir
+from .codegen.aot import pin_triton_environment
+from .compile_pool import align_ptxas_version
 from .partition.region import Claimer, Reason
 from .failures import Failure
 from .context import CompileContext
@@ -191,7 +192,10 @@ class MirageBackend:
             keep_inference_input_mutations=True,
         )
         first_graph = len(self.report.graphs)
-        pin_triton_cache_dir(input_device(example_inputs))    # before any kernel of mirage's or Inductor's compiles
+        ptxas = os.environ.get("TRITON_PTXAS_PATH")
+        pinned = pin_triton_environment(input_device(example_inputs))  # before any kernel of mirage's or Inductor's
+        if pinned and pinned["TRITON_PTXAS_PATH"] != ptxas:             # compiles
+            align_ptxas_version()   # a Triton that compiled before this keys its kernels by the ptxas set now
         try:
             with failures.stage("capture"):
                 compiled = compiler(gm, example_inputs)

@@ -32,22 +32,35 @@ from ..context import Target
 _BIND = threading.Lock()
 
 
-def pin_triton_cache_dir(device: torch.device | None) -> str | None:
-    """Triton's cache directory for the rest of the process, fixed before mirage compiles anything for CUDA
-    ``device``: where Inductor puts it anyway. Inductor sets ``TRITON_CACHE_DIR`` (to
-    ``<its cache dir>/triton/<device index>``) when it loads its first kernel, unless the user set it; Triton reads
-    the variable at every compile and load. Left to Inductor, the kernels mirage compiled before that moment went
-    to ``~/.triton/cache`` and the later ones to Inductor's directory, and a later process — whose compiles
-    come in another order once the disk caches answer the tuning — looked for them in the other one: on the
-    H200 a warm compile of an HF llama built 10 kernel launchers with gcc and compiled 12 kernels again.
-    A directory the user set is kept. Returns the directory (None off CUDA: nothing is set)."""
+def inductor_ptxas() -> str | None:
+    """The ptxas Inductor points Triton at when it compiles its first kernel: torch's own (``torch/bin/ptxas``),
+    where this torch ships one (CUDA builds), as ``_set_triton_ptxas_path`` finds it (torch 2.11-2.13)."""
+    path = os.path.join(os.path.dirname(torch.__file__), "bin", "ptxas")
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+
+
+def pin_triton_environment(device: torch.device | None) -> dict[str, str | None] | None:
+    """Triton's cache directory and ptxas for the rest of the process, fixed before mirage compiles anything for
+    CUDA ``device``: what Inductor sets anyway, but only when it compiles or loads its first kernel, unless the
+    user set them. Both are part of where a kernel is found: Triton reads ``TRITON_CACHE_DIR`` at every compile
+    and load, and keys every kernel by the version of the ptxas ``TRITON_PTXAS_PATH`` names. Left to Inductor,
+    mirage's kernels before that moment went to ``~/.triton/cache`` under Triton's bundled ptxas and the later
+    ones to Inductor's directory under torch's ptxas; a later process — whose compiles come in another order once
+    the disk caches answer the tuning — looked for them under the other directory or key and compiled them again
+    (H200, HF llama: 10 launchers built with gcc and 12 kernels compiled in a warm process on 12-02; 12 kernels on
+    12-03 with the directory pinned, the cold process's log saying "Triton's ptxas changed in this process").
+    A value the user set is kept (where Triton compiled before, its cached ptxas version is the caller's to align:
+    :func:`~torch_mirage.compile_pool.align_ptxas_version`). Returns the two values (None off CUDA: nothing is
+    set)."""
     if device is None or device.type != "cuda":
         return None
     if os.environ.get("TRITON_CACHE_DIR") is None:
         from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
 
         os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(device.index or 0)
-    return os.environ["TRITON_CACHE_DIR"]
+    if os.environ.get("TRITON_PTXAS_PATH") is None and inductor_ptxas() is not None:
+        os.environ["TRITON_PTXAS_PATH"] = inductor_ptxas()
+    return {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "TRITON_PTXAS_PATH")}
 
 
 @dataclass(frozen=True)
