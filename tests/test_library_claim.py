@@ -11,7 +11,7 @@ from helpers import assert_close
 from torch_mirage.numerics import rms_norm
 from torch_mirage.superopt import library
 from torch_mirage.superopt.search.claimer import SearchClaimer
-from torch_mirage.superopt.search.seeds import SEED_WORKLOADS, dims_from_shapes, folded
+from torch_mirage.superopt.search.seeds import BATCHED_INPUT, SEED_WORKLOADS, dims_from_shapes, folded
 
 # tests/conftest.py turns the interpreter on when there is no GPU; setting it here would leak into GPU tests
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -346,3 +346,44 @@ def test_a_seeds_pass_that_claimed_nothing_is_skipped_warm(tmp_path, monkeypatch
             assert_close(compiled(*xs), fn(*[x.double() for x in xs]).float(), torch.float32)
             assert bool(lowered) == expect_walk, (fn.__name__, cache_dir, len(lowered))
             assert len(_library_regions(report)) == fits, str(report)
+
+
+def _bindings_by_every_permutation(workload, in_shapes, transposable=frozenset()):
+    """The definition :func:`bindings` keeps: every flip choice and every permutation tried in turn."""
+    import itertools
+    flips = [k for k in sorted(transposable) if len(in_shapes[k]) == 2]
+    out = []
+    for chosen in sorted((c for r in range(len(flips) + 1) for c in itertools.combinations(flips, r)), key=len):
+        shapes = [tuple(reversed(s)) if k in chosen else tuple(s) for k, s in enumerate(in_shapes)]
+        for order in itertools.permutations(range(len(in_shapes))):
+            dims = dims_from_shapes(workload, folded(workload.name, [shapes[i] for i in order]))
+            if dims is not None:
+                out.append((order, tuple(i in chosen for i in order), dims))
+    return out
+
+
+def test_bindings_are_those_of_every_permutation_in_the_same_order():
+    """The rank filter of :func:`bindings` skips only permutations that cannot bind: for every library workload,
+    its shapes shuffled (some dims equal, a batched input given leading dims, 2-D inputs transposable), the
+    bindings and their order equal those of trying every permutation."""
+    import random
+    from torch_mirage.superopt.search.seeds import bindings
+    rng = random.Random(0)
+    for name, w in library.WORKLOADS.items():
+        ndims = w.build.__code__.co_argcount
+        for trial in range(4):
+            dims = [rng.choice([4, 8, 8, 16, 24]) for _ in range(ndims)]
+            try:
+                shapes = [tuple(s) for s in w.input_shapes(*dims)]
+            except Exception:   # noqa: BLE001 - dims a workload does not take
+                continue
+            i = BATCHED_INPUT.get(name)
+            if i is not None and trial % 2 and len(shapes[i]) == 2 and shapes[i][0] % 2 == 0:
+                shapes[i] = (2, shapes[i][0] // 2, shapes[i][1])
+            order = list(range(len(shapes)))
+            rng.shuffle(order)
+            shuffled = [shapes[k] for k in order]
+            transposable = frozenset(k for k, s in enumerate(shuffled) if len(s) == 2 and rng.random() < 0.5)
+            want = _bindings_by_every_permutation(w, shuffled, transposable)
+            assert bindings(w, shuffled, transposable) == want, (name, shuffled, transposable)
+            assert trial % 2 or want, (name, shuffled)   # the unbatched shapes always bind

@@ -16,6 +16,7 @@ order, rows folded, the output viewed back).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -91,18 +92,27 @@ def folded(name: str, shapes: Sequence[tuple]) -> list[tuple]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _probe_layout(workload: library.Workload) -> tuple[tuple[tuple, ...], tuple]:
+    """The workload's μGraph input shapes at the probe dims, and where each dim first appears in them
+    ((input, axis), or None where it appears nowhere)."""
+    ndims = workload.build.__code__.co_argcount
+    probe = tuple(tuple(s) for s in workload.input_shapes(*_PROBE[:ndims]))
+    where = tuple(next(((i, a) for i, s in enumerate(probe) for a, d in enumerate(s) if d == p), None)
+                  for p in _PROBE[:ndims])
+    return probe, where
+
+
 def dims_from_shapes(workload: library.Workload, shapes: Sequence[tuple]) -> tuple | None:
     """The workload's dims for these μGraph input shapes (``input_shapes`` inverted), or None where none fit."""
-    ndims = workload.build.__code__.co_argcount
-    probe = workload.input_shapes(*_PROBE[:ndims])
+    probe, where = _probe_layout(workload)
     if len(probe) != len(shapes):
         return None
     dims = []
-    for p in _PROBE[:ndims]:
-        where = next(((i, a) for i, s in enumerate(probe) for a, d in enumerate(s) if d == p), None)
-        if where is None or where[1] >= len(shapes[where[0]]):
+    for w in where:
+        if w is None or w[1] >= len(shapes[w[0]]):
             return None
-        dims.append(shapes[where[0]][where[1]])
+        dims.append(shapes[w[0]][w[1]])
     dims = tuple(int(d) for d in dims)
     ok = [tuple(s) for s in workload.input_shapes(*dims)] == [tuple(s) for s in shapes]
     return dims if ok else None
@@ -110,8 +120,32 @@ def dims_from_shapes(workload: library.Workload, shapes: Sequence[tuple]) -> tup
 
 def arity(name: str) -> int:
     """How many inputs the workload's μGraph takes."""
-    workload = library.WORKLOADS[name]
-    return len(workload.input_shapes(*_PROBE[:workload.build.__code__.co_argcount]))
+    return len(_probe_layout(library.WORKLOADS[name])[0])
+
+
+def _orders(ranks: Sequence[int], wanted: Sequence[int], folds: int | None):
+    """The permutations of the region's inputs (``ranks``: their ranks) whose input at μGraph position ``j`` has
+    rank ``wanted[j]`` — position ``folds`` takes any rank of at least 2 there, its leading dims folded into rows
+    — in :func:`itertools.permutations` order. A permutation it leaves out fails :func:`dims_from_shapes`
+    (``input_shapes`` gives each input one rank), so the search gets the same bindings for far fewer checks."""
+    n, order, used = len(ranks), [], [False] * len(ranks)
+
+    def fits(k: int, j: int) -> bool:
+        return ranks[k] == wanted[j] or (j == folds and wanted[j] == 2 and ranks[k] > 2)
+
+    def walk():
+        j = len(order)
+        if j == n:
+            yield tuple(order)
+            return
+        for k in range(n):
+            if not used[k] and fits(k, j):
+                used[k] = True
+                order.append(k)
+                yield from walk()
+                order.pop()
+                used[k] = False
+    yield from walk()
 
 
 def bindings(workload: library.Workload, in_shapes: Sequence[tuple], transposable: frozenset = frozenset()
@@ -120,14 +154,18 @@ def bindings(workload: library.Workload, in_shapes: Sequence[tuple], transposabl
     ``transposed[j]`` (only inputs of ``transposable``, 2-D ones the region reads transposed) — the shapes
     fixing the dims. Untransposed bindings first."""
     n = len(in_shapes)
-    ndims = workload.build.__code__.co_argcount
-    if n != len(workload.input_shapes(*_PROBE[:ndims])):
+    probe, _ = _probe_layout(workload)
+    if n != len(probe):
         return []
     flips = [k for k in sorted(transposable) if len(in_shapes[k]) == 2]
+    wanted = [len(s) for s in probe]
+    folds = BATCHED_INPUT.get(workload.name)
+    ranks = [len(s) for s in in_shapes]   # a transpose keeps the rank: one filter for every choice of flips
+    orders = list(_orders(ranks, wanted, folds))
     out = []
     for chosen in sorted((c for r in range(len(flips) + 1) for c in itertools.combinations(flips, r)), key=len):
         shapes = [tuple(reversed(s)) if k in chosen else tuple(s) for k, s in enumerate(in_shapes)]
-        for order in itertools.permutations(range(n)):
+        for order in orders:
             dims = dims_from_shapes(workload, folded(workload.name, [shapes[i] for i in order]))
             if dims is not None:
                 out.append((order, tuple(i in chosen for i in order), dims))
