@@ -2,6 +2,7 @@
 case): the wrapper's own rules, and an HF model served at two prompt lengths under torch.compile's default
 ``dynamic=None`` with mirage's kernels at both."""
 import logging
+import operator
 import os
 
 import pytest
@@ -260,3 +261,40 @@ def test_a_partition_takes_no_compound_size_so_its_cache_entry_loads(tmp_path, m
     assert rewritten and all(n >= 1 for n in rewritten), rewritten
     assert seen[0].get("autograd_cache_saved", 0) >= 1, seen
     assert seen[1].get("autograd_cache_hit", 0) >= 1 and not seen[1].get("autograd_cache_miss"), seen
+
+
+def test_rematerialize_sizes_copies_size_arithmetic_into_its_user():
+    """The compound size an annotated node reads (``sym_size(cat) + 2``, unannotated) is computed again right
+    before it, annotated alike, from the tensor it is the size of; the originals nothing reads any more are
+    erased; a plain-symbol size and an unannotated reader are left alone; the graph computes the same."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch_mirage.runtime.assemble import rematerialize_sizes
+
+    def f(k, knew):
+        kc = torch.cat([k, knew], 1)
+        return torch.zeros(kc.shape[1] + 2, 3) + kc.sum(), k.shape[1]
+
+    k, knew = torch.randn(2, 5, 4), torch.randn(2, 1, 4)
+    gm = make_fx(f, tracing_mode="symbolic")(k, knew)
+    mark = {"compile_with_inductor": {"inductor_configs": {}, "inductor_region": 0}}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor):
+            n.meta["custom"] = dict(mark)
+    before = [n.name for n in gm.graph.nodes]
+    assert rematerialize_sizes(gm.graph) == 1
+    nodes = list(gm.graph.nodes)
+    zeros = next(n for n in nodes if n.target is torch.ops.aten.zeros.default)
+    (size,) = [a for a in zeros.all_input_nodes]
+    assert size.target is operator.add and size.meta["custom"] == zeros.meta["custom"]
+    (inner,) = size.all_input_nodes
+    assert inner.target is torch.ops.aten.sym_size.int and inner.args[0].target is torch.ops.aten.cat.default
+    assert nodes.index(inner) < nodes.index(size) < nodes.index(zeros)
+    assert len([n for n in nodes if n.target is operator.add]) == 1          # the original add erased
+    sizes = [n for n in nodes if n.target is torch.ops.aten.sym_size.int]
+    assert len(sizes) == sum(x.startswith("sym_size") for x in before) == 2   # the compound one moved, k's kept
+    assert any(s.args[0].op == "placeholder" and not s.meta.get("custom") for s in sizes)
+    gm.recompile()
+    got, want = gm(k, knew), f(k, knew)
+    torch.testing.assert_close(got[0], want[0])
+    assert got[1] == want[1]
