@@ -37,6 +37,7 @@ import gc
 import inspect
 import io
 import json
+import logging
 import pstats
 import shutil
 import tempfile
@@ -192,7 +193,6 @@ class CacheLog:
                "torch_mirage": "INFO"}
 
     def __init__(self, path: str):
-        import logging
         from torch._dynamo.utils import counters
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.handler = logging.FileHandler(path, mode="w")
@@ -211,7 +211,6 @@ class CacheLog:
                 for k, v in self.counters[group].items() if "cache" in k}
 
     def close(self) -> dict:
-        import logging
         for name, level in self.levels.items():
             logger = logging.getLogger(name)
             logger.removeHandler(self.handler)

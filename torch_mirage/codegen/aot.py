@@ -58,8 +58,8 @@ def pin_triton_environment(device: torch.device | None) -> dict[str, str | None]
         from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
 
         os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(device.index or 0)
-    if os.environ.get("TRITON_PTXAS_PATH") is None and inductor_ptxas() is not None:
-        os.environ["TRITON_PTXAS_PATH"] = inductor_ptxas()
+    if os.environ.get("TRITON_PTXAS_PATH") is None and (ptxas := inductor_ptxas()) is not None:
+        os.environ["TRITON_PTXAS_PATH"] = ptxas
     return {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "TRITON_PTXAS_PATH")}
 
 

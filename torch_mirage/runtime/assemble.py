@@ -225,9 +225,9 @@ def _compound_size(node: Any) -> bool:
 
 
 def rematerialize_sizes(graph: fx.Graph) -> int:
-    """Each Inductor-annotated node's arguments that are compound sizes (``s47 + 1``), computed by size arithmetic
-    computed again right before it (annotated alike, so they join its partition) from their leaves:
-    tensors, plain-symbol SymInts and constants. A partition then takes no compound SymInt input.
+    """Each Inductor-annotated node's arguments that are compound sizes (``s47 + 1``) made by size arithmetic:
+    that arithmetic computed again right before the node (annotated alike, so it joins the node's partition) from
+    its leaves — tensors, plain-symbol SymInts and constants. A partition then takes no compound SymInt input.
 
     Why: AOTAutograd's cache saves a partition's guards over its SymInt inputs, and writes the guard of a compound
     input in terms of the outer graph's sources (``L['kwargs'][...]``); every later load fails evaluating it

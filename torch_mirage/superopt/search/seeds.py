@@ -123,29 +123,11 @@ def arity(name: str) -> int:
     return len(_probe_layout(library.WORKLOADS[name])[0])
 
 
-def _orders(ranks: Sequence[int], wanted: Sequence[int], folds: int | None):
-    """The permutations of the region's inputs (``ranks``: their ranks) whose input at μGraph position ``j`` has
-    rank ``wanted[j]`` — position ``folds`` takes any rank of at least 2 there, its leading dims folded into rows
-    — in :func:`itertools.permutations` order. A permutation it leaves out fails :func:`dims_from_shapes`
-    (``input_shapes`` gives each input one rank), so the search gets the same bindings for far fewer checks."""
-    n, order, used = len(ranks), [], [False] * len(ranks)
-
-    def fits(k: int, j: int) -> bool:
-        return ranks[k] == wanted[j] or (j == folds and wanted[j] == 2 and ranks[k] > 2)
-
-    def walk():
-        j = len(order)
-        if j == n:
-            yield tuple(order)
-            return
-        for k in range(n):
-            if not used[k] and fits(k, j):
-                used[k] = True
-                order.append(k)
-                yield from walk()
-                order.pop()
-                used[k] = False
-    yield from walk()
+def _rank_fits(rank: int, wanted: int, folds: bool) -> bool:
+    """Whether a region input of ``rank`` can stand at a μGraph position whose input has rank ``wanted``
+    (``folds``: the batched position, whose leading dims :func:`folded` folds into rows). One that cannot fails
+    :func:`dims_from_shapes` (``input_shapes`` gives each input one rank), so it is not tried."""
+    return rank == wanted or (folds and wanted == 2 and rank > 2)
 
 
 def bindings(workload: library.Workload, in_shapes: Sequence[tuple], transposable: frozenset = frozenset()
@@ -160,8 +142,9 @@ def bindings(workload: library.Workload, in_shapes: Sequence[tuple], transposabl
     flips = [k for k in sorted(transposable) if len(in_shapes[k]) == 2]
     wanted = [len(s) for s in probe]
     folds = BATCHED_INPUT.get(workload.name)
-    ranks = [len(s) for s in in_shapes]   # a transpose keeps the rank: one filter for every choice of flips
-    orders = list(_orders(ranks, wanted, folds))
+    # a transpose keeps the rank: one filter for every choice of flips
+    orders = [order for order in itertools.permutations(range(n))
+              if all(_rank_fits(len(in_shapes[k]), wanted[j], j == folds) for j, k in enumerate(order))]
     out = []
     for chosen in sorted((c for r in range(len(flips) + 1) for c in itertools.combinations(flips, r)), key=len):
         shapes = [tuple(reversed(s)) if k in chosen else tuple(s) for k, s in enumerate(in_shapes)]
