@@ -9,7 +9,7 @@ sizes (recorded then under 2), a new length shifts every size.
 
     python benchmarks/dynamic_cache_generate_gpu.py [--model llama] [--batch 4] [--new-tokens 32]
         [--prompts 64,64,64,100,64] [--record-at 1 2] [--out DIR] [--caches fresh|shared] [--profile] [--census]
-        [--cache-log]
+        [--cache-log] [--ptxas torch triton ...]
 
 ``--census``: after each call, the live CUDA tensors Python can reach (after ``gc.collect()``), the largest with
 what holds them, against ``memory_allocated`` (the rest is held outside Python: CUDA-graph pools, cuBLAS's
@@ -23,6 +23,10 @@ a cold and a warm compile). Until 12-02 (twenty-ninth) the caches were shared, s
 ``cache-log-<n>.txt`` in ``--out`` (hits, misses, bypasses with their reasons, and each key's hash details, so that
 a key that misses in a warm process can be diffed against the cold process's), with mirage's INFO lines (what each
 build compiled, in how long); the JSON holds the counters.
+
+``--ptxas``: one per ``--record-at`` entry, the ptxas that process's Triton compiles with: ``torch`` (torch's
+``bin/ptxas``, what mirage pins when the user set nothing) or ``triton`` (Triton's bundled one, set by hand as
+``TRITON_PTXAS_PATH``, which mirage and Inductor then keep): a cold A/B of the ptxas choice.
 
 ``--profile``: each process profiles its first call (the compiles) and writes ``profile-<n>.txt`` (cumulative and
 own time, top entries) to ``--out``; ``--record-at 2 2`` then profiles a cold and a warm compile (the second
@@ -247,16 +251,26 @@ def main(argv=None) -> int:
     p.add_argument("--census", action="store_true", help="the live CUDA tensors after each call (in the JSON)")
     p.add_argument("--cache-log", action="store_true",
                    help="log Inductor's and AOTAutograd's caches during each process's first call into --out")
+    p.add_argument("--ptxas", nargs="+", choices=["torch", "triton"], default=None,
+                   help="per --record-at entry: the ptxas its process compiles with (a cold A/B)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(one_process(args)), flush=True)
         return 0
+    if args.ptxas is not None and len(args.ptxas) != len(args.record_at):
+        p.error(f"--ptxas takes one value per --record-at entry ({len(args.record_at)}), got {len(args.ptxas)}")
     runs = []
     # a fresh process each: Dynamo, the caches in memory and the GPU start alike
     for index, record_at in enumerate(args.record_at):
         env = dict(os.environ, MIRAGE_CUDA_GRAPH_RECORD_AT=str(record_at))
+        ptxas = args.ptxas[index] if args.ptxas else None
+        if ptxas == "triton":
+            import triton
+
+            env["TRITON_PTXAS_PATH"] = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                                                    "ptxas")
         if args.caches == "fresh":   # every process compiles cold: empty disk caches of its own
             root = tempfile.mkdtemp(prefix=f"dyncache-{index}-")
             env.update({name: os.path.join(root, sub) for name, sub in (("MIRAGE_CACHE_DIR", "mirage"),
@@ -279,7 +293,9 @@ def main(argv=None) -> int:
             print(f"record_at {record_at} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
             runs.append({"record_at": record_at, "error": done.stderr[-3000:]})
             continue
-        runs.append(json.loads(found[0]))
+        runs.append(dict(json.loads(found[0]), ptxas=ptxas or "default"))
+        print(f"run {index}: record_at {record_at} ptxas {ptxas or 'default'}: first call {runs[-1]['calls'][0]['s']} s, "
+              f"stages {[g['stage_s'] for g in runs[-1]['graphs']]}", flush=True)
     doc = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "torch": torch.__version__,
            "triton": __import__("triton").__version__, "model": args.model, "batch": args.batch,
            "new_tokens": args.new_tokens, "prompts": args.prompts, "caches": args.caches, "runs": runs}
