@@ -37,7 +37,8 @@ from .capture.ops import OpKind
 from .config import Config
 from .context import CompileContext
 from .failures import Failure, describe_error, format_failure, fx_graph_summary, stage_of
-from .partition.region import Claim, Claimer, Decline, Reason, Region, is_convex
+from .partition.record import PartitionRecord
+from .partition.region import Claim, Claimer, Decline, Outcome, Reason, Region, is_convex
 from .partition.stitch import StitchClaimer
 from .report import DeclineReport, GraphReport, RegionReport
 from .runtime.assemble import assemble, inductor_configs, prelude_mode, rematerialize_sizes
@@ -103,15 +104,42 @@ def default_claimers(config: Config) -> list[Claimer]:
 def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext) -> list[Region]:
     """The partition stage: each claimer in turn claims from the nodes still free (a claim holds a plan; the build
     stage makes its kernel); the rest become fallback regions, each carrying the declines of the claimers that
-    passed over its nodes."""
+    passed over its nodes. Where the disk cache holds this graph's :class:`~.partition.record.PartitionRecord`,
+    the claimers replay it (their recorded claims planned again, without the exploration); where that does not
+    come out the same, the graph is partitioned afresh and recorded."""
     # a node that reads or writes a tensor of symbolic size or stride is never claimed (kernels and the cost
     # model need static shapes): the claimers do not see it, and it joins the fallback's regions
     free = [n for n in graph.nodes if not _touches_symbolic(n)]
+    record = PartitionRecord(graph, claimers, ctx)
+    entries = record.load()
+    if entries is not None and len(entries) == len(claimers):
+        replayed = _taken(graph, claimers, free,
+                          lambda i, claimer, now_free: record.replay(claimer, entries[i], now_free))
+        if replayed is not None:
+            regions, passed, _, claimed = replayed
+            return regions + _fallback_regions(graph, claimed, passed, ctx)
+        log.debug("torch_mirage: the partition record of this graph did not replay: partitioned afresh")
+    regions, passed, outcomes, claimed = _taken(graph, claimers, free,
+                                                lambda i, claimer, now_free: list(claimer.claim(graph, now_free, ctx)))
+    record.save(outcomes)
+    return regions + _fallback_regions(graph, claimed, passed, ctx)
+
+
+def _taken(graph: Graph, claimers: Sequence[Claimer], free: list[Node], outcomes_of
+           ) -> tuple[list[Region], list[Decline], list[list[Outcome]], set[int]] | None:
+    """Each claimer's outcomes (``outcomes_of(index, claimer, free nodes)``, None: stop) taken in turn: the
+    regions claimed, the declines, every claimer's outcomes and the claimed nodes' ids; None where
+    ``outcomes_of`` gave None."""
     claimed: set[int] = set()
     regions: list[Region] = []
     passed: list[Decline] = []
-    for claimer in claimers:
-        for outcome in claimer.claim(graph, free, ctx):
+    every: list[list[Outcome]] = []
+    for index, claimer in enumerate(claimers):
+        outcomes = outcomes_of(index, claimer, free)
+        if outcomes is None:
+            return None
+        every.append(outcomes)
+        for outcome in outcomes:
             if isinstance(outcome, Decline):
                 outcome.claimer = outcome.claimer or claimer.name
                 passed.append(outcome)
@@ -127,9 +155,12 @@ def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext
             regions.append(Region.of_claim(outcome, claimer.name))
             free = [n for n in free if id(n) not in taken]
             claimed |= taken
-    regions.extend(_unclaimed_regions(graph, [n for n in graph.nodes if id(n) not in claimed], ctx.config, passed,
-                                      ctx.analysis_of(graph).cost))
-    return regions
+    return regions, passed, every, claimed
+
+
+def _fallback_regions(graph: Graph, claimed: set[int], passed: list[Decline], ctx: CompileContext) -> list[Region]:
+    return _unclaimed_regions(graph, [n for n in graph.nodes if id(n) not in claimed], ctx.config, passed,
+                              ctx.analysis_of(graph).cost)
 
 
 def _touches_symbolic(node: Node) -> bool:

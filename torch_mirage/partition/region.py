@@ -70,6 +70,7 @@ class Claim(_Nodes):
     plan: Any                          # StitchPlan, UGraphPlan: data, nothing compiled
     detail: str = ""                   # for the report: what is built ("stitch: rows=...", "μGraph lora(...)")
     info: dict[str, Any] = field(default_factory=dict)   # the claimer's facts for the report
+    hint: Any = None                   # JSON: what the claimer's ``replan`` needs to plan these nodes again
 
 
 @dataclass(eq=False)
@@ -112,7 +113,9 @@ class Region(_Nodes):
 
 class Claimer(Protocol):
     """A pass that claims the nodes it can plan a faster kernel for than the fallback's, and says why it passes
-    over others."""
+    over others. A claimer may also offer ``replan(graph, nodes, hint, free, ctx) -> Outcome``: the claim of
+    exactly ``nodes`` (with the ``hint`` its claim carried), without the exploration that found them — what a
+    warm compile replays from the graph's :class:`~.record.PartitionRecord`."""
     name: str
 
     def claim(self, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> list[Outcome]: ...

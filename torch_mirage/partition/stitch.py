@@ -460,6 +460,16 @@ class StitchClaimer:
             outcomes.append(outcome)
         return outcomes
 
+    def replan(self, graph: Graph, nodes: list[Node], hint, free: Sequence[Node], ctx: CompileContext
+               ) -> Outcome | None:
+        """``nodes``, a group this claimer claimed before (:class:`~.record.PartitionRecord`), claimed again from
+        its compute nodes (``hint["compute"]``: their places in ``nodes``) without growing every group."""
+        try:
+            compute = [nodes[i] for i in hint["compute"]]
+        except (TypeError, KeyError, IndexError):
+            return None
+        return self._claim(graph, compute, {id(n) for n in free}, set(), self.device or device_model(), ctx)
+
     def _claim(self, graph: Graph, compute: list[Node], free_ids: set[int], taken: set[int], device: Any,
                ctx: CompileContext) -> Outcome:
         prologue, epilogue = attach_layout(graph, compute, free_ids, taken, ctx.target)
@@ -469,6 +479,8 @@ class StitchClaimer:
         if plan is None:
             return Decline(compute, Reason.NOT_CLAIMED, "a stored value lies outside the group's iteration space")
         summary = plan.summary()
+        inside = {id(n) for n in compute}
         return Claim(nodes, plan, detail=f"stitch: {summary['thread_mapping']}",
                      info=dict(summary, predicted_us=getattr(_cost(nodes, ctx.analysis_of(graph), device), "predicted_us", None),
-                               device_profile=getattr(device, "name", str(device))))
+                               device_profile=getattr(device, "name", str(device))),
+                     hint={"compute": [i for i, n in enumerate(nodes) if id(n) in inside]})

@@ -147,6 +147,11 @@ class GemvClaimer:
             outcomes.append(outcome)
         return outcomes
 
+    def replan(self, graph: Graph, nodes: list[Node], hint, free: Sequence[Node], ctx: CompileContext) -> Outcome:
+        """``nodes``, a cut this claimer claimed before (:class:`~...partition.record.PartitionRecord`), claimed
+        again without growing the cuts around its matmul."""
+        return self._claim_cut(graph, nodes, ctx)
+
     def _claim_anchor(self, graph: Graph, anchor: Node, free: Sequence[Node], free_ids: set, model: CostModel,
                       ctx: CompileContext) -> Outcome:
         """The largest cut around ``anchor`` that streams, or the decline of the last one tried."""

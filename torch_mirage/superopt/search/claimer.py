@@ -104,6 +104,7 @@ class SearchClaimer:
                     continue
                 outcome = self._claim(graph, nodes, ctx, seeds_only=True)
                 if isinstance(outcome, Claim):
+                    outcome.hint = {"seeds_only": True}
                     free_ids -= {id(n) for n in nodes}
                     outcomes.append(outcome)
                     break
@@ -167,9 +168,20 @@ class SearchClaimer:
             outcome = self._claim(graph, nodes, ctx, budget_s=left)
             spent += time.monotonic() - t0
             if isinstance(outcome, Claim):
+                outcome.hint = {"seeds_only": False}
                 free_ids -= {id(n) for n in nodes}
             outcomes.append(outcome)
         return outcomes
+
+    def replan(self, graph, nodes: list, hint, free: Sequence, ctx: CompileContext) -> Outcome | None:
+        """``nodes``, a region this claimer claimed before (:class:`~...partition.record.PartitionRecord`), claimed
+        again as it was (by a seed, or searched: the search's answer is on disk), without the cuts tried before it."""
+        if not isinstance(hint, dict) or "seeds_only" not in hint:
+            return None
+        outcome = self._claim(graph, nodes, ctx, seeds_only=bool(hint["seeds_only"]))
+        if isinstance(outcome, Claim):
+            outcome.hint = hint
+        return outcome
 
     def _claim(self, graph, nodes: list, ctx: CompileContext, seeds_only: bool = False,
                budget_s: float | None = None) -> Outcome | None:
