@@ -85,17 +85,25 @@ def test_a_record_made_under_other_settings_is_not_used(tmp_path, monkeypatch):
     assert any(d.reason.name == "BELOW_MIN_REGION" for r in regions for d in r.declines), _described(regions)
 
 
-def test_a_record_that_does_not_replay_is_partitioned_afresh_and_recorded_again(tmp_path, monkeypatch):
+def test_a_record_that_does_not_replay_is_partitioned_afresh_and_recorded_again(tmp_path, monkeypatch, caplog):
     """A recorded claim the claimer does not make again (here its ``replan`` declines) drops the record: the graph
-    is partitioned as without one, and the new record replays."""
+    is partitioned as without one (an INFO line names the claimer and why), and the new record replays."""
+    import logging
     monkeypatch.setenv("MIRAGE_MIN_REGION_US", "0")
     graph = trace_ir(decoder_piece, *_inputs())
     first = _partition(graph, tmp_path)
     real = gemv_claim.GemvClaimer.replan
-    with monkeypatch.context() as m:
-        m.setattr(gemv_claim.GemvClaimer, "replan",
-                  lambda self, g, nodes, *a: gemv_claim.Decline(nodes, gemv_claim.Reason.NO_KERNEL, "test"))
-        assert _described(_partition(graph, tmp_path)) == _described(first)
+    logger = logging.getLogger("torch_mirage")
+    logger.addHandler(caplog.handler)
+    try:
+        with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="torch_mirage"):
+            m.setattr(gemv_claim.GemvClaimer, "replan",
+                      lambda self, g, nodes, *a: gemv_claim.Decline(nodes, gemv_claim.Reason.NO_KERNEL, "test"))
+            assert _described(_partition(graph, tmp_path)) == _described(first)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert any("does not replay (ugraph-gemv: it did not claim" in r.getMessage() and "NO_KERNEL, test" in
+               r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert gemv_claim.GemvClaimer.replan is real
     _no_exploration(monkeypatch)
     assert _described(_partition(graph, tmp_path)) == _described(first)

@@ -118,7 +118,6 @@ def claim_regions(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext
         if replayed is not None:
             regions, passed, _, claimed = replayed
             return regions + _fallback_regions(graph, claimed, passed, ctx)
-        log.debug("torch_mirage: the partition record of this graph did not replay: partitioned afresh")
     regions, passed, outcomes, claimed = _taken(graph, claimers, free,
                                                 lambda i, claimer, now_free: list(claimer.claim(graph, now_free, ctx)))
     record.save(outcomes)

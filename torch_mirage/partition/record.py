@@ -64,17 +64,19 @@ class PartitionRecord:
 
     def replay(self, claimer: Claimer, entries: list[dict], free: Sequence[Node]) -> list[Outcome] | None:
         """``claimer``'s outcomes from its recorded ``entries``, given the nodes still ``free``; None where they do
-        not take the recorded nodes (the caller then partitions afresh)."""
+        not take the recorded nodes (the caller then partitions afresh; an INFO line says which claimer and why)."""
         nodes_of = self.graph.nodes
         try:
             recorded = [[nodes_of[i] for i in e["nodes"]] for e in entries]
         except (IndexError, KeyError, TypeError):
-            return None
+            return _differs(claimer, "an entry names no node of this graph")
         replan = getattr(claimer, "replan", None)
         if replan is None:      # runs as usual; it must come to the same outcomes
             outcomes = list(claimer.claim(self.graph, free, self.ctx))
-            return outcomes if [self._entry(o, hint=False) for o in outcomes] == \
-                [{k: e.get(k) for k in ("kind", "nodes")} for e in entries] else None
+            if [self._entry(o, hint=False) for o in outcomes] != \
+                    [{k: e.get(k) for k in ("kind", "nodes")} for e in entries]:
+                return _differs(claimer, "its outcomes differ from the recorded ones")
+            return outcomes
         outcomes: list[Outcome] = []
         free = list(free)
         for entry, nodes in zip(entries, recorded):
@@ -82,17 +84,16 @@ class PartitionRecord:
                 try:
                     reason = Reason[entry["reason"]]
                 except KeyError:
-                    return None
+                    return _differs(claimer, f"no reason {entry.get('reason')!r}")
                 outcomes.append(Decline(nodes, reason, entry.get("detail", ""), entry.get("claimer", "")))
                 continue
             free_ids = {id(n) for n in free}
             if not all(id(n) in free_ids for n in nodes):
-                return None
+                return _differs(claimer, f"{[n.name for n in nodes]} are no longer free")
             outcome = replan(self.graph, nodes, entry.get("hint"), free, self.ctx)
             if not isinstance(outcome, Claim) or [self.position.get(id(n)) for n in outcome.nodes] != entry["nodes"]:
-                log.debug("torch_mirage: partition record: %s did not claim %s again", claimer.name,
-                          [n.name for n in nodes])
-                return None
+                why = f": {outcome.reason.name}, {outcome.detail}" if isinstance(outcome, Decline) else ""
+                return _differs(claimer, f"it did not claim {[n.name for n in nodes]} again{why}")
             outcomes.append(outcome)
             taken = {id(n) for n in nodes}
             free = [n for n in free if id(n) not in taken]
@@ -106,6 +107,12 @@ class PartitionRecord:
             return {"kind": "decline", "nodes": nodes}
         return {"kind": "decline", "nodes": nodes, "reason": outcome.reason.name, "detail": outcome.detail,
                 "claimer": outcome.claimer}
+
+
+def _differs(claimer: Claimer, why: str) -> None:
+    log.info("torch_mirage: the graph's partition record does not replay (%s: %s): partitioned afresh",
+             claimer.name, why)
+    return None
 
 
 def _key(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext) -> str | None:
