@@ -67,6 +67,8 @@ class PartitionRecord:
         not take the recorded nodes (the caller then partitions afresh; an INFO line says which claimer and why)."""
         nodes_of = self.graph.nodes
         try:
+            if not all(isinstance(i, int) and 0 <= i < len(nodes_of) for e in entries for i in e["nodes"]):
+                raise IndexError
             recorded = [[nodes_of[i] for i in e["nodes"]] for e in entries]
         except (IndexError, KeyError, TypeError):
             return _differs(claimer, "an entry names no node of this graph")
