@@ -132,3 +132,22 @@ def test_a_warm_compile_replays_and_runs_alike(tmp_path, monkeypatch):
             assert_close(got, want.float(), torch.float32)
         reports.append([(r.ops, r.compiled_by, r.claimer, r.detail) for r in report.regions])
     assert reports[0] == reports[1]
+
+
+def test_a_replay_reads_the_device_model_once_per_claimer(tmp_path, monkeypatch):
+    """The stitch claimer's plans are made for the device model it reads once (on CUDA each read queries NVML): a
+    replay of several stitch claims reads it once, as the partition that recorded them did."""
+    monkeypatch.setenv("MIRAGE_MIN_REGION_US", "0")
+
+    def two_groups(a, b):
+        return torch.softmax(a * 2, dim=-1), torch.sigmoid(b) * b.sum(-1, keepdim=True)
+
+    graph = trace_ir(two_groups, torch.randn(8, 32), torch.randn(6, 20))
+    reads = []
+    real = stitch.device_model
+    monkeypatch.setattr(stitch, "device_model", lambda: reads.append(1) or real())
+    for replay in (False, True):
+        reads.clear()
+        regions = _partition(graph, tmp_path)
+        assert [r.claimer for r in regions if r.compiled_by == "mirage"] == ["stitch", "stitch"], _described(regions)
+        assert len(reads) == 1, (replay, len(reads))

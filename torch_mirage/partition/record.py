@@ -131,7 +131,8 @@ def _key(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext) -> str 
 
 
 def _describe(claimer: Claimer) -> str | None:
-    """The claimer's class and settings in words that are the same in every process; None where a setting prints
-    as an object's address."""
-    text = f"{type(claimer).__module__}.{type(claimer).__qualname__}{sorted(vars(claimer).items())!r}"
+    """The claimer's class and settings (its public attributes; a private one is state, e.g. a device model read
+    once) in words that are the same in every process; None where a setting prints as an object's address."""
+    settings = sorted((k, v) for k, v in vars(claimer).items() if not k.startswith("_"))
+    text = f"{type(claimer).__module__}.{type(claimer).__qualname__}{settings!r}"
     return None if " at 0x" in text else text

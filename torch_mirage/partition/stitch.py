@@ -428,6 +428,7 @@ class StitchClaimer:
     def __init__(self, device: Any = None, limits: StitchLimits | None = None):
         self.device = device
         self.limits = limits or StitchLimits()
+        self._current: dict[int, Any] = {}     # device_model() by CUDA device index, read once each
 
     def claim(self, graph: Graph, free: Sequence[Node], ctx: CompileContext) -> list[Outcome]:
         outcomes: list[Outcome] = []
@@ -440,7 +441,7 @@ class StitchClaimer:
                 outcomes.append(Decline([n], *problem))
         if not candidates:
             return outcomes
-        device = self.device or device_model()
+        device = self._device()
         free_ids = {id(n) for n in free}
         taken: set[int] = set()
         min_us = ctx.config.min_region_us
@@ -468,7 +469,18 @@ class StitchClaimer:
             compute = [nodes[i] for i in hint["compute"]]
         except (TypeError, KeyError, IndexError):
             return None
-        return self._claim(graph, compute, {id(n) for n in free}, set(), self.device or device_model(), ctx)
+        return self._claim(graph, compute, {id(n) for n in free}, set(), self._device(), ctx)
+
+    def _device(self) -> Any:
+        """The device model the plans are made for: the one given, else the current device's, read once per claimer
+        and device (on CUDA each read queries NVML, which a replay's per-claim :meth:`replan` would otherwise
+        repeat)."""
+        if self.device is not None:
+            return self.device
+        index = torch.cuda.current_device() if torch.cuda.is_available() else -1
+        if index not in self._current:
+            self._current[index] = device_model()
+        return self._current[index]
 
     def _claim(self, graph: Graph, compute: list[Node], free_ids: set[int], taken: set[int], device: Any,
                ctx: CompileContext) -> Outcome:
