@@ -223,3 +223,14 @@ def test_current_on_an_unknown_device_derives_peaks(monkeypatch):
     assert dev.sm_count == 114 and dev.measured_copy_bandwidth is None and dev.measured_matmul_flops is None
     assert dev.peak_fp16_flops == pytest.approx(114 * 2048 * 2 * 1.755e9)
     assert dev.clock_hz == 1.755e9
+
+
+def test_current_reads_nvml_once_per_device(monkeypatch):
+    """NVML's figures (the board's maxima) are read once per device in a process, not at every
+    ``DeviceModel.current()`` (each read initialises and shuts NVML down)."""
+    _fake_cuda(monkeypatch, name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132,
+               L2_cache_size=50 * 2 ** 20, clock_rate=1_980_000)
+    reads = []
+    monkeypatch.setattr(device_module, "_nvml_figures", lambda idx: reads.append(idx) or {"clock_hz": 1.5e9})
+    first, second = DeviceModel.current(), DeviceModel.current()
+    assert reads == [0] and first.clock_hz == second.clock_hz == 1.5e9

@@ -17,6 +17,7 @@ The launch overhead outside a CUDA graph has no measurement on record until :fun
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -160,6 +161,14 @@ def _nvml_figures(idx: int) -> dict[str, float]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _nvml_figures_once(idx: int, read) -> dict[str, float]:
+    """``read(idx)`` (:func:`_nvml_figures`) once per device and reader in this process: NVML's figures are the
+    board's maxima, and each read initialises and shuts down NVML, where :meth:`DeviceModel.current` is asked
+    for by every cost model and claimer (keyed by the reader too, so a test that substitutes it reads its own)."""
+    return dict(read(idx))
+
+
 def _from_cuda(idx: int) -> DeviceModel:
     p = torch.cuda.get_device_properties(idx)
     try:
@@ -188,7 +197,7 @@ def _from_cuda(idx: int) -> DeviceModel:
         fig["mem_bandwidth"] = bus / 8 * mclk * 1e3 * 2
     if clk:
         fig["clock_hz"] = clk * 1e3
-    fig.update(_nvml_figures(idx))
+    fig.update(_nvml_figures_once(idx, _nvml_figures))
     fig.setdefault("mem_bandwidth", base.mem_bandwidth)
     fig.setdefault("clock_hz", base.clock_hz)
     if not matched and cc in _FMA_TENSOR_FP16:
