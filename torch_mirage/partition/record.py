@@ -75,12 +75,12 @@ class PartitionRecord:
         replan = getattr(claimer, "replan", None)
         if replan is None:      # runs as usual; it must come to the same outcomes
             outcomes = list(claimer.claim(self.graph, free, self.ctx))
-            if [self._entry(o, hint=False) for o in outcomes] != \
-                    [{k: e.get(k) for k in ("kind", "nodes")} for e in entries]:
+            if [_taking(self._entry(o)) for o in outcomes] != [_taking(e) for e in entries]:
                 return _differs(claimer, "its outcomes differ from the recorded ones")
             return outcomes
         outcomes: list[Outcome] = []
         free = list(free)
+        free_ids = {id(n) for n in free}
         for entry, nodes in zip(entries, recorded):
             if entry.get("kind") == "decline":
                 try:
@@ -89,7 +89,6 @@ class PartitionRecord:
                     return _differs(claimer, f"no reason {entry.get('reason')!r}")
                 outcomes.append(Decline(nodes, reason, entry.get("detail", ""), entry.get("claimer", "")))
                 continue
-            free_ids = {id(n) for n in free}
             if not all(id(n) in free_ids for n in nodes):
                 return _differs(claimer, f"{[n.name for n in nodes]} are no longer free")
             outcome = replan(self.graph, nodes, entry.get("hint"), free, self.ctx)
@@ -97,18 +96,21 @@ class PartitionRecord:
                 why = f": {outcome.reason.name}, {outcome.detail}" if isinstance(outcome, Decline) else ""
                 return _differs(claimer, f"it did not claim {[n.name for n in nodes]} again{why}")
             outcomes.append(outcome)
-            taken = {id(n) for n in nodes}
-            free = [n for n in free if id(n) not in taken]
+            free_ids -= {id(n) for n in nodes}
+            free = [n for n in free if id(n) in free_ids]
         return outcomes
 
-    def _entry(self, outcome: Outcome, hint: bool = True) -> dict[str, Any]:
+    def _entry(self, outcome: Outcome) -> dict[str, Any]:
         nodes = [self.position[id(n)] for n in outcome.nodes]
         if isinstance(outcome, Claim):
-            return {"kind": "claim", "nodes": nodes, **({"hint": outcome.hint} if hint else {})}
-        if not hint:
-            return {"kind": "decline", "nodes": nodes}
+            return {"kind": "claim", "nodes": nodes, "hint": outcome.hint}
         return {"kind": "decline", "nodes": nodes, "reason": outcome.reason.name, "detail": outcome.detail,
                 "claimer": outcome.claimer}
+
+
+def _taking(entry: dict) -> tuple:
+    """What an entry takes or passes over: its kind and nodes (a claimer that runs as usual is held to these)."""
+    return entry.get("kind"), entry.get("nodes")
 
 
 def _differs(claimer: Claimer, why: str) -> None:
