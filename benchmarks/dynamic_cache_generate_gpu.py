@@ -8,7 +8,7 @@ size when it comes back. The calls (``--prompts``): a prompt length called twice
 sizes (recorded then under 2), a new length shifts every size.
 
     python benchmarks/dynamic_cache_generate_gpu.py [--model llama] [--batch 4] [--new-tokens 32]
-        [--prompts 64,64,64,100,64] [--record-at 1 2] [--out DIR] [--caches fresh|shared] [--profile] [--census]
+        [--prompts 64,64,64,100,64] [--record-at 1 2] [--out DIR] [--caches fresh|shared] [--profile [warm]] [--census]
         [--cache-log] [--ptxas torch triton ...]
 
 ``--census``: after each call, the live CUDA tensors Python can reach (after ``gc.collect()``), the largest with
@@ -29,8 +29,9 @@ build compiled, in how long); the JSON holds the counters.
 ``TRITON_PTXAS_PATH``, which mirage and Inductor then keep): a cold A/B of the ptxas choice.
 
 ``--profile``: each process profiles its first call (the compiles) and writes ``profile-<n>.txt`` (cumulative and
-own time, top entries) to ``--out``; ``--record-at 2 2`` then profiles a cold and a warm compile (the second
-process finds the first one's disk caches).
+own time, top entries, and the partition stage's callees) to ``--out``; ``--record-at 2 2`` then profiles a cold
+and a warm compile (the second process finds the first one's disk caches); ``--profile warm`` profiles only the
+processes after the first (the cold one runs at full speed).
 """
 from __future__ import annotations
 
@@ -195,6 +196,7 @@ class CacheLog:
 
     LOGGERS = {"torch._inductor.codecache": "DEBUG", "torch._functorch._aot_autograd.autograd_cache": "DEBUG",
                "torch_mirage": "INFO"}
+    LEVELS = {"torch_mirage.partition.record": "DEBUG"}   # set only: its lines reach torch_mirage's handler
 
     def __init__(self, path: str):
         from torch._dynamo.utils import counters
@@ -207,6 +209,9 @@ class CacheLog:
             self.levels[name] = logger.level
             logger.setLevel(level)
             logger.addHandler(self.handler)
+        for name, level in self.LEVELS.items():
+            self.levels[name] = logging.getLogger(name).level
+            logging.getLogger(name).setLevel(level)
         self.counters = counters
         self.before = self._counts()
 
@@ -229,6 +234,7 @@ def write_profile(profile: cProfile.Profile, path: str, top: int = 90) -> None:
     stats = pstats.Stats(profile, stream=text)
     stats.sort_stats("cumulative").print_stats(top)
     stats.sort_stats("tottime").print_stats(top // 2)
+    stats.sort_stats("cumulative").print_callees("claim_regions|replay|replan|claim\\b|_example_mask")   # the partition stage's parts
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write(text.getvalue())
@@ -244,7 +250,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="the model at its test sizes (a CPU smoke run)")
-    p.add_argument("--profile", action="store_true", help="profile each process's first call into --out")
+    p.add_argument("--profile", nargs="?", const="all", choices=["all", "warm"], default=None,
+                   help="profile each process's first call into --out (warm: only the processes after the first)")
     p.add_argument("--caches", choices=["fresh", "shared"], default="fresh",
                    help="fresh: each process its own empty disk caches (mirage's, Inductor's, Triton's), so that every "
                         "column is a cold compile; shared: the machine's, so a process after the first compiles warm")
@@ -279,7 +286,7 @@ def main(argv=None) -> int:
                str(args.batch), "--new-tokens", str(args.new_tokens), "--prompts",
                ",".join(map(str, args.prompts)), "--record-at", str(record_at), "--device", args.device,
                "--index", str(index)] + ["--tiny"] * args.tiny
-        if args.profile:
+        if args.profile == "all" or args.profile == "warm" and index > 0:
             cmd += ["--profile", "--out", args.out or "."]
         cmd += ["--census"] * args.census
         if args.cache_log:

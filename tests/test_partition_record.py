@@ -151,3 +151,17 @@ def test_a_replay_reads_the_device_model_once_per_claimer(tmp_path, monkeypatch)
         regions = _partition(graph, tmp_path)
         assert [r.claimer for r in regions if r.compiled_by == "mirage"] == ["stitch", "stitch"], _described(regions)
         assert len(reads) == 1, (replay, len(reads))
+
+
+def test_a_graph_calling_a_python_function_keys_its_record_the_same_in_every_process():
+    """A symbolic decode graph calls ``torch.sym_sum`` (HF's DynamicCache lengths): the graph's text, from which
+    the record's key is made, names it by module and name; with its repr's address (``<function sym_sum at
+    0x7f…>``) no warm process found the record (H200 12-03: the llama's symbolic decode graph partitioned afresh,
+    1.25 s, in every warm compile)."""
+    from torch_mirage.capture.lower import trace
+
+    def grow(x):
+        return x.new_zeros(torch.sym_sum([1, x.shape[0]])).sum() + x.sin().sum()
+
+    text = str(trace(grow, [torch.randn(4)], tracing_mode="symbolic"))
+    assert "opaque<torch.sym_sum>" in text and " at 0x" not in text, text

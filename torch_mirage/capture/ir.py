@@ -10,6 +10,8 @@ converts back to FX losslessly (:mod:`torch_mirage.capture.lower`).
 from __future__ import annotations
 
 import functools
+import re
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -106,7 +108,10 @@ class Node:
 
     @property
     def target_name(self) -> str:
-        return str(self.target)
+        """The op's name, the same in every process: an ATen overload as ``aten.add.Tensor``, a Python function
+        (``torch.sym_sum``, ``operator.getitem``) by module and qualified name, not a repr with its address
+        (keys made from a graph's text, e.g. the partition record's, must not change between processes)."""
+        return target_name(self.target)
 
     def describe(self) -> str:
         """``aten.add.Tensor(f16[8,4096], f16[4096])``: for reports and error messages."""
@@ -115,6 +120,18 @@ class Node:
 
     def __repr__(self) -> str:
         return f"Node({self.name}: {self.op.name})"
+
+
+def target_name(target: Any) -> str:
+    """:attr:`Node.target_name` of ``target``."""
+    if isinstance(target, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
+        if module and name:
+            return f"{module}.{name}"
+    return _ADDRESS.sub("", str(target))
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 class Graph:

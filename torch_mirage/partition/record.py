@@ -19,6 +19,7 @@ record only ever saves work, a claim is never taken from it without its plan bei
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any, Sequence
 
@@ -29,6 +30,9 @@ from ..report import Reason
 from .region import Claim, Claimer, Decline, Outcome
 
 log = logging.getLogger("torch_mirage")
+# where each graph's record key comes from, part by part (DEBUG): two processes' lines show which part differs
+# where a warm compile finds no record
+key_log = logging.getLogger("torch_mirage.partition.record")
 
 __all__ = ["PartitionRecord"]
 
@@ -45,13 +49,23 @@ class PartitionRecord:
         self.graph = graph
         self.ctx = ctx
         self.position = {id(n): i for i, n in enumerate(graph.nodes)}
-        self.key = None if ctx.cache is None else _key(graph, claimers, ctx)
+        self.key = None
+        if ctx.cache is not None and (parts := _key_parts(graph, claimers, ctx)) is not None:
+            self.key = cache_key(**parts)
+            if key_log.isEnabledFor(logging.DEBUG):
+                key_log.debug("torch_mirage: partition record %s of a graph of %d nodes, from parts %s",
+                              self.key[:16], len(graph.nodes),
+                              {k: hashlib.sha256(repr(v).encode()).hexdigest()[:12] for k, v in parts.items()})
 
     def load(self) -> list[list[dict]] | None:
         """The recorded outcomes, one list per claimer; None where none is kept (or it is not of this form)."""
         if self.key is None:
             return None
         entries = self.ctx.cache.get_json(self.key)
+        if isinstance(entries, list):
+            key_log.debug("torch_mirage: partition record %s found", self.key[:16])
+        else:
+            key_log.debug("torch_mirage: partition record %s not found; the graph:\n%s", self.key[:16], self.graph)
         return entries if isinstance(entries, list) else None
 
     def save(self, outcomes: Sequence[Sequence[Outcome]]) -> None:
@@ -119,17 +133,17 @@ def _differs(claimer: Claimer, why: str) -> None:
     return None
 
 
-def _key(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext) -> str | None:
+def _key_parts(graph: Graph, claimers: Sequence[Claimer], ctx: CompileContext) -> dict[str, Any] | None:
+    """What a record's key is made of; None where a claimer's settings have no stable description."""
     described = [_describe(c) for c in claimers]
     if any(d is None for d in described):
         return None
     cost = ctx.analysis_of(graph).cost
     # the graph's text (every value's meta, every node's op and arguments) and each node's ATen overload
-    return cache_key(kind="partition-record", graph=str(graph), targets=[n.target_name for n in graph.nodes],
-                     claimers=described,
-                     config=ctx.config.output_key(), target=ctx.target.name,
-                     device=repr(getattr(cost, "device", None)), cuda_graph=getattr(cost, "cuda_graph", None),
-                     code=source_digest(*CODE))
+    return dict(kind="partition-record", graph=str(graph), targets=[n.target_name for n in graph.nodes],
+                claimers=described, config=ctx.config.output_key(), target=ctx.target.name,
+                device=repr(getattr(cost, "device", None)), cuda_graph=getattr(cost, "cuda_graph", None),
+                code=source_digest(*CODE))
 
 
 def _describe(claimer: Claimer) -> str | None:
