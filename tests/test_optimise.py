@@ -263,6 +263,33 @@ def test_plans_are_cached_by_the_block_graph():
     assert optimise.plan_block(_body(scaled_linear(grid=1)), SMEM_BYTES) is not plan
 
 
+def test_a_solved_plan_is_kept_in_the_disk_cache_and_read_back_without_a_solve(tmp_path, monkeypatch):
+    """Inside ``plans_kept_in(cache)`` a plan CBC decided is kept on disk; a later process (the memo cleared)
+    reads it back without running CBC, the same plan; greedy plans and a cache of another code are not read."""
+    from torch_mirage.cache import DiskCache
+
+    bg = _body(two_row_sums(128, 256, 1))          # fits only in the ILP's order
+    cache = DiskCache(str(tmp_path / "plans"))
+    with optimise.plans_kept_in(cache):
+        solved = optimise.plan_block(bg, SMEM_BYTES)
+    assert solved.solver == "cbc"
+    optimise._plan.cache_clear()
+
+    def no_solve(prob):    # a solve now would give the greedy fallback, not the kept plan
+        raise optimise.SolverFailed("CBC ran for a plan the disk cache holds")
+
+    monkeypatch.setattr(optimise, "_solve", no_solve)
+    with optimise.plans_kept_in(cache):
+        assert optimise.plan_block(bg, SMEM_BYTES) == solved
+    optimise._plan.cache_clear()
+    # outside the context (no cache): solved again, here by the failing stand-in, so the greedy fallback
+    assert optimise.plan_block(bg, SMEM_BYTES).solver == "fallback"
+    optimise._plan.cache_clear()
+    monkeypatch.setattr(optimise, "_plan_code", lambda: "another code")
+    with optimise.plans_kept_in(cache):
+        assert optimise.plan_block(bg, SMEM_BYTES).solver == "fallback"
+
+
 @pytest.mark.parametrize("name", list(SEEDS))
 def test_seed_sources_are_byte_identical_under_the_plan(name):
     """The plan changes no seed's generated Triton: its own schedule and a split re-tiling (combine kernel)."""

@@ -38,6 +38,7 @@ from .config import Config
 from .context import CompileContext
 from .failures import Failure, describe_error, format_failure, fx_graph_summary, stage_of
 from .partition.record import PartitionRecord
+from .superopt.optimise import plans_kept_in
 from .partition.region import Claim, Claimer, Decline, Outcome, Reason, Region, is_convex
 from .partition.stitch import StitchClaimer
 from .report import DeclineReport, GraphReport, RegionReport
@@ -225,7 +226,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compil
     report.num_nodes = sum(n.op == "call_function" for n in gm.graph.nodes)
     report.num_inputs = sum(n.op == "placeholder" for n in gm.graph.nodes)
     try:
-        fn = _mirage_stages(gm, example_inputs, ctx, claimers)
+        with plans_kept_in(ctx.cache):
+            fn = _mirage_stages(gm, example_inputs, ctx, claimers)
         with ctx.stage("cuda graph"):
             return _maybe_cuda_graph(fn, gm, example_inputs, ctx)
     except WholeGraphToInductor:

@@ -34,14 +34,20 @@ graphs: the planned peak against the capacity (not the sum of all tiles), declin
 peak.
 
 A missing or failing solver gives the greedy plan with one log line. Plans are cached in memory by the block
-graph's JSON (op indices matter) — a solve takes milliseconds, a cached plan microseconds.
+graph's JSON (op indices matter) — a solve takes milliseconds, a cached plan microseconds — and, inside
+:func:`plans_kept_in` (the pipeline's compile of a graph), the solved ones in the compile's disk cache: a warm
+process spawns no CBC for a plan an earlier compile solved (H200 12-03: nine validations of the HF llama's decode
+seeds, whose tiles exceed the depth order's capacity, took 0.48 s of a warm partition stage, in CBC processes).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, Iterator
 
 try:
     import pulp
@@ -49,6 +55,7 @@ except ImportError:      # the greedy plan then (pulp is a declared dependency; 
     pulp = None
 
 from ..codegen.ugraph_triton import layout_rules, order_by_depth, phases
+from ..cache import cache_key, source_digest
 from ..ugraph import BlockGraph, Ref, from_json, nbytes
 
 log = logging.getLogger("torch_mirage")
@@ -313,6 +320,25 @@ def _solve(prob) -> None:
         raise SolverFailed(f"CBC status {pulp.LpStatus[status]}")
 
 
+_PLAN_STORE: contextvars.ContextVar = contextvars.ContextVar("torch_mirage_block_plans", default=None)
+
+
+@contextlib.contextmanager
+def plans_kept_in(cache: Any) -> Iterator[None]:
+    """Block plans the solver decides inside this context are read from and kept in ``cache`` (a
+    :class:`~torch_mirage.cache.DiskCache`; None: in memory only)."""
+    token = _PLAN_STORE.set(cache)
+    try:
+        yield
+    finally:
+        _PLAN_STORE.reset(token)
+
+
+@lru_cache(maxsize=1)
+def _plan_code() -> str:
+    return source_digest("superopt/optimise.py", "codegen/ugraph_triton.py", "ugraph.py")
+
+
 def plan_block(bg: BlockGraph, capacity: int) -> BlockPlan:
     """The optimiser's plan for ``bg`` on a device with ``capacity`` bytes of shared memory per block (cached by
     the block graph's JSON). Layout: the ILP's, where the greedy layout pays anything (a free one is optimal).
@@ -323,6 +349,25 @@ def plan_block(bg: BlockGraph, capacity: int) -> BlockPlan:
 
 @lru_cache(maxsize=1024)
 def _plan(key: str, capacity: int) -> BlockPlan:
+    store = _PLAN_STORE.get()
+    disk = cache_key(kind="block-plan", graph=key, capacity=capacity, code=_plan_code()) if store is not None \
+        else None
+    kept = store.get_json(disk) if disk is not None else None
+    if isinstance(kept, dict):
+        try:
+            return BlockPlan(tuple(kept["order"]), frozenset(kept["transposed"]), int(kept["layout_cost"]),
+                             int(kept["peak_bytes"]), str(kept["solver"]))
+        except (KeyError, TypeError, ValueError):
+            pass      # not of this form: solved again, and kept anew
+    plan = _solved(key, capacity)
+    if disk is not None and plan.solver == "cbc":     # greedy plans cost nothing; a failed solve is not kept
+        store.put_json(disk, {"order": list(plan.order), "transposed": sorted(plan.transposed),
+                              "layout_cost": plan.layout_cost, "peak_bytes": plan.peak_bytes,
+                              "solver": plan.solver})
+    return plan
+
+
+def _solved(key: str, capacity: int) -> BlockPlan:
     bg = from_json(key)
     transposed, order, solver = greedy_layout(bg), depth_order(bg), "greedy"
     try:
