@@ -37,7 +37,8 @@ A missing or failing solver gives the greedy plan with one log line. Plans are c
 graph's JSON (op indices matter) — a solve takes milliseconds, a cached plan microseconds — and, inside
 :func:`plans_kept_in` (the pipeline's compile of a graph), the solved ones in the compile's disk cache: a warm
 process spawns no CBC for a plan an earlier compile solved (H200 12-03: nine validations of the HF llama's decode
-seeds, whose tiles exceed the depth order's capacity, took 0.48 s of a warm partition stage, in CBC processes).
+seeds, whose tiles exceed the depth order's capacity, took 0.48 s of a warm partition stage, most of it, by the
+profile, waiting on subprocesses: CBC's).
 """
 from __future__ import annotations
 
