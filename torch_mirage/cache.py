@@ -45,6 +45,7 @@ def versions() -> dict[str, str]:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)   # read once a process: the code does not change under a running compile
 def source_digest(*parts: str) -> str:
     """A digest of the Python sources of these parts of ``torch_mirage`` (subpackages, ``"superopt"``, or modules,
     ``"ugraph.py"``): for a cache entry whose meaning depends on the code that made it, not only on its inputs (a

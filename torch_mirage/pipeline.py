@@ -38,7 +38,6 @@ from .config import Config
 from .context import CompileContext
 from .failures import Failure, describe_error, format_failure, fx_graph_summary, stage_of
 from .partition.record import PartitionRecord
-from .superopt.optimise import plans_kept_in
 from .partition.region import Claim, Claimer, Decline, Outcome, Reason, Region, is_convex
 from .partition.stitch import StitchClaimer
 from .report import DeclineReport, GraphReport, RegionReport
@@ -50,6 +49,7 @@ from .runtime.inductor_quiet import without_artifact_warning
 from .runtime.measure import check_regions, keep_faster
 from .superopt.attention_claim import AttentionClaimer
 from .superopt.gemv_claim import GemvClaimer
+from .superopt.optimise import plans_kept_in
 from .superopt.search.claimer import SearchClaimer
 from .superopt.search.seeds import SEED_WORKLOADS
 from .tune import budget as tune_budget

@@ -335,7 +335,6 @@ def plans_kept_in(cache: Any) -> Iterator[None]:
         _PLAN_STORE.reset(token)
 
 
-@lru_cache(maxsize=1)
 def _plan_code() -> str:
     return source_digest("superopt/optimise.py", "codegen/ugraph_triton.py", "ugraph.py")
 
@@ -345,12 +344,11 @@ def plan_block(bg: BlockGraph, capacity: int) -> BlockPlan:
     the block graph's JSON). Layout: the ILP's, where the greedy layout pays anything (a free one is optimal).
     Order: Mirage's depth order (fewest barriers between dependent ops), the ILP's least-peak order where that
     fits ``capacity`` and the depth order does not."""
-    return _plan(json.dumps(bg.to_dict(), sort_keys=True), capacity)
+    return _plan(json.dumps(bg.to_dict(), sort_keys=True), capacity, _PLAN_STORE.get())
 
 
 @lru_cache(maxsize=1024)
-def _plan(key: str, capacity: int) -> BlockPlan:
-    store = _PLAN_STORE.get()
+def _plan(key: str, capacity: int, store: Any) -> BlockPlan:
     disk = cache_key(kind="block-plan", graph=key, capacity=capacity, code=_plan_code()) if store is not None \
         else None
     kept = store.get_json(disk) if disk is not None else None
