@@ -29,7 +29,8 @@ build compiled, in how long); the JSON holds the counters.
 ``TRITON_PTXAS_PATH``, which mirage and Inductor then keep): a cold A/B of the ptxas choice.
 
 ``--profile``: each process profiles its first call (the compiles) and writes ``profile-<n>.txt`` (cumulative and
-own time, top entries, and the partition stage's callees) to ``--out``; ``--record-at 2 2`` then profiles a cold
+own time, top entries, the partition and assemble stages' callees, who makes FX modules and compiles Python
+code) and the whole profile as ``profile-<n>.prof`` (pstats) to ``--out``; ``--record-at 2 2`` then profiles a cold
 and a warm compile (the second process finds the first one's disk caches); ``--profile warm`` profiles only the
 processes after the first (the cold one runs at full speed).
 """
@@ -235,7 +236,11 @@ def write_profile(profile: cProfile.Profile, path: str, top: int = 90) -> None:
     stats.sort_stats("cumulative").print_stats(top)
     stats.sort_stats("tottime").print_stats(top // 2)
     stats.sort_stats("cumulative").print_callees("claim_regions|replay|replan|claim\\b|_example_mask")   # the partition stage's parts
+    # the assemble stage's parts: Inductor's partitions loaded from its caches, and who makes FX modules / code
+    stats.sort_stats("cumulative").print_callees("wrap_post_compile|try_load|regional_inductor|standalone_compile")
+    stats.sort_stats("cumulative").print_callers("graph_module.py.*recompile|builtins.compile")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    profile.dump_stats(os.path.splitext(path)[0] + ".prof")    # the whole profile, for pstats where it lands
     with open(path, "w") as f:
         f.write(text.getvalue())
 

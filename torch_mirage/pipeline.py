@@ -277,7 +277,7 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
         taken: list[str] = []
         prelude = prelude_mode(config.prelude, example_inputs)
         try:
-            fn = assemble(gm, graph, regions, config.fallback, config.inductor_mode, prelude, taken)
+            fn = _assemble_regions_in_inductor(gm, graph, regions, config, prelude, taken)
             if taken:
                 counts = collections.Counter(taken).most_common()
                 report.prelude = f"{len(taken)} ops in one Inductor graph run first ({prelude}): " + \
@@ -296,6 +296,22 @@ def _mirage_stages(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Compi
         report.timeable = (is_timeable(gm, list(example_inputs)) and declared is not None
                            and declared <= set(report.mutated_inputs))
     return fn
+
+
+def _assemble_regions_in_inductor(gm, graph: Graph, regions, config: Config, prelude: str, taken: list[str]):
+    """:func:`assemble` with the regions inside Inductor's partitions where the knob says so; where Inductor fails on
+    that graph, the regions between its partitions (one warning), as without the knob."""
+    inside = config.regions_in_inductor and config.fallback == "inductor"
+    try:
+        return assemble(gm, graph, regions, config.fallback, config.inductor_mode, prelude, taken,
+                        regions_in_inductor=inside)
+    except Exception as e:
+        if not inside or config.strict:
+            raise
+        log.warning("torch_mirage: Inductor failed on the graph with mirage's regions inside its partitions (%s: %s); "
+                    "the regions run between its partitions instead (MIRAGE_REGIONS_IN_INDUCTOR=0 says so from "
+                    "the start)", type(e).__name__, str(e)[:200])
+        return assemble(gm, graph, regions, config.fallback, config.inductor_mode, prelude, taken)
 
 
 def eager_dispatch():

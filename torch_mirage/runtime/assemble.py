@@ -20,6 +20,7 @@ from functorch.compile import make_boxed_func
 
 from ..capture.ir import Graph, Value
 from ..partition.region import Region
+from . import region_op
 
 _INDUCTOR_MODE_CONFIGS = {
     "default": {},
@@ -318,11 +319,15 @@ def cacheable_context():
 
 
 def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallback: str,
-             inductor_mode: str = "default", prelude: str = "inline", taken: list[str] | None = None) -> Any:
+             inductor_mode: str = "default", prelude: str = "inline", taken: list[str] | None = None,
+             regions_in_inductor: bool = False) -> Any:
     """A boxed callable running ``gm`` with mirage regions replaced by their kernels. ``prelude`` (the knob):
     where the fallback's input-only ops (:func:`prelude_nodes`) go — "inline" among the others; "hoist" one Inductor
     graph of their own, run first; "combo" that graph with Inductor's combo kernels (independent kernels in one
-    launch); ``taken`` (where given) receives the prelude's ops (their names, e.g. ``copy_``), in graph order."""
+    launch); ``taken`` (where given) receives the prelude's ops (their names, e.g. ``copy_``), in graph order.
+    ``regions_in_inductor`` (the knob; Inductor fallback only): each region :func:`.region_op.eligible` runs as the
+    ``mirage::region`` op inside the Inductor partition around it, so that the stretches of fallback ops between
+    regions make one partition, not one each."""
     mirage = [r for r in regions if r.compiled_by == "mirage"]
     fallback_regions = [r for r in regions if r.compiled_by != "mirage"]
     values = _fx_of_values(gm, graph)
@@ -335,6 +340,8 @@ def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallba
 
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    graph_key = ""      # the graph's digest, made for the first region that runs inside Inductor
+    main_partition = {"inductor_configs": inductor_configs(inductor_mode), "inductor_region": 0}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             env[n] = new.node_copy(n, lambda a: env[a])
@@ -358,13 +365,25 @@ def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallba
             continue
         region = mirage[it[1]]
         outs = region.outputs(graph)
-        call = new.call_function(_region_runner(region.kernel, len(outs)),
-                                 tuple(env[values[id(v)]] for v in region.inputs))
-        call.meta["val"] = tuple(v.example for v in outs)
+        args = tuple(env[values[id(v)]] for v in region.inputs)
+        in_inductor = regions_in_inductor and fallback == "inductor" and region_op.eligible(region, graph)
+        if in_inductor:
+            graph_key = graph_key or region_op.graph_digest(graph)
+            key = region_op.region_key(graph_key, it[1], region, graph)
+            region_op.register(key, region.kernel, outs)
+            call = new.call_function(region_op.region_op(), (key, list(args)))
+            call.meta["val"] = [v.example for v in outs]
+        else:
+            call = new.call_function(_region_runner(region.kernel, len(outs)), args)
+            call.meta["val"] = tuple(v.example for v in outs)
         for i, v in enumerate(outs):
             item = new.call_function(operator.getitem, (call, i))
             item.meta["val"] = v.example
             env[values[id(v)]] = item
+            if in_inductor:
+                item.meta["custom"] = dict(compile_with_inductor=main_partition)
+        if in_inductor:
+            call.meta["custom"] = dict(compile_with_inductor=main_partition)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     new.output(fx.node.map_arg(out_node.args[0], lambda a: env[a]))
     reinplace_write_backs(new)
