@@ -194,15 +194,61 @@ def test_prefill_with_a_passed_mask_scans_it():
 
 def test_underfilled_prefill_also_times_retilings():
     """Two heads of 256 query rows against 4096 keys make at most 8 programs at the prefill schedules: the
-    roofline re-tilings (smaller row blocks, key splits) are timed besides them, the prefill schedules first."""
+    roofline re-tilings (smaller row blocks, key splits) are timed besides them, the prefill schedules first (then
+    their own key splits)."""
     bg = _body(flash_attention(1, 2, 256, 4096, 64, scale=0.125, dtype="float16"))
     assert prefill_attention(bg) is not None
     cands = candidates(bg, 132)
     assert cands[0] == default_config(bg)
     prefill = [c for c in cands if c.split == 1 and math.prod(c.grid) <= 8]
-    assert len(prefill) >= 4 and cands[:len(prefill)] == prefill
+    unfolded = [c for c in cands if not c.combine_in_kernel]     # the schedules' key splits come after them
+    assert len(prefill) >= 4 and unfolded[:len(prefill)] == prefill
     assert any(c.split > 1 or math.prod(c.grid) > 8 for c in cands)
     assert len(set(cands)) == len(cands)
+
+
+def test_underfilled_prefill_times_key_splits_folded_in_kernel():
+    """The bench's gqa at b8 (16 heads x 256 rows against 4096 keys) makes 32 programs of 128 rows: the prefill
+    schedules are also timed with the keys split to fill one and two waves of 132 SMs, folded in-kernel; a
+    prefill that fills the SMs by itself gets none."""
+    from torch_mirage.superopt.launch import PREFILL_SPLIT_SCHEDULES, WAVE_FILL, prefill_split_candidates
+
+    bg = _body(flash_attention(8, 2, 256, 4096, 64, scale=0.125, dtype="bfloat16"))
+    splits = prefill_split_candidates(bg, 132)
+    assert splits and all(c.combine_in_kernel and c.split > 1 for c in splits)
+    assert {(c.num_warps, c.num_stages) for c in splits} == {(w, st) for *_, w, st in PREFILL_SPLIT_SCHEDULES}
+    for c in splits:
+        programs = math.prod(c.grid) * c.split
+        assert WAVE_FILL * 132 <= programs <= 4 * 132 and c.forloop_range % c.split == 0
+    assert set(splits) <= set(candidates(bg, 132))
+    assert (math.prod(splits[0].grid), splits[0].split) == (32, 4)      # 128-row tiles: 4 splits of 1024 keys
+    full = _body(flash_attention(1, 32, 1024, 1024, 128, scale=0.088, dtype="bfloat16"))
+    assert prefill_split_candidates(full, 132) == []
+
+
+@interp
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+def test_prefill_key_split_folded_in_kernel_equals_fp64(tmp_path, causal):
+    """A prefill schedule with its keys split and the partial states folded by each tile's last program, with and
+    without a causal band (a split whose keys a row block never sees walks nothing): equal to fp64, twice (the
+    fold leaves its counters zero for the next launch)."""
+    from torch_mirage.superopt.launch import prefill_split_candidates
+
+    b, h, n, skv, d = 1, 2, 128, 512, 16
+    kw = dict(mask=(1, 1), band=(n, skv - n, None, True)) if causal else {}
+    bg = _body(flash_attention(b, h, n, skv, d, scale=0.25, dtype="float32", **kw))
+    configs = [c for c in prefill_split_candidates(bg, 8) if c.grid[2] == 1]       # 128-row blocks
+    assert configs
+    gen = torch.Generator().manual_seed(11)
+    ins = [torch.randn(s, generator=gen) for s in ((b, h, n, d), (b, h, skv, d), (b, h, skv, d))]
+    m = _mask(n, skv, n, skv - n) if causal else torch.zeros(1, 1, n, skv)
+    if causal:
+        ins.append(m)
+    want = _reference(*ins[:3], m, 0.25, None).float()
+    launcher = BlockLauncher(bg, configs[0], [4] * len(ins), str(tmp_path), f"split{int(causal)}", Target.INTERPRETER)
+    assert "atomic_add" in launcher.source
+    for _ in range(2):
+        assert_close(launcher(*ins)[0], want, torch.float32)
 
 
 def test_decode_split_count_fills_the_sms():
@@ -307,6 +353,26 @@ def test_fold_of_many_splits_walks_chunks(splits, tmp_path):
     small = LaunchConfig(tuple(bg.grid), skv // 4, FOLD_UNROLLED, 4, 2, combine_in_kernel=True)
     assert "for chunk" not in BlockLauncher(bg, small, [4, 4, 4, 4], str(tmp_path), "fold16",
                                             Target.INTERPRETER).source
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_prefill_key_splits_folded_in_kernel(dtype, tmp_path):
+    """The bench's gqa at b8 on the GPU: each prefill schedule's key split, folded in-kernel, fp64-equal, twice."""
+    from torch_mirage.superopt.launch import prefill_split_candidates
+
+    b, h, n, skv, d = 8, 2, 256, 4096, 64
+    bg = _body(flash_attention(b, h, n, skv, d, scale=0.125,
+                               dtype={torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]))
+    ins = [torch.randn(b, h, s, d, device="cuda", dtype=dtype) for s in (n, skv, skv)]
+    want = _reference(*ins, torch.zeros(1, 1, n, skv, device="cuda"), 0.125, None).to(dtype)
+    configs = prefill_split_candidates(bg, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert configs
+    for i, config in enumerate(configs):
+        launcher = BlockLauncher(bg, config, [4, 4, 4], str(tmp_path), f"split{i}", Target.CUDA)
+        for _ in range(2):
+            assert_close(launcher(*ins)[0], want, dtype)
 
 
 @pytest.mark.gpu

@@ -85,6 +85,11 @@ PREFILL_SCHEDULES = ((128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 12
 # schedules with the roles of rows and keys swapped, timed besides the roofline re-tilings (which keep 64-row steps
 # on 4 warps; H100 11-27, bf16 h2o_core n=1024: the column pass 31.5 µs at 128 keys x 64 rows, 4 / 3, against the
 # FlashAttention pass's 38.4)
+# prefill attention whose schedules above leave SMs idle (few heads x few query blocks against many keys: the bench's
+# gqa at b8, 16 heads x 256 rows over 4096 keys, 32 programs of 128 rows on 132 SMs): these of them are also timed
+# with their keys split to fill one and two waves, the tile's last program folding the partial states in-kernel
+# (one launch; the roofline re-tilings split with a combine kernel after them)
+PREFILL_SPLIT_SCHEDULES = ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3))
 COLUMN_SCHEDULES = ((128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 3), (256, 64, 8, 2))
 FILLED_SM_FRACTION = 2         # attention's own schedules are timed alone where one fills 1 / this many of the SMs
 PREFILL_MIN_ROWS = 128         # query rows (per grid slice) from which a block graph counts as prefill attention
@@ -512,6 +517,26 @@ def prefill_candidates(bg: BlockGraph) -> list[LaunchConfig]:
     return _schedules(bg, prefill_attention(bg), PREFILL_SCHEDULES)
 
 
+def prefill_split_candidates(bg: BlockGraph, n_sm: int) -> list[LaunchConfig]:
+    """:data:`PREFILL_SPLIT_SCHEDULES` that re-tile prefill attention ``bg``, each with its keys split in the fewest
+    power-of-two parts whose programs fill a wave of ``n_sm`` (to ``WAVE_FILL``) and in twice that many, each
+    split walking whole loop steps; the tile's last program folds the states (``combine_in_kernel``). None where
+    the unsplit schedule fills the wave already, or its row blocks are ragged (a split stores whole blocks)."""
+    out = []
+    for c in _schedules(bg, prefill_attention(bg), PREFILL_SPLIT_SCHEDULES):
+        programs = math.prod(c.grid)
+        if c.ragged_rows or programs >= WAVE_FILL * n_sm:
+            continue
+        first = 2
+        while programs * first < WAVE_FILL * n_sm:
+            first *= 2
+        for s in (first, 2 * first):
+            split = replace(c, split=s, combine_in_kernel=True)
+            if c.forloop_range % s == 0 and launch_tiling(bg, split) is not None:
+                out.append(split)
+    return out
+
+
 def _schedules(bg: BlockGraph, found: tuple[int, int, int] | None, schedules: Sequence[tuple]) -> list[LaunchConfig]:
     """The ``schedules`` — (extent per program, extent per loop step, num_warps, num_stages) — that re-tile ``bg``,
     whose ``found`` = (grid dim, its extent, the extent the loop walks), no split; none where ``found`` is None."""
@@ -609,6 +634,7 @@ def candidates(bg: BlockGraph, n_sm: int, limit: int = 4) -> list[LaunchConfig]:
         # too few programs to fill the SMs (a few heads of a short prefill against a long cache): the roofline
         # re-tilings and key splits below are timed too (H100 11-25, qknorm attention 2 heads x 256 x 4096 fp16:
         # 56.9 µs at the best prefill schedule's 8 programs, against 11.1 before prefill schedules replaced them)
+        fixed += [c for c in prefill_split_candidates(bg, n_sm) if c not in fixed]
     scored = _scored(bg, n_sm)
     picks = [(tuple(bg.grid), bg.forloop_range, 1)]
     for _, grid, f, s in scored:
@@ -823,7 +849,8 @@ def launch_key(bg: BlockGraph, inputs: Sequence[torch.Tensor], device: torch.dev
                      device=torch.cuda.get_device_name(device), timing="cuda graph, rotated inputs, ABBA",
                      space=[WARPS_STAGES, DEEP_PIPELINE, DEEP_LOOP, PROBE_WAVES, limit, COMBINE_PROGRAMS,
                             STREAM_PIPELINE, CONTIGUOUS_PIPELINES, FILL_PIPELINE, STREAM_STAGE_BYTES, STREAM_RUN_BYTES,
-                            RUN_TILES, PROLOGUE_PIPELINES, PREFILL_SCHEDULES, DECODE_SCHEDULES, COLUMN_SCHEDULES,
+                            RUN_TILES, PROLOGUE_PIPELINES, PREFILL_SCHEDULES, PREFILL_SPLIT_SCHEDULES, DECODE_SCHEDULES,
+                            COLUMN_SCHEDULES,
                             "mask scan", "ragged walk"]
                      + ([] if propose is candidates else [propose.__name__]))   # a wider search re-tunes
 
