@@ -117,10 +117,12 @@ def test_an_unregistered_key_names_the_way_out():
 def test_regions_that_write_an_input_or_have_symbolic_sizes_stay_out():
     cache, pos, rows = torch.zeros(8, 4), torch.tensor([1, 3]), torch.randn(2, 4)
     g = _graph_of(lambda c, p, r: (torch.index_copy(c, 0, p, r * 2),), cache, pos, rows)
-    assert not region_op.eligible(_region(g, kernel=lambda *a: a), g)
+    r = _region(g, kernel=lambda *a: a)
+    assert not region_op.eligible(r, r.outputs(g))
     g2 = _graph_of(lambda r: (r * 2 + 1,), rows)
-    assert region_op.eligible(_region(g2, kernel=lambda *a: a), g2)
-    assert not region_op.eligible(_region(g2, kernel=None), g2)
+    r2 = _region(g2, kernel=lambda *a: a)
+    assert region_op.eligible(r2, r2.outputs(g2))
+    assert not region_op.eligible(_region(g2, kernel=None), r2.outputs(g2))
 
 
 def test_region_keys_are_the_same_for_the_same_graph_and_differ_by_graph_and_place():
@@ -128,7 +130,9 @@ def test_region_keys_are_the_same_for_the_same_graph_and_differ_by_graph_and_pla
     g = _graph_of(lambda r: (r * 2 + 1,), rows)
     h = _graph_of(lambda r: (r * 3 + 1,), rows)
     g_again = _graph_of(lambda r: (r * 2 + 1,), rows)
-    key = lambda graph, i: region_op.region_key(region_op.graph_digest(graph), i, _region(graph, None), graph)  # noqa: E731
+    def key(graph, i):
+        region = _region(graph, None)
+        return region_op.region_key(region_op.graph_digest(graph), i, region, graph, region.outputs(graph))
     assert key(g, 0) == key(g_again, 0)
     assert key(g, 0) != key(h, 0) and key(g, 0) != key(g, 1)
 

@@ -366,10 +366,10 @@ def assemble(gm: fx.GraphModule, graph: Graph, regions: Sequence[Region], fallba
         region = mirage[it[1]]
         outs = region.outputs(graph)
         args = tuple(env[values[id(v)]] for v in region.inputs)
-        in_inductor = regions_in_inductor and fallback == "inductor" and region_op.eligible(region, graph)
+        in_inductor = regions_in_inductor and fallback == "inductor" and region_op.eligible(region, outs)
         if in_inductor:
             graph_key = graph_key or region_op.graph_digest(graph)
-            key = region_op.region_key(graph_key, it[1], region, graph)
+            key = region_op.region_key(graph_key, it[1], region, graph, outs)
             region_op.register(key, region.kernel, outs)
             call = new.call_function(region_op.region_op(), (key, list(args)))
             call.meta["val"] = [v.example for v in outs]

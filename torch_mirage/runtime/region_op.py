@@ -59,12 +59,12 @@ _LIB: list[Any] = []          # the torch.library.Library, made at the first use
 _LOCK = threading.Lock()
 
 
-def eligible(region: Any, graph: Graph) -> bool:
-    """Whether ``region`` can run as the op: every input and output a tensor of static shape and strides (the fake
-    implementation gives recorded sizes), and no op of it writes an input in place."""
+def eligible(region: Any, outs: Sequence[Value]) -> bool:
+    """Whether ``region`` (its outputs ``outs``) can run as the op: every input and output a tensor of static shape
+    and strides (the fake implementation gives recorded sizes), and no op of it writes an input in place."""
     if region.kernel is None:
         return False
-    values = list(region.inputs) + list(region.outputs(graph))
+    values = list(region.inputs) + list(outs)
     if not values or not all(isinstance(v, Value) and v.meta is not None and v.meta.is_static for v in values):
         return False
     return not any(u in n.target_name for n in region.nodes for u in _UPDATES)
@@ -75,9 +75,9 @@ def graph_digest(graph: Graph) -> str:
     return hashlib.sha256(fingerprint(graph).encode()).hexdigest()
 
 
-def region_key(graph_key: str, index: int, region: Any, graph: Graph) -> str:
-    """The registry key of the ``index``-th region of the graph whose digest is ``graph_key``."""
-    outs = region.outputs(graph)
+def region_key(graph_key: str, index: int, region: Any, graph: Graph, outs: Sequence[Value]) -> str:
+    """The registry key of the ``index``-th region (its outputs ``outs``) of ``graph``, whose digest is
+    ``graph_key``."""
     sub = subgraph(graph, region.nodes, outs)
     devices = ",".join(str(v.meta.device) for v in list(region.inputs) + list(outs))
     text = f"{graph_key}|{index}|{devices}|{fingerprint(sub)}"
@@ -137,7 +137,7 @@ def _run(key: str, args: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
     """``t`` in memory of its own, with its sizes and strides (gaps and broadcast strides included)."""
-    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
+    extent = _extent(t)
     buf = torch.empty(extent, dtype=t.dtype, device=t.device)
     buf.copy_(t.as_strided((extent,), (1,), t.storage_offset()))
     return buf.as_strided(t.shape, t.stride(), 0)
@@ -148,8 +148,12 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     if t.numel() == 0:
         return (0, 0)
     start = t.data_ptr()
-    extent = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) + 1
-    return (start, start + extent * t.element_size())
+    return (start, start + _extent(t) * t.element_size())
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first to its last one in memory (a non-empty tensor; gaps and broadcasts counted)."""
+    return sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
