@@ -7,7 +7,7 @@ per-token gap between two modes can be placed (graph kernels, launches, copies o
 mode calls more or less often than the first, with their input shapes and Python call sites.
 
     python benchmarks/hf_decode_profile.py [--model llama] [--modes reduce-overhead mirage] [--new-tokens 16]
-        [--prefill] [--tokens 64] [--shared]
+        [--prefill] [--tokens 64] [--shared] [--python]
 
 ``--shared`` compiles every mode on one model first and then profiles each with its forward put back, the HF
 bench's setting (one Dynamo cache with every mode's graphs), where mirage's µs/token has measured slower than
@@ -30,7 +30,7 @@ from torch_mirage.bench import models as M  # noqa: E402
 
 
 def profile_mode(spec, mode: str, new_tokens: int, batch: int, tokens: int, top: int, prefill: bool = False,
-                 shared: tuple | None = None) -> dict:
+                 shared: tuple | None = None, python: bool = False) -> dict:
     """Profile one warmed-up ``generate`` under ``mode`` (``prefill``: one forward over the prompt, no cache);
     returns the calls per (op, input shapes, Python stack). ``shared`` ``(model, forwards)``: the HF bench's setting
     (:func:`compile_all`), the mode's forward put in place on the one model instead of a model and compile of its
@@ -58,6 +58,18 @@ def profile_mode(spec, mode: str, new_tokens: int, batch: int, tokens: int, top:
             call()
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - start) / 5 * 1e6
+        if python:      # the Python the call runs, which the op profile below does not see
+            import cProfile
+            import pstats
+
+            py = cProfile.Profile()
+            py.enable()
+            call()
+            torch.cuda.synchronize()
+            py.disable()
+            print(f"=== {spec.name} {mode}: Python profile of one call")
+            for order in ("tottime", "cumulative"):
+                pstats.Stats(py).sort_stats(order).print_stats(top * 2)
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         verbose = getattr(torch._C._profiler, "_ExperimentalConfig", None)   # Python stacks on ATen ops
         extra = {"experimental_config": verbose(verbose=True)} if verbose is not None else {}
@@ -133,6 +145,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--prefill", action="store_true", help="profile one forward over the prompt, not a generate")
+    ap.add_argument("--python", action="store_true", help="also cProfile one call per mode (the Python it runs)")
     ap.add_argument("--shared", action="store_true",
                     help="compile every mode on one model in this process first, as the HF bench does")
     args = ap.parse_args()
@@ -146,7 +159,7 @@ def main() -> int:
         for mode in args.modes:
             try:
                 profiled.append((mode, profile_mode(spec, mode, args.new_tokens, args.batch, args.tokens, args.top,
-                                                    args.prefill, shared)))
+                                                    args.prefill, shared, args.python)))
             except Exception as e:   # one mode failing does not hide the other's profile
                 print(f"=== {args.model} {mode}: failed: {type(e).__name__}: {e}")
     if len(profiled) >= 2:
