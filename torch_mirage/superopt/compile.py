@@ -70,8 +70,10 @@ class BlockLauncher:
         target = Target.current() if target is None else target
         self.pdl = dependent_launch.enabled(target)     # a sibling launch of flat-pid parts waits in its own body
         self.plan = plan_block(tiled, SMEM_BYTES)
+        # the combine kernel's grid: none to find where there is no combine kernel (no split, or folded in-kernel)
+        combine = combine_tiling(tiled, config.split) if config.split > 1 and not config.combine_in_kernel else None
         self.kernel: BlockKernel = emit_block_kernel(tiled, list(in_ranks), name, config.split,
-                                                     combine_tiling(tiled, config.split), config.prologue,
+                                                     combine, config.prologue,
                                                      self.plan.order, self.plan.transposed, target,
                                                      sums_after=config.sums_after,
                                                      combine_in_kernel=config.combine_in_kernel,
