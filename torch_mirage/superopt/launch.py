@@ -80,16 +80,17 @@ PROLOGUE_PIPELINES = ((4, 3), (8, 5))
 # 2-4 stages — plus 64-row tiles for short sequences (more programs); they replace the roofline-ranked re-tilings
 # (128 x 128 at 3 stages holds 192 KiB of K / V stages next to Q's 32 KiB: at H100's shared-memory limit, left out)
 PREFILL_SCHEDULES = ((128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3))
+# prefill attention whose schedules above leave SMs idle (few heads x few query blocks against many keys: the bench's
+# gqa at b8, 16 heads x 256 rows over 4096 keys, 32 programs of 128 rows on 132 SMs): these of them are also timed
+# with their keys split to fill one and two waves, the tile's last program folding the partial states in-kernel
+# (one launch; the roofline re-tilings split with a combine kernel after them). H100 12-07, gqa b8: the tuner kept a
+# folded launch, 19.0 µs in one kernel (19.2 in two on 11-27); the best of 120 launches swept, 18.85, had a combine
+PREFILL_SPLIT_SCHEDULES = ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3))
 # a column pass (FlashTensor's second pass for column sums of P: each program holds a block of keys, the for-loop walks
 # the query tiles that see them) as (keys per program, query rows per step, num_warps, num_stages): the prefill
 # schedules with the roles of rows and keys swapped, timed besides the roofline re-tilings (which keep 64-row steps
 # on 4 warps; H100 11-27, bf16 h2o_core n=1024: the column pass 31.5 µs at 128 keys x 64 rows, 4 / 3, against the
 # FlashAttention pass's 38.4)
-# prefill attention whose schedules above leave SMs idle (few heads x few query blocks against many keys: the bench's
-# gqa at b8, 16 heads x 256 rows over 4096 keys, 32 programs of 128 rows on 132 SMs): these of them are also timed
-# with their keys split to fill one and two waves, the tile's last program folding the partial states in-kernel
-# (one launch; the roofline re-tilings split with a combine kernel after them)
-PREFILL_SPLIT_SCHEDULES = ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3))
 COLUMN_SCHEDULES = ((128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 3), (256, 64, 8, 2))
 FILLED_SM_FRACTION = 2         # attention's own schedules are timed alone where one fills 1 / this many of the SMs
 PREFILL_MIN_ROWS = 128         # query rows (per grid slice) from which a block graph counts as prefill attention
@@ -520,8 +521,9 @@ def prefill_candidates(bg: BlockGraph) -> list[LaunchConfig]:
 def prefill_split_candidates(bg: BlockGraph, n_sm: int) -> list[LaunchConfig]:
     """:data:`PREFILL_SPLIT_SCHEDULES` that re-tile prefill attention ``bg``, each with its keys split in the fewest
     power-of-two parts whose programs fill a wave of ``n_sm`` (to ``WAVE_FILL``) and in twice that many, each
-    split walking whole loop steps; the tile's last program folds the states (``combine_in_kernel``). None where
-    the unsplit schedule fills the wave already, or its row blocks are ragged (a split stores whole blocks)."""
+    split walking whole loop steps; the tile's last program folds the states (``combine_in_kernel``). None of a
+    schedule whose unsplit launch fills the wave already, or whose row blocks are ragged (a split stores whole
+    blocks)."""
     out = []
     for c in _schedules(bg, prefill_attention(bg), PREFILL_SPLIT_SCHEDULES):
         programs = math.prod(c.grid)
