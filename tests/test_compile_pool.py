@@ -3,6 +3,7 @@ the first build, the builds, checks, drops and winner exactly as without the poo
 import logging
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,9 +189,10 @@ SIGNATURE = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr
 ATTRS = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
 
 
-def _launch(tmp_path, name="scale", block=128):
-    """A launch's compile as Triton's JIT hands it to its cache hook: the kernel file, the specialisation data
-    (serialised as Triton serialises it: the parsed options' fields), the options object and the request."""
+def _launch(tmp_path, name="scale", block=128, path=None):
+    """A launch's compile as Triton's JIT hands it to its cache hook: the kernel file (``path``: one written
+    already), the specialisation data (serialised as Triton serialises it: the parsed options' fields), the options
+    object and the request."""
     import json
 
     from triton.backends.compiler import GPUTarget
@@ -198,8 +200,9 @@ def _launch(tmp_path, name="scale", block=128):
 
     from torch_mirage.codegen.aot import CompileRequest
 
-    path = tmp_path / "kernel.py"
-    path.write_text(KERNEL)
+    if path is None:
+        path = tmp_path / "kernel.py"
+        path.write_text(KERNEL)
     options = make_backend(GPUTarget("cuda", 90, 32)).parse_options({"num_warps": 4, "num_stages": 3})
     spec = json.dumps({"name": name, "signature": SIGNATURE, "constant_keys": [[3]], "constant_vals": [block],
                        "attrs_keys": [list(k) for k in ATTRS], "attrs_vals": list(ATTRS.values()),
@@ -208,12 +211,57 @@ def _launch(tmp_path, name="scale", block=128):
 
 
 def _module(path):
+    """The kernel file imported as the loader imports a generated module: its kernels' keys pinned."""
     import importlib.util
+
+    from torch_mirage.codegen.compile_worker import pin_kernel_keys
 
     spec = importlib.util.spec_from_file_location(f"kernel_{abs(hash(str(path)))}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    pin_kernel_keys(module, path.read_text())
     return module
+
+
+def test_generated_kernels_keys_are_pinned_to_their_source_without_tritons_dependency_walk(tmp_path, monkeypatch):
+    """A generated module's @triton.jit functions get their cache keys from the module's text, its name and line:
+    the same in a second load (a later process) and in the compile worker, another for other text, and Triton's
+    dependency walk (about 6 ms a kernel on its first launch in each process) never runs: a worker process compiles
+    the kernel for sm_90, and both loads' compiles of it are hits in Triton's cache. Under the interpreter nothing
+    is pinned."""
+    import triton
+    import triton.runtime.jit as jit
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from torch_mirage.codegen import compile_worker, loader
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)      # @triton.jit makes JITFunctions, as on a GPU
+    monkeypatch.setattr(loader, "_LOADED", {})
+    first = loader.load_source(KERNEL, str(tmp_path))[0].scale
+    loader._LOADED.clear()                                    # a later process: imported again
+    again = loader.load_source(KERNEL, str(tmp_path))[0].scale
+    other = loader.load_source(KERNEL.replace("2.0", "3.0"), str(tmp_path))[0].scale
+    worker = compile_worker._module(loader.source_path(KERNEL, str(tmp_path))).scale
+    assert first is not again and first.cache_key == again.cache_key == worker.cache_key != other.cache_key
+    assert first.used_global_vals == {}
+
+    def walk(*args, **kwargs):
+        raise AssertionError("Triton's dependency walk ran for a pinned kernel")
+    monkeypatch.setattr(jit, "DependenciesFinder", walk)
+    _, options, request = _launch(tmp_path, path=Path(loader.source_path(KERNEL, str(tmp_path))))
+    assert compile_pool.compile_in_workers([request], 1) == [None]
+    hits = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
+    monkeypatch.setattr(triton.knobs.cache, "dir", request.cache_dir)
+    for fn in (first, again):
+        triton.compile(ASTSource(fn, SIGNATURE, {(3,): 128}, ATTRS), target=GPUTarget("cuda", 90, 32),
+                       options=options.__dict__)
+    assert hits == [True, True]      # a miss would compile here (under the test suite's interpreter, it raises)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    loader._LOADED.clear()
+    interpreted = loader.load_source(KERNEL, str(tmp_path))[0].scale
+    assert not hasattr(type(interpreted), "cache_key") and getattr(interpreted, "hash", None) is None
 
 
 def test_a_worker_process_compiles_a_recorded_launch_so_that_the_launch_finds_it_in_tritons_cache(tmp_path,

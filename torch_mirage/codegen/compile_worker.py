@@ -23,6 +23,26 @@ import sys
 _MODULES: dict[str, object] = {}
 
 
+KERNEL_KEY_VERSION = "torch_mirage-kernel-key-1"
+
+
+def pin_kernel_keys(module, source: str) -> None:
+    """Give each ``@triton.jit`` function of generated ``module`` (whose text is ``source``) its cache key without
+    Triton's dependency walk: a digest of the module's whole text, the function's name and its first line. A
+    generated module imports only ``triton`` and ``triton.language`` and holds its constants as literals, so its
+    text is all that its kernels depend on besides Triton itself (whose own digest is part of every compile's
+    cache key). Triton otherwise parses and walks each function's source on its first launch in every process,
+    about 6 ms a kernel (the CPU, Triton 3.7), which a warm compile of a decode graph pays for dozens of kernels.
+    The loader and this worker both pin the keys, so the kernels they compile and load have the same key.
+    Functions Triton's interpreter wraps (no ``cache_key``) are left alone."""
+    digest = hashlib.sha256(source.encode("utf-8")).hexdigest()
+    for name, fn in vars(module).items():
+        if getattr(fn, "hash", 0) is not None or not hasattr(type(fn), "cache_key"):
+            continue         # not a JITFunction, or one whose key is already known
+        line = getattr(fn, "starting_line_number", 0)
+        fn.hash = hashlib.sha256(f"{KERNEL_KEY_VERSION}|{digest}|{name}|{line}".encode()).hexdigest()
+
+
 def _module(path: str):
     """The generated module at ``path``, imported once per worker (``@triton.jit`` reads its source by file)."""
     if path not in _MODULES:
@@ -31,7 +51,9 @@ def _module(path: str):
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         with open(path, encoding="utf-8") as f:
-            exec(compile(f.read(), path, "exec"), module.__dict__)
+            source = f.read()
+        exec(compile(source, path, "exec"), module.__dict__)
+        pin_kernel_keys(module, source)
         _MODULES[path] = module
     return _MODULES[path]
 

@@ -8,7 +8,9 @@ imports it under a unique module name. Modules are memoized per process.
 A file whose bytes are not the source its name hashes (random bytes, a truncated
 write by an older version, an edit) is logged once, dropped and rewritten. The
 module is executed from the source in memory, compiled here: no bytecode file is
-written or read, so no stale or truncated ``.pyc`` can break a kernel.
+written or read, so no stale or truncated ``.pyc`` can break a kernel. Its kernels' cache
+keys are pinned to the source (:func:`.compile_worker.pin_kernel_keys`), as the compile
+workers pin them.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from types import ModuleType
 
 from ..cache import write_atomic
 from ..context import Target
+from .compile_worker import pin_kernel_keys
 
 log = logging.getLogger("torch_mirage")
 
@@ -71,5 +74,6 @@ def load_source(source: str, cache_dir: str, prefix: str = "gen") -> tuple[Modul
         except BaseException:
             sys.modules.pop(name, None)
             raise
+        pin_kernel_keys(module, source)
         _LOADED[key] = (module, path)
         return module, path
