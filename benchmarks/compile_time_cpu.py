@@ -7,7 +7,10 @@ Cases (Llama-3-8B decode shapes, bf16):
 - ``decode-attention``: FlashAttention over a 4096-slot KV cache, 8 KV heads x 4 packed query rows, d 128, at
   every launch the tuner times at batch 1 (the keys split 16 / 32 / 64 ways, folded in-kernel by each tile's last
   program) and at batch 8 (2 / 4 / 8);
-- ``qkv-siblings``: the paired-halves QKV + RoPE form's q and k / v kernels alone and as one sibling launch.
+- ``qkv-siblings``: the paired-halves QKV + RoPE form's q and k / v kernels alone and as one sibling launch;
+- ``cache-hits``: the batch-1 decode-attention launches compiled once, then each module loaded afresh (as a warm
+  process loads it) and compiled again: the seconds of that hit in Triton's cache, which a warm process pays on
+  each kernel's first launch (the cache key of the kernel's source, the cache's files).
 
 - ``--jobs FILE``: instead, the kernels listed in a pickle (:func:`compile_jobs`; written by
   ``decode_partition_cpu.py --compiles``, which claims under the interpreter, where nothing compiles).
@@ -15,7 +18,7 @@ Cases (Llama-3-8B decode shapes, bf16):
 Prints seconds per compile (one process, compiles one after another; the device's compile pool runs them in
 parallel, so a round there takes about its slowest compile) and writes JSON with ``--out``.
 
-    python benchmarks/compile_time_cpu.py [--cases decode-attention qkv-siblings] [--jobs FILE] [--out FILE]
+    python benchmarks/compile_time_cpu.py [--cases decode-attention qkv-siblings cache-hits] [--jobs FILE] [--out FILE]
 """
 from __future__ import annotations
 
@@ -161,7 +164,35 @@ def compile_jobs(path: str) -> list[dict]:
     return rows
 
 
-CASES = {"decode-attention": decode_attention, "qkv-siblings": qkv_siblings}
+def cache_hits() -> list[dict]:
+    from torch_mirage.codegen import loader
+    from torch_mirage.superopt.attention_seeds import flash_attention
+
+    kg = flash_attention(1, 8, 4, 4096, 128, scale=0.088, mask=(1, 1), dtype="bfloat16")
+    op = next(o for o in kg.ops if o.name == "customized")
+    out = []
+    with tempfile.TemporaryDirectory() as d:
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(d, "triton")
+        for cfg in [c for c in candidates(op.body, 132) if c.split > 1]:
+            k = emitted(op.body, cfg, [4, 4, 4, 4], "kernel")
+            stages = {p.split(":")[0]: cfg.num_stages for p in k.params if "NUM_STAGES" in p}
+            sig, _ = _signature(k.params, ["bfloat16"] * 4, ["bfloat16"] * 4)
+            seconds = []
+            for _ in range(2):                 # compiled, then a hit for the module loaded again
+                loader._LOADED.clear()
+                module, _ = load_source(module_source([k]), d, prefix="ct")
+                src = triton.compiler.ASTSource(fn=getattr(module, "kernel"), signature=sig, constexprs=stages)
+                start = time.perf_counter()
+                triton.compile(src, target=TARGET, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                seconds.append(time.perf_counter() - start)
+            out.append({"case": "cache-hit", "config": cfg.to_json(), "compile_s": round(seconds[0], 3),
+                        "hit_ms": round(seconds[1] * 1e3, 2)})
+            print(f"decode attention split {cfg.split:>2} stages {cfg.num_stages}: compile {seconds[0]:6.2f} s, "
+                  f"cache hit {seconds[1] * 1e3:6.2f} ms", flush=True)
+    return out
+
+
+CASES = {"decode-attention": decode_attention, "qkv-siblings": qkv_siblings, "cache-hits": cache_hits}
 
 
 def main() -> None:
