@@ -72,9 +72,11 @@ def emitted(bg, cfg: LaunchConfig, in_ranks, name: str, flat_pid: bool = False):
 
 
 def compile_seconds(source: str, name: str, params, in_dtypes, out_dtypes, stages: dict, warps: int,
-                    num_stages: int) -> float:
-    """Seconds Triton takes to compile kernel ``name`` of ``source`` for sm_90 (fresh: no cache)."""
-    with tempfile.TemporaryDirectory() as d:
+                    num_stages: int, cache_dir: str | None = None) -> float:
+    """Seconds Triton takes to compile kernel ``name`` of ``source`` for sm_90: fresh (no cache), or with Triton's
+    cache and the module file under ``cache_dir`` (a second call there is a cache hit)."""
+    with tempfile.TemporaryDirectory() as fresh:
+        d = cache_dir or fresh
         os.environ["TRITON_CACHE_DIR"] = d
         module, _ = load_source(source, d, prefix="ct")
         sig, _ = _signature(params, in_dtypes, out_dtypes)
@@ -84,11 +86,11 @@ def compile_seconds(source: str, name: str, params, in_dtypes, out_dtypes, stage
         return time.perf_counter() - start
 
 
-def _kernel_seconds(bg, cfg, in_ranks, in_dtypes, out_dtypes) -> float:
+def _kernel_seconds(bg, cfg, in_ranks, in_dtypes, out_dtypes, cache_dir: str | None = None) -> float:
     k = emitted(bg, cfg, in_ranks, "kernel")
     stages = {p.split(":")[0]: cfg.num_stages for p in k.params if "NUM_STAGES" in p}
     return compile_seconds(module_source([k]), "kernel", k.params, in_dtypes, out_dtypes, stages, cfg.num_warps,
-                           cfg.num_stages)
+                           cfg.num_stages, cache_dir)
 
 
 def decode_attention(rows_of_batch=(1, 8)) -> list[dict]:
@@ -172,19 +174,11 @@ def cache_hits() -> list[dict]:
     op = next(o for o in kg.ops if o.name == "customized")
     out = []
     with tempfile.TemporaryDirectory() as d:
-        os.environ["TRITON_CACHE_DIR"] = os.path.join(d, "triton")
         for cfg in [c for c in candidates(op.body, 132) if c.split > 1]:
-            k = emitted(op.body, cfg, [4, 4, 4, 4], "kernel")
-            stages = {p.split(":")[0]: cfg.num_stages for p in k.params if "NUM_STAGES" in p}
-            sig, _ = _signature(k.params, ["bfloat16"] * 4, ["bfloat16"] * 4)
             seconds = []
             for _ in range(2):                 # compiled, then a hit for the module loaded again
                 loader._LOADED.clear()
-                module, _ = load_source(module_source([k]), d, prefix="ct")
-                src = triton.compiler.ASTSource(fn=getattr(module, "kernel"), signature=sig, constexprs=stages)
-                start = time.perf_counter()
-                triton.compile(src, target=TARGET, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-                seconds.append(time.perf_counter() - start)
+                seconds.append(_kernel_seconds(op.body, cfg, [4, 4, 4, 4], ["bfloat16"] * 4, ["bfloat16"] * 4, d))
             out.append({"case": "cache-hit", "config": cfg.to_json(), "compile_s": round(seconds[0], 3),
                         "hit_ms": round(seconds[1] * 1e3, 2)})
             print(f"decode attention split {cfg.split:>2} stages {cfg.num_stages}: compile {seconds[0]:6.2f} s, "
