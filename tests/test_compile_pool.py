@@ -575,3 +575,50 @@ def test_triton_cache_dir_and_ptxas_are_pinned_where_inductor_puts_them(monkeypa
     monkeypatch.setattr(aot, "inductor_ptxas", lambda: None)
     assert aot.pin_triton_environment(torch.device("cuda"))["TRITON_PTXAS_PATH"] is None
     assert "TRITON_PTXAS_PATH" not in os.environ
+
+
+def _counting_key(value, calls):
+    """A stand-in for Triton's lru-cached ``triton_key`` that counts its computations."""
+    import functools
+
+    @functools.lru_cache()
+    def triton_key():
+        calls.append(value)
+        return value
+    return triton_key
+
+
+def test_tritons_own_key_is_read_from_the_cache_directory_in_a_later_process(tmp_path, monkeypatch):
+    """``memoize_triton_key``: the first process computes Triton's key once and writes it; a later process (a fresh
+    ``triton_key``) reads it from the file without computing; another stamp of Triton's files (an upgrade)
+    computes and writes its own; a key computed already in this process is left alone. On the real Triton the
+    memo gives Triton's own key."""
+    from triton.runtime import cache as triton_cache
+
+    from torch_mirage.codegen import compile_worker
+
+    calls: list[str] = []
+    monkeypatch.setattr(triton_cache, "triton_key", _counting_key("key-a", calls))
+    assert compile_worker.memoize_triton_key(str(tmp_path))
+    assert triton_cache.triton_key() == triton_cache.triton_key() == "key-a" and calls == ["key-a"]
+    assert compile_worker.memoize_triton_key(str(tmp_path))          # installed once: a no-op
+    monkeypatch.setattr(triton_cache, "triton_key", _counting_key("key-b", calls))   # a later process
+    assert compile_worker.memoize_triton_key(str(tmp_path))
+    assert triton_cache.triton_key() == "key-a" and calls == ["key-a"]
+    monkeypatch.setattr(compile_worker, "_triton_files_stamp", lambda triton_dir: "f" * 64)   # Triton changed
+    monkeypatch.setattr(triton_cache, "triton_key", _counting_key("key-c", calls))
+    assert compile_worker.memoize_triton_key(str(tmp_path))
+    assert triton_cache.triton_key() == "key-c" and calls == ["key-a", "key-c"]
+    computed = _counting_key("key-d", calls)
+    computed()
+    monkeypatch.setattr(triton_cache, "triton_key", computed)
+    assert not compile_worker.memoize_triton_key(str(tmp_path)) and triton_cache.triton_key is computed
+    monkeypatch.undo()
+
+    real = triton_cache.triton_key
+    own = real.__wrapped__() if hasattr(real, "__wrapped__") else real()
+    monkeypatch.setattr(triton_cache, "triton_key", _counting_key(own, calls))
+    assert compile_worker.memoize_triton_key(str(tmp_path / "real"))
+    assert triton_cache.triton_key() == own
+    monkeypatch.setattr(triton_cache, "triton_key", _counting_key("stale", calls))
+    assert compile_worker.memoize_triton_key(str(tmp_path / "real")) and triton_cache.triton_key() == own

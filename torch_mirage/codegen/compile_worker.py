@@ -43,6 +43,84 @@ def pin_kernel_keys(module, source: str) -> None:
         fn.hash = hashlib.sha256(f"{KERNEL_KEY_VERSION}|{digest}|{name}|{line}".encode()).hexdigest()
 
 
+TRITON_KEY_FILE = "torch_mirage-triton-key-{}.txt"
+
+
+def _triton_files_stamp(triton_dir: str) -> str:
+    """A digest of the path, size and modification time of every file Triton's own ``triton_key`` reads (its
+    ``runtime/cache.py``, the ``compiler``, ``backends`` and ``language`` packages and ``_C/libtriton``), with
+    Triton's version: it changes whenever any of those files could have."""
+    stamp = hashlib.sha256()
+    parts = [os.path.join(triton_dir, "runtime", "cache.py")]
+    for sub in ("compiler", "backends", "language"):
+        for root, dirs, files in os.walk(os.path.join(triton_dir, sub)):
+            dirs.sort()
+            parts += [os.path.join(root, f) for f in sorted(files) if f.endswith(".py")]
+    c_dir = os.path.join(triton_dir, "_C")
+    parts += sorted(os.path.join(c_dir, f) for f in os.listdir(c_dir) if f.startswith("libtriton."))
+    for path in parts:
+        st = os.stat(path)
+        stamp.update(f"{path}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return stamp.hexdigest()
+
+
+def memoize_triton_key(cache_dir: str) -> bool:
+    """Make Triton's ``triton_key`` (part of every kernel compile's cache key) come from a file in ``cache_dir``
+    instead of its digest of Triton's files, which reads all of ``libtriton`` once a process: about 0.35 s on the
+    H100's host (12-07), paid by every warm process on its first kernel load and by every compile worker. The file
+    is named by :func:`_triton_files_stamp`, so an upgraded or edited Triton computes and writes a new one; the key
+    itself is always Triton's own. Returns whether the memo is in place (False: this Triton has no such function,
+    or its key is computed already, or the files cannot be read)."""
+    try:
+        import triton
+        from triton.runtime import cache as triton_cache
+    except ImportError:
+        return False
+    original = getattr(triton_cache, "triton_key", None)
+    info = getattr(original, "cache_info", None)
+    if getattr(original, "torch_mirage_memo", False):
+        return True
+    if info is None or info().currsize:   # not the lru-cached function we know, or already computed here
+        return False
+    try:
+        stamp = _triton_files_stamp(os.path.dirname(os.path.abspath(triton.__file__)))
+    except OSError:
+        return False
+    path = os.path.join(cache_dir, TRITON_KEY_FILE.format(stamp[:32]))
+    memo: list[str] = []
+
+    def triton_key() -> str:
+        if not memo:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    memo.append(f.read())
+            except OSError:
+                memo.append(original())
+                _write_atomic_text(path, memo[0])
+        return memo[0]
+
+    triton_key.torch_mirage_memo = True
+    triton_key.__wrapped__ = original
+    triton_cache.triton_key = triton_key
+    return True
+
+
+def _write_atomic_text(path: str, text: str) -> None:
+    """``text`` into ``path`` through a temporary file and a rename; a write that fails leaves nothing behind
+    (``torch_mirage.cache.write_atomic``'s job, here without importing torch_mirage: see the module's docstring)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
 def _module(path: str):
     """The generated module at ``path``, imported once per worker (``@triton.jit`` reads its source by file)."""
     if path not in _MODULES:
@@ -71,6 +149,7 @@ def compile_request(request: dict) -> None:
     from triton.compiler import ASTSource
 
     triton.knobs.cache.dir = request["cache_dir"]
+    memoize_triton_key(request["cache_dir"])
     fn = getattr(_module(request["path"]), request["name"])
     data = json.loads(request["specialization"])
 
