@@ -13,6 +13,7 @@
 #        fuzz:<args of benchmarks/fuzz_backend.py> (random programs compiled on the GPU against float64)
 #        dyncache:<args of benchmarks/dynamic_cache_generate_gpu.py> (generate with a DynamicCache, per MIRAGE_CUDA_GRAPH_RECORD_AT)
 #        hfprofile:<args of benchmarks/hf_decode_profile.py> (one generate per mode under torch.profiler: host vs GPU)
+#        pertoken:<args of benchmarks/per_token_alone.py> (µs/token with each mode alone in Dynamo's cache and shared)
 #        hf:<models, e.g. qwen2,phi3> (the HF model bench,
 #        default attention, one process per model; MIRAGE_LOG_LEVEL=INFO logs each tuned choice's compile seconds)
 #        (quote a step with spaces as one argument).
@@ -74,6 +75,7 @@ for arg in "$@"; do
     fuzz:*) timeout "$LIMIT" python3 benchmarks/fuzz_backend.py --device cuda ${step#fuzz:} ;;   # "fuzz:--seeds 0:10 --dtype bfloat16"
     dyncache:*) timeout "$LIMIT" python3 benchmarks/dynamic_cache_generate_gpu.py --out "$OUT" ${step#dyncache:} ;;   # "dyncache:" = llama, record_at 1 and 2
     serving:*) timeout "$LIMIT" python3 benchmarks/serving_sizes_gpu.py --out "$OUT" ${step#serving:} ;;   # "serving:--model llama"
+    pertoken:*) timeout "$LIMIT" python3 benchmarks/per_token_alone.py --out "$OUT" ${step#pertoken:} ;;   # "pertoken:--model qwen2"
     hfprofile:*) timeout "$LIMIT" python3 benchmarks/hf_decode_profile.py ${step#hfprofile:} ;;   # "hfprofile:--model qwen2"
     afterinductor:*) timeout "$LIMIT" python3 benchmarks/compile_after_inductor.py ${step#afterinductor:} ;;   # "afterinductor:--profile"
     bench:*)  BUDGET_S=$((LIMIT - 40)) timeout "$LIMIT" bash benchmarks/run_h100.sh ${step#bench:} ;;   # "bench:PART ARGS..." splits
