@@ -795,6 +795,36 @@ def test_constant_value_with_observed_inputs():
     assert torch.equal(constant_value(graph, out, {graph.inputs[0].name: m}), m[..., :4] * 2)
 
 
+def test_constant_value_is_evaluated_once_per_value_and_observed_tensors(monkeypatch):
+    """A mask every layer reads is evaluated once in a graph: a second ask runs no slice, and gets a copy (a write
+    to the first answer does not reach it); other observed tensors are evaluated again, with their contents."""
+    from torch_mirage.capture import lower
+    from torch_mirage.testing.aten import trace_ir
+
+    def f(x, m):
+        keep = torch.arange(6)[None, :] <= torch.arange(4)[:, None]
+        return x + torch.where(keep, 0.0, float("-inf")), x + m[:, :6] * 2
+    x, m = torch.randn(4, 6), torch.randn(4, 8)
+    graph = trace_ir(f, x, m)
+    adds = [n for n in graph.nodes if n.target_name == "aten.add.Tensor"]
+    (mask,) = [v for v in adds[0].inputs if v.producer is not None]
+    (scaled,) = [v for v in adds[1].inputs if v.producer is not None]
+    runs = []
+    real = lower._evaluated
+    monkeypatch.setattr(lower, "_evaluated", lambda *a: runs.append(a[1]) or real(*a))
+    first = lower.constant_value(graph, mask)
+    expected = torch.where(torch.arange(6)[None, :] <= torch.arange(4)[:, None], 0.0, float("-inf"))
+    assert torch.equal(first, expected)
+    first.fill_(7.0)
+    assert torch.equal(lower.constant_value(graph, mask), expected) and runs == [mask]
+    name = graph.inputs[1].name
+    assert torch.equal(lower.constant_value(graph, scaled, {name: m}), m[:, :6] * 2)
+    other = torch.randn(4, 8)
+    assert torch.equal(lower.constant_value(graph, scaled, {name: other}), other[:, :6] * 2)
+    assert torch.equal(lower.constant_value(graph, scaled, {name: m}), m[:, :6] * 2)
+    assert runs == [mask, scaled, scaled]
+
+
 def test_computed_from_constants_says_what_constant_value_would_evaluate():
     """The check stage's key asks only whether an input is computed from the graph's constants alone (a mask from
     ``arange``), without evaluating it: the same answer as ``constant_value`` being a tensor."""

@@ -1,6 +1,7 @@
 """The compile pool (compile_pool.py) and tune's ahead-of-time compiles: every candidate compiled in the pool before
 the first build, the builds, checks, drops and winner exactly as without the pool, in the same order."""
 import logging
+import sys
 import threading
 import time
 from pathlib import Path
@@ -591,15 +592,22 @@ def _counting_key(value, calls):
 def test_tritons_own_key_is_read_from_the_cache_directory_in_a_later_process(tmp_path, monkeypatch):
     """``memoize_triton_key``: the first process computes Triton's key once and writes it; a later process (a fresh
     ``triton_key``) reads it from the file without computing; another stamp of Triton's files (an upgrade)
-    computes and writes its own; a key computed already in this process is left alone. On the real Triton the
-    memo gives Triton's own key."""
+    computes and writes its own; a key computed already in this process is left alone; Inductor's shim, which
+    bound Triton's function when it was imported, gets the memo too. On the real Triton the memo gives Triton's
+    own key."""
     from triton.runtime import cache as triton_cache
 
     from torch_mirage.codegen import compile_worker
 
+    import types
+
     calls: list[str] = []
     monkeypatch.setattr(triton_cache, "triton_key", _counting_key("key-a", calls))
+    shim = types.ModuleType("torch._inductor.runtime.triton_compat")   # Inductor's import of Triton's function
+    shim.triton_key = triton_cache.triton_key
+    monkeypatch.setitem(sys.modules, "torch._inductor.runtime.triton_compat", shim)
     assert compile_worker.memoize_triton_key(str(tmp_path))
+    assert shim.triton_key is triton_cache.triton_key and shim.triton_key.torch_mirage_memo
     assert triton_cache.triton_key() == triton_cache.triton_key() == "key-a" and calls == ["key-a"]
     assert compile_worker.memoize_triton_key(str(tmp_path))          # installed once: a no-op
     monkeypatch.setattr(triton_cache, "triton_key", _counting_key("key-b", calls))   # a later process

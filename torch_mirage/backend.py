@@ -22,6 +22,7 @@ from . import failures
 from .cache import DiskCache, cache_key
 from .capture.host_scalars import split_host_scalars, symbolic_positions
 from .codegen.aot import pin_triton_environment
+from .codegen.compile_worker import memoize_triton_key
 from .compile_pool import align_ptxas_version
 from .partition.region import Claimer, Reason
 from .failures import Failure
@@ -193,6 +194,8 @@ class MirageBackend:
         )
         first_graph = len(self.report.graphs)
         ptxas = os.environ.get("TRITON_PTXAS_PATH")
+        if cache is not None:   # before Inductor or mirage compiles or loads a kernel (codegen.compile_worker)
+            memoize_triton_key(cfg.cache_dir)
         pinned = pin_triton_environment(input_device(example_inputs))  # before any kernel of mirage's or Inductor's
         if pinned and pinned["TRITON_PTXAS_PATH"] != ptxas:             # compiles
             align_ptxas_version()   # a Triton that compiled before this keys its kernels by the ptxas set now

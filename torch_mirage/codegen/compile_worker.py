@@ -69,8 +69,9 @@ def memoize_triton_key(cache_dir: str) -> bool:
     instead of its digest of Triton's files, which reads all of ``libtriton`` once a process: about 0.35 s on the
     H100's host (12-07), paid by every warm process on its first kernel load and by every compile worker. The file
     is named by :func:`_triton_files_stamp`, so an upgraded or edited Triton computes and writes a new one; the key
-    itself is always Triton's own. Returns whether the memo is in place (False: this Triton has no such function,
-    or its key is computed already, or the files cannot be read)."""
+    itself is always Triton's own. Each module of :data:`TRITON_KEY_HOLDERS` loaded so far that holds Triton's
+    function gets the memo in its place. Returns whether the memo is in place (False: this Triton has no such
+    function, or its key is computed already, or the files cannot be read)."""
     try:
         import triton
         from triton.runtime import cache as triton_cache
@@ -101,8 +102,18 @@ def memoize_triton_key(cache_dir: str) -> bool:
 
     triton_key.torch_mirage_memo = True
     triton_key.__wrapped__ = original
-    triton_cache.triton_key = triton_key
+    for name in TRITON_KEY_HOLDERS:   # the modules that bound Triton's function by name when imported
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "triton_key", None) is original:
+            module.triton_key = triton_key
     return True
+
+
+# Where ``triton_key`` is bound by name: Triton's cache module (whose ``get_cache_key`` every compile calls), its
+# autotuner, and Inductor's Triton shim, through which Inductor's FX graph cache and compile pool ask for it
+# (torch 2.11-2.13). With the memo in Triton's module only, a warm process's first Inductor load hashed
+# ``libtriton`` itself (H100 12-07 h: the prefill graph's warm assemble stage 1.19 s, 0.73 s on 12-03).
+TRITON_KEY_HOLDERS = ("triton.runtime.cache", "triton.runtime.autotuner", "torch._inductor.runtime.triton_compat")
 
 
 def _write_atomic_text(path: str, text: str) -> None:
