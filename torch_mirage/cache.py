@@ -44,7 +44,6 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "triton": triton_version, "torch_mirage": __version__}
 
 
-@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)   # read once a process: the code does not change under a running compile
 def source_digest(*parts: str) -> str:
     """A digest of the Python sources of these parts of ``torch_mirage`` (subpackages, ``"superopt"``, or modules,
