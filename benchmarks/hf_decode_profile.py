@@ -136,13 +136,18 @@ def print_call_differences(first: tuple[str, dict], second: tuple[str, dict]) ->
                 print(f"         {frame}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def generate_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model, modes and ``generate`` sizes, as this script and ``per_token_alone.py`` take them."""
     ap.add_argument("--model", default="llama", choices=list(M.MODELS))
     ap.add_argument("--modes", nargs="+", default=["reduce-overhead", "mirage"])
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64, help="prompt length")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    generate_arguments(ap)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--prefill", action="store_true", help="profile one forward over the prompt, not a generate")
     ap.add_argument("--python", action="store_true", help="also cProfile one call per mode (the Python it runs)")

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from torch_mirage.bench import models as M  # noqa: E402
 from torch_mirage.timing import fastest_per_half  # noqa: E402
+from hf_decode_profile import generate_arguments  # noqa: E402  (a script beside this one)
 
 
 SETTLE = 5   # generates run after a compile before a slot is timed (compile, record, settle)
@@ -58,11 +59,7 @@ def schedule(modes: list[str]) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama", choices=list(M.MODELS))
-    ap.add_argument("--modes", nargs="+", default=["reduce-overhead", "mirage"])
-    ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=64, help="prompt length")
+    generate_arguments(ap)
     ap.add_argument("--repeats", type=int, default=7, help="generates timed per slot")
     ap.add_argument("--out", default=None, help="directory for per-token-<model>.json")
     ap.add_argument("--tiny", action="store_true", help="the test suite's tiny config (a CPU smoke run)")
