@@ -940,3 +940,23 @@ def test_gqa_prefill_runs_a_program_per_query_head_on_the_regions_tensors(monkey
     (region,) = _check(f, (xq, xk, xv, *extra), dtype)
     assert "a program per query head" in region.info.get("layout", ""), region.info
     assert seen and all(seen), seen
+
+
+def test_a_large_constant_value_is_evaluated_again_rather_than_kept(monkeypatch):
+    """A value larger than ``CONSTANT_MEMO_BYTES`` (a long prompt's mask) is not held by the graph: each ask
+    evaluates it, with the same contents."""
+    from torch_mirage.capture import lower
+    from torch_mirage.testing.aten import trace_ir
+
+    def f(x):
+        keep = torch.arange(6)[None, :] <= torch.arange(4)[:, None]
+        return x + torch.where(keep, 0.0, float("-inf"))
+    graph = trace_ir(f, torch.randn(4, 6))
+    (add,) = [n for n in graph.nodes if n.target_name == "aten.add.Tensor"]
+    (mask,) = [v for v in add.inputs if v.producer is not None]
+    monkeypatch.setattr(lower, "CONSTANT_MEMO_BYTES", 16)     # smaller than the 4 x 6 fp32 mask
+    runs = []
+    real = lower._evaluated
+    monkeypatch.setattr(lower, "_evaluated", lambda *a: runs.append(a[1]) or real(*a))
+    first, second = lower.constant_value(graph, mask), lower.constant_value(graph, mask)
+    assert torch.equal(first, second) and first is not second and runs == [mask, mask]

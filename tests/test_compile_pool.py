@@ -592,32 +592,38 @@ def _counting_key(value, calls):
 def test_tritons_own_key_is_read_from_the_cache_directory_in_a_later_process(tmp_path, monkeypatch):
     """``memoize_triton_key``: the first process computes Triton's key once and writes it; a later process (a fresh
     ``triton_key``) reads it from the file without computing; another stamp of Triton's files (an upgrade)
-    computes and writes its own; a key computed already in this process is left alone; Inductor's shim, which
-    bound Triton's function when it was imported, gets the memo too. On the real Triton the memo gives Triton's
-    own key."""
+    computes and writes its own, as does a file that holds no key; a key computed already in this process is left
+    alone; Inductor's shim, which bound Triton's function when it was imported, gets the memo too. On the real
+    Triton the memo gives Triton's own key."""
+    import types
+
+    import triton
     from triton.runtime import cache as triton_cache
 
     from torch_mirage.codegen import compile_worker
 
-    import types
-
+    a, b, c, d = (f"{triton.__version__}-key-{x}" for x in "abcd")   # Triton's keys start with its version
     calls: list[str] = []
-    monkeypatch.setattr(triton_cache, "triton_key", _counting_key("key-a", calls))
+    monkeypatch.setattr(triton_cache, "triton_key", _counting_key(a, calls))
     shim = types.ModuleType("torch._inductor.runtime.triton_compat")   # Inductor's import of Triton's function
     shim.triton_key = triton_cache.triton_key
     monkeypatch.setitem(sys.modules, "torch._inductor.runtime.triton_compat", shim)
     assert compile_worker.memoize_triton_key(str(tmp_path))
     assert shim.triton_key is triton_cache.triton_key and shim.triton_key.torch_mirage_memo
-    assert triton_cache.triton_key() == triton_cache.triton_key() == "key-a" and calls == ["key-a"]
+    assert triton_cache.triton_key() == triton_cache.triton_key() == a and calls == [a]
     assert compile_worker.memoize_triton_key(str(tmp_path))          # installed once: a no-op
-    monkeypatch.setattr(triton_cache, "triton_key", _counting_key("key-b", calls))   # a later process
+    monkeypatch.setattr(triton_cache, "triton_key", _counting_key(b, calls))   # a later process
     assert compile_worker.memoize_triton_key(str(tmp_path))
-    assert triton_cache.triton_key() == "key-a" and calls == ["key-a"]
+    assert triton_cache.triton_key() == a and calls == [a]
     monkeypatch.setattr(compile_worker, "_triton_files_stamp", lambda triton_dir: "f" * 64)   # Triton changed
-    monkeypatch.setattr(triton_cache, "triton_key", _counting_key("key-c", calls))
+    monkeypatch.setattr(triton_cache, "triton_key", _counting_key(c, calls))
     assert compile_worker.memoize_triton_key(str(tmp_path))
-    assert triton_cache.triton_key() == "key-c" and calls == ["key-a", "key-c"]
-    computed = _counting_key("key-d", calls)
+    assert triton_cache.triton_key() == c and calls == [a, c]
+    (tmp_path / compile_worker.TRITON_KEY_FILE.format("f" * 32)).write_text("")   # a file that holds no key
+    monkeypatch.setattr(triton_cache, "triton_key", _counting_key(d, calls))
+    assert compile_worker.memoize_triton_key(str(tmp_path))
+    assert triton_cache.triton_key() == d and calls == [a, c, d]
+    computed = _counting_key(d, calls)
     computed()
     monkeypatch.setattr(triton_cache, "triton_key", computed)
     assert not compile_worker.memoize_triton_key(str(tmp_path)) and triton_cache.triton_key is computed
@@ -628,5 +634,5 @@ def test_tritons_own_key_is_read_from_the_cache_directory_in_a_later_process(tmp
     monkeypatch.setattr(triton_cache, "triton_key", _counting_key(own, calls))
     assert compile_worker.memoize_triton_key(str(tmp_path / "real"))
     assert triton_cache.triton_key() == own
-    monkeypatch.setattr(triton_cache, "triton_key", _counting_key("stale", calls))
+    monkeypatch.setattr(triton_cache, "triton_key", _counting_key(f"{triton.__version__}-stale", calls))
     assert compile_worker.memoize_triton_key(str(tmp_path / "real")) and triton_cache.triton_key() == own

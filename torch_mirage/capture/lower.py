@@ -253,13 +253,21 @@ def constant_value(graph: Graph, value: Value, observed: dict[str, torch.Tensor]
     # evaluated once per value and observed tensors in a graph: an HF model's mask, built once and read by every
     # layer's attention, was evaluated 16 times over a warm compile of the DynamicCache llama's graphs (H100
     # 12-07 g, 0.23 s profiled, nearly all of it making and tracing the slice's FX module); a copy each time,
-    # since a caller may write it (a region check's inputs), except a broadcast, which no write can land in
+    # since a caller may write it (a region check's inputs), except a broadcast, which no write can land in; a
+    # large one is not kept (a long prompt's mask: 8192 x 8192 fp32 is 256 MiB) and is evaluated as before
     memo = graph.__dict__.setdefault("_constant_values", {})
     key = (id(value), frozenset((name, id(t)) for name, t in observed.items()))
-    if key not in memo:
-        memo[key] = _evaluated(graph, value, observed, leaf)
-    out = memo[key]
+    out = memo.get(key, _NOT_EVALUATED)
+    if out is _NOT_EVALUATED:
+        out = _evaluated(graph, value, observed, leaf)
+        if out is not None and out.untyped_storage().nbytes() > CONSTANT_MEMO_BYTES:
+            return out
+        memo[key] = out
     return out if out is None or 0 in out.stride() else out.clone()
+
+
+_NOT_EVALUATED = object()
+CONSTANT_MEMO_BYTES = 16 << 20   # the largest constant value constant_value keeps for the graph's later asks
 
 
 def _evaluated(graph: Graph, value: Value, observed: dict, leaf: Callable[[Value], Any]) -> torch.Tensor | None:

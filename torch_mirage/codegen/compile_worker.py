@@ -94,10 +94,13 @@ def memoize_triton_key(cache_dir: str) -> bool:
         if not memo:
             try:
                 with open(path, encoding="utf-8") as f:
-                    memo.append(f.read())
+                    key = f.read()
             except OSError:
-                memo.append(original())
-                _write_atomic_text(path, memo[0])
+                key = ""
+            if not key.startswith(triton.__version__):   # Triton's key starts with its version: else not one
+                key = original()
+                _write_atomic_text(path, key)
+            memo.append(key)
         return memo[0]
 
     triton_key.torch_mirage_memo = True
