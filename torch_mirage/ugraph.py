@@ -436,7 +436,9 @@ def make_op(name, inputs, in_shapes, in_dtypes, attrs=None, body=None, ctx: Ctx 
     if s.arity is not None and len(inputs) != s.arity:
         raise MuGraphError(f"op {name} takes {s.arity} inputs, got {len(inputs)}")
     op = Op(name, tuple(Ref(*r) for r in inputs), attrs, body=body)
-    shapes, dtypes = op.infer(in_shapes, in_dtypes, ctx._replace(body=body))
+    # the context as it is where it already has this body (most ops: none): in the warm H100 profile of 12-07 g
+    # this ``_replace`` took 0.37 s of own time over 2337 calls (1 µs a call on the CPU)
+    shapes, dtypes = op.infer(in_shapes, in_dtypes, ctx if ctx.body is body else ctx._replace(body=body))
     return replace(op, shapes=shapes, dtypes=dtypes)
 
 
