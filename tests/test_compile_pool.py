@@ -636,3 +636,27 @@ def test_tritons_own_key_is_read_from_the_cache_directory_in_a_later_process(tmp
     assert triton_cache.triton_key() == own
     monkeypatch.setattr(triton_cache, "triton_key", _counting_key(f"{triton.__version__}-stale", calls))
     assert compile_worker.memoize_triton_key(str(tmp_path / "real")) and triton_cache.triton_key() == own
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_the_backend_memoizes_tritons_key_only_with_the_disk_cache_on(tmp_path, monkeypatch, cache):
+    """A compile installs the memo in its cache directory before anything compiles; with ``cache=False`` (the
+    disk cache off) it writes nothing there and leaves Triton's function alone."""
+    from triton.runtime import cache as triton_cache
+
+    calls: list[str] = []
+    import triton
+    fake = _counting_key(f"{triton.__version__}-key", calls)
+    monkeypatch.setattr(triton_cache, "triton_key", fake)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: torch.relu(x) * 2, backend="mirage",
+                       options={"cache": cache, "cache_dir": str(tmp_path)})
+    x = torch.randn(8)
+    assert torch.equal(fn(x), torch.relu(x) * 2)
+    torch._dynamo.reset()
+    assert (triton_cache.triton_key is not fake) == cache
+    if cache:
+        assert triton_cache.triton_key() == f"{triton.__version__}-key" and calls
+        assert list(tmp_path.glob("torch_mirage-triton-key-*.txt"))
+    else:
+        assert not list(tmp_path.glob("torch_mirage-triton-key-*.txt"))

@@ -10,8 +10,7 @@ write by an older version, an edit) is logged once, dropped and rewritten. The
 module is executed from the source in memory, compiled here: no bytecode file is
 written or read, so no stale or truncated ``.pyc`` can break a kernel. Its kernels' cache
 keys are pinned to the source (:func:`.compile_worker.pin_kernel_keys`), as the compile
-workers pin them, and Triton's own digest of itself is read from the cache directory
-(:func:`.compile_worker.memoize_triton_key`).
+workers pin them.
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from types import ModuleType
 
 from ..cache import write_atomic
 from ..context import Target
-from .compile_worker import memoize_triton_key, pin_kernel_keys
+from .compile_worker import pin_kernel_keys
 
 log = logging.getLogger("torch_mirage")
 
@@ -64,8 +63,6 @@ def load_source(source: str, cache_dir: str, prefix: str = "gen") -> tuple[Modul
         if key in _LOADED:
             return _LOADED[key]
         _ensure_file(path, source.encode("utf-8"))
-        if not _LOADED:
-            memoize_triton_key(cache_dir)
         name = f"torch_mirage_generated_{os.path.basename(path)[:-3]}_{len(_LOADED)}"
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
