@@ -559,3 +559,28 @@ def test_a_mode_compiled_after_others_sees_its_own_sizes(forget):
     second(torch.randn(4))
     assert graphs["second"] == [not forget]
     torch._dynamo.reset()
+
+
+def test_training_step_of_an_hf_llama_keeps_mirage_regions_in_its_backward_graph():
+    """A tiny HF llama trained as users do (``labels=`` gives the loss, then ``backward``): loss and every gradient
+    equal eager's, and the backward graph runs with mirage's regions. Before, two of its claims each read a value
+    of the other (a GEMV region and a stitch region of the norm's gradient), the assemble stage found no order
+    ("claimed regions form a cycle") and the whole backward graph went to Inductor."""
+    import torch_mirage
+
+    model = M.build(M.MODELS["llama"], "default", torch.float32, "cpu", tiny=True).train()
+    ids = _ids(model.config.vocab_size, (2, 12))
+    expected = model(input_ids=ids, labels=ids).loss
+    expected.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    report = Report()
+    compiled = torch.compile(model, backend=torch_mirage.MirageBackend(options={"min_region_us": 0}, report=report))
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-5, msg=n)
+    backward = [g for g in report.graphs if g.kind == "backward"]
+    assert backward and all(g.fallback_error is None for g in backward), [g.fallback_error for g in backward]
+    assert any(r.compiled_by == "mirage" for g in backward for r in g.regions), str(report)

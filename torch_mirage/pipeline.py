@@ -38,7 +38,7 @@ from .config import Config
 from .context import CompileContext
 from .failures import Failure, describe_error, format_failure, fx_graph_summary, stage_of
 from .partition.record import PartitionRecord
-from .partition.region import Claim, Claimer, Decline, Outcome, Reason, Region, is_convex
+from .partition.region import Claim, ClaimedRegions, Claimer, Decline, Outcome, Reason, Region, is_convex
 from .partition.stitch import StitchClaimer
 from .report import DeclineReport, GraphReport, RegionReport
 from .runtime.assemble import assemble, inductor_configs, prelude_mode, rematerialize_sizes
@@ -131,6 +131,7 @@ def _taken(graph: Graph, claimers: Sequence[Claimer], free: list[Node], outcomes
     regions claimed, the declines, every claimer's outcomes and the claimed nodes' ids; None where
     ``outcomes_of`` gave None."""
     claimed: set[int] = set()
+    held = ClaimedRegions(graph)
     regions: list[Region] = []
     passed: list[Decline] = []
     every: list[list[Outcome]] = []
@@ -152,7 +153,16 @@ def _taken(graph: Graph, claimers: Sequence[Claimer], free: list[Node], outcomes
                 raise MirageError(f"claimer {claimer.name} claimed a node twice")
             if not is_convex(graph, outcome.nodes):
                 raise MirageError(f"claimer {claimer.name} claimed a non-convex region {outcome.ops}")
+            if not held.admits(outcome.nodes):
+                # each convex, but this claim and an earlier one would each need the other to run first: the
+                # nodes stay free for the claimers after this one (the assemble stage has no order for them)
+                log.debug("torch_mirage: %s's claim of %s would need an earlier claim first and be needed by it; "
+                          "passed over", claimer.name, outcome.ops)
+                passed.append(Decline(outcome.nodes, Reason.NOT_CONVEX, "a cycle with an earlier claim: each "
+                                      "reads a value of the other", claimer.name))
+                continue
             regions.append(Region.of_claim(outcome, claimer.name))
+            held.add(outcome.nodes)
             free = [n for n in free if id(n) not in taken]
             claimed |= taken
     return regions, passed, every, claimed

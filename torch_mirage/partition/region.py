@@ -19,7 +19,8 @@ from ..capture.ir import Graph, Node, Value
 from ..context import CompileContext
 from ..report import Reason
 
-__all__ = ["Claim", "Claimer", "Decline", "Outcome", "Reason", "Region", "claims", "declines", "inputs_of", "is_convex", "outputs_of"]
+__all__ = ["Claim", "Claimer", "ClaimedRegions", "Decline", "Outcome", "Reason", "Region", "claims", "declines", "inputs_of",
+           "is_convex", "outputs_of"]
 
 
 class _Nodes:
@@ -144,3 +145,63 @@ def is_convex(graph: Graph, nodes: Sequence[Node]) -> bool:
                 return False
             tainted.add(id(n))
     return True
+
+
+class ClaimedRegions:
+    """The regions claimed so far in a partition, each of which will run as one kernel: a new claim is admitted
+    only where it is convex with each of them contracted to one node (:meth:`admits`). Two claims can each be
+    convex and still need each other first — claim A reads a value of claim B, and B a value of A, through
+    parts of each that do not depend on one another (a backward graph's stitch region holding two independent
+    pieces of a norm's gradient, one feeding a GEMV region and one fed by it) —, and then no order runs them."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.group: dict[int, int] = {}                  # id(node) -> its region's index
+        self.members: list[list[Node]] = []
+        self.spans: list[tuple[int, int]] = []           # each region's first and last position in the graph
+
+    def add(self, nodes: Sequence[Node]) -> None:
+        position = self.graph.positions()
+        at = [position[id(n)] for n in nodes]
+        for n in nodes:
+            self.group[id(n)] = len(self.members)
+        self.members.append(list(nodes))
+        self.spans.append((min(at), max(at)))
+
+    def admits(self, nodes: Sequence[Node]) -> bool:
+        """Whether no path leaves ``nodes`` and comes back, where a path that reaches any node of a claimed region
+        goes on from all of them (the region runs as a whole, after everything it reads)."""
+        inside = {id(n) for n in nodes}
+        if not inside or not self.members:
+            return True
+        position = self.graph.positions()
+        at = [position[id(n)] for n in nodes]
+        start, end = min(at), max(at)
+        # a path comes back to an earlier position only by way of a region, from a member after the span to one
+        # inside it: the walk goes as far as the last member of any region reaching into it
+        grown = True
+        while grown:
+            grown = False
+            for first, last in self.spans:
+                if first <= end < last:
+                    end, grown = last, True
+        walk = self.graph.nodes
+        tainted: set[int] = set()
+        while True:
+            reached: set[int] = set()
+            for n in walk[start:end + 1]:
+                if id(n) in tainted:
+                    continue
+                if any(v.producer is not None and (id(v.producer) in tainted or
+                                                   (id(v.producer) in inside and id(n) not in inside))
+                       for v in n.inputs):
+                    if id(n) in inside:
+                        return False
+                    tainted.add(id(n))
+                    if id(n) in self.group:
+                        reached.add(self.group[id(n)])
+            again = [m for g in reached for m in self.members[g] if id(m) not in tainted]
+            if not again:
+                return True
+            tainted.update(id(m) for m in again)
+            start = min(position[id(m)] for m in again)
