@@ -244,7 +244,7 @@ def test_greedy_generate_with_static_cache_equals_eager(name):
 
 
 @pytest.mark.slow   # ~20-40 s each on a 2-core CPU
-@pytest.mark.parametrize("name", ["qwen2", "mistral", "gemma2", "phi3", "gpt2", "opt", "bloom"])
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "gemma2", "phi3", "qwen3", "gpt2", "opt", "bloom"])
 def test_greedy_generate_of_each_causal_model_equals_eager(name):
     """Issue 18: every causal model of the set generates eager's tokens through mirage (8 greedy steps of a
     StaticCache decode after the prefill: the decode graphs' weight streams, GELU / soft-cap epilogues, cache

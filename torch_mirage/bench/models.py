@@ -103,6 +103,9 @@ MODELS: dict[str, HFModel] = {m.name: m for m in [
                  attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
             dynamic=None),      # its cache's token count: under dynamic=False a recompile per decode token
     _spec("phi3", "Phi3Config", "Phi3ForCausalLM", _llama_like(pad_token_id=0)),
+    # RMS norms of each head's q and k between the projections and RoPE (QK-norm attention as HF writes it)
+    HFModel("qwen3", "Qwen3Config", "Qwen3ForCausalLM", dict(_llama_like()[0], head_dim=64, use_sliding_window=False),
+            dict(_llama_like()[1], head_dim=16, use_sliding_window=False)),
     HFModel("gpt2", "GPT2Config", "GPT2LMHeadModel",
             dict(n_embd=1024, n_layer=4, n_head=16, n_positions=2048, vocab_size=32000),
             dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=256)),
