@@ -132,19 +132,34 @@ def is_convex(graph: Graph, nodes: Sequence[Node]) -> bool:
         return True
     position = graph.positions()
     span = [position[i] for i in inside if i in position]
-    walk = graph.nodes[min(span):max(span) + 1] if len(span) == len(inside) else graph.nodes
-    # nodes reachable from the set through at least one node outside it
-    tainted: set[int] = set()
-    for n in walk:
-        from_outside_path = any(
-            v.producer is not None and (id(v.producer) in tainted or
-                                        (id(v.producer) in inside and id(n) not in inside))
-            for v in n.inputs)
-        if from_outside_path:
-            if id(n) in inside:
-                return False
-            tainted.add(id(n))
-    return True
+    start, end = (min(span), max(span)) if len(span) == len(inside) else (0, len(graph.nodes) - 1)
+    return not _comes_back(graph, inside, start, end)
+
+
+def _comes_back(graph: Graph, inside: set[int], start: int, end: int, held: "ClaimedRegions | None" = None) -> bool:
+    """Whether a path from the nodes ``inside`` through a node outside them reaches them again, walking positions
+    ``start``..``end``. With ``held``, reaching any node of a claimed region reaches all of them (it runs as a
+    whole): the walk is then repeated from the earliest member so reached, until no region is newly reached."""
+    position = graph.positions()
+    tainted: set[int] = set()       # nodes reachable from the set through at least one node outside it
+    while True:
+        reached: set[int] = set()
+        for n in graph.nodes[start:end + 1]:
+            if id(n) in tainted:
+                continue
+            if any(v.producer is not None and (id(v.producer) in tainted or
+                                               (id(v.producer) in inside and id(n) not in inside))
+                   for v in n.inputs):
+                if id(n) in inside:
+                    return True
+                tainted.add(id(n))
+                if held is not None and id(n) in held.group:
+                    reached.add(held.group[id(n)])
+        again = [m for g in reached for m in held.members[g] if id(m) not in tainted] if reached else []
+        if not again:
+            return False
+        tainted.update(id(m) for m in again)
+        start = min(position[id(m)] for m in again)
 
 
 class ClaimedRegions:
@@ -185,23 +200,4 @@ class ClaimedRegions:
             for first, last in self.spans:
                 if first <= end < last:
                     end, grown = last, True
-        walk = self.graph.nodes
-        tainted: set[int] = set()
-        while True:
-            reached: set[int] = set()
-            for n in walk[start:end + 1]:
-                if id(n) in tainted:
-                    continue
-                if any(v.producer is not None and (id(v.producer) in tainted or
-                                                   (id(v.producer) in inside and id(n) not in inside))
-                       for v in n.inputs):
-                    if id(n) in inside:
-                        return False
-                    tainted.add(id(n))
-                    if id(n) in self.group:
-                        reached.add(self.group[id(n)])
-            again = [m for g in reached for m in self.members[g] if id(m) not in tainted]
-            if not again:
-                return True
-            tainted.update(id(m) for m in again)
-            start = min(position[id(m)] for m in again)
+        return not _comes_back(self.graph, inside, start, end, self)
